@@ -1,0 +1,144 @@
+//! Communicator lifecycle and queries.
+
+use std::ffi::c_int;
+
+use super::types::*;
+use super::write_out;
+use crate::api::config::{self, Config};
+use crate::api::init;
+use crate::comm::handle;
+use crate::error::{Error, Result};
+
+/// Read a user's `ncclConfig_t`, whatever header version built it: only `size` bytes are read,
+/// the rest keeps NCCL_CONFIG_INITIALIZER's values. NULL means "all defaults".
+fn read_config(ptr: *mut ncclConfig_t) -> Result<Config> {
+    if ptr.is_null() {
+        return Ok(Config::default());
+    }
+    // SAFETY: a non-NULL config starts with the size/magic/version header in every NCCL version.
+    let (size, magic, version) = unsafe { ((*ptr).size, (*ptr).magic, (*ptr).version) };
+    config::check_header("ncclConfig_t", size, magic)?;
+    let mut raw = ncclConfig_t::INITIALIZER;
+    let n = size.min(std::mem::size_of::<ncclConfig_t>());
+    // SAFETY: the caller's struct has `size` readable bytes (it set size = sizeof its type) and
+    // `raw` is a plain-old-data ncclConfig_t of at least `n` bytes; the regions are distinct.
+    unsafe {
+        std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), (&mut raw as *mut ncclConfig_t).cast::<u8>(), n);
+    }
+    // Fields newer than the caller's header version stay unset; ours are all from 2.27 or older.
+    let _ = version;
+    Config::resolve(raw.blocking, super::read_cstr(raw.commName), raw.splitShare)
+}
+
+fn id_bytes(id: &ncclUniqueId) -> [u8; NCCL_UNIQUE_ID_BYTES] {
+    id.internal.map(|c| c as u8)
+}
+
+fn write_handle(out: *mut ncclComm_t, started: init::Started) -> Result<()> {
+    write_out(out, "comm", started.handle.as_ptr())?;
+    if started.in_progress {
+        return Err(Error::in_progress());
+    }
+    Ok(())
+}
+
+export! {
+    fn ncclCommInitRank(comm: *mut ncclComm_t, nranks: c_int, commId: ncclUniqueId, rank: c_int) {
+        ensure!(!comm.is_null(), Error::invalid_arg("comm is NULL"));
+        write_handle(comm, init::init_rank(nranks, id_bytes(&commId), rank, Config::default())?)
+    }
+    fn ncclCommInitRankConfig(comm: *mut ncclComm_t, nranks: c_int, commId: ncclUniqueId, rank: c_int,
+                              config: *mut ncclConfig_t) {
+        ensure!(!comm.is_null(), Error::invalid_arg("comm is NULL"));
+        write_handle(comm, init::init_rank(nranks, id_bytes(&commId), rank, read_config(config)?)?)
+    }
+    fn ncclCommInitRankScalable(newcomm: *mut ncclComm_t, nranks: c_int, myrank: c_int, nId: c_int,
+                                commIds: *mut ncclUniqueId, config: *mut ncclConfig_t) {
+        ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+        ensure!(!commIds.is_null(), Error::invalid_arg("commIds is NULL"));
+        ensure!(nId > 0, Error::invalid_arg(format!("nId {nId} must be at least 1")));
+        // SAFETY: the caller passes nId ids (nId > 0 checked above).
+        let ids = unsafe { std::slice::from_raw_parts(commIds, nId as usize) };
+        let ids: Vec<_> = ids.iter().map(id_bytes).collect();
+        write_handle(newcomm, init::init_rank_scalable(nranks, myrank, &ids, read_config(config)?)?)
+    }
+    fn ncclCommInitAll(comm: *mut ncclComm_t, ndev: c_int, devlist: *const c_int) {
+        ensure!(!comm.is_null(), Error::invalid_arg("comm is NULL"));
+        ensure!(ndev > 0, Error::invalid_arg(format!("ndev {ndev} must be at least 1")));
+        let devs: Vec<c_int> = if devlist.is_null() {
+            (0..ndev).collect()
+        } else {
+            // SAFETY: devlist holds ndev ints by the API contract (ndev > 0 checked).
+            unsafe { std::slice::from_raw_parts(devlist, ndev as usize) }.to_vec()
+        };
+        let handles = init::init_all(&devs)?;
+        for (i, h) in handles.iter().enumerate() {
+            // SAFETY: the caller's array has room for ndev communicators; i < ndev.
+            unsafe { comm.add(i).write_unaligned(h.as_ptr()) };
+        }
+        Ok(())
+    }
+    fn ncclCommFinalize(comm: ncclComm_t) {
+        init::finalize(&*handle::get(comm)?)
+    }
+    fn ncclCommDestroy(comm: ncclComm_t) {
+        if comm.is_null() {
+            return Ok(()); // NCCL: destroying NULL is a no-op.
+        }
+        init::destroy(handle::take(comm)?)
+    }
+    fn ncclCommAbort(comm: ncclComm_t) {
+        if comm.is_null() {
+            return Ok(());
+        }
+        init::abort(handle::take(comm)?)
+    }
+    fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) {
+        let _ = (handle::get(comm)?, revokeFlags);
+        Err(Error::not_implemented("ncclCommRevoke"))
+    }
+    fn ncclCommSplit(comm: ncclComm_t, color: c_int, key: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) {
+        let _ = (handle::get(comm)?, color, key, newcomm, config);
+        Err(Error::not_implemented("ncclCommSplit"))
+    }
+    fn ncclCommShrink(comm: ncclComm_t, excludeRanksList: *mut c_int, excludeRanksCount: c_int,
+                      newcomm: *mut ncclComm_t, config: *mut ncclConfig_t, shrinkFlags: c_int) {
+        let _ = (handle::get(comm)?, excludeRanksList, excludeRanksCount, newcomm, config, shrinkFlags);
+        Err(Error::not_implemented("ncclCommShrink"))
+    }
+    fn ncclCommGetUniqueId(comm: ncclComm_t, uniqueId: *mut ncclUniqueId) {
+        let _ = (handle::get(comm)?, uniqueId);
+        Err(Error::not_implemented("ncclCommGetUniqueId"))
+    }
+    fn ncclCommGrow(comm: ncclComm_t, nRanks: c_int, uniqueId: *const ncclUniqueId, rank: c_int,
+                    newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) {
+        let _ = (comm, nRanks, uniqueId, rank, newcomm, config);
+        Err(Error::not_implemented("ncclCommGrow"))
+    }
+    fn ncclCommGetAsyncError(comm: ncclComm_t, asyncError: *mut ncclResult_t) {
+        let code = handle::get(comm)?.async_code();
+        write_out(asyncError, "asyncError", ncclResult_t(code as c_int))
+    }
+    fn ncclCommCount(comm: ncclComm_t, count: *mut c_int) {
+        let n = handle::get(comm)?.nranks;
+        write_out(count, "count", n as c_int)
+    }
+    fn ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) {
+        let d = handle::get(comm)?.cuda_dev;
+        write_out(device, "device", d)
+    }
+    fn ncclCommUserRank(comm: ncclComm_t, rank: *mut c_int) {
+        let r = handle::get(comm)?.rank;
+        write_out(rank, "rank", r as c_int)
+    }
+    fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) {
+        init::suspend(&*handle::get(comm)?, flags)
+    }
+    fn ncclCommResume(comm: ncclComm_t) {
+        init::resume(&*handle::get(comm)?)
+    }
+    fn ncclCommMemStats(comm: ncclComm_t, stat: ncclCommMemStat_t, value: *mut u64) {
+        let v = init::mem_stat(&*handle::get(comm)?, stat.0)?;
+        write_out(value, "value", v)
+    }
+}

@@ -1,0 +1,132 @@
+//! The C boundary: every exported function, one file per API family.
+//!
+//! Each export is written once inside [`export!`], which produces `ncclX` and its profiling
+//! alias `pncclX`, catches panics, maps `Result` onto `ncclResult_t` and records the message
+//! for `ncclGetLastError` (prefixed with the call's name) and `NCCL_DEBUG=WARN`. Bodies are one
+//! call into safe Rust below; raw pointers are turned into checked values here and nowhere else.
+
+#![allow(non_snake_case)]
+
+use std::ffi::{c_char, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Mutex;
+
+use crate::error::{Code, Error, Result};
+
+#[macro_use]
+mod export;
+pub mod ctype;
+pub mod types;
+
+pub mod coll;
+pub mod comm;
+pub mod device_api;
+pub mod group;
+pub mod mem;
+pub mod misc;
+pub mod params;
+pub mod rma;
+
+pub use types::*;
+
+/// The last error message, process-wide as in NCCL; a NUL-terminated copy lives here so the
+/// pointer `ncclGetLastError` returns stays valid until the next error.
+static LAST_ERROR: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+
+fn record(call: &str, e: &Error) {
+    let text = format!("{call}: {}", e.msg);
+    crate::warn!("{text}");
+    let mut bytes: Vec<u8> = text.into_bytes().into_iter().filter(|&b| b != 0).collect();
+    bytes.truncate(1023);
+    bytes.push(0);
+    let mut guard = LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner());
+    *guard = bytes;
+}
+
+/// The pointer handed to C by `ncclGetLastError`. The buffer is only replaced, never freed
+/// while in use by this function, so the address is valid until the next recorded error.
+pub(crate) fn last_error_ptr() -> *const c_char {
+    static EMPTY: &[u8] = b"\0";
+    let guard = LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner());
+    if guard.is_empty() {
+        EMPTY.as_ptr().cast()
+    } else {
+        guard.as_ptr().cast()
+    }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}
+
+/// Run a body that returns `Result<()>`; map it onto `ncclResult_t`.
+pub(crate) fn boundary(call: &'static str, f: impl FnOnce() -> Result<()>) -> ncclResult_t {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => ncclResult_t(Code::Success as i32),
+        Ok(Err(e)) if e.code == Code::InProgress => ncclResult_t(Code::InProgress as i32),
+        Ok(Err(e)) => {
+            record(call, &e);
+            ncclResult_t(e.code as i32)
+        }
+        Err(p) => {
+            let e = Error::internal(format!("internal error (panic: {})", panic_message(&*p)));
+            record(call, &e);
+            ncclResult_t(Code::InternalError as i32)
+        }
+    }
+}
+
+/// Run a body that returns a value; on error or panic record it and return `fallback`.
+pub(crate) fn boundary_value<T>(call: &'static str, fallback: T, f: impl FnOnce() -> Result<T>) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            record(call, &e);
+            fallback
+        }
+        Err(p) => {
+            record(call, &Error::internal(format!("internal error (panic: {})", panic_message(&*p))));
+            fallback
+        }
+    }
+}
+
+/// Write `value` through a C out-pointer, refusing NULL.
+pub(crate) fn write_out<T>(ptr: *mut T, what: &str, value: T) -> Result<()> {
+    if ptr.is_null() {
+        return Err(Error::invalid_arg(format!("{what} is NULL")));
+    }
+    // SAFETY: non-NULL and, by the API contract, points to writable storage for a T; written
+    // unaligned-tolerant because C callers may pass packed storage.
+    unsafe { ptr.write_unaligned(value) };
+    Ok(())
+}
+
+/// Read a C string argument (NULL allowed: None).
+pub(crate) fn read_cstr(ptr: *const c_char) -> Option<String> {
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: non-NULL C strings passed to NCCL are NUL-terminated by the API contract.
+    Some(unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+pub(crate) fn all_signatures() -> Vec<ctype::Sig> {
+    let mut v = Vec::new();
+    v.extend(coll::signatures());
+    v.extend(comm::signatures());
+    v.extend(device_api::signatures());
+    v.extend(group::signatures());
+    v.extend(mem::signatures());
+    v.extend(misc::signatures());
+    v.extend(params::signatures());
+    v.extend(rma::signatures());
+    v
+}

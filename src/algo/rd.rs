@@ -1,0 +1,33 @@
+//! Recursive doubling all-reduce: log2(n) exchanges of the whole buffer. With a rank count
+//! that is not a power of two, the ranks beyond the largest power of two first fold their
+//! input into a partner and get the result back at the end. Every pairwise step computes
+//! `a op b` with commutative operators, so all ranks end with the same bits.
+
+use crate::device::host::Region;
+use crate::plan::{Builder, Reduction};
+
+pub fn allreduce(b: &mut Builder, r: usize, n: usize, send: Region, recv: Region, red: Reduction) {
+    let mut last = b.copy(recv, send, &[]);
+    let p = if n.is_power_of_two() { n } else { n.next_power_of_two() / 2 };
+    let extra = n - p;
+    if r >= p {
+        let partner = r - p;
+        let sent = b.send(partner, recv, &[last]);
+        b.recv(partner, recv, &[sent]);
+        return;
+    }
+    if r < extra {
+        last = b.recv_reduce(r + p, recv, recv, red, &[last]);
+    }
+    let mut mask = 1;
+    while mask < p {
+        let partner = r ^ mask;
+        let sent = b.send(partner, recv, &[last]);
+        last = b.recv_reduce(partner, recv, recv, red, &[sent, last]);
+        mask <<= 1;
+    }
+    last = b.finish(recv, red, &[last]);
+    if r < extra {
+        b.send(r + p, recv, &[last]);
+    }
+}

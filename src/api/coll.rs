@@ -1,0 +1,123 @@
+//! Collectives and point-to-point calls: validate the arguments as NCCL does, resolve the
+//! buffers to the regions NCCL's semantics define, and hand the operation to the group layer
+//! (which runs it at once outside a group).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::comm::{resolve_op, Comm, ScalarSource, UserOp};
+use crate::device::host::{self, Region, UserPtr};
+use crate::error::{Error, Result};
+use crate::plan::{Op, OpKind};
+use crate::types::{BuiltinOp, DataType, RedOp};
+
+pub use crate::plan::OpKind as Kind;
+
+/// The raw arguments of a call, as the boundary received them.
+#[derive(Clone, Copy, Debug)]
+pub struct Args {
+    pub kind: Kind,
+    pub send: UserPtr,
+    pub recv: UserPtr,
+    pub count: usize,
+    pub datatype: i32,
+    pub op: i32,
+    /// Root, or peer for send/recv.
+    pub root: i32,
+}
+
+fn need(p: UserPtr, what: &str, kind: OpKind) -> Result<()> {
+    if p.is_null() {
+        return Err(Error::invalid_arg(format!("{what} is NULL in {}", kind.name())));
+    }
+    Ok(())
+}
+
+/// Resolve buffers to regions: (send, recv) as this rank uses them.
+fn regions(a: &Args, es: usize, n: usize, rank: usize, root: usize) -> Result<(Region, Region)> {
+    let bytes = a.count.checked_mul(es).ok_or_else(|| Error::invalid_arg(format!("count {} is too large", a.count)))?;
+    let all = bytes.checked_mul(n).ok_or_else(|| Error::invalid_arg(format!("count {} is too large", a.count)))?;
+    let is_root = rank == root;
+    let (s, r) = match a.kind {
+        Kind::AllReduce => (bytes, bytes),
+        Kind::Broadcast => (if is_root { bytes } else { 0 }, bytes),
+        Kind::Reduce => (bytes, if is_root { bytes } else { 0 }),
+        Kind::AllGather => (bytes, all),
+        Kind::ReduceScatter => (all, bytes),
+        Kind::AlltoAll => (all, all),
+        Kind::Gather => (bytes, if is_root { all } else { 0 }),
+        Kind::Scatter => (if is_root { all } else { 0 }, bytes),
+        Kind::Send => (bytes, 0),
+        Kind::Recv => (0, bytes),
+    };
+    if bytes > 0 {
+        if s > 0 {
+            need(a.send, "sendbuff", a.kind)?;
+        }
+        if r > 0 {
+            need(a.recv, "recvbuff", a.kind)?;
+        }
+    }
+    let region = |p: UserPtr, len: usize| if len == 0 { Region::EMPTY } else { Region::user(p, 0, len) };
+    Ok((region(a.send, s), region(a.recv, r)))
+}
+
+/// Validate and issue one call.
+pub fn enqueue(comm: Arc<Comm>, a: Args) -> Result<()> {
+    let result = validate(&comm, &a);
+    match result {
+        Ok(op) => crate::group::add_op(comm, op),
+        Err(e) => {
+            crate::group::record_error(&e);
+            Err(e)
+        }
+    }
+}
+
+fn validate(comm: &Comm, a: &Args) -> Result<Op> {
+    comm.ready()?;
+    let dt = DataType::from_raw(a.datatype).ok_or_else(|| Error::invalid_arg(format!("invalid datatype {}", a.datatype)))?;
+    let n = comm.nranks;
+    let root = if a.kind.has_root() || a.kind.is_p2p() {
+        let what = if a.kind.is_p2p() { "peer" } else { "root" };
+        if a.root < 0 || a.root as usize >= n {
+            return Err(Error::invalid_arg(format!("{what} {} is out of range for {n} ranks", a.root)));
+        }
+        a.root as usize
+    } else {
+        0
+    };
+    let op = if a.kind.reduces() { resolve_op(comm, a.op, dt)? } else { RedOp::Builtin(BuiltinOp::Sum) };
+    let (send, recv) = regions(a, dt.size(), n, comm.rank, root)?;
+    let seq = comm.seq.fetch_add(1, Ordering::Relaxed);
+    let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq };
+    crate::info!(COLL, "{}: rank {} send {:#x} recv {:#x}", op.describe(), comm.rank, send.addr(), recv.addr());
+    Ok(op)
+}
+
+/// ncclRedOpCreatePreMulSum.
+pub fn create_premulsum(comm: &Comm, scalar: UserPtr, datatype: i32, residence: i32) -> Result<i32> {
+    let dt = DataType::from_raw(datatype).ok_or_else(|| Error::invalid_arg(format!("invalid datatype {datatype}")))?;
+    let source = match residence {
+        // ncclScalarDevice: in host mode "device-visible" memory is host memory, read per use.
+        0 => {
+            if scalar.is_null() {
+                return Err(Error::invalid_arg("scalar is NULL"));
+            }
+            ScalarSource::Pointer(scalar)
+        }
+        1 => ScalarSource::Immediate(host::read_scalar(dt, scalar)?),
+        r => return Err(Error::invalid_arg(format!("invalid scalar residence {r}"))),
+    };
+    comm.add_user_op(UserOp { datatype: dt, scalar: source })
+}
+
+pub fn destroy_redop(comm: &Comm, op: i32) -> Result<()> {
+    if BuiltinOp::from_raw(op).is_some() {
+        return Err(Error::invalid_arg(format!("reduction operator {op} is built in and cannot be destroyed")));
+    }
+    if !comm.remove_user_op(op) {
+        return Err(Error::invalid_arg(format!("reduction operator {op} was not created on this communicator")));
+    }
+    Ok(())
+}

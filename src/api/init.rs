@@ -1,0 +1,177 @@
+//! Communicator creation and teardown: init (blocking, nonblocking, in a group, all ranks of a
+//! process), finalize, destroy, abort, suspend/resume and memory statistics.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::bootstrap::{self, PeerInfo, UniqueId};
+use crate::comm::handle::{self, Handle};
+use crate::comm::{Comm, Ready};
+use crate::error::{Error, Result};
+use crate::params;
+use crate::transport::ring::SLOTS;
+
+use super::config::Config;
+
+/// What an init call hands back: the handle, and whether init still runs in the background.
+pub struct Started {
+    pub handle: Handle,
+    pub in_progress: bool,
+}
+
+fn check_rank(nranks: i32, rank: i32) -> Result<(usize, usize)> {
+    if nranks < 1 {
+        return Err(Error::invalid_arg(format!("nranks {nranks} must be at least 1")));
+    }
+    if rank < 0 || rank >= nranks {
+        return Err(Error::invalid_arg(format!("rank {rank} is out of range for {nranks} ranks")));
+    }
+    Ok((nranks as usize, rank as usize))
+}
+
+pub fn init_rank(nranks: i32, id: [u8; 128], rank: i32, config: Config) -> Result<Started> {
+    let (n, r) = check_rank(nranks, rank)?;
+    let id = UniqueId::decode(&id)?;
+    let comm = Arc::new(Comm::new(r, n, 0, config, id.magic));
+    let handle = handle::register(comm.clone());
+    if crate::group::depth() > 0 {
+        crate::group::add_init(comm, id);
+        return Ok(Started { handle, in_progress: false });
+    }
+    if comm.config.blocking {
+        if let Err(e) = run_init(&comm, &id) {
+            handle::forget(handle);
+            return Err(e);
+        }
+        return Ok(Started { handle, in_progress: false });
+    }
+    spawn_init(comm, id)?;
+    Ok(Started { handle, in_progress: true })
+}
+
+/// Several ids speed up NCCL's init at scale; one root suffices here, so the first is used.
+pub fn init_rank_scalable(nranks: i32, rank: i32, ids: &[[u8; 128]], config: Config) -> Result<Started> {
+    let first = *ids.first().ok_or_else(|| Error::invalid_arg("no unique id given"))?;
+    for other in &ids[1..] {
+        UniqueId::decode(other)?;
+    }
+    init_rank(nranks, first, rank, config)
+}
+
+/// `ncclCommInitAll`: every rank in this process, initialised together.
+pub fn init_all(devs: &[i32]) -> Result<Vec<Handle>> {
+    let n = devs.len();
+    let id = UniqueId::decode(&bootstrap::new_unique_id()?)?;
+    let comms: Vec<Arc<Comm>> =
+        devs.iter().enumerate().map(|(r, &d)| Arc::new(Comm::new(r, n, d, Config { blocking: true, ..Config::default() }, id.magic))).collect();
+    run_inits(&comms, &id)?;
+    Ok(comms.into_iter().map(handle::register).collect())
+}
+
+/// Initialise several communicators of this process concurrently (they rendezvous with each
+/// other, so they cannot run one after the other on one thread).
+pub fn run_inits(comms: &[Arc<Comm>], id: &UniqueId) -> Result<()> {
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let joins: Vec<_> = comms.iter().map(|c| s.spawn(move || run_init(c, id))).collect();
+        joins.into_iter().map(|j| j.join().unwrap_or_else(|_| Err(Error::internal("init thread panicked")))).collect()
+    });
+    let first_err = results.into_iter().find_map(|r| r.err());
+    match first_err {
+        Some(e) => {
+            comms.iter().for_each(|c| c.shutdown());
+            Err(e)
+        }
+        None => Ok(()),
+    }
+}
+
+pub fn spawn_init(comm: Arc<Comm>, id: UniqueId) -> Result<()> {
+    std::thread::Builder::new()
+        .name("nccl-rs-init".into())
+        .spawn(move || {
+            let _ = run_init(&comm, &id);
+        })
+        .map(|_| ())
+        .map_err(|e| Error::os("spawn init thread", e))
+}
+
+/// The work of init: join the job, learn the peers. Errors also become the async error.
+pub fn run_init(comm: &Comm, id: &UniqueId) -> Result<()> {
+    crate::debug::set_rank(comm.rank as i32);
+    crate::debug::print_version_once();
+    let me = PeerInfo {
+        rank: comm.rank,
+        pid: std::process::id(),
+        cuda_dev: comm.cuda_dev,
+        host_hash: bootstrap::host_hash(),
+        hostname: crate::debug::hostname(),
+        addr: ([0, 0, 0, 0], 0).into(),
+        slice: (params::buffsize() / SLOTS) as u32,
+    };
+    let result = bootstrap::join(id, comm.rank, comm.nranks, me).map(|(peers, service)| {
+        let slice = peers.iter().map(|p| p.slice as usize).min().unwrap_or(1 << 16).max(4096);
+        comm.set_ready(Ready::new(peers, service, slice));
+    });
+    match &result {
+        Ok(()) => {
+            crate::info!(INIT, "comm {:#x} rank {} nranks {} - Init COMPLETE", comm.hash, comm.rank, comm.nranks);
+            if comm.abort.load(Ordering::Acquire) {
+                comm.shutdown(); // destroyed or aborted while we were joining
+            }
+        }
+        Err(e) => {
+            let e = e.clone().context(format!("rank {} of {}", comm.rank, comm.nranks));
+            comm.set_async_error(&e);
+            return Err(e);
+        }
+    }
+    result
+}
+
+/// Host mode: every operation has completed when its call returned, so nothing is left to
+/// flush.
+pub fn finalize(comm: &Comm) -> Result<()> {
+    if comm.finalized.swap(true, Ordering::AcqRel) {
+        return Err(Error::invalid_usage("communicator was already finalized"));
+    }
+    Ok(())
+}
+
+pub fn destroy(comm: Arc<Comm>) -> Result<()> {
+    comm.abort.store(true, Ordering::Release);
+    comm.shutdown();
+    Ok(())
+}
+
+pub fn abort(comm: Arc<Comm>) -> Result<()> {
+    comm.abort.store(true, Ordering::Release);
+    comm.shutdown();
+    Ok(())
+}
+
+pub const SUSPEND_MEM: i32 = 1;
+
+pub fn suspend(comm: &Comm, flags: i32) -> Result<()> {
+    if flags & !SUSPEND_MEM != 0 {
+        return Err(Error::invalid_arg(format!("unknown suspend flags {flags:#x}")));
+    }
+    comm.ready()?;
+    comm.suspended.store(true, Ordering::Release);
+    Ok(())
+}
+
+pub fn resume(comm: &Comm) -> Result<()> {
+    if !comm.suspended.swap(false, Ordering::AcqRel) {
+        return Err(Error::invalid_usage("communicator is not suspended"));
+    }
+    Ok(())
+}
+
+/// ncclCommMemStats: host mode holds no GPU memory.
+pub fn mem_stat(comm: &Comm, stat: i32) -> Result<u64> {
+    match stat {
+        0 | 2 | 3 => Ok(0),
+        1 => Ok(comm.suspended.load(Ordering::Acquire) as u64),
+        _ => Err(Error::invalid_arg(format!("invalid memory statistic {stat}"))),
+    }
+}

@@ -1,0 +1,145 @@
+//! Bringing ranks together: unique ids, the root, each rank's bootstrap service, and the
+//! peer table every rank receives at init (rank, host identity, pid, addresses).
+
+pub mod id;
+pub mod root;
+pub mod service;
+pub mod wire;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::params;
+use crate::transport::socket::ifaces;
+pub use id::UniqueId;
+pub use service::Service;
+use wire::{read_frame, write_frame, Reader, Writer};
+
+/// What each rank tells the others about itself at init.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerInfo {
+    pub rank: usize,
+    pub pid: u32,
+    pub cuda_dev: i32,
+    /// Same value on every process of one host (hostname + boot id, or NCCL_HOSTID).
+    pub host_hash: u64,
+    pub hostname: String,
+    /// The rank's bootstrap service.
+    pub addr: SocketAddr,
+    /// The transport message size this rank would use.
+    pub slice: u32,
+}
+
+impl PeerInfo {
+    pub fn encode(&self, w: &mut Writer) {
+        w.u32(self.rank as u32)
+            .u32(self.pid)
+            .u32(self.cuda_dev as u32)
+            .u64(self.host_hash)
+            .str(&self.hostname)
+            .str(&self.addr.to_string())
+            .u32(self.slice);
+    }
+    pub fn decode(r: &mut Reader<'_>) -> Result<PeerInfo> {
+        let rank = r.u32()? as usize;
+        let pid = r.u32()?;
+        let cuda_dev = r.u32()? as i32;
+        let host_hash = r.u64()?;
+        let hostname = r.str()?;
+        let addr = r.str()?.parse().map_err(|_| Error::system("bootstrap: malformed peer address"))?;
+        let slice = r.u32()?;
+        Ok(PeerInfo { rank, pid, cuda_dev, host_hash, hostname, addr, slice })
+    }
+    pub fn same_host(&self, other: &PeerInfo) -> bool {
+        self.host_hash == other.host_hash
+    }
+    pub fn same_process(&self, other: &PeerInfo) -> bool {
+        self.same_host(other) && self.pid == other.pid
+    }
+}
+
+/// NCCL's host identity: `NCCL_HOSTID` if set, else hostname plus the kernel's boot id.
+pub fn host_hash() -> u64 {
+    let text = params::raw("NCCL_HOSTID").unwrap_or_else(|| {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        format!("{}{}", crate::debug::hostname(), boot.trim())
+    });
+    id::magic_of(&text)
+}
+
+/// The address this process listens on: the first chosen interface (loopback if none).
+pub fn local_ip() -> IpAddr {
+    ifaces::interfaces().first().map(|i| i.addr).unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
+/// `ncclGetUniqueId`: with NCCL_COMM_ID, the id every rank derives from it (rank 0 will host
+/// the root); otherwise a new root, listening now, and a random magic.
+pub fn new_unique_id() -> Result<[u8; id::ID_BYTES]> {
+    if let Some(v) = params::raw("NCCL_COMM_ID") {
+        let root = id::parse_comm_id(&v)?;
+        return Ok(UniqueId { magic: id::magic_of(&v), root, rank0_hosts_root: true }.encode());
+    }
+    let ip = local_ip();
+    let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
+    let root = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
+    let magic = id::random_u64();
+    root::spawn(listener, magic, params::init_timeout())?;
+    crate::info!(BOOTSTRAP, "unique id: root listening on {root}");
+    Ok(UniqueId { magic, root, rank0_hosts_root: false }.encode())
+}
+
+fn connect_root(id: &UniqueId, deadline: Instant) -> Result<TcpStream> {
+    loop {
+        match TcpStream::connect_timeout(&id.root, Duration::from_secs(2)) {
+            Ok(s) => return Ok(s),
+            // With NCCL_COMM_ID rank 0 may not have started the root yet: keep trying.
+            Err(_) if id.rank0_hosts_root && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => {
+                return Err(Error::remote(format!(
+                    "bootstrap: cannot reach the root at {}: {e} (a stale unique id, or the process that created it exited?)",
+                    id.root
+                )))
+            }
+        }
+    }
+}
+
+/// Join the job: start our service, say hello to the root, receive everyone's info.
+pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo) -> Result<(Vec<PeerInfo>, Service)> {
+    let timeout = params::init_timeout();
+    let deadline = Instant::now() + timeout;
+    if id.rank0_hosts_root && rank == 0 {
+        let listener = bind_reusable(id.root)?;
+        root::spawn(listener, id.magic, timeout)?;
+    }
+    let service = Service::start(local_ip(), id.magic, rank as u32)?;
+    me.addr = service.addr;
+    let mut s = connect_root(id, deadline)?;
+    let _ = s.set_nodelay(true);
+    let mut w = Writer::default();
+    w.u8(root::HELLO).u64(id.magic).u32(rank as u32).u32(nranks as u32);
+    me.encode(&mut w);
+    write_frame(&mut s, &w.buf).map_err(|e| e.context("bootstrap: hello to root"))?;
+    let reply = read_frame(&mut s, deadline.saturating_duration_since(Instant::now()))
+        .map_err(|e| Error::remote(format!("bootstrap: no answer from the root within {} s: {}", timeout.as_secs(), e.msg)))?;
+    let mut r = Reader::new(&reply);
+    match r.u8()? {
+        root::TABLE => {}
+        root::FAILED => return Err(Error::invalid_arg(r.str()?)),
+        k => return Err(Error::system(format!("bootstrap: unexpected reply {k} from the root"))),
+    }
+    let n = r.u32()? as usize;
+    ensure!(n == nranks, Error::invalid_arg(format!("bootstrap: the root formed a job of {n} ranks, we expected {nranks}")));
+    let peers = (0..n).map(|_| PeerInfo::decode(&mut r)).collect::<Result<Vec<_>>>()?;
+    ensure!(peers.iter().enumerate().all(|(i, p)| p.rank == i), Error::system("bootstrap: malformed peer table"));
+    service.set_peers(peers.iter().map(|p| p.addr).collect());
+    Ok((peers, service))
+}
+
+fn bind_reusable(addr: SocketAddr) -> Result<TcpListener> {
+    // std sets SO_REUSEADDR on Unix listeners, so a root restarted on the same port binds.
+    TcpListener::bind(addr).map_err(|e| Error::os(format!("bootstrap: rank 0 cannot host the root at {addr} (NCCL_COMM_ID)"), e))
+}

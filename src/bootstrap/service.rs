@@ -1,0 +1,177 @@
+//! A rank's bootstrap service: a listening socket and a thread that accepts connections from
+//! peers, checks the communicator's magic, and files what arrives — small messages by (sender,
+//! tag), and raw data connections for the socket transport. Waiting on it is bounded by a
+//! deadline and the communicator's abort flag.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::wire::{read_frame, write_frame, Reader, Writer};
+use crate::error::{Error, Result};
+
+const KIND_MSG: u8 = 1;
+const KIND_DATA: u8 = 2;
+/// How long an incoming connection may take to say who it is.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Default)]
+struct Inbox {
+    msgs: HashMap<(u32, u32), VecDeque<Vec<u8>>>,
+    data: HashMap<(u32, u32), VecDeque<TcpStream>>,
+}
+
+struct Shared {
+    magic: u64,
+    stop: AtomicBool,
+    inbox: Mutex<Inbox>,
+    arrived: Condvar,
+}
+
+pub struct Service {
+    shared: Arc<Shared>,
+    pub addr: SocketAddr,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// Every rank's service address, once the peer table is known.
+    peers: Mutex<Vec<SocketAddr>>,
+    pub rank: u32,
+}
+
+impl Service {
+    /// Listen on `ip` (port chosen by the OS) for connections proving `magic`.
+    pub fn start(ip: std::net::IpAddr, magic: u64, rank: u32) -> Result<Service> {
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
+        let addr = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
+        let shared = Arc::new(Shared { magic, stop: AtomicBool::new(false), inbox: Mutex::default(), arrived: Condvar::new() });
+        let s2 = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("nccl-rs-boot".into())
+            .spawn(move || accept_loop(listener, s2))
+            .map_err(|e| Error::os("bootstrap: spawn service thread", e))?;
+        Ok(Service { shared, addr, thread: Mutex::new(Some(thread)), peers: Mutex::new(Vec::new()), rank })
+    }
+
+    pub fn set_peers(&self, addrs: Vec<SocketAddr>) {
+        *self.peers.lock().unwrap_or_else(|p| p.into_inner()) = addrs;
+    }
+
+    fn peer_addr(&self, peer: usize) -> Result<SocketAddr> {
+        let peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers.get(peer).copied().ok_or_else(|| Error::internal(format!("bootstrap: no address for rank {peer}")))
+    }
+
+    fn open(&self, peer: usize, kind: u8, tag: u32, payload: &[u8]) -> Result<TcpStream> {
+        let addr = self.peer_addr(peer)?;
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+            .map_err(|e| Error::remote(format!("bootstrap: cannot reach rank {peer} at {addr}: {e}")))?;
+        let _ = s.set_nodelay(true);
+        let mut w = Writer::default();
+        w.u64(self.shared.magic).u8(kind).u32(self.rank).u32(tag).bytes(payload);
+        write_frame(&mut s, &w.buf).map_err(|e| e.context(format!("bootstrap: rank {peer}")))?;
+        Ok(s)
+    }
+
+    /// Deliver a small message to `peer` under `tag`.
+    pub fn send(&self, peer: usize, tag: u32, payload: &[u8]) -> Result<()> {
+        self.open(peer, KIND_MSG, tag, payload).map(|_| ())
+    }
+
+    /// Open a data connection to `peer` (the socket transport); the peer takes it with `accept_data`.
+    pub fn connect_data(&self, peer: usize, tag: u32) -> Result<TcpStream> {
+        self.open(peer, KIND_DATA, tag, &[])
+    }
+
+    fn wait<T>(&self, what: &str, deadline: Instant, abort: &AtomicBool,
+               mut take: impl FnMut(&mut Inbox) -> Option<T>) -> Result<T> {
+        let mut inbox = self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(v) = take(&mut inbox) {
+                return Ok(v);
+            }
+            if abort.load(Ordering::Acquire) {
+                return Err(Error::invalid_usage(format!("communicator aborted while waiting for {what}")));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::remote(format!("timed out waiting for {what}")));
+            }
+            let slice = (deadline - now).min(Duration::from_millis(100));
+            inbox = match self.shared.arrived.wait_timeout(inbox, slice) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
+
+    pub fn recv(&self, peer: usize, tag: u32, deadline: Instant, abort: &AtomicBool) -> Result<Vec<u8>> {
+        let key = (peer as u32, tag);
+        self.wait(&format!("a bootstrap message from rank {peer}"), deadline, abort, |i| {
+            i.msgs.get_mut(&key).and_then(|q| q.pop_front())
+        })
+    }
+
+    pub fn accept_data(&self, peer: usize, tag: u32, deadline: Instant, abort: &AtomicBool) -> Result<TcpStream> {
+        let key = (peer as u32, tag);
+        self.wait(&format!("a data connection from rank {peer}"), deadline, abort, |i| {
+            i.data.get_mut(&key).and_then(|q| q.pop_front())
+        })
+    }
+
+    /// Stop accepting and join the thread (idempotent).
+    pub fn stop(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = handle {
+            // Wake the blocking accept with a connection of our own.
+            let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+            let _ = h.join();
+        }
+        let mut inbox = self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        inbox.msgs.clear();
+        inbox.data.clear();
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if shared.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(mut s) = conn else { continue };
+        // A connection that does not prove the magic, or says nothing in time, is dropped.
+        if let Ok(Some((kind, from, tag, payload))) = read_hello(&mut s, shared.magic) {
+            let mut inbox = shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
+            match kind {
+                KIND_MSG => inbox.msgs.entry((from, tag)).or_default().push_back(payload),
+                KIND_DATA => {
+                    let _ = s.set_read_timeout(None);
+                    inbox.data.entry((from, tag)).or_default().push_back(s);
+                }
+                _ => {}
+            }
+            shared.arrived.notify_all();
+        }
+    }
+}
+
+fn read_hello(s: &mut TcpStream, magic: u64) -> Result<Option<(u8, u32, u32, Vec<u8>)>> {
+    let frame = read_frame(s, HELLO_TIMEOUT)?;
+    let mut r = Reader::new(&frame);
+    if r.u64()? != magic {
+        return Ok(None);
+    }
+    let kind = r.u8()?;
+    let from = r.u32()?;
+    let tag = r.u32()?;
+    let payload = r.bytes()?.to_vec();
+    Ok(Some((kind, from, tag, payload)))
+}

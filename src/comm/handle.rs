@@ -1,0 +1,62 @@
+//! Communicator handles. A handle given to C is the address of a small token we allocate and
+//! never free; a registry maps live tokens to their communicator. So a NULL, garbage or
+//! destroyed handle is an `ncclInvalidArgument`, never a dereference of freed memory.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, RwLock};
+
+use super::Comm;
+use crate::error::{Error, Result};
+
+fn registry() -> &'static RwLock<HashMap<usize, Arc<Comm>>> {
+    static R: OnceLock<RwLock<HashMap<usize, Arc<Comm>>>> = OnceLock::new();
+    R.get_or_init(|| RwLock::new(HashMap::new()))
+}
+
+/// The value C holds for a communicator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Handle(usize);
+
+impl Handle {
+    pub fn as_ptr<T>(self) -> *mut T {
+        self.0 as *mut T
+    }
+}
+
+/// Give a communicator a handle. The token (8 bytes) is leaked on purpose so its address is
+/// never reused by a later communicator.
+pub fn register(comm: Arc<Comm>) -> Handle {
+    let token: &'static mut u64 = Box::leak(Box::new(0u64));
+    let key = token as *mut u64 as usize;
+    let mut map = registry().write().unwrap_or_else(|p| p.into_inner());
+    map.insert(key, comm);
+    Handle(key)
+}
+
+fn not_a_comm(p: usize) -> Error {
+    if p == 0 {
+        Error::invalid_arg("comm is NULL")
+    } else {
+        Error::invalid_arg(format!("comm {p:#x} is not a communicator (destroyed, aborted or never created)"))
+    }
+}
+
+/// The communicator behind a handle.
+pub fn get<T>(p: *mut T) -> Result<Arc<Comm>> {
+    let key = p as usize;
+    let map = registry().read().unwrap_or_else(|p| p.into_inner());
+    map.get(&key).cloned().ok_or_else(|| not_a_comm(key))
+}
+
+/// Remove a handle (destroy/abort): later uses of it are errors.
+pub fn take<T>(p: *mut T) -> Result<Arc<Comm>> {
+    let key = p as usize;
+    let mut map = registry().write().unwrap_or_else(|p| p.into_inner());
+    map.remove(&key).ok_or_else(|| not_a_comm(key))
+}
+
+/// Remove by handle value (an init that failed before C ever saw the handle).
+pub fn forget(h: Handle) {
+    let mut map = registry().write().unwrap_or_else(|p| p.into_inner());
+    map.remove(&h.0);
+}

@@ -1,0 +1,293 @@
+//! Logging in NCCL's line format, driven by `NCCL_DEBUG`, `NCCL_DEBUG_SUBSYS` and
+//! `NCCL_DEBUG_FILE`. Silent by default. Lines look like NCCL's so existing log tooling works:
+//!
+//! ```text
+//! host:pid:tid [rank] NCCL INFO Bootstrap: using eth0 10.0.0.1
+//! host:pid:tid [rank] comm/mod.rs:42 NCCL WARN rank 3: peer rank 5 closed the connection
+//! ```
+
+use std::cell::Cell;
+use std::fmt;
+use std::fs::File;
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::Mutex;
+
+use crate::params;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Level {
+    None = 0,
+    Version = 1,
+    Warn = 2,
+    Info = 3,
+    Trace = 5,
+}
+
+/// Subsystem bits, NCCL's names and values.
+pub mod subsys {
+    pub const INIT: u32 = 0x1;
+    pub const COLL: u32 = 0x2;
+    pub const P2P: u32 = 0x4;
+    pub const SHM: u32 = 0x8;
+    pub const NET: u32 = 0x10;
+    pub const GRAPH: u32 = 0x20;
+    pub const TUNING: u32 = 0x40;
+    pub const ENV: u32 = 0x80;
+    pub const ALLOC: u32 = 0x100;
+    pub const CALL: u32 = 0x200;
+    pub const PROXY: u32 = 0x400;
+    pub const NVLS: u32 = 0x800;
+    pub const BOOTSTRAP: u32 = 0x1000;
+    pub const REG: u32 = 0x2000;
+    pub const PROFILE: u32 = 0x4000;
+    pub const RAS: u32 = 0x8000;
+    pub const ALL: u32 = !0;
+
+    pub const NAMES: &[(&str, u32)] = &[
+        ("INIT", INIT),
+        ("COLL", COLL),
+        ("P2P", P2P),
+        ("SHM", SHM),
+        ("NET", NET),
+        ("GRAPH", GRAPH),
+        ("TUNING", TUNING),
+        ("ENV", ENV),
+        ("ALLOC", ALLOC),
+        ("CALL", CALL),
+        ("PROXY", PROXY),
+        ("NVLS", NVLS),
+        ("BOOTSTRAP", BOOTSTRAP),
+        ("REG", REG),
+        ("PROFILE", PROFILE),
+        ("RAS", RAS),
+        ("ALL", ALL),
+    ];
+}
+
+static INITIALISED: AtomicBool = AtomicBool::new(false);
+static LEVEL: AtomicU8 = AtomicU8::new(0);
+static MASK: AtomicU32 = AtomicU32::new(0);
+static SINK: Mutex<Option<File>> = Mutex::new(None);
+static VERSION_PRINTED: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// The rank shown in `[...]` on lines this thread writes (-1: none known yet, shown as 0
+    /// like NCCL's device index).
+    static RANK: Cell<i32> = const { Cell::new(-1) };
+    static TID: Cell<u64> = const { Cell::new(0) };
+}
+
+pub fn parse_level(v: &str) -> Level {
+    match v.trim().to_ascii_uppercase().as_str() {
+        "VERSION" => Level::Version,
+        "WARN" => Level::Warn,
+        "INFO" => Level::Info,
+        "TRACE" => Level::Trace,
+        _ => Level::None,
+    }
+}
+
+/// NCCL_DEBUG_SUBSYS: a comma list; a leading `^` inverts the whole list.
+pub fn parse_subsys(v: &str) -> u32 {
+    let (invert, list) = match v.trim().strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, v.trim()),
+    };
+    let mut mask = 0u32;
+    for name in list.split(',').map(|s| s.trim().to_ascii_uppercase()) {
+        if let Some((_, bit)) = subsys::NAMES.iter().find(|(n, _)| *n == name) {
+            mask |= bit;
+        }
+    }
+    if invert {
+        !mask
+    } else {
+        mask
+    }
+}
+
+/// `%h` is replaced by the host name and `%p` by the pid, as in NCCL.
+pub fn expand_file_name(pattern: &str, host: &str, pid: u32) -> String {
+    let mut out = String::new();
+    let mut chars = pattern.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, chars.peek()) {
+            ('%', Some('h')) => {
+                chars.next();
+                out.push_str(host);
+            }
+            ('%', Some('p')) => {
+                chars.next();
+                out.push_str(&pid.to_string());
+            }
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+fn init() {
+    if INITIALISED.load(Ordering::Acquire) {
+        return;
+    }
+    configure();
+}
+
+/// (Re)read the logging variables. Called once lazily, and by `ncclResetDebugInit`.
+pub fn configure() {
+    let level = params::raw("NCCL_DEBUG").map(|v| parse_level(&v)).unwrap_or(Level::None);
+    let mask = parse_subsys(&params::text("NCCL_DEBUG_SUBSYS"));
+    let file = params::raw("NCCL_DEBUG_FILE")
+        .filter(|_| level > Level::None)
+        .and_then(|pat| File::create(expand_file_name(&pat, &hostname(), std::process::id())).ok());
+    if let Ok(mut sink) = SINK.lock() {
+        *sink = file;
+    }
+    LEVEL.store(level as u8, Ordering::Relaxed);
+    MASK.store(mask, Ordering::Relaxed);
+    INITIALISED.store(true, Ordering::Release);
+}
+
+pub fn enabled(level: Level, sub: u32) -> bool {
+    init();
+    let current = LEVEL.load(Ordering::Relaxed);
+    if current < level as u8 {
+        return false;
+    }
+    level <= Level::Warn || MASK.load(Ordering::Relaxed) & sub != 0
+}
+
+/// Set the rank shown on this thread's log lines; returns the previous one.
+pub fn set_rank(rank: i32) -> i32 {
+    RANK.with(|r| r.replace(rank))
+}
+
+pub fn hostname() -> String {
+    let full = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "localhost".into());
+    // NCCL shows the name up to the first dot.
+    full.trim().split('.').next().unwrap_or("localhost").to_string()
+}
+
+fn tid() -> u64 {
+    TID.with(|t| {
+        if t.get() == 0 {
+            // /proc/thread-self -> "<pid>/task/<tid>": no unsafe needed for gettid().
+            let id = std::fs::read_link("/proc/thread-self")
+                .ok()
+                .and_then(|p| p.file_name().and_then(|s| s.to_str()).and_then(|s| s.parse().ok()))
+                .unwrap_or(0);
+            t.set(id);
+        }
+        t.get()
+    })
+}
+
+fn prefix() -> String {
+    static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let host = HOST.get_or_init(hostname);
+    let rank = RANK.with(|r| r.get()).max(0);
+    format!("{}:{}:{} [{}]", host, std::process::id(), tid(), rank)
+}
+
+fn emit(line: &str) {
+    let mut guard = match SINK.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    };
+    match guard.as_mut() {
+        Some(f) => {
+            let _ = f.write_all(line.as_bytes());
+            let _ = f.flush();
+        }
+        None => {
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(line.as_bytes());
+            let _ = out.flush();
+        }
+    }
+}
+
+pub fn log(level: Level, sub: u32, file: &str, line: u32, args: fmt::Arguments<'_>) {
+    if !enabled(level, sub) {
+        return;
+    }
+    let text = match level {
+        Level::Warn => {
+            let short = file.rsplit_once("src/").map(|(_, f)| f).unwrap_or(file);
+            format!("{} {}:{} NCCL WARN {}\n", prefix(), short, line, args)
+        }
+        Level::Trace => format!("{} NCCL TRACE {}\n", prefix(), args),
+        _ => format!("{} NCCL INFO {}\n", prefix(), args),
+    };
+    emit(&text);
+}
+
+/// The "NCCL version" line, once per process, at NCCL_DEBUG=VERSION and above.
+pub fn print_version_once() {
+    if enabled(Level::Version, subsys::INIT) && !VERSION_PRINTED.swap(true, Ordering::Relaxed) {
+        emit(&format!(
+            "{} NCCL INFO NCCL version {}.{}.{}+nccl-rs-{} ({} mode)\n",
+            prefix(),
+            crate::NCCL_MAJOR,
+            crate::NCCL_MINOR,
+            crate::NCCL_PATCH,
+            env!("CARGO_PKG_VERSION"),
+            crate::device::mode::current().name()
+        ));
+    }
+}
+
+#[macro_export]
+macro_rules! warn {
+    ($($arg:tt)*) => {
+        $crate::debug::log($crate::debug::Level::Warn, $crate::debug::subsys::ALL, file!(), line!(), format_args!($($arg)*))
+    };
+}
+
+#[macro_export]
+macro_rules! info {
+    ($sub:ident, $($arg:tt)*) => {
+        if $crate::debug::enabled($crate::debug::Level::Info, $crate::debug::subsys::$sub) {
+            $crate::debug::log($crate::debug::Level::Info, $crate::debug::subsys::$sub, file!(), line!(), format_args!($($arg)*))
+        }
+    };
+}
+
+#[macro_export]
+macro_rules! trace {
+    ($sub:ident, $($arg:tt)*) => {
+        if $crate::debug::enabled($crate::debug::Level::Trace, $crate::debug::subsys::$sub) {
+            $crate::debug::log($crate::debug::Level::Trace, $crate::debug::subsys::$sub, file!(), line!(), format_args!($($arg)*))
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels() {
+        assert_eq!(parse_level("info"), Level::Info);
+        assert_eq!(parse_level("WARN"), Level::Warn);
+        assert_eq!(parse_level("VERSION"), Level::Version);
+        assert_eq!(parse_level("TRACE"), Level::Trace);
+        assert_eq!(parse_level("bogus"), Level::None);
+    }
+
+    #[test]
+    fn subsystems() {
+        assert_eq!(parse_subsys("INIT,NET"), subsys::INIT | subsys::NET);
+        assert_eq!(parse_subsys("^INIT"), !subsys::INIT);
+        assert_eq!(parse_subsys("ALL"), !0);
+        assert_eq!(parse_subsys("coll"), subsys::COLL);
+    }
+
+    #[test]
+    fn file_name_expansion() {
+        assert_eq!(expand_file_name("/tmp/nccl.%h.%p.log", "node1", 42), "/tmp/nccl.node1.42.log");
+        assert_eq!(expand_file_name("plain%", "h", 1), "plain%");
+    }
+}

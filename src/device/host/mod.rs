@@ -1,0 +1,182 @@
+//! Host memory: the buffers of host mode, how they are named below the boundary (`Region`),
+//! copied and reduced.
+//!
+//! Users hand NCCL raw pointers whose valid length is defined by each call's semantics. The C
+//! boundary wraps them in [`UserPtr`] (an `unsafe` promise), the api layer turns them into
+//! [`Region`]s of the lengths NCCL documents, and only this module dereferences regions.
+
+pub mod fp8;
+pub mod reduce;
+
+use std::ffi::c_void;
+
+use crate::error::{Error, Result};
+use crate::types::{DataType, Scalar};
+pub use reduce::ElemOp;
+
+/// A pointer the user passed to an NCCL call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UserPtr(usize);
+
+impl UserPtr {
+    /// # Safety
+    /// `p` must be a buffer argument of an NCCL call: valid (and writable, for outputs) for the
+    /// bytes that call's documented semantics cover, until the operation completes.
+    pub unsafe fn new<T>(p: *const T) -> UserPtr {
+        UserPtr(p as usize)
+    }
+    pub fn is_null(self) -> bool {
+        self.0 == 0
+    }
+    pub fn addr(self) -> usize {
+        self.0
+    }
+}
+
+/// `len` bytes at `addr`: user memory covered by a call's contract, or memory we own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    addr: usize,
+    len: usize,
+}
+
+impl Region {
+    /// The `len` bytes at `offset` from a user pointer. The api layer computes `offset`/`len`
+    /// from NCCL's semantics for the call, which is what makes dereferencing them sound.
+    pub fn user(p: UserPtr, offset: usize, len: usize) -> Region {
+        Region { addr: p.0.wrapping_add(offset), len }
+    }
+    /// Memory the library owns (scratch); the owner keeps it alive while the region is in use.
+    pub fn owned(buf: &mut [u8]) -> Region {
+        Region { addr: buf.as_mut_ptr() as usize, len: buf.len() }
+    }
+    pub const EMPTY: Region = Region { addr: 0, len: 0 };
+    pub fn addr(self) -> usize {
+        self.addr
+    }
+    pub fn len(self) -> usize {
+        self.len
+    }
+    pub fn is_empty(self) -> bool {
+        self.len == 0
+    }
+    /// A sub-range; `off + len` must lie inside (checked: schedules are generated, not trusted).
+    pub fn sub(self, off: usize, len: usize) -> Region {
+        assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "sub-region out of range");
+        Region { addr: self.addr + off, len }
+    }
+    pub fn overlaps(self, other: Region) -> bool {
+        self.len > 0 && other.len > 0 && self.addr < other.addr + other.len && other.addr < self.addr + self.len
+    }
+
+    /// Read-only view for transports that send it.
+    ///
+    /// # Safety
+    /// Nobody writes the region while the slice lives (the schedule orders writes after sends).
+    pub unsafe fn as_slice<'a>(self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: per the caller's promise and the Region contract (valid for len bytes).
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+}
+
+/// dst <- src (same length; the two may overlap).
+pub fn copy(dst: Region, src: Region) {
+    debug_assert_eq!(dst.len, src.len);
+    let n = dst.len.min(src.len);
+    if n == 0 || dst.addr == src.addr {
+        return;
+    }
+    // SAFETY: both regions are valid for n bytes (Region contract); `copy` is memmove.
+    unsafe { std::ptr::copy(src.addr as *const u8, dst.addr as *mut u8, n) };
+}
+
+/// dst <- src bytes received from a transport.
+pub fn copy_in(dst: Region, src: &[u8]) {
+    let n = dst.len.min(src.len());
+    if n == 0 {
+        return;
+    }
+    // SAFETY: dst valid for n bytes (Region contract); src is a live slice that cannot alias
+    // user memory handed to us as writable.
+    unsafe { std::ptr::copy(src.as_ptr(), dst.addr as *mut u8, n) };
+}
+
+/// dst[i] <- acc[i] op incoming[i]; `acc` may be `dst` itself.
+pub fn reduce_in(dt: DataType, op: ElemOp, dst: Region, acc: Region, incoming: &[u8]) {
+    let n = dst.len.min(acc.len).min(incoming.len()) / dt.size();
+    // SAFETY: regions valid for their lengths; incoming is a live slice; dst equals acc or does
+    // not overlap it (schedules only reduce in place or between disjoint buffers).
+    unsafe { reduce::reduce(dt, op, dst.addr as *mut u8, acc.addr as *const u8, incoming.as_ptr(), n) };
+}
+
+/// dst[i] <- a[i] op b[i] between local regions.
+pub fn reduce_local(dt: DataType, op: ElemOp, dst: Region, a: Region, b: Region) {
+    let n = dst.len.min(a.len).min(b.len) / dt.size();
+    // SAFETY: as in reduce_in; all three are valid regions.
+    unsafe { reduce::reduce(dt, op, dst.addr as *mut u8, a.addr as *const u8, b.addr as *const u8, n) };
+}
+
+/// dst[i] <- src[i] * scalar.
+pub fn premul(dt: DataType, dst: Region, src: Region, scalar: Scalar) {
+    let n = dst.len.min(src.len) / dt.size();
+    // SAFETY: both valid regions; dst equals src or is disjoint from it.
+    unsafe { reduce::premul(dt, dst.addr as *mut u8, src.addr as *const u8, scalar, n) };
+}
+
+/// dst[i] <- dst[i] / divisor (ncclAvg's last step).
+pub fn divide(dt: DataType, dst: Region, divisor: u64) {
+    let n = dst.len / dt.size();
+    // SAFETY: dst valid; in place is allowed by `divide`'s contract.
+    unsafe { reduce::divide(dt, dst.addr as *mut u8, dst.addr as *const u8, divisor, n) };
+}
+
+/// Read one element of `dt` from user memory (a PreMulSum scalar).
+pub fn read_scalar(dt: DataType, p: UserPtr) -> Result<Scalar> {
+    if p.is_null() {
+        return Err(Error::invalid_arg("scalar is NULL"));
+    }
+    let mut bytes = [0u8; 8];
+    // SAFETY: the scalar argument points to one element of `dt` (NCCL's contract).
+    unsafe { std::ptr::copy_nonoverlapping(p.0 as *const u8, bytes.as_mut_ptr(), dt.size()) };
+    reduce::scalar_from_bytes(dt, &bytes).ok_or_else(|| Error::internal("scalar conversion"))
+}
+
+/// `ncclMemAlloc` in host mode: page-aligned host memory (a size header precedes the block).
+pub fn alloc(size: usize) -> Result<*mut c_void> {
+    const ALIGN: usize = 4096;
+    let total = size.checked_add(ALIGN).ok_or_else(|| Error::invalid_arg(format!("size {size} too large")))?;
+    let layout = std::alloc::Layout::from_size_align(total, ALIGN)
+        .map_err(|_| Error::invalid_arg(format!("size {size} too large")))?;
+    // SAFETY: layout has non-zero size (>= ALIGN).
+    let base = unsafe { std::alloc::alloc_zeroed(layout) };
+    if base.is_null() {
+        return Err(Error::system(format!("ncclMemAlloc: out of host memory allocating {size} bytes")));
+    }
+    // SAFETY: base is valid for `total` bytes and ALIGN-aligned; the header fits in the first page.
+    unsafe {
+        base.cast::<usize>().write(total);
+        Ok(base.add(ALIGN).cast())
+    }
+}
+
+/// `ncclMemFree` of a block from [`alloc`]; NULL is a no-op.
+pub fn free(p: *mut c_void) -> Result<()> {
+    const ALIGN: usize = 4096;
+    if p.is_null() {
+        return Ok(());
+    }
+    if (p as usize) % ALIGN != 0 {
+        return Err(Error::invalid_arg("pointer was not returned by ncclMemAlloc"));
+    }
+    // SAFETY: p came from alloc (alignment checked as a sanity test): the header precedes it.
+    unsafe {
+        let base = p.cast::<u8>().sub(ALIGN);
+        let total = base.cast::<usize>().read();
+        let layout = std::alloc::Layout::from_size_align(total, ALIGN).map_err(|_| Error::invalid_arg("corrupt block"))?;
+        std::alloc::dealloc(base, layout);
+    }
+    Ok(())
+}

@@ -1,0 +1,210 @@
+//! Group semantics. `ncclGroupStart`/`ncclGroupEnd` nest per thread; calls inside a group are
+//! recorded and launched together at the outermost `ncclGroupEnd` (one thread may drive every
+//! rank of a process this way), and an error in any call is reported again there. A call
+//! outside a group is a group of one.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::algo;
+use crate::bootstrap::UniqueId;
+use crate::comm::Comm;
+use crate::error::{Error, Result};
+use crate::params;
+use crate::plan::{plan_group, Op, Step};
+use crate::proxy::{self, Job};
+use crate::transport::{self, Ctx};
+
+#[derive(Default)]
+struct Group {
+    depth: u32,
+    ops: Vec<(Arc<Comm>, Op)>,
+    inits: Vec<(Arc<Comm>, UniqueId)>,
+    error: Option<Error>,
+}
+
+thread_local! {
+    static GROUP: RefCell<Group> = RefCell::new(Group::default());
+}
+
+pub fn depth() -> u32 {
+    GROUP.with(|g| g.borrow().depth)
+}
+
+pub fn start() -> Result<()> {
+    GROUP.with(|g| g.borrow_mut().depth += 1);
+    Ok(())
+}
+
+/// Take the group's contents if this call closes the outermost group.
+fn close() -> Result<Option<Group>> {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return Err(Error::invalid_usage("ncclGroupEnd called without a matching ncclGroupStart"));
+        }
+        g.depth -= 1;
+        if g.depth > 0 {
+            return Ok(None);
+        }
+        Ok(Some(std::mem::take(&mut *g)))
+    })
+}
+
+pub fn end() -> Result<()> {
+    let Some(group) = close()? else { return Ok(()) };
+    if let Some(e) = group.error {
+        for (c, _) in &group.inits {
+            c.set_async_error(&e);
+        }
+        return Err(e);
+    }
+    if !group.inits.is_empty() {
+        let nonblocking = group.inits.iter().any(|(c, _)| !c.config.blocking);
+        if nonblocking {
+            let inits = group.inits;
+            std::thread::Builder::new()
+                .name("nccl-rs-init".into())
+                .spawn(move || {
+                    let _ = run_init_list(&inits);
+                })
+                .map_err(|e| Error::os("spawn init thread", e))?;
+            return Err(Error::in_progress());
+        }
+        run_init_list(&group.inits)?;
+    }
+    execute(group.ops)
+}
+
+fn run_init_list(inits: &[(Arc<Comm>, UniqueId)]) -> Result<()> {
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let joins: Vec<_> = inits.iter().map(|(c, id)| s.spawn(move || crate::api::init::run_init(c, id))).collect();
+        joins.into_iter().map(|j| j.join().unwrap_or_else(|_| Err(Error::internal("init thread panicked")))).collect()
+    });
+    results.into_iter().collect()
+}
+
+/// ncclGroupSimulateEnd: close the group without running it and estimate its time (seconds):
+/// a latency per operation plus its bytes at host memory bandwidth.
+pub fn simulate_end() -> Result<f32> {
+    let Some(group) = close()? else { return Ok(0.0) };
+    if let Some(e) = group.error {
+        return Err(e);
+    }
+    const LATENCY_S: f64 = 5e-6;
+    const BYTES_PER_S: f64 = 5e9;
+    let t: f64 = group.ops.iter().map(|(_, op)| LATENCY_S + (op.send.len().max(op.recv.len()) as f64) / BYTES_PER_S).sum();
+    Ok(t as f32)
+}
+
+pub fn add_init(comm: Arc<Comm>, id: UniqueId) {
+    GROUP.with(|g| g.borrow_mut().inits.push((comm, id)));
+}
+
+/// Record an error of a call made inside a group, to report it at the outermost end too.
+pub fn record_error(e: &Error) {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 && g.error.is_none() {
+            g.error = Some(e.clone());
+        }
+    });
+}
+
+pub fn add_op(comm: Arc<Comm>, op: Op) -> Result<()> {
+    let queued = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 {
+            g.ops.push((comm.clone(), op));
+            true
+        } else {
+            false
+        }
+    });
+    if queued {
+        return Ok(());
+    }
+    execute(vec![(comm, op)])
+}
+
+fn describe(ops: &[Op]) -> String {
+    match ops {
+        [] => "empty group".into(),
+        [one] => one.describe(),
+        [first, rest @ ..] => format!("{} and {} more operation(s) in the group", first.describe(), rest.len()),
+    }
+}
+
+/// Plan, connect and run the operations of one group, every communicator together.
+fn execute(ops: Vec<(Arc<Comm>, Op)>) -> Result<()> {
+    if ops.is_empty() {
+        return Ok(());
+    }
+    // Per communicator, in issue order; communicators ordered by address so two threads
+    // locking overlapping sets never deadlock.
+    let mut per_comm: Vec<(Arc<Comm>, Vec<Op>)> = Vec::new();
+    for (c, op) in ops {
+        match per_comm.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
+            Some((_, v)) => v.push(op),
+            None => per_comm.push((c, vec![op])),
+        }
+    }
+    per_comm.sort_by_key(|(c, _)| Arc::as_ptr(c) as usize);
+    let forced = params::raw("NCCL_ALGO").and_then(|v| algo::parse_algo(&v));
+
+    let mut plans = Vec::with_capacity(per_comm.len());
+    for (c, ops) in &per_comm {
+        let ready = c.ready()?;
+        plans.push(plan_group(c.rank, c.nranks, ready.slice, ops, forced)?);
+    }
+    let mut guards: Vec<_> = per_comm.iter().map(|(c, _)| c.ready().map(|r| r.conns())).collect::<Result<_>>()?;
+
+    connect(&per_comm, &plans, &mut guards)?;
+
+    let mut jobs: Vec<Job<'_>> = per_comm
+        .iter()
+        .zip(guards.iter_mut())
+        .zip(plans.iter())
+        .map(|(((c, _), g), p)| Job::new(c, g, &p.units))
+        .collect();
+    let result = proxy::run(&mut jobs);
+    drop(jobs);
+    if let Err((j, e)) = result {
+        let (c, ops) = &per_comm[j];
+        let e = e.context(format!("rank {}: {}", c.rank, describe(ops)));
+        // The connections are in an unknown state: close them so peers stop waiting, and keep
+        // the error for ncclCommGetAsyncError.
+        guards[j].close_all();
+        c.set_async_error(&e);
+        return Err(e);
+    }
+    Ok(())
+}
+
+fn connect(per_comm: &[(Arc<Comm>, Vec<Op>)], plans: &[crate::plan::Builder],
+           guards: &mut [std::sync::MutexGuard<'_, transport::Conns>]) -> Result<()> {
+    let deadline = Instant::now() + params::init_timeout();
+    let peers_of = |p: &crate::plan::Builder, want_send: bool| {
+        let mut v: Vec<usize> = p.units.iter().filter_map(|u| match (u.step, want_send) {
+            (Step::Send { peer, .. }, true) => Some(peer as usize),
+            (Step::Recv { peer, .. } | Step::RecvReduce { peer, .. }, false) => Some(peer as usize),
+            _ => None,
+        }).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    for phase_send in [true, false] {
+        for (((c, _), p), g) in per_comm.iter().zip(plans).zip(guards.iter_mut()) {
+            let ready = c.ready()?;
+            let ctx = Ctx { rank: c.rank, hash: c.hash, peers: &ready.peers, service: &ready.service,
+                            slice: ready.slice, abort: &c.abort, deadline };
+            for peer in peers_of(p, phase_send) {
+                let r = if phase_send { transport::offer(&ctx, g, peer) } else { transport::accept(&ctx, g, peer) };
+                r.map_err(|e| e.context(format!("rank {}: connecting to {}", c.rank, c.describe_peer(peer))))?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,32 @@
+//! nccl-rs: a drop-in replacement for NVIDIA's NCCL (`libnccl.so.2`).
+//!
+//! Layers, top to bottom (arrows point down only): `abi` (the C boundary) → `api` (argument
+//! checks and semantics) → `comm`, `group`, `plan`, `algo` → `proxy` (progress engine) →
+//! `transport`, `device`. `bootstrap` brings ranks together; `params` and `debug` serve all.
+//! See ARCHITECTURE.md in the shared folder for the decisions behind this shape.
+
+#[macro_use]
+pub mod error;
+#[macro_use]
+pub mod debug;
+pub mod params;
+pub mod types;
+
+pub mod abi;
+pub mod algo;
+pub mod api;
+pub mod bootstrap;
+pub mod comm;
+pub mod device;
+pub mod group;
+pub mod plan;
+pub mod proxy;
+pub mod transport;
+
+pub use error::{Code, Error, Result};
+
+/// The NCCL API we are compatible with (2.32.3).
+pub const NCCL_MAJOR: i32 = 2;
+pub const NCCL_MINOR: i32 = 32;
+pub const NCCL_PATCH: i32 = 3;
+pub const NCCL_VERSION_CODE: i32 = NCCL_MAJOR * 10000 + NCCL_MINOR * 100 + NCCL_PATCH;

@@ -1,0 +1,157 @@
+//! Every `NCCL_*` environment variable the library reads, in one table, each with its default
+//! and a one-line meaning. The environment is read once (on first use) into a snapshot;
+//! nothing else in the crate calls `std::env::var`. `ncclResetDebugInit` re-reads it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, RwLock};
+
+/// One variable: its name, its default as text (empty: unset), and what it does.
+pub struct Param {
+    pub name: &'static str,
+    pub default: &'static str,
+    pub doc: &'static str,
+}
+
+const fn p(name: &'static str, default: &'static str, doc: &'static str) -> Param {
+    Param { name, default, doc }
+}
+
+/// The table. Order is the order `ncclParamDumpAll` prints.
+pub const ALL: &[Param] = &[
+    p("NCCL_DEBUG", "", "log level: VERSION, WARN, INFO or TRACE; unset is silent"),
+    p("NCCL_DEBUG_SUBSYS", "INIT,BOOTSTRAP,ENV", "comma list of subsystems logged at INFO; ^ excludes; ALL"),
+    p("NCCL_DEBUG_FILE", "", "write logs to this file instead of stdout; %h is the host, %p the pid"),
+    p("NCCL_COMM_ID", "", "host:port of the bootstrap root; every rank derives the same unique id from it"),
+    p("NCCL_SOCKET_IFNAME", "", "interfaces to use: prefixes, ^ to exclude, = for exact names"),
+    p("NCCL_SOCKET_FAMILY", "", "AF_INET or AF_INET6 to force an address family"),
+    p("NCCL_HOSTID", "", "overrides hostname+boot id as the identity of this host"),
+    p("NCCL_SHM_DISABLE", "0", "1: never use shared memory between processes (sockets instead)"),
+    p("NCCL_P2P_DISABLE", "0", "1: never copy directly between ranks of one process or GPU peers"),
+    p("NCCL_ALGO", "", "force an algorithm: Ring or Tree (case-insensitive); unset chooses by size"),
+    p("NCCL_BUFFSIZE", "4194304", "bytes of staging buffer per connection to a peer"),
+    p("NCCL_COMM_BLOCKING", "", "0: communicators are nonblocking unless their config says otherwise"),
+    p("NCCL_INIT_TIMEOUT_S", "300", "seconds a rank waits for the others during init before failing"),
+    p("NCCL_PEER_TIMEOUT_S", "30", "seconds without any sign of life from a peer before it is declared lost"),
+    p("NCCL_PARAM_DUMP_ALL", "0", "1: ncclParamGetAllParameterKeys and ncclParamDumpAll list every parameter"),
+];
+
+struct Snapshot {
+    values: HashMap<&'static str, String>,
+}
+
+fn slot() -> &'static RwLock<Arc<Snapshot>> {
+    static SLOT: OnceLock<RwLock<Arc<Snapshot>>> = OnceLock::new();
+    SLOT.get_or_init(|| RwLock::new(Arc::new(read_env())))
+}
+
+fn read_env() -> Snapshot {
+    let values = ALL
+        .iter()
+        .filter_map(|p| std::env::var(p.name).ok().map(|v| (p.name, v)))
+        .collect();
+    Snapshot { values }
+}
+
+fn snapshot() -> Arc<Snapshot> {
+    match slot().read() {
+        Ok(g) => g.clone(),
+        Err(poisoned) => poisoned.into_inner().clone(),
+    }
+}
+
+/// Re-read the environment (NCCL's `ncclResetDebugInit`).
+pub fn reload() {
+    let fresh = Arc::new(read_env());
+    match slot().write() {
+        Ok(mut g) => *g = fresh,
+        Err(poisoned) => *poisoned.into_inner() = fresh,
+    }
+}
+
+pub fn find(name: &str) -> Option<&'static Param> {
+    ALL.iter().find(|p| p.name == name)
+}
+
+/// The value set in the environment, if any (an empty value counts as unset).
+pub fn raw(name: &str) -> Option<String> {
+    debug_assert!(find(name).is_some(), "{name} missing from params::ALL");
+    snapshot().values.get(name).filter(|v| !v.is_empty()).cloned()
+}
+
+/// The effective value as text: the environment's, else the default.
+pub fn text(name: &str) -> String {
+    raw(name).unwrap_or_else(|| find(name).map(|p| p.default.to_string()).unwrap_or_default())
+}
+
+/// The effective value as an integer; a malformed value falls back to the default (and is
+/// reported once by the caller's logging, like NCCL's "Invalid value" warning).
+pub fn int(name: &str) -> i64 {
+    let default = find(name).and_then(|p| p.default.parse().ok()).unwrap_or(0);
+    raw(name).and_then(|v| parse_int(&v)).unwrap_or(default)
+}
+
+/// Integers as NCCL accepts them: decimal or 0x hex, optional sign.
+pub fn parse_int(v: &str) -> Option<i64> {
+    let v = v.trim();
+    let (neg, digits) = match v.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, v.strip_prefix('+').unwrap_or(v)),
+    };
+    let n = match digits.strip_prefix("0x").or_else(|| digits.strip_prefix("0X")) {
+        Some(hex) => i64::from_str_radix(hex, 16).ok()?,
+        None => digits.parse::<i64>().ok()?,
+    };
+    Some(if neg { -n } else { n })
+}
+
+// Typed accessors for the variables the code reads often.
+
+pub fn shm_disable() -> bool {
+    int("NCCL_SHM_DISABLE") != 0
+}
+pub fn p2p_disable() -> bool {
+    int("NCCL_P2P_DISABLE") != 0
+}
+pub fn buffsize() -> usize {
+    usize::try_from(int("NCCL_BUFFSIZE")).unwrap_or(1 << 22).clamp(1 << 16, 1 << 30)
+}
+pub fn init_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(u64::try_from(int("NCCL_INIT_TIMEOUT_S")).unwrap_or(300).max(1))
+}
+pub fn peer_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(u64::try_from(int("NCCL_PEER_TIMEOUT_S")).unwrap_or(30).max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ints_like_nccl() {
+        assert_eq!(parse_int("42"), Some(42));
+        assert_eq!(parse_int(" -7 "), Some(-7));
+        assert_eq!(parse_int("0x10"), Some(16));
+        assert_eq!(parse_int("+3"), Some(3));
+        assert_eq!(parse_int("ten"), None);
+        assert_eq!(parse_int(""), None);
+    }
+
+    #[test]
+    fn every_param_is_named_nccl_and_unique() {
+        let mut names: Vec<_> = ALL.iter().map(|p| p.name).collect();
+        assert!(names.iter().all(|n| n.starts_with("NCCL_")));
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len());
+        for p in ALL {
+            assert!(!p.doc.is_empty(), "{} has no doc", p.name);
+        }
+    }
+
+    #[test]
+    fn defaults_apply_when_unset() {
+        // NCCL_PARAM_DUMP_ALL is never set by the test environment.
+        assert_eq!(int("NCCL_PARAM_DUMP_ALL"), 0);
+        assert!(buffsize() >= 1 << 16);
+    }
+}

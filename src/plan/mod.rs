@@ -1,0 +1,170 @@
+//! Planning: the units a rank executes for a group of operations on one communicator.
+//!
+//! An algorithm describes whole transfers ("send chunk 3 to the next rank after the reduction
+//! that produced it"); the [`Builder`] cuts each into units of at most one slice and maps
+//! dependencies slice by slice, which is what pipelines a ring. Units only depend on earlier
+//! units, and sends to a peer, receives from a peer and local work each execute in order, so
+//! two ranks that plan the same operations always agree on what travels on each connection.
+
+pub mod ops;
+
+use crate::device::host::{ElemOp, Region};
+use crate::types::{DataType, Scalar};
+
+pub use ops::{plan_group, Op, OpKind};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Step {
+    Send { peer: u32, src: Region },
+    Recv { peer: u32, dst: Region },
+    /// dst = acc op incoming (acc may be dst).
+    RecvReduce { peer: u32, dst: Region, acc: Region, dt: DataType, op: ElemOp },
+    Copy { dst: Region, src: Region },
+    Premul { dst: Region, src: Region, dt: DataType, scalar: Scalar },
+    Divide { dst: Region, dt: DataType, divisor: u64 },
+}
+
+pub const MAX_DEPS: usize = 4;
+pub const NO_DEP: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Unit {
+    pub step: Step,
+    pub deps: [u32; MAX_DEPS],
+    /// Fingerprint of the operation, checked by the receiver.
+    pub tag: u32,
+}
+
+/// The units of one logical transfer: `n` consecutive units from `first`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ref {
+    first: u32,
+    n: u32,
+}
+
+impl Ref {
+    pub const NONE: Ref = Ref { first: 0, n: 0 };
+}
+
+/// Reduction parameters of an operation as algorithms see them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Reduction {
+    pub dt: DataType,
+    pub op: ElemOp,
+    /// ncclAvg: divide the final sum by this.
+    pub divide: Option<u64>,
+}
+
+pub struct Builder {
+    pub units: Vec<Unit>,
+    slice: usize,
+    tag: u32,
+    /// A dependency added to every unit of the current operation (e.g. PreMulSum's scaling).
+    fence: Ref,
+    /// Scratch memory the units refer to; kept alive as long as the builder.
+    scratch: Vec<Vec<u8>>,
+}
+
+impl Builder {
+    pub fn new(slice: usize) -> Builder {
+        let slice = (slice / 64).max(1) * 64;
+        Builder { units: Vec::new(), slice, tag: 0, fence: Ref::NONE, scratch: Vec::new() }
+    }
+
+    /// Start a new operation: its tag, and no fence.
+    pub fn begin(&mut self, tag: u32) {
+        self.tag = tag;
+        self.fence = Ref::NONE;
+    }
+
+    pub fn set_fence(&mut self, r: Ref) {
+        self.fence = r;
+    }
+
+    pub fn scratch(&mut self, len: usize) -> Region {
+        let mut v = vec![0u8; len];
+        let r = Region::owned(&mut v);
+        self.scratch.push(v);
+        r
+    }
+
+    pub fn slice(&self) -> usize {
+        self.slice
+    }
+
+    fn push(&mut self, len: usize, deps: &[Ref], make: impl Fn(usize, usize) -> Step) -> Ref {
+        if len == 0 {
+            return Ref::NONE;
+        }
+        let k = len.div_ceil(self.slice);
+        let first = self.units.len() as u32;
+        for i in 0..k {
+            let off = i * self.slice;
+            let mut d = [NO_DEP; MAX_DEPS];
+            let mut nd = 0;
+            for r in deps.iter().chain(std::iter::once(&self.fence)).filter(|r| r.n > 0) {
+                let dep = if r.n as usize == k { r.first + i as u32 } else { r.first + r.n - 1 };
+                assert!(nd < MAX_DEPS, "too many dependencies");
+                d[nd] = dep;
+                nd += 1;
+            }
+            self.units.push(Unit { step: make(off, self.slice.min(len - off)), deps: d, tag: self.tag });
+        }
+        Ref { first, n: k as u32 }
+    }
+
+    pub fn send(&mut self, peer: usize, src: Region, deps: &[Ref]) -> Ref {
+        self.push(src.len(), deps, |o, l| Step::Send { peer: peer as u32, src: src.sub(o, l) })
+    }
+    pub fn recv(&mut self, peer: usize, dst: Region, deps: &[Ref]) -> Ref {
+        self.push(dst.len(), deps, |o, l| Step::Recv { peer: peer as u32, dst: dst.sub(o, l) })
+    }
+    pub fn recv_reduce(&mut self, peer: usize, dst: Region, acc: Region, red: Reduction, deps: &[Ref]) -> Ref {
+        self.push(dst.len(), deps, |o, l| Step::RecvReduce {
+            peer: peer as u32,
+            dst: dst.sub(o, l),
+            acc: acc.sub(o, l),
+            dt: red.dt,
+            op: red.op,
+        })
+    }
+    pub fn copy(&mut self, dst: Region, src: Region, deps: &[Ref]) -> Ref {
+        if dst.addr() == src.addr() {
+            return Ref::NONE;
+        }
+        self.push(dst.len(), deps, |o, l| Step::Copy { dst: dst.sub(o, l), src: src.sub(o, l) })
+    }
+    pub fn premul(&mut self, dst: Region, src: Region, dt: DataType, scalar: Scalar, deps: &[Ref]) -> Ref {
+        self.push(dst.len(), deps, |o, l| Step::Premul { dst: dst.sub(o, l), src: src.sub(o, l), dt, scalar })
+    }
+    /// The Avg finish on `dst`, if the reduction asks for it.
+    pub fn finish(&mut self, dst: Region, red: Reduction, deps: &[Ref]) -> Ref {
+        match red.divide {
+            Some(d) if d > 1 => self.push(dst.len(), deps, |o, l| Step::Divide { dst: dst.sub(o, l), dt: red.dt, divisor: d }),
+            _ => deps.iter().rev().copied().find(|r| r.n > 0).unwrap_or(Ref::NONE),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_and_maps_dependencies() {
+        let mut buf = vec![0u8; 1000];
+        let r = Region::owned(&mut buf);
+        let mut b = Builder::new(256);
+        b.begin(1);
+        let a = b.recv(1, r, &[]);
+        let s = b.send(2, r, &[a]);
+        assert_eq!(a.n, 4);
+        assert_eq!(s.n, 4);
+        for i in 0..4 {
+            assert_eq!(b.units[(s.first + i) as usize].deps[0], a.first + i, "slice {i} waits for its own slice");
+        }
+        let tail = b.send(3, r.sub(0, 100), &[a]);
+        assert_eq!(b.units[tail.first as usize].deps[0], a.first + 3, "different slicing waits for the whole");
+        assert_eq!(b.recv(1, Region::EMPTY, &[]), Ref::NONE);
+    }
+}

@@ -1,0 +1,196 @@
+//! The progress engine: executes planned units for one or several communicators at once
+//! (one thread may drive every rank of a process). Each connection's sends, receives and the
+//! local work advance in order as far as their dependencies and the transports allow; nothing
+//! blocks on one peer while another could move. Waiting spins briefly, then yields, then naps,
+//! and regularly checks the abort flag and that the peers it waits for are alive.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::comm::Comm;
+use crate::device::host;
+use crate::error::{Error, Result};
+use crate::plan::{Step, Unit, NO_DEP};
+use crate::transport::Conns;
+
+/// One communicator's work in a run.
+pub struct Job<'a> {
+    pub comm: &'a Comm,
+    pub conns: &'a mut Conns,
+    units: &'a [Unit],
+    done: Vec<bool>,
+    sends: Vec<(usize, VecDeque<u32>)>,
+    recvs: Vec<(usize, VecDeque<u32>)>,
+    local: VecDeque<u32>,
+    remaining: usize,
+}
+
+impl<'a> Job<'a> {
+    pub fn new(comm: &'a Comm, conns: &'a mut Conns, units: &'a [Unit]) -> Job<'a> {
+        let n = comm.nranks;
+        let mut send_q: Vec<VecDeque<u32>> = vec![VecDeque::new(); n];
+        let mut recv_q: Vec<VecDeque<u32>> = vec![VecDeque::new(); n];
+        let mut local = VecDeque::new();
+        for (i, u) in units.iter().enumerate() {
+            match u.step {
+                Step::Send { peer, .. } => send_q[peer as usize].push_back(i as u32),
+                Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => recv_q[peer as usize].push_back(i as u32),
+                _ => local.push_back(i as u32),
+            }
+        }
+        let keep = |v: Vec<VecDeque<u32>>| v.into_iter().enumerate().filter(|(_, q)| !q.is_empty()).collect();
+        Job { comm, conns, units, done: vec![false; units.len()], sends: keep(send_q), recvs: keep(recv_q), local, remaining: units.len() }
+    }
+
+    fn ready(&self, i: u32) -> bool {
+        self.units[i as usize].deps.iter().all(|&d| d == NO_DEP || self.done[d as usize])
+    }
+
+    fn complete(&mut self, i: u32) {
+        self.done[i as usize] = true;
+        self.remaining -= 1;
+    }
+
+    /// Advance everything that can advance now; true if anything did.
+    fn poll(&mut self) -> Result<bool> {
+        let mut progressed = false;
+        for qi in 0..self.sends.len() {
+            while let Some(&i) = self.sends[qi].1.front() {
+                if !self.ready(i) {
+                    break;
+                }
+                let Step::Send { peer, src } = self.units[i as usize].step else { break };
+                let tag = self.units[i as usize].tag;
+                if !self.conns.send_mut(peer as usize)?.try_send(src, tag)? {
+                    break;
+                }
+                self.sends[qi].1.pop_front();
+                self.complete(i);
+                progressed = true;
+            }
+        }
+        for qi in 0..self.recvs.len() {
+            while let Some(&i) = self.recvs[qi].1.front() {
+                if !self.ready(i) {
+                    break;
+                }
+                let unit = self.units[i as usize];
+                let (peer, len) = match unit.step {
+                    Step::Recv { peer, dst } => (peer, dst.len()),
+                    Step::RecvReduce { peer, dst, .. } => (peer, dst.len()),
+                    _ => break,
+                };
+                let mut deliver = |data: &[u8]| match unit.step {
+                    Step::Recv { dst, .. } => host::copy_in(dst, data),
+                    Step::RecvReduce { dst, acc, dt, op, .. } => host::reduce_in(dt, op, dst, acc, data),
+                    _ => {}
+                };
+                if !self.conns.recv_mut(peer as usize)?.try_recv(len, unit.tag, &mut deliver)? {
+                    break;
+                }
+                self.recvs[qi].1.pop_front();
+                self.complete(i);
+                progressed = true;
+            }
+        }
+        while let Some(&i) = self.local.front() {
+            if !self.ready(i) {
+                break;
+            }
+            match self.units[i as usize].step {
+                Step::Copy { dst, src } => host::copy(dst, src),
+                Step::Premul { dst, src, dt, scalar } => host::premul(dt, dst, src, scalar),
+                Step::Divide { dst, dt, divisor } => host::divide(dt, dst, divisor),
+                _ => {}
+            }
+            self.local.pop_front();
+            self.complete(i);
+            progressed = true;
+        }
+        if progressed {
+            self.sends.retain(|(_, q)| !q.is_empty());
+            self.recvs.retain(|(_, q)| !q.is_empty());
+        }
+        Ok(progressed)
+    }
+
+    /// Checks made while idle: abort, and liveness of the peers we wait for.
+    fn check(&mut self) -> Result<()> {
+        if self.comm.abort.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage("communicator aborted"));
+        }
+        for &(peer, _) in &self.sends {
+            self.conns.send_mut(peer)?.check().map_err(|e| e.context(self.comm.describe_peer(peer)))?;
+        }
+        for &(peer, _) in &self.recvs {
+            self.conns.recv_mut(peer)?.check().map_err(|e| e.context(self.comm.describe_peer(peer)))?;
+        }
+        Ok(())
+    }
+
+    fn finished(&self) -> bool {
+        self.remaining == 0
+    }
+
+    /// The peers this job still waits on (for error messages).
+    fn waiting_on(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.sends.iter().chain(self.recvs.iter()).map(|(p, _)| *p).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+const SPIN: u32 = 256;
+const YIELD_FOR: Duration = Duration::from_millis(2);
+const NAP: Duration = Duration::from_micros(50);
+const CHECK_EVERY: Duration = Duration::from_millis(100);
+
+/// Run jobs to completion. On error, the index of the job that failed comes with it.
+pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
+    let mut idle_since: Option<Instant> = None;
+    let mut spins = 0u32;
+    let mut last_check = Instant::now();
+    loop {
+        let mut progressed = false;
+        let mut all_done = true;
+        for (j, job) in jobs.iter_mut().enumerate() {
+            if job.finished() {
+                continue;
+            }
+            progressed |= job.poll().map_err(|e| (j, e))?;
+            all_done &= job.finished();
+        }
+        if all_done {
+            return Ok(());
+        }
+        if progressed {
+            idle_since = None;
+            spins = 0;
+            continue;
+        }
+        let since = *idle_since.get_or_insert_with(Instant::now);
+        if last_check.elapsed() >= CHECK_EVERY {
+            last_check = Instant::now();
+            for (j, job) in jobs.iter_mut().enumerate() {
+                if !job.finished() {
+                    job.check().map_err(|e| (j, e))?;
+                }
+            }
+        }
+        if spins < SPIN {
+            spins += 1;
+            std::hint::spin_loop();
+        } else if since.elapsed() < YIELD_FOR {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(NAP);
+        }
+    }
+}
+
+/// Who a failed job was waiting for, to name them in the error.
+pub fn waiting_on(job: &Job<'_>) -> Vec<usize> {
+    job.waiting_on()
+}

@@ -1,0 +1,52 @@
+//! Ranks of one process: a ring in anonymous shared memory, handed from the sending
+//! communicator to the receiving one through a process-wide rendezvous table.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use super::ring::{ring_bytes, Mapping, RingRecv, RingSend};
+use super::Kind;
+use crate::error::{Error, Result};
+
+type Key = (u64, usize, usize);
+
+struct Table {
+    rings: Mutex<HashMap<Key, Arc<Mapping>>>,
+    posted: Condvar,
+}
+
+fn table() -> &'static Table {
+    static T: OnceLock<Table> = OnceLock::new();
+    T.get_or_init(|| Table { rings: Mutex::new(HashMap::new()), posted: Condvar::new() })
+}
+
+pub fn offer(hash: u64, from: usize, to: usize, slice: usize) -> Result<RingSend> {
+    let map = Arc::new(Mapping::new(ring_bytes(slice), None)?);
+    let t = table();
+    t.rings.lock().unwrap_or_else(|p| p.into_inner()).insert((hash, from, to), map.clone());
+    t.posted.notify_all();
+    Ok(RingSend::new(map, slice, Kind::Local, None))
+}
+
+pub fn accept(hash: u64, from: usize, to: usize, slice: usize, deadline: Instant, abort: &AtomicBool) -> Result<RingRecv> {
+    let t = table();
+    let mut rings = t.rings.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        if let Some(map) = rings.remove(&(hash, from, to)) {
+            return Ok(RingRecv::new(map, slice, Kind::Local, None));
+        }
+        if abort.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage("communicator aborted while connecting"));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::remote(format!("rank {from} (same process) never connected to rank {to}")));
+        }
+        rings = match t.posted.wait_timeout(rings, (deadline - now).min(Duration::from_millis(100))) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+    }
+}

@@ -1,0 +1,151 @@
+//! Moving messages between two ranks. One [`SendConn`]/[`RecvConn`] pair per direction and
+//! peer, chosen per pair in priority order — `local` (ranks of one process), `shm` (processes
+//! of one host), `socket` (anything else) — honouring `NCCL_P2P_DISABLE` and `NCCL_SHM_DISABLE`.
+//!
+//! A message is at most one slice (the communicator's `slice` bytes) and carries a tag, the
+//! fingerprint of the operation it belongs to, so a receiver detects a peer that is running a
+//! different operation instead of reading garbage. Connections are made lazily, in two phases
+//! so one thread can connect many ranks of a process: every sender first *offers* (creates the
+//! buffer or dials the socket, which never waits for the receiver), then receivers *accept*.
+
+pub mod local;
+pub mod ring;
+pub mod shm;
+pub mod socket;
+
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use crate::bootstrap::{PeerInfo, Service};
+use crate::device::host::Region;
+use crate::error::{Error, Result};
+use crate::params;
+
+/// The sending half of a connection to one peer.
+pub trait SendConn: Send {
+    /// Try to send `src` as one message. `Ok(true)`: all of it was accepted and `src` may be
+    /// reused. `Ok(false)`: no room now; call again with the same message (partial progress is
+    /// kept inside).
+    fn try_send(&mut self, src: Region, tag: u32) -> Result<bool>;
+    /// Is the peer still there? Called while waiting.
+    fn check(&mut self) -> Result<()>;
+    fn kind(&self) -> Kind;
+}
+
+/// The receiving half of a connection to one peer.
+pub trait RecvConn: Send {
+    /// If the next message has fully arrived, hand its bytes to `deliver` and consume it.
+    /// Its length and tag must be `len` and `tag`: anything else means the peer is running a
+    /// different operation, which is an error.
+    fn try_recv(&mut self, len: usize, tag: u32, deliver: &mut dyn FnMut(&[u8])) -> Result<bool>;
+    fn check(&mut self) -> Result<()>;
+    fn kind(&self) -> Kind;
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Local,
+    Shm,
+    Socket,
+}
+
+/// Which transport connects `me` and `peer` (both sides compute the same answer).
+pub fn choose(me: &PeerInfo, peer: &PeerInfo) -> Kind {
+    if me.same_process(peer) && !params::p2p_disable() {
+        Kind::Local
+    } else if me.same_host(peer) && !params::shm_disable() {
+        Kind::Shm
+    } else {
+        Kind::Socket
+    }
+}
+
+/// One communicator's connections, by peer.
+pub struct Conns {
+    send: Vec<Option<Box<dyn SendConn>>>,
+    recv: Vec<Option<Box<dyn RecvConn>>>,
+}
+
+impl Conns {
+    pub fn new(n: usize) -> Conns {
+        Conns { send: (0..n).map(|_| None).collect(), recv: (0..n).map(|_| None).collect() }
+    }
+    pub fn has_send(&self, peer: usize) -> bool {
+        self.send.get(peer).is_some_and(|c| c.is_some())
+    }
+    pub fn has_recv(&self, peer: usize) -> bool {
+        self.recv.get(peer).is_some_and(|c| c.is_some())
+    }
+    pub fn send_mut(&mut self, peer: usize) -> Result<&mut dyn SendConn> {
+        match self.send.get_mut(peer) {
+            Some(Some(c)) => Ok(c.as_mut()),
+            _ => Err(Error::internal(format!("no send connection to rank {peer}"))),
+        }
+    }
+    pub fn recv_mut(&mut self, peer: usize) -> Result<&mut dyn RecvConn> {
+        match self.recv.get_mut(peer) {
+            Some(Some(c)) => Ok(c.as_mut()),
+            _ => Err(Error::internal(format!("no receive connection from rank {peer}"))),
+        }
+    }
+    pub fn close_all(&mut self) {
+        self.send.iter_mut().for_each(|c| *c = None);
+        self.recv.iter_mut().for_each(|c| *c = None);
+    }
+}
+
+/// What connecting needs to know about the communicator.
+pub struct Ctx<'a> {
+    pub rank: usize,
+    pub hash: u64,
+    pub peers: &'a [PeerInfo],
+    pub service: &'a Service,
+    pub slice: usize,
+    pub abort: &'a AtomicBool,
+    pub deadline: Instant,
+}
+
+/// Bootstrap tags used while connecting.
+const TAG_SHM: u32 = 0x5348_4d00;
+const TAG_SOCKET: u32 = 0x534f_4b00;
+
+/// Phase 1: create the sending side towards `peer`.
+pub fn offer(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
+    if conns.has_send(peer) {
+        return Ok(());
+    }
+    let me = &ctx.peers[ctx.rank];
+    let other = &ctx.peers[peer];
+    let conn: Box<dyn SendConn> = match choose(me, other) {
+        Kind::Local => Box::new(local::offer(ctx.hash, ctx.rank, peer, ctx.slice)?),
+        Kind::Shm => {
+            let (conn, name) = shm::create(ctx.hash, ctx.rank, peer, ctx.slice, other.pid)?;
+            ctx.service.send(peer, TAG_SHM, name.as_bytes())?;
+            Box::new(conn)
+        }
+        Kind::Socket => Box::new(socket::SocketSend::new(ctx.service.connect_data(peer, TAG_SOCKET)?, peer)?),
+    };
+    crate::info!(INIT, "rank {} -> rank {} via {:?}", ctx.rank, peer, conn.kind());
+    conns.send[peer] = Some(conn);
+    Ok(())
+}
+
+/// Phase 2: take the receiving side from `peer` (waits for its offer, bounded).
+pub fn accept(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
+    if conns.has_recv(peer) {
+        return Ok(());
+    }
+    let me = &ctx.peers[ctx.rank];
+    let other = &ctx.peers[peer];
+    let conn: Box<dyn RecvConn> = match choose(me, other) {
+        Kind::Local => Box::new(local::accept(ctx.hash, peer, ctx.rank, ctx.slice, ctx.deadline, ctx.abort)?),
+        Kind::Shm => {
+            let name = ctx.service.recv(peer, TAG_SHM, ctx.deadline, ctx.abort)?;
+            Box::new(shm::open(&String::from_utf8_lossy(&name), ctx.slice, other.pid)?)
+        }
+        Kind::Socket => Box::new(socket::SocketRecv::new(
+            ctx.service.accept_data(peer, TAG_SOCKET, ctx.deadline, ctx.abort)?, peer, ctx.slice)?),
+    };
+    conns.recv[peer] = Some(conn);
+    Ok(())
+}

@@ -1,0 +1,234 @@
+//! A single-producer single-consumer ring of message slots in memory both sides map: the
+//! shared-memory transport between processes and the local transport inside one process.
+//!
+//! Layout: `head` (consumer count) and `tail` (producer count) on their own cache lines, the
+//! two "closed" flags, one 8-byte header per slot (length, tag), then the slots. The producer
+//! writes a slot and its header, then publishes with a release store of `tail`; the consumer
+//! reads after an acquire load of `tail` and frees the slot with a release store of `head`.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::Kind;
+use crate::device::host::Region;
+use crate::error::{Error, Result};
+
+pub const SLOTS: usize = 8;
+const HEAD: usize = 0;
+const TAIL: usize = 64;
+const SENDER_CLOSED: usize = 128;
+const RECEIVER_CLOSED: usize = 132;
+const HEADERS: usize = 192;
+const DATA: usize = 4096;
+
+pub fn ring_bytes(slice: usize) -> usize {
+    DATA + SLOTS * slice
+}
+
+/// A mapping of `len` bytes (anonymous or of a shared-memory file), unmapped on drop.
+pub struct Mapping {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; all cross-thread access goes through atomics
+// (head/tail/flags) that order the plain slot accesses.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Map `len` bytes of `fd` (or anonymous shared memory when `fd` is None).
+    pub fn new(len: usize, fd: Option<i32>) -> Result<Mapping> {
+        let (flags, fd) = match fd {
+            Some(fd) => (libc::MAP_SHARED, fd),
+            None => (libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1),
+        };
+        // SAFETY: a fresh mapping at an address of the kernel's choosing; checked for failure.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(Error::os(format!("mmap of {len} bytes"), std::io::Error::last_os_error()));
+        }
+        Ok(Mapping { base: p.cast(), len })
+    }
+
+    fn atomic_u64(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off + 8 <= self.len && off % 8 == 0);
+        // SAFETY: in bounds, 8-aligned (page-aligned base), lives as long as &self.
+        unsafe { &*(self.base.add(off) as *const AtomicU64) }
+    }
+
+    fn atomic_u32(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off + 4 <= self.len && off % 4 == 0);
+        // SAFETY: in bounds, 4-aligned, lives as long as &self.
+        unsafe { &*(self.base.add(off) as *const AtomicU32) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: base/len are exactly what mmap returned; nothing uses the memory after drop.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// Is process `pid` still alive (same host)?
+pub fn pid_alive(pid: u32) -> bool {
+    // SAFETY: kill with signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+pub struct RingSend {
+    map: Arc<Mapping>,
+    slice: usize,
+    tail: u64,
+    kind: Kind,
+    /// The receiver's process, for liveness checks (None inside one process).
+    peer_pid: Option<u32>,
+}
+
+pub struct RingRecv {
+    map: Arc<Mapping>,
+    slice: usize,
+    head: u64,
+    kind: Kind,
+    peer_pid: Option<u32>,
+}
+
+impl RingSend {
+    pub fn new(map: Arc<Mapping>, slice: usize, kind: Kind, peer_pid: Option<u32>) -> RingSend {
+        RingSend { map, slice, tail: 0, kind, peer_pid }
+    }
+}
+
+impl RingRecv {
+    pub fn new(map: Arc<Mapping>, slice: usize, kind: Kind, peer_pid: Option<u32>) -> RingRecv {
+        RingRecv { map, slice, head: 0, kind, peer_pid }
+    }
+}
+
+fn check_pid(pid: Option<u32>) -> Result<()> {
+    match pid {
+        Some(p) if !pid_alive(p) => Err(Error::remote(format!("peer process {p} exited"))),
+        _ => Ok(()),
+    }
+}
+
+impl super::SendConn for RingSend {
+    fn try_send(&mut self, src: Region, tag: u32) -> Result<bool> {
+        if src.len() > self.slice {
+            return Err(Error::internal(format!("message of {} bytes exceeds the slot size {}", src.len(), self.slice)));
+        }
+        let head = self.map.atomic_u64(HEAD).load(Ordering::Acquire);
+        if self.tail - head >= SLOTS as u64 {
+            if self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0 {
+                return Err(Error::remote("the receiving rank closed its connection"));
+            }
+            return Ok(false);
+        }
+        let slot = (self.tail % SLOTS as u64) as usize;
+        // SAFETY: the slot is free (tail - head < SLOTS) so only we touch it until we publish;
+        // slot and header lie inside the mapping (ring_bytes). src is a valid region.
+        unsafe {
+            let dst = self.map.base.add(DATA + slot * self.slice);
+            std::ptr::copy_nonoverlapping(src.addr() as *const u8, dst, src.len());
+            let hdr = self.map.base.add(HEADERS + slot * 8) as *mut u32;
+            hdr.write_volatile(src.len() as u32);
+            hdr.add(1).write_volatile(tag);
+        }
+        self.tail += 1;
+        self.map.atomic_u64(TAIL).store(self.tail, Ordering::Release);
+        Ok(true)
+    }
+    fn check(&mut self) -> Result<()> {
+        check_pid(self.peer_pid)
+    }
+    fn kind(&self) -> Kind {
+        self.kind
+    }
+}
+
+impl super::RecvConn for RingRecv {
+    fn try_recv(&mut self, len: usize, tag: u32, deliver: &mut dyn FnMut(&[u8])) -> Result<bool> {
+        let tail = self.map.atomic_u64(TAIL).load(Ordering::Acquire);
+        if tail == self.head {
+            if self.map.atomic_u32(SENDER_CLOSED).load(Ordering::Acquire) != 0 {
+                return Err(Error::remote("the sending rank closed its connection"));
+            }
+            return Ok(false);
+        }
+        let slot = (self.head % SLOTS as u64) as usize;
+        // SAFETY: head < tail: the producer published this slot (acquire above) and will not
+        // touch it until we advance head. Bounds as in try_send.
+        let (got_len, got_tag, data) = unsafe {
+            let hdr = self.map.base.add(HEADERS + slot * 8) as *const u32;
+            let l = hdr.read_volatile() as usize;
+            let t = hdr.add(1).read_volatile();
+            let n = l.min(self.slice);
+            (l, t, std::slice::from_raw_parts(self.map.base.add(DATA + slot * self.slice), n))
+        };
+        if got_len != len || got_tag != tag {
+            return Err(Error::invalid_usage(format!(
+                "received a message of {got_len} bytes for operation {got_tag:#010x} while expecting {len} bytes for \
+                 operation {tag:#010x}: the ranks issued different operations"
+            )));
+        }
+        deliver(data);
+        self.head += 1;
+        self.map.atomic_u64(HEAD).store(self.head, Ordering::Release);
+        Ok(true)
+    }
+    fn check(&mut self) -> Result<()> {
+        check_pid(self.peer_pid)
+    }
+    fn kind(&self) -> Kind {
+        self.kind
+    }
+}
+
+impl Drop for RingSend {
+    fn drop(&mut self) {
+        self.map.atomic_u32(SENDER_CLOSED).store(1, Ordering::Release);
+    }
+}
+
+impl Drop for RingRecv {
+    fn drop(&mut self) {
+        self.map.atomic_u32(RECEIVER_CLOSED).store(1, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{RecvConn, SendConn};
+    use super::*;
+
+    #[test]
+    fn messages_flow_in_order_and_fill_up() {
+        let slice = 64;
+        let map = Arc::new(Mapping::new(ring_bytes(slice), None).unwrap());
+        let mut tx = RingSend::new(map.clone(), slice, Kind::Local, None);
+        let mut rx = RingRecv::new(map, slice, Kind::Local, None);
+        let mut bufs: Vec<Vec<u8>> = (0..SLOTS + 1).map(|i| vec![i as u8; 10]).collect();
+        for b in bufs.iter_mut().take(SLOTS) {
+            assert!(tx.try_send(Region::owned(b), 7).unwrap());
+        }
+        assert!(!tx.try_send(Region::owned(&mut bufs[SLOTS]), 7).unwrap(), "ring must be full");
+        let mut got = Vec::new();
+        assert!(rx.try_recv(10, 7, &mut |d| got.extend_from_slice(d)).unwrap());
+        assert_eq!(got, vec![0u8; 10]);
+        assert!(tx.try_send(Region::owned(&mut bufs[SLOTS]), 7).unwrap());
+        let err = rx.try_recv(11, 7, &mut |_| {}).unwrap_err();
+        assert!(err.msg.contains("different operations"), "{}", err.msg);
+    }
+
+    #[test]
+    fn closed_sender_is_reported() {
+        let map = Arc::new(Mapping::new(ring_bytes(64), None).unwrap());
+        let tx = RingSend::new(map.clone(), 64, Kind::Local, None);
+        let mut rx = RingRecv::new(map, 64, Kind::Local, None);
+        drop(tx);
+        assert!(rx.try_recv(1, 0, &mut |_| {}).is_err());
+    }
+}

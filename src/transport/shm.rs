@@ -1,0 +1,80 @@
+//! Processes of one host: a ring in a `/dev/shm` file. The sender creates and maps the file
+//! and tells the receiver its name; the receiver maps it and unlinks it at once, so no file
+//! outlives the connection even if both processes crash afterwards. A sender whose receiver
+//! never came unlinks its file when the connection is dropped.
+
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use super::ring::{ring_bytes, Mapping, RingRecv, RingSend};
+use super::{Kind, SendConn};
+use crate::device::host::Region;
+use crate::error::{Error, Result};
+
+pub const PREFIX: &str = "nccl-rs-";
+
+/// The sending side; unlinks its file on drop (harmless if the receiver already did).
+pub struct ShmSend {
+    ring: RingSend,
+    path: String,
+}
+
+impl SendConn for ShmSend {
+    fn try_send(&mut self, src: Region, tag: u32) -> Result<bool> {
+        self.ring.try_send(src, tag)
+    }
+    fn check(&mut self) -> Result<()> {
+        self.ring.check()
+    }
+    fn kind(&self) -> Kind {
+        Kind::Shm
+    }
+}
+
+impl Drop for ShmSend {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+pub fn create(hash: u64, from: usize, to: usize, slice: usize, peer_pid: u32) -> Result<(ShmSend, String)> {
+    let name = format!("{PREFIX}{hash:016x}-{from}-{to}-{}", std::process::id());
+    let path = format!("/dev/shm/{name}");
+    let len = ring_bytes(slice);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(|e| Error::os(format!("shm: create {path}"), e))?;
+    let mapped = file.set_len(len as u64).map_err(|e| Error::os(format!("shm: size {path}"), e))
+        .and_then(|_| Mapping::new(len, Some(file.as_raw_fd())));
+    let map = match mapped {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+    };
+    let ring = RingSend::new(Arc::new(map), slice, Kind::Shm, Some(peer_pid));
+    Ok((ShmSend { ring, path }, name))
+}
+
+pub fn open(name: &str, slice: usize, peer_pid: u32) -> Result<RingRecv> {
+    if !name.starts_with(PREFIX) || name.contains('/') {
+        return Err(Error::system(format!("shm: refusing segment name '{name}'")));
+    }
+    let path = format!("/dev/shm/{name}");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::os(format!("shm: open {path}"), e))?;
+    let len = ring_bytes(slice);
+    let actual = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let map = if actual as usize == len { Mapping::new(len, Some(file.as_raw_fd())) } else {
+        Err(Error::system(format!("shm: {path} has {actual} bytes, expected {len}")))
+    };
+    let _ = std::fs::remove_file(&path);
+    Ok(RingRecv::new(Arc::new(map?), slice, Kind::Shm, Some(peer_pid)))
+}

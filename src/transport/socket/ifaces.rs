@@ -1,0 +1,157 @@
+//! Which network interfaces and addresses to use, as NCCL chooses them: `NCCL_SOCKET_IFNAME`
+//! (comma-separated prefixes, `^` to exclude, `=` for exact names) and `NCCL_SOCKET_FAMILY`.
+//! Without a setting: every interface that is up except loopback and docker bridges, and
+//! loopback only when nothing else exists.
+
+use std::ffi::CStr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use crate::params;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Iface {
+    pub name: String,
+    pub addr: IpAddr,
+    /// IPv6 scope (link-local addresses need it to connect).
+    pub scope_id: u32,
+}
+
+/// A parsed `NCCL_SOCKET_IFNAME`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IfFilter {
+    exclude: bool,
+    exact: bool,
+    names: Vec<String>,
+}
+
+impl IfFilter {
+    pub fn parse(spec: &str) -> IfFilter {
+        let mut s = spec.trim();
+        let exclude = s.starts_with('^');
+        if exclude {
+            s = &s[1..];
+        }
+        let exact = s.starts_with('=');
+        if exact {
+            s = &s[1..];
+        }
+        let names = s.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect();
+        IfFilter { exclude, exact, names }
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        let hit = self.names.iter().any(|n| if self.exact { name == n } else { name.starts_with(n.as_str()) });
+        hit != self.exclude
+    }
+}
+
+/// Every address of every interface that is up: (name, address, scope).
+fn all_addresses() -> Vec<Iface> {
+    let mut out = Vec::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free with freeifaddrs below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return out;
+    }
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: cur is a node of the list getifaddrs returned and we have not freed it.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() || ifa.ifa_flags & libc::IFF_UP as u32 == 0 {
+            continue;
+        }
+        // SAFETY: ifa_name is a NUL-terminated string owned by the list.
+        let name = unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
+        // SAFETY: ifa_addr is non-NULL; sa_family says which sockaddr type it really is.
+        let family = unsafe { (*ifa.ifa_addr).sa_family } as i32;
+        if family == libc::AF_INET {
+            // SAFETY: family AF_INET means ifa_addr points to a sockaddr_in.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            let ip = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+            out.push(Iface { name, addr: IpAddr::V4(ip), scope_id: 0 });
+        } else if family == libc::AF_INET6 {
+            // SAFETY: family AF_INET6 means ifa_addr points to a sockaddr_in6.
+            let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+            let ip = Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+            out.push(Iface { name, addr: IpAddr::V6(ip), scope_id: sin6.sin6_scope_id });
+        }
+    }
+    // SAFETY: head came from getifaddrs and is freed exactly once.
+    unsafe { libc::freeifaddrs(head) };
+    out
+}
+
+fn family_ok(addr: &IpAddr, family: Option<&str>) -> bool {
+    match family {
+        Some("AF_INET") => addr.is_ipv4(),
+        Some("AF_INET6") => addr.is_ipv6(),
+        _ => true,
+    }
+}
+
+/// Choose interfaces from a list, NCCL's way (pure, for tests).
+pub fn choose(all: &[Iface], ifname: Option<&str>, family: Option<&str>) -> Vec<Iface> {
+    let ok = |i: &&Iface| family_ok(&i.addr, family);
+    if let Some(spec) = ifname {
+        let f = IfFilter::parse(spec);
+        return all.iter().filter(ok).filter(|i| f.matches(&i.name)).cloned().collect();
+    }
+    let default = IfFilter::parse("^docker,lo");
+    let mut picked: Vec<Iface> = all.iter().filter(ok).filter(|i| default.matches(&i.name)).cloned().collect();
+    // Prefer IPv4, and avoid IPv6 link-local addresses unless nothing else exists.
+    picked.sort_by_key(|i| match i.addr {
+        IpAddr::V4(_) => 0,
+        IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80 => 2,
+        IpAddr::V6(_) => 1,
+    });
+    if picked.is_empty() {
+        picked = all.iter().filter(ok).filter(|i| i.name.starts_with("lo")).cloned().collect();
+    }
+    picked
+}
+
+/// The interfaces this process uses for bootstrap and sockets, best first.
+pub fn interfaces() -> Vec<Iface> {
+    let ifname = params::raw("NCCL_SOCKET_IFNAME");
+    let family = params::raw("NCCL_SOCKET_FAMILY");
+    choose(&all_addresses(), ifname.as_deref(), family.as_deref())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v4(name: &str, a: [u8; 4]) -> Iface {
+        Iface { name: name.into(), addr: IpAddr::V4(Ipv4Addr::from(a)), scope_id: 0 }
+    }
+
+    #[test]
+    fn filter_syntax() {
+        assert!(IfFilter::parse("eth,ib").matches("eth0"));
+        assert!(!IfFilter::parse("eth,ib").matches("lo"));
+        assert!(IfFilter::parse("^eth").matches("ib0"));
+        assert!(!IfFilter::parse("^eth").matches("eth1"));
+        assert!(IfFilter::parse("=eth0").matches("eth0"));
+        assert!(!IfFilter::parse("=eth0").matches("eth01"));
+        assert!(!IfFilter::parse("^=eth0").matches("eth0"));
+        assert!(IfFilter::parse("^=eth0").matches("eth01"));
+    }
+
+    #[test]
+    fn default_skips_loopback_and_docker_unless_alone() {
+        let all = vec![v4("lo", [127, 0, 0, 1]), v4("docker0", [172, 17, 0, 1]), v4("eth0", [10, 0, 0, 2])];
+        let c = choose(&all, None, None);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].name, "eth0");
+        let only_lo = vec![v4("lo", [127, 0, 0, 1])];
+        assert_eq!(choose(&only_lo, None, None)[0].name, "lo");
+        assert_eq!(choose(&all, Some("lo"), None)[0].name, "lo");
+        assert!(choose(&all, None, Some("AF_INET6")).is_empty() || choose(&all, None, Some("AF_INET6"))[0].addr.is_ipv6());
+    }
+
+    #[test]
+    fn this_machine_has_some_interface() {
+        assert!(!interfaces().is_empty());
+    }
+}
