@@ -41,6 +41,7 @@ ctypes! {
     *mut c_int => "int*",
     *const c_int => "const int*",
     *mut i8 => "int8_t*", *mut i16 => "int16_t*", *mut i64 => "int64_t*",
+    *mut int32_t => "int32_t*",
     *mut u8 => "uint8_t*", *mut u16 => "uint16_t*", *mut u32 => "uint32_t*", *mut u64 => "uint64_t*",
     *mut usize => "size_t*",
     ncclResult_t => "ncclResult_t",

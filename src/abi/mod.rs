@@ -29,6 +29,9 @@ pub mod rma;
 
 pub use types::*;
 
+#[cfg(test)]
+mod drift;
+
 /// The last error message, process-wide as in NCCL; a NUL-terminated copy lives here so the
 /// pointer `ncclGetLastError` returns stays valid until the next error.
 static LAST_ERROR: Mutex<Vec<u8>> = Mutex::new(Vec::new());

@@ -57,7 +57,7 @@ export! {
     }
     fn ncclParamGetI8(h: ncclParamHandle_t, out: *mut i8) { write_out(out, "out", int_value(h)?) }
     fn ncclParamGetI16(h: ncclParamHandle_t, out: *mut i16) { write_out(out, "out", int_value(h)?) }
-    fn ncclParamGetI32(h: ncclParamHandle_t, out: *mut c_int) { write_out(out, "out", int_value(h)?) }
+    fn ncclParamGetI32(h: ncclParamHandle_t, out: *mut int32_t) { write_out(out, "out", int32_t(int_value(h)?)) }
     fn ncclParamGetI64(h: ncclParamHandle_t, out: *mut i64) { write_out(out, "out", int_value(h)?) }
     fn ncclParamGetU8(h: ncclParamHandle_t, out: *mut u8) { write_out(out, "out", int_value(h)?) }
     fn ncclParamGetU16(h: ncclParamHandle_t, out: *mut u16) { write_out(out, "out", int_value(h)?) }

@@ -64,6 +64,11 @@ pub struct CUevent_st {
 }
 pub type cudaEvent_t = *mut CUevent_st;
 
+/// `int32_t`, spelled apart from `int` so the drift test sees the header's exact type.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct int32_t(pub i32);
+
 pub const NCCL_UNIQUE_ID_BYTES: usize = 128;
 
 #[repr(C)]

@@ -43,18 +43,54 @@ macro_rules! dispatch {
     ($dt:expr, int $I:ident => $int:expr, float $F:ident => $float:expr,
      narrow $N:ident => $narrow:expr) => {
         match $dt {
-            DataType::Int8 => { type $I = i8; $int }
-            DataType::Uint8 => { type $I = u8; $int }
-            DataType::Int32 => { type $I = i32; $int }
-            DataType::Uint32 => { type $I = u32; $int }
-            DataType::Int64 => { type $I = i64; $int }
-            DataType::Uint64 => { type $I = u64; $int }
-            DataType::Float32 => { type $F = f32; $float }
-            DataType::Float64 => { type $F = f64; $float }
-            DataType::Float16 => { type $N = F16; $narrow }
-            DataType::Bfloat16 => { type $N = Bf16; $narrow }
-            DataType::Float8e4m3 => { type $N = E4m3; $narrow }
-            DataType::Float8e5m2 => { type $N = E5m2; $narrow }
+            DataType::Int8 => {
+                type $I = i8;
+                $int
+            }
+            DataType::Uint8 => {
+                type $I = u8;
+                $int
+            }
+            DataType::Int32 => {
+                type $I = i32;
+                $int
+            }
+            DataType::Uint32 => {
+                type $I = u32;
+                $int
+            }
+            DataType::Int64 => {
+                type $I = i64;
+                $int
+            }
+            DataType::Uint64 => {
+                type $I = u64;
+                $int
+            }
+            DataType::Float32 => {
+                type $F = f32;
+                $float
+            }
+            DataType::Float64 => {
+                type $F = f64;
+                $float
+            }
+            DataType::Float16 => {
+                type $N = F16;
+                $narrow
+            }
+            DataType::Bfloat16 => {
+                type $N = Bf16;
+                $narrow
+            }
+            DataType::Float8e4m3 => {
+                type $N = E4m3;
+                $narrow
+            }
+            DataType::Float8e5m2 => {
+                type $N = E5m2;
+                $narrow
+            }
         }
     };
 }
@@ -80,28 +116,31 @@ pub unsafe fn reduce(dt: DataType, op: ElemOp, dst: *mut u8, a: *const u8, b: *c
         return;
     }
     // SAFETY (all arms): our caller's contract is exactly the one map2 and Narrow::map2 need.
-    with_best_simd(#[inline(always)] || unsafe {
-        dispatch!(dt,
-            int I => match op {
-                ElemOp::Sum => map2(dst, a, b, n, I::wrapping_add),
-                ElemOp::Prod => map2(dst, a, b, n, I::wrapping_mul),
-                ElemOp::Max => map2(dst, a, b, n, I::max),
-                ElemOp::Min => map2(dst, a, b, n, I::min),
-            },
-            float F => match op {
-                ElemOp::Sum => map2(dst, a, b, n, |x: F, y: F| x + y),
-                ElemOp::Prod => map2(dst, a, b, n, |x: F, y: F| x * y),
-                ElemOp::Max => map2(dst, a, b, n, F::fmax),
-                ElemOp::Min => map2(dst, a, b, n, F::fmin),
-            },
-            narrow N => match op {
-                ElemOp::Sum => N::map2(dst, a, b, n, |x, y| x + y),
-                ElemOp::Prod => N::map2(dst, a, b, n, |x, y| x * y),
-                ElemOp::Max => N::map2(dst, a, b, n, f32::fmax),
-                ElemOp::Min => N::map2(dst, a, b, n, f32::fmin),
-            }
-        )
-    })
+    with_best_simd(
+        #[inline(always)]
+        || unsafe {
+            dispatch!(dt,
+                int I => match op {
+                    ElemOp::Sum => map2(dst, a, b, n, I::wrapping_add),
+                    ElemOp::Prod => map2(dst, a, b, n, I::wrapping_mul),
+                    ElemOp::Max => map2(dst, a, b, n, I::max),
+                    ElemOp::Min => map2(dst, a, b, n, I::min),
+                },
+                float F => match op {
+                    ElemOp::Sum => map2(dst, a, b, n, |x: F, y: F| x + y),
+                    ElemOp::Prod => map2(dst, a, b, n, |x: F, y: F| x * y),
+                    ElemOp::Max => map2(dst, a, b, n, F::fmax),
+                    ElemOp::Min => map2(dst, a, b, n, F::fmin),
+                },
+                narrow N => match op {
+                    ElemOp::Sum => N::map2(dst, a, b, n, |x, y| x + y),
+                    ElemOp::Prod => N::map2(dst, a, b, n, |x, y| x * y),
+                    ElemOp::Max => N::map2(dst, a, b, n, f32::fmax),
+                    ElemOp::Min => N::map2(dst, a, b, n, f32::fmin),
+                }
+            )
+        },
+    )
 }
 
 /// dst[i] = src[i] * scalar (PreMulSum's local pre-multiplication), `scalar` read as one
@@ -115,22 +154,25 @@ pub unsafe fn premul(dt: DataType, dst: *mut u8, src: *const u8, scalar: Scalar,
         return;
     }
     // SAFETY (all arms): our caller's contract is exactly the one map1 and Narrow::map1 need.
-    with_best_simd(#[inline(always)] || unsafe {
-        dispatch!(dt,
-            int I => {
-                let s = I::from_scalar(scalar);
-                map1(dst, src, n, |x: I| x.wrapping_mul(s))
-            },
-            float F => {
-                let s = F::from_scalar(scalar);
-                map1(dst, src, n, |x: F| x * s)
-            },
-            narrow N => {
-                let s = N::widen(<N as Narrow>::Bits::from_scalar(scalar));
-                N::map1(dst, src, n, |x| x * s)
-            }
-        )
-    })
+    with_best_simd(
+        #[inline(always)]
+        || unsafe {
+            dispatch!(dt,
+                int I => {
+                    let s = I::from_scalar(scalar);
+                    map1(dst, src, n, |x: I| x.wrapping_mul(s))
+                },
+                float F => {
+                    let s = F::from_scalar(scalar);
+                    map1(dst, src, n, |x: F| x * s)
+                },
+                narrow N => {
+                    let s = N::widen(<N as Narrow>::Bits::from_scalar(scalar));
+                    N::map1(dst, src, n, |x| x * s)
+                }
+            )
+        },
+    )
 }
 
 /// dst[i] = src[i] / divisor (ncclAvg's finishing step after a sum).
@@ -151,23 +193,26 @@ pub unsafe fn divide(dt: DataType, dst: *mut u8, src: *const u8, divisor: u64, n
     }
     let divisor = divisor.max(1);
     // SAFETY (all arms): our caller's contract is exactly the one map1 and Narrow::map1 need.
-    with_best_simd(#[inline(always)] || unsafe {
-        dispatch!(dt,
-            int I => match I::try_from(divisor) {
-                Ok(d) => map1(dst, src, n, |x: I| x / d),
-                // |x| < divisor, except the signed minimum when divisor is its magnitude.
-                Err(_) => map1(dst, src, n, |x: I| (i128::from(x) / i128::from(divisor)) as I),
-            },
-            float F => {
-                let d = divisor as F;
-                map1(dst, src, n, |x: F| x / d)
-            },
-            narrow N => {
-                let d = divisor as f32;
-                N::map1(dst, src, n, |x| x / d)
-            }
-        )
-    })
+    with_best_simd(
+        #[inline(always)]
+        || unsafe {
+            dispatch!(dt,
+                int I => match I::try_from(divisor) {
+                    Ok(d) => map1(dst, src, n, |x: I| x / d),
+                    // |x| < divisor, except the signed minimum when divisor is its magnitude.
+                    Err(_) => map1(dst, src, n, |x: I| (i128::from(x) / i128::from(divisor)) as I),
+                },
+                float F => {
+                    let d = divisor as F;
+                    map1(dst, src, n, |x: F| x / d)
+                },
+                narrow N => {
+                    let d = divisor as f32;
+                    N::map1(dst, src, n, |x| x / d)
+                }
+            )
+        },
+    )
 }
 
 /// Build a Scalar (8 bytes, little-endian, the datatype's own encoding, unused bytes zero) from
@@ -622,18 +667,24 @@ mod tests {
 
     fn reference(dt: DataType, op: ElemOp, x: Val, y: Val) -> Val {
         match (x, y) {
-            (Val::Int(x), Val::Int(y)) => Val::Int(wrap(dt, match op {
-                ElemOp::Sum => x + y,
-                ElemOp::Prod => x.wrapping_mul(y),
-                ElemOp::Max => x.max(y),
-                ElemOp::Min => x.min(y),
-            })),
-            (Val::Float(x), Val::Float(y)) => Val::Float(round(dt, match op {
-                ElemOp::Sum => x + y,
-                ElemOp::Prod => x * y,
-                ElemOp::Max => ref_max(x, y),
-                ElemOp::Min => ref_min(x, y),
-            })),
+            (Val::Int(x), Val::Int(y)) => Val::Int(wrap(
+                dt,
+                match op {
+                    ElemOp::Sum => x + y,
+                    ElemOp::Prod => x.wrapping_mul(y),
+                    ElemOp::Max => x.max(y),
+                    ElemOp::Min => x.min(y),
+                },
+            )),
+            (Val::Float(x), Val::Float(y)) => Val::Float(round(
+                dt,
+                match op {
+                    ElemOp::Sum => x + y,
+                    ElemOp::Prod => x * y,
+                    ElemOp::Max => ref_max(x, y),
+                    ElemOp::Min => ref_min(x, y),
+                },
+            )),
             _ => unreachable!(),
         }
     }
@@ -677,10 +728,41 @@ mod tests {
             DataType::Int8 | DataType::Uint8 => &[0, 1, 0x7f, 0x80, 0xff],
             DataType::Int32 | DataType::Uint32 => &[0, 1, 0x7fff_ffff, 0x8000_0000, 0xffff_ffff],
             DataType::Int64 | DataType::Uint64 => &[0, 1, i64::MAX as u64, 1 << 63, u64::MAX],
-            DataType::Float16 => &[0, 0x8000, 1, 0x3ff, 0x400, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x7e00, 0x7c01, 0xffff, 0x3c00, 0xbc00],
-            DataType::Bfloat16 => &[0, 0x8000, 1, 0x7f, 0x80, 0x7f7f, 0xff7f, 0x7f80, 0xff80, 0x7fc0, 0x7f81, 0xffff, 0x3f80, 0xbf80],
-            DataType::Float32 => &[0, 1 << 31, 1, 0x7f_ffff, 0x80_0000, 0x7f7f_ffff, 0xff7f_ffff, 0x7f80_0000, 0xff80_0000, 0x7fc0_0000, 0x7f80_0001, 0xffff_ffff, 0x3f80_0000, 0xbf80_0000],
-            DataType::Float64 => &[0, 1 << 63, 1, 0x7fe0_0000_0000_0000, 0x7ff0_0000_0000_0000, 0xfff0_0000_0000_0000, 0x7ff8_0000_0000_0000, 0x7ff0_0000_0000_0001, u64::MAX, 0x3ff0_0000_0000_0000, 0xbff0_0000_0000_0000],
+            DataType::Float16 => {
+                &[0, 0x8000, 1, 0x3ff, 0x400, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x7e00, 0x7c01, 0xffff, 0x3c00, 0xbc00]
+            }
+            DataType::Bfloat16 => {
+                &[0, 0x8000, 1, 0x7f, 0x80, 0x7f7f, 0xff7f, 0x7f80, 0xff80, 0x7fc0, 0x7f81, 0xffff, 0x3f80, 0xbf80]
+            }
+            DataType::Float32 => &[
+                0,
+                1 << 31,
+                1,
+                0x7f_ffff,
+                0x80_0000,
+                0x7f7f_ffff,
+                0xff7f_ffff,
+                0x7f80_0000,
+                0xff80_0000,
+                0x7fc0_0000,
+                0x7f80_0001,
+                0xffff_ffff,
+                0x3f80_0000,
+                0xbf80_0000,
+            ],
+            DataType::Float64 => &[
+                0,
+                1 << 63,
+                1,
+                0x7fe0_0000_0000_0000,
+                0x7ff0_0000_0000_0000,
+                0xfff0_0000_0000_0000,
+                0x7ff8_0000_0000_0000,
+                0x7ff0_0000_0000_0001,
+                u64::MAX,
+                0x3ff0_0000_0000_0000,
+                0xbff0_0000_0000_0000,
+            ],
             DataType::Float8e4m3 => &[0, 0x80, 1, 7, 8, 0x7e, 0xfe, 0x7f, 0xff, 0x38, 0xb8],
             DataType::Float8e5m2 => &[0, 0x80, 1, 3, 4, 0x7b, 0xfb, 0x7c, 0xfc, 0x7d, 0x7e, 0x7f, 0xff, 0x3c, 0xbc],
         }
@@ -810,7 +892,8 @@ mod tests {
                             for i in 0..n {
                                 let (x, y) = (Val::from_bits(dt, ea[i]), Val::from_bits(dt, eb[i]));
                                 let want = reference(dt, op, x, y);
-                                let what = || format!("{dt:?} {op:?} n={n} {alias:?} offset={offset} [{i}]: {x:?}, {y:?}");
+                                let what =
+                                    || format!("{dt:?} {op:?} n={n} {alias:?} offset={offset} [{i}]: {x:?}, {y:?}");
                                 check(dt, &out[i * size..][..size], want, nan, &what);
                             }
                             assert!(a.guards_intact() && b.guards_intact() && d.guards_intact(), "{dt:?} {op:?} n={n}");
@@ -833,7 +916,14 @@ mod tests {
 
     /// Runs `f(dst, src)` in place and out of place, aligned and not, over `elems`; checks
     /// every element against `want` and that nothing outside dst was written.
-    fn check_unary(dt: DataType, elems: &[u64], nan: Option<u64>, what: &str, f: &dyn Fn(*mut u8, *const u8), want: &dyn Fn(Val) -> Val) {
+    fn check_unary(
+        dt: DataType,
+        elems: &[u64],
+        nan: Option<u64>,
+        what: &str,
+        f: &dyn Fn(*mut u8, *const u8),
+        want: &dyn Fn(Val) -> Val,
+    ) {
         let size = dt.size();
         for in_place in [false, true] {
             for offset in [0, 1] {
@@ -844,7 +934,8 @@ mod tests {
                 let out = if in_place { src.bytes() } else { d.bytes() };
                 for (i, e) in elems.iter().enumerate() {
                     let x = Val::from_bits(dt, *e);
-                    let ctx = || format!("{dt:?} {what} n={} in_place={in_place} offset={offset} [{i}]: {x:?}", elems.len());
+                    let ctx =
+                        || format!("{dt:?} {what} n={} in_place={in_place} offset={offset} [{i}]: {x:?}", elems.len());
                     check(dt, &out[i * size..][..size], want(x), nan, &ctx);
                 }
                 assert!(src.guards_intact() && d.guards_intact(), "{dt:?} {what}");
@@ -857,7 +948,8 @@ mod tests {
         let mut rng = Rng(2);
         for dt in DataType::ALL {
             let nan = if matches!(dt, DataType::Float32 | DataType::Float64) { None } else { canonical_nan(dt) };
-            let scalars: Vec<u64> = specials(dt).iter().copied().chain((0..4).map(|_| random_elem(dt, &mut rng))).collect();
+            let scalars: Vec<u64> =
+                specials(dt).iter().copied().chain((0..4).map(|_| random_elem(dt, &mut rng))).collect();
             for s in scalars {
                 let scalar = scalar_from_bytes(dt, &s.to_le_bytes()).unwrap();
                 let sv = Val::from_bits(dt, s);
@@ -865,7 +957,9 @@ mod tests {
                     let elems = random_elems(dt, n, &mut rng);
                     // SAFETY: check_unary passes buffers of n elements, equal or disjoint.
                     let f = |d: *mut u8, src: *const u8| unsafe { premul(dt, d, src, scalar, n) };
-                    check_unary(dt, &elems, nan, &format!("premul by {sv:?}"), &f, &|x| reference(dt, ElemOp::Prod, x, sv));
+                    check_unary(dt, &elems, nan, &format!("premul by {sv:?}"), &f, &|x| {
+                        reference(dt, ElemOp::Prod, x, sv)
+                    });
                 }
             }
         }
@@ -881,7 +975,8 @@ mod tests {
                 let want = |x: Val| match x {
                     Val::Int(x) => Val::Int(x / i128::from(divisor_used)),
                     Val::Float(x) => {
-                        let d = if dt == DataType::Float64 { divisor_used as f64 } else { f64::from(divisor_used as f32) };
+                        let d =
+                            if dt == DataType::Float64 { divisor_used as f64 } else { f64::from(divisor_used as f32) };
                         Val::Float(round(dt, x / d))
                     }
                 };
@@ -934,15 +1029,15 @@ mod tests {
     #[test]
     fn narrow_floats_round_ties_to_even() {
         let cases = [
-            (DataType::Float16, 0x6800, 0x3c00, 0x6800), // 2048 + 1: tie, stays 2048
-            (DataType::Float16, 0x6801, 0x3c00, 0x6802), // 2050 + 1: tie, up to 2052
-            (DataType::Float16, 0x6800, 0x3c01, 0x6801), // 2048 + 1.000977: above the tie
+            (DataType::Float16, 0x6800, 0x3c00, 0x6800),  // 2048 + 1: tie, stays 2048
+            (DataType::Float16, 0x6801, 0x3c00, 0x6802),  // 2050 + 1: tie, up to 2052
+            (DataType::Float16, 0x6800, 0x3c01, 0x6801),  // 2048 + 1.000977: above the tie
             (DataType::Bfloat16, 0x4380, 0x3f80, 0x4380), // 256 + 1 -> 256
             (DataType::Bfloat16, 0x4381, 0x3f80, 0x4382), // 258 + 1 -> 260
-            (DataType::Float8e4m3, 0x58, 0x38, 0x58), // 16 + 1 -> 16
-            (DataType::Float8e4m3, 0x59, 0x38, 0x5a), // 18 + 1 -> 20
-            (DataType::Float8e5m2, 0x4c, 0x40, 0x4c), // 16 + 2 -> 16
-            (DataType::Float8e5m2, 0x4d, 0x40, 0x4e), // 20 + 2 -> 24
+            (DataType::Float8e4m3, 0x58, 0x38, 0x58),     // 16 + 1 -> 16
+            (DataType::Float8e4m3, 0x59, 0x38, 0x5a),     // 18 + 1 -> 20
+            (DataType::Float8e5m2, 0x4c, 0x40, 0x4c),     // 16 + 2 -> 16
+            (DataType::Float8e5m2, 0x4d, 0x40, 0x4e),     // 20 + 2 -> 24
         ];
         for (dt, x, y, want) in cases {
             assert_eq!(one(dt, ElemOp::Sum, x, y), want, "{dt:?} {x:#x} + {y:#x}");
@@ -1003,7 +1098,13 @@ mod tests {
         // (type, two NaNs with different payloads, 1.0, canonical NaN)
         let cases: [(DataType, u64, u64, u64, u64); 4] = [
             (DataType::Float32, 0x7fc0_0001, 0xffc0_0002, 0x3f80_0000, 0x7fff_ffff),
-            (DataType::Float64, 0x7ff8_0000_0000_0001, 0xfff0_0000_0000_0002, 0x3ff0_0000_0000_0000, 0x7fff_ffff_ffff_ffff),
+            (
+                DataType::Float64,
+                0x7ff8_0000_0000_0001,
+                0xfff0_0000_0000_0002,
+                0x3ff0_0000_0000_0000,
+                0x7fff_ffff_ffff_ffff,
+            ),
             (DataType::Float16, 0x7e01, 0xfc02, 0x3c00, 0x7fff),
             (DataType::Bfloat16, 0x7fc1, 0xff82, 0x3f80, 0x7fff),
         ];
@@ -1054,7 +1155,9 @@ mod tests {
             assert_eq!(one(dt, op, x, y), want, "{dt:?} {op:?} {x:#x} {y:#x}");
         }
         // f32/f64 Sum/Prod NaNs are the CPU's, but NaN they are.
-        assert!(f64::from_bits(one(DataType::Float64, ElemOp::Sum, 0x7ff0_0000_0000_0000, 0xfff0_0000_0000_0000)).is_nan());
+        assert!(
+            f64::from_bits(one(DataType::Float64, ElemOp::Sum, 0x7ff0_0000_0000_0000, 0xfff0_0000_0000_0000)).is_nan()
+        );
     }
 
     #[test]

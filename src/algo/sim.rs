@@ -1,0 +1,203 @@
+//! Test-only: runs every rank's planned units against in-memory queues (no transport), to
+//! check each algorithm's result exactly, for many rank counts, sizes and both algorithms.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::Algo;
+use crate::device::host::{self, Region};
+use crate::plan::{plan_group, Builder, Op, OpKind, Step, NO_DEP};
+use crate::types::{BuiltinOp, DataType, RedOp};
+
+/// Execute all ranks' plans to completion; panics on a deadlock or a mismatched message.
+fn run(plans: &[Builder]) {
+    let n = plans.len();
+    let mut queues: HashMap<(usize, usize), VecDeque<(u32, Vec<u8>)>> = HashMap::new();
+    let mut done: Vec<Vec<bool>> = plans.iter().map(|p| vec![false; p.units.len()]).collect();
+    loop {
+        let mut progressed = false;
+        for r in 0..n {
+            // Per-queue order: the first pending unit of each (kind, peer) may run.
+            let mut blocked: std::collections::HashSet<(u8, u32)> = Default::default();
+            for (i, u) in plans[r].units.iter().enumerate() {
+                if done[r][i] {
+                    continue;
+                }
+                let key = match u.step {
+                    Step::Send { peer, .. } => (0, peer),
+                    Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => (1, peer),
+                    _ => (2, 0),
+                };
+                if blocked.contains(&key) {
+                    continue;
+                }
+                let ready = u.deps.iter().all(|&d| d == NO_DEP || done[r][d as usize]);
+                let ran = ready && match u.step {
+                    Step::Send { peer, src } => {
+                        // SAFETY (test): regions point into buffers owned by the test.
+                        let bytes = unsafe { src.as_slice() }.to_vec();
+                        queues.entry((r, peer as usize)).or_default().push_back((u.tag, bytes));
+                        true
+                    }
+                    Step::Recv { peer, dst } | Step::RecvReduce { peer, dst, .. } => {
+                        match queues.get_mut(&(peer as usize, r)).and_then(|q| q.pop_front()) {
+                            None => false,
+                            Some((tag, bytes)) => {
+                                assert_eq!((tag, bytes.len()), (u.tag, dst.len()), "rank {r}: mismatched message from {peer}");
+                                match u.step {
+                                    Step::RecvReduce { dst, acc, dt, op, .. } => host::reduce_in(dt, op, dst, acc, &bytes),
+                                    _ => host::copy_in(dst, &bytes),
+                                }
+                                true
+                            }
+                        }
+                    }
+                    Step::Copy { dst, src } => { host::copy(dst, src); true }
+                    Step::Premul { dst, src, dt, scalar } => { host::premul(dt, dst, src, scalar); true }
+                    Step::Divide { dst, dt, divisor } => { host::divide(dt, dst, divisor); true }
+                };
+                if ran {
+                    done[r][i] = true;
+                    progressed = true;
+                } else {
+                    blocked.insert(key);
+                }
+            }
+        }
+        if done.iter().all(|d| d.iter().all(|&x| x)) {
+            assert!(queues.values().all(|q| q.is_empty()), "messages left over");
+            return;
+        }
+        assert!(progressed, "deadlock");
+    }
+}
+
+struct Case {
+    kind: OpKind,
+    n: usize,
+    count: usize,
+    op: BuiltinOp,
+    root: usize,
+    in_place: bool,
+}
+
+fn value(rank: usize, i: usize) -> i32 {
+    ((rank * 7 + i * 3) % 11) as i32 - 5
+}
+
+fn reduce_ref(op: BuiltinOp, vals: impl Iterator<Item = i32>, n: usize) -> i32 {
+    let v: Vec<i32> = vals.collect();
+    match op {
+        BuiltinOp::Sum => v.iter().fold(0i32, |a, b| a.wrapping_add(*b)),
+        BuiltinOp::Prod => v.iter().fold(1i32, |a, b| a.wrapping_mul(*b)),
+        BuiltinOp::Max => *v.iter().max().unwrap(),
+        BuiltinOp::Min => *v.iter().min().unwrap(),
+        BuiltinOp::Avg => v.iter().sum::<i32>() / n as i32,
+    }
+}
+
+/// Run one int32 case on all ranks and check every rank's output exactly.
+fn check(c: &Case, algo: Option<Algo>) {
+    let (n, count) = (c.n, c.count);
+    let (send_elems, recv_elems) = match c.kind {
+        OpKind::AllReduce | OpKind::Broadcast | OpKind::Reduce => (count, count),
+        OpKind::AllGather | OpKind::Gather => (count, count * n),
+        OpKind::ReduceScatter | OpKind::Scatter => (count * n, count),
+        OpKind::AlltoAll => (count * n, count * n),
+        _ => unreachable!(),
+    };
+    let mut sends: Vec<Vec<i32>> = (0..n).map(|r| (0..send_elems).map(|i| value(r, i)).collect()).collect();
+    let mut recvs: Vec<Vec<i32>> = vec![vec![-99; recv_elems]; n];
+    // In place, NCCL's rules put the input inside the output (or the output inside the
+    // input): (where the output lives, element offset of the input in the output or -1 for
+    // the output inside the input at that offset).
+    let mut out_in_send = vec![None; n];
+    let mut plans = Vec::new();
+    for r in 0..n {
+        let is_root = r == c.root;
+        let mut send = Region::owned(bytemuck(&mut sends[r]));
+        let mut recv = Region::owned(bytemuck(&mut recvs[r]));
+        if c.in_place {
+            match c.kind {
+                OpKind::AllReduce | OpKind::Broadcast | OpKind::Reduce => {
+                    recvs[r].copy_from_slice(&sends[r]);
+                    recv = Region::owned(bytemuck(&mut recvs[r]));
+                    send = recv;
+                }
+                OpKind::AllGather => {
+                    recvs[r][r * count..(r + 1) * count].copy_from_slice(&sends[r]);
+                    recv = Region::owned(bytemuck(&mut recvs[r]));
+                    send = recv.sub(r * count * 4, count * 4);
+                }
+                OpKind::Gather if is_root => {
+                    recvs[r][r * count..(r + 1) * count].copy_from_slice(&sends[r]);
+                    recv = Region::owned(bytemuck(&mut recvs[r]));
+                    send = recv.sub(r * count * 4, count * 4);
+                }
+                OpKind::ReduceScatter => {
+                    recv = send.sub(r * count * 4, count * 4);
+                    out_in_send[r] = Some(r * count);
+                }
+                OpKind::Scatter if is_root => {
+                    recv = send.sub(r * count * 4, count * 4);
+                    out_in_send[r] = Some(r * count);
+                }
+                _ => {}
+            }
+        }
+        let op = Op { kind: c.kind, dt: DataType::Int32, op: RedOp::Builtin(c.op), count, root: c.root,
+                      send, recv, seq: 0 };
+        plans.push(plan_group(r, n, 256, &[op], algo).unwrap());
+    }
+    run(&plans);
+    for r in 0..n {
+        if let Some(off) = out_in_send[r] {
+            recvs[r] = sends[r][off..off + recv_elems].to_vec();
+        }
+        for i in 0..recv_elems {
+            let want = match c.kind {
+                OpKind::AllReduce => reduce_ref(c.op, (0..n).map(|q| value(q, i)), n),
+                OpKind::Reduce if r == c.root => reduce_ref(c.op, (0..n).map(|q| value(q, i)), n),
+                OpKind::Reduce => continue,
+                OpKind::Broadcast => value(c.root, i),
+                OpKind::AllGather => value(i / count, i % count),
+                OpKind::Gather if r == c.root => value(i / count, i % count),
+                OpKind::Gather => continue,
+                OpKind::ReduceScatter => reduce_ref(c.op, (0..n).map(|q| value(q, r * count + i)), n),
+                OpKind::Scatter => value(c.root, r * count + i),
+                OpKind::AlltoAll => value(i / count, r * count + i % count),
+                _ => unreachable!(),
+            };
+            assert_eq!(recvs[r][i], want, "{:?} n={n} count={count} {:?} root={} algo={algo:?} rank {r} elem {i}",
+                       c.kind, c.op, c.root);
+        }
+    }
+}
+
+fn bytemuck(v: &mut [i32]) -> &mut [u8] {
+    // SAFETY (test): i32 has no invalid bit patterns and u8 alignment is 1.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 4) }
+}
+
+#[test]
+fn every_collective_every_size_both_algorithms() {
+    for n in 1..=9 {
+        for count in [0, 1, 7, 13, 200] {
+            for kind in [OpKind::AllReduce, OpKind::AllGather, OpKind::ReduceScatter, OpKind::Broadcast,
+                         OpKind::Reduce, OpKind::AlltoAll, OpKind::Gather, OpKind::Scatter] {
+                let ops: &[BuiltinOp] = if kind.reduces() { &BuiltinOp::ALL } else { &[BuiltinOp::Sum] };
+                let roots: Vec<usize> = if kind.has_root() { (0..n).collect() } else { vec![0] };
+                for &op in ops {
+                    for &root in &roots {
+                        for in_place in [false, true] {
+                            let c = Case { kind, n, count, op, root, in_place };
+                            check(&c, Some(Algo::Ring));
+                            if kind == OpKind::AllReduce {
+                                check(&c, Some(Algo::Tree));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
