@@ -226,7 +226,11 @@ pub fn log(level: Level, sub: u32, file: &str, line: u32, args: fmt::Arguments<'
 
 /// The "NCCL version" line, once per process, at NCCL_DEBUG=VERSION and above.
 pub fn print_version_once() {
-    if enabled(Level::Version, subsys::INIT) && !VERSION_PRINTED.swap(true, Ordering::Relaxed) {
+    // As NCCL: shown at VERSION and at INFO or above, not at WARN.
+    init();
+    let level = LEVEL.load(Ordering::Relaxed);
+    let wanted = level == Level::Version as u8 || level >= Level::Info as u8;
+    if wanted && !VERSION_PRINTED.swap(true, Ordering::Relaxed) {
         emit(&format!(
             "{} NCCL INFO NCCL version {}.{}.{}+nccl-rs-{} ({} mode)\n",
             prefix(),
