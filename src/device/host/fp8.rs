@@ -1,7 +1,7 @@
 //! The two 8-bit float formats NCCL reduces (`ncclFloat8e4m3`, `ncclFloat8e5m2`, the OCP FP8
 //! formats as NVIDIA's `cuda_fp8.h` implements them): exact decoding to f32 and correctly
 //! rounded encoding from f32, with the saturation NCCL's kernels apply. Pure bit arithmetic, no
-//! tables and no branches, so the block loops in `reduce` that call these vectorise.
+//! tables and no branches, so the loops in `reduce` that call these vectorise.
 //!
 //! - E4M3: bias 7, 3 mantissa bits, no infinities, S.1111.111 is NaN, max finite ±448.
 //! - E5M2: bias 15, 2 mantissa bits, IEEE-like: S.11111.00 is ±inf, S.11111.{01,10,11} NaN,
@@ -154,7 +154,10 @@ mod tests {
         sign | best as u8
     }
 
-    fn formats() -> [(Format, fn(u8) -> f32, fn(f32) -> u8); 2] {
+    /// Each format with its decoder and encoder.
+    type Codec = (Format, fn(u8) -> f32, fn(f32) -> u8);
+
+    fn formats() -> [Codec; 2] {
         [(E4M3, e4m3_to_f32, f32_to_e4m3), (E5M2, e5m2_to_f32, f32_to_e5m2)]
     }
 
