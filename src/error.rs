@@ -116,3 +116,18 @@ macro_rules! ensure {
         }
     };
 }
+
+/// The last error message, process-wide as in NCCL (`ncclGetLastError`), NUL-terminated in
+/// a static buffer: the pointer handed out is never freed, only overwritten by a later error.
+static LAST_ERROR: std::sync::Mutex<[u8; 1024]> = std::sync::Mutex::new([0; 1024]);
+
+pub fn set_last_error(text: &str) {
+    let mut buf = LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner());
+    let bytes: Vec<u8> = text.bytes().filter(|&b| b != 0).take(buf.len() - 1).collect();
+    buf[..bytes.len()].copy_from_slice(&bytes);
+    buf[bytes.len()] = 0;
+}
+
+pub fn last_error_ptr() -> *const u8 {
+    LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner()).as_ptr()
+}

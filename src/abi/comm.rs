@@ -79,6 +79,9 @@ export! {
         Ok(())
     }
     fn ncclCommFinalize(comm: ncclComm_t) {
+        if comm.is_null() {
+            return Ok(()); // NCCL: finalizing NULL is a no-op, like destroying it.
+        }
         init::finalize(&*handle::get(comm)?)
     }
     fn ncclCommDestroy(comm: ncclComm_t) {

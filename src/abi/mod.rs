@@ -9,7 +9,6 @@
 
 use std::ffi::{c_char, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Mutex;
 
 use crate::error::{Code, Error, Result};
 
@@ -32,30 +31,15 @@ pub use types::*;
 #[cfg(test)]
 mod drift;
 
-/// The last error message, process-wide as in NCCL; a NUL-terminated copy lives here so the
-/// pointer `ncclGetLastError` returns stays valid until the next error.
-static LAST_ERROR: Mutex<Vec<u8>> = Mutex::new(Vec::new());
-
 fn record(call: &str, e: &Error) {
     let text = format!("{call}: {}", e.msg);
     crate::warn!("{text}");
-    let mut bytes: Vec<u8> = text.into_bytes().into_iter().filter(|&b| b != 0).collect();
-    bytes.truncate(1023);
-    bytes.push(0);
-    let mut guard = LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner());
-    *guard = bytes;
+    crate::error::set_last_error(&text);
 }
 
-/// The pointer handed to C by `ncclGetLastError`. The buffer is only replaced, never freed
-/// while in use by this function, so the address is valid until the next recorded error.
+/// The pointer handed to C by `ncclGetLastError`.
 pub(crate) fn last_error_ptr() -> *const c_char {
-    static EMPTY: &[u8] = b"\0";
-    let guard = LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner());
-    if guard.is_empty() {
-        EMPTY.as_ptr().cast()
-    } else {
-        guard.as_ptr().cast()
-    }
+    crate::error::last_error_ptr().cast()
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {

@@ -132,7 +132,7 @@ pub fn run_init(comm: &Comm, id: &UniqueId) -> Result<()> {
 /// flush.
 pub fn finalize(comm: &Comm) -> Result<()> {
     if comm.finalized.swap(true, Ordering::AcqRel) {
-        return Err(Error::invalid_usage("communicator was already finalized"));
+        return Err(Error::invalid_arg("communicator was already finalized"));
     }
     Ok(())
 }

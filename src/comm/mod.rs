@@ -98,6 +98,10 @@ impl Comm {
     pub fn set_async_error(&self, e: &Error) {
         let mut slot = self.async_error.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
+            // Errors found in the background (nonblocking init, a failed group) are what
+            // ncclGetLastError should show next, as in NCCL.
+            crate::warn!("{}", e.msg);
+            crate::error::set_last_error(&e.msg);
             *slot = Some(e.clone());
             self.async_code.store(e.code as i32, Ordering::Release);
         }

@@ -1,0 +1,494 @@
+/*
+ * lifecycle.c - communicator life cycle: version, queries, configs (current, older headers,
+ * wrong magic), blocking and nonblocking init, finalize, destroy, abort, scalable init,
+ * group nesting, group simulation, group errors, the async-error watchdog thread of
+ * PyTorch, and a stale unique id.
+ *
+ *   lifecycle [--only STEP]     STEP: one of the names printed as "step: NAME"
+ *
+ * Every process runs the same steps in the same order (each new communicator takes the
+ * next unique id, named by its tag).
+ */
+#include "common.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+static uint32_t g_salt = 1;
+
+static int begin(const char* name) {
+  if (g_env.only && strcasecmp(g_env.only, name)) return 0;
+  test_step(name);
+  tlog("step: %s", name);
+  return 1;
+}
+
+/* ---- helpers ------------------------------------------------------------------------- */
+
+typedef struct {
+  gbuf_t sb[MAX_LOCAL], rb[MAX_LOCAL];
+  size_t count;
+  uint32_t salt;
+} ar_bufs_t;
+
+static void ar_setup(ar_bufs_t* b, size_t count) {
+  b->count = count;
+  b->salt = 0x5000u + 31u * g_salt++;
+  for (int l = 0; l < g_env.local; l++) {
+    void* s = gbuf_alloc(&b->sb[l], count * 4);
+    gbuf_alloc(&b->rb[l], count * 4);
+    fill_values(ncclFloat32, ncclSum, g_env.nranks, g_env.first_rank + l, s, 0, count, b->salt);
+    gbuf_poison(&b->rb[l], b->salt);
+  }
+}
+
+static ncclResult_t ar_issue(ar_bufs_t* b, ncclComm_t comm, int l) {
+  return ncclAllReduce(gbuf_ptr(&b->sb[l]), gbuf_ptr(&b->rb[l]), b->count, ncclFloat32, ncclSum,
+                       comm, TEST_STREAM);
+}
+
+static int ar_untouched(ar_bufs_t* b) {
+  int ok = 1;
+  for (int l = 0; l < g_env.local; l++) ok &= gbuf_poison_intact(&b->rb[l], b->salt, 0, b->rb[l].bytes);
+  return ok;
+}
+
+static void ar_verify_free(ar_bufs_t* b, const char* what) {
+  for (int l = 0; l < g_env.local; l++) {
+    check_values(what, ncclFloat32, ncclSum, g_env.nranks, gbuf_ptr(&b->rb[l]), 0, b->count, b->salt, 0);
+    check_guards(what, &b->sb[l]);
+    check_guards(what, &b->rb[l]);
+    gbuf_free(&b->sb[l]);
+    gbuf_free(&b->rb[l]);
+  }
+}
+
+/* One float32 sum allreduce on every local comm, checked. On nonblocking communicators the
+ * calls may return ncclInProgress; NCCL: poll ncclCommGetAsyncError until ncclSuccess. */
+static void allreduce_check(ncclComm_t* comms, int nonblocking, const char* what) {
+  ar_bufs_t b;
+  ar_setup(&b, 1000);
+  ncclResult_t first = ncclSuccess;
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t r = ar_issue(&b, comms[l], l);
+    if (r != ncclSuccess && !(nonblocking && r == ncclInProgress) && first == ncclSuccess) first = r;
+  }
+  if (g_env.local > 1) {
+    ncclResult_t r = ncclGroupEnd();
+    if (r != ncclSuccess && !(nonblocking && r == ncclInProgress) && first == ncclSuccess) first = r;
+  }
+  if (first != ncclSuccess) test_check_fail(__FILE__, __LINE__, what, first);
+  if (nonblocking) {
+    for (int l = 0; l < g_env.local; l++) {
+      ncclResult_t s = wait_comm(comms[l]);
+      if (s != ncclSuccess) test_check_fail(__FILE__, __LINE__, what, s);
+    }
+  }
+  ar_verify_free(&b, what);
+}
+
+static void query_check(ncclComm_t* comms, const char* what) {
+  for (int l = 0; l < g_env.local; l++) {
+    int n = -1, r = -1, dev = -12345;
+    CHECK(ncclCommCount(comms[l], &n));
+    CHECK(ncclCommUserRank(comms[l], &r));
+    CHECK(ncclCommCuDevice(comms[l], &dev));
+    EXPECT(n == g_env.nranks, "%s: ncclCommCount = %d, expected %d", what, n, g_env.nranks);
+    EXPECT(r == g_env.first_rank + l, "%s: ncclCommUserRank = %d, expected %d", what, r,
+           g_env.first_rank + l);
+    EXPECT(dev != -12345, "%s: ncclCommCuDevice did not write the device", what);
+    if (l == 0) tlog("%s: count %d, rank %d, cuDevice %d", what, n, r, dev);
+  }
+}
+
+/* Blocking init of every local rank from one id (grouped when LOCAL > 1). */
+static void init_from_id(ncclUniqueId id, ncclComm_t* comms) {
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclCommInitRank(&comms[l], g_env.nranks, id, g_env.first_rank + l));
+  if (g_env.local > 1) CHECK(ncclGroupEnd());
+}
+
+/* ---- steps ----------------------------------------------------------------------------- */
+
+static void step_version(void) {
+  if (!begin("version")) return;
+  int v = -1;
+  CHECK(ncclGetVersion(&v));
+  EXPECT(v == 23203, "ncclGetVersion = %d, expected 23203", v);
+  EXPECT(NCCL_VERSION_CODE == 23203, "NCCL_VERSION_CODE = %d", NCCL_VERSION_CODE);
+  EXPECT(NCCL_VERSION(2, 32, 3) == 23203, "NCCL_VERSION(2,32,3) = %d", NCCL_VERSION(2, 32, 3));
+  EXPECT(v >= NCCL_VERSION(2, 19, 0), "version %d older than 2.19", v);
+}
+
+static void step_queries(ncclComm_t* comms) {
+  if (!begin("queries")) return;
+  query_check(comms, "queries");
+  allreduce_check(comms, 0, "queries allreduce");
+  EXPECT(allreduce_sum_int(comms, 1) == g_env.nranks, "allreduce of 1 per rank != nranks");
+}
+
+/* PyTorch's watchdog polls ncclCommGetAsyncError from its own thread while the main thread
+ * issues collectives. */
+typedef struct {
+  ncclComm_t* comms;
+  atomic_int stop;
+  atomic_long polls;
+  atomic_long bad;
+  ncclResult_t bad_r, bad_state;
+} watchdog_t;
+
+static void* watchdog_main(void* arg) {
+  watchdog_t* w = arg;
+  while (!atomic_load(&w->stop)) {
+    for (int l = 0; l < g_env.local; l++) {
+      ncclResult_t state = ncclInternalError;
+      ncclResult_t r = ncclCommGetAsyncError(w->comms[l], &state);
+      if (r != ncclSuccess || state != ncclSuccess) {
+        w->bad_r = r;
+        w->bad_state = state;
+        atomic_fetch_add(&w->bad, 1);
+      }
+      atomic_fetch_add(&w->polls, 1);
+    }
+    sched_yield();
+  }
+  return NULL;
+}
+
+static void step_watchdog(ncclComm_t* comms) {
+  if (!begin("watchdog")) return;
+  watchdog_t w;
+  memset(&w, 0, sizeof w);
+  w.comms = comms;
+  atomic_init(&w.stop, 0);
+  atomic_init(&w.polls, 0);
+  atomic_init(&w.bad, 0);
+  pthread_t t;
+  if (pthread_create(&t, NULL, watchdog_main, &w) != 0) {
+    EXPECT(0, "pthread_create failed");
+    return;
+  }
+  double deadline = now_s() + 10;
+  while (atomic_load(&w.polls) == 0 && now_s() < deadline) sleep_ms(1);
+  for (int i = 0; i < 200; i++) allreduce_check(comms, 0, "watchdog allreduce");
+  atomic_store(&w.stop, 1);
+  pthread_join(t, NULL);
+  long polls = atomic_load(&w.polls), bad = atomic_load(&w.bad);
+  tlog("watchdog: %ld polls during 200 allreduces", polls);
+  EXPECT(polls > 0, "the watchdog thread never polled");
+  EXPECT(bad == 0, "%ld polls reported an error (last: call %s, state %s)", bad,
+         result_name(w.bad_r), result_name(w.bad_state));
+}
+
+static void step_nested_groups(ncclComm_t* comms) {
+  if (!begin("nested-groups")) return;
+  ar_bufs_t b;
+  ar_setup(&b, 100);
+  CHECK(ncclGroupStart());
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ar_issue(&b, comms[l], l));
+  CHECK(ncclGroupEnd());
+  /* NCCL: nothing is launched until the outermost ncclGroupEnd. */
+  EXPECT(ar_untouched(&b), "an inner ncclGroupEnd ran the operations of the outer group");
+  CHECK(ncclGroupEnd());
+  ar_verify_free(&b, "nested groups");
+}
+
+static void step_simulate(ncclComm_t* comms) {
+  if (!begin("group-simulate")) return;
+  ar_bufs_t b;
+  ar_setup(&b, 4096);
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ar_issue(&b, comms[l], l));
+  ncclSimInfo_t sim = NCCL_SIM_INFO_INITIALIZER;
+  ncclResult_t r = ncclGroupSimulateEnd(&sim);
+  EXPECT(r == ncclSuccess, "ncclGroupSimulateEnd -> %s: %s", result_name(r), ncclGetLastError(NULL));
+  EXPECT(sim.estimatedTime >= 0, "ncclGroupSimulateEnd left estimatedTime = %g", (double)sim.estimatedTime);
+  tlog("group-simulate: estimatedTime %g", (double)sim.estimatedTime);
+  /* NCCL only simulates: the operations are not launched. */
+  EXPECT(ar_untouched(&b), "ncclGroupSimulateEnd ran the operations");
+  for (int l = 0; l < g_env.local; l++) {
+    gbuf_free(&b.sb[l]);
+    gbuf_free(&b.rb[l]);
+  }
+  allreduce_check(comms, 0, "allreduce after ncclGroupSimulateEnd");
+}
+
+/* NCCL: an invalid call inside a group fails at once (ncclInvalidArgument), the error is
+ * returned again by the outermost ncclGroupEnd, and the whole group is discarded; the
+ * communicator stays usable. */
+static void step_group_error(ncclComm_t* comms) {
+  if (!begin("group-error")) return;
+  ar_bufs_t b;
+  ar_setup(&b, 64);
+  float junk[4] = {0};
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ar_issue(&b, comms[l], l));
+  ncclResult_t r = ncclAllReduce(junk, junk, 1, (ncclDataType_t)99, ncclSum, comms[0], TEST_STREAM);
+  EXPECT(r == ncclInvalidArgument, "ncclAllReduce with datatype 99 inside a group -> %s", result_name(r));
+  r = ncclGroupEnd();
+  EXPECT(r == ncclInvalidArgument, "ncclGroupEnd after a failed call in the group -> %s (NCCL: ncclInvalidArgument)",
+         result_name(r));
+  EXPECT(ar_untouched(&b), "the valid operations of a failed group were run");
+  for (int l = 0; l < g_env.local; l++) {
+    gbuf_free(&b.sb[l]);
+    gbuf_free(&b.rb[l]);
+  }
+  allreduce_check(comms, 0, "allreduce after a failed group");
+}
+
+static void step_config_blocking(void) {
+  if (!begin("config-blocking")) return;
+  ncclComm_t comms[MAX_LOCAL];
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 1;
+  cfg.commName = "lifecycle-blocking";
+  ncclResult_t r = make_comms_config("cfg-blocking", comms, &cfg);
+  if (!EXPECT(r == ncclSuccess, "blocking ncclCommInitRankConfig -> %s: %s", result_name(r), ncclGetLastError(NULL)))
+    return;
+  query_check(comms, "config-blocking");
+  allreduce_check(comms, 0, "config-blocking allreduce");
+  destroy_comms(comms);
+}
+
+static void finalize_destroy(ncclComm_t* comms, int nonblocking, const char* what) {
+  ncclResult_t r = ncclSuccess;
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t rl = ncclCommFinalize(comms[l]);
+    if (rl != ncclSuccess && r == ncclSuccess) r = rl;
+  }
+  if (g_env.local > 1) {
+    ncclResult_t rg = ncclGroupEnd();
+    if (rg != ncclSuccess && (r == ncclSuccess || r == ncclInProgress)) r = rg;
+  }
+  if (nonblocking) r = finish_async(r, comms, g_env.local);
+  EXPECT(r == ncclSuccess, "%s: ncclCommFinalize -> %s: %s", what, result_name(r), ncclGetLastError(NULL));
+  for (int l = 0; l < g_env.local; l++) {
+    r = ncclCommDestroy(comms[l]);
+    EXPECT(r == ncclSuccess, "%s: ncclCommDestroy after finalize -> %s", what, result_name(r));
+  }
+}
+
+static void step_config_nonblocking(void) {
+  if (!begin("config-nonblocking")) return;
+  ncclComm_t comms[MAX_LOCAL];
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  /* make_comms_config accepts ncclInProgress and polls ncclCommGetAsyncError. */
+  ncclResult_t r = make_comms_config("cfg-nonblocking", comms, &cfg);
+  if (!EXPECT(r == ncclSuccess, "nonblocking init -> %s: %s", result_name(r), ncclGetLastError(NULL)))
+    return;
+  query_check(comms, "config-nonblocking");
+  for (int i = 0; i < 3; i++) allreduce_check(comms, 1, "nonblocking allreduce");
+  finalize_destroy(comms, 1, "config-nonblocking");
+}
+
+static void step_null_config(void) {
+  if (!begin("config-null")) return;
+  ncclComm_t comms[MAX_LOCAL];
+  ncclResult_t r = make_comms_config("cfg-null", comms, NULL);
+  if (!EXPECT(r == ncclSuccess, "ncclCommInitRankConfig(config NULL) -> %s: %s", result_name(r),
+              ncclGetLastError(NULL)))
+    return;
+  allreduce_check(comms, 0, "config-null allreduce");
+  destroy_comms(comms);
+}
+
+/* A program built against an older nccl.h passes a smaller ncclConfig_t: the first `size`
+ * bytes of today's layout. It is placed at the very end of a page followed by an
+ * inaccessible page, so reading past `size` bytes crashes (reported as this step). */
+static ncclConfig_t* old_config(size_t size, unsigned version, int blocking, char** map, size_t* maplen) {
+  size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+  char* m = mmap(NULL, 2 * pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED || mprotect(m + pg, pg, PROT_NONE) != 0) {
+    fprintf(stderr, "mmap/mprotect failed\n");
+    exit(1);
+  }
+  ncclConfig_t full = NCCL_CONFIG_INITIALIZER;
+  full.size = size;
+  full.version = version;
+  full.blocking = blocking;
+  char* p = m + pg - size;
+  memcpy(p, &full, size);
+  *map = m;
+  *maplen = 2 * pg;
+  return (ncclConfig_t*)(void*)p;
+}
+
+static void step_old_configs(void) {
+  if (!begin("config-old-headers")) return;
+  EXPECT(sizeof(ncclConfig_t) == 120, "sizeof(ncclConfig_t) = %zu, expected 120", sizeof(ncclConfig_t));
+  static const struct {
+    size_t size;
+    unsigned version;
+    int blocking;
+    const char* tag;
+  } olds[] = {
+      {72, 22705, 1, "cfg-2.27"},
+      {80, 22809, 1, "cfg-2.28"},
+      {96, 23007, 1, "cfg-2.30"},
+      {72, 22705, 0, "cfg-2.27-nonblocking"},
+  };
+  for (size_t i = 0; i < sizeof olds / sizeof olds[0]; i++) {
+    char* map;
+    size_t maplen;
+    ncclConfig_t* cfg = old_config(olds[i].size, olds[i].version, olds[i].blocking, &map, &maplen);
+    ncclComm_t comms[MAX_LOCAL];
+    tlog("config of %zu bytes, version %u, blocking %d", olds[i].size, olds[i].version, olds[i].blocking);
+    ncclResult_t r = make_comms_config(olds[i].tag, comms, cfg);
+    if (EXPECT(r == ncclSuccess, "init with a %zu-byte config (version %u) -> %s: %s", olds[i].size,
+               olds[i].version, result_name(r), ncclGetLastError(NULL))) {
+      allreduce_check(comms, !olds[i].blocking, "allreduce on a communicator from an old config");
+      destroy_comms(comms);
+    }
+    munmap(map, maplen);
+  }
+}
+
+static void step_bad_magic(void) {
+  if (!begin("config-bad-magic")) return;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.magic = 0xdeadbeef;
+  cfg.blocking = 1;
+  ncclUniqueId id;
+  get_unique_id("bad-magic", &id);
+  /* Every rank passes the bad config, so a library that checks it late would hang here. */
+  test_deadline(30);
+  for (int l = 0; l < g_env.local; l++) {
+    ncclComm_t c = NULL;
+    ncclResult_t r = ncclCommInitRankConfig(&c, g_env.nranks, id, g_env.first_rank + l, &cfg);
+    EXPECT(r == ncclInvalidArgument, "ncclCommInitRankConfig with magic 0xdeadbeef -> %s", result_name(r));
+  }
+  test_deadline(0);
+}
+
+static void step_finalize(void) {
+  if (!begin("finalize-destroy")) return;
+  ncclComm_t comms[MAX_LOCAL];
+  make_comms("finalize", comms);
+  allreduce_check(comms, 0, "allreduce before finalize");
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommFinalize(comms[l]));
+  if (g_env.local > 1) CHECK(ncclGroupEnd());
+  /* NCCL rejects a second finalize of the same communicator. */
+  test_deadline(30);
+  ncclResult_t r = ncclCommFinalize(comms[0]);
+  EXPECT(r == ncclInvalidArgument, "second ncclCommFinalize -> %s (NCCL: ncclInvalidArgument)", result_name(r));
+  test_deadline(0);
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommDestroy(comms[l]));
+}
+
+static void step_abort(void) {
+  if (!begin("abort")) return;
+  ncclComm_t comms[MAX_LOCAL];
+  make_comms("abort", comms);
+  allreduce_check(comms, 0, "allreduce before abort");
+  test_deadline(30);
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommAbort(comms[l]));
+  test_deadline(0);
+}
+
+static void scalable(int nid) {
+  ncclUniqueId ids[2];
+  for (int i = 0; i < nid; i++) {
+    char tag[32];
+    snprintf(tag, sizeof tag, "scalable%d-%d", nid, i);
+    get_unique_id(tag, &ids[i]);
+  }
+  ncclComm_t comms[MAX_LOCAL];
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclCommInitRankScalable(&comms[l], g_env.nranks, g_env.first_rank + l, nid, ids, NULL));
+  if (g_env.local > 1) CHECK(ncclGroupEnd());
+  query_check(comms, nid == 1 ? "scalable with 1 id" : "scalable with 2 ids");
+  allreduce_check(comms, 0, "allreduce on a scalable-init communicator");
+  destroy_comms(comms);
+}
+
+static void step_scalable(void) {
+  if (!begin("init-scalable")) return;
+  scalable(1);
+  if (g_env.nranks >= 2)
+    scalable(2);
+  else
+    tlog("init-scalable: 2 ids need 2 ranks (NCCL: at most one id per rank); skipped");
+}
+
+/* NCCL: a unique id serves one communicator; its bootstrap root is gone after init, so
+ * reusing it must fail (not hang). With NCCL_COMM_ID every init reuses the same address by
+ * design, so the step does not apply. */
+static void step_stale_id(void) {
+  if (!begin("stale-id")) return;
+  if (getenv("NCCL_COMM_ID")) {
+    tlog("stale-id: skipped under NCCL_COMM_ID");
+    return;
+  }
+  ncclUniqueId id;
+  get_unique_id("stale", &id);
+  ncclComm_t comms[MAX_LOCAL];
+  init_from_id(id, comms);
+  allreduce_check(comms, 0, "allreduce before reusing the id");
+  destroy_comms(comms);
+
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclResult_t calls[MAX_LOCAL];
+  test_deadline(60);
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    comms[l] = NULL;
+    calls[l] = ncclCommInitRankConfig(&comms[l], g_env.nranks, id, g_env.first_rank + l, &cfg);
+  }
+  ncclResult_t group = g_env.local > 1 ? ncclGroupEnd() : ncclSuccess;
+  double deadline = now_s() + 30;
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t state = calls[l];
+    if ((state == ncclSuccess || state == ncclInProgress) && group != ncclSuccess && group != ncclInProgress)
+      state = group;
+    while ((state == ncclSuccess || state == ncclInProgress) && comms[l]) {
+      ncclResult_t st = ncclInProgress;
+      ncclResult_t r = ncclCommGetAsyncError(comms[l], &st);
+      state = r != ncclSuccess ? r : st;
+      if (state != ncclInProgress || now_s() > deadline) break;
+      sleep_ms(5);
+    }
+    EXPECT(state != ncclInProgress, "init with a stale unique id still in progress after 30 s");
+    EXPECT(state != ncclSuccess, "init with a stale unique id succeeded");
+    tlog("stale-id: rank %d -> %s: %s", g_env.first_rank + l, result_name(state), ncclGetLastError(comms[l]));
+    if (comms[l]) ncclCommAbort(comms[l]);
+  }
+  test_deadline(0);
+}
+
+int main(int argc, char** argv) {
+  test_init(argc, argv);
+  step_version();
+
+  ncclComm_t comms[MAX_LOCAL];
+  make_comms("", comms);
+  step_queries(comms);
+  step_watchdog(comms);
+  step_nested_groups(comms);
+  step_simulate(comms);
+  step_group_error(comms);
+  destroy_comms(comms);
+
+  step_config_blocking();
+  step_config_nonblocking();
+  step_null_config();
+  step_old_configs();
+  step_bad_magic();
+  step_finalize();
+  step_abort();
+  step_scalable();
+  step_stale_id();
+  return test_finish();
+}
