@@ -166,7 +166,7 @@ fn execute(ops: Vec<(Arc<Comm>, Op)>) -> Result<()> {
         .iter()
         .zip(guards.iter_mut())
         .zip(plans.iter())
-        .map(|(((c, _), g), p)| Job::new(c, g, &p.units))
+        .map(|(((c, _), g), p)| Job::new(c, g, &p.units, &p.stamps, &crate::plan::ops::describe_stamp))
         .collect();
     let result = proxy::run(&mut jobs);
     drop(jobs);

@@ -602,6 +602,24 @@ fn collectives_2_processes_x_2_local_ranks() {
     Job::new("collectives").procs(2).local(2).run();
 }
 
+/// NCCL_ALGO forces either algorithm; both must give the exact results (3 ranks: not a
+/// power of two, so recursive doubling folds a rank in and out).
+#[test]
+fn collectives_3_processes_ring_forced() {
+    Job::new("collectives").procs(3).arg("--quick").env("NCCL_ALGO", "Ring").run();
+}
+
+#[test]
+fn collectives_3_processes_tree_forced() {
+    Job::new("collectives").procs(3).arg("--quick").env("NCCL_ALGO", "Tree").run();
+}
+
+/// 64 ranks on one machine: 16 processes of 4 ranks each.
+#[test]
+fn allreduce_64_ranks_16_processes_x_4() {
+    Job::new("collectives").procs(16).local(4).arg("--quick").arg("--only").arg("AllReduce").timeout_s(240).run();
+}
+
 #[test]
 fn collectives_2_processes_nvidia_header() {
     Job::new("collectives")

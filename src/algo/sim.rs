@@ -35,14 +35,15 @@ fn run(plans: &[Builder]) {
                     Step::Send { peer, src } => {
                         // SAFETY (test): regions point into buffers owned by the test.
                         let bytes = unsafe { src.as_slice() }.to_vec();
-                        queues.entry((r, peer as usize)).or_default().push_back((u.tag, bytes));
+                        queues.entry((r, peer as usize)).or_default().push_back((plans[r].stamps[u.op as usize], bytes));
                         true
                     }
                     Step::Recv { peer, dst } | Step::RecvReduce { peer, dst, .. } => {
                         match queues.get_mut(&(peer as usize, r)).and_then(|q| q.pop_front()) {
                             None => false,
-                            Some((tag, bytes)) => {
-                                assert_eq!((tag, bytes.len()), (u.tag, dst.len()), "rank {r}: mismatched message from {peer}");
+                            Some((stamp, bytes)) => {
+                                assert_eq!((stamp, bytes.len()), (plans[r].stamps[u.op as usize], dst.len()),
+                                           "rank {r}: mismatched message from {peer}");
                                 match u.step {
                                     Step::RecvReduce { dst, acc, dt, op, .. } => host::reduce_in(dt, op, dst, acc, &bytes),
                                     _ => host::copy_in(dst, &bytes),

@@ -89,7 +89,8 @@ fn validate(comm: &Comm, a: &Args) -> Result<Op> {
     };
     let op = if a.kind.reduces() { resolve_op(comm, a.op, dt)? } else { RedOp::Builtin(BuiltinOp::Sum) };
     let (send, recv) = regions(a, dt.size(), n, comm.rank, root)?;
-    let seq = comm.seq.fetch_add(1, Ordering::Relaxed);
+    // Collectives are numbered alike on every rank; point-to-point calls are not.
+    let seq = if a.kind.is_p2p() { 0 } else { comm.seq.fetch_add(1, Ordering::Relaxed) };
     let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq };
     crate::info!(COLL, "{}: rank {} send {:#x} recv {:#x}", op.describe(), comm.rank, send.addr(), recv.addr());
     Ok(op)

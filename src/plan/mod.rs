@@ -9,6 +9,7 @@
 pub mod ops;
 
 use crate::device::host::{ElemOp, Region};
+use crate::transport::Stamp;
 use crate::types::{DataType, Scalar};
 
 pub use ops::{plan_group, Op, OpKind};
@@ -31,8 +32,8 @@ pub const NO_DEP: u32 = u32::MAX;
 pub struct Unit {
     pub step: Step,
     pub deps: [u32; MAX_DEPS],
-    /// Fingerprint of the operation, checked by the receiver.
-    pub tag: u32,
+    /// Index of the unit's operation in [`Builder::stamps`].
+    pub op: u32,
 }
 
 /// The units of one logical transfer: `n` consecutive units from `first`.
@@ -57,8 +58,9 @@ pub struct Reduction {
 
 pub struct Builder {
     pub units: Vec<Unit>,
+    /// The identity of each planned operation, carried on its messages and checked on receipt.
+    pub stamps: Vec<Stamp>,
     slice: usize,
-    tag: u32,
     /// A dependency added to every unit of the current operation (e.g. PreMulSum's scaling).
     fence: Ref,
     /// Scratch memory the units refer to; kept alive as long as the builder.
@@ -68,12 +70,12 @@ pub struct Builder {
 impl Builder {
     pub fn new(slice: usize) -> Builder {
         let slice = (slice / 64).max(1) * 64;
-        Builder { units: Vec::new(), slice, tag: 0, fence: Ref::NONE, scratch: Vec::new() }
+        Builder { units: Vec::new(), stamps: Vec::new(), slice, fence: Ref::NONE, scratch: Vec::new() }
     }
 
-    /// Start a new operation: its tag, and no fence.
-    pub fn begin(&mut self, tag: u32) {
-        self.tag = tag;
+    /// Start a new operation: its stamp, and no fence.
+    pub fn begin(&mut self, stamp: Stamp) {
+        self.stamps.push(stamp);
         self.fence = Ref::NONE;
     }
 
@@ -108,7 +110,8 @@ impl Builder {
                 d[nd] = dep;
                 nd += 1;
             }
-            self.units.push(Unit { step: make(off, self.slice.min(len - off)), deps: d, tag: self.tag });
+            let op = self.stamps.len().saturating_sub(1) as u32;
+            self.units.push(Unit { step: make(off, self.slice.min(len - off)), deps: d, op });
         }
         Ref { first, n: k as u32 }
     }
@@ -155,7 +158,7 @@ mod tests {
         let mut buf = vec![0u8; 1000];
         let r = Region::owned(&mut buf);
         let mut b = Builder::new(256);
-        b.begin(1);
+        b.begin([1; crate::transport::STAMP_BYTES]);
         let a = b.recv(1, r, &[]);
         let s = b.send(2, r, &[a]);
         assert_eq!(a.n, 4);

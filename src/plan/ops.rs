@@ -4,6 +4,7 @@ use super::{Builder, Reduction};
 use crate::algo::{self, Algo};
 use crate::device::host::{ElemOp, Region};
 use crate::error::{Error, Result};
+use crate::transport::{Stamp, STAMP_BYTES};
 use crate::types::{BuiltinOp, DataType, RedOp};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -62,28 +63,30 @@ pub struct Op {
 }
 
 impl Op {
-    /// A fingerprint every rank computes identically for the same collective (for p2p: the
-    /// same bytes), carried on every message so a mismatch is detected, not misread.
-    pub fn tag(&self) -> u32 {
-        let fields: [u64; 5] = if self.kind.is_p2p() {
-            [0xfeed, (self.count * self.dt.size()) as u64, 0, 0, 0]
-        } else {
-            let op = match self.op {
-                RedOp::Builtin(b) => b as u64,
-                RedOp::PreMulSum(_) => 99,
-            };
-            let op = if self.kind.reduces() { op } else { 0 };
-            let root = if self.kind.has_root() { self.root as u64 } else { 0 };
-            [self.kind as u64, self.count as u64, self.dt as u64, op, root]
-        };
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for f in fields {
-            for b in f.to_le_bytes() {
-                h ^= b as u64;
-                h = h.wrapping_mul(0x0000_0100_0000_01b3);
-            }
+    /// What every rank computes identically for the same collective (for point-to-point: the
+    /// same byte count), carried on every message so a mismatch is detected and described.
+    pub fn stamp(&self) -> Stamp {
+        let mut s = [0u8; STAMP_BYTES];
+        if self.kind.is_p2p() {
+            s[0] = P2P_KIND;
+            s[8..16].copy_from_slice(&((self.count * self.dt.size()) as u64).to_le_bytes());
+            return s;
         }
-        (h ^ (h >> 32)) as u32
+        s[0] = self.kind as u8;
+        s[1] = self.dt as u8;
+        s[2] = if !self.kind.reduces() {
+            NO_REDOP
+        } else {
+            match self.op {
+                RedOp::Builtin(b) => b as u8,
+                RedOp::PreMulSum(_) => PREMULSUM,
+            }
+        };
+        let root = if self.kind.has_root() { self.root as u32 } else { 0 };
+        s[4..8].copy_from_slice(&root.to_le_bytes());
+        s[8..16].copy_from_slice(&(self.count as u64).to_le_bytes());
+        s[16..24].copy_from_slice(&self.seq.to_le_bytes());
+        s
     }
 
     /// "AllReduce #12 (count 1024, float, sum)" for messages.
@@ -101,6 +104,35 @@ impl Op {
         s.push(')');
         s
     }
+}
+
+const P2P_KIND: u8 = 200;
+const NO_REDOP: u8 = 255;
+const PREMULSUM: u8 = 99;
+const KINDS: [OpKind; 8] = [OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce, OpKind::AllGather,
+                            OpKind::ReduceScatter, OpKind::AlltoAll, OpKind::Gather, OpKind::Scatter];
+
+/// Read a stamp back into words: "AllGather #12 (count 2048, float)".
+pub fn describe_stamp(s: &Stamp) -> String {
+    let u64_at = |i: usize| u64::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3], s[i + 4], s[i + 5], s[i + 6], s[i + 7]]);
+    if s[0] == P2P_KIND {
+        return format!("a send of {} bytes", u64_at(8));
+    }
+    let Some(kind) = KINDS.iter().find(|k| **k as u8 == s[0]) else {
+        return format!("an unknown operation (stamp {s:02x?})");
+    };
+    let dt = DataType::from_raw(s[1] as i32).map_or("?", |d| d.name());
+    let mut out = format!("{} #{} (count {}, {}", kind.name(), u64_at(16), u64_at(8), dt);
+    match s[2] {
+        NO_REDOP => {}
+        PREMULSUM => out.push_str(", premulsum"),
+        b => out.push_str(&format!(", {}", BuiltinOp::from_raw(b as i32).map_or("?", |o| o.name()))),
+    }
+    if kind.has_root() {
+        out.push_str(&format!(", root {}", u32::from_le_bytes([s[4], s[5], s[6], s[7]])));
+    }
+    out.push(')');
+    out
 }
 
 /// How the reduction runs: PreMulSum becomes a local scaling and a sum, Avg a sum and a
@@ -121,7 +153,7 @@ fn reduction(op: RedOp, dt: DataType, nranks: usize) -> Reduction {
 pub fn plan_group(rank: usize, nranks: usize, slice: usize, ops: &[Op], algo: Option<Algo>) -> Result<Builder> {
     let mut b = Builder::new(slice);
     for op in ops.iter().filter(|o| !o.kind.is_p2p() && o.count > 0) {
-        b.begin(op.tag());
+        b.begin(op.stamp());
         let mut send = op.send;
         if let RedOp::PreMulSum(scalar) = op.op {
             if op.kind.reduces() && !send.is_empty() {
@@ -142,7 +174,7 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
     let mut self_sends = Vec::new();
     let mut self_recvs = Vec::new();
     for op in ops.iter().filter(|o| o.kind.is_p2p() && o.count > 0) {
-        b.begin(op.tag());
+        b.begin(op.stamp());
         match (op.kind, op.root == rank) {
             (OpKind::Send, true) => self_sends.push(op),
             (OpKind::Recv, true) => self_recvs.push(op),
@@ -166,7 +198,7 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
             return Err(Error::invalid_usage(format!(
                 "rank {rank} sends {} bytes to itself but receives {} bytes", s.send.len(), r.recv.len())));
         }
-        b.begin(s.tag());
+        b.begin(s.stamp());
         b.copy(r.recv, s.send, &[]);
     }
     Ok(())

@@ -12,13 +12,16 @@ use crate::comm::Comm;
 use crate::device::host;
 use crate::error::{Error, Result};
 use crate::plan::{Step, Unit, NO_DEP};
-use crate::transport::Conns;
+use crate::transport::{Conns, Stamp};
 
 /// One communicator's work in a run.
 pub struct Job<'a> {
     pub comm: &'a Comm,
     pub conns: &'a mut Conns,
     units: &'a [Unit],
+    stamps: &'a [Stamp],
+    /// Puts a stamp into words for a mismatch message.
+    describe: &'a dyn Fn(&Stamp) -> String,
     done: Vec<bool>,
     sends: Vec<(usize, VecDeque<u32>)>,
     recvs: Vec<(usize, VecDeque<u32>)>,
@@ -27,7 +30,8 @@ pub struct Job<'a> {
 }
 
 impl<'a> Job<'a> {
-    pub fn new(comm: &'a Comm, conns: &'a mut Conns, units: &'a [Unit]) -> Job<'a> {
+    pub fn new(comm: &'a Comm, conns: &'a mut Conns, units: &'a [Unit], stamps: &'a [Stamp],
+               describe: &'a dyn Fn(&Stamp) -> String) -> Job<'a> {
         let n = comm.nranks;
         let mut send_q: Vec<VecDeque<u32>> = vec![VecDeque::new(); n];
         let mut recv_q: Vec<VecDeque<u32>> = vec![VecDeque::new(); n];
@@ -40,7 +44,7 @@ impl<'a> Job<'a> {
             }
         }
         let keep = |v: Vec<VecDeque<u32>>| v.into_iter().enumerate().filter(|(_, q)| !q.is_empty()).collect();
-        Job { comm, conns, units, done: vec![false; units.len()], sends: keep(send_q), recvs: keep(recv_q), local, remaining: units.len() }
+        Job { comm, conns, units, stamps, describe, done: vec![false; units.len()], sends: keep(send_q), recvs: keep(recv_q), local, remaining: units.len() }
     }
 
     fn ready(&self, i: u32) -> bool {
@@ -61,8 +65,8 @@ impl<'a> Job<'a> {
                     break;
                 }
                 let Step::Send { peer, src } = self.units[i as usize].step else { break };
-                let tag = self.units[i as usize].tag;
-                if !self.conns.send_mut(peer as usize)?.try_send(src, tag)? {
+                let stamp = &self.stamps[self.units[i as usize].op as usize];
+                if !self.conns.send_mut(peer as usize)?.try_send(src, stamp)? {
                     break;
                 }
                 self.sends[qi].1.pop_front();
@@ -81,12 +85,22 @@ impl<'a> Job<'a> {
                     Step::RecvReduce { peer, dst, .. } => (peer, dst.len()),
                     _ => break,
                 };
-                let mut deliver = |data: &[u8]| match unit.step {
-                    Step::Recv { dst, .. } => host::copy_in(dst, data),
-                    Step::RecvReduce { dst, acc, dt, op, .. } => host::reduce_in(dt, op, dst, acc, data),
-                    _ => {}
+                let mine = &self.stamps[unit.op as usize];
+                let (comm, describe) = (self.comm, self.describe);
+                let mut deliver = |theirs: &Stamp, data: &[u8]| {
+                    if theirs != mine || data.len() != len {
+                        return Err(Error::invalid_usage(format!(
+                            "{} issued {} where rank {} issued {}: every rank must make the same calls in the same order",
+                            comm.describe_peer(peer as usize), describe(theirs), comm.rank, describe(mine))));
+                    }
+                    match unit.step {
+                        Step::Recv { dst, .. } => host::copy_in(dst, data),
+                        Step::RecvReduce { dst, acc, dt, op, .. } => host::reduce_in(dt, op, dst, acc, data),
+                        _ => {}
+                    }
+                    Ok(())
                 };
-                if !self.conns.recv_mut(peer as usize)?.try_recv(len, unit.tag, &mut deliver)? {
+                if !self.conns.recv_mut(peer as usize)?.try_recv(&mut deliver)? {
                     break;
                 }
                 self.recvs[qi].1.pop_front();

@@ -2,9 +2,9 @@
 //! peer, chosen per pair in priority order — `local` (ranks of one process), `shm` (processes
 //! of one host), `socket` (anything else) — honouring `NCCL_P2P_DISABLE` and `NCCL_SHM_DISABLE`.
 //!
-//! A message is at most one slice (the communicator's `slice` bytes) and carries a tag, the
-//! fingerprint of the operation it belongs to, so a receiver detects a peer that is running a
-//! different operation instead of reading garbage. Connections are made lazily, in two phases
+//! A message is at most one slice (the communicator's `slice` bytes) and carries a [`Stamp`]
+//! naming the operation it belongs to, so a receiver detects a peer that is running a
+//! different operation (and can say which) instead of reading garbage. Connections are made lazily, in two phases
 //! so one thread can connect many ranks of a process: every sender first *offers* (creates the
 //! buffer or dials the socket, which never waits for the receiver), then receivers *accept*.
 
@@ -21,12 +21,17 @@ use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::params;
 
+/// What every message carries besides its bytes: the identity of its operation, opaque to
+/// transports (the planner writes and reads it).
+pub const STAMP_BYTES: usize = 24;
+pub type Stamp = [u8; STAMP_BYTES];
+
 /// The sending half of a connection to one peer.
 pub trait SendConn: Send {
     /// Try to send `src` as one message. `Ok(true)`: all of it was accepted and `src` may be
     /// reused. `Ok(false)`: no room now; call again with the same message (partial progress is
     /// kept inside).
-    fn try_send(&mut self, src: Region, tag: u32) -> Result<bool>;
+    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<bool>;
     /// Is the peer still there? Called while waiting.
     fn check(&mut self) -> Result<()>;
     fn kind(&self) -> Kind;
@@ -34,10 +39,9 @@ pub trait SendConn: Send {
 
 /// The receiving half of a connection to one peer.
 pub trait RecvConn: Send {
-    /// If the next message has fully arrived, hand its bytes to `deliver` and consume it.
-    /// Its length and tag must be `len` and `tag`: anything else means the peer is running a
-    /// different operation, which is an error.
-    fn try_recv(&mut self, len: usize, tag: u32, deliver: &mut dyn FnMut(&[u8])) -> Result<bool>;
+    /// If the next message has fully arrived, hand its stamp and bytes to `deliver` (which
+    /// checks them against what it expects) and consume it.
+    fn try_recv(&mut self, deliver: &mut dyn FnMut(&Stamp, &[u8]) -> Result<()>) -> Result<bool>;
     fn check(&mut self) -> Result<()>;
     fn kind(&self) -> Kind;
 }

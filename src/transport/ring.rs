@@ -2,14 +2,14 @@
 //! shared-memory transport between processes and the local transport inside one process.
 //!
 //! Layout: `head` (consumer count) and `tail` (producer count) on their own cache lines, the
-//! two "closed" flags, one 8-byte header per slot (length, tag), then the slots. The producer
+//! two "closed" flags, one 32-byte header per slot (length, stamp), then the slots. The producer
 //! writes a slot and its header, then publishes with a release store of `tail`; the consumer
 //! reads after an acquire load of `tail` and frees the slot with a release store of `head`.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::Kind;
+use super::{Kind, Stamp, STAMP_BYTES};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 
@@ -18,7 +18,8 @@ const HEAD: usize = 0;
 const TAIL: usize = 64;
 const SENDER_CLOSED: usize = 128;
 const RECEIVER_CLOSED: usize = 132;
-const HEADERS: usize = 192;
+const HEADERS: usize = 256;
+const HEADER_BYTES: usize = 32;
 const DATA: usize = 4096;
 
 pub fn ring_bytes(slice: usize) -> usize {
@@ -116,7 +117,7 @@ fn check_pid(pid: Option<u32>) -> Result<()> {
 }
 
 impl super::SendConn for RingSend {
-    fn try_send(&mut self, src: Region, tag: u32) -> Result<bool> {
+    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<bool> {
         if src.len() > self.slice {
             return Err(Error::internal(format!("message of {} bytes exceeds the slot size {}", src.len(), self.slice)));
         }
@@ -133,9 +134,9 @@ impl super::SendConn for RingSend {
         unsafe {
             let dst = self.map.base.add(DATA + slot * self.slice);
             std::ptr::copy_nonoverlapping(src.addr() as *const u8, dst, src.len());
-            let hdr = self.map.base.add(HEADERS + slot * 8) as *mut u32;
-            hdr.write_volatile(src.len() as u32);
-            hdr.add(1).write_volatile(tag);
+            let hdr = self.map.base.add(HEADERS + slot * HEADER_BYTES);
+            (hdr as *mut u32).write_volatile(src.len() as u32);
+            std::ptr::copy_nonoverlapping(stamp.as_ptr(), hdr.add(8), STAMP_BYTES);
         }
         self.tail += 1;
         self.map.atomic_u64(TAIL).store(self.tail, Ordering::Release);
@@ -150,7 +151,7 @@ impl super::SendConn for RingSend {
 }
 
 impl super::RecvConn for RingRecv {
-    fn try_recv(&mut self, len: usize, tag: u32, deliver: &mut dyn FnMut(&[u8])) -> Result<bool> {
+    fn try_recv(&mut self, deliver: &mut dyn FnMut(&Stamp, &[u8]) -> Result<()>) -> Result<bool> {
         let tail = self.map.atomic_u64(TAIL).load(Ordering::Acquire);
         if tail == self.head {
             if self.map.atomic_u32(SENDER_CLOSED).load(Ordering::Acquire) != 0 {
@@ -161,20 +162,14 @@ impl super::RecvConn for RingRecv {
         let slot = (self.head % SLOTS as u64) as usize;
         // SAFETY: head < tail: the producer published this slot (acquire above) and will not
         // touch it until we advance head. Bounds as in try_send.
-        let (got_len, got_tag, data) = unsafe {
-            let hdr = self.map.base.add(HEADERS + slot * 8) as *const u32;
-            let l = hdr.read_volatile() as usize;
-            let t = hdr.add(1).read_volatile();
-            let n = l.min(self.slice);
-            (l, t, std::slice::from_raw_parts(self.map.base.add(DATA + slot * self.slice), n))
+        let (stamp, data) = unsafe {
+            let hdr = self.map.base.add(HEADERS + slot * HEADER_BYTES);
+            let n = ((hdr as *const u32).read_volatile() as usize).min(self.slice);
+            let mut stamp = [0u8; STAMP_BYTES];
+            std::ptr::copy_nonoverlapping(hdr.add(8), stamp.as_mut_ptr(), STAMP_BYTES);
+            (stamp, std::slice::from_raw_parts(self.map.base.add(DATA + slot * self.slice), n))
         };
-        if got_len != len || got_tag != tag {
-            return Err(Error::invalid_usage(format!(
-                "received a message of {got_len} bytes for operation {got_tag:#010x} while expecting {len} bytes for \
-                 operation {tag:#010x}: the ranks issued different operations"
-            )));
-        }
-        deliver(data);
+        deliver(&stamp, data)?;
         self.head += 1;
         self.map.atomic_u64(HEAD).store(self.head, Ordering::Release);
         Ok(true)
@@ -211,16 +206,17 @@ mod tests {
         let mut tx = RingSend::new(map.clone(), slice, Kind::Local, None);
         let mut rx = RingRecv::new(map, slice, Kind::Local, None);
         let mut bufs: Vec<Vec<u8>> = (0..SLOTS + 1).map(|i| vec![i as u8; 10]).collect();
+        let stamp = [7u8; STAMP_BYTES];
         for b in bufs.iter_mut().take(SLOTS) {
-            assert!(tx.try_send(Region::owned(b), 7).unwrap());
+            assert!(tx.try_send(Region::owned(b), &stamp).unwrap());
         }
-        assert!(!tx.try_send(Region::owned(&mut bufs[SLOTS]), 7).unwrap(), "ring must be full");
+        assert!(!tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp).unwrap(), "ring must be full");
         let mut got = Vec::new();
-        assert!(rx.try_recv(10, 7, &mut |d| got.extend_from_slice(d)).unwrap());
+        assert!(rx.try_recv(&mut |s, d| { assert_eq!(s, &stamp); got.extend_from_slice(d); Ok(()) }).unwrap());
         assert_eq!(got, vec![0u8; 10]);
-        assert!(tx.try_send(Region::owned(&mut bufs[SLOTS]), 7).unwrap());
-        let err = rx.try_recv(11, 7, &mut |_| {}).unwrap_err();
-        assert!(err.msg.contains("different operations"), "{}", err.msg);
+        assert!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp).unwrap());
+        let err = rx.try_recv(&mut |_, _| Err(Error::invalid_usage("refused"))).unwrap_err();
+        assert_eq!(err.msg, "refused");
     }
 
     #[test]
@@ -229,6 +225,6 @@ mod tests {
         let tx = RingSend::new(map.clone(), 64, Kind::Local, None);
         let mut rx = RingRecv::new(map, 64, Kind::Local, None);
         drop(tx);
-        assert!(rx.try_recv(1, 0, &mut |_| {}).is_err());
+        assert!(rx.try_recv(&mut |_, _| Ok(())).is_err());
     }
 }

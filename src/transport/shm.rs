@@ -7,7 +7,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use super::ring::{ring_bytes, Mapping, RingRecv, RingSend};
-use super::{Kind, SendConn};
+use super::{Kind, SendConn, Stamp};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 
@@ -20,8 +20,8 @@ pub struct ShmSend {
 }
 
 impl SendConn for ShmSend {
-    fn try_send(&mut self, src: Region, tag: u32) -> Result<bool> {
-        self.ring.try_send(src, tag)
+    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<bool> {
+        self.ring.try_send(src, stamp)
     }
     fn check(&mut self) -> Result<()> {
         self.ring.check()

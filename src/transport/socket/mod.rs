@@ -1,5 +1,5 @@
 //! TCP between ranks that share no memory (other hosts, or `NCCL_SHM_DISABLE=1`). Each
-//! message is an 8-byte header (length, tag) and its bytes, written and read without blocking
+//! message is a 32-byte header (length, stamp) and its bytes, written and read without blocking
 //! so one thread can drive many connections; a closed connection is a `ncclRemoteError`.
 
 pub mod ifaces;
@@ -7,7 +7,9 @@ pub mod ifaces;
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 
-use super::{Kind, RecvConn, SendConn};
+use super::{Kind, RecvConn, SendConn, Stamp, STAMP_BYTES};
+
+const HEADER: usize = 8 + STAMP_BYTES;
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 
@@ -31,18 +33,18 @@ impl SocketSend {
 }
 
 impl SendConn for SocketSend {
-    fn try_send(&mut self, src: Region, tag: u32) -> Result<bool> {
-        let mut header = [0u8; 8];
+    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<bool> {
+        let mut header = [0u8; HEADER];
         header[..4].copy_from_slice(&(src.len() as u32).to_le_bytes());
-        header[4..].copy_from_slice(&tag.to_le_bytes());
+        header[8..].copy_from_slice(stamp);
         // SAFETY: the schedule does not write `src` until this send completes.
         let body = unsafe { src.as_slice() };
-        let total = 8 + body.len();
+        let total = HEADER + body.len();
         while self.sent < total {
-            let r = if self.sent < 8 {
+            let r = if self.sent < HEADER {
                 self.stream.write(&header[self.sent..])
             } else {
-                self.stream.write(&body[self.sent - 8..])
+                self.stream.write(&body[self.sent - HEADER..])
             };
             match r {
                 Ok(0) => return Err(lost(self.peer, "closed")),
@@ -69,24 +71,25 @@ impl SendConn for SocketSend {
 pub struct SocketRecv {
     stream: TcpStream,
     peer: usize,
-    header: [u8; 8],
+    header: [u8; HEADER],
     got: usize,
     body: Vec<u8>,
+    slice: usize,
 }
 
 impl SocketRecv {
     pub fn new(stream: TcpStream, peer: usize, slice: usize) -> Result<SocketRecv> {
         stream.set_nonblocking(true).map_err(|e| Error::os("socket: nonblocking", e))?;
         let _ = stream.set_nodelay(true);
-        Ok(SocketRecv { stream, peer, header: [0; 8], got: 0, body: Vec::with_capacity(slice) })
+        Ok(SocketRecv { stream, peer, header: [0; HEADER], got: 0, body: Vec::with_capacity(slice), slice })
     }
 
     fn read_some(&mut self, want_total: usize) -> Result<bool> {
         while self.got < want_total {
-            let r = if self.got < 8 {
+            let r = if self.got < HEADER {
                 self.stream.read(&mut self.header[self.got..])
             } else {
-                let start = self.got - 8;
+                let start = self.got - HEADER;
                 self.stream.read(&mut self.body[start..])
             };
             match r {
@@ -102,25 +105,24 @@ impl SocketRecv {
 }
 
 impl RecvConn for SocketRecv {
-    fn try_recv(&mut self, len: usize, tag: u32, deliver: &mut dyn FnMut(&[u8])) -> Result<bool> {
-        if self.got < 8 {
-            if !self.read_some(8)? {
+    fn try_recv(&mut self, deliver: &mut dyn FnMut(&Stamp, &[u8]) -> Result<()>) -> Result<bool> {
+        if self.got < HEADER {
+            if !self.read_some(HEADER)? {
                 return Ok(false);
             }
-            let got_len = u32::from_le_bytes([self.header[0], self.header[1], self.header[2], self.header[3]]) as usize;
-            let got_tag = u32::from_le_bytes([self.header[4], self.header[5], self.header[6], self.header[7]]);
-            if got_len != len || got_tag != tag {
-                return Err(Error::invalid_usage(format!(
-                    "rank {} sent a message of {got_len} bytes for operation {got_tag:#010x} while this rank expected \
-                     {len} bytes for operation {tag:#010x}: the ranks issued different operations", self.peer)));
+            let len = u32::from_le_bytes([self.header[0], self.header[1], self.header[2], self.header[3]]) as usize;
+            if len > self.slice {
+                return Err(lost(self.peer, format!("malformed message of {len} bytes (limit {})", self.slice)));
             }
             self.body.resize(len, 0);
         }
-        if !self.read_some(8 + len)? {
+        if !self.read_some(HEADER + self.body.len())? {
             return Ok(false);
         }
-        deliver(&self.body[..len]);
+        let mut stamp = [0u8; STAMP_BYTES];
+        stamp.copy_from_slice(&self.header[8..]);
         self.got = 0;
+        deliver(&stamp, &self.body)?;
         Ok(true)
     }
     fn check(&mut self) -> Result<()> {
