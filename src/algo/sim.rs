@@ -11,7 +11,7 @@ use crate::types::{BuiltinOp, DataType, RedOp};
 /// Execute all ranks' plans to completion; panics on a deadlock or a mismatched message.
 fn run(plans: &[Builder]) {
     let n = plans.len();
-    let mut queues: HashMap<(usize, usize), VecDeque<(u32, Vec<u8>)>> = HashMap::new();
+    let mut queues: HashMap<(usize, usize), VecDeque<(crate::transport::Stamp, Vec<u8>)>> = HashMap::new();
     let mut done: Vec<Vec<bool>> = plans.iter().map(|p| vec![false; p.units.len()]).collect();
     loop {
         let mut progressed = false;
