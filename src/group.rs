@@ -172,6 +172,15 @@ fn execute(ops: Vec<(Arc<Comm>, Op)>) -> Result<()> {
     drop(jobs);
     if let Err((j, e)) = result {
         let (c, ops) = &per_comm[j];
+        let mut e = e;
+        if e.code != crate::Code::InvalidUsage {
+            // Name the culprit: the peer this rank waited on may only have reacted to it.
+            let lost = c.lost_peers();
+            if !lost.is_empty() {
+                let names: Vec<String> = lost.iter().map(|(p, why)| format!("{} ({why})", c.describe_peer(*p))).collect();
+                e = crate::Error::remote(format!("lost {}; this rank saw: {}", names.join(", "), e.msg));
+            }
+        }
         let e = e.context(format!("rank {}: {}", c.rank, describe(ops)));
         // The connections are in an unknown state: close them so peers stop waiting, and keep
         // the error for ncclCommGetAsyncError.

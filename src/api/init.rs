@@ -108,7 +108,7 @@ pub fn run_init(comm: &Comm, id: &UniqueId) -> Result<()> {
         addr: ([0, 0, 0, 0], 0).into(),
         slice: (params::buffsize() / SLOTS) as u32,
     };
-    let result = bootstrap::join(id, comm.rank, comm.nranks, me).map(|(peers, service)| {
+    let result = bootstrap::join(id, comm.rank, comm.nranks, me, &comm.abort).map(|(peers, service)| {
         let slice = peers.iter().map(|p| p.slice as usize).min().unwrap_or(1 << 16).max(4096);
         comm.set_ready(Ready::new(peers, service, slice));
     });

@@ -7,6 +7,7 @@ pub mod service;
 pub mod wire;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -14,7 +15,7 @@ use crate::params;
 use crate::transport::socket::ifaces;
 pub use id::UniqueId;
 pub use service::Service;
-use wire::{read_frame, write_frame, Reader, Writer};
+use wire::{read_frame, wait_readable, write_frame, Reader, Writer};
 
 /// What each rank tells the others about itself at init.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,8 +90,11 @@ pub fn new_unique_id() -> Result<[u8; id::ID_BYTES]> {
     Ok(UniqueId { magic, root, rank0_hosts_root: false }.encode())
 }
 
-fn connect_root(id: &UniqueId, deadline: Instant) -> Result<TcpStream> {
+fn connect_root(id: &UniqueId, deadline: Instant, abort: &AtomicBool) -> Result<TcpStream> {
     loop {
+        if abort.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage("communicator aborted during init"));
+        }
         match TcpStream::connect_timeout(&id.root, Duration::from_secs(2)) {
             Ok(s) => return Ok(s),
             // With NCCL_COMM_ID rank 0 may not have started the root yet: keep trying.
@@ -108,7 +112,8 @@ fn connect_root(id: &UniqueId, deadline: Instant) -> Result<TcpStream> {
 }
 
 /// Join the job: start our service, say hello to the root, receive everyone's info.
-pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo) -> Result<(Vec<PeerInfo>, Service)> {
+pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: &AtomicBool)
+            -> Result<(Vec<PeerInfo>, Service)> {
     let timeout = params::init_timeout();
     let deadline = Instant::now() + timeout;
     if id.rank0_hosts_root && rank == 0 {
@@ -117,14 +122,16 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo) -> Resu
     }
     let service = Service::start(local_ip(), id.magic, rank as u32)?;
     me.addr = service.addr;
-    let mut s = connect_root(id, deadline)?;
+    let mut s = connect_root(id, deadline, abort)?;
     let _ = s.set_nodelay(true);
     let mut w = Writer::default();
     w.u8(root::HELLO).u64(id.magic).u32(rank as u32).u32(nranks as u32);
     me.encode(&mut w);
     write_frame(&mut s, &w.buf).map_err(|e| e.context("bootstrap: hello to root"))?;
-    let reply = read_frame(&mut s, deadline.saturating_duration_since(Instant::now()))
-        .map_err(|e| Error::remote(format!("bootstrap: no answer from the root within {} s: {}", timeout.as_secs(), e.msg)))?;
+    let no_answer = |e: Error| Error::remote(format!("bootstrap: no answer from the root within {} s: {}", timeout.as_secs(), e.msg));
+    wait_readable(&mut s, deadline, abort).map_err(|e| if e.code == crate::error::Code::InvalidUsage { e } else { no_answer(e) })?;
+    let reply = read_frame(&mut s, deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)))
+        .map_err(no_answer)?;
     let mut r = Reader::new(&reply);
     match r.u8()? {
         root::TABLE => {}

@@ -15,6 +15,8 @@ use crate::error::{Error, Result};
 
 const KIND_MSG: u8 = 1;
 const KIND_DATA: u8 = 2;
+/// Answered by the kernel's accept alone: proves the peer's process still listens.
+const KIND_PING: u8 = 3;
 /// How long an incoming connection may take to say who it is.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -72,6 +74,17 @@ impl Service {
         w.u64(self.shared.magic).u8(kind).u32(self.rank).u32(tag).bytes(payload);
         write_frame(&mut s, &w.buf).map_err(|e| e.context(format!("bootstrap: rank {peer}")))?;
         Ok(s)
+    }
+
+    /// Is `peer`'s process still there? (Its service accepts a connection within `timeout`.)
+    pub fn ping(&self, peer: usize, timeout: Duration) -> Result<()> {
+        let addr = self.peer_addr(peer)?;
+        let mut s = TcpStream::connect_timeout(&addr, timeout)
+            .map_err(|e| Error::remote(format!("rank {peer} at {addr} does not answer: {e}")))?;
+        let mut w = Writer::default();
+        w.u64(self.shared.magic).u8(KIND_PING).u32(self.rank).u32(0).bytes(&[]);
+        let _ = write_frame(&mut s, &w.buf);
+        Ok(())
     }
 
     /// Deliver a small message to `peer` under `tag`.

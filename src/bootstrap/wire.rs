@@ -34,6 +34,27 @@ pub fn read_frame(s: &mut TcpStream, timeout: Duration) -> Result<Vec<u8>> {
     Ok(buf)
 }
 
+/// Wait until `s` has data (or the peer closed), checking `abort` every 100 ms.
+pub fn wait_readable(s: &mut TcpStream, deadline: std::time::Instant, abort: &std::sync::atomic::AtomicBool) -> Result<()> {
+    use std::sync::atomic::Ordering;
+    loop {
+        if abort.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage("communicator aborted during init"));
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(Error::remote("timed out"));
+        }
+        s.set_read_timeout(Some(left.min(Duration::from_millis(100))))
+            .map_err(|e| Error::os("bootstrap: set timeout", e))?;
+        match s.peek(&mut [0u8; 1]) {
+            Ok(_) => return Ok(()),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(e) => return Err(Error::os("bootstrap: receive", e)),
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct Writer {
     pub buf: Vec<u8>,

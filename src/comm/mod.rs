@@ -160,6 +160,26 @@ impl Comm {
         }
     }
 
+    /// The peers that are gone, with why, to name them when an operation fails: same-host
+    /// peers by their pid, others by whether their bootstrap service still answers.
+    pub fn lost_peers(&self) -> Vec<(usize, String)> {
+        let Some(ready) = self.ready.get() else { return Vec::new() };
+        let me = &ready.peers[self.rank];
+        let timeout = std::time::Duration::from_secs(1);
+        std::thread::scope(|s| {
+            let probes: Vec<_> = ready.peers.iter().filter(|p| p.rank != self.rank).map(|p| {
+                s.spawn(move || {
+                    if p.same_host(me) {
+                        (!crate::transport::ring::pid_alive(p.pid)).then(|| (p.rank, "its process exited".to_string()))
+                    } else {
+                        ready.service.ping(p.rank, timeout).err().map(|e| (p.rank, e.msg))
+                    }
+                })
+            }).collect();
+            probes.into_iter().filter_map(|h| h.join().ok().flatten()).collect()
+        })
+    }
+
     /// Release connections and stop the bootstrap service (destroy/abort).
     pub fn shutdown(&self) {
         if let Some(r) = self.ready.get() {

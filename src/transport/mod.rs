@@ -144,8 +144,12 @@ pub fn accept(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
     let conn: Box<dyn RecvConn> = match choose(me, other) {
         Kind::Local => Box::new(local::accept(ctx.hash, peer, ctx.rank, ctx.slice, ctx.deadline, ctx.abort)?),
         Kind::Shm => {
-            let name = ctx.service.recv(peer, TAG_SHM, ctx.deadline, ctx.abort)?;
-            Box::new(shm::open(&String::from_utf8_lossy(&name), ctx.slice, other.pid)?)
+            let opened = ctx.service.recv(peer, TAG_SHM, ctx.deadline, ctx.abort)
+                .and_then(|name| shm::open(&String::from_utf8_lossy(&name), ctx.slice, other.pid));
+            if opened.is_err() {
+                shm::remove_expected(ctx.hash, peer, ctx.rank, other.pid);
+            }
+            Box::new(opened?)
         }
         Kind::Socket => Box::new(socket::SocketRecv::new(
             ctx.service.accept_data(peer, TAG_SOCKET, ctx.deadline, ctx.abort)?, peer, ctx.slice)?),

@@ -73,11 +73,18 @@ impl Drop for Mapping {
     }
 }
 
-/// Is process `pid` still alive (same host)?
+/// Is process `pid` still alive (same host)? A zombie (dead, not yet reaped) is not.
 pub fn pid_alive(pid: u32) -> bool {
     // SAFETY: kill with signal 0 only checks for existence and permission.
     let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    // /proc/<pid>/stat: "pid (comm) S ..." — the state follows the last ')'.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()), Some('Z' | 'X')),
+        Err(_) => true, // another pid namespace: trust kill()
+    }
 }
 
 pub struct RingSend {

@@ -37,8 +37,18 @@ impl Drop for ShmSend {
     }
 }
 
+/// The segment rank `from` (process `pid`) creates for rank `to`.
+pub fn name_for(hash: u64, from: usize, to: usize, pid: u32) -> String {
+    format!("{PREFIX}{hash:016x}-{from}-{to}-{pid}")
+}
+
+/// A receiver whose sender died before handing over its segment removes it (survivors clean up).
+pub fn remove_expected(hash: u64, from: usize, to: usize, pid: u32) {
+    let _ = std::fs::remove_file(format!("/dev/shm/{}", name_for(hash, from, to, pid)));
+}
+
 pub fn create(hash: u64, from: usize, to: usize, slice: usize, peer_pid: u32) -> Result<(ShmSend, String)> {
-    let name = format!("{PREFIX}{hash:016x}-{from}-{to}-{}", std::process::id());
+    let name = name_for(hash, from, to, std::process::id());
     let path = format!("/dev/shm/{name}");
     let len = ring_bytes(slice);
     let file = std::fs::OpenOptions::new()

@@ -13,6 +13,29 @@ const HEADER: usize = 8 + STAMP_BYTES;
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 
+/// Make a dead link or host show up as a socket error within `timeout`, without mistaking a
+/// slow but alive peer for a dead one: keepalive probes are answered by the peer's kernel
+/// whatever its process is doing, and TCP_USER_TIMEOUT bounds how long sent data may stay
+/// unacknowledged.
+pub fn set_liveness(stream: &TcpStream, timeout: std::time::Duration) {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    let secs = timeout.as_secs().clamp(3, 3600) as libc::c_int;
+    let idle = (secs / 3).max(1);
+    let intvl = (secs / 10).max(1);
+    let cnt = ((secs - idle) / intvl).max(1);
+    let ms: libc::c_uint = (secs as libc::c_uint) * 1000;
+    let set = |level: libc::c_int, opt: libc::c_int, v: &[u8]| {
+        // SAFETY: fd is a live socket owned by `stream`; v points to an option value of v.len() bytes.
+        unsafe { libc::setsockopt(fd, level, opt, v.as_ptr().cast(), v.len() as libc::socklen_t) };
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, &1i32.to_ne_bytes());
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, &idle.to_ne_bytes());
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, &intvl.to_ne_bytes());
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, &cnt.to_ne_bytes());
+    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, &ms.to_ne_bytes());
+}
+
 fn lost(peer: usize, e: impl std::fmt::Display) -> Error {
     Error::remote(format!("connection to rank {peer} lost: {e}"))
 }
@@ -28,6 +51,7 @@ impl SocketSend {
     pub fn new(stream: TcpStream, peer: usize) -> Result<SocketSend> {
         stream.set_nonblocking(true).map_err(|e| Error::os("socket: nonblocking", e))?;
         let _ = stream.set_nodelay(true);
+        set_liveness(&stream, crate::params::peer_timeout());
         Ok(SocketSend { stream, peer, sent: 0 })
     }
 }
@@ -81,6 +105,7 @@ impl SocketRecv {
     pub fn new(stream: TcpStream, peer: usize, slice: usize) -> Result<SocketRecv> {
         stream.set_nonblocking(true).map_err(|e| Error::os("socket: nonblocking", e))?;
         let _ = stream.set_nodelay(true);
+        set_liveness(&stream, crate::params::peer_timeout());
         Ok(SocketRecv { stream, peer, header: [0; HEADER], got: 0, body: Vec::with_capacity(slice), slice })
     }
 
