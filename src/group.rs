@@ -16,11 +16,15 @@ use crate::plan::{plan_group, Op, Step};
 use crate::proxy::{self, Job};
 use crate::transport::{self, Ctx};
 
+/// Work that needs every rank of the group at once (split, shrink): run in parallel threads.
+pub type Deferred = Box<dyn FnOnce() -> Result<()> + Send>;
+
 #[derive(Default)]
 struct Group {
     depth: u32,
     ops: Vec<(Arc<Comm>, Op)>,
     inits: Vec<(Arc<Comm>, UniqueId)>,
+    deferred: Vec<Deferred>,
     error: Option<Error>,
 }
 
@@ -74,7 +78,37 @@ pub fn end() -> Result<()> {
         }
         run_init_list(&group.inits)?;
     }
+    run_parallel(group.deferred)?;
     execute(group.ops)
+}
+
+/// Run now outside a group; inside one, at the outermost ncclGroupEnd, concurrently with the
+/// group's other deferred work (one thread may be driving several ranks).
+pub fn run_or_defer(work: Deferred) -> Result<()> {
+    let mut work = Some(work);
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 {
+            if let Some(w) = work.take() {
+                g.deferred.push(w);
+            }
+        }
+    });
+    match work {
+        Some(w) => w(),
+        None => Ok(()),
+    }
+}
+
+fn run_parallel(work: Vec<Deferred>) -> Result<()> {
+    if work.len() <= 1 {
+        return work.into_iter().try_for_each(|w| w());
+    }
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let joins: Vec<_> = work.into_iter().map(|w| s.spawn(w)).collect();
+        joins.into_iter().map(|j| j.join().unwrap_or_else(|_| Err(Error::internal("group thread panicked")))).collect()
+    });
+    results.into_iter().collect()
 }
 
 fn run_init_list(inits: &[(Arc<Comm>, UniqueId)]) -> Result<()> {

@@ -5,7 +5,7 @@ use std::ffi::c_int;
 use super::types::*;
 use super::write_out;
 use crate::api::config::{self, Config};
-use crate::api::init;
+use crate::api::{init, split};
 use crate::comm::handle;
 use crate::error::{Error, Result};
 
@@ -28,6 +28,17 @@ fn read_config(ptr: *mut ncclConfig_t) -> Result<Config> {
     // Fields newer than the caller's header version stay unset; ours are all from 2.27 or older.
     let _ = version;
     Config::resolve(raw.blocking, super::read_cstr(raw.commName), raw.splitShare)
+}
+
+/// Where a split or shrink writes the new handle, now or at the end of the group.
+fn sink(out: *mut ncclComm_t) -> split::Sink {
+    let addr = out as usize;
+    Box::new(move |h: Option<crate::comm::handle::Handle>| {
+        let p: ncclComm_t = h.map_or(std::ptr::null_mut(), |h| h.as_ptr());
+        // SAFETY: newcomm was checked non-NULL and, by NCCL's contract, stays valid until the
+        // call (or the group it is in) completes, which is when this runs.
+        unsafe { (addr as *mut ncclComm_t).write_unaligned(p) };
+    })
 }
 
 fn id_bytes(id: &ncclUniqueId) -> [u8; NCCL_UNIQUE_ID_BYTES] {
@@ -97,17 +108,29 @@ export! {
         init::abort(handle::take(comm)?)
     }
     fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) {
-        let _ = (handle::get(comm)?, revokeFlags);
-        Err(Error::not_implemented("ncclCommRevoke"))
+        if comm.is_null() {
+            return Ok(()); // as NVIDIA's library
+        }
+        init::revoke(&*handle::get(comm)?, revokeFlags)
     }
     fn ncclCommSplit(comm: ncclComm_t, color: c_int, key: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) {
-        let _ = (handle::get(comm)?, color, key, newcomm, config);
-        Err(Error::not_implemented("ncclCommSplit"))
+        let parent = handle::get(comm)?;
+        ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+        let config = if config.is_null() { None } else { Some(read_config(config)?) };
+        split::split(parent, color, key, config, sink(newcomm))
     }
     fn ncclCommShrink(comm: ncclComm_t, excludeRanksList: *mut c_int, excludeRanksCount: c_int,
                       newcomm: *mut ncclComm_t, config: *mut ncclConfig_t, shrinkFlags: c_int) {
-        let _ = (handle::get(comm)?, excludeRanksList, excludeRanksCount, newcomm, config, shrinkFlags);
-        Err(Error::not_implemented("ncclCommShrink"))
+        let parent = handle::get(comm)?;
+        ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+        ensure!(excludeRanksCount >= 0, Error::invalid_arg(format!("excludeRanksCount {excludeRanksCount} is negative")));
+        ensure!(excludeRanksCount == 0 || !excludeRanksList.is_null(), Error::invalid_arg("excludeRanksList is NULL"));
+        let exclude = if excludeRanksCount == 0 { Vec::new() } else {
+            // SAFETY: the list holds excludeRanksCount ints by the API contract (checked non-NULL, count > 0).
+            unsafe { std::slice::from_raw_parts(excludeRanksList, excludeRanksCount as usize) }.to_vec()
+        };
+        let config = if config.is_null() { None } else { Some(read_config(config)?) };
+        split::shrink(parent, exclude, config, shrinkFlags, sink(newcomm))
     }
     fn ncclCommGetUniqueId(comm: ncclComm_t, uniqueId: *mut ncclUniqueId) {
         let _ = (handle::get(comm)?, uniqueId);

@@ -149,6 +149,18 @@ pub fn abort(comm: Arc<Comm>) -> Result<()> {
     Ok(())
 }
 
+/// ncclCommRevoke: stop operations (a call blocked in another thread returns within the
+/// progress engine's check interval); host mode has nothing else in flight, so the
+/// communicator is quiescent at once.
+pub fn revoke(comm: &Comm, flags: i32) -> Result<()> {
+    if flags != 0 {
+        return Err(Error::invalid_arg(format!("revokeFlags {flags:#x} must be NCCL_REVOKE_DEFAULT (0)")));
+    }
+    comm.ready_for_management()?;
+    comm.revoked.store(true, Ordering::Release);
+    Ok(())
+}
+
 pub const SUSPEND_MEM: i32 = 1;
 
 pub fn suspend(comm: &Comm, flags: i32) -> Result<()> {

@@ -3,3 +3,4 @@
 pub mod coll;
 pub mod config;
 pub mod init;
+pub mod split;

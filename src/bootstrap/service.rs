@@ -39,7 +39,7 @@ pub struct Service {
     thread: Mutex<Option<JoinHandle<()>>>,
     /// Every rank's service address, once the peer table is known.
     peers: Mutex<Vec<SocketAddr>>,
-    pub rank: u32,
+    rank: std::sync::atomic::AtomicU32,
 }
 
 impl Service {
@@ -53,7 +53,17 @@ impl Service {
             .name("nccl-rs-boot".into())
             .spawn(move || accept_loop(listener, s2))
             .map_err(|e| Error::os("bootstrap: spawn service thread", e))?;
-        Ok(Service { shared, addr, thread: Mutex::new(Some(thread)), peers: Mutex::new(Vec::new()), rank })
+        Ok(Service { shared, addr, thread: Mutex::new(Some(thread)), peers: Mutex::new(Vec::new()),
+                     rank: std::sync::atomic::AtomicU32::new(rank) })
+    }
+
+    /// The rank messages are sent as (a split learns it after starting the service).
+    pub fn set_rank(&self, rank: u32) {
+        self.rank.store(rank, Ordering::Release);
+    }
+
+    fn rank(&self) -> u32 {
+        self.rank.load(Ordering::Acquire)
     }
 
     pub fn set_peers(&self, addrs: Vec<SocketAddr>) {
@@ -71,7 +81,7 @@ impl Service {
             .map_err(|e| Error::remote(format!("bootstrap: cannot reach rank {peer} at {addr}: {e}")))?;
         let _ = s.set_nodelay(true);
         let mut w = Writer::default();
-        w.u64(self.shared.magic).u8(kind).u32(self.rank).u32(tag).bytes(payload);
+        w.u64(self.shared.magic).u8(kind).u32(self.rank()).u32(tag).bytes(payload);
         write_frame(&mut s, &w.buf).map_err(|e| e.context(format!("bootstrap: rank {peer}")))?;
         Ok(s)
     }
@@ -82,7 +92,7 @@ impl Service {
         let mut s = TcpStream::connect_timeout(&addr, timeout)
             .map_err(|e| Error::remote(format!("rank {peer} at {addr} does not answer: {e}")))?;
         let mut w = Writer::default();
-        w.u64(self.shared.magic).u8(KIND_PING).u32(self.rank).u32(0).bytes(&[]);
+        w.u64(self.shared.magic).u8(KIND_PING).u32(self.rank()).u32(0).bytes(&[]);
         let _ = write_frame(&mut s, &w.buf);
         Ok(())
     }
@@ -134,6 +144,22 @@ impl Service {
     }
 
     /// Stop accepting and join the thread (idempotent).
+    /// Every member's `mine`, by a ring over the members (ranks of this service's job, in
+    /// order; `me` indexes this rank in it). `tag` must be unique to this exchange.
+    pub fn allgather(&self, members: &[usize], me: usize, tag: u32, mine: Vec<u8>, deadline: Instant,
+                     abort: &AtomicBool) -> Result<Vec<Vec<u8>>> {
+        let n = members.len();
+        let mut out = vec![Vec::new(); n];
+        out[me] = mine;
+        let (next, prev) = (members[(me + 1) % n], members[(me + n - 1) % n]);
+        for s in 0..n.saturating_sub(1) {
+            let step_tag = tag ^ ((s as u32) << 20);
+            self.send(next, step_tag, &out[(me + n - s) % n])?;
+            out[(me + 2 * n - s - 1) % n] = self.recv(prev, step_tag, deadline, abort)?;
+        }
+        Ok(out)
+    }
+
     pub fn stop(&self) {
         self.shared.stop.store(true, Ordering::Release);
         let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();

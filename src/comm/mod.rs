@@ -61,6 +61,10 @@ pub struct Comm {
     async_error: Mutex<Option<Error>>,
     pub abort: AtomicBool,
     pub suspended: AtomicBool,
+    /// ncclCommRevoke: operations fail, management calls (destroy, split, shrink) still work.
+    pub revoked: AtomicBool,
+    /// Splits and shrinks made from this communicator (numbers them alike on every rank).
+    pub splits: AtomicU64,
     pub finalized: AtomicBool,
     user_ops: Mutex<HashMap<i32, UserOp>>,
     next_user_op: AtomicI32,
@@ -81,6 +85,8 @@ impl Comm {
             async_error: Mutex::new(None),
             abort: AtomicBool::new(false),
             suspended: AtomicBool::new(false),
+            revoked: AtomicBool::new(false),
+            splits: AtomicU64::new(0),
             finalized: AtomicBool::new(false),
             user_ops: Mutex::new(HashMap::new()),
             next_user_op: AtomicI32::new(crate::types::BuiltinOp::ALL.len() as i32),
@@ -120,11 +126,25 @@ impl Comm {
         if self.abort.load(Ordering::Acquire) {
             return Err(Error::invalid_usage(format!("rank {}: communicator was aborted", self.rank)));
         }
+        if self.revoked.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage(format!("rank {}: communicator was revoked", self.rank)));
+        }
         if let Some(e) = self.async_error() {
             return Err(Error::new(e.code, format!("rank {}: communicator is in error: {}", self.rank, e.msg)));
         }
         if self.suspended.load(Ordering::Acquire) {
             return Err(Error::invalid_usage(format!("rank {}: communicator is suspended (ncclCommResume it)", self.rank)));
+        }
+        self.ready
+            .get()
+            .ok_or_else(|| Error::invalid_usage(format!("rank {}: communicator is still initialising", self.rank)))
+    }
+
+    /// For split and shrink: allowed on a revoked or failed communicator (that is what
+    /// shrinking away dead ranks is for), not on an aborted or uninitialised one.
+    pub fn ready_for_management(&self) -> Result<&Ready> {
+        if self.abort.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage(format!("rank {}: communicator was aborted", self.rank)));
         }
         self.ready
             .get()

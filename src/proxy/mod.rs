@@ -134,6 +134,9 @@ impl<'a> Job<'a> {
         if self.comm.abort.load(Ordering::Acquire) {
             return Err(Error::invalid_usage("communicator aborted"));
         }
+        if self.comm.revoked.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage("communicator revoked"));
+        }
         for &(peer, _) in &self.sends {
             self.conns.send_mut(peer)?.check().map_err(|e| e.context(self.comm.describe_peer(peer)))?;
         }

@@ -1,0 +1,143 @@
+//! Communicators made from communicators: `ncclCommSplit` (colors and keys) and
+//! `ncclCommShrink` (drop ranks, dead ones included). The members exchange, over the parent's
+//! bootstrap service, the address of a fresh service for the child, so no root is needed and
+//! a dead excluded rank is never waited for.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::bootstrap::{self, wire::{Reader, Writer}, PeerInfo, Service};
+use crate::comm::handle::{self, Handle};
+use crate::comm::{Comm, Ready};
+use crate::error::{Error, Result};
+use crate::params;
+
+use super::config::Config;
+
+pub const NOCOLOR: i32 = -1;
+const TAG_SPLIT: u32 = 0x5350_0000;
+const TAG_SHRINK: u32 = 0x5348_0000;
+
+/// Where the new communicator's handle goes once it exists (NULL for "not a member").
+pub type Sink = Box<dyn FnOnce(Option<Handle>) + Send>;
+
+fn child_hash(parent: u64, seq: u64, what: u64) -> u64 {
+    bootstrap::id::magic_of(&format!("{parent:x}/{seq}/{what}"))
+}
+
+fn me_info(comm: &Comm, parent: &Ready, addr: std::net::SocketAddr) -> PeerInfo {
+    PeerInfo { addr, ..parent.peers[comm.rank].clone() }
+}
+
+/// Finish a child: its peers (renumbered), its service, its communicator, its handle.
+fn make_child(comm: &Comm, rank: usize, mut peers: Vec<PeerInfo>, service: Service, hash: u64, config: Config) -> Handle {
+    for (i, p) in peers.iter_mut().enumerate() {
+        p.rank = i;
+    }
+    service.set_rank(rank as u32);
+    service.set_peers(peers.iter().map(|p| p.addr).collect());
+    let slice = peers.iter().map(|p| p.slice as usize).min().unwrap_or(1 << 16).max(4096);
+    let child = Arc::new(Comm::new(rank, peers.len(), comm.cuda_dev, config, hash));
+    child.set_ready(Ready::new(peers, service, slice));
+    crate::info!(INIT, "comm {:#x} rank {} nranks {} - made from comm {:#x} rank {}", hash, rank, child.nranks, comm.hash, comm.rank);
+    handle::register(child)
+}
+
+fn encode(color: i32, key: i32, info: Option<&PeerInfo>) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u32(color as u32).u32(key as u32).u8(info.is_some() as u8);
+    if let Some(i) = info {
+        i.encode(&mut w);
+    }
+    w.buf
+}
+
+fn decode(b: &[u8]) -> Result<(i32, i32, Option<PeerInfo>)> {
+    let mut r = Reader::new(b);
+    let color = r.u32()? as i32;
+    let key = r.u32()? as i32;
+    let info = if r.u8()? != 0 { Some(PeerInfo::decode(&mut r)?) } else { None };
+    Ok((color, key, info))
+}
+
+/// `ncclCommSplit`, run now or (inside a group) at the outermost ncclGroupEnd.
+pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink: Sink) -> Result<()> {
+    if color < 0 && color != NOCOLOR {
+        return Err(Error::invalid_arg(format!("color {color} must be non-negative or NCCL_SPLIT_NOCOLOR")));
+    }
+    comm.ready()?;
+    let seq = comm.splits.fetch_add(1, Ordering::Relaxed);
+    let run = move || -> Result<()> {
+        let parent = comm.ready()?;
+        let hash = child_hash(comm.hash, seq, color as u64);
+        let service = if color == NOCOLOR { None } else { Some(Service::start(bootstrap::local_ip(), hash, 0)?) };
+        let mine = encode(color, key, service.as_ref().map(|s| me_info(&comm, parent, s.addr)).as_ref());
+        let members: Vec<usize> = (0..comm.nranks).collect();
+        let deadline = Instant::now() + params::init_timeout();
+        let all = parent.service.allgather(&members, comm.rank, TAG_SPLIT ^ (seq as u32 & 0xffff), mine, deadline, &comm.abort)
+            .map_err(|e| e.context(format!("rank {}: ncclCommSplit", comm.rank)))?;
+        let Some(service) = service else {
+            sink(None);
+            return Ok(());
+        };
+        let mut group: Vec<(i32, usize, PeerInfo)> = Vec::new();
+        for (old_rank, b) in all.iter().enumerate() {
+            let (c, k, info) = decode(b)?;
+            if c == color {
+                let info = info.ok_or_else(|| Error::internal("split: a member sent no address"))?;
+                group.push((k, old_rank, info));
+            }
+        }
+        group.sort_by_key(|(k, r, _)| (*k, *r));
+        let rank = group.iter().position(|(_, r, _)| *r == comm.rank).ok_or_else(|| Error::internal("split: not in own group"))?;
+        let peers = group.into_iter().map(|(_, _, i)| i).collect();
+        sink(Some(make_child(&comm, rank, peers, service, hash, config.unwrap_or_else(|| comm.config.clone()))));
+        Ok(())
+    };
+    crate::group::run_or_defer(Box::new(run))
+}
+
+/// `ncclCommShrink`: the ranks not in `exclude` make a new communicator, in their old order.
+pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags: i32, sink: Sink) -> Result<()> {
+    if flags & !1 != 0 {
+        return Err(Error::invalid_arg(format!("unknown shrink flags {flags:#x}")));
+    }
+    let n = comm.nranks;
+    let mut excluded = vec![false; n];
+    for &r in &exclude {
+        if r < 0 || r as usize >= n {
+            return Err(Error::invalid_arg(format!("excluded rank {r} is out of range for {n} ranks")));
+        }
+        excluded[r as usize] = true;
+    }
+    if excluded[comm.rank] {
+        return Err(Error::invalid_arg(format!("rank {} calls ncclCommShrink but is in its exclude list", comm.rank)));
+    }
+    comm.ready_for_management()?;
+    let seq = comm.splits.fetch_add(1, Ordering::Relaxed);
+    let run = move || -> Result<()> {
+        let parent = comm.ready_for_management()?;
+        let members: Vec<usize> = (0..n).filter(|r| !excluded[*r]).collect();
+        let me = members.iter().position(|r| *r == comm.rank).unwrap_or(0);
+        let list_hash = bootstrap::id::magic_of(&format!("{:?}", excluded));
+        let hash = child_hash(comm.hash, seq, list_hash);
+        let service = Service::start(bootstrap::local_ip(), hash, me as u32)?;
+        let mine = encode(list_hash as i32, 0, Some(&me_info(&comm, parent, service.addr)));
+        let deadline = Instant::now() + params::init_timeout();
+        let all = parent.service.allgather(&members, me, TAG_SHRINK ^ (seq as u32 & 0xffff), mine, deadline, &comm.abort)
+            .map_err(|e| e.context(format!("rank {}: ncclCommShrink", comm.rank)))?;
+        let mut peers = Vec::with_capacity(members.len());
+        for (i, b) in all.iter().enumerate() {
+            let (h, _, info) = decode(b)?;
+            if h != list_hash as i32 {
+                return Err(Error::invalid_usage(format!(
+                    "ncclCommShrink: rank {} excluded different ranks than rank {}", members[i], comm.rank)));
+            }
+            peers.push(info.ok_or_else(|| Error::internal("shrink: a member sent no address"))?);
+        }
+        sink(Some(make_child(&comm, me, peers, service, hash, config.unwrap_or_else(|| comm.config.clone()))));
+        Ok(())
+    };
+    crate::group::run_or_defer(Box::new(run))
+}
