@@ -44,7 +44,7 @@ fn make_child(comm: &Comm, rank: usize, mut peers: Vec<PeerInfo>, service: Servi
     handle::register(child)
 }
 
-fn encode(color: i32, key: i32, info: Option<&PeerInfo>) -> Vec<u8> {
+pub(crate) fn encode(color: i32, key: i32, info: Option<&PeerInfo>) -> Vec<u8> {
     let mut w = Writer::default();
     w.u32(color as u32).u32(key as u32).u8(info.is_some() as u8);
     if let Some(i) = info {
@@ -53,7 +53,7 @@ fn encode(color: i32, key: i32, info: Option<&PeerInfo>) -> Vec<u8> {
     w.buf
 }
 
-fn decode(b: &[u8]) -> Result<(i32, i32, Option<PeerInfo>)> {
+pub(crate) fn decode(b: &[u8]) -> Result<(i32, i32, Option<PeerInfo>)> {
     let mut r = Reader::new(b);
     let color = r.u32()? as i32;
     let key = r.u32()? as i32;

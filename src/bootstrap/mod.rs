@@ -1,6 +1,8 @@
 //! Bringing ranks together: unique ids, the root, each rank's bootstrap service, and the
 //! peer table every rank receives at init (rank, host identity, pid, addresses).
 
+#[cfg(test)]
+mod fuzz;
 pub mod id;
 pub mod root;
 pub mod service;

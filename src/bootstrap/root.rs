@@ -4,6 +4,8 @@
 //! exits, so a stale id finds nobody instead of a half-finished job.
 
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::wire::{read_frame, write_frame, Reader, Writer};
@@ -33,6 +35,8 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
     let _ = listener.set_nonblocking(true);
     let mut joined: Vec<Joined> = Vec::new();
     let mut expected: Option<usize> = None;
+    let (tx, rx) = std::sync::mpsc::channel::<Hello>();
+    let in_flight = Arc::new(AtomicUsize::new(0));
     loop {
         if Instant::now() >= deadline {
             let missing = missing_ranks(&joined, expected.unwrap_or(0));
@@ -42,17 +46,15 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
             fail(&mut joined, None, &msg);
             return;
         }
-        let stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(1));
-                continue;
-            }
+        match listener.accept() {
+            Ok((s, _)) => read_hello_aside(s, magic, &tx, &in_flight),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(_) => continue,
+        }
+        let Ok((mut stream, rank, nranks, info)) = rx.try_recv() else {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
         };
-        let _ = stream.set_nonblocking(false);
-        let _ = stream.set_nodelay(true);
-        let Some((mut stream, rank, nranks, info)) = hello(stream, magic) else { continue };
         let n = *expected.get_or_insert(nranks);
         let problem = if nranks != n {
             Some(format!("bootstrap: rank {rank} says the job has {nranks} ranks but an earlier rank said {n}"))
@@ -84,16 +86,48 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
     }
 }
 
-fn hello(mut s: TcpStream, magic: u64) -> Option<(TcpStream, usize, usize, PeerInfo)> {
+type Hello = (TcpStream, usize, usize, PeerInfo);
+
+/// Connections that have not said who they are yet: at most this many at once.
+const MAX_PENDING: usize = 256;
+
+/// Read a connection's hello on a thread of its own, so a silent or slow connection (half-open,
+/// hostile) delays nobody; only a valid hello reaches the root's loop.
+fn read_hello_aside(s: TcpStream, magic: u64, tx: &std::sync::mpsc::Sender<Hello>, in_flight: &Arc<AtomicUsize>) {
+    if in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING {
+        in_flight.fetch_sub(1, Ordering::AcqRel);
+        return; // dropped: a flood of connections cannot exhaust threads
+    }
+    let (tx, mine) = (tx.clone(), in_flight.clone());
+    let spawned = std::thread::Builder::new().name("nccl-rs-hello".into()).spawn(move || {
+        let _ = s.set_nonblocking(false);
+        let _ = s.set_nodelay(true);
+        if let Some(h) = hello(s, magic) {
+            let _ = tx.send(h);
+        }
+        mine.fetch_sub(1, Ordering::AcqRel);
+    });
+    if spawned.is_err() {
+        in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn hello(mut s: TcpStream, magic: u64) -> Option<Hello> {
     let frame = read_frame(&mut s, Duration::from_secs(5)).ok()?;
-    let mut r = Reader::new(&frame);
+    let (rank, nranks, info) = parse_hello(&frame, magic)?;
+    Some((s, rank, nranks, info))
+}
+
+/// A rank's hello: (rank, nranks, info), or None for anything that is not one of ours.
+pub fn parse_hello(frame: &[u8], magic: u64) -> Option<(usize, usize, PeerInfo)> {
+    let mut r = Reader::new(frame);
     if r.u8().ok()? != HELLO || r.u64().ok()? != magic {
         return None; // not one of ours: drop it without disturbing the job
     }
     let rank = r.u32().ok()? as usize;
     let nranks = r.u32().ok()? as usize;
     let info = PeerInfo::decode(&mut r).ok()?;
-    Some((s, rank, nranks, info))
+    Some((rank, nranks, info))
 }
 
 fn missing_ranks(joined: &[Joined], n: usize) -> String {

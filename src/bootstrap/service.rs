@@ -29,6 +29,8 @@ struct Inbox {
 struct Shared {
     magic: u64,
     stop: AtomicBool,
+    /// Connections being read by their own threads.
+    in_flight: std::sync::atomic::AtomicUsize,
     inbox: Mutex<Inbox>,
     arrived: Condvar,
 }
@@ -47,7 +49,7 @@ impl Service {
     pub fn start(ip: std::net::IpAddr, magic: u64, rank: u32) -> Result<Service> {
         let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
-        let shared = Arc::new(Shared { magic, stop: AtomicBool::new(false), inbox: Mutex::default(), arrived: Condvar::new() });
+        let shared = Arc::new(Shared { magic, stop: AtomicBool::new(false), in_flight: Default::default(), inbox: Mutex::default(), arrived: Condvar::new() });
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name("nccl-rs-boot".into())
@@ -167,6 +169,12 @@ impl Service {
             // Wake the blocking accept with a connection of our own.
             let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
             let _ = h.join();
+            // Let connection threads that are mid-message finish (bounded: a silent hostile
+            // connection is left to its own read timeout).
+            let until = Instant::now() + Duration::from_millis(200);
+            while self.shared.in_flight.load(Ordering::Acquire) > 0 && Instant::now() < until {
+                std::thread::yield_now();
+            }
         }
         let mut inbox = self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
         inbox.msgs.clear();
@@ -180,31 +188,57 @@ impl Drop for Service {
     }
 }
 
+/// Connections still being read at once; more are dropped (a flood cannot exhaust threads).
+const MAX_PENDING: usize = 256;
+
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     for conn in listener.incoming() {
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
-        let Ok(mut s) = conn else { continue };
-        // A connection that does not prove the magic, or says nothing in time, is dropped.
-        if let Ok(Some((kind, from, tag, payload))) = read_hello(&mut s, shared.magic) {
-            let mut inbox = shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
-            match kind {
-                KIND_MSG => inbox.msgs.entry((from, tag)).or_default().push_back(payload),
-                KIND_DATA => {
-                    let _ = s.set_read_timeout(None);
-                    inbox.data.entry((from, tag)).or_default().push_back(s);
-                }
-                _ => {}
-            }
-            shared.arrived.notify_all();
+        let Ok(s) = conn else { continue };
+        if shared.in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING {
+            shared.in_flight.fetch_sub(1, Ordering::AcqRel);
+            continue;
+        }
+        // Each connection is read on a thread of its own, so a silent one delays nobody.
+        let mine = shared.clone();
+        let spawned = std::thread::Builder::new().name("nccl-rs-conn".into()).spawn(move || {
+            file_connection(s, &mine);
+            mine.in_flight.fetch_sub(1, Ordering::AcqRel);
+        });
+        if spawned.is_err() {
+            shared.in_flight.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
 
+/// Read who a connection is and file what it brought. A connection that does not prove the
+/// magic, or says nothing in time, is dropped.
+fn file_connection(mut s: TcpStream, shared: &Shared) {
+    let Ok(Some((kind, from, tag, payload))) = read_hello(&mut s, shared.magic) else { return };
+    if shared.stop.load(Ordering::Acquire) {
+        return;
+    }
+    let mut inbox = shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
+    match kind {
+        KIND_MSG => inbox.msgs.entry((from, tag)).or_default().push_back(payload),
+        KIND_DATA => {
+            let _ = s.set_read_timeout(None);
+            inbox.data.entry((from, tag)).or_default().push_back(s);
+        }
+        _ => {}
+    }
+    shared.arrived.notify_all();
+}
+
 fn read_hello(s: &mut TcpStream, magic: u64) -> Result<Option<(u8, u32, u32, Vec<u8>)>> {
-    let frame = read_frame(s, HELLO_TIMEOUT)?;
-    let mut r = Reader::new(&frame);
+    parse_hello(&read_frame(s, HELLO_TIMEOUT)?, magic)
+}
+
+/// A peer's message header: (kind, from, tag, payload), None if the magic is not ours.
+pub fn parse_hello(frame: &[u8], magic: u64) -> Result<Option<(u8, u32, u32, Vec<u8>)>> {
+    let mut r = Reader::new(frame);
     if r.u64()? != magic {
         return Ok(None);
     }

@@ -1,0 +1,210 @@
+//! The tool's calls into the library, through its C API as an application makes them: the
+//! communicators of this process, their buffers, one iteration of a collective, and the small
+//! allreduces the tool needs for itself (barrier, max of times, sum of errors).
+
+use std::alloc::{alloc, dealloc, Layout};
+use std::ffi::c_void;
+use std::ptr::null_mut;
+
+use nccl::abi::coll::*;
+use nccl::abi::comm::*;
+use nccl::abi::group::*;
+use nccl::abi::misc::*;
+use nccl::abi::types::*;
+
+use crate::opts::{Coll, Opts};
+
+const FLOAT64: ncclDataType_t = ncclDataType_t(8);
+const UINT64: ncclDataType_t = ncclDataType_t(5);
+const SUM: ncclRedOp_t = ncclRedOp_t(0);
+const MAX: ncclRedOp_t = ncclRedOp_t(2);
+
+/// The library's result as a Rust error with its last error message.
+pub fn check(r: ncclResult_t, what: &str) -> Result<(), String> {
+    if r.0 == 0 {
+        return Ok(());
+    }
+    let p = ncclGetLastError(null_mut());
+    let msg = if p.is_null() {
+        String::new()
+    } else {
+        // SAFETY: the library returns a NUL-terminated string that lives until its next error.
+        unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    };
+    Err(format!("{what} failed (ncclResult {}): {msg}", r.0))
+}
+
+/// A page-aligned, pre-touched host buffer, as the baselines allocate theirs
+/// (`aligned_alloc(4096, ...)` and `memset`), so no tool pays page faults another does not.
+pub struct Buf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Buf {
+    pub fn new(len: usize, fill: u8) -> Buf {
+        let layout = Layout::from_size_align(len.max(1), 4096).expect("buffer size");
+        // SAFETY: the layout has a non-zero size; a null result is handled.
+        let ptr = unsafe { alloc(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        // SAFETY: ptr is valid for len.max(1) bytes.
+        unsafe { std::ptr::write_bytes(ptr, fill, len.max(1)) };
+        Buf { ptr, len }
+    }
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len bytes for the lifetime of self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+    fn at(&self, byte: usize) -> *mut c_void {
+        // SAFETY: callers pass offsets inside the buffer (shapes come from Coll::elems).
+        unsafe { self.ptr.add(byte) as *mut c_void }
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in new() with this layout.
+        unsafe { dealloc(self.ptr, Layout::from_size_align(self.len.max(1), 4096).unwrap()) }
+    }
+}
+
+/// One rank of this process: its communicator and buffers.
+pub struct Rank {
+    pub comm: ncclComm_t,
+    pub rank: usize,
+    pub send: Buf,
+    pub recv: Buf,
+}
+
+/// Create this process's `local` communicators of an `n`-rank job and their buffers.
+pub fn init_ranks(o: &Opts, proc_index: usize, nprocs: usize, send_bytes: usize, recv_bytes: usize)
+                  -> Result<Vec<Rank>, String> {
+    let local = o.threads;
+    let n = nprocs * local;
+    let mut comms: Vec<ncclComm_t> = vec![null_mut(); local];
+    if nprocs == 1 {
+        check(ncclCommInitAll(comms.as_mut_ptr(), local as i32, std::ptr::null()), "ncclCommInitAll")?;
+    } else {
+        let mut id = ncclUniqueId { internal: [0; 128] };
+        check(ncclGetUniqueId(&mut id), "ncclGetUniqueId (NCCL_COMM_ID must be set for several processes)")?;
+        check(ncclGroupStart(), "ncclGroupStart")?;
+        for (l, c) in comms.iter_mut().enumerate() {
+            check(ncclCommInitRank(c, n as i32, id, (proc_index * local + l) as i32), "ncclCommInitRank")?;
+        }
+        check(ncclGroupEnd(), "ncclGroupEnd")?;
+    }
+    Ok(comms.into_iter().enumerate().map(|(l, comm)| Rank {
+        comm,
+        rank: proc_index * local + l,
+        send: Buf::new(send_bytes, 1),
+        recv: Buf::new(recv_bytes, 0),
+    }).collect())
+}
+
+pub fn destroy(ranks: Vec<Rank>) -> Result<(), String> {
+    for r in ranks {
+        check(ncclCommDestroy(r.comm), "ncclCommDestroy")?;
+    }
+    Ok(())
+}
+
+/// Where a rank's input and output live: (buffer is `recv`, byte offset) for each, as
+/// nccl-tests places them out of place and in place.
+pub fn regions(c: Coll, rank: usize, count: usize, es: usize, in_place: bool) -> ((bool, usize), (bool, usize)) {
+    if !in_place {
+        return ((false, 0), (true, 0));
+    }
+    match c {
+        Coll::AllGather | Coll::Gather => ((true, rank * count * es), (true, 0)),
+        Coll::ReduceScatter | Coll::Scatter => ((false, 0), (false, rank * count * es)),
+        _ => ((true, 0), (true, 0)),
+    }
+}
+
+fn issue(o: &Opts, r: &mut Rank, n: usize, count: usize, in_place: bool) -> ncclResult_t {
+    let dt = ncclDataType_t(o.dtype.id);
+    let op = ncclRedOp_t(o.op.id);
+    let ((sin, soff), (rin, roff)) = regions(o.coll, r.rank, count, o.dtype.size, in_place);
+    let sp = if sin { r.recv.at(soff) } else { r.send.at(soff) } as *const c_void;
+    let rp = if rin { r.recv.at(roff) } else { r.send.at(roff) };
+    let s = null_mut();
+    match o.coll {
+        Coll::AllReduce => ncclAllReduce(sp, rp, count, dt, op, r.comm, s),
+        Coll::AllGather => ncclAllGather(sp, rp, count, dt, r.comm, s),
+        Coll::ReduceScatter => ncclReduceScatter(sp, rp, count, dt, op, r.comm, s),
+        Coll::Broadcast => ncclBroadcast(sp, rp, count, dt, o.root, r.comm, s),
+        Coll::Reduce => ncclReduce(sp, rp, count, dt, op, o.root, r.comm, s),
+        Coll::AlltoAll => ncclAlltoAll(sp, rp, count, dt, r.comm, s),
+        Coll::Gather => ncclGather(sp, rp, count, dt, o.root, r.comm, s),
+        Coll::Scatter => ncclScatter(sp, rp, count, dt, o.root, r.comm, s),
+        Coll::SendRecv => {
+            let (to, from) = ((r.rank + 1) % n, (r.rank + n - 1) % n);
+            let g = ncclGroupStart();
+            if g.0 != 0 {
+                return g;
+            }
+            let a = ncclSend(sp, count, dt, to as i32, r.comm, s);
+            let b = ncclRecv(rp, count, dt, from as i32, r.comm, s);
+            let e = ncclGroupEnd();
+            if a.0 != 0 { a } else if b.0 != 0 { b } else { e }
+        }
+    }
+}
+
+/// Run one call on every local rank (in one group when there are several, as nccl-tests does).
+pub fn step(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool) -> Result<(), String> {
+    let grouped = ranks.len() > 1;
+    if grouped {
+        check(ncclGroupStart(), "ncclGroupStart")?;
+    }
+    for r in ranks.iter_mut() {
+        check(issue(o, r, n, count, in_place), o.coll.name())?;
+    }
+    if grouped {
+        check(ncclGroupEnd(), "ncclGroupEnd")?;
+    }
+    Ok(())
+}
+
+/// In-place allreduce of `len` elements of every local rank's buffer `bufs[l]`.
+fn allreduce_each<T>(ranks: &[Rank], bufs: &mut [Vec<T>], dt: ncclDataType_t, op: ncclRedOp_t, what: &str)
+                     -> Result<(), String> {
+    let grouped = ranks.len() > 1;
+    if grouped {
+        check(ncclGroupStart(), "ncclGroupStart")?;
+    }
+    for (r, b) in ranks.iter().zip(bufs.iter_mut()) {
+        let p = b.as_mut_ptr() as *mut c_void;
+        check(ncclAllReduce(p, p, b.len(), dt, op, r.comm, null_mut()), what)?;
+    }
+    if grouped {
+        check(ncclGroupEnd(), "ncclGroupEnd")?;
+    }
+    Ok(())
+}
+
+/// Every rank waits for all others: a one-element allreduce, the tool's MPI_Barrier.
+pub fn barrier(ranks: &[Rank]) -> Result<(), String> {
+    let mut bufs = vec![vec![0u64; 1]; ranks.len()];
+    allreduce_each(ranks, &mut bufs, UINT64, SUM, "barrier (ncclAllReduce)")
+}
+
+/// Element-wise max over all ranks of this process's per-iteration times.
+pub fn max_over_ranks(ranks: &[Rank], times: &[f64]) -> Result<Vec<f64>, String> {
+    let mut bufs = vec![times.to_vec(); ranks.len()];
+    allreduce_each(ranks, &mut bufs, FLOAT64, MAX, "max of times (ncclAllReduce)")?;
+    Ok(bufs.swap_remove(0))
+}
+
+/// Sum over all ranks of one count per local rank.
+pub fn sum_over_ranks(ranks: &[Rank], local: &[u64]) -> Result<u64, String> {
+    let mut bufs: Vec<Vec<u64>> = local.iter().map(|&v| vec![v]).collect();
+    allreduce_each(ranks, &mut bufs, UINT64, SUM, "sum of errors (ncclAllReduce)")?;
+    Ok(bufs[0][0])
+}
