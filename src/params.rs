@@ -30,6 +30,8 @@ pub const ALL: &[Param] = &[
     p("NCCL_ALGO", "", "force an algorithm: Ring or Tree (case-insensitive); unset chooses by size"),
     p("NCCL_BUFFSIZE", "4194304", "bytes of staging buffer per connection to a peer"),
     p("NCCL_COMM_BLOCKING", "", "0: communicators are nonblocking unless their config says otherwise"),
+    p("NCCL_SOCKET_NTHREADS", "1", "socket transport: groups of sockets per peer (nccl-rs drives them all from one thread)"),
+    p("NCCL_NSOCKS_PERTHREAD", "1", "socket transport: sockets per group; messages are spread over all sockets of a peer"),
     p("NCCL_INIT_TIMEOUT_S", "300", "seconds a rank waits for the others during init before failing"),
     p("NCCL_PEER_TIMEOUT_S", "30", "seconds without any sign of life from a peer before it is declared lost"),
     p("NCCL_PARAM_DUMP_ALL", "0", "1: ncclParamGetAllParameterKeys and ncclParamDumpAll list every parameter"),
@@ -115,6 +117,13 @@ pub fn p2p_disable() -> bool {
 pub fn buffsize() -> usize {
     usize::try_from(int("NCCL_BUFFSIZE")).unwrap_or(1 << 22).clamp(1 << 16, 1 << 30)
 }
+/// Sockets per peer for the socket transport (NCCL caps the product at 64).
+pub fn nsocks() -> usize {
+    let t = int("NCCL_SOCKET_NTHREADS").clamp(1, 16) as usize;
+    let s = int("NCCL_NSOCKS_PERTHREAD").clamp(1, 64) as usize;
+    (t * s).clamp(1, 64)
+}
+
 pub fn init_timeout() -> std::time::Duration {
     std::time::Duration::from_secs(u64::try_from(int("NCCL_INIT_TIMEOUT_S")).unwrap_or(300).max(1))
 }

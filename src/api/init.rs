@@ -107,6 +107,7 @@ pub fn run_init(comm: &Comm, id: &UniqueId) -> Result<()> {
         hostname: crate::debug::hostname(),
         addr: ([0, 0, 0, 0], 0).into(),
         slice: (params::buffsize() / SLOTS) as u32,
+        nsocks: params::nsocks() as u32,
     };
     let result = bootstrap::join(id, comm.rank, comm.nranks, me, &comm.abort).map(|(peers, service)| {
         let slice = peers.iter().map(|p| p.slice as usize).min().unwrap_or(1 << 16).max(4096);

@@ -44,6 +44,7 @@ fn info() -> PeerInfo {
         hostname: "host-a".into(),
         addr: "10.0.0.1:5555".parse().unwrap(),
         slice: 1 << 18,
+        nsocks: 2,
     }
 }
 

@@ -32,6 +32,8 @@ pub struct PeerInfo {
     pub addr: SocketAddr,
     /// The transport message size this rank would use.
     pub slice: u32,
+    /// Sockets this rank opens per peer (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD).
+    pub nsocks: u32,
 }
 
 impl PeerInfo {
@@ -42,7 +44,8 @@ impl PeerInfo {
             .u64(self.host_hash)
             .str(&self.hostname)
             .str(&self.addr.to_string())
-            .u32(self.slice);
+            .u32(self.slice)
+            .u32(self.nsocks);
     }
     pub fn decode(r: &mut Reader<'_>) -> Result<PeerInfo> {
         let rank = r.u32()? as usize;
@@ -52,7 +55,8 @@ impl PeerInfo {
         let hostname = r.str()?;
         let addr = r.str()?.parse().map_err(|_| Error::system("bootstrap: malformed peer address"))?;
         let slice = r.u32()?;
-        Ok(PeerInfo { rank, pid, cuda_dev, host_hash, hostname, addr, slice })
+        let nsocks = r.u32()?;
+        Ok(PeerInfo { rank, pid, cuda_dev, host_hash, hostname, addr, slice, nsocks })
     }
     pub fn same_host(&self, other: &PeerInfo) -> bool {
         self.host_hash == other.host_hash

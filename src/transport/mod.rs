@@ -127,7 +127,11 @@ pub fn offer(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
             ctx.service.send(peer, TAG_SHM, name.as_bytes())?;
             Box::new(conn)
         }
-        Kind::Socket => Box::new(socket::SocketSend::new(ctx.service.connect_data(peer, TAG_SOCKET)?, peer)?),
+        Kind::Socket => {
+            let k = me.nsocks.min(other.nsocks).max(1);
+            let streams = (0..k).map(|j| ctx.service.connect_data(peer, TAG_SOCKET + j)).collect::<Result<Vec<_>>>()?;
+            Box::new(socket::SocketSend::new(streams, peer)?)
+        }
     };
     crate::info!(INIT, "rank {} -> rank {} via {:?}", ctx.rank, peer, conn.kind());
     conns.send[peer] = Some(conn);
@@ -151,8 +155,12 @@ pub fn accept(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
             }
             Box::new(opened?)
         }
-        Kind::Socket => Box::new(socket::SocketRecv::new(
-            ctx.service.accept_data(peer, TAG_SOCKET, ctx.deadline, ctx.abort)?, peer, ctx.slice)?),
+        Kind::Socket => {
+            let k = me.nsocks.min(other.nsocks).max(1);
+            let streams = (0..k).map(|j| ctx.service.accept_data(peer, TAG_SOCKET + j, ctx.deadline, ctx.abort))
+                .collect::<Result<Vec<_>>>()?;
+            Box::new(socket::SocketRecv::new(streams, peer, ctx.slice)?)
+        }
     };
     conns.recv[peer] = Some(conn);
     Ok(())

@@ -1,4 +1,6 @@
-//! TCP between ranks that share no memory (other hosts, or `NCCL_SHM_DISABLE=1`). Each
+//! TCP between ranks that share no memory (other hosts, or `NCCL_SHM_DISABLE=1`), over one or
+//! several sockets per peer (`NCCL_SOCKET_NTHREADS` x `NCCL_NSOCKS_PERTHREAD`): message i
+//! travels on socket i mod k, so several are in flight at once. Each
 //! message is a 32-byte header (length, stamp) and its bytes, written and read without blocking
 //! so one thread can drive many connections; a closed connection is a `ncclRemoteError`.
 
@@ -40,19 +42,41 @@ fn lost(peer: usize, e: impl std::fmt::Display) -> Error {
     Error::remote(format!("connection to rank {peer} lost: {e}"))
 }
 
+fn prepare(streams: &[TcpStream]) -> Result<()> {
+    for s in streams {
+        s.set_nonblocking(true).map_err(|e| Error::os("socket: nonblocking", e))?;
+        let _ = s.set_nodelay(true);
+        set_liveness(s, crate::params::peer_timeout());
+    }
+    if streams.is_empty() {
+        return Err(Error::internal("socket transport without sockets"));
+    }
+    Ok(())
+}
+
+fn check_all(streams: &[TcpStream], peer: usize) -> Result<()> {
+    for s in streams {
+        match s.take_error() {
+            Ok(None) => {}
+            Ok(Some(e)) | Err(e) => return Err(lost(peer, e)),
+        }
+    }
+    Ok(())
+}
+
 pub struct SocketSend {
-    stream: TcpStream,
+    streams: Vec<TcpStream>,
+    /// The socket the current message goes on.
+    next: usize,
     peer: usize,
     /// Bytes of the current message (header included) already written.
     sent: usize,
 }
 
 impl SocketSend {
-    pub fn new(stream: TcpStream, peer: usize) -> Result<SocketSend> {
-        stream.set_nonblocking(true).map_err(|e| Error::os("socket: nonblocking", e))?;
-        let _ = stream.set_nodelay(true);
-        set_liveness(&stream, crate::params::peer_timeout());
-        Ok(SocketSend { stream, peer, sent: 0 })
+    pub fn new(streams: Vec<TcpStream>, peer: usize) -> Result<SocketSend> {
+        prepare(&streams)?;
+        Ok(SocketSend { streams, next: 0, peer, sent: 0 })
     }
 }
 
@@ -64,11 +88,12 @@ impl SendConn for SocketSend {
         // SAFETY: the schedule does not write `src` until this send completes.
         let body = unsafe { src.as_slice() };
         let total = HEADER + body.len();
+        let stream = &mut self.streams[self.next];
         while self.sent < total {
             let r = if self.sent < HEADER {
-                self.stream.write(&header[self.sent..])
+                stream.write(&header[self.sent..])
             } else {
-                self.stream.write(&body[self.sent - HEADER..])
+                stream.write(&body[self.sent - HEADER..])
             };
             match r {
                 Ok(0) => return Err(lost(self.peer, "closed")),
@@ -79,13 +104,11 @@ impl SendConn for SocketSend {
             }
         }
         self.sent = 0;
+        self.next = (self.next + 1) % self.streams.len();
         Ok(true)
     }
     fn check(&mut self) -> Result<()> {
-        match self.stream.take_error() {
-            Ok(None) => Ok(()),
-            Ok(Some(e)) | Err(e) => Err(lost(self.peer, e)),
-        }
+        check_all(&self.streams, self.peer)
     }
     fn kind(&self) -> Kind {
         Kind::Socket
@@ -93,7 +116,8 @@ impl SendConn for SocketSend {
 }
 
 pub struct SocketRecv {
-    stream: TcpStream,
+    streams: Vec<TcpStream>,
+    next: usize,
     peer: usize,
     header: [u8; HEADER],
     got: usize,
@@ -102,20 +126,19 @@ pub struct SocketRecv {
 }
 
 impl SocketRecv {
-    pub fn new(stream: TcpStream, peer: usize, slice: usize) -> Result<SocketRecv> {
-        stream.set_nonblocking(true).map_err(|e| Error::os("socket: nonblocking", e))?;
-        let _ = stream.set_nodelay(true);
-        set_liveness(&stream, crate::params::peer_timeout());
-        Ok(SocketRecv { stream, peer, header: [0; HEADER], got: 0, body: Vec::with_capacity(slice), slice })
+    pub fn new(streams: Vec<TcpStream>, peer: usize, slice: usize) -> Result<SocketRecv> {
+        prepare(&streams)?;
+        Ok(SocketRecv { streams, next: 0, peer, header: [0; HEADER], got: 0, body: Vec::with_capacity(slice), slice })
     }
 
     fn read_some(&mut self, want_total: usize) -> Result<bool> {
+        let stream = &mut self.streams[self.next];
         while self.got < want_total {
             let r = if self.got < HEADER {
-                self.stream.read(&mut self.header[self.got..])
+                stream.read(&mut self.header[self.got..])
             } else {
                 let start = self.got - HEADER;
-                self.stream.read(&mut self.body[start..])
+                stream.read(&mut self.body[start..])
             };
             match r {
                 Ok(0) => return Err(lost(self.peer, "the peer closed the connection")),
@@ -147,14 +170,12 @@ impl RecvConn for SocketRecv {
         let mut stamp = [0u8; STAMP_BYTES];
         stamp.copy_from_slice(&self.header[8..]);
         self.got = 0;
+        self.next = (self.next + 1) % self.streams.len();
         deliver(&stamp, &self.body)?;
         Ok(true)
     }
     fn check(&mut self) -> Result<()> {
-        match self.stream.take_error() {
-            Ok(None) => Ok(()),
-            Ok(Some(e)) | Err(e) => Err(lost(self.peer, e)),
-        }
+        check_all(&self.streams, self.peer)
     }
     fn kind(&self) -> Kind {
         Kind::Socket
