@@ -26,6 +26,7 @@ pub const ALL: &[Param] = &[
     p("NCCL_SOCKET_FAMILY", "", "AF_INET or AF_INET6 to force an address family"),
     p("NCCL_HOSTID", "", "overrides hostname+boot id as the identity of this host"),
     p("NCCL_SHM_DISABLE", "0", "1: never use shared memory between processes (sockets instead)"),
+    p("NCCL_CMA_DISABLE", "0", "1: processes of one host always copy through shared memory, never read each other's buffers (CMA)"),
     p("NCCL_P2P_DISABLE", "0", "1: never copy directly between ranks of one process or GPU peers"),
     p("NCCL_ALGO", "", "force an algorithm: Ring or Tree (case-insensitive); unset chooses by size"),
     p("NCCL_BUFFSIZE", "4194304", "bytes of staging buffer per connection to a peer"),
@@ -110,6 +111,9 @@ pub fn parse_int(v: &str) -> Option<i64> {
 
 pub fn shm_disable() -> bool {
     int("NCCL_SHM_DISABLE") != 0
+}
+pub fn cma_disable() -> bool {
+    int("NCCL_CMA_DISABLE") != 0
 }
 pub fn p2p_disable() -> bool {
     int("NCCL_P2P_DISABLE") != 0

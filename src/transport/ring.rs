@@ -2,7 +2,14 @@
 //! shared-memory transport between processes and the local transport inside one process.
 //!
 //! Layout: `head` (consumer count) and `tail` (producer count) on their own cache lines, the
-//! two "closed" flags, one 32-byte header per slot (length, stamp), then the slots. The producer
+//! two "closed" flags, the single-copy handshake, one 32-byte header per slot (length, kind,
+//! stamp), then the slots.
+//!
+//! Single copy between processes (CMA): a large message need not be copied into the ring.
+//! The sender posts a descriptor (its address and length) and the receiver pulls the bytes
+//! straight from the sender's memory with `process_vm_readv`; the send completes when the
+//! receiver frees the slot. The receiver enables this at connect time by reading a probe value
+//! from the sender's memory (`NCCL_CMA_DISABLE=1`, or a kernel that forbids it, keeps copies). The producer
 //! writes a slot and its header, then publishes with a release store of `tail`; the consumer
 //! reads after an acquire load of `tail` and frees the slot with a release store of `head`.
 
@@ -18,7 +25,18 @@ const HEAD: usize = 0;
 const TAIL: usize = 64;
 const SENDER_CLOSED: usize = 128;
 const RECEIVER_CLOSED: usize = 132;
+/// Set by the receiver once it has read the sender's probe through CMA.
+const CMA_OK: usize = 136;
+/// Written by the sender: the address of [`PROBE`] in its memory.
+const CMA_PROBE_ADDR: usize = 144;
 const HEADERS: usize = 256;
+/// Messages at least this large go by descriptor when CMA is on.
+const CMA_MIN: usize = 64 << 10;
+const KIND_INLINE: u32 = 0;
+const KIND_DESCRIPTOR: u32 = 1;
+
+/// A value every process holds at a known address, read by peers to test CMA.
+static PROBE: u64 = 0x6e63_636c_2d72_7321;
 const HEADER_BYTES: usize = 32;
 const DATA: usize = 4096;
 
@@ -94,6 +112,8 @@ pub struct RingSend {
     kind: Kind,
     /// The receiver's process, for liveness checks (None inside one process).
     peer_pid: Option<u32>,
+    /// The slot number of a posted descriptor the receiver has not consumed yet.
+    pending: Option<u64>,
 }
 
 pub struct RingRecv {
@@ -102,18 +122,47 @@ pub struct RingRecv {
     head: u64,
     kind: Kind,
     peer_pid: Option<u32>,
+    /// Where descriptor messages are pulled to (allocated on first use).
+    staging: Vec<u8>,
 }
 
 impl RingSend {
     pub fn new(map: Arc<Mapping>, slice: usize, kind: Kind, peer_pid: Option<u32>) -> RingSend {
-        RingSend { map, slice, tail: 0, kind, peer_pid }
+        if peer_pid.is_some() {
+            map.atomic_u64(CMA_PROBE_ADDR).store(&PROBE as *const u64 as u64, Ordering::Release);
+        }
+        RingSend { map, slice, tail: 0, kind, peer_pid, pending: None }
     }
 }
 
 impl RingRecv {
     pub fn new(map: Arc<Mapping>, slice: usize, kind: Kind, peer_pid: Option<u32>) -> RingRecv {
-        RingRecv { map, slice, head: 0, kind, peer_pid }
+        if let Some(pid) = peer_pid {
+            let addr = map.atomic_u64(CMA_PROBE_ADDR).load(Ordering::Acquire);
+            let mut got = [0u8; 8];
+            let ok = !crate::params::cma_disable() && addr != 0 && cma_read(pid, addr, &mut got).is_ok()
+                && u64::from_ne_bytes(got) == PROBE;
+            map.atomic_u32(CMA_OK).store(ok as u32, Ordering::Release);
+        }
+        RingRecv { map, slice, head: 0, kind, peer_pid, staging: Vec::new() }
     }
+}
+
+/// Read `buf.len()` bytes at `addr` in process `pid` (Linux cross-memory attach).
+fn cma_read(pid: u32, addr: u64, buf: &mut [u8]) -> Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let local = libc::iovec { iov_base: buf[done..].as_mut_ptr().cast(), iov_len: buf.len() - done };
+        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: buf.len() - done };
+        // SAFETY: `local` describes memory we own and may write; the kernel validates `remote`
+        // against the other process and fails cleanly (EFAULT/EPERM/ESRCH) if it is not valid.
+        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+        if n <= 0 {
+            return Err(Error::os(format!("reading {} bytes from process {pid}", buf.len()), std::io::Error::last_os_error()));
+        }
+        done += n as usize;
+    }
+    Ok(())
 }
 
 fn check_pid(pid: Option<u32>) -> Result<()> {
@@ -129,24 +178,44 @@ impl super::SendConn for RingSend {
             return Err(Error::internal(format!("message of {} bytes exceeds the slot size {}", src.len(), self.slice)));
         }
         let head = self.map.atomic_u64(HEAD).load(Ordering::Acquire);
+        let closed = || self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0;
+        if let Some(seq) = self.pending {
+            // A descriptor is out: the message is sent once the receiver has pulled it.
+            if head > seq {
+                self.pending = None;
+                return Ok(true);
+            }
+            return if closed() { Err(Error::remote("the receiving rank closed its connection")) } else { Ok(false) };
+        }
         if self.tail - head >= SLOTS as u64 {
-            if self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0 {
+            if closed() {
                 return Err(Error::remote("the receiving rank closed its connection"));
             }
             return Ok(false);
         }
+        let by_descriptor = src.len() >= CMA_MIN && self.map.atomic_u32(CMA_OK).load(Ordering::Acquire) == 1;
         let slot = (self.tail % SLOTS as u64) as usize;
         // SAFETY: the slot is free (tail - head < SLOTS) so only we touch it until we publish;
         // slot and header lie inside the mapping (ring_bytes). src is a valid region.
         unsafe {
             let dst = self.map.base.add(DATA + slot * self.slice);
-            std::ptr::copy_nonoverlapping(src.addr() as *const u8, dst, src.len());
+            if by_descriptor {
+                (dst as *mut u64).write_volatile(src.addr() as u64);
+                (dst as *mut u64).add(1).write_volatile(src.len() as u64);
+            } else {
+                std::ptr::copy_nonoverlapping(src.addr() as *const u8, dst, src.len());
+            }
             let hdr = self.map.base.add(HEADERS + slot * HEADER_BYTES);
             (hdr as *mut u32).write_volatile(src.len() as u32);
+            (hdr as *mut u32).add(1).write_volatile(if by_descriptor { KIND_DESCRIPTOR } else { KIND_INLINE });
             std::ptr::copy_nonoverlapping(stamp.as_ptr(), hdr.add(8), STAMP_BYTES);
         }
         self.tail += 1;
         self.map.atomic_u64(TAIL).store(self.tail, Ordering::Release);
+        if by_descriptor {
+            self.pending = Some(self.tail - 1);
+            return Ok(false);
+        }
         Ok(true)
     }
     fn check(&mut self) -> Result<()> {
@@ -169,14 +238,26 @@ impl super::RecvConn for RingRecv {
         let slot = (self.head % SLOTS as u64) as usize;
         // SAFETY: head < tail: the producer published this slot (acquire above) and will not
         // touch it until we advance head. Bounds as in try_send.
-        let (stamp, data) = unsafe {
+        let (stamp, kind, data) = unsafe {
             let hdr = self.map.base.add(HEADERS + slot * HEADER_BYTES);
             let n = ((hdr as *const u32).read_volatile() as usize).min(self.slice);
+            let kind = (hdr as *const u32).add(1).read_volatile();
             let mut stamp = [0u8; STAMP_BYTES];
             std::ptr::copy_nonoverlapping(hdr.add(8), stamp.as_mut_ptr(), STAMP_BYTES);
-            (stamp, std::slice::from_raw_parts(self.map.base.add(DATA + slot * self.slice), n))
+            (stamp, kind, std::slice::from_raw_parts(self.map.base.add(DATA + slot * self.slice), n))
         };
-        deliver(&stamp, data)?;
+        if kind == KIND_DESCRIPTOR {
+            let pid = self.peer_pid.ok_or_else(|| Error::internal("descriptor message inside one process"))?;
+            let word = |i: usize| u64::from_ne_bytes(data[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+            let (addr, len) = (word(0), (word(1) as usize).min(self.slice));
+            if self.staging.len() < len {
+                self.staging.resize(self.slice, 0);
+            }
+            cma_read(pid, addr, &mut self.staging[..len])?;
+            deliver(&stamp, &self.staging[..len])?;
+        } else {
+            deliver(&stamp, data)?;
+        }
         self.head += 1;
         self.map.atomic_u64(HEAD).store(self.head, Ordering::Release);
         Ok(true)

@@ -9,7 +9,7 @@ use nccl::abi::misc::ncclGetVersion;
 
 use crate::ffi::{self, barrier, check, max_over_ranks, step, sum_over_ranks, Rank};
 use crate::json::Json;
-use crate::opts::{Coll, Opts, Table};
+use crate::opts::{Opts, Table};
 use crate::verify::validate;
 
 /// One measured column group: out-of-place or in-place at one size.
@@ -189,14 +189,19 @@ pub fn run(o: &Opts, proc_index: usize, nprocs: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// `v` to 6 significant digits: the measurement holds no more, and the JSON stays readable.
+fn sig6(v: f64) -> Json {
+    Json::Num(format!("{v:.5e}").parse().unwrap_or(v))
+}
+
 fn cell_json(c: &Cell) -> Json {
     Json::obj(vec![
-        ("time_us", Json::Num(c.median_us)),
-        ("min_us", Json::Num(c.min_us)),
-        ("max_us", Json::Num(c.max_us)),
+        ("time_us", sig6(c.median_us)),
+        ("min_us", sig6(c.min_us)),
+        ("max_us", sig6(c.max_us)),
         ("iters", Json::Num(c.iters as f64)),
-        ("algbw", Json::Num(c.algbw)),
-        ("busbw", Json::Num(c.busbw)),
+        ("algbw", sig6(c.algbw)),
+        ("busbw", sig6(c.busbw)),
         ("wrong", c.wrong.map_or(Json::Null, |w| Json::Num(w as f64))),
     ])
 }
@@ -237,14 +242,17 @@ fn to_json(o: &Opts, n: usize, nprocs: usize, rows: &[Row], avg_busbw: f64, wron
         ("date", Json::Str(utc_now())),
         ("host", Json::Str(host_line())),
         ("rows", Json::Arr(rows)),
-        ("avg_busbw", Json::Num(avg_busbw)),
+        ("avg_busbw", sig6(avg_busbw)),
         ("wrong", Json::Num(wrong as f64)),
     ])
 }
 
 /// Now as ISO 8601 UTC, from the system clock (days to civil date: Howard Hinnant's algorithm).
 pub fn utc_now() -> String {
-    let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+    utc(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64)
+}
+
+fn utc(s: i64) -> String {
     let (days, rem) = (s.div_euclid(86400), s.rem_euclid(86400));
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
@@ -263,7 +271,8 @@ pub fn host_line() -> String {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let model = read("/proc/cpuinfo").lines().find(|l| l.starts_with("model name"))
         .and_then(|l| l.split(':').nth(1)).unwrap_or("").trim().to_string();
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    // SAFETY: sysconf only reads a system value. (Not available_parallelism: --bind narrows it.)
+    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
     let load: Vec<String> = read("/proc/loadavg").split_whitespace().take(3).map(String::from).collect();
     format!("{}; {cpus} cpus; {model}; load {}", read("/proc/sys/kernel/hostname").trim(), load.join(" "))
 }
@@ -272,9 +281,13 @@ pub fn host_line() -> String {
 mod tests {
     #[test]
     fn utc_dates_are_civil() {
-        // 2024-02-29T12:34:56Z = 1709210096
-        let s = 1_709_210_096i64;
-        let _ = s;
+        assert_eq!(super::utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::utc(1_709_210_096), "2024-02-29T12:34:56Z");
+        assert_eq!(super::utc(951_825_600), "2000-02-29T12:00:00Z");
+    }
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
         assert_eq!(super::median_sorted(&[1.0, 2.0, 3.0]), 2.0);
         assert_eq!(super::median_sorted(&[1.0, 2.0, 3.0, 10.0]), 2.5);
     }

@@ -85,7 +85,7 @@ impl Json {
         let mut line = String::new();
         self.compact(&mut line);
         let container = matches!(self, Json::Arr(a) if !a.is_empty()) || matches!(self, Json::Obj(p) if !p.is_empty());
-        if !container || indent + line.len() <= 100 {
+        if !container || indent + line.len() <= 160 {
             out.push_str(&line);
             return;
         }
