@@ -6,6 +6,8 @@
 //! call into safe Rust below; raw pointers are turned into checked values here and nowhere else.
 
 #![allow(non_snake_case)]
+// The exports take C pointers by design; each dereference is checked and has its SAFETY note.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use std::ffi::{c_char, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -24,7 +24,7 @@ impl Default for Config {
 }
 
 fn default_blocking() -> bool {
-    params::raw("NCCL_COMM_BLOCKING").and_then(|v| params::parse_int(&v)).map_or(true, |v| v != 0)
+    params::raw("NCCL_COMM_BLOCKING").and_then(|v| params::parse_int(&v)) != Some(0)
 }
 
 fn flag(name: &str, v: i32, default: bool) -> Result<bool> {

@@ -232,12 +232,15 @@ fn file_connection(mut s: TcpStream, shared: &Shared) {
     shared.arrived.notify_all();
 }
 
-fn read_hello(s: &mut TcpStream, magic: u64) -> Result<Option<(u8, u32, u32, Vec<u8>)>> {
+/// A filed message: (kind, from rank, tag, payload).
+type Incoming = (u8, u32, u32, Vec<u8>);
+
+fn read_hello(s: &mut TcpStream, magic: u64) -> Result<Option<Incoming>> {
     parse_hello(&read_frame(s, HELLO_TIMEOUT)?, magic)
 }
 
 /// A peer's message header: (kind, from, tag, payload), None if the magic is not ours.
-pub fn parse_hello(frame: &[u8], magic: u64) -> Result<Option<(u8, u32, u32, Vec<u8>)>> {
+pub fn parse_hello(frame: &[u8], magic: u64) -> Result<Option<Incoming>> {
     let mut r = Reader::new(frame);
     if r.u64()? != magic {
         return Ok(None);

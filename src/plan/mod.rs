@@ -103,12 +103,11 @@ impl Builder {
         for i in 0..k {
             let off = i * self.slice;
             let mut d = [NO_DEP; MAX_DEPS];
-            let mut nd = 0;
-            for r in deps.iter().chain(std::iter::once(&self.fence)).filter(|r| r.n > 0) {
-                let dep = if r.n as usize == k { r.first + i as u32 } else { r.first + r.n - 1 };
+            let live = deps.iter().chain(std::iter::once(&self.fence)).filter(|r| r.n > 0);
+            for (nd, r) in live.enumerate() {
                 assert!(nd < MAX_DEPS, "too many dependencies");
-                d[nd] = dep;
-                nd += 1;
+                // Same slicing: wait for the matching slice (pipelining); else for the last one.
+                d[nd] = if r.n as usize == k { r.first + i as u32 } else { r.first + r.n - 1 };
             }
             let op = self.stamps.len().saturating_sub(1) as u32;
             self.units.push(Unit { step: make(off, self.slice.min(len - off)), deps: d, op });

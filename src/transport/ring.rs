@@ -72,13 +72,13 @@ impl Mapping {
     }
 
     fn atomic_u64(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off + 8 <= self.len && off % 8 == 0);
+        debug_assert!(off + 8 <= self.len && off.is_multiple_of(8));
         // SAFETY: in bounds, 8-aligned (page-aligned base), lives as long as &self.
         unsafe { &*(self.base.add(off) as *const AtomicU64) }
     }
 
     fn atomic_u32(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off + 4 <= self.len && off % 4 == 0);
+        debug_assert!(off + 4 <= self.len && off.is_multiple_of(4));
         // SAFETY: in bounds, 4-aligned, lives as long as &self.
         unsafe { &*(self.base.add(off) as *const AtomicU32) }
     }

@@ -78,15 +78,18 @@ fn load(input: &str) -> Result<Vec<Series>, String> {
         from_table(path, &text, only)
     };
     if series.iter().all(|s| s.points.is_empty()) {
-        return Err(format!("{input}: no rows to plot"));
+        eprintln!("nccl-rs-perf: {input}: no rows to plot, left out");
     }
-    Ok(series)
+    Ok(series.into_iter().filter(|s| !s.points.is_empty()).collect())
 }
 
 pub fn run(out: &str, inputs: &[String]) -> Result<(), String> {
     let mut series = Vec::new();
     for i in inputs {
         series.extend(load(i)?);
+    }
+    if series.is_empty() {
+        return Err("nothing to plot".into());
     }
     for s in &mut series {
         s.points.retain(|p| p.0 > 0.0 && p.1.is_finite());

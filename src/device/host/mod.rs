@@ -168,7 +168,7 @@ pub fn free(p: *mut c_void) -> Result<()> {
     if p.is_null() {
         return Ok(());
     }
-    if (p as usize) % ALIGN != 0 {
+    if !(p as usize).is_multiple_of(ALIGN) {
         return Err(Error::invalid_arg("pointer was not returned by ncclMemAlloc"));
     }
     // SAFETY: p came from alloc (alignment checked as a sanity test): the header precedes it.
