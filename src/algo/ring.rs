@@ -82,7 +82,9 @@ pub fn reduce_scatter(b: &mut Builder, r: usize, n: usize, send: Region, recv: R
     b.finish(recv, red, &[produced]);
 }
 
-/// Pipelined chain root, root+1, ..., root-1.
+/// Pipelined chain root, root+1, ..., root-1. The first rank of the chain acknowledges to
+/// the root with a one-byte message: a root that only sent would otherwise never read a
+/// stamp, and two ranks that both believe they are the root would each return success.
 pub fn broadcast(b: &mut Builder, r: usize, n: usize, root: usize, send: Region, recv: Region) {
     let pos = (r + n - root) % n;
     let next = (r + 1) % n;
@@ -90,10 +92,16 @@ pub fn broadcast(b: &mut Builder, r: usize, n: usize, root: usize, send: Region,
     if pos == 0 {
         if n > 1 {
             b.send(next, send, &[]);
+            let ack = b.scratch(1);
+            b.recv(next, ack, &[]);
         }
         b.copy(recv, send, &[]);
     } else {
         let got = b.recv(prev, recv, &[]);
+        if pos == 1 {
+            let ack = b.scratch(1);
+            b.send(prev, ack, &[got]);
+        }
         if pos < n - 1 {
             b.send(next, recv, &[got]);
         }

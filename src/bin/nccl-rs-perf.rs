@@ -62,6 +62,18 @@ pub fn bind_to_cpu(proc_index: usize) {
     }
 }
 
+/// In a process this tool forked: go when the parent goes (killed by `timeout`, Ctrl-C), so
+/// no rank is left spinning in a collective its peers will never join.
+pub fn die_with_parent() {
+    // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number; getppid has no arguments.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        if libc::getppid() == 1 {
+            std::process::exit(1); // the parent is already gone
+        }
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29500)
 }
@@ -108,6 +120,9 @@ fn main() -> ExitCode {
         Mode::Init { nranks } => init::run(&o, *nranks),
         Mode::Bench => {
             if let Some((proc_index, nprocs)) = launch_env() {
+                if std::env::var_os("NCCL_RS_PERF_PROC").is_some() {
+                    die_with_parent();
+                }
                 bench::run(&o, proc_index, nprocs)
             } else if o.np == 1 {
                 bench::run(&o, 0, 1)

@@ -4,6 +4,7 @@
 #[cfg(test)]
 mod fuzz;
 pub mod id;
+pub mod pending;
 pub mod root;
 pub mod service;
 pub mod wire;
@@ -134,7 +135,11 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     w.u8(root::HELLO).u64(id.magic).u32(rank as u32).u32(nranks as u32);
     me.encode(&mut w);
     write_frame(&mut s, &w.buf).map_err(|e| e.context("bootstrap: hello to root"))?;
-    let no_answer = |e: Error| Error::remote(format!("bootstrap: no answer from the root within {} s: {}", timeout.as_secs(), e.msg));
+    let no_answer = |e: Error| if Instant::now() >= deadline {
+        Error::remote(format!("bootstrap: no answer from the root within {} s", timeout.as_secs()))
+    } else {
+        Error::remote(format!("bootstrap: lost the connection to the root at {}: {}", id.root, e.msg))
+    };
     wait_readable(&mut s, deadline, abort).map_err(|e| if e.code == crate::error::Code::InvalidUsage { e } else { no_answer(e) })?;
     let reply = read_frame(&mut s, deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)))
         .map_err(no_answer)?;

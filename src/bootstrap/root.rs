@@ -4,11 +4,9 @@
 //! exits, so a stale id finds nobody instead of a half-finished job.
 
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::wire::{read_frame, write_frame, Reader, Writer};
+use super::wire::{write_frame, Reader, Writer};
 use super::PeerInfo;
 use crate::error::{Error, Result};
 
@@ -30,13 +28,74 @@ struct Joined {
     info: PeerInfo,
 }
 
+/// A connection that has not sent a whole hello yet.
+struct Unheard {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    since: Instant,
+}
+
+/// How long a connection may take to send its hello, and how many may wait at once (the
+/// oldest is dropped first: a real rank speaks as soon as it connects, so it always gets in).
+const HELLO_TIME: Duration = Duration::from_secs(5);
+const MAX_UNHEARD: usize = 512;
+
+/// Accept everything waiting, read what each unheard connection sent, and return the first
+/// complete, valid hello. Garbage, silence past HELLO_TIME and closed connections are dropped.
+fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -> (bool, Option<Hello>) {
+    let mut busy = false;
+    while let Ok((s, _)) = listener.accept() {
+        busy = true;
+        if s.set_nonblocking(true).is_err() {
+            continue;
+        }
+        if unheard.len() >= MAX_UNHEARD {
+            unheard.remove(0);
+        }
+        unheard.push(Unheard { stream: s, buf: Vec::new(), since: Instant::now() });
+    }
+    let mut k = 0;
+    while k < unheard.len() {
+        let u = &mut unheard[k];
+        let mut chunk = [0u8; 4096];
+        let keep = match std::io::Read::read(&mut u.stream, &mut chunk) {
+            Ok(0) => false,
+            Ok(n) => {
+                busy = true;
+                u.buf.extend_from_slice(&chunk[..n]);
+                let want = u.buf.get(..4).map(|l| 4 + u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize);
+                match want {
+                    Some(w) if w > 4 + super::wire::MAX_FRAME => false,
+                    Some(w) if u.buf.len() >= w => {
+                        if let Some((r, n, info)) = parse_hello(&u.buf[4..w], magic) {
+                            let u = unheard.swap_remove(k);
+                            let _ = u.stream.set_nonblocking(false);
+                            let _ = u.stream.set_nodelay(true);
+                            return (true, Some((u.stream, r, n, info)));
+                        }
+                        false // a whole frame that is not a hello of ours
+                    }
+                    _ => true,
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => u.since.elapsed() < HELLO_TIME,
+            Err(_) => false,
+        };
+        if keep {
+            k += 1;
+        } else {
+            unheard.swap_remove(k);
+        }
+    }
+    (busy, None)
+}
+
 fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     let _ = listener.set_nonblocking(true);
     let mut joined: Vec<Joined> = Vec::new();
     let mut expected: Option<usize> = None;
-    let (tx, rx) = std::sync::mpsc::channel::<Hello>();
-    let in_flight = Arc::new(AtomicUsize::new(0));
+    let mut unheard: Vec<Unheard> = Vec::new();
     loop {
         if Instant::now() >= deadline {
             let missing = missing_ranks(&joined, expected.unwrap_or(0));
@@ -46,13 +105,11 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
             fail(&mut joined, None, &msg);
             return;
         }
-        match listener.accept() {
-            Ok((s, _)) => read_hello_aside(s, magic, &tx, &in_flight),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(_) => continue,
-        }
-        let Ok((mut stream, rank, nranks, info)) = rx.try_recv() else {
-            std::thread::sleep(Duration::from_millis(1));
+        let (busy, hello) = poll_hellos(&listener, &mut unheard, magic);
+        let Some((mut stream, rank, nranks, info)) = hello else {
+            if !busy {
+                std::thread::sleep(Duration::from_millis(1));
+            }
             continue;
         };
         let n = *expected.get_or_insert(nranks);
@@ -87,36 +144,6 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
 }
 
 type Hello = (TcpStream, usize, usize, PeerInfo);
-
-/// Connections that have not said who they are yet: at most this many at once.
-const MAX_PENDING: usize = 256;
-
-/// Read a connection's hello on a thread of its own, so a silent or slow connection (half-open,
-/// hostile) delays nobody; only a valid hello reaches the root's loop.
-fn read_hello_aside(s: TcpStream, magic: u64, tx: &std::sync::mpsc::Sender<Hello>, in_flight: &Arc<AtomicUsize>) {
-    if in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING {
-        in_flight.fetch_sub(1, Ordering::AcqRel);
-        return; // dropped: a flood of connections cannot exhaust threads
-    }
-    let (tx, mine) = (tx.clone(), in_flight.clone());
-    let spawned = std::thread::Builder::new().name("nccl-rs-hello".into()).spawn(move || {
-        let _ = s.set_nonblocking(false);
-        let _ = s.set_nodelay(true);
-        if let Some(h) = hello(s, magic) {
-            let _ = tx.send(h);
-        }
-        mine.fetch_sub(1, Ordering::AcqRel);
-    });
-    if spawned.is_err() {
-        in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-fn hello(mut s: TcpStream, magic: u64) -> Option<Hello> {
-    let frame = read_frame(&mut s, Duration::from_secs(5)).ok()?;
-    let (rank, nranks, info) = parse_hello(&frame, magic)?;
-    Some((s, rank, nranks, info))
-}
 
 /// A rank's hello: (rank, nranks, info), or None for anything that is not one of ours.
 pub fn parse_hello(frame: &[u8], magic: u64) -> Option<(usize, usize, PeerInfo)> {

@@ -30,7 +30,7 @@ struct Shared {
     magic: u64,
     stop: AtomicBool,
     /// Connections being read by their own threads.
-    in_flight: std::sync::atomic::AtomicUsize,
+    pending: super::pending::Pending,
     inbox: Mutex<Inbox>,
     arrived: Condvar,
 }
@@ -49,7 +49,7 @@ impl Service {
     pub fn start(ip: std::net::IpAddr, magic: u64, rank: u32) -> Result<Service> {
         let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
-        let shared = Arc::new(Shared { magic, stop: AtomicBool::new(false), in_flight: Default::default(), inbox: Mutex::default(), arrived: Condvar::new() });
+        let shared = Arc::new(Shared { magic, stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new() });
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name("nccl-rs-boot".into())
@@ -172,7 +172,7 @@ impl Service {
             // Let connection threads that are mid-message finish (bounded: a silent hostile
             // connection is left to its own read timeout).
             let until = Instant::now() + Duration::from_millis(200);
-            while self.shared.in_flight.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            while !self.shared.pending.is_empty() && Instant::now() < until {
                 std::thread::yield_now();
             }
         }
@@ -188,27 +188,21 @@ impl Drop for Service {
     }
 }
 
-/// Connections still being read at once; more are dropped (a flood cannot exhaust threads).
-const MAX_PENDING: usize = 256;
-
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     for conn in listener.incoming() {
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
         let Ok(s) = conn else { continue };
-        if shared.in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING {
-            shared.in_flight.fetch_sub(1, Ordering::AcqRel);
-            continue;
-        }
+        let Some(ticket) = shared.pending.admit(&s) else { continue };
         // Each connection is read on a thread of its own, so a silent one delays nobody.
         let mine = shared.clone();
         let spawned = std::thread::Builder::new().name("nccl-rs-conn".into()).spawn(move || {
             file_connection(s, &mine);
-            mine.in_flight.fetch_sub(1, Ordering::AcqRel);
+            mine.pending.done(ticket);
         });
         if spawned.is_err() {
-            shared.in_flight.fetch_sub(1, Ordering::AcqRel);
+            shared.pending.done(ticket);
         }
     }
 }

@@ -85,6 +85,7 @@ fn measure(rank: usize, nranks: usize, id: ncclUniqueId) -> Result<String, Strin
 }
 
 fn child(o: &Opts, rank: usize, nranks: usize) -> Result<(), String> {
+    crate::die_with_parent();
     if o.bind {
         crate::bind_to_cpu(rank);
     }

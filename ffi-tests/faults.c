@@ -1,0 +1,443 @@
+/*
+ * faults.c - what a rank sees when something goes wrong: a peer killed, a link cut, an abort
+ * from another thread, mismatched calls, a hostile bootstrap port. Driven by tests/faults.rs,
+ * which kills processes, cuts links and attacks the root while this runs; one part per run:
+ *
+ *   faults --only loop        allreduce in a loop until a call fails, then judge the failure
+ *   faults --only abort       ncclCommAbort from a second thread while the main thread is
+ *                             blocked in an allreduce that rank 1 never joins; then a new
+ *                             communicator must work
+ *   faults --only abort-init  (1 process) ncclCommAbort of a nonblocking communicator whose
+ *                             init waits for a rank that never comes; then a new one works
+ *   faults --only mismatch    rank 0 and rank 1 make different calls (FAULTS_CASE)
+ *   faults --only hello       init, one allreduce, destroy (while tests/faults.rs attacks
+ *                             the bootstrap root)
+ *
+ * Environment (besides common.h's):
+ *   FAULTS_COUNT       floats per allreduce in `loop` and `abort` (default 1048576)
+ *   FAULTS_NONBLOCKING 1: `loop` uses a nonblocking communicator and polls
+ *                      ncclCommGetAsyncError after every call
+ *   FAULTS_LOST_RANK   `loop`: the rank the error must name ("rank K"); -1: do not check
+ *   FAULTS_BOUND_S     `loop`: the failing call must end within this many seconds after the
+ *                      last completed allreduce (default 30)
+ *   FAULTS_MAX_S       `loop`: give up (fail) when no call failed after this long (default 45)
+ *   FAULTS_ABORT_AFTER_MS  `abort`: when the second thread aborts (default 1000)
+ *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root
+ *
+ * Lines the harness watches: "LOOPING" (the loop runs: kill or cut now).
+ * Timings are printed as "TIMING name=seconds" for the report.
+ */
+#include "common.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static int env_int_or(const char* name, int dflt) {
+  const char* s = getenv(name);
+  if (!s || !*s) return dflt;
+  return atoi(s);
+}
+
+/* Does `text` name rank k ("rank K" not followed by another digit)? */
+static int names_rank(const char* text, int k) {
+  char want[32];
+  snprintf(want, sizeof want, "rank %d", k);
+  size_t n = strlen(want);
+  for (const char* p = text ? strstr(text, want) : NULL; p; p = strstr(p + 1, want)) {
+    char next = p[n];
+    if (next < '0' || next > '9') return 1;
+  }
+  return 0;
+}
+
+static const char* last_error(ncclComm_t comm) {
+  const char* s = ncclGetLastError(comm);
+  return s ? s : "(null)";
+}
+
+/* ---- flags between the processes of one job: files beside the unique id ---------------- */
+
+static void flag_path(const char* name, char* out, size_t n) {
+  const char* id = getenv("NCCL_TEST_ID_FILE");
+  if (!id) {
+    fprintf(stderr, "[proc %d] NCCL_TEST_ID_FILE must be set\n", g_env.proc);
+    exit(2);
+  }
+  snprintf(out, n, "%s.flag-%s", id, name);
+}
+
+static void flag_set(const char* name) {
+  char path[4200];
+  flag_path(name, path, sizeof path);
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  if (fd >= 0) close(fd);
+}
+
+/* Waits up to `seconds` for the flag; returns whether it came. */
+static int flag_wait(const char* name, double seconds) {
+  char path[4200];
+  flag_path(name, path, sizeof path);
+  double deadline = now_s() + seconds;
+  struct stat st;
+  while (stat(path, &st) != 0) {
+    if (now_s() > deadline) return 0;
+    sleep_ms(5);
+  }
+  return 1;
+}
+
+/* ---- loop: allreduce until a call fails ------------------------------------------------ */
+
+/* Nonblocking communicators: poll until the state is not ncclInProgress, or `seconds` pass. */
+static ncclResult_t poll_async(ncclComm_t comm, double seconds) {
+  double deadline = now_s() + seconds;
+  for (;;) {
+    ncclResult_t state = ncclInternalError;
+    ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) {
+      tlog("ncclCommGetAsyncError itself returned %s", result_name(r));
+      return r;
+    }
+    if (state != ncclInProgress) return state;
+    if (now_s() > deadline) return ncclInProgress;
+    sleep_ms(1);
+  }
+}
+
+static ncclComm_t make_one_comm(const char* tag, int nonblocking) {
+  ncclComm_t comm = NULL;
+  if (!nonblocking) {
+    make_comms(tag, &comm);
+    return comm;
+  }
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclResult_t r = make_comms_config(tag, &comm, &cfg);
+  if (r != ncclSuccess) {
+    fprintf(stderr, "[proc %d] nonblocking init -> %s: %s\n", g_env.proc, result_name(r),
+            last_error(comm));
+    exit(1);
+  }
+  return comm;
+}
+
+static void part_loop(void) {
+  const int count = env_int_or("FAULTS_COUNT", 1 << 20);
+  const int nonblocking = env_int_or("FAULTS_NONBLOCKING", 0);
+  const int lost = env_int_or("FAULTS_LOST_RANK", -1);
+  const double bound = env_int_or("FAULTS_BOUND_S", 30);
+  const double max_s = env_int_or("FAULTS_MAX_S", 45);
+  const int rank = g_env.first_rank, n = g_env.nranks;
+  test_deadline((unsigned)max_s + 10);
+
+  test_step("init");
+  ncclComm_t comm = make_one_comm("", nonblocking);
+  float* send = malloc((size_t)count * sizeof(float));
+  float* recv = malloc((size_t)count * sizeof(float));
+  if (!send || !recv) exit(2);
+  for (int i = 0; i < count; i++) send[i] = (float)(rank + 1);
+  const float want = (float)(n * (n + 1) / 2);
+
+  test_step("allreduce loop");
+  double start = now_s(), last_ok = start;
+  long iters = 0;
+  ncclResult_t returned = ncclSuccess, r = ncclSuccess;
+  for (;;) {
+    returned = ncclAllReduce(send, recv, (size_t)count, ncclFloat32, ncclSum, comm, TEST_STREAM);
+    r = returned;
+    if (nonblocking && (r == ncclSuccess || r == ncclInProgress)) r = poll_async(comm, max_s);
+    if (r != ncclSuccess) break;
+    if (recv[0] != want || recv[count - 1] != want) {
+      EXPECT(0, "iteration %ld: got %g and %g, expected %g", iters, recv[0], recv[count - 1], want);
+      break;
+    }
+    iters++;
+    last_ok = now_s();
+    if (iters == 5) tlog("LOOPING: %ld allreduces of %d floats done, %.3f s each", iters, count,
+                         (last_ok - start) / (double)iters);
+    if (last_ok - start > max_s) break;
+  }
+  double t_err = now_s();
+  const char* text = last_error(comm);
+  ncclResult_t async_state = ncclInternalError;
+  ncclResult_t ra = ncclCommGetAsyncError(comm, &async_state);
+  tlog("ERROR after %ld allreduces: the call returned %s%s%s, %.3f s after the last completed one",
+       iters, result_name(returned), nonblocking ? ", ncclCommGetAsyncError reported " : "",
+       nonblocking ? result_name(r) : "", t_err - last_ok);
+  tlog("TIMING detect=%.3f", t_err - last_ok);
+  tlog("ncclCommGetAsyncError -> %s, state %s", result_name(ra), result_name(async_state));
+  tlog("ncclGetLastError: %s", text);
+
+  EXPECT(r != ncclSuccess, "no call failed within %.0f s (%ld allreduces)", max_s, iters);
+  EXPECT(r == ncclRemoteError, "the failure is %s, expected ncclRemoteError", result_name(r));
+  EXPECT(t_err - last_ok <= bound, "the failing call ended %.3f s after the last completed one (bound %.0f s)",
+         t_err - last_ok, bound);
+  if (lost >= 0)
+    EXPECT(names_rank(text, lost), "ncclGetLastError does not name the lost rank %d: %s", lost, text);
+
+  test_step("ncclCommAbort after the failure");
+  double t0 = now_s();
+  ncclResult_t rab = ncclCommAbort(comm);
+  tlog("ncclCommAbort -> %s in %.3f s", result_name(rab), now_s() - t0);
+  tlog("TIMING abort=%.3f", now_s() - t0);
+  EXPECT(rab == ncclSuccess, "ncclCommAbort -> %s: %s", result_name(rab), last_error(NULL));
+  EXPECT(now_s() - t0 < 5.0, "ncclCommAbort took %.3f s", now_s() - t0);
+  free(send);
+  free(recv);
+}
+
+/* ---- abort: from a second thread, while the main thread is blocked ---------------------- */
+
+typedef struct {
+  ncclComm_t comm;
+  int after_ms;
+  double t_abort, t_abort_done;
+  ncclResult_t r;
+} aborter_t;
+
+static void* aborter(void* arg) {
+  aborter_t* a = (aborter_t*)arg;
+  sleep_ms(a->after_ms);
+  tlog("ABORTING from a second thread");
+  a->t_abort = now_s();
+  a->r = ncclCommAbort(a->comm);
+  a->t_abort_done = now_s();
+  return NULL;
+}
+
+static void second_communicator(const char* why) {
+  test_step("a new communicator after the abort");
+  ncclComm_t comm2 = NULL;
+  double t0 = now_s();
+  make_comms("second", &comm2);
+  int v = allreduce_sum_int(&comm2, g_env.proc + 1);
+  int want = g_env.nranks * (g_env.nranks + 1) / 2;
+  tlog("new communicator after %s: allreduce -> %d (expected %d) in %.3f s", why, v, want, now_s() - t0);
+  EXPECT(v == want, "allreduce on the new communicator gave %d, expected %d", v, want);
+  CHECK(ncclCommDestroy(comm2));
+}
+
+static void part_abort(void) {
+  const int count = env_int_or("FAULTS_COUNT", 1 << 20);
+  test_deadline(40);
+  if (g_env.nprocs != 2 || g_env.local != 1) {
+    fprintf(stderr, "abort: run as 2 processes of 1 rank\n");
+    exit(2);
+  }
+  test_step("init");
+  ncclComm_t comm = NULL;
+  make_comms("", &comm);
+  /* Connections are up: what blocks below is the collective itself. */
+  int v = allreduce_sum_int(&comm, 1);
+  EXPECT(v == 2, "warm-up allreduce gave %d", v);
+
+  if (g_env.proc == 1) {
+    test_step("rank 1: waiting (never joins the allreduce)");
+    int came = flag_wait("aborted", 30);
+    EXPECT(came, "rank 0 never said it was done");
+    test_step("rank 1: ncclCommAbort");
+    ncclResult_t r = ncclCommAbort(comm);
+    EXPECT(r == ncclSuccess, "rank 1: ncclCommAbort -> %s: %s", result_name(r), last_error(NULL));
+    second_communicator("the abort of rank 0");
+    return;
+  }
+
+  float* send = calloc((size_t)count, sizeof(float));
+  float* recv = calloc((size_t)count, sizeof(float));
+  if (!send || !recv) exit(2);
+  aborter_t a = {comm, env_int_or("FAULTS_ABORT_AFTER_MS", 1000), 0, 0, ncclInternalError};
+  pthread_t th;
+  if (pthread_create(&th, NULL, aborter, &a) != 0) exit(2);
+  test_step("rank 0: blocked in ncclAllReduce, waiting for the abort");
+  tlog("BLOCKING in ncclAllReduce of %d floats; rank 1 never joins", count);
+  double t_call = now_s();
+  ncclResult_t r = ncclAllReduce(send, recv, (size_t)count, ncclFloat32, ncclSum, comm, TEST_STREAM);
+  double t_ret = now_s();
+  const char* text = last_error(NULL);
+  test_step("rank 0: joining the aborting thread");
+  pthread_join(th, NULL);
+  tlog("ncclAllReduce returned %s after %.3f s; the abort started %.3f s into the call and took %.3f s",
+       result_name(r), t_ret - t_call, a.t_abort - t_call, a.t_abort_done - a.t_abort);
+  tlog("TIMING return_after_abort=%.3f", t_ret - a.t_abort);
+  tlog("ncclGetLastError: %s", text);
+  EXPECT(r != ncclSuccess, "the allreduce nobody joined returned ncclSuccess");
+  EXPECT(t_ret >= a.t_abort, "the allreduce returned %.3f s before the abort (%s: %s)",
+         a.t_abort - t_ret, result_name(r), text);
+  EXPECT(t_ret - a.t_abort <= 1.0, "the allreduce returned %.3f s after ncclCommAbort (limit 1 s)",
+         t_ret - a.t_abort);
+  EXPECT(a.r == ncclSuccess, "ncclCommAbort -> %s", result_name(a.r));
+  flag_set("aborted");
+  free(send);
+  free(recv);
+  second_communicator("the abort");
+}
+
+/* ---- abort-init: abort a nonblocking communicator still initialising -------------------- */
+
+static void part_abort_init(void) {
+  test_deadline(30);
+  if (g_env.nprocs != 1 || g_env.local != 1) {
+    fprintf(stderr, "abort-init: run as 1 process of 1 rank\n");
+    exit(2);
+  }
+  test_step("nonblocking init of rank 0 of 2 (rank 1 never comes)");
+  ncclUniqueId id;
+  CHECK(ncclGetUniqueId(&id));
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t comm = NULL;
+  ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 0, &cfg);
+  tlog("ncclCommInitRankConfig(nranks 2, rank 0, nonblocking) -> %s", result_name(r));
+  EXPECT(r == ncclInProgress || r == ncclSuccess, "nonblocking init -> %s: %s", result_name(r),
+         last_error(NULL));
+  if (!comm) {
+    EXPECT(0, "no communicator handle to abort");
+    return;
+  }
+  sleep_ms(500);
+  ncclResult_t state = ncclInternalError;
+  ncclCommGetAsyncError(comm, &state);
+  tlog("after 500 ms: ncclCommGetAsyncError state %s", result_name(state));
+  EXPECT(state == ncclInProgress, "init state %s while rank 1 is missing (expected ncclInProgress)",
+         result_name(state));
+  test_step("ncclCommAbort during init");
+  double t0 = now_s();
+  ncclResult_t ra = ncclCommAbort(comm);
+  double took = now_s() - t0;
+  tlog("ncclCommAbort during init -> %s in %.3f s", result_name(ra), took);
+  tlog("TIMING abort_init=%.3f", took);
+  EXPECT(ra == ncclSuccess, "ncclCommAbort during init -> %s: %s", result_name(ra), last_error(NULL));
+  EXPECT(took <= 1.0, "ncclCommAbort during init took %.3f s (limit 1 s)", took);
+
+  test_step("a new communicator after the abort");
+  ncclUniqueId id2;
+  CHECK(ncclGetUniqueId(&id2));
+  ncclComm_t c2 = NULL;
+  CHECK(ncclCommInitRank(&c2, 1, id2, 0));
+  int v = allreduce_sum_int(&c2, 7);
+  EXPECT(v == 7, "allreduce on the new communicator gave %d", v);
+  CHECK(ncclCommDestroy(c2));
+}
+
+/* ---- mismatch: rank 0 and rank 1 make different calls ----------------------------------- */
+
+static void part_mismatch(void) {
+  const char* which = getenv("FAULTS_CASE");
+  test_deadline(25);
+  if (g_env.nprocs != 2 || g_env.local != 1 || !which) {
+    fprintf(stderr, "mismatch: run as 2 processes of 1 rank with FAULTS_CASE set\n");
+    exit(2);
+  }
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
+  int v = allreduce_sum_int(&comm, 1);
+  EXPECT(v == 2, "warm-up allreduce gave %d", v);
+
+  const int me = g_env.proc;
+  float* send = calloc(4096, sizeof(float));
+  float* recv = calloc(8192, sizeof(float));
+  if (!send || !recv) exit(2);
+  const char *mine = "", *a = "", *b = "";
+  ncclResult_t r;
+  test_step("the mismatched call");
+  if (!strcmp(which, "coll")) {
+    a = "AllReduce", b = "AllGather";
+    if (me == 0) {
+      mine = "AllReduce(count 1024, float, sum)";
+      r = ncclAllReduce(send, recv, 1024, ncclFloat32, ncclSum, comm, TEST_STREAM);
+    } else {
+      mine = "AllGather(sendcount 2048, float)";
+      r = ncclAllGather(send, recv, 2048, ncclFloat32, comm, TEST_STREAM);
+    }
+  } else if (!strcmp(which, "count")) {
+    a = "1024", b = "2048";
+    mine = me == 0 ? "AllReduce(count 1024, float, sum)" : "AllReduce(count 2048, float, sum)";
+    r = ncclAllReduce(send, recv, me == 0 ? 1024 : 2048, ncclFloat32, ncclSum, comm, TEST_STREAM);
+  } else if (!strcmp(which, "dtype")) {
+    a = "float", b = "int32";
+    mine = me == 0 ? "AllReduce(count 1024, float, sum)" : "AllReduce(count 1024, int32, sum)";
+    r = ncclAllReduce(send, recv, 1024, me == 0 ? ncclFloat32 : ncclInt32, ncclSum, comm, TEST_STREAM);
+  } else if (!strcmp(which, "op")) {
+    a = "sum", b = "max";
+    mine = me == 0 ? "AllReduce(count 1024, float, sum)" : "AllReduce(count 1024, float, max)";
+    r = ncclAllReduce(send, recv, 1024, ncclFloat32, me == 0 ? ncclSum : ncclMax, comm, TEST_STREAM);
+  } else if (!strcmp(which, "root")) {
+    a = "root 0", b = "root 1";
+    mine = me == 0 ? "Broadcast(count 1024, float, root 0)" : "Broadcast(count 1024, float, root 1)";
+    r = ncclBroadcast(send, recv, 1024, ncclFloat32, me, comm, TEST_STREAM);
+  } else {
+    fprintf(stderr, "unknown FAULTS_CASE %s\n", which);
+    exit(2);
+  }
+  const char* text = last_error(comm);
+  tlog("%s -> %s", mine, result_name(r));
+  tlog("ncclGetLastError: %s", r == ncclSuccess ? "(call succeeded)" : text);
+  EXPECT(r != ncclSuccess, "%s returned ncclSuccess although rank %d made a different call", mine, 1 - me);
+  if (r != ncclSuccess) {
+    EXPECT(r == ncclInvalidUsage, "%s -> %s, expected ncclInvalidUsage", mine, result_name(r));
+    EXPECT(strstr(text, a) && strstr(text, b), "the message does not name both calls (\"%s\" and \"%s\"): %s",
+           a, b, text);
+  } else {
+    /* Undetected: say what the next, matching, call sees (for the report only). */
+    test_step("a matching allreduce after an undetected mismatch");
+    int32_t one = 1, sum = -1;
+    ncclResult_t r2 = ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, comm, TEST_STREAM);
+    tlog("the next (matching) AllReduce -> %s, sum %d (expected 2)%s%s", result_name(r2), sum,
+         r2 == ncclSuccess ? "" : ": ", r2 == ncclSuccess ? "" : last_error(comm));
+  }
+  /* Both ranks have returned before either aborts, so neither sees the other leave. */
+  char flag[32];
+  snprintf(flag, sizeof flag, "returned-%d", me);
+  flag_set(flag);
+  snprintf(flag, sizeof flag, "returned-%d", 1 - me);
+  test_step("waiting for the other rank to return");
+  EXPECT(flag_wait(flag, 15), "rank %d never returned from its call", 1 - me);
+  test_step("ncclCommAbort");
+  ncclResult_t ra = ncclCommAbort(comm);
+  EXPECT(ra == ncclSuccess, "ncclCommAbort -> %s", result_name(ra));
+  free(send);
+  free(recv);
+}
+
+/* ---- hello: init and one allreduce --------------------------------------------------- */
+
+static void part_hello(void) {
+  test_deadline(40);
+  double t0 = now_s();
+  ncclComm_t comms[MAX_LOCAL];
+  test_step("init");
+  make_comms("", comms);
+  double t_init = now_s() - t0;
+  test_step("allreduce");
+  int v = allreduce_sum_int(comms, g_env.proc + 1);
+  int want = g_env.nprocs * (g_env.nprocs + 1) / 2 * g_env.local;
+  tlog("init %.3f s, allreduce -> %d (expected %d)", t_init, v, want);
+  tlog("TIMING init=%.3f", t_init);
+  EXPECT(v == want, "allreduce gave %d, expected %d", v, want);
+  destroy_comms(comms);
+}
+
+int main(int argc, char** argv) {
+  test_init(argc, argv);
+  const char* part = g_env.only ? g_env.only : "";
+  if (!strcmp(part, "loop")) {
+    part_loop();
+  } else if (!strcmp(part, "abort")) {
+    part_abort();
+  } else if (!strcmp(part, "abort-init")) {
+    part_abort_init();
+  } else if (!strcmp(part, "mismatch")) {
+    part_mismatch();
+  } else if (!strcmp(part, "hello")) {
+    part_hello();
+  } else {
+    fprintf(stderr, "usage: faults --only loop|abort|abort-init|mismatch|hello\n");
+    return 2;
+  }
+  return test_finish();
+}

@@ -1,0 +1,159 @@
+//! Devices and their primary contexts. NCCL works in the primary context of the device the
+//! caller selected (the CUDA runtime's context), so that is the one we retain: once per device
+//! for the life of the process, with the reduction kernels loaded into it at most once.
+
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdevice_attribute};
+
+use super::kernels::Kernels;
+use super::{check, driver, ensure_init};
+use crate::error::{Error, Result};
+
+/// Number of CUDA devices the driver reports.
+pub fn device_count() -> Result<i32> {
+    driver("cuDeviceGetCount", || {
+        ensure_init()?;
+        let mut count = 0;
+        // SAFETY: `count` is a valid out-pointer for the call; the driver is initialised.
+        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut count) })?;
+        Ok(count)
+    })
+}
+
+/// The device of the context current on the calling thread (what `cudaGetDevice` reports once
+/// the caller has used the runtime), or None if the thread has no current context. The driver
+/// numbers a `CUdevice` as its ordinal.
+pub fn current_device() -> Result<Option<i32>> {
+    driver("cuCtxGetDevice", || {
+        ensure_init()?;
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer for the call.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
+        if ctx.is_null() {
+            return Ok(None);
+        }
+        let mut dev = 0;
+        // SAFETY: `dev` is a valid out-pointer; a context is current on this thread.
+        check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) })?;
+        Ok(Some(dev))
+    })
+}
+
+/// The primary context of one device, retained for the life of the process.
+pub struct Context {
+    ordinal: i32,
+    dev: CUdevice,
+    raw: CUcontext,
+    kernels: OnceLock<Kernels>,
+    kernels_loading: Mutex<()>,
+    mem_ops: OnceLock<MemOpSupport>,
+}
+
+// SAFETY: a CUcontext is a driver handle usable from any thread (the driver synchronises);
+// the other fields are Sync.
+unsafe impl Send for Context {}
+// SAFETY: as for Send.
+unsafe impl Sync for Context {}
+
+/// Which stream memory operations the device runs (ARCHITECTURE.md, decision 4).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MemOpSupport {
+    /// `cuStreamWaitValue32_v2` / `cuStreamWriteValue32_v2` with GEQ, EQ and AND.
+    pub wait_write: bool,
+    /// CU_STREAM_WAIT_VALUE_NOR as well.
+    pub nor: bool,
+}
+
+impl Context {
+    /// The primary context of device `ordinal`, made current on the calling thread.
+    pub fn primary(ordinal: i32) -> Result<&'static Context> {
+        static TABLE: Mutex<Vec<&'static Context>> = Mutex::new(Vec::new());
+        let ctx = driver("cuDevicePrimaryCtxRetain", || {
+            ensure_init()?;
+            let mut table = TABLE.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(ctx) = table.iter().find(|c| c.ordinal == ordinal) {
+                return Ok(*ctx);
+            }
+            let count = device_count()?;
+            if !(0..count).contains(&ordinal) {
+                return Err(Error::invalid_arg(format!("CUDA device {ordinal} does not exist ({count} devices)")));
+            }
+            let mut dev = 0;
+            // SAFETY: `dev` is a valid out-pointer; the ordinal is in range.
+            check(format_args!("cuDeviceGet({ordinal})"), unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+            let mut raw: CUcontext = std::ptr::null_mut();
+            // SAFETY: `raw` is a valid out-pointer; `dev` came from cuDeviceGet. The retain is
+            // never released: the context lives as long as the process, as the table does.
+            check(format_args!("cuDevicePrimaryCtxRetain({ordinal})"), unsafe {
+                sys::cuDevicePrimaryCtxRetain(&mut raw, dev)
+            })?;
+            let ctx: &'static Context = Box::leak(Box::new(Context {
+                ordinal,
+                dev,
+                raw,
+                kernels: OnceLock::new(),
+                kernels_loading: Mutex::new(()),
+                mem_ops: OnceLock::new(),
+            }));
+            table.push(ctx);
+            Ok(ctx)
+        })?;
+        ctx.make_current()?;
+        Ok(ctx)
+    }
+
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Makes this context current on the calling thread (each proxy thread does it once).
+    pub fn make_current(&self) -> Result<()> {
+        driver("cuCtxSetCurrent", || {
+            // SAFETY: `raw` is a retained primary context, valid for the life of the process.
+            check(format_args!("cuCtxSetCurrent(device {})", self.ordinal), unsafe { sys::cuCtxSetCurrent(self.raw) })
+        })
+    }
+
+    /// The reduction kernels, loaded into this context on first use. That first call makes the
+    /// context current on the calling thread.
+    pub fn kernels(&self) -> Result<&Kernels> {
+        if let Some(k) = self.kernels.get() {
+            return Ok(k);
+        }
+        let _loading = self.kernels_loading.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = self.kernels.get() {
+            return Ok(k);
+        }
+        self.make_current()?;
+        let loaded = Kernels::load().map_err(|e| e.context(format_args!("device {}", self.ordinal)))?;
+        Ok(self.kernels.get_or_init(|| loaded))
+    }
+
+    /// What the device supports of the stream memory operations, asked once. The v2 entry
+    /// points exist from CUDA 11.7 and "are available by default on all platforms" (CUDA driver
+    /// API, Stream Memory Operations); the V1 attribute (CAN_USE_STREAM_MEM_OPS_V1) only says
+    /// whether the kernel module enabled the legacy API, so it is not consulted. NOR has its
+    /// own attribute (the V2 one, `CAN_USE_STREAM_WAIT_VALUE_NOR` in CUDA 12's enum).
+    pub(super) fn mem_ops(&self) -> Result<MemOpSupport> {
+        if let Some(s) = self.mem_ops.get() {
+            return Ok(*s);
+        }
+        let support = driver("stream memory operations support", || {
+            let mut version = 0;
+            // SAFETY: `version` is a valid out-pointer.
+            check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut version) })?;
+            if version < 11070 {
+                return Ok(MemOpSupport { wait_write: false, nor: false });
+            }
+            let mut nor = 0;
+            let attr = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR;
+            // SAFETY: `nor` is a valid out-pointer; `dev` came from cuDeviceGet.
+            check("cuDeviceGetAttribute(CAN_USE_STREAM_WAIT_VALUE_NOR)", unsafe {
+                sys::cuDeviceGetAttribute(&mut nor, attr, self.dev)
+            })?;
+            Ok(MemOpSupport { wait_write: true, nor: nor != 0 })
+        })?;
+        Ok(*self.mem_ops.get_or_init(|| support))
+    }
+}

@@ -1,0 +1,140 @@
+//! The reduction kernels of CUDA mode (kernels/README.md): the committed PTX, loaded with
+//! `cuModuleLoadData` into a context, and launched on a stream. They compute what
+//! `device::host::reduce` computes, bit for bit.
+
+use std::ffi::{c_uint, c_void, CString};
+
+use cudarc::driver::sys::{self, CUfunction, CUmodule};
+
+use super::stream::Stream;
+use super::{check, driver};
+use crate::device::host::{ElemOp, Region};
+use crate::error::{Error, Result};
+use crate::types::{DataType, Scalar};
+
+/// kernels/reduce.ptx, NUL-terminated as `cuModuleLoadData` wants PTX text.
+static PTX: &str = concat!(include_str!("../../../kernels/reduce.ptx"), "\0");
+
+/// The operators' kernel names (`BuiltinOp::name()`), in the order of [`op_index`].
+const OP_NAMES: [&str; 4] = ["sum", "prod", "max", "min"];
+
+fn op_index(op: ElemOp) -> usize {
+    match op {
+        ElemOp::Sum => 0,
+        ElemOp::Prod => 1,
+        ElemOp::Max => 2,
+        ElemOp::Min => 3,
+    }
+}
+
+/// Threads per block, and elements each thread handles before the grid stops growing.
+const THREADS: usize = 256;
+const ELEMS_PER_THREAD: usize = 8;
+const MAX_BLOCKS: usize = 1024;
+
+/// The 72 kernels of one context, indexed by datatype (its NCCL value) and operator.
+pub struct Kernels {
+    reduce: [[CUfunction; 4]; 12],
+    premul: [CUfunction; 12],
+    divide: [CUfunction; 12],
+}
+
+// SAFETY: CUfunction handles are usable from any thread; the module is never unloaded (it
+// lives as long as the primary context that holds it, i.e. the process).
+unsafe impl Send for Kernels {}
+// SAFETY: as for Send.
+unsafe impl Sync for Kernels {}
+
+impl Kernels {
+    /// Loads the module into the current context and looks up every kernel.
+    pub(super) fn load() -> Result<Kernels> {
+        driver("cuModuleLoadData", || {
+            let mut module: CUmodule = std::ptr::null_mut();
+            // SAFETY: PTX is NUL-terminated text; `module` is a valid out-pointer.
+            check("cuModuleLoadData(kernels/reduce.ptx)", unsafe {
+                sys::cuModuleLoadData(&mut module, PTX.as_ptr().cast())
+            })?;
+            let get = |name: String| -> Result<CUfunction> {
+                let c = CString::new(name.as_str()).map_err(|_| Error::internal("kernel name with NUL"))?;
+                let mut f: CUfunction = std::ptr::null_mut();
+                // SAFETY: `module` is loaded; `c` is a NUL-terminated name; `f` a valid out-pointer.
+                check(format_args!("cuModuleGetFunction({name})"), unsafe {
+                    sys::cuModuleGetFunction(&mut f, module, c.as_ptr())
+                })?;
+                Ok(f)
+            };
+            let mut k = Kernels {
+                reduce: [[std::ptr::null_mut(); 4]; 12],
+                premul: [std::ptr::null_mut(); 12],
+                divide: [std::ptr::null_mut(); 12],
+            };
+            for dt in DataType::ALL {
+                let t = dt.name();
+                for (i, op) in OP_NAMES.iter().enumerate() {
+                    k.reduce[dt as usize][i] = get(format!("nccl_rs_reduce_{t}_{op}"))?;
+                }
+                k.premul[dt as usize] = get(format!("nccl_rs_premul_{t}"))?;
+                k.divide[dt as usize] = get(format!("nccl_rs_divide_{t}"))?;
+            }
+            Ok(k)
+        })
+    }
+
+    /// dst[i] <- a[i] op b[i] in stream order, over the elements all three regions hold. `dst`
+    /// equals `a` and/or `b` or overlaps neither.
+    pub fn reduce(&self, dt: DataType, op: ElemOp, dst: Region, a: Region, b: Region, stream: &Stream) -> Result<()> {
+        let n = dst.len().min(a.len()).min(b.len()) / dt.size();
+        launch(self.reduce[dt as usize][op_index(op)], [dst.addr() as u64, a.addr() as u64, b.addr() as u64], n, stream)
+    }
+
+    /// dst[i] <- src[i] * scalar in stream order (PreMulSum). `dst` equals `src` or is disjoint.
+    pub fn premul(&self, dt: DataType, dst: Region, src: Region, scalar: Scalar, stream: &Stream) -> Result<()> {
+        let n = dst.len().min(src.len()) / dt.size();
+        let s = u64::from_le_bytes(scalar.bytes);
+        launch(self.premul[dt as usize], [dst.addr() as u64, src.addr() as u64, s], n, stream)
+    }
+
+    /// dst[i] <- src[i] / divisor in stream order (ncclAvg; 0 is taken as 1). `dst` equals
+    /// `src` or is disjoint.
+    pub fn divide(&self, dt: DataType, dst: Region, src: Region, divisor: u64, stream: &Stream) -> Result<()> {
+        let n = dst.len().min(src.len()) / dt.size();
+        launch(self.divide[dt as usize], [dst.addr() as u64, src.addr() as u64, divisor], n, stream)
+    }
+}
+
+/// Launches `f(args[0], args[1], args[2], n)`: every kernel takes three 64-bit values (pointers
+/// or a scalar) and the element count. Grid-stride kernels, so any grid covers any n.
+fn launch(f: CUfunction, args: [u64; 3], n: usize, stream: &Stream) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let blocks = n.div_ceil(THREADS * ELEMS_PER_THREAD).clamp(1, MAX_BLOCKS);
+    let [mut x, mut y, mut z] = args;
+    let mut count = n as u64;
+    let mut params: [*mut c_void; 4] = [
+        (&mut x as *mut u64).cast(),
+        (&mut y as *mut u64).cast(),
+        (&mut z as *mut u64).cast(),
+        (&mut count as *mut u64).cast(),
+    ];
+    driver("cuLaunchKernel", || {
+        // SAFETY: `f` is a kernel of the loaded module taking four 8-byte parameters, each
+        // pointed to by `params` (read by the driver during the call). The pointers name regions
+        // valid for n elements until the stream passes the kernel (the Region contract).
+        check(format_args!("cuLaunchKernel({blocks} blocks, n {n})"), unsafe {
+            sys::cuLaunchKernel(
+                f,
+                blocks as c_uint,
+                1,
+                1,
+                THREADS as c_uint,
+                1,
+                1,
+                0,
+                stream.raw(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    })
+}

@@ -1,0 +1,151 @@
+//! Memory the driver knows: device memory (`ncclMemAlloc` in CUDA mode), pinned host memory
+//! mapped into the device (the flags the proxy and the GPU exchange), and what kind of memory a
+//! user's pointer addresses.
+
+use std::ffi::{c_uint, c_void};
+use std::sync::atomic::AtomicU32;
+
+use cudarc::driver::sys::{self, CUdeviceptr, CUmemorytype, CUpointer_attribute, CUresult};
+
+use super::{check, driver};
+use crate::error::{Error, Result};
+
+/// Device memory of `size` bytes in the current context (`cuMemAlloc`).
+pub fn alloc(size: usize) -> Result<*mut c_void> {
+    driver("cuMemAlloc_v2", || {
+        let mut p: CUdeviceptr = 0;
+        // SAFETY: `p` is a valid out-pointer.
+        check(format_args!("cuMemAlloc_v2({size} bytes)"), unsafe { sys::cuMemAlloc_v2(&mut p, size) })?;
+        Ok(p as *mut c_void)
+    })
+}
+
+/// Frees a block from [`alloc`]; NULL is a no-op. The driver rejects other pointers.
+pub fn free(p: *mut c_void) -> Result<()> {
+    if p.is_null() {
+        return Ok(());
+    }
+    // SAFETY: the driver checks that `p` starts one of its allocations.
+    driver("cuMemFree_v2", || check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(p as CUdeviceptr) }))
+}
+
+/// What a pointer addresses, as the driver sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PtrKind {
+    /// Memory of one device (allocated there, or a peer's mapped by CUDA IPC).
+    Device { ordinal: i32 },
+    /// Host memory pinned by the driver (`cuMemHostAlloc`, `cudaHostRegister`, ...).
+    HostRegistered,
+    /// Unified memory (`cuMemAllocManaged`).
+    Managed,
+    /// Plain host memory the driver does not know.
+    Host,
+}
+
+/// Classifies `addr` with one `cuPointerGetAttributes` call.
+pub fn classify(addr: usize) -> Result<PtrKind> {
+    driver("cuPointerGetAttributes", || {
+        let mut attrs = [
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        ];
+        // Zeroed 8-byte slots: the driver writes a 4-byte CUmemorytype, a boolean and an int,
+        // read back from the low bytes (little-endian) whatever width it uses for the boolean.
+        let mut slots = [0u64; 3];
+        let mut data = slots.each_mut().map(|s| (s as *mut u64).cast::<c_void>());
+        // SAFETY: three attributes and three valid, large enough out-pointers.
+        let r = unsafe { sys::cuPointerGetAttributes(3, attrs.as_mut_ptr(), data.as_mut_ptr(), addr as CUdeviceptr) };
+        // The driver answers memory it does not know with memory type 0 (the plural call) or
+        // CUDA_ERROR_INVALID_VALUE (the singular one, and some drivers for the plural too).
+        if r == CUresult::CUDA_ERROR_INVALID_VALUE {
+            return Ok(PtrKind::Host);
+        }
+        check("cuPointerGetAttributes", r)?;
+        let [memory_type, managed, ordinal] = slots;
+        let memory_type = memory_type as u32;
+        Ok(if managed != 0 || memory_type == CUmemorytype::CU_MEMORYTYPE_UNIFIED as u32 {
+            PtrKind::Managed
+        } else if memory_type == CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            PtrKind::Device { ordinal: ordinal as u32 as i32 }
+        } else if memory_type == CUmemorytype::CU_MEMORYTYPE_HOST as u32 {
+            PtrKind::HostRegistered
+        } else {
+            PtrKind::Host
+        })
+    })
+}
+
+/// Pinned host memory mapped into every device's address space (`cuMemHostAlloc` with
+/// DEVICEMAP | PORTABLE), zeroed. The host reaches it through [`MappedHost::word`], the device
+/// (copies, stream memory operations) through [`MappedHost::device_addr`]. Freed on drop.
+pub struct MappedHost {
+    host: *mut u8,
+    device: CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: the memory is owned by this value and only reached through atomics or the driver.
+unsafe impl Send for MappedHost {}
+// SAFETY: as for Send.
+unsafe impl Sync for MappedHost {}
+
+impl MappedHost {
+    /// `len` (> 0) bytes, allocated in the current context.
+    pub fn new(len: usize) -> Result<MappedHost> {
+        if len == 0 {
+            return Err(Error::internal("mapped host memory of 0 bytes"));
+        }
+        driver("cuMemHostAlloc", || {
+            let mut host: *mut c_void = std::ptr::null_mut();
+            let flags = (sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) as c_uint;
+            // SAFETY: `host` is a valid out-pointer.
+            check(format_args!("cuMemHostAlloc({len} bytes)"), unsafe { sys::cuMemHostAlloc(&mut host, len, flags) })?;
+            // SAFETY: the driver returned `len` writable bytes at `host`.
+            unsafe { std::ptr::write_bytes(host.cast::<u8>(), 0, len) };
+            let mut device: CUdeviceptr = 0;
+            // SAFETY: `device` is a valid out-pointer; `host` is mapped memory (flags 0 is required).
+            let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) };
+            if let Err(e) = check("cuMemHostGetDevicePointer_v2", r) {
+                // SAFETY: `host` came from cuMemHostAlloc and is not used again.
+                unsafe { sys::cuMemFreeHost(host) };
+                return Err(e);
+            }
+            Ok(MappedHost { host: host.cast(), device, len })
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The host address of the memory.
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.host
+    }
+
+    /// The address devices use for the memory (equal to the host address under UVA).
+    pub fn device_addr(&self) -> usize {
+        self.device as usize
+    }
+
+    /// The `index`-th 32-bit word, shared with the device (panics if out of range).
+    pub fn word(&self, index: usize) -> &AtomicU32 {
+        assert!(index < self.len / 4, "word {index} outside {} bytes", self.len);
+        // SAFETY: in range (checked), 4-aligned (the allocation is page-aligned), valid while
+        // `self` lives; every host access goes through atomics.
+        unsafe { &*self.host.add(4 * index).cast::<AtomicU32>() }
+    }
+}
+
+impl Drop for MappedHost {
+    fn drop(&mut self) {
+        // SAFETY: `host` came from cuMemHostAlloc; the caller keeps streams that use it alive
+        // no longer than this value. A failure cannot be reported from drop.
+        let _ = driver("cuMemFreeHost", || check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(self.host.cast()) }));
+    }
+}

@@ -1,0 +1,69 @@
+//! CUDA mode's device layer: a small safe surface over the CUDA driver API (cudarc's `sys`,
+//! loaded at run time). It owns contexts, streams, events, device and mapped host memory,
+//! pointer classification, CUDA IPC, stream memory operations and the reduction kernels of
+//! `kernels/reduce.ptx`. It knows nothing of ranks, schedules or transports.
+//!
+//! Every entry point runs its driver calls inside [`driver`]: cudarc panics when `libcuda.so.1`
+//! or one of its symbols is missing, and a panic must never reach C. A failed call becomes
+//! `Code::UnhandledCudaError` with the call and the CUresult's name in the message
+//! ("cuMemcpyAsync: CUDA_ERROR_INVALID_VALUE").
+//!
+//! Addresses are unified (UVA): a device pointer, a mapped host pointer and a plain host
+//! pointer live in one address space, so copies take [`Region`](super::host::Region)s whatever
+//! memory they name. Operations on a stream are asynchronous: the memory a region names must
+//! stay valid until the stream has passed the operation (NCCL's contract for user buffers).
+//! Driver calls that use "the current context" (allocation, the legacy NULL stream) must run on
+//! a thread where [`Context::make_current`] was called.
+
+mod context;
+mod ipc;
+mod kernels;
+mod memory;
+mod stream;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use cudarc::driver::sys::CUresult;
+
+use crate::error::{Code, Error, Result};
+
+pub use context::{current_device, device_count, Context};
+pub use cudarc::driver::sys::CUstream;
+pub use ipc::{IpcHandle, IpcMapping};
+pub use kernels::Kernels;
+pub use memory::{alloc, classify, free, MappedHost, PtrKind};
+pub use stream::{Event, MemOp, Stream, WaitCond};
+
+/// Runs `f`, whose driver calls may panic inside cudarc (library or symbol missing), and turns
+/// such a panic into an error naming `what`.
+fn driver<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let why = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("unknown panic");
+        Err(Error::new(Code::UnhandledCudaError, format!("{what}: the CUDA driver is unusable ({why})")))
+    })
+}
+
+/// `Ok` for CUDA_SUCCESS, else the error "<call>: <CUresult name>".
+fn check(call: impl std::fmt::Display, r: CUresult) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::new(Code::UnhandledCudaError, format!("{call}: {r:?}")))
+    }
+}
+
+/// The driver was loaded and initialised by the mode probe (which calls `cuInit`), or the error
+/// that says CUDA mode is unavailable.
+fn ensure_init() -> Result<()> {
+    match super::mode::current() {
+        super::mode::Mode::Cuda { .. } => Ok(()),
+        super::mode::Mode::Host => Err(Error::new(
+            Code::UnhandledCudaError,
+            "CUDA mode is unavailable: libcuda.so.1 did not load, cuInit failed or there is no device",
+        )),
+    }
+}

@@ -1,0 +1,198 @@
+/*
+ * A stand-in for libcuda.so.1, for tests only (never shipped): the CUDA driver entry points
+ * that src/device/cuda calls, implemented on host memory with the driver's documented
+ * semantics, so that CUDA mode's device layer can be tested on machines without a GPU.
+ *
+ * - N fake devices: NCCL_RS_STUB_DEVICES (default 1; 0 makes cuInit fail with NO_DEVICE).
+ *   NCCL_RS_STUB_DRIVER_VERSION (default 12040) is what cuDriverGetVersion reports;
+ *   NCCL_RS_STUB_WAIT_VALUE_NOR=0 makes the devices deny CU_STREAM_WAIT_VALUE_NOR.
+ * - Streams are ordered queues, each run by a worker thread (the legacy NULL stream of each
+ *   device too). Events complete when their stream reaches them. cuStreamWaitValue32_v2 holds
+ *   its stream until the word satisfies the condition; cuStreamWriteValue32_v2 writes in order
+ *   (streams.c).
+ * - "Device memory" is a memfd mapping, so an IPC handle (pid, fd, id) opens in another process
+ *   as the same bytes (through /proc/<pid>/fd). Addresses are host addresses (UVA): nothing
+ *   stops the host from touching device memory, which a real driver would fault on (memory.c).
+ * - cuModuleLoadData accepts PTX text (it must contain ".version"); cuModuleGetFunction finds
+ *   the kernels of kernels/reduce.ptx (the name must be an .entry of the module) and binds them
+ *   to C implementations with the semantics of src/device/host/reduce.rs (kernels.c);
+ *   cuLaunchKernel enqueues the call. The grid does not matter: the kernels are grid-stride.
+ *
+ * This file: initialisation, devices, primary contexts, error names.
+ * Built by tests/cuda_layer.rs: cc -Wall -Wextra -Werror -O2 -pthread -shared -fPIC
+ * -fvisibility=hidden *.c.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "stub.h"
+
+int g_initialized;
+int g_ndev;
+pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+__thread struct ctx *t_current;
+static struct ctx g_ctx[MAX_DEVICES];
+
+/* Device attributes (cuda.h's CUdevice_attribute values). */
+enum {
+  ATTR_MAX_THREADS_PER_BLOCK = 1,
+  ATTR_MULTIPROCESSOR_COUNT = 16,
+  ATTR_CAN_MAP_HOST_MEMORY = 19,
+  ATTR_UNIFIED_ADDRESSING = 41,
+  ATTR_COMPUTE_CAPABILITY_MAJOR = 75,
+  ATTR_COMPUTE_CAPABILITY_MINOR = 76,
+  ATTR_CAN_USE_STREAM_MEM_OPS_V1 = 92,
+  ATTR_CAN_USE_STREAM_WAIT_VALUE_NOR_V1 = 94,
+  ATTR_CAN_USE_STREAM_WAIT_VALUE_NOR_V2 = 123,
+  ATTR_END = 140,
+};
+
+int env_int(const char *name, int dflt) {
+  const char *v = getenv(name);
+  return v && *v ? atoi(v) : dflt;
+}
+
+EXPORT CUresult cuInit(unsigned flags) {
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  int n = env_int("NCCL_RS_STUB_DEVICES", 1);
+  if (n <= 0) return CUDA_ERROR_NO_DEVICE;
+  pthread_mutex_lock(&g_lock);
+  if (!g_initialized) {
+    g_ndev = n > MAX_DEVICES ? MAX_DEVICES : n;
+    for (int i = 0; i < g_ndev; i++) g_ctx[i].dev = i;
+    g_initialized = 1;
+  }
+  pthread_mutex_unlock(&g_lock);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDriverGetVersion(int *version) {
+  if (!version) return CUDA_ERROR_INVALID_VALUE;
+  *version = env_int("NCCL_RS_STUB_DRIVER_VERSION", 12040);
+  return CUDA_SUCCESS;
+}
+
+static const char *error_name(CUresult r) {
+  switch (r) {
+#define NAME(x) \
+  case x:       \
+    return #x;
+    NAME(CUDA_SUCCESS)
+    NAME(CUDA_ERROR_INVALID_VALUE)
+    NAME(CUDA_ERROR_OUT_OF_MEMORY)
+    NAME(CUDA_ERROR_NOT_INITIALIZED)
+    NAME(CUDA_ERROR_NO_DEVICE)
+    NAME(CUDA_ERROR_INVALID_DEVICE)
+    NAME(CUDA_ERROR_INVALID_IMAGE)
+    NAME(CUDA_ERROR_INVALID_CONTEXT)
+    NAME(CUDA_ERROR_MAP_FAILED)
+    NAME(CUDA_ERROR_INVALID_HANDLE)
+    NAME(CUDA_ERROR_NOT_FOUND)
+    NAME(CUDA_ERROR_NOT_READY)
+    NAME(CUDA_ERROR_ILLEGAL_ADDRESS)
+    NAME(CUDA_ERROR_NOT_SUPPORTED)
+#undef NAME
+    default:
+      return NULL;
+  }
+}
+
+EXPORT CUresult cuGetErrorName(CUresult r, const char **s) {
+  if (!s) return CUDA_ERROR_INVALID_VALUE;
+  *s = error_name(r);
+  return *s ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuGetErrorString(CUresult r, const char **s) {
+  /* The stub has no prose: the name is the description. */
+  return cuGetErrorName(r, s);
+}
+
+EXPORT CUresult cuDeviceGetCount(int *count) {
+  REQUIRE_INIT();
+  if (!count) return CUDA_ERROR_INVALID_VALUE;
+  *count = g_ndev;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
+  REQUIRE_INIT();
+  if (!dev) return CUDA_ERROR_INVALID_VALUE;
+  if (ordinal < 0 || ordinal >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
+  *dev = ordinal;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+  REQUIRE_INIT();
+  if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+  if (dev < 0 || dev >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
+  snprintf(name, (size_t)len, "nccl-rs stub device %d", dev);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetAttribute(int *value, int attr, CUdevice dev) {
+  REQUIRE_INIT();
+  if (!value || attr <= 0 || attr >= ATTR_END) return CUDA_ERROR_INVALID_VALUE;
+  if (dev < 0 || dev >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
+  switch (attr) {
+    case ATTR_MAX_THREADS_PER_BLOCK: *value = 1024; break;
+    case ATTR_MULTIPROCESSOR_COUNT: *value = 4; break;
+    case ATTR_CAN_MAP_HOST_MEMORY: *value = 1; break;
+    case ATTR_UNIFIED_ADDRESSING: *value = 1; break;
+    case ATTR_COMPUTE_CAPABILITY_MAJOR: *value = 9; break;
+    case ATTR_COMPUTE_CAPABILITY_MINOR: *value = 0; break;
+    /* The legacy V1 operations are off, as without the module's NVreg_EnableStreamMemOPs=1;
+     * the V2 ones (all that the stub implements) are always on. */
+    case ATTR_CAN_USE_STREAM_MEM_OPS_V1: *value = 0; break;
+    case ATTR_CAN_USE_STREAM_WAIT_VALUE_NOR_V1: *value = 0; break;
+    case ATTR_CAN_USE_STREAM_WAIT_VALUE_NOR_V2: *value = env_int("NCCL_RS_STUB_WAIT_VALUE_NOR", 1) != 0; break;
+    default: *value = 0;
+  }
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRetain(struct ctx **pctx, CUdevice dev) {
+  REQUIRE_INIT();
+  if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+  if (dev < 0 || dev >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
+  pthread_mutex_lock(&g_lock);
+  g_ctx[dev].refs++;
+  pthread_mutex_unlock(&g_lock);
+  *pctx = &g_ctx[dev];
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+  REQUIRE_INIT();
+  if (dev < 0 || dev >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
+  pthread_mutex_lock(&g_lock);
+  CUresult r = CUDA_ERROR_INVALID_CONTEXT;
+  if (g_ctx[dev].refs > 0) {
+    g_ctx[dev].refs--;
+    r = CUDA_SUCCESS;
+  }
+  pthread_mutex_unlock(&g_lock);
+  return r;
+}
+
+EXPORT CUresult cuCtxSetCurrent(struct ctx *c) {
+  REQUIRE_INIT();
+  if (c && (c < g_ctx || c >= g_ctx + g_ndev)) return CUDA_ERROR_INVALID_CONTEXT;
+  t_current = c;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetCurrent(struct ctx **pctx) {
+  REQUIRE_INIT();
+  if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+  *pctx = t_current;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetDevice(CUdevice *dev) {
+  REQUIRE_CTX();
+  if (!dev) return CUDA_ERROR_INVALID_VALUE;
+  *dev = t_current->dev;
+  return CUDA_SUCCESS;
+}

@@ -1,0 +1,289 @@
+/*
+ * Memory of the stub driver: device memory (memfd mappings, shareable by IPC handle), managed
+ * memory, pinned host memory, what cuPointerGetAttribute(s) report, and CUDA IPC.
+ */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "stub.h"
+
+enum {
+  MEMORYTYPE_HOST = 1,
+  MEMORYTYPE_DEVICE = 2,
+  PTR_ATTR_CONTEXT = 1,
+  PTR_ATTR_MEMORY_TYPE = 2,
+  PTR_ATTR_DEVICE_POINTER = 3,
+  PTR_ATTR_HOST_POINTER = 4,
+  PTR_ATTR_IS_MANAGED = 8,
+  PTR_ATTR_DEVICE_ORDINAL = 9,
+  MEMHOSTALLOC_ALL = 7, /* PORTABLE | DEVICEMAP | WRITECOMBINED */
+  MEM_ATTACH_GLOBAL = 1,
+  MEM_ATTACH_HOST = 2,
+  IPC_LAZY_ENABLE_PEER_ACCESS = 1,
+};
+
+#define IPC_MAGIC 0x4e525349u
+
+/* One allocation the driver made or mapped. */
+struct range {
+  struct range *next;
+  uintptr_t base;
+  size_t size;
+  enum mem_kind kind;
+  int dev;
+  int fd; /* MEM_DEVICE: the memfd, kept open for peers to open through /proc */
+  uint64_t id;
+};
+
+/* What an IPC handle carries, in its 64 bytes. */
+struct ipc {
+  uint32_t magic;
+  int32_t pid;
+  int32_t fd;
+  int32_t dev;
+  uint64_t id;
+  uint64_t size;
+};
+_Static_assert(sizeof(struct ipc) <= sizeof(CUipcMemHandle), "IPC handle too small");
+
+static struct range *g_ranges;
+static uint64_t g_next_id = 1;
+static pthread_mutex_t g_mem_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Callers hold g_mem_lock. */
+static struct range *find(uintptr_t p) {
+  for (struct range *r = g_ranges; r; r = r->next)
+    if (p >= r->base && p - r->base < r->size) return r;
+  return NULL;
+}
+
+static void add(uintptr_t base, size_t size, enum mem_kind kind, int dev, int fd, uint64_t id) {
+  struct range *r = calloc(1, sizeof *r);
+  if (!r) abort();
+  *r = (struct range){g_ranges, base, size, kind, dev, fd, id};
+  g_ranges = r;
+}
+
+/* Unlinks and returns the range starting exactly at p if its kind is allowed. */
+static struct range *take(uintptr_t p, unsigned kinds) {
+  for (struct range **pr = &g_ranges; *pr; pr = &(*pr)->next) {
+    struct range *r = *pr;
+    if (r->base == p && (kinds & (1u << r->kind))) {
+      *pr = r->next;
+      return r;
+    }
+  }
+  return NULL;
+}
+
+enum mem_kind mem_lookup(uintptr_t p, size_t n) {
+  pthread_mutex_lock(&g_mem_lock);
+  struct range *r = find(p);
+  enum mem_kind k = r && n <= r->size - (p - r->base) ? r->kind : MEM_PAGEABLE;
+  pthread_mutex_unlock(&g_mem_lock);
+  return k;
+}
+
+/* Shared memory of `size` bytes backed by a new memfd named after `id`. */
+static void *map_memfd(size_t size, uint64_t id, int *fd_out) {
+  char name[64];
+  snprintf(name, sizeof name, "nccl-rs-stub-%llu", (unsigned long long)id);
+  int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) return NULL;
+  if (ftruncate(fd, (off_t)size) != 0) {
+    close(fd);
+    return NULL;
+  }
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return NULL;
+  }
+  *fd_out = fd;
+  return p;
+}
+
+static CUresult alloc_shared(CUdeviceptr *dptr, size_t size, enum mem_kind kind) {
+  REQUIRE_CTX();
+  if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&g_mem_lock);
+  uint64_t id = g_next_id++;
+  int fd = -1;
+  void *p = map_memfd(size, id, &fd);
+  if (p) add((uintptr_t)p, size, kind, t_current->dev, fd, id);
+  pthread_mutex_unlock(&g_mem_lock);
+  if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+  *dptr = (CUdeviceptr)(uintptr_t)p;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
+  return alloc_shared(dptr, size, MEM_DEVICE);
+}
+
+EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned flags) {
+  if (flags != MEM_ATTACH_GLOBAL && flags != MEM_ATTACH_HOST) return CUDA_ERROR_INVALID_VALUE;
+  return alloc_shared(dptr, size, MEM_MANAGED);
+}
+
+static void unmap(struct range *r) {
+  munmap((void *)r->base, r->size);
+  if (r->fd >= 0) close(r->fd);
+  free(r);
+}
+
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+  REQUIRE_INIT();
+  pthread_mutex_lock(&g_mem_lock);
+  struct range *r = take((uintptr_t)p, 1u << MEM_DEVICE | 1u << MEM_MANAGED);
+  pthread_mutex_unlock(&g_mem_lock);
+  if (!r) return CUDA_ERROR_INVALID_VALUE;
+  unmap(r);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
+  REQUIRE_CTX();
+  if (!pp || size == 0 || (flags & ~(unsigned)MEMHOSTALLOC_ALL)) return CUDA_ERROR_INVALID_VALUE;
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  pthread_mutex_lock(&g_mem_lock);
+  add((uintptr_t)p, size, MEM_HOST_PINNED, t_current->dev, -1, 0);
+  pthread_mutex_unlock(&g_mem_lock);
+  *pp = p;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned flags) {
+  REQUIRE_CTX();
+  if (!pdptr || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (mem_lookup((uintptr_t)p, 1) != MEM_HOST_PINNED) return CUDA_ERROR_INVALID_VALUE;
+  *pdptr = (CUdeviceptr)(uintptr_t)p; /* unified addressing: the same address */
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemFreeHost(void *p) {
+  REQUIRE_INIT();
+  pthread_mutex_lock(&g_mem_lock);
+  struct range *r = take((uintptr_t)p, 1u << MEM_HOST_PINNED);
+  pthread_mutex_unlock(&g_mem_lock);
+  if (!r) return CUDA_ERROR_INVALID_VALUE;
+  unmap(r);
+  return CUDA_SUCCESS;
+}
+
+/* One attribute of a known range (g_mem_lock held). */
+static CUresult attribute(void *data, int attr, const struct range *r, uintptr_t p) {
+  int host = r->kind == MEM_HOST_PINNED, managed = r->kind == MEM_MANAGED;
+  switch (attr) {
+    case PTR_ATTR_CONTEXT: *(void **)data = NULL; return CUDA_SUCCESS; /* no user contexts */
+    case PTR_ATTR_MEMORY_TYPE: *(unsigned *)data = host ? MEMORYTYPE_HOST : MEMORYTYPE_DEVICE; return CUDA_SUCCESS;
+    case PTR_ATTR_DEVICE_POINTER: *(CUdeviceptr *)data = p; return CUDA_SUCCESS;
+    case PTR_ATTR_HOST_POINTER:
+      if (!host && !managed) return CUDA_ERROR_INVALID_VALUE;
+      *(void **)data = (void *)p;
+      return CUDA_SUCCESS;
+    case PTR_ATTR_IS_MANAGED: *(unsigned *)data = managed; return CUDA_SUCCESS;
+    case PTR_ATTR_DEVICE_ORDINAL: *(int *)data = r->dev; return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+}
+
+/* The singular call: memory the driver does not know is CUDA_ERROR_INVALID_VALUE. */
+EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr ptr) {
+  REQUIRE_INIT();
+  if (!data) return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&g_mem_lock);
+  struct range *r = find((uintptr_t)ptr);
+  CUresult res = r ? attribute(data, attr, r, (uintptr_t)ptr) : CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_unlock(&g_mem_lock);
+  return res;
+}
+
+/* The plural call: memory the driver does not know gets null values (memory type 0, device
+ * ordinal -2) and CUDA_SUCCESS, as the driver documents. */
+EXPORT CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr ptr) {
+  REQUIRE_INIT();
+  if (!attrs || !data) return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&g_mem_lock);
+  struct range *r = find((uintptr_t)ptr);
+  CUresult res = CUDA_SUCCESS;
+  for (unsigned i = 0; i < n && res == CUDA_SUCCESS; i++) {
+    if (r) {
+      res = attribute(data[i], attrs[i], r, (uintptr_t)ptr);
+    } else if (attrs[i] == PTR_ATTR_DEVICE_ORDINAL) {
+      *(int *)data[i] = -2;
+    } else if (attrs[i] == PTR_ATTR_MEMORY_TYPE || attrs[i] == PTR_ATTR_IS_MANAGED) {
+      *(unsigned *)data[i] = 0;
+    } else if (attrs[i] == PTR_ATTR_CONTEXT || attrs[i] == PTR_ATTR_HOST_POINTER) {
+      *(void **)data[i] = NULL;
+    } else if (attrs[i] == PTR_ATTR_DEVICE_POINTER) {
+      *(CUdeviceptr *)data[i] = 0;
+    } else {
+      res = CUDA_ERROR_INVALID_VALUE;
+    }
+  }
+  pthread_mutex_unlock(&g_mem_lock);
+  return res;
+}
+
+EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr p) {
+  REQUIRE_INIT();
+  if (!handle) return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&g_mem_lock);
+  struct range *r = find((uintptr_t)p);
+  struct ipc h = {0};
+  if (r && r->kind == MEM_DEVICE) h = (struct ipc){IPC_MAGIC, (int32_t)getpid(), r->fd, r->dev, r->id, r->size};
+  pthread_mutex_unlock(&g_mem_lock);
+  if (!h.magic) return CUDA_ERROR_INVALID_VALUE;
+  memset(handle, 0, sizeof *handle);
+  memcpy(handle, &h, sizeof h);
+  return CUDA_SUCCESS;
+}
+
+/* Maps the peer's memfd through /proc/<pid>/fd, checking it is the allocation the handle
+ * names (the fd number may have been reused since). */
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned flags) {
+  REQUIRE_CTX();
+  struct ipc h;
+  memcpy(&h, &handle, sizeof h);
+  if (!pdptr || (flags & ~(unsigned)IPC_LAZY_ENABLE_PEER_ACCESS) || h.magic != IPC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
+  /* The real driver refuses a handle of the calling process. */
+  if (h.pid == getpid()) return CUDA_ERROR_INVALID_CONTEXT;
+  char path[64], link[128], want[128];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
+  snprintf(want, sizeof want, "/memfd:nccl-rs-stub-%llu (deleted)", (unsigned long long)h.id);
+  ssize_t len = readlink(path, link, sizeof link - 1);
+  if (len < 0) return CUDA_ERROR_INVALID_HANDLE;
+  link[len] = 0;
+  if (strcmp(link, want) != 0) return CUDA_ERROR_INVALID_HANDLE;
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) return CUDA_ERROR_MAP_FAILED;
+  struct stat st;
+  void *p = MAP_FAILED;
+  if (fstat(fd, &st) == 0 && (uint64_t)st.st_size == h.size)
+    p = mmap(NULL, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) return CUDA_ERROR_MAP_FAILED;
+  pthread_mutex_lock(&g_mem_lock);
+  add((uintptr_t)p, h.size, MEM_IPC, h.dev, -1, h.id);
+  pthread_mutex_unlock(&g_mem_lock);
+  *pdptr = (CUdeviceptr)(uintptr_t)p;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+  REQUIRE_CTX();
+  pthread_mutex_lock(&g_mem_lock);
+  struct range *r = take((uintptr_t)p, 1u << MEM_IPC);
+  pthread_mutex_unlock(&g_mem_lock);
+  if (!r) return CUDA_ERROR_INVALID_VALUE;
+  unmap(r);
+  return CUDA_SUCCESS;
+}

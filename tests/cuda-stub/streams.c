@@ -1,0 +1,422 @@
+/*
+ * Streams of the stub driver: ordered queues, each executed by its own worker thread, and
+ * what runs on them: copies, memsets, event records and waits, stream memory operations and
+ * kernel launches. Also events and modules.
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "stub.h"
+
+enum {
+  STREAM_NON_BLOCKING = 1,
+  EVENT_FLAGS_ALL = 7, /* BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS */
+  WAIT_GEQ = 0,
+  WAIT_EQ = 1,
+  WAIT_AND = 2,
+  WAIT_NOR = 3,
+  WAIT_FLUSH = 1 << 30,
+  WRITE_NO_MEMORY_BARRIER = 1,
+  V2_MEM_OPS_SINCE = 11070,
+};
+
+#define STREAM_MAGIC 0x5354524du
+#define EVENT_MAGIC 0x4556454eu
+#define MODULE_MAGIC 0x4d4f444cu
+
+struct event {
+  uint32_t magic;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint64_t recorded;  /* records issued */
+  uint64_t completed; /* the highest record its stream has reached */
+  int refs;           /* the handle, plus each pending operation that names the event */
+};
+
+enum op_kind { OP_COPY, OP_SET, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE_VALUE, OP_KERNEL };
+
+struct op {
+  struct op *next;
+  enum op_kind kind;
+  void *dst;
+  const void *src;
+  size_t n;
+  unsigned char byte;
+  struct event *ev;
+  uint64_t seq;
+  uint32_t *word;
+  uint32_t value;
+  unsigned cond;
+  const struct kernel *kernel;
+  uint64_t params[4];
+};
+
+struct stream {
+  uint32_t magic;
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* work arrived, work done, or destroying */
+  struct op *head, *tail;
+  uint64_t enqueued, done;
+  int destroying;
+};
+
+static void event_unref(struct event *e) {
+  pthread_mutex_lock(&e->mu);
+  int left = --e->refs;
+  pthread_mutex_unlock(&e->mu);
+  if (left == 0) {
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+  }
+}
+
+static int value_ready(uint32_t v, uint32_t value, unsigned cond) {
+  switch (cond) {
+    case WAIT_GEQ: return (int32_t)(v - value) >= 0;
+    case WAIT_EQ: return v == value;
+    case WAIT_AND: return (v & value) != 0;
+    default: return ~(v | value) != 0;
+  }
+}
+
+static void run(struct op *op) {
+  switch (op->kind) {
+    case OP_COPY: memmove(op->dst, op->src, op->n); break;
+    case OP_SET: memset(op->dst, op->byte, op->n); break;
+    case OP_RECORD: break; /* completed by the worker, with the stream's progress */
+    case OP_WAIT_EVENT:
+      pthread_mutex_lock(&op->ev->mu);
+      while (op->ev->completed < op->seq) pthread_cond_wait(&op->ev->cv, &op->ev->mu);
+      pthread_mutex_unlock(&op->ev->mu);
+      event_unref(op->ev);
+      break;
+    case OP_WAIT_VALUE: {
+      /* The writer may be the host, another stream or another process: poll, as the GPU does. */
+      struct timespec pause = {0, 20000};
+      while (!value_ready(__atomic_load_n(op->word, __ATOMIC_ACQUIRE), op->value, op->cond)) nanosleep(&pause, NULL);
+      break;
+    }
+    case OP_WRITE_VALUE: __atomic_store_n(op->word, op->value, __ATOMIC_SEQ_CST); break;
+    case OP_KERNEL: kernel_run(op->kernel, op->params); break;
+  }
+}
+
+/* The event reaches record `seq`. Called with the stream's lock held, so that whoever sees the
+ * event complete sees the stream's progress include it, and the other way round. */
+static void complete_record(struct event *e, uint64_t seq) {
+  pthread_mutex_lock(&e->mu);
+  if (seq > e->completed) e->completed = seq;
+  pthread_cond_broadcast(&e->cv);
+  pthread_mutex_unlock(&e->mu);
+  event_unref(e);
+}
+
+static void *worker(void *arg) {
+  struct stream *s = arg;
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    while (!s->head && !s->destroying) pthread_cond_wait(&s->cv, &s->mu);
+    struct op *op = s->head;
+    if (!op) break; /* destroyed, and every operation ran */
+    s->head = op->next;
+    if (!s->head) s->tail = NULL;
+    pthread_mutex_unlock(&s->mu);
+    run(op);
+    pthread_mutex_lock(&s->mu);
+    if (op->kind == OP_RECORD) complete_record(op->ev, op->seq);
+    free(op);
+    s->done++;
+    pthread_cond_broadcast(&s->cv);
+  }
+  pthread_mutex_unlock(&s->mu);
+  /* cuStreamDestroy: the resources go once the pending work has completed. */
+  pthread_mutex_destroy(&s->mu);
+  pthread_cond_destroy(&s->cv);
+  free(s);
+  return NULL;
+}
+
+static struct stream *stream_new(void) {
+  struct stream *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->magic = STREAM_MAGIC;
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_cond_init(&s->cv, NULL);
+  pthread_t t;
+  if (pthread_create(&t, NULL, worker, s) != 0) {
+    free(s);
+    return NULL;
+  }
+  pthread_detach(t);
+  return s;
+}
+
+/* NULL, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2) are the current context's legacy
+ * stream; anything else must be a live stream. */
+static CUresult resolve(struct stream *h, struct stream **out) {
+  if ((uintptr_t)h <= 2) {
+    REQUIRE_CTX();
+    pthread_mutex_lock(&g_lock);
+    if (!t_current->legacy) t_current->legacy = stream_new();
+    *out = t_current->legacy;
+    pthread_mutex_unlock(&g_lock);
+    return *out ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  REQUIRE_INIT();
+  if (h->magic != STREAM_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  *out = h;
+  return CUDA_SUCCESS;
+}
+
+/* Appends a copy of `op` to the stream `h`. */
+static CUresult enqueue(struct stream *h, const struct op *op) {
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  struct op *o = malloc(sizeof *o);
+  if (!o) return CUDA_ERROR_OUT_OF_MEMORY;
+  *o = *op;
+  o->next = NULL;
+  pthread_mutex_lock(&s->mu);
+  if (s->tail) s->tail->next = o;
+  else s->head = o;
+  s->tail = o;
+  s->enqueued++;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamCreate(struct stream **ph, unsigned flags) {
+  REQUIRE_CTX();
+  if (!ph || (flags & ~(unsigned)STREAM_NON_BLOCKING)) return CUDA_ERROR_INVALID_VALUE;
+  *ph = stream_new();
+  return *ph ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult cuStreamDestroy_v2(struct stream *h) {
+  REQUIRE_INIT();
+  if ((uintptr_t)h <= 2 || h->magic != STREAM_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_lock(&h->mu);
+  h->magic = 0;
+  h->destroying = 1;
+  pthread_cond_broadcast(&h->cv);
+  pthread_mutex_unlock(&h->mu);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamSynchronize(struct stream *h) {
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&s->mu);
+  uint64_t target = s->enqueued;
+  while (s->done < target) pthread_cond_wait(&s->cv, &s->mu);
+  pthread_mutex_unlock(&s->mu);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamQuery(struct stream *h) {
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&s->mu);
+  int idle = s->done == s->enqueued;
+  pthread_mutex_unlock(&s->mu);
+  return idle ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+/* cuMemcpyAsync is asynchronous only between memory the driver knows. With pageable host
+ * memory the driver "might be synchronous" (CUDA: API synchronization behavior): the stub takes
+ * the strict reading, so code that relies on such a copy being asynchronous fails here too.
+ * From pageable memory it waits for the stream and copies at once (as staging does); to
+ * pageable memory it returns when the copy has completed. */
+EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct stream *h) {
+  if (n == 0) return resolve(h, &(struct stream *){NULL});
+  if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
+  int from_pageable = mem_lookup(src, n) == MEM_PAGEABLE, to_pageable = mem_lookup(dst, n) == MEM_PAGEABLE;
+  CUresult r;
+  if (from_pageable) {
+    if ((r = cuStreamSynchronize(h)) != CUDA_SUCCESS) return r;
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    return CUDA_SUCCESS;
+  }
+  struct op op = {.kind = OP_COPY, .dst = (void *)(uintptr_t)dst, .src = (const void *)(uintptr_t)src, .n = n};
+  if ((r = enqueue(h, &op)) != CUDA_SUCCESS) return r;
+  return to_pageable ? cuStreamSynchronize(h) : CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char byte, size_t n, struct stream *h) {
+  if (n == 0) return resolve(h, &(struct stream *){NULL});
+  if (mem_lookup(dst, n) == MEM_PAGEABLE) return CUDA_ERROR_INVALID_VALUE;
+  struct op op = {.kind = OP_SET, .dst = (void *)(uintptr_t)dst, .n = n, .byte = byte};
+  return enqueue(h, &op);
+}
+
+/* The v2 stream memory operations: device-accessible memory (not managed), 4-aligned. */
+static CUresult mem_op_target(CUdeviceptr addr) {
+  if (env_int("NCCL_RS_STUB_DRIVER_VERSION", 12040) < V2_MEM_OPS_SINCE) return CUDA_ERROR_NOT_SUPPORTED;
+  enum mem_kind k = mem_lookup(addr, 4);
+  if (addr % 4 || k == MEM_PAGEABLE || k == MEM_MANAGED) return CUDA_ERROR_INVALID_VALUE;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamWaitValue32_v2(struct stream *h, CUdeviceptr addr, uint32_t value, unsigned flags) {
+  CUresult r = mem_op_target(addr);
+  if (r != CUDA_SUCCESS) return r;
+  unsigned cond = flags & ~(unsigned)WAIT_FLUSH;
+  if (cond > WAIT_NOR) return CUDA_ERROR_INVALID_VALUE;
+  /* FLUSH needs platform support the stub does not pretend to have. */
+  if (flags & WAIT_FLUSH) return CUDA_ERROR_NOT_SUPPORTED;
+  if (cond == WAIT_NOR && !env_int("NCCL_RS_STUB_WAIT_VALUE_NOR", 1)) return CUDA_ERROR_NOT_SUPPORTED;
+  struct op op = {.kind = OP_WAIT_VALUE, .word = (uint32_t *)(uintptr_t)addr, .value = value, .cond = cond};
+  return enqueue(h, &op);
+}
+
+EXPORT CUresult cuStreamWriteValue32_v2(struct stream *h, CUdeviceptr addr, uint32_t value, unsigned flags) {
+  CUresult r = mem_op_target(addr);
+  if (r != CUDA_SUCCESS) return r;
+  if (flags & ~(unsigned)WRITE_NO_MEMORY_BARRIER) return CUDA_ERROR_INVALID_VALUE;
+  struct op op = {.kind = OP_WRITE_VALUE, .word = (uint32_t *)(uintptr_t)addr, .value = value};
+  return enqueue(h, &op);
+}
+
+/* ---- events --------------------------------------------------------------------------------- */
+
+EXPORT CUresult cuEventCreate(struct event **pe, unsigned flags) {
+  REQUIRE_CTX();
+  if (!pe || (flags & ~(unsigned)EVENT_FLAGS_ALL)) return CUDA_ERROR_INVALID_VALUE;
+  struct event *e = calloc(1, sizeof *e);
+  if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
+  e->magic = EVENT_MAGIC;
+  e->refs = 1;
+  pthread_mutex_init(&e->mu, NULL);
+  pthread_cond_init(&e->cv, NULL);
+  *pe = e;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventDestroy_v2(struct event *e) {
+  REQUIRE_INIT();
+  if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  e->magic = 0;
+  event_unref(e); /* pending records and waits hold their own references */
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventRecord(struct event *e, struct stream *h) {
+  REQUIRE_INIT();
+  if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&e->mu);
+  struct op op = {.kind = OP_RECORD, .ev = e, .seq = ++e->recorded};
+  e->refs++;
+  pthread_mutex_unlock(&e->mu);
+  if ((r = enqueue(s, &op)) != CUDA_SUCCESS) event_unref(e);
+  return r;
+}
+
+EXPORT CUresult cuEventQuery(struct event *e) {
+  REQUIRE_INIT();
+  if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_lock(&e->mu);
+  int ready = e->completed >= e->recorded;
+  pthread_mutex_unlock(&e->mu);
+  return ready ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+EXPORT CUresult cuEventSynchronize(struct event *e) {
+  REQUIRE_INIT();
+  if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  pthread_mutex_lock(&e->mu);
+  uint64_t target = e->recorded;
+  while (e->completed < target) pthread_cond_wait(&e->cv, &e->mu);
+  pthread_mutex_unlock(&e->mu);
+  return CUDA_SUCCESS;
+}
+
+/* Waits for the event's latest record at the time of the call; a never-recorded event is
+ * complete, so the wait is a no-op. */
+EXPORT CUresult cuStreamWaitEvent(struct stream *h, struct event *e, unsigned flags) {
+  REQUIRE_INIT();
+  if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&e->mu);
+  struct op op = {.kind = OP_WAIT_EVENT, .ev = e, .seq = e->recorded};
+  if (op.seq) e->refs++;
+  pthread_mutex_unlock(&e->mu);
+  if (!op.seq) return CUDA_SUCCESS;
+  if ((r = enqueue(s, &op)) != CUDA_SUCCESS) event_unref(e);
+  return r;
+}
+
+/* ---- modules and launches ------------------------------------------------------------------- */
+
+struct module {
+  uint32_t magic;
+  char *ptx;
+};
+
+EXPORT CUresult cuModuleLoadData(struct module **pm, const void *image) {
+  REQUIRE_CTX();
+  if (!pm || !image) return CUDA_ERROR_INVALID_VALUE;
+  if (!strstr(image, ".version")) return CUDA_ERROR_INVALID_IMAGE; /* not PTX text */
+  struct module *m = calloc(1, sizeof *m);
+  if (!m || !(m->ptx = strdup(image))) {
+    free(m);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  m->magic = MODULE_MAGIC;
+  *pm = m;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuModuleUnload(struct module *m) {
+  REQUIRE_INIT();
+  if (!m || m->magic != MODULE_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  m->magic = 0;
+  free(m->ptx);
+  free(m);
+  return CUDA_SUCCESS;
+}
+
+/* The kernel must be an entry of the module's PTX and one the stub implements. */
+EXPORT CUresult cuModuleGetFunction(const struct kernel **pf, struct module *m, const char *name) {
+  REQUIRE_INIT();
+  if (!pf || !name) return CUDA_ERROR_INVALID_VALUE;
+  if (!m || m->magic != MODULE_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  char entry[160];
+  if ((size_t)snprintf(entry, sizeof entry, ".entry %s(", name) >= sizeof entry) return CUDA_ERROR_NOT_FOUND;
+  const struct kernel *k = strstr(m->ptx, entry) ? kernel_find(name) : NULL;
+  if (!k) return CUDA_ERROR_NOT_FOUND;
+  *pf = k;
+  return CUDA_SUCCESS;
+}
+
+/* A kernel may only touch memory the device can reach: an address the driver does not know is
+ * reported at launch as CUDA_ERROR_ILLEGAL_ADDRESS (700). The real driver reports it later,
+ * from the faulting kernel, and the context is lost; here the launch fails and nothing runs. */
+EXPORT CUresult cuLaunchKernel(const struct kernel *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                               unsigned bz, unsigned shared, struct stream *h, void **params, void **extra) {
+  REQUIRE_INIT();
+  (void)shared;
+  if (!kernel_valid(f)) return CUDA_ERROR_INVALID_HANDLE;
+  if (!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024) return CUDA_ERROR_INVALID_VALUE;
+  if (extra) return CUDA_ERROR_NOT_SUPPORTED;
+  if (!params) return CUDA_ERROR_INVALID_VALUE;
+  struct op op = {.kind = OP_KERNEL, .kernel = f};
+  for (int i = 0; i < 4; i++) memcpy(&op.params[i], params[i], sizeof(uint64_t));
+  size_t bytes = (size_t)op.params[3] * kernel_elem_size(f);
+  for (int i = 0; i < kernel_pointers(f) && op.params[3]; i++)
+    if (mem_lookup(op.params[i], bytes) == MEM_PAGEABLE) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  return enqueue(h, &op);
+}

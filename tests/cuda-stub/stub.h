@@ -1,0 +1,81 @@
+/*
+ * Shared by the files of the stub libcuda (see libcuda.c for what the stub is): the driver's
+ * types and constants as cuda.h (CUDA 12) defines them, and the stub's internal interfaces.
+ * Compiled with -fvisibility=hidden: only EXPORT functions are the driver API.
+ */
+#ifndef NCCL_RS_CUDA_STUB_H
+#define NCCL_RS_CUDA_STUB_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef uint64_t CUdeviceptr;
+typedef struct { char reserved[64]; } CUipcMemHandle;
+
+enum {
+  CUDA_SUCCESS = 0,
+  CUDA_ERROR_INVALID_VALUE = 1,
+  CUDA_ERROR_OUT_OF_MEMORY = 2,
+  CUDA_ERROR_NOT_INITIALIZED = 3,
+  CUDA_ERROR_NO_DEVICE = 100,
+  CUDA_ERROR_INVALID_DEVICE = 101,
+  CUDA_ERROR_INVALID_IMAGE = 200,
+  CUDA_ERROR_INVALID_CONTEXT = 201,
+  CUDA_ERROR_MAP_FAILED = 205,
+  CUDA_ERROR_INVALID_HANDLE = 400,
+  CUDA_ERROR_NOT_FOUND = 500,
+  CUDA_ERROR_NOT_READY = 600,
+  CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+  CUDA_ERROR_NOT_SUPPORTED = 801,
+};
+
+#define MAX_DEVICES 64
+
+struct stream;
+
+/* A device's primary context (the only kind of context the stub has). */
+struct ctx {
+  int dev;
+  int refs;
+  struct stream *legacy; /* its legacy NULL stream, created on first use */
+};
+
+extern int g_initialized;
+extern int g_ndev;
+extern pthread_mutex_t g_lock;
+extern __thread struct ctx *t_current;
+
+#define REQUIRE_INIT() \
+  do { if (!g_initialized) return CUDA_ERROR_NOT_INITIALIZED; } while (0)
+#define REQUIRE_CTX() \
+  do { REQUIRE_INIT(); if (!t_current) return CUDA_ERROR_INVALID_CONTEXT; } while (0)
+
+int env_int(const char *name, int dflt);
+
+/* memory.c: what the driver knows of an address range. */
+enum mem_kind {
+  MEM_PAGEABLE = 0, /* unknown to the driver: plain host memory */
+  MEM_DEVICE,
+  MEM_MANAGED,
+  MEM_HOST_PINNED,
+  MEM_IPC, /* a peer's device memory, opened by handle */
+};
+/* The kind of the one allocation that holds all of [p, p + n), else MEM_PAGEABLE. */
+enum mem_kind mem_lookup(uintptr_t p, size_t n);
+
+/* kernels.c: the C twins of kernels/reduce.ptx. */
+struct kernel;
+const struct kernel *kernel_find(const char *name);
+int kernel_valid(const void *f);
+/* How many of the parameters (dst, a, b) are pointers to n elements of elem_size bytes. */
+int kernel_pointers(const struct kernel *k);
+size_t kernel_elem_size(const struct kernel *k);
+/* Runs kernel `k` with its four 64-bit parameters (dst, a, b|scalar|divisor, n). */
+void kernel_run(const struct kernel *k, const uint64_t params[4]);
+
+#endif

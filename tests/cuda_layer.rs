@@ -1,0 +1,743 @@
+//! CUDA mode's device layer (`nccl::device::cuda`) against a driver: the stand-in libcuda of
+//! `tests/cuda-stub/` always, and the machine's real driver too where one loads (a GPU machine).
+//!
+//! cudarc loads libcuda once per process, so every check runs in a child process: this test
+//! binary again, filtered to the one test, with `NCCL_RS_CUDA_LAYER_CHILD` naming it and
+//! `LD_LIBRARY_PATH` pointing at the stub (built once per run with `cc`, into
+//! `<target>/cuda-stub/`). In the child, the same test function finds the variable set and runs
+//! the check itself. Waits have deadlines; nothing sleeps to let work happen.
+
+use std::ffi::c_void;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use nccl::device::cuda::{self, Context, Event, IpcHandle, IpcMapping, MappedHost, MemOp, PtrKind, Stream, WaitCond};
+use nccl::device::host::{self, ElemOp, Region, UserPtr};
+use nccl::device::mode::{self, Mode};
+use nccl::types::{DataType, Scalar};
+use nccl::Code;
+
+const CHILD: &str = "NCCL_RS_CUDA_LAYER_CHILD";
+const EXPECT_DEVICES: &str = "NCCL_RS_TEST_EXPECT_DEVICES";
+const CASE: &str = "NCCL_RS_TEST_CASE";
+const DRIVER: &str = "NCCL_RS_TEST_DRIVER";
+const IPC_HANDLE: &str = "NCCL_RS_TEST_IPC_HANDLE";
+const DEADLINE: Duration = Duration::from_secs(20);
+const CHILD_DEADLINE: Duration = Duration::from_secs(300);
+
+// ---- harness ---------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Driver {
+    /// tests/cuda-stub, with its environment knobs.
+    Stub,
+    /// Whatever libcuda the machine has (none on most development machines).
+    System,
+}
+
+/// `<target>/cuda-stub`, holding the stub as `libcuda.so.1` and `libcuda.so`, built once.
+fn stub_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).parent().unwrap().join("cuda-stub");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut sources: Vec<PathBuf> = std::fs::read_dir(repo.join("tests/cuda-stub"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "c"))
+            .collect();
+        sources.sort();
+        // Built under a unique name and renamed: concurrent test runs never see half a file.
+        let tmp = dir.join(format!("libcuda.so.1.{}", std::process::id()));
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let out = Command::new(&cc)
+            .args(["-Wall", "-Wextra", "-Werror", "-O2", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden", "-o"])
+            .arg(&tmp)
+            .args(&sources)
+            .output()
+            .unwrap_or_else(|e| panic!("running {cc}: {e}"));
+        assert!(out.status.success(), "building the stub libcuda failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        std::fs::rename(&tmp, dir.join("libcuda.so.1")).unwrap();
+        let link = dir.join("libcuda.so");
+        if std::fs::symlink_metadata(&link).is_err() {
+            let _ = std::os::unix::fs::symlink("libcuda.so.1", &link);
+        }
+        dir
+    })
+}
+
+/// The drivers every check runs against: the stub, and the system's driver if it has one.
+fn drivers() -> Vec<Driver> {
+    match mode::current() {
+        Mode::Cuda { .. } => vec![Driver::Stub, Driver::System],
+        Mode::Host => vec![Driver::Stub],
+    }
+}
+
+/// In a child: whether it runs against the stub (else the system's driver).
+fn on_stub() -> bool {
+    std::env::var_os(DRIVER).is_some()
+}
+
+/// In the child process of `name`: runs `body` and returns true. Otherwise false.
+fn in_child(name: &str, body: fn()) -> bool {
+    if std::env::var(CHILD).as_deref() != Ok(name) {
+        return false;
+    }
+    body();
+    true
+}
+
+/// Runs the test `name` in a child process against `driver`, with `env`; panics with its output
+/// unless it passed.
+fn run_child(name: &str, driver: Driver, env: &[(&str, &str)]) {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(CHILD, name);
+    // The system's driver is found as the environment says (LD_LIBRARY_PATH, the loader's cache).
+    if driver == Driver::Stub {
+        cmd.env("LD_LIBRARY_PATH", stub_dir()).env(DRIVER, "stub");
+    }
+    cmd.envs(env.iter().copied());
+    let (ok, output) = run_with_deadline(cmd, CHILD_DEADLINE);
+    let ran = output.contains(&format!("test {name} ... ok"));
+    assert!(ok && ran, "{name} against {driver:?} {env:?} failed:\n{output}");
+}
+
+/// Runs `cmd`, killing it after `deadline`; (exited 0, stdout + stderr).
+fn run_with_deadline(mut cmd: Command, deadline: Duration) -> (bool, String) {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawning a child");
+    let pipes = [
+        child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
+        child.stderr.take().map(|p| Box::new(p) as _),
+    ];
+    let readers: Vec<_> = pipes
+        .into_iter()
+        .flatten()
+        .map(|mut p| {
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = p.read_to_string(&mut s);
+                s
+            })
+        })
+        .collect();
+    let end = Instant::now() + deadline;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let output: String = readers.into_iter().map(|r| r.join().unwrap()).collect();
+    match status {
+        Some(s) => (s.success(), output),
+        None => (false, format!("killed after {deadline:?}\n{output}")),
+    }
+}
+
+/// Polls `done` until it is true; panics with `what` after the deadline.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let end = Instant::now() + DEADLINE;
+    while !done() {
+        assert!(Instant::now() < end, "{what}: not done after {DEADLINE:?}");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// `stream` is still busy after `window` (work behind an unsatisfied wait must not run).
+fn stays_busy(stream: &Stream, window: Duration) -> bool {
+    let end = Instant::now() + window;
+    while Instant::now() < end {
+        if stream.query().unwrap() {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+    true
+}
+
+/// Device memory of the current context, freed on drop.
+struct DeviceBuf {
+    ptr: *mut c_void,
+    len: usize,
+}
+
+impl DeviceBuf {
+    fn new(len: usize) -> DeviceBuf {
+        DeviceBuf { ptr: cuda::alloc(len).unwrap(), len }
+    }
+    fn region(&self) -> Region {
+        device_region(self.ptr as usize, self.len)
+    }
+}
+
+impl Drop for DeviceBuf {
+    fn drop(&mut self) {
+        cuda::free(self.ptr).unwrap();
+    }
+}
+
+fn device_region(addr: usize, len: usize) -> Region {
+    // SAFETY: tests only name memory they allocated, for its length.
+    Region::user(unsafe { UserPtr::new(addr as *const u8) }, 0, len)
+}
+
+fn host_region(v: &mut [u8]) -> Region {
+    Region::owned(v)
+}
+
+/// Copies `src` (device) to a new host vector, synchronously.
+fn download(stream: &Stream, src: Region) -> Vec<u8> {
+    let mut out = vec![0u8; src.len()];
+    stream.copy(host_region(&mut out), src).unwrap();
+    stream.synchronize().unwrap();
+    out
+}
+
+fn upload(stream: &Stream, dst: Region, mut data: Vec<u8>) {
+    stream.copy(dst, host_region(&mut data)).unwrap();
+    stream.synchronize().unwrap();
+}
+
+// ---- mode and contexts -----------------------------------------------------------------------
+
+#[test]
+fn mode_is_cuda_with_a_driver_and_host_without() {
+    if in_child("mode_is_cuda_with_a_driver_and_host_without", check_mode) {
+        return;
+    }
+    run_child(
+        "mode_is_cuda_with_a_driver_and_host_without",
+        Driver::Stub,
+        &[("NCCL_RS_STUB_DEVICES", "2"), (EXPECT_DEVICES, "2")],
+    );
+    // cuInit fails (CUDA_ERROR_NO_DEVICE): host mode.
+    run_child(
+        "mode_is_cuda_with_a_driver_and_host_without",
+        Driver::Stub,
+        &[("NCCL_RS_STUB_DEVICES", "0"), (EXPECT_DEVICES, "0")],
+    );
+    // No stub: host mode, unless this machine has a driver of its own.
+    let devices = match mode::current() {
+        Mode::Cuda { devices } => devices,
+        Mode::Host => 0,
+    };
+    run_child("mode_is_cuda_with_a_driver_and_host_without", Driver::System, &[(EXPECT_DEVICES, &devices.to_string())]);
+}
+
+fn check_mode() {
+    let expect: i32 = std::env::var(EXPECT_DEVICES).unwrap().parse().unwrap();
+    if expect > 0 {
+        assert_eq!(mode::current(), Mode::Cuda { devices: expect });
+        assert_eq!(cuda::device_count().unwrap(), expect);
+        return;
+    }
+    assert_eq!(mode::current(), Mode::Host);
+    // Without a driver every entry point is an error, never a panic reaching the caller.
+    let no_driver = |e: nccl::Error| assert_eq!(e.code, Code::UnhandledCudaError, "{e}");
+    no_driver(cuda::device_count().unwrap_err());
+    no_driver(cuda::current_device().unwrap_err());
+    no_driver(Context::primary(0).err().unwrap());
+    no_driver(cuda::alloc(4096).unwrap_err());
+    no_driver(cuda::classify(&expect as *const i32 as usize).unwrap_err());
+    no_driver(MappedHost::new(64).err().unwrap());
+}
+
+#[test]
+fn primary_contexts_and_the_current_device() {
+    if in_child("primary_contexts_and_the_current_device", check_contexts) {
+        return;
+    }
+    for driver in drivers() {
+        run_child("primary_contexts_and_the_current_device", driver, &[("NCCL_RS_STUB_DEVICES", "3")]);
+    }
+}
+
+fn check_contexts() {
+    let n = cuda::device_count().unwrap();
+    assert_eq!(cuda::current_device().unwrap(), None, "no context is current before we make one");
+    let ctx0 = Context::primary(0).unwrap();
+    assert_eq!(ctx0.ordinal(), 0);
+    assert_eq!(cuda::current_device().unwrap(), Some(0));
+    assert!(std::ptr::eq(Context::primary(0).unwrap(), ctx0), "one Context per device");
+    std::thread::spawn(move || {
+        assert_eq!(cuda::current_device().unwrap(), None, "a new thread has no current context");
+        ctx0.make_current().unwrap();
+        assert_eq!(cuda::current_device().unwrap(), Some(0));
+        let last = Context::primary(n - 1).unwrap();
+        assert_eq!((last.ordinal(), cuda::current_device().unwrap()), (n - 1, Some(n - 1)));
+    })
+    .join()
+    .unwrap();
+    assert_eq!(cuda::current_device().unwrap(), Some(0), "other threads leave ours alone");
+    assert_eq!(Context::primary(n).err().unwrap().code, Code::InvalidArgument);
+}
+
+// ---- streams, events, stream memory operations -----------------------------------------------
+
+#[test]
+fn streams_order_copies_memsets_and_events() {
+    if in_child("streams_order_copies_memsets_and_events", check_streams) {
+        return;
+    }
+    for driver in drivers() {
+        run_child("streams_order_copies_memsets_and_events", driver, &[]);
+    }
+}
+
+fn check_streams() {
+    let ctx = Context::primary(0).unwrap();
+    let (s1, s2) = (Stream::new(ctx).unwrap(), Stream::new(ctx).unwrap());
+    const LEN: usize = 1 << 20;
+    let bufs: Vec<DeviceBuf> = (0..3).map(|_| DeviceBuf::new(LEN)).collect();
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i * 7 + i / 251) as u8).collect();
+
+    // d0 -> d1 on s1, held at a gate the host opens; s2 waits for s1's event, then d1 -> d2.
+    upload(&s1, bufs[0].region(), pattern.clone());
+    let gate = MappedHost::new(4).unwrap();
+    assert_eq!(s1.wait_value32(&gate, 0, 1, WaitCond::Geq).unwrap(), MemOp::Enqueued);
+    s1.copy(bufs[1].region(), bufs[0].region()).unwrap();
+    let ev = Event::new(ctx).unwrap();
+    ev.record(&s1).unwrap();
+    s2.wait_event(&ev).unwrap();
+    s2.copy(bufs[2].region(), bufs[1].region()).unwrap();
+    assert!(stays_busy(&s2, Duration::from_millis(50)), "s2 ran ahead of the event it waits for");
+    assert!(!ev.query().unwrap());
+    gate.word(0).store(1, Ordering::Release);
+    s2.synchronize().unwrap();
+    assert!(ev.query().unwrap() && s1.query().unwrap() && s2.query().unwrap());
+    ev.synchronize().unwrap();
+    assert_eq!(download(&s2, bufs[2].region()), pattern, "the chain across two streams");
+
+    // A memset, then a copy of part of it, in order on one stream.
+    s1.memset(bufs[0].region(), 0xab).unwrap();
+    s1.copy(bufs[1].region().sub(100, 1000), bufs[0].region().sub(5000, 1000)).unwrap();
+    let got = download(&s1, bufs[1].region());
+    assert!(got[100..1100].iter().all(|&b| b == 0xab));
+    assert_eq!(got[..100], pattern[..100]);
+    assert_eq!(got[1100..], pattern[1100..]);
+
+    // The caller's legacy NULL stream, wrapped.
+    // SAFETY: NULL is the legacy stream of the current context, always alive.
+    let legacy = unsafe { Stream::wrap(ctx, std::ptr::null_mut()) };
+    legacy.memset(bufs[2].region(), 0x11).unwrap();
+    assert!(download(&legacy, bufs[2].region()).iter().all(|&b| b == 0x11));
+
+    // An event never recorded is complete, and waiting for it is a no-op.
+    let fresh = Event::new(ctx).unwrap();
+    assert!(fresh.query().unwrap());
+    s1.wait_event(&fresh).unwrap();
+    s1.synchronize().unwrap();
+
+    // A stream dropped with work pending finishes it (the driver releases it afterwards).
+    let s3 = Stream::new(ctx).unwrap();
+    s3.memset(bufs[0].region(), 0x22).unwrap();
+    ev.record(&s3).unwrap();
+    drop(s3);
+    ev.synchronize().unwrap();
+    assert!(download(&s1, bufs[0].region()).iter().all(|&b| b == 0x22));
+}
+
+#[test]
+fn wait_value_holds_a_stream_until_a_write_value_releases_it() {
+    if in_child("wait_value_holds_a_stream_until_a_write_value_releases_it", check_wait_value) {
+        return;
+    }
+    for driver in drivers() {
+        run_child("wait_value_holds_a_stream_until_a_write_value_releases_it", driver, &[]);
+    }
+}
+
+fn check_wait_value() {
+    let ctx = Context::primary(0).unwrap();
+    let (s1, s2) = (Stream::new(ctx).unwrap(), Stream::new(ctx).unwrap());
+    let flags = MappedHost::new(64).unwrap();
+    let (a, b) = (DeviceBuf::new(4096), DeviceBuf::new(4096));
+    s2.memset(a.region(), 1).unwrap();
+    s2.memset(b.region(), 2).unwrap();
+    s2.synchronize().unwrap();
+
+    // s1: wait word 0 >= 1, copy a -> b, record, write word 1 = 7.
+    assert_eq!(s1.wait_value32(&flags, 0, 1, WaitCond::Geq).unwrap(), MemOp::Enqueued);
+    s1.copy(b.region(), a.region()).unwrap();
+    let ev = Event::new(ctx).unwrap();
+    ev.record(&s1).unwrap();
+    assert_eq!(s1.write_value32(&flags, 1, 7).unwrap(), MemOp::Enqueued);
+    // Another stream makes progress meanwhile, and changes a before the release.
+    s2.memset(a.region(), 0x5c).unwrap();
+    s2.synchronize().unwrap();
+    assert!(stays_busy(&s1, Duration::from_millis(50)), "work behind an unsatisfied wait ran");
+    assert!(!ev.query().unwrap());
+    assert_eq!(flags.word(1).load(Ordering::Acquire), 0);
+    // Released from another stream, in its order.
+    assert_eq!(s2.write_value32(&flags, 0, 1).unwrap(), MemOp::Enqueued);
+    wait_until("s1 after the release", || s1.query().unwrap());
+    assert!(ev.query().unwrap());
+    assert_eq!(flags.word(1).load(Ordering::Acquire), 7);
+    assert!(download(&s2, b.region()).iter().all(|&x| x == 0x5c), "the copy ran after the wait");
+
+    // Released by the host, for each condition: (word, initial, value, cond, a value that does
+    // not release, one that does).
+    let cases = [
+        (2, 0, 5, WaitCond::Eq, 4, 5),
+        (3, 0, 0b100, WaitCond::And, 0b011, 0b110),
+        (4, u32::MAX, 0xffff_fff0, WaitCond::Nor, 0xffff_fff1 | 0xe, 0xffff_fffe),
+        (5, 0, 10, WaitCond::Geq, 9, 11),
+    ];
+    for (word, initial, value, cond, not_yet, release) in cases {
+        flags.word(word).store(initial, Ordering::Release);
+        match s1.wait_value32(&flags, word, value, cond).unwrap() {
+            MemOp::Enqueued => {}
+            // A real device may lack NOR (CAN_USE_STREAM_WAIT_VALUE_NOR_V2); the stub has it.
+            MemOp::Unsupported if cond == WaitCond::Nor && !on_stub() => continue,
+            MemOp::Unsupported => panic!("{cond:?} unsupported"),
+        }
+        s1.memset(a.region(), word as u8).unwrap();
+        assert!(stays_busy(&s1, Duration::from_millis(20)), "{cond:?} released by {initial:#x}");
+        flags.word(word).store(not_yet, Ordering::Release);
+        assert!(stays_busy(&s1, Duration::from_millis(20)), "{cond:?} released by {not_yet:#x}");
+        flags.word(word).store(release, Ordering::Release);
+        wait_until(&format!("{cond:?} released by {release:#x}"), || s1.query().unwrap());
+    }
+    // GEQ is a cyclic comparison: 1 is "after" 0xfffffffe.
+    flags.word(6).store(1, Ordering::Release);
+    assert_eq!(s1.wait_value32(&flags, 6, 0xffff_fffe, WaitCond::Geq).unwrap(), MemOp::Enqueued);
+    wait_until("GEQ across the wrap", || s1.query().unwrap());
+
+    // A word outside the buffer is an error, not a wild write.
+    assert!(s1.write_value32(&flags, 16, 1).is_err());
+}
+
+#[test]
+fn stream_memory_operations_report_unsupported_drivers() {
+    if in_child("stream_memory_operations_report_unsupported_drivers", check_mem_ops_unsupported) {
+        return;
+    }
+    let name = "stream_memory_operations_report_unsupported_drivers";
+    run_child(name, Driver::Stub, &[("NCCL_RS_STUB_DRIVER_VERSION", "11060"), (CASE, "old")]);
+    run_child(name, Driver::Stub, &[("NCCL_RS_STUB_WAIT_VALUE_NOR", "0"), (CASE, "no-nor")]);
+}
+
+fn check_mem_ops_unsupported() {
+    let ctx = Context::primary(0).unwrap();
+    let s = Stream::new(ctx).unwrap();
+    let flags = MappedHost::new(16).unwrap();
+    if std::env::var(CASE).unwrap() == "old" {
+        // Before CUDA 11.7 there are no v2 stream memory operations: fall back to events.
+        assert_eq!(s.wait_value32(&flags, 0, 1, WaitCond::Geq).unwrap(), MemOp::Unsupported);
+        assert_eq!(s.write_value32(&flags, 0, 1).unwrap(), MemOp::Unsupported);
+    } else {
+        assert_eq!(s.wait_value32(&flags, 0, 0, WaitCond::Nor).unwrap(), MemOp::Unsupported);
+        assert_eq!(s.wait_value32(&flags, 0, 0, WaitCond::Geq).unwrap(), MemOp::Enqueued);
+        assert_eq!(s.write_value32(&flags, 0, 1).unwrap(), MemOp::Enqueued);
+    }
+    s.synchronize().unwrap();
+}
+
+// ---- memory ----------------------------------------------------------------------------------
+
+#[test]
+fn pointers_are_classified_by_kind() {
+    if in_child("pointers_are_classified_by_kind", check_classify) {
+        return;
+    }
+    for driver in drivers() {
+        run_child("pointers_are_classified_by_kind", driver, &[("NCCL_RS_STUB_DEVICES", "2")]);
+    }
+}
+
+fn check_classify() {
+    let ctx = Context::primary(0).unwrap();
+    let dev = DeviceBuf::new(1 << 16);
+    assert_eq!(cuda::classify(dev.ptr as usize).unwrap(), PtrKind::Device { ordinal: 0 });
+    assert_eq!(cuda::classify(dev.ptr as usize + 1000).unwrap(), PtrKind::Device { ordinal: 0 }, "inside");
+    if cuda::device_count().unwrap() > 1 {
+        Context::primary(1).unwrap();
+        let dev1 = DeviceBuf::new(4096);
+        assert_eq!(cuda::classify(dev1.ptr as usize).unwrap(), PtrKind::Device { ordinal: 1 });
+        ctx.make_current().unwrap();
+    }
+    let mapped = MappedHost::new(4096).unwrap();
+    assert_eq!(cuda::classify(mapped.host_ptr() as usize).unwrap(), PtrKind::HostRegistered);
+    assert_eq!(cuda::classify(mapped.device_addr()).unwrap(), PtrKind::HostRegistered);
+    let mut managed = 0;
+    // SAFETY: a valid out-pointer; a context is current. Freed below.
+    let r = unsafe { cudarc::driver::sys::cuMemAllocManaged(&mut managed, 4096, 1) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    assert_eq!(cuda::classify(managed as usize).unwrap(), PtrKind::Managed);
+    cuda::free(managed as *mut c_void).unwrap();
+    let heap = vec![0u8; 4096];
+    let stack = 0u64;
+    assert_eq!(cuda::classify(heap.as_ptr() as usize).unwrap(), PtrKind::Host);
+    assert_eq!(cuda::classify(&stack as *const u64 as usize).unwrap(), PtrKind::Host);
+}
+
+#[test]
+fn ipc_handles_map_the_same_bytes_in_another_process() {
+    if in_child("ipc_handles_map_the_same_bytes_in_another_process", check_ipc) {
+        return;
+    }
+    for driver in drivers() {
+        run_child("ipc_handles_map_the_same_bytes_in_another_process", driver, &[]);
+    }
+}
+
+const IPC_LEN: usize = 1 << 20;
+
+fn ipc_pattern(i: usize) -> u8 {
+    (i * 13 + (i >> 9)) as u8
+}
+
+fn check_ipc() {
+    let ctx = Context::primary(0).unwrap();
+    let stream = Stream::new(ctx).unwrap();
+    if let Ok(hex) = std::env::var(IPC_HANDLE) {
+        // The peer: open, read what the owner wrote, write the second half.
+        let bytes: Vec<u8> = (0..64).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
+        let handle = IpcHandle { bytes: bytes.try_into().unwrap() };
+        let mapping = IpcMapping::open(&handle).unwrap();
+        assert!(matches!(cuda::classify(mapping.addr()).unwrap(), PtrKind::Device { .. }));
+        let region = device_region(mapping.addr(), IPC_LEN);
+        let got = download(&stream, region);
+        assert!(got.iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)), "the peer sees the owner's bytes");
+        stream.memset(region.sub(IPC_LEN / 2, IPC_LEN / 2), 0xee).unwrap();
+        stream.synchronize().unwrap();
+        return;
+    }
+    // The owner: allocate, write, hand the handle to a second process.
+    let buf = DeviceBuf::new(IPC_LEN);
+    upload(&stream, buf.region(), (0..IPC_LEN).map(ipc_pattern).collect());
+    let handle = IpcHandle::of(buf.ptr).unwrap();
+    let own = IpcMapping::open(&handle).err().expect("CUDA refuses to open a handle in its own process");
+    assert_eq!(own.code, Code::UnhandledCudaError);
+    assert!(own.msg.starts_with("cuIpcOpenMemHandle_v2: CUDA_ERROR_"), "{own}");
+    let hex: String = handle.bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let name = "ipc_handles_map_the_same_bytes_in_another_process";
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(IPC_HANDLE, hex);
+    let (ok, output) = run_with_deadline(cmd, CHILD_DEADLINE);
+    assert!(ok && output.contains(&format!("test {name} ... ok")), "the peer process failed:\n{output}");
+    let got = download(&stream, buf.region());
+    assert!(got[..IPC_LEN / 2].iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)));
+    assert!(got[IPC_LEN / 2..].iter().all(|&b| b == 0xee), "the owner sees the peer's write");
+}
+
+// ---- kernels ---------------------------------------------------------------------------------
+
+#[test]
+fn kernels_match_host_reductions() {
+    if in_child("kernels_match_host_reductions", check_kernels) {
+        return;
+    }
+    for driver in drivers() {
+        run_child("kernels_match_host_reductions", driver, &[]);
+    }
+}
+
+/// splitmix64: deterministic test data without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let z = (self.0 ^ (self.0 >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        let z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// Zeros, ones, extremes, subnormals, infinities and NaNs of each type, as bits.
+fn specials(dt: DataType) -> &'static [u64] {
+    match dt {
+        DataType::Int8 | DataType::Uint8 | DataType::Float8e4m3 => &[0, 1, 0x7f, 0x80, 0xff, 0x7e, 0x38, 0xb8, 8],
+        DataType::Float8e5m2 => &[0, 0x80, 1, 0x7b, 0xfb, 0x7c, 0xfc, 0x7d, 0x7f, 0x3c, 0xbc],
+        DataType::Int32 | DataType::Uint32 => &[0, 1, 0x7fff_ffff, 0x8000_0000, 0xffff_ffff],
+        DataType::Int64 | DataType::Uint64 => &[0, 1, i64::MAX as u64, 1 << 63, u64::MAX],
+        DataType::Float16 => &[0, 0x8000, 1, 0x3ff, 0x400, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x7e00, 0x7c01, 0x3c00],
+        DataType::Bfloat16 => &[0, 0x8000, 1, 0x7f, 0x80, 0x7f7f, 0xff7f, 0x7f80, 0xff80, 0x7fc0, 0x7f81, 0x3f80],
+        DataType::Float32 => {
+            &[0, 1 << 31, 1, 0x80_0000, 0x7f7f_ffff, 0xff7f_ffff, 0x7f80_0000, 0x7fc0_0000, 0x3f80_0000]
+        }
+        DataType::Float64 => {
+            &[0, 1 << 63, 1, 0x7fef_ffff_ffff_ffff, 0x7ff0_0000_0000_0000, 0x7ff8_0000_0000_0001, 0x3ff0_0000_0000_0000]
+        }
+    }
+}
+
+/// `n` elements: specials, values near 1 (which round when combined) and random bits.
+fn elements(dt: DataType, n: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n * dt.size());
+    for _ in 0..n {
+        let r = rng.next();
+        let near_one = (r >> 11) as f64 / (1u64 << 53) as f64 * 6.0 - 3.0;
+        let bits = match r % 3 {
+            0 => specials(dt)[(r >> 32) as usize % specials(dt).len()],
+            1 if dt.is_float() => match dt {
+                DataType::Float64 => near_one.to_bits(),
+                DataType::Float32 => u64::from((near_one as f32).to_bits()),
+                DataType::Float16 => u64::from(half::f16::from_f64(near_one).to_bits()),
+                DataType::Bfloat16 => u64::from(half::bf16::from_f64(near_one).to_bits()),
+                DataType::Float8e4m3 => u64::from(host::fp8::f32_to_e4m3(near_one as f32)),
+                _ => u64::from(host::fp8::f32_to_e5m2(near_one as f32)),
+            },
+            _ => r,
+        };
+        out.extend_from_slice(&bits.to_le_bytes()[..dt.size()]);
+    }
+    out
+}
+
+/// Bit-exact, except that any NaN matches any NaN where the host leaves NaN payloads to the
+/// CPU (f32/f64 sum, prod, premul, divide) and the GPU writes its canonical NaN.
+fn assert_same(dt: DataType, got: &[u8], want: &[u8], what: &dyn Fn() -> String) {
+    for (i, (g, w)) in got.chunks(dt.size()).zip(want.chunks(dt.size())).enumerate() {
+        let nan = |e: &[u8]| match dt {
+            DataType::Float32 => f32::from_le_bytes(e.try_into().unwrap()).is_nan(),
+            DataType::Float64 => f64::from_le_bytes(e.try_into().unwrap()).is_nan(),
+            _ => false,
+        };
+        assert!(g == w || (nan(g) && nan(w)), "{} [{i}]: got {g:02x?}, want {w:02x?}", what());
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Reduce(ElemOp),
+    Premul(u64),
+    Divide(u64),
+}
+
+/// One kernel run: `kind` on `n` elements of `dt`, with dst/a/b at byte offsets `offs` into
+/// their buffers, or dst = a (`in_place`, dst's offset unused).
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    dt: DataType,
+    kind: Kind,
+    n: usize,
+    offs: [usize; 3],
+    in_place: bool,
+}
+
+/// Runs `case` on the device and on the host, on the same inputs, and compares.
+fn compare(k: &cuda::Kernels, s: &Stream, case: Case, rng: &mut Rng) {
+    let Case { dt, kind, n, offs, in_place } = case;
+    let bytes = n * dt.size();
+    let (ea, eb) = (elements(dt, n, rng), elements(dt, n, rng));
+    let bufs: Vec<DeviceBuf> = (0..3).map(|_| DeviceBuf::new(bytes + 64)).collect();
+    let [d, a, b] = [0, 1, 2].map(|i| bufs[i].region().sub(offs[i], bytes));
+    let d = if in_place { a } else { d };
+    upload(s, a, ea.clone());
+    upload(s, b, eb.clone());
+    let (mut wa, mut wb, mut want) = (ea.clone(), eb.clone(), vec![0u8; bytes]);
+    let (ha, hb, hw) = (host_region(&mut wa), host_region(&mut wb), host_region(&mut want));
+    match kind {
+        Kind::Reduce(op) => {
+            k.reduce(dt, op, d, a, b, s).unwrap();
+            host::reduce_local(dt, op, hw, ha, hb);
+        }
+        Kind::Premul(bits) => {
+            let scalar = Scalar { bytes: (bits & (u64::MAX >> (64 - 8 * dt.size()))).to_le_bytes() };
+            k.premul(dt, d, a, scalar, s).unwrap();
+            host::premul(dt, hw, ha, scalar);
+        }
+        Kind::Divide(divisor) => {
+            k.divide(dt, d, a, divisor, s).unwrap();
+            host::copy(hw, ha);
+            host::divide(dt, hw, divisor);
+        }
+    }
+    let got = download(s, d);
+    assert_same(dt, &got, &want, &|| format!("{case:?}"));
+    if !in_place {
+        assert_eq!(download(s, a), ea, "{dt:?} {kind:?}: input a changed");
+    }
+}
+
+fn check_kernels() {
+    let ctx = Context::primary(0).unwrap();
+    let k = ctx.kernels().unwrap();
+    assert!(std::ptr::eq(k, ctx.kernels().unwrap()), "loaded once per context");
+    let s = Stream::new(ctx).unwrap();
+    let mut rng = Rng(7);
+    for dt in DataType::ALL {
+        let size = dt.size();
+        let scalars: Vec<u64> = specials(dt).iter().copied().chain([rng.next(), rng.next()]).collect();
+        let mut run = |kind, n, offs, in_place| compare(k, &s, Case { dt, kind, n, offs, in_place }, &mut rng);
+        // Aligned (vector path), element-aligned (element path), mixed 16-byte phases, bytes.
+        let offsets = [[0, 0, 0], [size, size, size], [0, size, 2 * size], [1, 1, 1]];
+        for op in [ElemOp::Sum, ElemOp::Prod, ElemOp::Max, ElemOp::Min] {
+            for n in [1, 7, 33, 1000, 5000] {
+                for offs in offsets {
+                    run(Kind::Reduce(op), n, offs, false);
+                }
+            }
+            run(Kind::Reduce(op), 777, [0, 0, 0], true);
+        }
+        for scalar in scalars {
+            run(Kind::Premul(scalar), 1000, [0, 0, 0], false);
+            run(Kind::Premul(scalar), 333, [size, 0, 0], true);
+        }
+        for divisor in [0, 1, 2, 3, 7, 1000, 1 << 31, 1 << 40, 1 << 63, u64::MAX] {
+            run(Kind::Divide(divisor), 1000, [0, 0, 0], false);
+            run(Kind::Divide(divisor), 333, [1, 1, 0], true);
+        }
+    }
+    // n == 0 launches nothing.
+    let empty = device_region(0, 0);
+    k.reduce(DataType::Float32, ElemOp::Sum, empty, empty, empty, &s).unwrap();
+    s.synchronize().unwrap();
+}
+
+// ---- errors ----------------------------------------------------------------------------------
+
+#[test]
+fn driver_errors_name_the_call_and_the_result() {
+    if in_child("driver_errors_name_the_call_and_the_result", check_errors) {
+        return;
+    }
+    run_child("driver_errors_name_the_call_and_the_result", Driver::Stub, &[]);
+}
+
+fn check_errors() {
+    use cudarc::driver::sys;
+    let ctx = Context::primary(0).unwrap();
+    let mut heap = vec![0u8; 4096];
+    let e = cuda::free(heap.as_mut_ptr().cast()).unwrap_err();
+    assert_eq!((e.code, e.msg.as_str()), (Code::UnhandledCudaError, "cuMemFree_v2: CUDA_ERROR_INVALID_VALUE"));
+    let e = cuda::alloc(0).unwrap_err();
+    assert_eq!(e.msg, "cuMemAlloc_v2(0 bytes): CUDA_ERROR_INVALID_VALUE");
+    let e = IpcHandle::of(heap.as_mut_ptr().cast()).unwrap_err();
+    assert_eq!(e.msg, "cuIpcGetMemHandle: CUDA_ERROR_INVALID_VALUE");
+    // The stub, like a GPU, cannot reach pageable host memory from a kernel.
+    let s = Stream::new(ctx).unwrap();
+    let h = host_region(&mut heap);
+    let e = ctx.kernels().unwrap().reduce(DataType::Float32, ElemOp::Sum, h, h, h, &s).unwrap_err();
+    assert_eq!(e.msg, "cuLaunchKernel(1 blocks, n 1024): CUDA_ERROR_ILLEGAL_ADDRESS");
+    // The stub's module checks: not PTX, and a kernel the module lacks.
+    let (mut module, mut f) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: NUL-terminated images and names; valid out-pointers; a context is current.
+    unsafe {
+        assert_eq!(
+            sys::cuModuleLoadData(&mut module, c"garbage".as_ptr().cast()),
+            sys::CUresult::CUDA_ERROR_INVALID_IMAGE
+        );
+        let ptx = c".version 8.0\n.target sm_70\n.visible .entry nccl_rs_premul_float(\n";
+        assert_eq!(sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuModuleGetFunction(&mut f, module, c"nccl_rs_premul_float".as_ptr()),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        let missing = sys::cuModuleGetFunction(&mut f, module, c"nccl_rs_divide_float".as_ptr());
+        assert_eq!(missing, sys::CUresult::CUDA_ERROR_NOT_FOUND);
+        assert_eq!(sys::cuModuleUnload(module), sys::CUresult::CUDA_SUCCESS);
+    }
+}

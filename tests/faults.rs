@@ -1,0 +1,438 @@
+//! Failures, as the surviving ranks see them (`ffi-tests/faults.c` does the calls; see its
+//! header for the parts and their environment): a rank SIGKILLed in the middle of an
+//! allreduce loop (shared memory and sockets, blocking and nonblocking communicators), a link
+//! cut between two hosts, `ncclCommAbort` from another thread, mismatched calls, and garbage,
+//! closed and half-open connections on the bootstrap root while a real job initialises.
+//!
+//! Every job has a hard deadline (at most 45 s) and every C process an alarm of its own, so
+//! nothing hangs: a library that never notices a failure fails the test with the last step
+//! each process was in. Whatever happens, each test prints the codes, messages and times the
+//! ranks saw. Bootstrap and sockets use loopback (`NCCL_SOCKET_IFNAME=lo`), or the test hosts
+//! of `scripts/testhosts` for the link test.
+
+mod common;
+
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use common::*;
+
+/// The lines of the C programs worth quoting in a report.
+fn key_lines(o: &Outcome) -> String {
+    let keys = [
+        "ERROR after",
+        "ncclGetLastError",
+        "ncclCommGetAsyncError ->",
+        "ncclCommAbort",
+        "ncclAllReduce returned",
+        "TIMING",
+        "FAIL ",
+        "CRASH",
+        "RESULT",
+        " -> nccl",
+        "new communicator",
+        "faults.c:",
+        "common.c:",
+    ];
+    let mut s = String::new();
+    for (i, p) in o.procs.iter().enumerate() {
+        for line in p.log.lines().filter(|l| keys.iter().any(|k| l.contains(k))) {
+            s += &format!("  p{i}: {line}\n");
+        }
+    }
+    s
+}
+
+fn secs(d: Option<Duration>) -> String {
+    d.map_or("-".to_string(), |d| format!("{:.3} s", d.as_secs_f64()))
+}
+
+/// Prints the summary; panics with it and the whole report unless `ok`.
+fn judge(name: &str, o: &Outcome, ok: bool, summary: String) {
+    let text = format!("== {name}: {}\n{summary}{}", if ok { "PASS" } else { "FAIL" }, key_lines(o));
+    if ok {
+        println!("{text}");
+        o.clean();
+    } else {
+        panic!("{text}\n{}", o.report);
+    }
+}
+
+// ---- a rank killed in the middle of an allreduce loop ------------------------------------
+
+/// Two processes loop over 4 MiB allreduces; process 1 (rank 1) is SIGKILLed 50 ms after it
+/// says the loop runs. Rank 0 must return ncclRemoteError naming rank 1 within 30 s, then
+/// abort and exit 0 (the C program checks all of that and exits 1 otherwise).
+fn kill_during_allreduce(name: &str, socket: bool, nonblocking: bool) {
+    let mut job = Job::new("faults")
+        .procs(2)
+        .arg("--only")
+        .arg("loop")
+        .env("NCCL_SOCKET_IFNAME", "lo")
+        .env("FAULTS_LOST_RANK", "1")
+        .env("FAULTS_BOUND_S", "30")
+        .env("FAULTS_MAX_S", "32")
+        .kill(1, When::marker(1, "LOOPING").then_ms(50))
+        .timeout_s(45);
+    if socket {
+        job = job.env("NCCL_SHM_DISABLE", "1");
+    }
+    if nonblocking {
+        job = job.env("FAULTS_NONBLOCKING", "1");
+    }
+    let o = job.run_outcome();
+    let killed = o.fired[0];
+    let survivor = &o.procs[0];
+    let after_kill = match (killed, survivor.exited_at) {
+        (Some(k), Some(e)) => Some(e.saturating_sub(k)),
+        _ => None,
+    };
+    let within = after_kill.is_some_and(|d| d <= Duration::from_secs(35));
+    let summary = format!(
+        "  process 1 SIGKILLed at {}; survivor (rank 0) exited {} after the kill; {}\n",
+        secs(killed),
+        secs(after_kill),
+        if o.procs[1].died_of_sigkill() { "victim died of SIGKILL" } else { "victim NOT killed by the job" },
+    );
+    judge(name, &o, o.ok() && killed.is_some() && within, summary);
+}
+
+#[test]
+fn kill_rank_during_allreduce_shm() {
+    kill_during_allreduce("kill_rank_during_allreduce_shm", false, false);
+}
+
+#[test]
+fn kill_rank_during_allreduce_socket() {
+    kill_during_allreduce("kill_rank_during_allreduce_socket", true, false);
+}
+
+#[test]
+fn kill_rank_during_allreduce_nonblocking_shm() {
+    kill_during_allreduce("kill_rank_during_allreduce_nonblocking_shm", false, true);
+}
+
+#[test]
+fn kill_rank_during_allreduce_nonblocking_socket() {
+    kill_during_allreduce("kill_rank_during_allreduce_nonblocking_socket", true, true);
+}
+
+// ---- ncclCommAbort from another thread ------------------------------------------------
+
+/// Rank 0 blocks in an allreduce rank 1 never joins; a second thread aborts after 1 s; the
+/// call must return within 1 s of the abort, and a new communicator (new id) must work.
+fn abort_from_thread(name: &str, socket: bool) {
+    let mut job = Job::new("faults")
+        .procs(2)
+        .arg("--only")
+        .arg("abort")
+        .env("NCCL_SOCKET_IFNAME", "lo")
+        .timeout_s(45);
+    if socket {
+        job = job.env("NCCL_SHM_DISABLE", "1");
+    }
+    let o = job.run_outcome();
+    judge(name, &o, o.ok(), String::new());
+}
+
+#[test]
+fn abort_from_another_thread_unblocks_allreduce_shm() {
+    abort_from_thread("abort_from_another_thread_unblocks_allreduce_shm", false);
+}
+
+#[test]
+fn abort_from_another_thread_unblocks_allreduce_socket() {
+    abort_from_thread("abort_from_another_thread_unblocks_allreduce_socket", true);
+}
+
+/// A nonblocking communicator waiting in init for a rank that never comes: ncclCommAbort
+/// returns within 1 s, and a new communicator works afterwards.
+#[test]
+fn abort_during_nonblocking_init() {
+    let o = Job::new("faults")
+        .arg("--only")
+        .arg("abort-init")
+        .env("NCCL_SOCKET_IFNAME", "lo")
+        .timeout_s(30)
+        .run_outcome();
+    judge("abort_during_nonblocking_init", &o, o.ok(), String::new());
+}
+
+// ---- a link cut between two hosts -------------------------------------------------------
+
+/// Two hosts of one rank each loop over allreduces; host 1's interface goes down. With
+/// NCCL_PEER_TIMEOUT_S=10 both ranks must fail (naming the other rank) within 25 s.
+#[test]
+fn link_down_between_two_hosts() {
+    if skip_netns() {
+        return;
+    }
+    let hosts = Hosts::up("link", 2, &[]);
+    let mut cut = hosts.link_command(1, false);
+    let o = Job::new("faults")
+        .procs(2)
+        .arg("--only")
+        .arg("loop")
+        .env("NCCL_PEER_TIMEOUT_S", "10")
+        .env("FAULTS_BOUND_S", "25")
+        .env("FAULTS_MAX_S", "28")
+        .on_host(0, &hosts, 0)
+        .on_host(1, &hosts, 1)
+        .proc_env(0, "FAULTS_LOST_RANK", "1")
+        .proc_env(1, "FAULTS_LOST_RANK", "0")
+        .on(When::marker(0, "LOOPING").then_ms(50), move || match cut.output() {
+            Ok(out) if out.status.success() => "link of host 1 set down".to_string(),
+            Ok(out) => format!("link down FAILED: {}", String::from_utf8_lossy(&out.stderr)),
+            Err(e) => format!("link down FAILED: {e}"),
+        })
+        .timeout_s(45)
+        .run_outcome();
+    let cut_at = o.fired[0];
+    let after: Vec<Option<Duration>> = o
+        .procs
+        .iter()
+        .map(|p| match (cut_at, p.exited_at) {
+            (Some(c), Some(e)) => Some(e.saturating_sub(c)),
+            _ => None,
+        })
+        .collect();
+    let within = after.iter().all(|d| d.is_some_and(|d| d <= Duration::from_secs(27)));
+    let summary = format!(
+        "  link cut at {}; rank 0 exited {} after it, rank 1 {} after it\n",
+        secs(cut_at),
+        secs(after[0]),
+        secs(after[1])
+    );
+    judge("link_down_between_two_hosts", &o, o.ok() && cut_at.is_some() && within, summary);
+}
+
+// ---- mismatched calls ------------------------------------------------------------------
+
+/// Rank 0 and rank 1 make different calls: both must return an error (ncclInvalidUsage)
+/// whose text names both calls; nothing hangs.
+fn mismatch(case: &str) {
+    let o = Job::new("faults")
+        .procs(2)
+        .arg("--only")
+        .arg("mismatch")
+        .env("NCCL_SOCKET_IFNAME", "lo")
+        .env("FAULTS_CASE", case)
+        .timeout_s(30)
+        .run_outcome();
+    judge(&format!("mismatch_{case}"), &o, o.ok(), String::new());
+}
+
+/// AllReduce(1024, float, sum) against AllGather(2048, float).
+#[test]
+fn mismatch_collective() {
+    mismatch("coll");
+}
+
+/// AllReduce of 1024 against 2048 floats.
+#[test]
+fn mismatch_count() {
+    mismatch("count");
+}
+
+/// AllReduce of float against int32.
+#[test]
+fn mismatch_datatype() {
+    mismatch("dtype");
+}
+
+/// AllReduce sum against max.
+#[test]
+fn mismatch_op() {
+    mismatch("op");
+}
+
+/// Broadcast from root 0 against root 1.
+#[test]
+fn mismatch_root() {
+    mismatch("root");
+}
+
+// ---- hostile input on the bootstrap root --------------------------------------------------
+
+#[derive(Default, Debug)]
+struct AttackStats {
+    rounds: u64,
+    refused: u64,
+    garbage_sent: u64,
+    closed_at_once: u64,
+    half_open: u64,
+    partial_frames: u64,
+    /// The most silent connections held open at once.
+    peak_idle: usize,
+}
+
+struct Attack {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<AttackStats>,
+}
+
+impl Attack {
+    /// Until stopped: every 10 ms, connect to the root (once `target` knows it) and send
+    /// garbage, connect and close at once, and, while fewer than `keep_idle` silent
+    /// connections are open, connect `burst` times and send nothing and connect once and
+    /// send half a frame. Silent connections stay open until the attack stops, as a peer
+    /// that vanished or a port scanner that never closes would leave them.
+    fn start(
+        target: impl Fn() -> Option<SocketAddr> + Send + 'static,
+        keep_idle: usize,
+        burst: usize,
+    ) -> Attack {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut stats = AttackStats::default();
+            let mut idle: Vec<TcpStream> = Vec::new();
+            let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+            let mut cached = None;
+            while !flag.load(Ordering::Relaxed) {
+                if cached.is_none() {
+                    cached = target();
+                }
+                let Some(addr) = cached else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                stats.rounds += 1;
+                let connect = || TcpStream::connect_timeout(&addr, Duration::from_millis(200));
+                match connect() {
+                    Ok(mut s) => {
+                        let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+                        let _ = s.write_all(&garbage(stats.rounds, &mut seed));
+                        stats.garbage_sent += 1;
+                    }
+                    Err(_) => {
+                        stats.refused += 1;
+                        std::thread::sleep(Duration::from_millis(10));
+                        continue;
+                    }
+                }
+                if connect().is_ok() {
+                    stats.closed_at_once += 1;
+                }
+                for _ in 0..burst {
+                    if idle.len() >= keep_idle {
+                        break;
+                    }
+                    if let Ok(s) = connect() {
+                        idle.push(s);
+                        stats.half_open += 1;
+                    }
+                }
+                if idle.len() < keep_idle {
+                    if let Ok(mut s) = connect() {
+                        // A frame that announces 1000 bytes and delivers 10.
+                        let mut half = 1000u32.to_le_bytes().to_vec();
+                        half.extend_from_slice(&[1u8; 10]);
+                        let _ = s.write_all(&half);
+                        idle.push(s);
+                        stats.partial_frames += 1;
+                    }
+                }
+                stats.peak_idle = stats.peak_idle.max(idle.len());
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            stats
+        });
+        Attack { stop, thread }
+    }
+
+    fn stop(self) -> AttackStats {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("attack thread panicked")
+    }
+}
+
+/// Five kinds of garbage in turn: random bytes, a huge length, a hello with a wrong magic,
+/// an empty frame, a length just under the 16 MiB frame limit followed by nothing.
+fn garbage(round: u64, seed: &mut u64) -> Vec<u8> {
+    let mut random = |n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                *seed ^= *seed << 13;
+                *seed ^= *seed >> 7;
+                *seed ^= *seed << 17;
+                *seed as u8
+            })
+            .collect()
+    };
+    match round % 5 {
+        0 => random(64),
+        1 => vec![0xff; 8],
+        2 => {
+            let mut body = vec![1u8];
+            body.extend_from_slice(&0x0123_4567_89ab_cdefu64.to_le_bytes());
+            body.extend_from_slice(&random(40));
+            let mut f = (body.len() as u32).to_le_bytes().to_vec();
+            f.extend_from_slice(&body);
+            f
+        }
+        3 => vec![0, 0, 0, 0],
+        _ => ((16u32 << 20) - 1).to_le_bytes().to_vec(),
+    }
+}
+
+/// The root's address inside a unique id: [10..12] port (little-endian), [12] IP version,
+/// [16..20] IPv4 address.
+fn root_of_id_file(path: &Path) -> Option<SocketAddr> {
+    let b = std::fs::read(path).ok()?;
+    if b.len() < 128 || b[12] != 4 {
+        return None;
+    }
+    let port = u16::from_le_bytes([b[10], b[11]]);
+    Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::new(b[16], b[17], b[18], b[19])), port))
+}
+
+/// A 4-rank init and allreduce while the root is attacked; ranks 1-3 start 1 s late, so the
+/// attack is under way before they arrive. The job must succeed. `keep_idle` silent
+/// connections stay open (opened `burst` per round).
+fn hostile(name: &str, comm_id: bool, keep_idle: usize, burst: usize) {
+    let mut job = Job::new("faults")
+        .procs(4)
+        .arg("--only")
+        .arg("hello")
+        .env("NCCL_SOCKET_IFNAME", "lo")
+        .delay_start_ms(1, 1000)
+        .delay_start_ms(2, 1000)
+        .delay_start_ms(3, 1000)
+        .timeout_s(40);
+    let attack = if comm_id {
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_tcp_port()).parse().unwrap();
+        job = job.env("NCCL_COMM_ID", &addr.to_string());
+        Attack::start(move || Some(addr), keep_idle, burst)
+    } else {
+        let id_file: PathBuf = job.dir().join("unique-id");
+        Attack::start(move || root_of_id_file(&id_file), keep_idle, burst)
+    };
+    let o = job.run_outcome();
+    let stats = attack.stop();
+    let reached = stats.garbage_sent > 0;
+    let summary = format!("  attack: {stats:?}\n");
+    judge(name, &o, o.ok() && reached, summary);
+}
+
+#[test]
+fn hostile_connections_to_root_from_unique_id() {
+    hostile("hostile_connections_to_root_from_unique_id", false, 32, 1);
+}
+
+#[test]
+fn hostile_connections_to_root_nccl_comm_id() {
+    hostile("hostile_connections_to_root_nccl_comm_id", true, 32, 1);
+}
+
+/// A flood: 400 silent connections held open while the ranks arrive. A root may cap how
+/// many connections it waits on, but a rank that says hello at once must still get in.
+#[test]
+fn hostile_flood_of_half_open_connections() {
+    hostile("hostile_flood_of_half_open_connections", false, 400, 40);
+}

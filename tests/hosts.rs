@@ -1,0 +1,164 @@
+//! Several hosts on one machine: the C programs of `ffi-tests/` run in the network
+//! namespaces `scripts/testhosts` makes (one bridge, host `i` at 10.77.0.(10+i) and
+//! fd77::(10+i) on `veth<i>`), each process with `NCCL_HOSTID` naming its host and
+//! `NCCL_SOCKET_IFNAME` its interface, so ranks of one host share memory and ranks of
+//! different hosts really talk TCP across interfaces. The unique id travels through a file
+//! in a shared temporary folder; the root address inside it is host 0's interface address.
+//!
+//! Needs root and iproute2 (`NCCL_TEST_SKIP_NETNS=1` skips these tests, saying so).
+
+mod common;
+
+use common::*;
+
+/// Runs `job`'s process `p` on host `host_of[p]` of `hosts`.
+fn placed(mut job: Job, hosts: &Hosts, host_of: &[usize]) -> Job {
+    for (p, &h) in host_of.iter().enumerate() {
+        job = job.on_host(p, hosts, h);
+    }
+    job
+}
+
+/// Every "rank A -> rank B via KIND" line the library logged (NCCL_DEBUG_SUBSYS=INIT).
+fn connections(o: &Outcome) -> Vec<(usize, usize, String)> {
+    let mut out = Vec::new();
+    for (_, line) in o.lines_with(" via ") {
+        let Some(at) = line.find("rank ") else { continue };
+        let words: Vec<&str> = line[at..].split_whitespace().collect();
+        if let ["rank", a, "->", "rank", b, "via", kind, ..] = words.as_slice() {
+            if let (Ok(a), Ok(b)) = (a.parse(), b.parse()) {
+                out.push((a, b, kind.to_string()));
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Ranks of one host connect through shared memory, ranks of different hosts through
+/// sockets; `want` says which kinds must appear at all. One rank per process.
+fn check_transports(o: &Outcome, host_of: &[usize], want: &[&str]) {
+    let conns = connections(o);
+    let mut wrong = Vec::new();
+    for (a, b, kind) in &conns {
+        let expected = if host_of[*a] == host_of[*b] { "Shm" } else { "Socket" };
+        if kind != expected {
+            wrong.push(format!("rank {a} -> rank {b} via {kind} (expected {expected})"));
+        }
+    }
+    let listed: Vec<String> = conns.iter().map(|(a, b, k)| format!("{a}->{b} {k}")).collect();
+    println!("connections: {}", listed.join(", "));
+    assert!(wrong.is_empty(), "wrong transports: {wrong:?}\n{}", o.report);
+    for kind in want {
+        assert!(
+            conns.iter().any(|(_, _, k)| k == kind),
+            "no connection via {kind} among {listed:?}\n{}",
+            o.report
+        );
+    }
+}
+
+fn expect_ok(o: &Outcome) {
+    assert!(o.ok(), "{}", o.report);
+    println!("{}", o.report.lines().next().unwrap_or_default());
+    for (i, p) in o.procs.iter().enumerate() {
+        for line in p.log.lines().filter(|l| l.contains("RESULT") || l.contains("total ")) {
+            println!("  p{i}: {line}");
+        }
+    }
+}
+
+/// 2 hosts x 2 ranks: shared memory inside a host, sockets between hosts, exact results.
+#[test]
+fn two_hosts_x_two_ranks_collectives() {
+    if skip_netns() {
+        return;
+    }
+    let hosts = Hosts::up("a", 2, &[]);
+    let host_of = [0, 0, 1, 1];
+    let job = Job::new("collectives")
+        .procs(4)
+        .arg("--quick")
+        .env("NCCL_DEBUG", "INFO")
+        .env("NCCL_DEBUG_SUBSYS", "INIT")
+        .timeout_s(90);
+    let o = placed(job, &hosts, &host_of).run_outcome();
+    expect_ok(&o);
+    check_transports(&o, &host_of, &["Shm", "Socket"]);
+    o.clean();
+}
+
+/// 4 hosts x 1 rank: every connection crosses an interface; collectives and p2p.
+#[test]
+fn four_hosts_collectives_and_p2p() {
+    if skip_netns() {
+        return;
+    }
+    let hosts = Hosts::up("b", 4, &[]);
+    let host_of = [0, 1, 2, 3];
+    for program in ["collectives", "p2p"] {
+        let mut job = Job::new(program)
+            .procs(4)
+            .env("NCCL_DEBUG", "INFO")
+            .env("NCCL_DEBUG_SUBSYS", "INIT")
+            .timeout_s(90);
+        if program == "collectives" {
+            job = job.arg("--quick");
+        }
+        let o = placed(job, &hosts, &host_of).run_outcome();
+        expect_ok(&o);
+        check_transports(&o, &host_of, &["Socket"]);
+        o.clean();
+    }
+}
+
+/// Links limited to 200 Mbit/s (tbf): the allreduces still give exact results.
+#[test]
+fn two_hosts_rate_limited_allreduce() {
+    if skip_netns() {
+        return;
+    }
+    let hosts = Hosts::up("r", 2, &["--rate", "200mbit"]);
+    let qdisc = hosts.exec(0, &["tc", "qdisc", "show", "dev", &hosts.ifname(0)]);
+    let qdisc = String::from_utf8_lossy(&qdisc.stdout).into_owned();
+    assert!(qdisc.contains("tbf"), "no tbf qdisc on host 0: {qdisc}");
+    println!("host 0: {}", qdisc.trim());
+    let job = Job::new("collectives")
+        .procs(2)
+        .arg("--quick")
+        .arg("--only")
+        .arg("AllReduce")
+        .timeout_s(60);
+    let o = placed(job, &hosts, &[0, 1]).run_outcome();
+    expect_ok(&o);
+    o.clean();
+}
+
+/// 2 hosts x 1 rank over IPv6 (NCCL_SOCKET_FAMILY=AF_INET6): the root listens on an IPv6
+/// address and the collectives give exact results.
+#[test]
+fn two_hosts_ipv6() {
+    if skip_netns() {
+        return;
+    }
+    let hosts = Hosts::up("v6", 2, &[]);
+    let job = Job::new("collectives")
+        .procs(2)
+        .arg("--quick")
+        .env("NCCL_SOCKET_FAMILY", "AF_INET6")
+        .env("NCCL_DEBUG", "INFO")
+        .env("NCCL_DEBUG_SUBSYS", "INIT,BOOTSTRAP")
+        .timeout_s(60);
+    let o = placed(job, &hosts, &[0, 1]).run_outcome();
+    expect_ok(&o);
+    let root: Vec<&str> = o.lines_with("root listening on").map(|(_, l)| l).collect();
+    println!("root: {root:?}");
+    assert!(
+        root.iter().any(|l| l.contains("listening on [")),
+        "the root does not listen on an IPv6 address: {root:?}\n{}",
+        o.report
+    );
+    check_transports(&o, &[0, 1], &["Socket"]);
+    o.clean();
+}
