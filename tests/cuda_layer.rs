@@ -741,3 +741,36 @@ fn check_errors() {
         assert_eq!(sys::cuModuleUnload(module), sys::CUresult::CUDA_SUCCESS);
     }
 }
+
+/// Until CUDA mode lands, a collective on device memory must be refused with a clear error
+/// (a host copy would crash a real process); host memory keeps working in the same process.
+#[test]
+fn collectives_refuse_device_memory_until_cuda_mode_lands() {
+    if in_child("collectives_refuse_device_memory_until_cuda_mode_lands", check_refuse_device) {
+        return;
+    }
+    for driver in drivers() {
+        run_child("collectives_refuse_device_memory_until_cuda_mode_lands", driver, &[]);
+    }
+}
+
+fn check_refuse_device() {
+    use nccl::abi::coll::ncclAllReduce;
+    use nccl::abi::comm::{ncclCommDestroy, ncclCommInitAll};
+    use nccl::abi::misc::ncclGetLastError;
+    use nccl::abi::types::*;
+    Context::primary(0).unwrap();
+    let mut comm: ncclComm_t = std::ptr::null_mut();
+    assert_eq!(ncclCommInitAll(&mut comm, 1, std::ptr::null()).0, 0);
+    let dev = DeviceBuf::new(4096);
+    let r = ncclAllReduce(dev.ptr, dev.ptr, 16, ncclDataType_t(7), ncclRedOp_t(0), comm, std::ptr::null_mut());
+    assert_eq!(r.0, 5, "device memory must be ncclInvalidUsage");
+    // SAFETY: the library returns a NUL-terminated string.
+    let msg = unsafe { std::ffi::CStr::from_ptr(ncclGetLastError(comm)) }.to_string_lossy().into_owned();
+    assert!(msg.contains("device"), "{msg}");
+    let mut host = vec![1.0f32; 16];
+    let p = host.as_mut_ptr() as *mut c_void;
+    assert_eq!(ncclAllReduce(p, p, 16, ncclDataType_t(7), ncclRedOp_t(0), comm, std::ptr::null_mut()).0, 0);
+    assert_eq!(host[0], 1.0);
+    assert_eq!(ncclCommDestroy(comm).0, 0);
+}

@@ -62,6 +62,23 @@ fn regions(a: &Args, es: usize, n: usize, rank: usize, root: usize) -> Result<(R
     Ok((region(a.send, s), region(a.recv, r)))
 }
 
+/// CUDA mode is not implemented yet: on a machine with a driver, a device buffer must get a
+/// clear error, not a host copy that would crash the process. Host, pinned and managed
+/// memory are readable by the host and work as in host mode.
+fn refuse_device_memory(regions: &[Region], kind: OpKind) -> Result<()> {
+    if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+        return Ok(());
+    }
+    for r in regions.iter().filter(|r| !r.is_empty()) {
+        if let Ok(crate::device::cuda::PtrKind::Device { ordinal }) = crate::device::cuda::classify(r.addr()) {
+            return Err(Error::invalid_usage(format!(
+                "{}: buffer {:#x} is memory of CUDA device {ordinal}; nccl-rs does not run collectives on \
+                 device memory yet (host, pinned and managed memory work)", kind.name(), r.addr())));
+        }
+    }
+    Ok(())
+}
+
 /// Validate and issue one call.
 pub fn enqueue(comm: Arc<Comm>, a: Args) -> Result<()> {
     let result = validate(&comm, &a);
@@ -89,6 +106,7 @@ fn validate(comm: &Comm, a: &Args) -> Result<Op> {
     };
     let op = if a.kind.reduces() { resolve_op(comm, a.op, dt)? } else { RedOp::Builtin(BuiltinOp::Sum) };
     let (send, recv) = regions(a, dt.size(), n, comm.rank, root)?;
+    refuse_device_memory(&[send, recv], a.kind)?;
     // Collectives are numbered alike on every rank; point-to-point calls are not.
     let seq = if a.kind.is_p2p() { 0 } else { comm.seq.fetch_add(1, Ordering::Relaxed) };
     let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq };
