@@ -22,7 +22,7 @@
  *                      last completed allreduce (default 30)
  *   FAULTS_MAX_S       `loop`: give up (fail) when no call failed after this long (default 45)
  *   FAULTS_ABORT_AFTER_MS  `abort`: when the second thread aborts (default 1000)
- *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root
+ *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root | reduce_root | gather_root
  *
  * Lines the harness watches: "LOOPING" (the loop runs: kill or cut now).
  * Timings are printed as "TIMING name=seconds" for the report.
@@ -370,6 +370,15 @@ static void part_mismatch(void) {
     a = "root 0", b = "root 1";
     mine = me == 0 ? "Broadcast(count 1024, float, root 0)" : "Broadcast(count 1024, float, root 1)";
     r = ncclBroadcast(send, recv, 1024, ncclFloat32, me, comm, TEST_STREAM);
+  } else if (!strcmp(which, "reduce_root")) {
+    /* Both ranks believe they are the root: each waits to receive, nobody sends. */
+    a = "root 0", b = "root 1";
+    mine = me == 0 ? "Reduce(count 1024, float, sum, root 0)" : "Reduce(count 1024, float, sum, root 1)";
+    r = ncclReduce(send, recv, 1024, ncclFloat32, ncclSum, me, comm, TEST_STREAM);
+  } else if (!strcmp(which, "gather_root")) {
+    a = "root 0", b = "root 1";
+    mine = me == 0 ? "Gather(count 1024, float, root 0)" : "Gather(count 1024, float, root 1)";
+    r = ncclGather(send, recv, 1024, ncclFloat32, me, comm, TEST_STREAM);
   } else {
     fprintf(stderr, "unknown FAULTS_CASE %s\n", which);
     exit(2);

@@ -194,7 +194,13 @@ fn execute(ops: Vec<(Arc<Comm>, Op)>) -> Result<()> {
     }
     let mut guards: Vec<_> = per_comm.iter().map(|(c, _)| c.ready().map(|r| r.conns())).collect::<Result<_>>()?;
 
-    connect(&per_comm, &plans, &mut guards)?;
+    for ((c, _), p) in per_comm.iter().zip(plans.iter()) {
+        c.ready()?.set_running(&p.stamps);
+    }
+    if let Err(e) = connect(&per_comm, &plans, &mut guards) {
+        per_comm.iter().filter_map(|(c, _)| c.ready_if_any()).for_each(|r| r.set_running(&[]));
+        return Err(e);
+    }
 
     let mut jobs: Vec<Job<'_>> = per_comm
         .iter()
@@ -203,11 +209,24 @@ fn execute(ops: Vec<(Arc<Comm>, Op)>) -> Result<()> {
         .map(|(((c, _), g), p)| Job::new(c, g, &p.units, &p.stamps, &crate::plan::ops::describe_stamp))
         .collect();
     let result = proxy::run(&mut jobs);
+    let failed_peer = result.as_ref().err().and_then(|(j, _)| jobs[*j].failed_peer);
     drop(jobs);
+    for (c, _) in &per_comm {
+        if let Some(r) = c.ready_if_any() {
+            r.set_running(&[]);
+        }
+    }
     if let Err((j, e)) = result {
         let (c, ops) = &per_comm[j];
         let mut e = e;
-        if e.code != crate::Code::InvalidUsage {
+        // A peer that stopped on an error of its own closed its connections: its reason is
+        // the real one (a mismatch it detected, a peer it lost).
+        if e.code == crate::Code::RemoteError {
+            if let Some(theirs) = failed_peer.and_then(|p| c.peer_failure(p)) {
+                e = theirs;
+            }
+        }
+        if e.code == crate::Code::RemoteError {
             // Name the culprit: the peer this rank waited on may only have reacted to it.
             let lost = c.lost_peers();
             if !lost.is_empty() {
@@ -218,11 +237,41 @@ fn execute(ops: Vec<(Arc<Comm>, Op)>) -> Result<()> {
         let e = e.context(format!("rank {}: {}", c.rank, describe(ops)));
         // The connections are in an unknown state: close them so peers stop waiting, and keep
         // the error for ncclCommGetAsyncError.
+        if let Some(r) = c.ready_if_any() {
+            r.set_failed(&e);
+        }
         guards[j].close_all();
         c.set_async_error(&e);
         return Err(e);
     }
     Ok(())
+}
+
+/// Accept `peer`'s connection; while it does not come, ask the peer what it runs, so two
+/// ranks that wait for each other in different operations get an error, not a hang.
+fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: &mut transport::Conns, peer: usize) -> Result<()> {
+    let mine = plan.units.iter().find_map(|u| match u.step {
+        Step::Recv { peer: p, .. } | Step::RecvReduce { peer: p, .. } if p as usize == peer => Some(plan.stamps[u.op as usize]),
+        _ => None,
+    });
+    let started = Instant::now();
+    loop {
+        let slice_end = (Instant::now() + std::time::Duration::from_secs(1)).min(ctx.deadline);
+        let attempt = Ctx { deadline: slice_end, ..*ctx };
+        match transport::accept(&attempt, conns, peer) {
+            Err(e) if e.code == crate::Code::Timeout && Instant::now() < ctx.deadline => {
+                if let Some(mine) = mine {
+                    if c.peer_runs(peer, &mine, &crate::plan::ops::describe_stamp)? == crate::comm::PeerRuns::Nothing
+                        && started.elapsed() >= std::time::Duration::from_secs(5)
+                    {
+                        crate::warn!("rank {}: waited {} s in {} for {}, which has not issued that call",
+                                     c.rank, started.elapsed().as_secs(), crate::plan::ops::describe_stamp(&mine), c.describe_peer(peer));
+                    }
+                }
+            }
+            other => return other,
+        }
+    }
 }
 
 fn connect(per_comm: &[(Arc<Comm>, Vec<Op>)], plans: &[crate::plan::Builder],
@@ -244,7 +293,7 @@ fn connect(per_comm: &[(Arc<Comm>, Vec<Op>)], plans: &[crate::plan::Builder],
             let ctx = Ctx { rank: c.rank, hash: c.hash, peers: &ready.peers, service: &ready.service,
                             slice: ready.slice, abort: &c.abort, deadline };
             for peer in peers_of(p, phase_send) {
-                let r = if phase_send { transport::offer(&ctx, g, peer) } else { transport::accept(&ctx, g, peer) };
+                let r = if phase_send { transport::offer(&ctx, g, peer) } else { accept_watching(c, p, &ctx, g, peer) };
                 r.map_err(|e| e.context(format!("rank {}: connecting to {}", c.rank, c.describe_peer(peer))))?;
             }
         }

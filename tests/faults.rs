@@ -257,6 +257,18 @@ fn mismatch_root() {
     mismatch("root");
 }
 
+/// Two ranks that both think they are Reduce's root both wait to receive: the watchdog asks
+/// the peer what it runs and turns the would-be hang into an error naming both calls.
+#[test]
+fn mismatch_reduce_root() {
+    mismatch("reduce_root");
+}
+
+#[test]
+fn mismatch_gather_root() {
+    mismatch("gather_root");
+}
+
 // ---- hostile input on the bootstrap root --------------------------------------------------
 
 #[derive(Default, Debug)]

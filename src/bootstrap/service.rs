@@ -17,6 +17,8 @@ const KIND_MSG: u8 = 1;
 const KIND_DATA: u8 = 2;
 /// Answered by the kernel's accept alone: proves the peer's process still listens.
 const KIND_PING: u8 = 3;
+/// "What are you running?": answered on the same connection with the rank's current status.
+const KIND_STATUS: u8 = 4;
 /// How long an incoming connection may take to say who it is.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -26,8 +28,12 @@ struct Inbox {
     data: HashMap<(u32, u32), VecDeque<TcpStream>>,
 }
 
+/// What a rank is doing now, as opaque bytes its communicator keeps up to date.
+pub type Status = Arc<Mutex<Vec<u8>>>;
+
 struct Shared {
     magic: u64,
+    status: std::sync::OnceLock<Status>,
     stop: AtomicBool,
     /// Connections being read by their own threads.
     pending: super::pending::Pending,
@@ -49,7 +55,7 @@ impl Service {
     pub fn start(ip: std::net::IpAddr, magic: u64, rank: u32) -> Result<Service> {
         let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
-        let shared = Arc::new(Shared { magic, stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new() });
+        let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new() });
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name("nccl-rs-boot".into())
@@ -99,6 +105,17 @@ impl Service {
         Ok(())
     }
 
+    /// Where this service reads the answer to status requests.
+    pub fn set_status(&self, status: Status) {
+        let _ = self.shared.status.set(status);
+    }
+
+    /// Ask `peer` what it is running (its status bytes), waiting at most `timeout`.
+    pub fn status(&self, peer: usize, timeout: Duration) -> Result<Vec<u8>> {
+        let mut s = self.open(peer, KIND_STATUS, 0, &[])?;
+        read_frame(&mut s, timeout).map_err(|e| e.context(format!("status of rank {peer}")))
+    }
+
     /// Deliver a small message to `peer` under `tag`.
     pub fn send(&self, peer: usize, tag: u32, payload: &[u8]) -> Result<()> {
         self.open(peer, KIND_MSG, tag, payload).map(|_| ())
@@ -121,7 +138,7 @@ impl Service {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(Error::remote(format!("timed out waiting for {what}")));
+                return Err(Error::timeout(format!("timed out waiting for {what}")));
             }
             let slice = (deadline - now).min(Duration::from_millis(100));
             inbox = match self.shared.arrived.wait_timeout(inbox, slice) {
@@ -212,6 +229,11 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 fn file_connection(mut s: TcpStream, shared: &Shared) {
     let Ok(Some((kind, from, tag, payload))) = read_hello(&mut s, shared.magic) else { return };
     if shared.stop.load(Ordering::Acquire) {
+        return;
+    }
+    if kind == KIND_STATUS {
+        let now = shared.status.get().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).unwrap_or_default();
+        let _ = write_frame(&mut s, &now);
         return;
     }
     let mut inbox = shared.inbox.lock().unwrap_or_else(|p| p.into_inner());

@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use crate::api::config::Config;
 use crate::bootstrap::{PeerInfo, Service};
 use crate::error::{Code, Error, Result};
-use crate::transport::Conns;
+use crate::transport::{Conns, Stamp, STAMP_BYTES};
 use crate::types::{DataType, RedOp};
 
 /// What init produced: the peer table, the bootstrap service and the connections.
@@ -21,17 +21,48 @@ pub struct Ready {
     /// Bytes per transport message (the same on every rank: the minimum of all ranks' choice).
     pub slice: usize,
     conns: Mutex<Conns>,
+    /// The stamps of the operations this rank is running now (concatenated), which peers
+    /// may ask for through the bootstrap service when they wait on this rank.
+    pub running: crate::bootstrap::service::Status,
 }
 
 impl Ready {
     pub fn new(peers: Vec<PeerInfo>, service: Service, slice: usize) -> Ready {
         let n = peers.len();
-        Ready { peers, service, slice, conns: Mutex::new(Conns::new(n)) }
+        let running = crate::bootstrap::service::Status::default();
+        service.set_status(running.clone());
+        Ready { peers, service, slice, conns: Mutex::new(Conns::new(n)), running }
+    }
+
+    /// Publish what this rank runs (empty: nothing).
+    pub fn set_running(&self, stamps: &[crate::transport::Stamp]) {
+        let mut bytes = vec![STATUS_RUNNING];
+        bytes.extend(stamps.concat());
+        *self.running.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
+    }
+
+    /// Publish why this rank stopped, for peers that only saw its connections close.
+    pub fn set_failed(&self, e: &Error) {
+        let mut bytes = vec![STATUS_FAILED, e.code as u8];
+        bytes.extend_from_slice(e.msg.as_bytes());
+        *self.running.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
     }
     pub fn conns(&self) -> MutexGuard<'_, Conns> {
         self.conns.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
+
+/// What a peer this rank waits on is doing (see [`Comm::peer_runs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerRuns {
+    Same,
+    Nothing,
+    Unknown,
+}
+
+/// Status bytes a rank publishes: a tag, then stamps (running) or code + message (failed).
+const STATUS_RUNNING: u8 = 0;
+const STATUS_FAILED: u8 = 1;
 
 /// A PreMulSum operator made by `ncclRedOpCreatePreMulSum`.
 #[derive(Clone, Copy, Debug)]
@@ -198,6 +229,46 @@ impl Comm {
             }).collect();
             probes.into_iter().filter_map(|h| h.join().ok().flatten()).collect()
         })
+    }
+
+    /// Ask `peer` what it is running, when this rank has waited on it for `mine` for a while.
+    /// Err: it runs other operations, so the two ranks issued different calls. Otherwise
+    /// whether it runs `mine` too (a slow peer) or nothing (it has not made the call yet).
+    pub fn peer_runs(&self, peer: usize, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String) -> Result<PeerRuns> {
+        let Some(ready) = self.ready.get() else { return Ok(PeerRuns::Unknown) };
+        let status = match ready.service.status(peer, std::time::Duration::from_secs(1)) {
+            Ok(s) => s,
+            Err(e) => {
+                crate::info!(COLL, "rank {}: no status from rank {peer}: {}", self.rank, e.msg);
+                return Ok(PeerRuns::Unknown);
+            }
+        };
+        match status.split_first() {
+            Some((&STATUS_FAILED, rest)) if !rest.is_empty() => {
+                let code = Code::from_raw(rest[0] as i32).unwrap_or(Code::RemoteError);
+                return Err(Error::new(code, format!("{} failed: {}", self.describe_peer(peer), String::from_utf8_lossy(&rest[1..]))));
+            }
+            Some((&STATUS_RUNNING, _)) | None => {}
+            Some(_) => return Ok(PeerRuns::Unknown),
+        }
+        let theirs: Vec<&[u8]> = status.get(1..).unwrap_or_default().chunks_exact(STAMP_BYTES).collect();
+        if theirs.is_empty() {
+            return Ok(PeerRuns::Nothing);
+        }
+        if theirs.iter().any(|s| *s == mine.as_slice()) {
+            return Ok(PeerRuns::Same);
+        }
+        let mut first = [0u8; STAMP_BYTES];
+        first.copy_from_slice(theirs[0]);
+        Err(Error::invalid_usage(format!(
+            "{} issued {} where rank {} issued {}: every rank must make the same calls in the same order",
+            self.describe_peer(peer), describe(&first), self.rank, describe(mine))))
+    }
+
+    /// Why `peer` stopped, if it says it failed (used when all this rank saw was a closed
+    /// connection).
+    pub fn peer_failure(&self, peer: usize) -> Option<Error> {
+        self.peer_runs(peer, &[0u8; STAMP_BYTES], &|_| String::new()).err().filter(|e| e.msg.contains(" failed: "))
     }
 
     /// Release connections and stop the bootstrap service (destroy/abort).

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::comm::Comm;
+use crate::comm::{Comm, PeerRuns};
 use crate::device::host;
 use crate::error::{Error, Result};
 use crate::plan::{Step, Unit, NO_DEP};
@@ -27,6 +27,8 @@ pub struct Job<'a> {
     recvs: Vec<(usize, VecDeque<u32>)>,
     local: VecDeque<u32>,
     remaining: usize,
+    /// The peer whose connection failed, if that is how the job failed.
+    pub failed_peer: Option<usize>,
 }
 
 impl<'a> Job<'a> {
@@ -44,7 +46,7 @@ impl<'a> Job<'a> {
             }
         }
         let keep = |v: Vec<VecDeque<u32>>| v.into_iter().enumerate().filter(|(_, q)| !q.is_empty()).collect();
-        Job { comm, conns, units, stamps, describe, done: vec![false; units.len()], sends: keep(send_q), recvs: keep(recv_q), local, remaining: units.len() }
+        Job { comm, conns, units, stamps, describe, done: vec![false; units.len()], sends: keep(send_q), recvs: keep(recv_q), local, remaining: units.len(), failed_peer: None }
     }
 
     fn ready(&self, i: u32) -> bool {
@@ -66,7 +68,11 @@ impl<'a> Job<'a> {
                 }
                 let Step::Send { peer, src } = self.units[i as usize].step else { break };
                 let stamp = &self.stamps[self.units[i as usize].op as usize];
-                if !self.conns.send_mut(peer as usize)?.try_send(src, stamp)? {
+                let sent = self.conns.send_mut(peer as usize)?.try_send(src, stamp);
+                if sent.is_err() {
+                    self.failed_peer = Some(peer as usize);
+                }
+                if !sent? {
                     break;
                 }
                 self.sends[qi].1.pop_front();
@@ -100,7 +106,11 @@ impl<'a> Job<'a> {
                     }
                     Ok(())
                 };
-                if !self.conns.recv_mut(peer as usize)?.try_recv(&mut deliver)? {
+                let got = self.conns.recv_mut(peer as usize)?.try_recv(&mut deliver);
+                if got.is_err() {
+                    self.failed_peer = Some(peer as usize);
+                }
+                if !got? {
                     break;
                 }
                 self.recvs[qi].1.pop_front();
@@ -150,6 +160,29 @@ impl<'a> Job<'a> {
         self.remaining == 0
     }
 
+    /// Ask the peers this job is stuck on what they are running. A peer running other
+    /// operations than the one we wait on it for issued different calls: that is an error
+    /// naming both. A peer running nothing has not made the call yet: say so once (a slow
+    /// rank is not an error; NCCL waits for it, and so do we).
+    fn watch(&mut self, waited: Duration) -> Result<()> {
+        let heads: Vec<(usize, u32)> = self.sends.iter().chain(self.recvs.iter())
+            .filter_map(|(p, q)| q.front().map(|&i| (*p, i)))
+            .collect();
+        let mut asked = Vec::new();
+        for (peer, unit) in heads {
+            if asked.contains(&peer) || peer == self.comm.rank {
+                continue;
+            }
+            asked.push(peer);
+            let mine = self.stamps[self.units[unit as usize].op as usize];
+            if self.comm.peer_runs(peer, &mine, self.describe)? == PeerRuns::Nothing {
+                crate::warn!("rank {}: waited {:.1} s in {} for {}, which has not issued that call",
+                             self.comm.rank, waited.as_secs_f64(), (self.describe)(&mine), self.comm.describe_peer(peer));
+            }
+        }
+        Ok(())
+    }
+
     /// The peers this job still waits on (for error messages).
     fn waiting_on(&self) -> Vec<usize> {
         let mut v: Vec<usize> = self.sends.iter().chain(self.recvs.iter()).map(|(p, _)| *p).collect();
@@ -163,12 +196,15 @@ const SPIN: u32 = 256;
 const YIELD_FOR: Duration = Duration::from_millis(2);
 const NAP: Duration = Duration::from_micros(50);
 const CHECK_EVERY: Duration = Duration::from_millis(100);
+/// After this long without progress, ask the peers we wait on what they are doing.
+const WATCH_AFTER: Duration = Duration::from_secs(1);
 
 /// Run jobs to completion. On error, the index of the job that failed comes with it.
 pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
     let mut idle_since: Option<Instant> = None;
     let mut spins = 0u32;
     let mut last_check = Instant::now();
+    let mut watched = false;
     loop {
         let mut progressed = false;
         let mut all_done = true;
@@ -185,6 +221,7 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
         if progressed {
             idle_since = None;
             spins = 0;
+            watched = false;
             continue;
         }
         let since = *idle_since.get_or_insert_with(Instant::now);
@@ -193,6 +230,14 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
             for (j, job) in jobs.iter_mut().enumerate() {
                 if !job.finished() {
                     job.check().map_err(|e| (j, e))?;
+                }
+            }
+            if !watched && since.elapsed() >= WATCH_AFTER {
+                watched = true;
+                for (j, job) in jobs.iter_mut().enumerate() {
+                    if !job.finished() {
+                        job.watch(since.elapsed()).map_err(|e| (j, e))?;
+                    }
                 }
             }
         }

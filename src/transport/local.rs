@@ -42,7 +42,7 @@ pub fn accept(hash: u64, from: usize, to: usize, slice: usize, deadline: Instant
         }
         let now = Instant::now();
         if now >= deadline {
-            return Err(Error::remote(format!("rank {from} (same process) never connected to rank {to}")));
+            return Err(Error::timeout(format!("rank {from} (same process) never connected to rank {to}")));
         }
         rings = match t.posted.wait_timeout(rings, (deadline - now).min(Duration::from_millis(100))) {
             Ok((g, _)) => g,

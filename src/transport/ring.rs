@@ -158,7 +158,11 @@ fn cma_read(pid: u32, addr: u64, buf: &mut [u8]) -> Result<()> {
         // against the other process and fails cleanly (EFAULT/EPERM/ESRCH) if it is not valid.
         let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
         if n <= 0 {
-            return Err(Error::os(format!("reading {} bytes from process {pid}", buf.len()), std::io::Error::last_os_error()));
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ESRCH) {
+                return Err(Error::remote(format!("peer process {pid} exited")));
+            }
+            return Err(Error::os(format!("reading {} bytes from process {pid}", buf.len()), e));
         }
         done += n as usize;
     }
