@@ -93,20 +93,24 @@ impl<'a> Job<'a> {
                 };
                 let mine = &self.stamps[unit.op as usize];
                 let (comm, describe) = (self.comm, self.describe);
-                let mut deliver = |theirs: &Stamp, data: &[u8]| {
-                    if theirs != mine || data.len() != len {
+                let mut check = |theirs: &Stamp, got: usize| {
+                    if theirs != mine || got != len {
                         return Err(Error::invalid_usage(format!(
                             "{} issued {} where rank {} issued {}: every rank must make the same calls in the same order",
                             comm.describe_peer(peer as usize), describe(theirs), comm.rank, describe(mine))));
                     }
-                    match unit.step {
-                        Step::Recv { dst, .. } => host::copy_in(dst, data),
-                        Step::RecvReduce { dst, acc, dt, op, .. } => host::reduce_in(dt, op, dst, acc, data),
-                        _ => {}
-                    }
                     Ok(())
                 };
-                let got = self.conns.recv_mut(peer as usize)?.try_recv(&mut deliver);
+                let conn = self.conns.recv_mut(peer as usize)?;
+                let got = match unit.step {
+                    Step::Recv { dst, .. } => conn.try_recv_into(dst, &mut check),
+                    Step::RecvReduce { dst, acc, dt, op, .. } => conn.try_recv(&mut |theirs, data| {
+                        check(theirs, data.len())?;
+                        host::reduce_in(dt, op, dst, acc, data);
+                        Ok(())
+                    }),
+                    _ => break,
+                };
                 if got.is_err() {
                     self.failed_peer = Some(peer as usize);
                 }

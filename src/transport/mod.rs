@@ -42,6 +42,15 @@ pub trait RecvConn: Send {
     /// If the next message has fully arrived, hand its stamp and bytes to `deliver` (which
     /// checks them against what it expects) and consume it.
     fn try_recv(&mut self, deliver: &mut dyn FnMut(&Stamp, &[u8]) -> Result<()>) -> Result<bool>;
+    /// Receive the next message into `dst`: `accept(stamp, len)` runs first and may refuse
+    /// (nothing is written then). A transport that can write straight into `dst` saves a copy.
+    fn try_recv_into(&mut self, dst: Region, accept: &mut dyn FnMut(&Stamp, usize) -> Result<()>) -> Result<bool> {
+        self.try_recv(&mut |stamp, data| {
+            accept(stamp, data.len())?;
+            crate::device::host::copy_in(dst, data);
+            Ok(())
+        })
+    }
     fn check(&mut self) -> Result<()>;
     fn kind(&self) -> Kind;
 }

@@ -266,6 +266,42 @@ impl super::RecvConn for RingRecv {
         self.map.atomic_u64(HEAD).store(self.head, Ordering::Release);
         Ok(true)
     }
+    /// A descriptor whose length matches `dst` is pulled straight into it: one copy in all.
+    fn try_recv_into(&mut self, dst: Region, accept: &mut dyn FnMut(&Stamp, usize) -> Result<()>) -> Result<bool> {
+        let tail = self.map.atomic_u64(TAIL).load(Ordering::Acquire);
+        let (Some(pid), true) = (self.peer_pid, tail != self.head) else {
+            return self.try_recv(&mut |stamp, data| {
+                accept(stamp, data.len())?;
+                crate::device::host::copy_in(dst, data);
+                Ok(())
+            });
+        };
+        let slot = (self.head % SLOTS as u64) as usize;
+        // SAFETY: head < tail, as in try_recv: the slot and its header are published and ours.
+        let (stamp, kind, addr, len) = unsafe {
+            let hdr = self.map.base.add(HEADERS + slot * HEADER_BYTES);
+            let kind = (hdr as *const u32).add(1).read_volatile();
+            let mut stamp = [0u8; STAMP_BYTES];
+            std::ptr::copy_nonoverlapping(hdr.add(8), stamp.as_mut_ptr(), STAMP_BYTES);
+            let data = self.map.base.add(DATA + slot * self.slice) as *const u64;
+            (stamp, kind, data.read_volatile(), data.add(1).read_volatile() as usize)
+        };
+        if kind != KIND_DESCRIPTOR || len != dst.len() {
+            return self.try_recv(&mut |stamp, data| {
+                accept(stamp, data.len())?;
+                crate::device::host::copy_in(dst, data);
+                Ok(())
+            });
+        }
+        accept(&stamp, len)?;
+        // SAFETY: dst is a region the schedule lets this receive write (Region contract), and
+        // nothing else touches it until this unit completes.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, len) };
+        cma_read(pid, addr, out)?;
+        self.head += 1;
+        self.map.atomic_u64(HEAD).store(self.head, Ordering::Release);
+        Ok(true)
+    }
     fn check(&mut self) -> Result<()> {
         check_pid(self.peer_pid)
     }
