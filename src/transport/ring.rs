@@ -143,6 +143,9 @@ impl RingRecv {
             let ok = !crate::params::cma_disable() && addr != 0 && cma_read(pid, addr, &mut got).is_ok()
                 && u64::from_ne_bytes(got) == PROBE;
             map.atomic_u32(CMA_OK).store(ok as u32, Ordering::Release);
+        } else if !crate::params::cma_disable() {
+            // One address space: descriptors are read with a plain copy, or reduced in place.
+            map.atomic_u32(CMA_OK).store(1, Ordering::Release);
         }
         RingRecv { map, slice, head: 0, kind, peer_pid, staging: Vec::new() }
     }
@@ -251,14 +254,23 @@ impl super::RecvConn for RingRecv {
             (stamp, kind, std::slice::from_raw_parts(self.map.base.add(DATA + slot * self.slice), n))
         };
         if kind == KIND_DESCRIPTOR {
-            let pid = self.peer_pid.ok_or_else(|| Error::internal("descriptor message inside one process"))?;
             let word = |i: usize| u64::from_ne_bytes(data[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
             let (addr, len) = (word(0), (word(1) as usize).min(self.slice));
-            if self.staging.len() < len {
-                self.staging.resize(self.slice, 0);
+            match self.peer_pid {
+                Some(pid) => {
+                    if self.staging.len() < len {
+                        self.staging.resize(self.slice, 0);
+                    }
+                    cma_read(pid, addr, &mut self.staging[..len])?;
+                    deliver(&stamp, &self.staging[..len])?;
+                }
+                None => {
+                    // SAFETY: the sender is a rank of this process; its buffer stays valid and
+                    // unwritten until we free the slot (its send completes only then).
+                    let theirs = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len) };
+                    deliver(&stamp, theirs)?;
+                }
             }
-            cma_read(pid, addr, &mut self.staging[..len])?;
-            deliver(&stamp, &self.staging[..len])?;
         } else {
             deliver(&stamp, data)?;
         }
@@ -269,7 +281,7 @@ impl super::RecvConn for RingRecv {
     /// A descriptor whose length matches `dst` is pulled straight into it: one copy in all.
     fn try_recv_into(&mut self, dst: Region, accept: &mut dyn FnMut(&Stamp, usize) -> Result<()>) -> Result<bool> {
         let tail = self.map.atomic_u64(TAIL).load(Ordering::Acquire);
-        let (Some(pid), true) = (self.peer_pid, tail != self.head) else {
+        if tail == self.head {
             return self.try_recv(&mut |stamp, data| {
                 accept(stamp, data.len())?;
                 crate::device::host::copy_in(dst, data);
@@ -294,10 +306,18 @@ impl super::RecvConn for RingRecv {
             });
         }
         accept(&stamp, len)?;
-        // SAFETY: dst is a region the schedule lets this receive write (Region contract), and
-        // nothing else touches it until this unit completes.
-        let out = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, len) };
-        cma_read(pid, addr, out)?;
+        match self.peer_pid {
+            Some(pid) => {
+                // SAFETY: dst is a region the schedule lets this receive write (Region
+                // contract), and nothing else touches it until this unit completes.
+                let out = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, len) };
+                cma_read(pid, addr, out)?;
+            }
+            // SAFETY: same process: the sender's buffer is valid and unwritten until we free
+            // the slot; dst as above. The two may not overlap (different ranks' buffers), and
+            // ptr::copy tolerates it anyway.
+            None => unsafe { std::ptr::copy(addr as usize as *const u8, dst.addr() as *mut u8, len) },
+        }
         self.head += 1;
         self.map.atomic_u64(HEAD).store(self.head, Ordering::Release);
         Ok(true)
