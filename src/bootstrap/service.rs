@@ -267,3 +267,58 @@ pub fn parse_hello(frame: &[u8], magic: u64) -> Result<Option<Incoming>> {
     let payload = r.bytes()?.to_vec();
     Ok(Some((kind, from, tag, payload)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A rank's service (the bootstrap and transport port) keeps filing real messages while
+    /// garbage, wrong magics, instantly closed and silent half-open connections pour in.
+    #[test]
+    fn hostile_connections_do_not_disturb_real_messages() {
+        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let a = Service::start(ip, 0xfeed, 0).unwrap();
+        let b = Service::start(ip, 0xfeed, 1).unwrap();
+        a.set_peers(vec![a.addr, b.addr]);
+        b.set_peers(vec![a.addr, b.addr]);
+        let target = b.addr;
+        let stop = Arc::new(AtomicBool::new(false));
+        let attacker = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut silent = Vec::new();
+                let mut i = 0u32;
+                while !stop.load(Ordering::Acquire) && i < 2000 {
+                    i += 1;
+                    let Ok(mut s) = TcpStream::connect(target) else { continue };
+                    match i % 4 {
+                        0 => silent.push(s), // half-open: says nothing, stays
+                        1 => {}              // connects and closes at once
+                        2 => {
+                            let _ = s.write_all(&[0xde, 0xad, 0xbe, 0xef, 1, 2, 3]);
+                        }
+                        _ => {
+                            let mut w = Writer::default();
+                            w.u64(0xbad).u8(KIND_MSG).u32(0).u32(7).bytes(b"wrong magic");
+                            let _ = write_frame(&mut s, &w.buf);
+                        }
+                    }
+                    if silent.len() > 300 {
+                        silent.remove(0);
+                    }
+                }
+            })
+        };
+        let never = AtomicBool::new(false);
+        for k in 0..50u32 {
+            a.send(1, 7, &k.to_le_bytes()).unwrap();
+            let got = b.recv(0, 7, Instant::now() + Duration::from_secs(10), &never).unwrap();
+            assert_eq!(got, k.to_le_bytes(), "message {k} arrived intact and in order");
+        }
+        // The wrong-magic frames under the same (from, tag) were never filed.
+        assert!(b.recv(0, 7, Instant::now() + Duration::from_millis(50), &never).is_err());
+        stop.store(true, Ordering::Release);
+        attacker.join().unwrap();
+    }
+}
