@@ -122,6 +122,9 @@ impl<'a> Job<'a> {
                 progressed = true;
             }
         }
+        // Local copies and reductions run one slice per pass while transfers are pending, so
+        // a long local copy (an out-of-place root's) never holds back the next message.
+        let transfers_pending = !self.sends.is_empty() || !self.recvs.is_empty();
         while let Some(&i) = self.local.front() {
             if !self.ready(i) {
                 break;
@@ -135,6 +138,9 @@ impl<'a> Job<'a> {
             self.local.pop_front();
             self.complete(i);
             progressed = true;
+            if transfers_pending {
+                break;
+            }
         }
         if progressed {
             self.sends.retain(|(_, q)| !q.is_empty());
