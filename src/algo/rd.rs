@@ -19,11 +19,16 @@ pub fn allreduce(b: &mut Builder, r: usize, n: usize, send: Region, recv: Region
     if r < extra {
         last = b.recv_reduce(r + p, recv, recv, red, &[last]);
     }
+    // The partner's data lands in scratch, not in `recv`: a receive that waited for our own
+    // send of `recv` to complete would deadlock with a transport whose sends complete only
+    // when the peer has read them (single-copy descriptors).
+    let theirs = b.scratch(recv.len());
     let mut mask = 1;
     while mask < p {
         let partner = r ^ mask;
         let sent = b.send(partner, recv, &[last]);
-        last = b.recv_reduce(partner, recv, recv, red, &[sent, last]);
+        let got = b.recv(partner, theirs, &[last]);
+        last = b.reduce(recv, recv, theirs, red, &[sent, got]);
         mask <<= 1;
     }
     last = b.finish(recv, red, &[last]);

@@ -9,10 +9,14 @@ use crate::plan::{plan_group, Builder, Op, OpKind, Step, NO_DEP};
 use crate::types::{BuiltinOp, DataType, RedOp};
 
 /// Execute all ranks' plans to completion; panics on a deadlock or a mismatched message.
-fn run(plans: &[Builder]) {
+/// `rendezvous`: a send completes only once its receiver has taken the message, as with
+/// single-copy descriptors (the strictest transport); otherwise as soon as it is queued.
+fn run(plans: &[Builder], rendezvous: bool) {
     let n = plans.len();
-    let mut queues: HashMap<(usize, usize), VecDeque<(crate::transport::Stamp, Vec<u8>)>> = HashMap::new();
+    type Msg = (crate::transport::Stamp, Vec<u8>, (usize, usize));
+    let mut queues: HashMap<(usize, usize), VecDeque<Msg>> = HashMap::new();
     let mut done: Vec<Vec<bool>> = plans.iter().map(|p| vec![false; p.units.len()]).collect();
+    let mut posted: Vec<Vec<bool>> = plans.iter().map(|p| vec![false; p.units.len()]).collect();
     loop {
         let mut progressed = false;
         for r in 0..n {
@@ -33,15 +37,21 @@ fn run(plans: &[Builder]) {
                 let ready = u.deps.iter().all(|&d| d == NO_DEP || done[r][d as usize]);
                 let ran = ready && match u.step {
                     Step::Send { peer, src } => {
-                        // SAFETY (test): regions point into buffers owned by the test.
-                        let bytes = unsafe { src.as_slice() }.to_vec();
-                        queues.entry((r, peer as usize)).or_default().push_back((plans[r].stamps[u.op as usize], bytes));
-                        true
+                        if !posted[r][i] {
+                            // SAFETY (test): regions point into buffers owned by the test.
+                            let bytes = unsafe { src.as_slice() }.to_vec();
+                            queues.entry((r, peer as usize)).or_default()
+                                .push_back((plans[r].stamps[u.op as usize], bytes, (r, i)));
+                            posted[r][i] = true;
+                            progressed = true;
+                        }
+                        !rendezvous
                     }
                     Step::Recv { peer, dst } | Step::RecvReduce { peer, dst, .. } => {
                         match queues.get_mut(&(peer as usize, r)).and_then(|q| q.pop_front()) {
                             None => false,
-                            Some((stamp, bytes)) => {
+                            Some((stamp, bytes, (sr, si))) => {
+                                done[sr][si] = true;
                                 assert_eq!((stamp, bytes.len()), (plans[r].stamps[u.op as usize], dst.len()),
                                            "rank {r}: mismatched message from {peer}");
                                 match u.step {
@@ -53,6 +63,7 @@ fn run(plans: &[Builder]) {
                         }
                     }
                     Step::Copy { dst, src } => { host::copy(dst, src); true }
+                    Step::Reduce { dst, a, b, dt, op } => { host::reduce_local(dt, op, dst, a, b); true }
                     Step::Premul { dst, src, dt, scalar } => { host::premul(dt, dst, src, scalar); true }
                     Step::Divide { dst, dt, divisor } => { host::divide(dt, dst, divisor); true }
                 };
@@ -97,7 +108,7 @@ fn reduce_ref(op: BuiltinOp, vals: impl Iterator<Item = i32>, n: usize) -> i32 {
 }
 
 /// Run one int32 case on all ranks and check every rank's output exactly.
-fn check(c: &Case, algo: Option<Algo>) {
+fn check(c: &Case, algo: Option<Algo>, rendezvous: bool) {
     let (n, count) = (c.n, c.count);
     let (send_elems, recv_elems) = match c.kind {
         OpKind::AllReduce | OpKind::Broadcast | OpKind::Reduce => (count, count),
@@ -149,7 +160,7 @@ fn check(c: &Case, algo: Option<Algo>) {
                       send, recv, seq: 0 };
         plans.push(plan_group(r, n, 256, &[op], algo).unwrap());
     }
-    run(&plans);
+    run(&plans, rendezvous);
     for r in 0..n {
         if let Some(off) = out_in_send[r] {
             recvs[r] = sends[r][off..off + recv_elems].to_vec();
@@ -191,9 +202,11 @@ fn every_collective_every_size_both_algorithms() {
                     for &root in &roots {
                         for in_place in [false, true] {
                             let c = Case { kind, n, count, op, root, in_place };
-                            check(&c, Some(Algo::Ring));
-                            if kind == OpKind::AllReduce {
-                                check(&c, Some(Algo::Tree));
+                            for rendezvous in [false, true] {
+                                check(&c, Some(Algo::Ring), rendezvous);
+                                if kind == OpKind::AllReduce {
+                                    check(&c, Some(Algo::Tree), rendezvous);
+                                }
                             }
                         }
                     }

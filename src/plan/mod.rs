@@ -21,6 +21,8 @@ pub enum Step {
     /// dst = acc op incoming (acc may be dst).
     RecvReduce { peer: u32, dst: Region, acc: Region, dt: DataType, op: ElemOp },
     Copy { dst: Region, src: Region },
+    /// dst = a op b, all local.
+    Reduce { dst: Region, a: Region, b: Region, dt: DataType, op: ElemOp },
     Premul { dst: Region, src: Region, dt: DataType, scalar: Scalar },
     Divide { dst: Region, dt: DataType, divisor: u64 },
 }
@@ -135,6 +137,15 @@ impl Builder {
             return Ref::NONE;
         }
         self.push(dst.len(), deps, |o, l| Step::Copy { dst: dst.sub(o, l), src: src.sub(o, l) })
+    }
+    pub fn reduce(&mut self, dst: Region, a: Region, b: Region, red: Reduction, deps: &[Ref]) -> Ref {
+        self.push(dst.len(), deps, |o, l| Step::Reduce {
+            dst: dst.sub(o, l),
+            a: a.sub(o, l),
+            b: b.sub(o, l),
+            dt: red.dt,
+            op: red.op,
+        })
     }
     pub fn premul(&mut self, dst: Region, src: Region, dt: DataType, scalar: Scalar, deps: &[Ref]) -> Ref {
         self.push(dst.len(), deps, |o, l| Step::Premul { dst: dst.sub(o, l), src: src.sub(o, l), dt, scalar })

@@ -131,6 +131,7 @@ impl<'a> Job<'a> {
             }
             match self.units[i as usize].step {
                 Step::Copy { dst, src } => host::copy(dst, src),
+                Step::Reduce { dst, a, b, dt, op } => host::reduce_local(dt, op, dst, a, b),
                 Step::Premul { dst, src, dt, scalar } => host::premul(dt, dst, src, scalar),
                 Step::Divide { dst, dt, divisor } => host::divide(dt, dst, divisor),
                 _ => {}

@@ -185,7 +185,12 @@ impl super::SendConn for RingSend {
             return Err(Error::internal(format!("message of {} bytes exceeds the slot size {}", src.len(), self.slice)));
         }
         let head = self.map.atomic_u64(HEAD).load(Ordering::Acquire);
-        let closed = || self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0;
+        // A closed receiver consumed all it will: re-read head after seeing the flag, so a
+        // message it took just before closing still counts as delivered.
+        let closed = || {
+            self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0
+                && self.map.atomic_u64(HEAD).load(Ordering::Acquire) == head
+        };
         if let Some(seq) = self.pending {
             // A descriptor is out: the message is sent once the receiver has pulled it.
             if head > seq {
@@ -237,10 +242,15 @@ impl super::RecvConn for RingRecv {
     fn try_recv(&mut self, deliver: &mut dyn FnMut(&Stamp, &[u8]) -> Result<()>) -> Result<bool> {
         let tail = self.map.atomic_u64(TAIL).load(Ordering::Acquire);
         if tail == self.head {
-            if self.map.atomic_u32(SENDER_CLOSED).load(Ordering::Acquire) != 0 {
+            if self.map.atomic_u32(SENDER_CLOSED).load(Ordering::Acquire) == 0 {
+                return Ok(false);
+            }
+            // The sender may have published its last message just before closing: only an
+            // empty ring after seeing the flag means the message will never come.
+            if self.map.atomic_u64(TAIL).load(Ordering::Acquire) == self.head {
                 return Err(Error::remote("the sending rank closed its connection"));
             }
-            return Ok(false);
+            return self.try_recv(deliver);
         }
         let slot = (self.head % SLOTS as u64) as usize;
         // SAFETY: head < tail: the producer published this slot (acquire above) and will not
