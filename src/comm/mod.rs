@@ -36,9 +36,10 @@ impl Ready {
 
     /// Publish what this rank runs (empty: nothing).
     pub fn set_running(&self, stamps: &[crate::transport::Stamp]) {
-        let mut bytes = vec![STATUS_RUNNING];
-        bytes.extend(stamps.concat());
-        *self.running.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
+        let mut bytes = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        bytes.clear();
+        bytes.push(STATUS_RUNNING);
+        stamps.iter().for_each(|s| bytes.extend_from_slice(s));
     }
 
     /// Publish why this rank stopped, for peers that only saw its connections close.
@@ -149,6 +150,10 @@ impl Comm {
     }
 
     pub fn async_error(&self) -> Option<Error> {
+        // Fast path for every call: no error recorded means no lock to take.
+        if matches!(self.async_code(), Code::Success | Code::InProgress) {
+            return None;
+        }
         self.async_error.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 

@@ -34,19 +34,23 @@ pub struct Job<'a> {
 impl<'a> Job<'a> {
     pub fn new(comm: &'a Comm, conns: &'a mut Conns, units: &'a [Unit], stamps: &'a [Stamp],
                describe: &'a dyn Fn(&Stamp) -> String) -> Job<'a> {
-        let n = comm.nranks;
-        let mut send_q: Vec<VecDeque<u32>> = vec![VecDeque::new(); n];
-        let mut recv_q: Vec<VecDeque<u32>> = vec![VecDeque::new(); n];
-        let mut local = VecDeque::new();
+        // Queues only for the peers this job talks to (few, for most algorithms).
+        fn queue(qs: &mut Vec<(usize, VecDeque<u32>)>, peer: u32, i: usize) {
+            match qs.iter_mut().find(|(p, _)| *p == peer as usize) {
+                Some((_, q)) => q.push_back(i as u32),
+                None => qs.push((peer as usize, VecDeque::from([i as u32]))),
+            }
+        }
+        let (mut sends, mut recvs, mut local) = (Vec::new(), Vec::new(), VecDeque::new());
         for (i, u) in units.iter().enumerate() {
             match u.step {
-                Step::Send { peer, .. } => send_q[peer as usize].push_back(i as u32),
-                Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => recv_q[peer as usize].push_back(i as u32),
+                Step::Send { peer, .. } => queue(&mut sends, peer, i),
+                Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => queue(&mut recvs, peer, i),
                 _ => local.push_back(i as u32),
             }
         }
-        let keep = |v: Vec<VecDeque<u32>>| v.into_iter().enumerate().filter(|(_, q)| !q.is_empty()).collect();
-        Job { comm, conns, units, stamps, describe, done: vec![false; units.len()], sends: keep(send_q), recvs: keep(recv_q), local, remaining: units.len(), failed_peer: None }
+        Job { comm, conns, units, stamps, describe, done: vec![false; units.len()], sends, recvs, local,
+              remaining: units.len(), failed_peer: None }
     }
 
     fn ready(&self, i: u32) -> bool {
@@ -212,9 +216,11 @@ const WATCH_AFTER: Duration = Duration::from_secs(1);
 
 /// Run jobs to completion. On error, the index of the job that failed comes with it.
 pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
+    // The clock is read only once the engine has spun idle for a while: a small operation
+    // that completes within the spin never pays for a clock_gettime.
     let mut idle_since: Option<Instant> = None;
     let mut spins = 0u32;
-    let mut last_check = Instant::now();
+    let mut last_check: Option<Instant> = None;
     let mut watched = false;
     loop {
         let mut progressed = false;
@@ -235,27 +241,30 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
             watched = false;
             continue;
         }
-        let since = *idle_since.get_or_insert_with(Instant::now);
-        if last_check.elapsed() >= CHECK_EVERY {
-            last_check = Instant::now();
+        if spins < SPIN {
+            spins += 1;
+            std::hint::spin_loop();
+            continue;
+        }
+        let now = Instant::now();
+        let since = *idle_since.get_or_insert(now);
+        if now.duration_since(*last_check.get_or_insert(now)) >= CHECK_EVERY {
+            last_check = Some(now);
             for (j, job) in jobs.iter_mut().enumerate() {
                 if !job.finished() {
                     job.check().map_err(|e| (j, e))?;
                 }
             }
-            if !watched && since.elapsed() >= WATCH_AFTER {
+            if !watched && now.duration_since(since) >= WATCH_AFTER {
                 watched = true;
                 for (j, job) in jobs.iter_mut().enumerate() {
                     if !job.finished() {
-                        job.watch(since.elapsed()).map_err(|e| (j, e))?;
+                        job.watch(now.duration_since(since)).map_err(|e| (j, e))?;
                     }
                 }
             }
         }
-        if spins < SPIN {
-            spins += 1;
-            std::hint::spin_loop();
-        } else if since.elapsed() < YIELD_FOR {
+        if now.duration_since(since) < YIELD_FOR {
             std::thread::yield_now();
         } else {
             std::thread::sleep(NAP);
