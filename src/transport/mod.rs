@@ -28,13 +28,26 @@ pub type Stamp = [u8; STAMP_BYTES];
 
 /// The sending half of a connection to one peer.
 pub trait SendConn: Send {
-    /// Try to send `src` as one message. `Ok(true)`: all of it was accepted and `src` may be
-    /// reused. `Ok(false)`: no room now; call again with the same message (partial progress is
-    /// kept inside).
-    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<bool>;
+    /// Try to send `src` as one message. `Done`: all of it was accepted and `src` may be
+    /// reused. `Posted(token)`: the peer will read `src` itself (single copy); it must stay
+    /// untouched until [`SendConn::consumed`] says so, but the next message may be sent.
+    /// `Blocked`: no room now; call again with the same message (partial progress is kept).
+    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<Sent>;
+    /// Has the peer read the posted message `token`?
+    fn consumed(&mut self, token: u64) -> Result<bool> {
+        let _ = token;
+        Ok(true)
+    }
     /// Is the peer still there? Called while waiting.
     fn check(&mut self) -> Result<()>;
     fn kind(&self) -> Kind;
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sent {
+    Done,
+    Posted(u64),
+    Blocked,
 }
 
 /// The receiving half of a connection to one peer.

@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::{Kind, Stamp, STAMP_BYTES};
+use super::{Kind, Sent, Stamp, STAMP_BYTES};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 
@@ -112,8 +112,6 @@ pub struct RingSend {
     kind: Kind,
     /// The receiver's process, for liveness checks (None inside one process).
     peer_pid: Option<u32>,
-    /// The slot number of a posted descriptor the receiver has not consumed yet.
-    pending: Option<u64>,
 }
 
 pub struct RingRecv {
@@ -131,7 +129,7 @@ impl RingSend {
         if peer_pid.is_some() {
             map.atomic_u64(CMA_PROBE_ADDR).store(&PROBE as *const u64 as u64, Ordering::Release);
         }
-        RingSend { map, slice, tail: 0, kind, peer_pid, pending: None }
+        RingSend { map, slice, tail: 0, kind, peer_pid }
     }
 }
 
@@ -180,30 +178,20 @@ fn check_pid(pid: Option<u32>) -> Result<()> {
 }
 
 impl super::SendConn for RingSend {
-    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<bool> {
+    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<Sent> {
         if src.len() > self.slice {
             return Err(Error::internal(format!("message of {} bytes exceeds the slot size {}", src.len(), self.slice)));
         }
         let head = self.map.atomic_u64(HEAD).load(Ordering::Acquire);
-        // A closed receiver consumed all it will: re-read head after seeing the flag, so a
-        // message it took just before closing still counts as delivered.
-        let closed = || {
-            self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0
-                && self.map.atomic_u64(HEAD).load(Ordering::Acquire) == head
-        };
-        if let Some(seq) = self.pending {
-            // A descriptor is out: the message is sent once the receiver has pulled it.
-            if head > seq {
-                self.pending = None;
-                return Ok(true);
-            }
-            return if closed() { Err(Error::remote("the receiving rank closed its connection")) } else { Ok(false) };
-        }
         if self.tail - head >= SLOTS as u64 {
-            if closed() {
+            // A closed receiver consumed all it will: re-read head after seeing the flag, so a
+            // message it took just before closing still counts as delivered.
+            if self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0
+                && self.map.atomic_u64(HEAD).load(Ordering::Acquire) == head
+            {
                 return Err(Error::remote("the receiving rank closed its connection"));
             }
-            return Ok(false);
+            return Ok(Sent::Blocked);
         }
         let by_descriptor = src.len() >= CMA_MIN && self.map.atomic_u32(CMA_OK).load(Ordering::Acquire) == 1;
         let slot = (self.tail % SLOTS as u64) as usize;
@@ -224,11 +212,20 @@ impl super::SendConn for RingSend {
         }
         self.tail += 1;
         self.map.atomic_u64(TAIL).store(self.tail, Ordering::Release);
-        if by_descriptor {
-            self.pending = Some(self.tail - 1);
-            return Ok(false);
+        // A descriptor's bytes are read by the receiver later: the send completes only then.
+        Ok(if by_descriptor { Sent::Posted(self.tail - 1) } else { Sent::Done })
+    }
+    fn consumed(&mut self, token: u64) -> Result<bool> {
+        let head = self.map.atomic_u64(HEAD).load(Ordering::Acquire);
+        if head > token {
+            return Ok(true);
         }
-        Ok(true)
+        if self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0
+            && self.map.atomic_u64(HEAD).load(Ordering::Acquire) <= token
+        {
+            return Err(Error::remote("the receiving rank closed its connection"));
+        }
+        Ok(false)
     }
     fn check(&mut self) -> Result<()> {
         check_pid(self.peer_pid)
@@ -366,13 +363,13 @@ mod tests {
         let mut bufs: Vec<Vec<u8>> = (0..SLOTS + 1).map(|i| vec![i as u8; 10]).collect();
         let stamp = [7u8; STAMP_BYTES];
         for b in bufs.iter_mut().take(SLOTS) {
-            assert!(tx.try_send(Region::owned(b), &stamp).unwrap());
+            assert_eq!(tx.try_send(Region::owned(b), &stamp).unwrap(), Sent::Done);
         }
-        assert!(!tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp).unwrap(), "ring must be full");
+        assert_eq!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp).unwrap(), Sent::Blocked, "ring must be full");
         let mut got = Vec::new();
         assert!(rx.try_recv(&mut |s, d| { assert_eq!(s, &stamp); got.extend_from_slice(d); Ok(()) }).unwrap());
         assert_eq!(got, vec![0u8; 10]);
-        assert!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp).unwrap());
+        assert_eq!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp).unwrap(), Sent::Done);
         let err = rx.try_recv(&mut |_, _| Err(Error::invalid_usage("refused"))).unwrap_err();
         assert_eq!(err.msg, "refused");
     }

@@ -7,7 +7,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use super::ring::{ring_bytes, Mapping, RingRecv, RingSend};
-use super::{Kind, SendConn, Stamp};
+use super::{Kind, SendConn, Sent, Stamp};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 
@@ -20,8 +20,11 @@ pub struct ShmSend {
 }
 
 impl SendConn for ShmSend {
-    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<bool> {
+    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<Sent> {
         self.ring.try_send(src, stamp)
+    }
+    fn consumed(&mut self, token: u64) -> Result<bool> {
+        self.ring.consumed(token)
     }
     fn check(&mut self) -> Result<()> {
         self.ring.check()

@@ -9,7 +9,7 @@ pub mod ifaces;
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 
-use super::{Kind, RecvConn, SendConn, Stamp, STAMP_BYTES};
+use super::{Kind, RecvConn, SendConn, Sent, Stamp, STAMP_BYTES};
 
 const HEADER: usize = 8 + STAMP_BYTES;
 use crate::device::host::Region;
@@ -81,7 +81,7 @@ impl SocketSend {
 }
 
 impl SendConn for SocketSend {
-    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<bool> {
+    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<Sent> {
         let mut header = [0u8; HEADER];
         header[..4].copy_from_slice(&(src.len() as u32).to_le_bytes());
         header[8..].copy_from_slice(stamp);
@@ -98,14 +98,14 @@ impl SendConn for SocketSend {
             match r {
                 Ok(0) => return Err(lost(self.peer, "closed")),
                 Ok(n) => self.sent += n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Sent::Blocked),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(lost(self.peer, e)),
             }
         }
         self.sent = 0;
         self.next = (self.next + 1) % self.streams.len();
-        Ok(true)
+        Ok(Sent::Done)
     }
     fn check(&mut self) -> Result<()> {
         check_all(&self.streams, self.peer)
