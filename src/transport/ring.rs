@@ -160,7 +160,8 @@ fn cma_read(pid: u32, addr: u64, buf: &mut [u8]) -> Result<()> {
         let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
         if n <= 0 {
             let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ESRCH) {
+            // A process that is exiting (or a zombie) may answer EFAULT before ESRCH.
+            if e.raw_os_error() == Some(libc::ESRCH) || !pid_alive(pid) {
                 return Err(Error::remote(format!("peer process {pid} exited")));
             }
             return Err(Error::os(format!("reading {} bytes from process {pid}", buf.len()), e));
