@@ -121,6 +121,18 @@ fn collectives_2_processes_socket_transport() {
         .run();
 }
 
+/// Several sockets per peer: messages are spread over 2 x 3 connections.
+#[test]
+fn collectives_3_processes_socket_transport_six_sockets_per_peer() {
+    Job::new("collectives")
+        .procs(3)
+        .arg("--quick")
+        .env("NCCL_SHM_DISABLE", "1")
+        .env("NCCL_SOCKET_NTHREADS", "2")
+        .env("NCCL_NSOCKS_PERTHREAD", "3")
+        .run();
+}
+
 #[test]
 fn collectives_2_processes_nccl_comm_id() {
     let addr = format!("127.0.0.1:{}", free_tcp_port());
