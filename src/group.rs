@@ -100,7 +100,8 @@ pub fn run_or_defer(work: Deferred) -> Result<()> {
     }
 }
 
-fn run_parallel(work: Vec<Deferred>) -> Result<()> {
+/// Run each piece on a thread of its own and wait for all; the first error wins.
+pub fn run_parallel(work: Vec<Deferred>) -> Result<()> {
     if work.len() <= 1 {
         return work.into_iter().try_for_each(|w| w());
     }
@@ -112,11 +113,10 @@ fn run_parallel(work: Vec<Deferred>) -> Result<()> {
 }
 
 fn run_init_list(inits: &[(Arc<Comm>, UniqueId)]) -> Result<()> {
-    let results: Vec<Result<()>> = std::thread::scope(|s| {
-        let joins: Vec<_> = inits.iter().map(|(c, id)| s.spawn(move || crate::api::init::run_init(c, id))).collect();
-        joins.into_iter().map(|j| j.join().unwrap_or_else(|_| Err(Error::internal("init thread panicked")))).collect()
-    });
-    results.into_iter().collect()
+    run_parallel(inits.iter().map(|(c, id)| {
+        let (c, id) = (c.clone(), *id);
+        Box::new(move || crate::api::init::run_init(&c, &id)) as Deferred
+    }).collect())
 }
 
 /// ncclGroupSimulateEnd: close the group without running it and estimate its time (seconds):

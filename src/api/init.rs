@@ -71,18 +71,15 @@ pub fn init_all(devs: &[i32]) -> Result<Vec<Handle>> {
 /// Initialise several communicators of this process concurrently (they rendezvous with each
 /// other, so they cannot run one after the other on one thread).
 pub fn run_inits(comms: &[Arc<Comm>], id: &UniqueId) -> Result<()> {
-    let results: Vec<Result<()>> = std::thread::scope(|s| {
-        let joins: Vec<_> = comms.iter().map(|c| s.spawn(move || run_init(c, id))).collect();
-        joins.into_iter().map(|j| j.join().unwrap_or_else(|_| Err(Error::internal("init thread panicked")))).collect()
-    });
-    let first_err = results.into_iter().find_map(|r| r.err());
-    match first_err {
-        Some(e) => {
-            comms.iter().for_each(|c| c.shutdown());
-            Err(e)
-        }
-        None => Ok(()),
+    let work = comms.iter().map(|c| {
+        let (c, id) = (c.clone(), *id);
+        Box::new(move || run_init(&c, &id)) as crate::group::Deferred
+    }).collect();
+    let result = crate::group::run_parallel(work);
+    if result.is_err() {
+        comms.iter().for_each(|c| c.shutdown());
     }
+    result
 }
 
 pub fn spawn_init(comm: Arc<Comm>, id: UniqueId) -> Result<()> {
@@ -95,8 +92,18 @@ pub fn spawn_init(comm: Arc<Comm>, id: UniqueId) -> Result<()> {
         .map_err(|e| Error::os("spawn init thread", e))
 }
 
-/// The work of init: join the job, learn the peers. Errors also become the async error.
+/// The work of init: join the job, learn the peers. Errors — a panic included, since this
+/// often runs on a background thread nobody joins — also become the async error, so a
+/// nonblocking init never stays "in progress" forever.
 pub fn run_init(comm: &Comm, id: &UniqueId) -> Result<()> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| join_job(comm, id))).unwrap_or_else(|_| {
+        let e = Error::internal(format!("rank {} of {}: init panicked", comm.rank, comm.nranks));
+        comm.set_async_error(&e);
+        Err(e)
+    })
+}
+
+fn join_job(comm: &Comm, id: &UniqueId) -> Result<()> {
     crate::debug::set_rank(comm.rank as i32);
     crate::debug::print_version_once();
     let me = PeerInfo {

@@ -260,7 +260,7 @@ impl Comm {
         if theirs.is_empty() {
             return Ok(PeerRuns::Nothing);
         }
-        if theirs.iter().any(|s| *s == mine.as_slice()) {
+        if theirs.contains(&mine.as_slice()) {
             return Ok(PeerRuns::Same);
         }
         let mut first = [0u8; STAMP_BYTES];

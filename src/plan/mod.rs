@@ -92,10 +92,6 @@ impl Builder {
         r
     }
 
-    pub fn slice(&self) -> usize {
-        self.slice
-    }
-
     fn push(&mut self, len: usize, deps: &[Ref], make: impl Fn(usize, usize) -> Step) -> Ref {
         if len == 0 {
             return Ref::NONE;

@@ -226,14 +226,6 @@ impl<'a> Job<'a> {
         Ok(())
     }
 
-    /// The peers this job still waits on (for error messages).
-    fn waiting_on(&self) -> Vec<usize> {
-        let mut v: Vec<usize> = self.sends.iter().chain(self.recvs.iter()).map(|(p, _)| *p)
-            .chain(self.posted.iter().map(|(p, _)| *p)).collect();
-        v.sort_unstable();
-        v.dedup();
-        v
-    }
 }
 
 const SPIN: u32 = 256;
@@ -305,7 +297,3 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
     }
 }
 
-/// Who a failed job was waiting for, to name them in the error.
-pub fn waiting_on(job: &Job<'_>) -> Vec<usize> {
-    job.waiting_on()
-}

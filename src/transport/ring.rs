@@ -134,6 +134,16 @@ impl RingSend {
 }
 
 impl RingRecv {
+    /// The general path of `try_recv_into`: take the message and copy it into `dst`.
+    fn recv_copying(&mut self, dst: Region, accept: &mut dyn FnMut(&Stamp, usize) -> Result<()>) -> Result<bool> {
+        use super::RecvConn;
+        self.try_recv(&mut |stamp, data| {
+            accept(stamp, data.len())?;
+            crate::device::host::copy_in(dst, data);
+            Ok(())
+        })
+    }
+
     pub fn new(map: Arc<Mapping>, slice: usize, kind: Kind, peer_pid: Option<u32>) -> RingRecv {
         if let Some(pid) = peer_pid {
             let addr = map.atomic_u64(CMA_PROBE_ADDR).load(Ordering::Acquire);
@@ -290,12 +300,8 @@ impl super::RecvConn for RingRecv {
     fn try_recv_into(&mut self, dst: Region, accept: &mut dyn FnMut(&Stamp, usize) -> Result<()>) -> Result<bool> {
         let tail = self.map.atomic_u64(TAIL).load(Ordering::Acquire);
         if tail == self.head {
-            return self.try_recv(&mut |stamp, data| {
-                accept(stamp, data.len())?;
-                crate::device::host::copy_in(dst, data);
-                Ok(())
-            });
-        };
+            return self.recv_copying(dst, accept);
+        }
         let slot = (self.head % SLOTS as u64) as usize;
         // SAFETY: head < tail, as in try_recv: the slot and its header are published and ours.
         let (stamp, kind, addr, len) = unsafe {
@@ -307,11 +313,7 @@ impl super::RecvConn for RingRecv {
             (stamp, kind, data.read_volatile(), data.add(1).read_volatile() as usize)
         };
         if kind != KIND_DESCRIPTOR || len != dst.len() {
-            return self.try_recv(&mut |stamp, data| {
-                accept(stamp, data.len())?;
-                crate::device::host::copy_in(dst, data);
-                Ok(())
-            });
+            return self.recv_copying(dst, accept);
         }
         accept(&stamp, len)?;
         match self.peer_pid {

@@ -65,9 +65,6 @@ impl Region {
         assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "sub-region out of range");
         Region { addr: self.addr + off, len }
     }
-    pub fn overlaps(self, other: Region) -> bool {
-        self.len > 0 && other.len > 0 && self.addr < other.addr + other.len && other.addr < self.addr + self.len
-    }
 
     /// Read-only view for transports that send it.
     ///
