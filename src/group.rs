@@ -12,8 +12,8 @@ use crate::bootstrap::UniqueId;
 use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::params;
-use crate::plan::{plan_group, Op, Step};
-use crate::proxy::{self, Job};
+use crate::plan::{ops::plan_into, Builder, Op, Step};
+use crate::proxy::{self, Job, JobBufs};
 use crate::transport::{self, Ctx};
 
 /// Work that needs every rank of the group at once (split, shrink): run in parallel threads.
@@ -159,7 +159,7 @@ pub fn add_op(comm: Arc<Comm>, op: Op) -> Result<()> {
     if queued {
         return Ok(());
     }
-    execute(vec![(comm, op)])
+    execute_one(comm, op)
 }
 
 fn describe(ops: &[Op]) -> String {
@@ -170,82 +170,175 @@ fn describe(ops: &[Op]) -> String {
     }
 }
 
+/// One communicator's part of a run, kept per thread from one call to the next so that a
+/// repeated call plans and runs without allocating.
+struct Slot {
+    comm: Option<Arc<Comm>>,
+    ops: Vec<Op>,
+}
+
+/// The memory a communicator's run plans and progresses in (any slot's will do).
+#[derive(Default)]
+struct Work {
+    plan: Builder,
+    job: JobBufs,
+}
+
+#[derive(Default)]
+struct Workspace {
+    slots: Vec<Slot>,
+    work: Vec<Work>,
+    live: usize,
+}
+
+impl Workspace {
+    fn add(&mut self, comm: Arc<Comm>, op: Op) {
+        if let Some(s) = self.slots[..self.live].iter_mut().find(|s| s.comm.as_ref().is_some_and(|c| Arc::ptr_eq(c, &comm))) {
+            s.ops.push(op);
+            return;
+        }
+        if self.live == self.slots.len() {
+            self.slots.push(Slot { comm: None, ops: Vec::new() });
+            self.work.push(Work::default());
+        }
+        let s = &mut self.slots[self.live];
+        s.comm = Some(comm);
+        s.ops.push(op);
+        self.live += 1;
+    }
+
+    /// Drop this run's communicators and operations; keep the memory.
+    fn release(&mut self) {
+        for s in &mut self.slots[..self.live] {
+            s.comm = None;
+            s.ops.clear();
+        }
+        self.live = 0;
+    }
+}
+
+thread_local! {
+    static WORKSPACE: RefCell<Workspace> = RefCell::new(Workspace::default());
+}
+
+/// One item or several, without allocating for one (the common case: one communicator).
+enum Few<T> {
+    One([T; 1]),
+    Many(Vec<T>),
+}
+
+impl<T> Few<T> {
+    fn collect(mut it: impl Iterator<Item = T>) -> Few<T> {
+        let Some(first) = it.next() else { return Few::Many(Vec::new()) };
+        let Some(second) = it.next() else { return Few::One([first]) };
+        let mut v = vec![first, second];
+        v.extend(it);
+        Few::Many(v)
+    }
+    fn as_mut_slice(&mut self) -> &mut [T] {
+        match self {
+            Few::One(a) => a,
+            Few::Many(v) => v,
+        }
+    }
+}
+
 /// Plan, connect and run the operations of one group, every communicator together.
 fn execute(ops: Vec<(Arc<Comm>, Op)>) -> Result<()> {
     if ops.is_empty() {
         return Ok(());
     }
+    with_workspace(|ws| {
+        for (c, op) in ops {
+            ws.add(c, op);
+        }
+    })
+}
+
+/// Run one operation issued outside a group.
+fn execute_one(comm: Arc<Comm>, op: Op) -> Result<()> {
+    with_workspace(|ws| ws.add(comm, op))
+}
+
+fn with_workspace(fill: impl FnOnce(&mut Workspace)) -> Result<()> {
+    // Taken out of the thread-local for the run (a run never starts another on this thread;
+    // if it did, that one would simply get a fresh workspace).
+    let mut ws = WORKSPACE.with(|w| std::mem::take(&mut *w.borrow_mut()));
+    fill(&mut ws);
+    let result = run_workspace(&mut ws);
+    ws.release();
+    WORKSPACE.with(|w| *w.borrow_mut() = ws);
+    result
+}
+
+fn run_workspace(ws: &mut Workspace) -> Result<()> {
     // Per communicator, in issue order; communicators ordered by address so two threads
     // locking overlapping sets never deadlock.
-    let mut per_comm: Vec<(Arc<Comm>, Vec<Op>)> = Vec::new();
-    for (c, op) in ops {
-        match per_comm.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
-            Some((_, v)) => v.push(op),
-            None => per_comm.push((c, vec![op])),
-        }
-    }
-    per_comm.sort_by_key(|(c, _)| Arc::as_ptr(c) as usize);
+    ws.slots[..ws.live].sort_by_key(|s| s.comm.as_ref().map_or(0, |c| Arc::as_ptr(c) as usize));
+    let slots = &ws.slots[..ws.live];
+    let work = &mut ws.work[..ws.live];
     static FORCED: std::sync::OnceLock<Option<algo::Algo>> = std::sync::OnceLock::new();
     let forced = *FORCED.get_or_init(|| params::raw("NCCL_ALGO").and_then(|v| algo::parse_algo(&v)));
 
-    let mut plans = Vec::with_capacity(per_comm.len());
-    for (c, ops) in &per_comm {
+    let mut comms: Few<&Comm> = Few::collect(slots.iter().filter_map(|s| s.comm.as_deref()));
+    let comms = comms.as_mut_slice();
+    for ((s, w), c) in slots.iter().zip(work.iter_mut()).zip(comms.iter()) {
         let ready = c.ready()?;
-        plans.push(plan_group(c.rank, c.nranks, ready.slice, ops, forced)?);
+        plan_into(&mut w.plan, c.rank, c.nranks, ready.slice, &s.ops, forced)?;
     }
-    let mut guards: Vec<_> = per_comm.iter().map(|(c, _)| c.ready().map(|r| r.conns())).collect::<Result<_>>()?;
+    // Every communicator was ready above, and a ready part, once set, stays.
+    let mut guards = Few::collect(comms.iter().filter_map(|c| c.ready_if_any().map(|r| r.conns())));
+    let guards = guards.as_mut_slice();
+    if guards.len() != comms.len() {
+        return Err(Error::internal("a communicator lost its connections while planning"));
+    }
 
-    for ((c, _), p) in per_comm.iter().zip(plans.iter()) {
-        c.ready()?.set_running(&p.stamps);
+    for (c, w) in comms.iter().zip(work.iter()) {
+        c.ready()?.set_running(&w.plan.stamps);
     }
-    if let Err(e) = connect(&per_comm, &plans, &mut guards) {
-        per_comm.iter().filter_map(|(c, _)| c.ready_if_any()).for_each(|r| r.set_running(&[]));
+    if let Err(e) = connect(comms, work, guards) {
+        comms.iter().filter_map(|c| c.ready_if_any()).for_each(|r| r.set_running(&[]));
         return Err(e);
     }
 
-    let mut jobs: Vec<Job<'_>> = per_comm
-        .iter()
-        .zip(guards.iter_mut())
-        .zip(plans.iter())
-        .map(|(((c, _), g), p)| Job::new(c, g, &p.units, &p.stamps, &crate::plan::ops::describe_stamp))
-        .collect();
-    let result = proxy::run(&mut jobs);
+    let mut jobs = Few::collect(comms.iter().zip(guards.iter_mut()).zip(work.iter_mut()).map(|((c, g), w)| {
+        Job::new(c, g, &w.plan.units, &w.plan.stamps, &crate::plan::ops::describe_stamp, &mut w.job)
+    }));
+    let jobs = jobs.as_mut_slice();
+    let result = proxy::run(jobs);
     let failed_peer = result.as_ref().err().and_then(|(j, _)| jobs[*j].failed_peer);
-    drop(jobs);
-    for (c, _) in &per_comm {
+    for c in comms.iter() {
         if let Some(r) = c.ready_if_any() {
             r.set_running(&[]);
         }
     }
-    if let Err((j, e)) = result {
-        let (c, ops) = &per_comm[j];
-        let mut e = e;
-        // A peer that stopped on an error of its own closed its connections: its reason is
-        // the real one (a mismatch it detected, a peer it lost).
-        if e.code == crate::Code::RemoteError {
-            if let Some(theirs) = failed_peer.and_then(|p| c.peer_failure(p)) {
-                e = theirs;
-            }
+    let Err((j, e)) = result else { return Ok(()) };
+    let c = comms[j];
+    let mut e = e;
+    // A peer that stopped on an error of its own closed its connections: its reason is
+    // the real one (a mismatch it detected, a peer it lost).
+    if e.code == crate::Code::RemoteError {
+        if let Some(theirs) = failed_peer.and_then(|p| c.peer_failure(p)) {
+            e = theirs;
         }
-        if e.code == crate::Code::RemoteError {
-            // Name the culprit: the peer this rank waited on may only have reacted to it.
-            let lost = c.lost_peers();
-            if !lost.is_empty() {
-                let names: Vec<String> = lost.iter().map(|(p, why)| format!("{} ({why})", c.describe_peer(*p))).collect();
-                e = crate::Error::remote(format!("lost {}; this rank saw: {}", names.join(", "), e.msg));
-            }
-        }
-        let e = e.context(format!("rank {}: {}", c.rank, describe(ops)));
-        // The connections are in an unknown state: close them so peers stop waiting, and keep
-        // the error for ncclCommGetAsyncError.
-        if let Some(r) = c.ready_if_any() {
-            r.set_failed(&e);
-        }
-        guards[j].close_all();
-        c.set_async_error(&e);
-        return Err(e);
     }
-    Ok(())
+    if e.code == crate::Code::RemoteError {
+        // Name the culprit: the peer this rank waited on may only have reacted to it.
+        let lost = c.lost_peers();
+        if !lost.is_empty() {
+            let names: Vec<String> = lost.iter().map(|(p, why)| format!("{} ({why})", c.describe_peer(*p))).collect();
+            e = crate::Error::remote(format!("lost {}; this rank saw: {}", names.join(", "), e.msg));
+        }
+    }
+    let e = e.context(format!("rank {}: {}", c.rank, describe(&slots[j].ops)));
+    // The connections are in an unknown state: close them so peers stop waiting, and keep
+    // the error for ncclCommGetAsyncError.
+    if let Some(r) = c.ready_if_any() {
+        r.set_failed(&e);
+    }
+    jobs[j].conns.close_all();
+    c.set_async_error(&e);
+    Err(e)
 }
 
 /// Accept `peer`'s connection; while it does not come, ask the peer what it runs, so two
@@ -275,10 +368,9 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
     }
 }
 
-fn connect(per_comm: &[(Arc<Comm>, Vec<Op>)], plans: &[crate::plan::Builder],
-           guards: &mut [std::sync::MutexGuard<'_, transport::Conns>]) -> Result<()> {
+fn connect(comms: &[&Comm], work: &[Work], guards: &mut [std::sync::MutexGuard<'_, transport::Conns>]) -> Result<()> {
     // Usually every connection exists already: check without allocating or reading the clock.
-    let connected = plans.iter().zip(guards.iter()).all(|(p, g)| p.units.iter().all(|u| match u.step {
+    let connected = work.iter().zip(guards.iter()).all(|(w, g)| w.plan.units.iter().all(|u| match u.step {
         Step::Send { peer, .. } => g.has_send(peer as usize),
         Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => g.has_recv(peer as usize),
         _ => true,
@@ -298,7 +390,8 @@ fn connect(per_comm: &[(Arc<Comm>, Vec<Op>)], plans: &[crate::plan::Builder],
         v
     };
     for phase_send in [true, false] {
-        for (((c, _), p), g) in per_comm.iter().zip(plans).zip(guards.iter_mut()) {
+        for ((c, w), g) in comms.iter().zip(work).zip(guards.iter_mut()) {
+            let p = &w.plan;
             let ready = c.ready()?;
             let ctx = Ctx { rank: c.rank, hash: c.hash, peers: &ready.peers, service: &ready.service,
                             slice: ready.slice, abort: &c.abort, deadline };

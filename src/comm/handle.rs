@@ -8,9 +8,30 @@ use std::sync::{Arc, OnceLock, RwLock};
 use super::Comm;
 use crate::error::{Error, Result};
 
-fn registry() -> &'static RwLock<HashMap<usize, Arc<Comm>>> {
-    static R: OnceLock<RwLock<HashMap<usize, Arc<Comm>>>> = OnceLock::new();
-    R.get_or_init(|| RwLock::new(HashMap::new()))
+/// Keys are addresses of our own tokens, not attacker-chosen: a multiplicative hash is enough
+/// and costs a few instructions on every call (SipHash costs about a hundred).
+#[derive(Default)]
+struct AddrHasher(u64);
+
+impl std::hash::Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.0 = (v as u64 ^ (v as u64 >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type Registry = HashMap<usize, Arc<Comm>, std::hash::BuildHasherDefault<AddrHasher>>;
+
+fn registry() -> &'static RwLock<Registry> {
+    static R: OnceLock<RwLock<Registry>> = OnceLock::new();
+    R.get_or_init(|| RwLock::new(Registry::default()))
 }
 
 /// The value C holds for a communicator.

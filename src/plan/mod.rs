@@ -65,14 +65,38 @@ pub struct Builder {
     slice: usize,
     /// A dependency added to every unit of the current operation (e.g. PreMulSum's scaling).
     fence: Ref,
-    /// Scratch memory the units refer to; kept alive as long as the builder.
+    /// Scratch memory the units refer to; kept alive as long as the builder. A builder is
+    /// reused call after call: its first `scratch_used` buffers belong to the current plan, the
+    /// rest wait for the next one (their contents are stale, and scratch is always written
+    /// before it is read).
     scratch: Vec<Vec<u8>>,
+    scratch_used: usize,
+}
+
+/// Scratch a reused builder keeps between plans; larger buffers are given back.
+const SCRATCH_KEEP: usize = 4 << 20;
+
+impl Default for Builder {
+    fn default() -> Builder {
+        Builder::new(0)
+    }
 }
 
 impl Builder {
     pub fn new(slice: usize) -> Builder {
-        let slice = (slice / 64).max(1) * 64;
-        Builder { units: Vec::new(), stamps: Vec::new(), slice, fence: Ref::NONE, scratch: Vec::new() }
+        let mut b = Builder { units: Vec::new(), stamps: Vec::new(), slice: 0, fence: Ref::NONE, scratch: Vec::new(), scratch_used: 0 };
+        b.reset(slice);
+        b
+    }
+
+    /// Forget the last plan, keeping the memory for the next (no allocation on a repeated call).
+    pub fn reset(&mut self, slice: usize) {
+        self.slice = (slice / 64).max(1) * 64;
+        self.units.clear();
+        self.stamps.clear();
+        self.fence = Ref::NONE;
+        self.scratch.retain(|v| v.capacity() <= SCRATCH_KEEP);
+        self.scratch_used = 0;
     }
 
     /// Start a new operation: its stamp, and no fence.
@@ -86,10 +110,13 @@ impl Builder {
     }
 
     pub fn scratch(&mut self, len: usize) -> Region {
-        let mut v = vec![0u8; len];
-        let r = Region::owned(&mut v);
-        self.scratch.push(v);
-        r
+        if self.scratch_used == self.scratch.len() {
+            self.scratch.push(Vec::new());
+        }
+        let v = &mut self.scratch[self.scratch_used];
+        self.scratch_used += 1;
+        v.resize(len, 0);
+        Region::owned(v)
     }
 
     fn push(&mut self, len: usize, deps: &[Ref], make: impl Fn(usize, usize) -> Step) -> Ref {

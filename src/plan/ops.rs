@@ -152,6 +152,14 @@ fn reduction(op: RedOp, dt: DataType, nranks: usize) -> Reduction {
 /// point-to-point operations (both sides order them the same way, so they pair up).
 pub fn plan_group(rank: usize, nranks: usize, slice: usize, ops: &[Op], algo: Option<Algo>) -> Result<Builder> {
     let mut b = Builder::new(slice);
+    plan_into(&mut b, rank, nranks, slice, ops, algo)?;
+    Ok(b)
+}
+
+/// [`plan_group`] into a builder kept from an earlier call (its memory is reused).
+pub fn plan_into(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops: &[Op], algo: Option<Algo>) -> Result<()> {
+    b.reset(slice);
+    let b = &mut *b;
     for op in ops.iter().filter(|o| !o.kind.is_p2p() && o.count > 0) {
         b.begin(op.stamp());
         let mut send = op.send;
@@ -164,10 +172,9 @@ pub fn plan_group(rank: usize, nranks: usize, slice: usize, ops: &[Op], algo: Op
             }
         }
         let red = reduction(op.op, op.dt, nranks);
-        algo::build(&mut b, rank, nranks, op, send, red, algo);
+        algo::build(b, rank, nranks, op, send, red, algo);
     }
-    plan_p2p(&mut b, rank, ops)?;
-    Ok(b)
+    plan_p2p(b, rank, ops)
 }
 
 fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {

@@ -4,7 +4,6 @@
 //! blocks on one peer while another could move. Waiting spins briefly, then yields, then naps,
 //! and regularly checks the abort flag and that the peers it waits for are alive.
 
-use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -14,6 +13,81 @@ use crate::error::{Error, Result};
 use crate::plan::{Step, Unit, NO_DEP};
 use crate::transport::{Conns, Sent, Stamp};
 
+/// A queue of unit indices (or posted tokens) for one peer, kept across runs.
+struct Queue<T> {
+    peer: usize,
+    items: Vec<T>,
+    head: usize,
+}
+
+impl<T: Copy> Queue<T> {
+    fn front(&self) -> Option<T> {
+        self.items.get(self.head).copied()
+    }
+    fn pop_front(&mut self) {
+        self.head += 1;
+    }
+    fn len(&self) -> usize {
+        self.items.len() - self.head
+    }
+}
+
+/// Per-peer queues. Entries past `live` are spare, kept with their memory for the next run so
+/// a repeated call allocates nothing.
+struct Queues<T> {
+    qs: Vec<Queue<T>>,
+    live: usize,
+}
+
+impl<T> Default for Queues<T> {
+    fn default() -> Self {
+        Queues { qs: Vec::new(), live: 0 }
+    }
+}
+
+impl<T: Copy> Queues<T> {
+    fn clear(&mut self) {
+        for q in &mut self.qs[..self.live] {
+            q.items.clear();
+            q.head = 0;
+        }
+        self.live = 0;
+    }
+    fn push(&mut self, peer: usize, item: T) {
+        if let Some(q) = self.qs[..self.live].iter_mut().find(|q| q.peer == peer) {
+            q.items.push(item);
+            return;
+        }
+        if self.live == self.qs.len() {
+            self.qs.push(Queue { peer, items: Vec::new(), head: 0 });
+        }
+        let q = &mut self.qs[self.live];
+        q.peer = peer;
+        q.items.push(item);
+        self.live += 1;
+    }
+    fn active(&self) -> impl Iterator<Item = &Queue<T>> {
+        self.qs[..self.live].iter().filter(|q| q.len() > 0)
+    }
+    fn pending(&self) -> bool {
+        self.active().next().is_some()
+    }
+    fn for_peer(&self, peer: usize) -> usize {
+        self.qs[..self.live].iter().find(|q| q.peer == peer).map_or(0, |q| q.len())
+    }
+}
+
+/// The memory a job's bookkeeping lives in, reused from one run to the next.
+#[derive(Default)]
+pub struct JobBufs {
+    done: Vec<bool>,
+    sends: Queues<u32>,
+    /// Sends the peer reads itself (single copy), by peer: (unit, token), oldest first.
+    posted: Queues<(u32, u64)>,
+    recvs: Queues<u32>,
+    local: Queues<u32>,
+}
+
 /// One communicator's work in a run.
 pub struct Job<'a> {
     pub comm: &'a Comm,
@@ -22,12 +96,7 @@ pub struct Job<'a> {
     stamps: &'a [Stamp],
     /// Puts a stamp into words for a mismatch message.
     describe: &'a dyn Fn(&Stamp) -> String,
-    done: Vec<bool>,
-    sends: Vec<(usize, VecDeque<u32>)>,
-    /// Sends the peer reads itself (single copy), by peer: (unit, token), oldest first.
-    posted: Vec<(usize, VecDeque<(u32, u64)>)>,
-    recvs: Vec<(usize, VecDeque<u32>)>,
-    local: VecDeque<u32>,
+    b: &'a mut JobBufs,
     remaining: usize,
     /// The peer whose connection failed, if that is how the job failed.
     pub failed_peer: Option<usize>,
@@ -35,41 +104,38 @@ pub struct Job<'a> {
 
 impl<'a> Job<'a> {
     pub fn new(comm: &'a Comm, conns: &'a mut Conns, units: &'a [Unit], stamps: &'a [Stamp],
-               describe: &'a dyn Fn(&Stamp) -> String) -> Job<'a> {
-        // Queues only for the peers this job talks to (few, for most algorithms).
-        fn queue(qs: &mut Vec<(usize, VecDeque<u32>)>, peer: u32, i: usize) {
-            match qs.iter_mut().find(|(p, _)| *p == peer as usize) {
-                Some((_, q)) => q.push_back(i as u32),
-                None => qs.push((peer as usize, VecDeque::from([i as u32]))),
-            }
-        }
-        let (mut sends, mut recvs, mut local) = (Vec::new(), Vec::new(), VecDeque::new());
+               describe: &'a dyn Fn(&Stamp) -> String, b: &'a mut JobBufs) -> Job<'a> {
+        b.done.clear();
+        b.done.resize(units.len(), false);
+        b.sends.clear();
+        b.posted.clear();
+        b.recvs.clear();
+        b.local.clear();
         for (i, u) in units.iter().enumerate() {
             match u.step {
-                Step::Send { peer, .. } => queue(&mut sends, peer, i),
-                Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => queue(&mut recvs, peer, i),
-                _ => local.push_back(i as u32),
+                Step::Send { peer, .. } => b.sends.push(peer as usize, i as u32),
+                Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => b.recvs.push(peer as usize, i as u32),
+                _ => b.local.push(usize::MAX, i as u32),
             }
         }
-        Job { comm, conns, units, stamps, describe, done: vec![false; units.len()], sends, posted: Vec::new(), recvs, local,
-              remaining: units.len(), failed_peer: None }
+        Job { comm, conns, units, stamps, describe, b, remaining: units.len(), failed_peer: None }
     }
 
     fn ready(&self, i: u32) -> bool {
-        self.units[i as usize].deps.iter().all(|&d| d == NO_DEP || self.done[d as usize])
+        self.units[i as usize].deps.iter().all(|&d| d == NO_DEP || self.b.done[d as usize])
     }
 
     fn complete(&mut self, i: u32) {
-        self.done[i as usize] = true;
+        self.b.done[i as usize] = true;
         self.remaining -= 1;
     }
 
     /// Advance everything that can advance now; true if anything did.
     fn poll(&mut self) -> Result<bool> {
         let mut progressed = false;
-        for pi in 0..self.posted.len() {
-            let peer = self.posted[pi].0;
-            while let Some(&(i, token)) = self.posted[pi].1.front() {
+        for pi in 0..self.b.posted.live {
+            let peer = self.b.posted.qs[pi].peer;
+            while let Some((i, token)) = self.b.posted.qs[pi].front() {
                 let read = self.conns.send_mut(peer)?.consumed(token);
                 if read.is_err() {
                     self.failed_peer = Some(peer);
@@ -77,40 +143,37 @@ impl<'a> Job<'a> {
                 if !read? {
                     break;
                 }
-                self.posted[pi].1.pop_front();
+                self.b.posted.qs[pi].pop_front();
                 self.complete(i);
                 progressed = true;
             }
         }
-        for qi in 0..self.sends.len() {
-            while let Some(&i) = self.sends[qi].1.front() {
+        for qi in 0..self.b.sends.live {
+            while let Some(i) = self.b.sends.qs[qi].front() {
                 if !self.ready(i) {
                     break;
                 }
                 let Step::Send { peer, src } = self.units[i as usize].step else { break };
-                let out = self.posted.iter().find(|(p, _)| *p == peer as usize).map_or(0, |(_, q)| q.len());
-                if out >= MAX_POSTED {
+                let peer = peer as usize;
+                if self.b.posted.for_peer(peer) >= MAX_POSTED {
                     break;
                 }
                 let stamp = &self.stamps[self.units[i as usize].op as usize];
-                let sent = self.conns.send_mut(peer as usize)?.try_send(src, stamp);
+                let sent = self.conns.send_mut(peer)?.try_send(src, stamp);
                 if sent.is_err() {
-                    self.failed_peer = Some(peer as usize);
+                    self.failed_peer = Some(peer);
                 }
                 match sent? {
                     Sent::Blocked => break,
                     Sent::Done => self.complete(i),
-                    Sent::Posted(token) => match self.posted.iter_mut().find(|(p, _)| *p == peer as usize) {
-                        Some((_, q)) => q.push_back((i, token)),
-                        None => self.posted.push((peer as usize, VecDeque::from([(i, token)]))),
-                    },
+                    Sent::Posted(token) => self.b.posted.push(peer, (i, token)),
                 }
-                self.sends[qi].1.pop_front();
+                self.b.sends.qs[qi].pop_front();
                 progressed = true;
             }
         }
-        for qi in 0..self.recvs.len() {
-            while let Some(&i) = self.recvs[qi].1.front() {
+        for qi in 0..self.b.recvs.live {
+            while let Some(i) = self.b.recvs.qs[qi].front() {
                 if !self.ready(i) {
                     break;
                 }
@@ -146,36 +209,33 @@ impl<'a> Job<'a> {
                 if !got? {
                     break;
                 }
-                self.recvs[qi].1.pop_front();
+                self.b.recvs.qs[qi].pop_front();
                 self.complete(i);
                 progressed = true;
             }
         }
         // Local copies and reductions run one slice per pass while transfers are pending, so
         // a long local copy (an out-of-place root's) never holds back the next message.
-        let transfers_pending = !self.sends.is_empty() || !self.recvs.is_empty() || !self.posted.is_empty();
-        while let Some(&i) = self.local.front() {
-            if !self.ready(i) {
-                break;
+        let transfers_pending = self.b.sends.pending() || self.b.recvs.pending() || self.b.posted.pending();
+        if self.b.local.live > 0 {
+            while let Some(i) = self.b.local.qs[0].front() {
+                if !self.ready(i) {
+                    break;
+                }
+                match self.units[i as usize].step {
+                    Step::Copy { dst, src } => host::copy(dst, src),
+                    Step::Reduce { dst, a, b, dt, op } => host::reduce_local(dt, op, dst, a, b),
+                    Step::Premul { dst, src, dt, scalar } => host::premul(dt, dst, src, scalar),
+                    Step::Divide { dst, dt, divisor } => host::divide(dt, dst, divisor),
+                    _ => {}
+                }
+                self.b.local.qs[0].pop_front();
+                self.complete(i);
+                progressed = true;
+                if transfers_pending {
+                    break;
+                }
             }
-            match self.units[i as usize].step {
-                Step::Copy { dst, src } => host::copy(dst, src),
-                Step::Reduce { dst, a, b, dt, op } => host::reduce_local(dt, op, dst, a, b),
-                Step::Premul { dst, src, dt, scalar } => host::premul(dt, dst, src, scalar),
-                Step::Divide { dst, dt, divisor } => host::divide(dt, dst, divisor),
-                _ => {}
-            }
-            self.local.pop_front();
-            self.complete(i);
-            progressed = true;
-            if transfers_pending {
-                break;
-            }
-        }
-        if progressed {
-            self.sends.retain(|(_, q)| !q.is_empty());
-            self.posted.retain(|(_, q)| !q.is_empty());
-            self.recvs.retain(|(_, q)| !q.is_empty());
         }
         Ok(progressed)
     }
@@ -188,11 +248,12 @@ impl<'a> Job<'a> {
         if self.comm.revoked.load(Ordering::Acquire) {
             return Err(Error::invalid_usage("communicator revoked"));
         }
-        let senders: Vec<usize> = self.sends.iter().map(|(p, _)| *p).chain(self.posted.iter().map(|(p, _)| *p)).collect();
+        let senders: Vec<usize> = self.b.sends.active().map(|q| q.peer).chain(self.b.posted.active().map(|q| q.peer)).collect();
         for peer in senders {
             self.conns.send_mut(peer)?.check().map_err(|e| e.context(self.comm.describe_peer(peer)))?;
         }
-        for &(peer, _) in &self.recvs {
+        let receivers: Vec<usize> = self.b.recvs.active().map(|q| q.peer).collect();
+        for peer in receivers {
             self.conns.recv_mut(peer)?.check().map_err(|e| e.context(self.comm.describe_peer(peer)))?;
         }
         Ok(())
@@ -207,9 +268,9 @@ impl<'a> Job<'a> {
     /// naming both. A peer running nothing has not made the call yet: say so once (a slow
     /// rank is not an error; NCCL waits for it, and so do we).
     fn watch(&mut self, waited: Duration) -> Result<()> {
-        let heads: Vec<(usize, u32)> = self.sends.iter().chain(self.recvs.iter())
-            .filter_map(|(p, q)| q.front().map(|&i| (*p, i)))
-            .chain(self.posted.iter().filter_map(|(p, q)| q.front().map(|&(i, _)| (*p, i))))
+        let heads: Vec<(usize, u32)> = self.b.sends.active().chain(self.b.recvs.active())
+            .filter_map(|q| q.front().map(|i| (q.peer, i)))
+            .chain(self.b.posted.active().filter_map(|q| q.front().map(|(i, _)| (q.peer, i))))
             .collect();
         let mut asked = Vec::new();
         for (peer, unit) in heads {
