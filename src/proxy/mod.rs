@@ -132,22 +132,7 @@ impl<'a> Job<'a> {
 
     /// Advance everything that can advance now; true if anything did.
     fn poll(&mut self) -> Result<bool> {
-        let mut progressed = false;
-        for pi in 0..self.b.posted.live {
-            let peer = self.b.posted.qs[pi].peer;
-            while let Some((i, token)) = self.b.posted.qs[pi].front() {
-                let read = self.conns.send_mut(peer)?.consumed(token);
-                if read.is_err() {
-                    self.failed_peer = Some(peer);
-                }
-                if !read? {
-                    break;
-                }
-                self.b.posted.qs[pi].pop_front();
-                self.complete(i);
-                progressed = true;
-            }
-        }
+        let mut progressed = self.poll_posted(false)?;
         for qi in 0..self.b.sends.live {
             while let Some(i) = self.b.sends.qs[qi].front() {
                 if !self.ready(i) {
@@ -235,6 +220,32 @@ impl<'a> Job<'a> {
                 if transfers_pending {
                     break;
                 }
+            }
+        }
+        // Nothing else moved: help the peers read what we posted (a broadcast root's core
+        // would otherwise only wait).
+        if !progressed && self.b.posted.pending() {
+            progressed = self.poll_posted(true)?;
+        }
+        Ok(progressed)
+    }
+
+    /// Complete the posted sends the peers have read; true if any did.
+    fn poll_posted(&mut self, help: bool) -> Result<bool> {
+        let mut progressed = false;
+        for pi in 0..self.b.posted.live {
+            let peer = self.b.posted.qs[pi].peer;
+            while let Some((i, token)) = self.b.posted.qs[pi].front() {
+                let read = self.conns.send_mut(peer)?.consumed(token, help);
+                if read.is_err() {
+                    self.failed_peer = Some(peer);
+                }
+                if !read? {
+                    break;
+                }
+                self.b.posted.qs[pi].pop_front();
+                self.complete(i);
+                progressed = true;
             }
         }
         Ok(progressed)

@@ -33,9 +33,10 @@ pub trait SendConn: Send {
     /// untouched until [`SendConn::consumed`] says so, but the next message may be sent.
     /// `Blocked`: no room now; call again with the same message (partial progress is kept).
     fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<Sent>;
-    /// Has the peer read the posted message `token`?
-    fn consumed(&mut self, token: u64) -> Result<bool> {
-        let _ = token;
+    /// Has the peer read the posted message `token`? With `help`, this side has nothing
+    /// else to do and may move part of the message itself, if the transport can.
+    fn consumed(&mut self, token: u64, help: bool) -> Result<bool> {
+        let _ = (token, help);
         Ok(true)
     }
     /// Is the peer still there? Called while waiting.

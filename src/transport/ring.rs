@@ -30,6 +30,19 @@ const CMA_OK: usize = 136;
 /// Written by the sender: the address of [`PROBE`] in its memory.
 const CMA_PROBE_ADDR: usize = 144;
 const HEADERS: usize = 256;
+/// Shared reading of a large descriptor (see [`RingRecv::try_recv_into`]): the claim word
+/// (tag << TAG_SHIFT | next block), blocks finished, and the message's addresses.
+const HELP_CLAIM: usize = 512;
+const HELP_DONE: usize = 576;
+const HELP_DST: usize = 640;
+const HELP_SRC: usize = 648;
+const HELP_LEN: usize = 656;
+/// Written by the receiver: the address of [`WRITE_PROBE`] in its memory.
+const HELP_PROBE_ADDR: usize = 664;
+/// Descriptors at least this large are read by both ends, in blocks of HELP_BLOCK bytes.
+const HELP_MIN: usize = 256 << 10;
+const HELP_BLOCK: usize = 128 << 10;
+const TAG_SHIFT: u32 = 20;
 /// Messages at least this large go by descriptor when CMA is on.
 const CMA_MIN: usize = 64 << 10;
 const KIND_INLINE: u32 = 0;
@@ -37,6 +50,8 @@ const KIND_DESCRIPTOR: u32 = 1;
 
 /// A value every process holds at a known address, read by peers to test CMA.
 static PROBE: u64 = 0x6e63_636c_2d72_7321;
+/// Where senders test that they may write into this process (the value written is PROBE).
+static WRITE_PROBE: AtomicU64 = AtomicU64::new(0);
 const HEADER_BYTES: usize = 32;
 const DATA: usize = 4096;
 
@@ -112,6 +127,8 @@ pub struct RingSend {
     kind: Kind,
     /// The receiver's process, for liveness checks (None inside one process).
     peer_pid: Option<u32>,
+    /// May we write into the receiver's memory (tested on first use)?
+    can_write: Option<bool>,
 }
 
 pub struct RingRecv {
@@ -122,6 +139,8 @@ pub struct RingRecv {
     peer_pid: Option<u32>,
     /// Where descriptor messages are pulled to (allocated on first use).
     staging: Vec<u8>,
+    /// A shared read whose last blocks the sender is still writing: (tag, blocks).
+    helped: Option<(u64, u64)>,
 }
 
 impl RingSend {
@@ -129,8 +148,72 @@ impl RingSend {
         if peer_pid.is_some() {
             map.atomic_u64(CMA_PROBE_ADDR).store(&PROBE as *const u64 as u64, Ordering::Release);
         }
-        RingSend { map, slice, tail: 0, kind, peer_pid }
+        RingSend { map, slice, tail: 0, kind, peer_pid, can_write: None }
     }
+
+    /// Write blocks of the posted message `token` that the receiver shares (a large
+    /// descriptor): claim one at a time while any is left. Stale claims cannot succeed: the
+    /// claim word names the message, and the receiver moves on only when every block of it
+    /// was claimed and finished, so the addresses read after a successful claim are its own.
+    fn help(&mut self, token: u64) -> Result<()> {
+        let claim = self.map.atomic_u64(HELP_CLAIM);
+        let tag = help_tag(token);
+        let mut word = claim.load(Ordering::Acquire);
+        if word >> TAG_SHIFT != tag || self.can_write == Some(false) {
+            return Ok(());
+        }
+        let dst = self.map.atomic_u64(HELP_DST).load(Ordering::Relaxed);
+        let src = self.map.atomic_u64(HELP_SRC).load(Ordering::Relaxed);
+        let len = self.map.atomic_u64(HELP_LEN).load(Ordering::Relaxed) as usize;
+        if self.can_write.is_none() {
+            let ok = match self.peer_pid {
+                None => true,
+                Some(pid) => {
+                    let at = self.map.atomic_u64(HELP_PROBE_ADDR).load(Ordering::Acquire);
+                    at != 0 && cma_write(pid, at, &PROBE.to_ne_bytes()).is_ok()
+                }
+            };
+            self.can_write = Some(ok);
+            if !ok {
+                crate::info!(P2P, "single-copy writes into the receiving process are not allowed; it reads alone");
+                return Ok(());
+            }
+        }
+        let blocks = len.div_ceil(HELP_BLOCK) as u64;
+        loop {
+            let idx = word & ((1 << TAG_SHIFT) - 1);
+            if word >> TAG_SHIFT != tag || idx >= blocks {
+                return Ok(());
+            }
+            match claim.compare_exchange_weak(word, word + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Err(now) => word = now,
+                Ok(_) => {
+                    let off = idx as usize * HELP_BLOCK;
+                    let n = HELP_BLOCK.min(len - off);
+                    match self.peer_pid {
+                        Some(pid) => {
+                            // SAFETY: src + off .. + n lies in our posted message (the receiver
+                            // copied its address and length from our descriptor), which stays
+                            // valid and unwritten until the receiver frees the slot.
+                            let ours = unsafe { std::slice::from_raw_parts((src as usize + off) as *const u8, n) };
+                            cma_write(pid, dst + off as u64, ours)?;
+                        }
+                        // SAFETY: one process: dst is the receiving rank's region for this
+                        // message (it waits, not touching it, until every block is done); src
+                        // as above.
+                        None => unsafe { std::ptr::copy((src as usize + off) as *const u8, (dst as usize + off) as *mut u8, n) },
+                    }
+                    self.map.atomic_u64(HELP_DONE).fetch_add(1, Ordering::AcqRel);
+                    word = claim.load(Ordering::Acquire);
+                }
+            }
+        }
+    }
+}
+
+/// The claim tag of slot sequence number `seq` (never 0, which means "nothing shared").
+fn help_tag(seq: u64) -> u64 {
+    (seq + 1) & ((1 << (64 - TAG_SHIFT)) - 1)
 }
 
 impl RingRecv {
@@ -155,8 +238,85 @@ impl RingRecv {
             // One address space: descriptors are read with a plain copy, or reduced in place.
             map.atomic_u32(CMA_OK).store(1, Ordering::Release);
         }
-        RingRecv { map, slice, head: 0, kind, peer_pid, staging: Vec::new() }
+        map.atomic_u64(HELP_PROBE_ADDR).store(&WRITE_PROBE as *const AtomicU64 as u64, Ordering::Release);
+        RingRecv { map, slice, head: 0, kind, peer_pid, staging: Vec::new(), helped: None }
     }
+
+    /// Read a large descriptor (`src`, `len`) into `dst` together with the sender: publish
+    /// it, then claim blocks until none is left. True when every block is in `dst`; false when
+    /// the sender is still writing its last ones (call again: [`RingRecv::finish_shared`]).
+    fn read_shared(&mut self, src: u64, dst: Region) -> Result<bool> {
+        let len = dst.len();
+        let blocks = len.div_ceil(HELP_BLOCK) as u64;
+        let tag = help_tag(self.head);
+        let (claim, done) = (self.map.atomic_u64(HELP_CLAIM), self.map.atomic_u64(HELP_DONE));
+        // The previous shared message is complete (all claimed and done): nobody writes these.
+        done.store(0, Ordering::Relaxed);
+        self.map.atomic_u64(HELP_DST).store(dst.addr() as u64, Ordering::Relaxed);
+        self.map.atomic_u64(HELP_SRC).store(src, Ordering::Relaxed);
+        self.map.atomic_u64(HELP_LEN).store(len as u64, Ordering::Relaxed);
+        claim.store(tag << TAG_SHIFT, Ordering::Release);
+        loop {
+            let idx = claim.fetch_add(1, Ordering::AcqRel) & ((1 << TAG_SHIFT) - 1);
+            if idx >= blocks {
+                break;
+            }
+            let off = idx as usize * HELP_BLOCK;
+            let n = HELP_BLOCK.min(len - off);
+            match self.peer_pid {
+                Some(pid) => {
+                    // SAFETY: dst is a region this receive may write (Region contract); the
+                    // block is within it and no other block overlaps it.
+                    let out = unsafe { std::slice::from_raw_parts_mut((dst.addr() + off) as *mut u8, n) };
+                    cma_read(pid, src + off as u64, out)?;
+                }
+                // SAFETY: one process: the sender's message is valid and unwritten until we
+                // free the slot; dst as above.
+                None => unsafe { std::ptr::copy((src as usize + off) as *const u8, (dst.addr() + off) as *mut u8, n) },
+            }
+            done.fetch_add(1, Ordering::AcqRel);
+        }
+        self.helped = Some((tag, blocks));
+        self.finish_shared()
+    }
+
+    /// Has the sender finished its blocks of the shared message? Then free the slot.
+    fn finish_shared(&mut self) -> Result<bool> {
+        let Some((_, blocks)) = self.helped else { return Ok(true) };
+        if self.map.atomic_u64(HELP_DONE).load(Ordering::Acquire) < blocks {
+            if self.map.atomic_u32(SENDER_CLOSED).load(Ordering::Acquire) != 0
+                && self.map.atomic_u64(HELP_DONE).load(Ordering::Acquire) < blocks
+            {
+                return Err(Error::remote("the sending rank closed its connection while writing a message"));
+            }
+            return Ok(false);
+        }
+        self.helped = None;
+        self.head += 1;
+        self.map.atomic_u64(HEAD).store(self.head, Ordering::Release);
+        Ok(true)
+    }
+}
+
+/// Write `buf` at `addr` in process `pid` (Linux cross-memory attach).
+fn cma_write(pid: u32, addr: u64, buf: &[u8]) -> Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let local = libc::iovec { iov_base: buf[done..].as_ptr() as *mut libc::c_void, iov_len: buf.len() - done };
+        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: buf.len() - done };
+        // SAFETY: `local` describes memory we own and only read; the kernel validates `remote`
+        // against the other process and fails cleanly (EFAULT/EPERM/ESRCH) if it is not valid.
+        let n = unsafe { libc::process_vm_writev(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+        if n <= 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ESRCH) || !pid_alive(pid) {
+                return Err(Error::remote(format!("peer process {pid} exited")));
+            }
+            return Err(Error::os(format!("writing {} bytes into process {pid}", buf.len()), e));
+        }
+        done += n as usize;
+    }
+    Ok(())
 }
 
 /// Read `buf.len()` bytes at `addr` in process `pid` (Linux cross-memory attach).
@@ -226,9 +386,14 @@ impl super::SendConn for RingSend {
         // A descriptor's bytes are read by the receiver later: the send completes only then.
         Ok(if by_descriptor { Sent::Posted(self.tail - 1) } else { Sent::Done })
     }
-    fn consumed(&mut self, token: u64) -> Result<bool> {
-        let head = self.map.atomic_u64(HEAD).load(Ordering::Acquire);
-        if head > token {
+    fn consumed(&mut self, token: u64, help: bool) -> Result<bool> {
+        if self.map.atomic_u64(HEAD).load(Ordering::Acquire) > token {
+            return Ok(true);
+        }
+        if help {
+            self.help(token)?;
+        }
+        if self.map.atomic_u64(HEAD).load(Ordering::Acquire) > token {
             return Ok(true);
         }
         if self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0
@@ -297,7 +462,15 @@ impl super::RecvConn for RingRecv {
         Ok(true)
     }
     /// A descriptor whose length matches `dst` is pulled straight into it: one copy in all.
+    ///
+    /// A large one is read by both ends at once: the receiver publishes where it goes and
+    /// both claim blocks from a shared counter, the sender writing with `process_vm_writev`
+    /// (or a plain copy inside one process). Both cores copy, so a transfer whose sender is
+    /// otherwise idle (a broadcast root) takes about half the time.
     fn try_recv_into(&mut self, dst: Region, accept: &mut dyn FnMut(&Stamp, usize) -> Result<()>) -> Result<bool> {
+        if self.helped.is_some() {
+            return self.finish_shared();
+        }
         let tail = self.map.atomic_u64(TAIL).load(Ordering::Acquire);
         if tail == self.head {
             return self.recv_copying(dst, accept);
@@ -316,6 +489,9 @@ impl super::RecvConn for RingRecv {
             return self.recv_copying(dst, accept);
         }
         accept(&stamp, len)?;
+        if len >= HELP_MIN {
+            return self.read_shared(addr, dst);
+        }
         match self.peer_pid {
             Some(pid) => {
                 // SAFETY: dst is a region the schedule lets this receive write (Region
@@ -375,6 +551,40 @@ mod tests {
         assert_eq!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp).unwrap(), Sent::Done);
         let err = rx.try_recv(&mut |_, _| Err(Error::invalid_usage("refused"))).unwrap_err();
         assert_eq!(err.msg, "refused");
+    }
+
+    /// A large descriptor is read by both ends: with the sender helping from another thread
+    /// and with a sender that never helps, every byte lands once and the send completes.
+    #[test]
+    fn large_messages_are_read_by_both_ends() {
+        let slice = 1 << 20;
+        for helping in [true, false] {
+            let map = Arc::new(Mapping::new(ring_bytes(slice), None).unwrap());
+            let mut tx = RingSend::new(map.clone(), slice, Kind::Local, None);
+            let mut rx = RingRecv::new(map, slice, Kind::Local, None);
+            for round in 0..3u8 {
+                let len = slice - 4096 * round as usize;
+                let mut src: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ round).collect();
+                let mut dst = vec![0u8; len];
+                let stamp = [round; STAMP_BYTES];
+                let Sent::Posted(token) = tx.try_send(Region::owned(&mut src), &stamp).unwrap() else { panic!("not posted") };
+                let dst_region = Region::owned(&mut dst);
+                let helper = std::thread::spawn(move || {
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                    while !tx.consumed(token, helping).unwrap() {
+                        assert!(std::time::Instant::now() < deadline, "send never completed");
+                        std::hint::spin_loop();
+                    }
+                    tx
+                });
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                while !rx.try_recv_into(dst_region, &mut |s, n| { assert_eq!((s, n), (&stamp, len)); Ok(()) }).unwrap() {
+                    assert!(std::time::Instant::now() < deadline, "receive never completed");
+                }
+                tx = helper.join().unwrap();
+                assert!(dst == src, "round {round}, helping {helping}: bytes differ");
+            }
+        }
     }
 
     #[test]

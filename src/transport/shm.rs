@@ -23,8 +23,8 @@ impl SendConn for ShmSend {
     fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<Sent> {
         self.ring.try_send(src, stamp)
     }
-    fn consumed(&mut self, token: u64) -> Result<bool> {
-        self.ring.consumed(token)
+    fn consumed(&mut self, token: u64, help: bool) -> Result<bool> {
+        self.ring.consumed(token, help)
     }
     fn check(&mut self) -> Result<()> {
         self.ring.check()

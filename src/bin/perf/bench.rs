@@ -113,7 +113,8 @@ fn print_header(o: &Opts, n: usize, nprocs: usize) {
                      "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
         }
         Table::Baselines => {
-            println!("# busbw factors: allreduce 2(n-1)/n, allgather/reducescatter (n-1)/n, bcast 1; out-of-place only");
+            println!("# busbw factors: allreduce 2(n-1)/n, allgather/reducescatter (n-1)/n, bcast 1; {} only",
+                     if o.in_place { "in-place" } else { "out-of-place" });
             println!("{:<14} {:>12} {:>12} {:>6} {:>5} {:>12} {:>10} {:>10} {:>12} {:>12} {:>7} {:>8}", "op", "size(B)",
                      "count", "type", "redop", "time(us)", "algbw", "busbw", "min(us)", "max(us)", "iters", "#wrong");
         }
@@ -154,7 +155,11 @@ pub fn run(o: &Opts, proc_index: usize, nprocs: usize) -> Result<(), String> {
     if lead {
         print_header(o, n, nprocs);
     }
-    let modes: &[bool] = if o.table == Table::Baselines { &[false] } else { &[false, true] };
+    let modes: &[bool] = match (&o.table, o.in_place) {
+        (Table::Baselines, false) => &[false],
+        (Table::Baselines, true) => &[true],
+        (Table::NcclTests, _) => &[false, true],
+    };
     let mut rows = Vec::new();
     for &size in &sizes {
         let count = o.coll.count_arg(size, es, n);
@@ -215,10 +220,15 @@ fn to_json(o: &Opts, n: usize, nprocs: usize, rows: &[Row], avg_busbw: f64, wron
             ("type", Json::str(o.dtype.name)),
             ("redop", Json::str(redop_name(o))),
             ("root", Json::Num(root_of(o) as f64)),
-            ("out_of_place", cell_json(&r.cells[0])),
         ];
-        if let Some(c) = r.cells.get(1) {
-            pairs.push(("in_place", cell_json(c)));
+        match (&o.table, o.in_place) {
+            (Table::Baselines, true) => pairs.push(("in_place", cell_json(&r.cells[0]))),
+            _ => {
+                pairs.push(("out_of_place", cell_json(&r.cells[0])));
+                if let Some(c) = r.cells.get(1) {
+                    pairs.push(("in_place", cell_json(c)));
+                }
+            }
         }
         Json::obj(pairs)
     }).collect();

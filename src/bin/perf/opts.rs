@@ -129,6 +129,8 @@ pub struct Opts {
     pub root: i32,
     pub bind: bool,
     pub table: Table,
+    /// The baselines' table measures the in-place call instead (`--in-place 1`).
+    pub in_place: bool,
     pub json: Option<String>,
     pub label: Option<String>,
     pub repeats: usize,
@@ -150,6 +152,8 @@ as the baselines (../shared/scripts/baselines/mpi_allreduce_bench.c):
   --min-iters M  sizes over 1 MiB run max(M, N*1MiB/size) iterations, warmup likewise (min 2)
   --bind 0|1     pin process p to the p-th allowed CPU, like mpirun --bind-to core (0)
   --table nccl-tests|baselines   output format (nccl-tests); baselines: out-of-place only
+  --in-place 0|1 the baselines' table measures the in-place call (0); MPI_Bcast and Gloo's
+                 broadcast have one buffer, so their equivalent is an in-place ncclBroadcast
 tool modes:
   --json FILE    also write the table and its metadata as JSON   --label TEXT  name in plots
   --plot OUT.svg FILE...   busbw against size (log2), one line per file (a table: per op)
@@ -220,6 +224,7 @@ fn defaults() -> Opts {
         root: 0,
         bind: false,
         table: Table::NcclTests,
+        in_place: false,
         json: None,
         label: None,
         repeats: 10,
@@ -270,6 +275,7 @@ pub fn parse_args(args: &[String]) -> Result<Opts, String> {
                 "baselines" => Table::Baselines,
                 _ => return Err(bad()),
             },
+            "--in-place" => o.in_place = num()? != 0,
             "--json" => o.json = Some(v.clone()),
             "--label" => o.label = Some(v.clone()),
             "--init" => o.mode = Mode::Init { nranks: num()?.max(1) },

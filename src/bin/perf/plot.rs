@@ -30,7 +30,9 @@ fn from_json(path: &str, doc: &Json) -> Result<Series, String> {
         _ => return Err(format!("{path}: no \"rows\" array (not written by --json?)")),
     };
     let points = rows.iter().filter_map(|r| {
-        Some((r.get("size")?.num()?, r.get("out_of_place")?.get("busbw")?.num()?))
+        // A table of in-place calls only (--in-place 1) has no out-of-place cell.
+        let cell = r.get("out_of_place").or_else(|| r.get("in_place"))?;
+        Some((r.get("size")?.num()?, cell.get("busbw")?.num()?))
     }).collect();
     let label = doc.get("label").and_then(|l| l.as_str()).map(String::from).unwrap_or_else(|| stem(path));
     let op = doc.get("collective").and_then(|l| l.as_str()).unwrap_or("").to_string();
