@@ -6,17 +6,20 @@
 #   bash scripts/device-check.sh --prepare        # builds into .device/ (git-ignored via .git/info/exclude)
 #   device run: carry [".device"], command: "bash scripts/device-check.sh"
 #
-# What it checks today (CUDA mode is not wired into the collectives yet):
+# What it checks:
 #   1. the CUDA device layer against the real driver: contexts, streams, events, stream
 #      memory operations, pointer classification, IPC across processes, and every reduction
 #      kernel of kernels/reduce.ptx JIT-loaded by the real driver, bit-compared with host mode;
-#   2. the C test programs in host mode on the GPU machine (the driver is present, buffers are
-#      host memory): collectives and p2p on 2 and 4 processes;
-#   3. PyTorch under LD_PRELOAD with backend='nccl' on cuda:0: device tensors must get a clean
-#      NCCL error (ncclInvalidUsage, "device memory"), never a crash or a hang;
-#   4. nccl-rs-perf in host mode (allreduce, allgather; 2 and 8 ranks) next to the machine's
-#      memcpy bandwidth, and NVIDIA's NCCL version if PyTorch brings one.
-# When CUDA mode lands, steps 2-4 switch to device buffers and PyTorch's exact checks.
+#   2. (a) ffi-tests/cuda.c in CUDA mode (device buffers, the caller's streams, gated streams,
+#      in-place, p2p, graph capture refused) on 1, 2 and 4 ranks sharing the GPU, and the host-mode
+#      C programs on the GPU machine;
+#   3. (b) PyTorch, two processes on cuda:0, backend='nccl', LD_PRELOAD of our library:
+#      all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast, all_to_all_single,
+#      send/recv, barrier on fp32 and bf16 with exact checks, and five DDP steps whose losses
+#      must equal those of the gloo backend;
+#   4. (c) nccl-rs-perf: allreduce and allgather on 2 ranks with device buffers (--device 1)
+#      next to the device-to-device copy bandwidth measured in the same run, and 1-rank
+#      allreduce latency next to NVIDIA's NCCL (PyTorch's) in the same run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PREP=.device
@@ -25,12 +28,12 @@ if [ "${1:-}" = "--prepare" ]; then
   set -e
   grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
   cargo build --release --lib --bins
-  cargo test --release --no-run --test cuda_layer --test ffi 2>&1 | tail -3
+  cargo test --release --no-run --test cuda_layer --test ffi --test cuda_mode 2>&1 | tail -3
   rm -rf "$PREP" && mkdir -p "$PREP/bin" "$PREP/lib"
   cp target/release/deps/libnccl.so "$PREP/lib/libnccl.so.2"
   ln -sfn libnccl.so.2 "$PREP/lib/libnccl.so"
   cp target/release/nccl-rs-perf "$PREP/bin/"
-  for t in cuda_layer ffi; do
+  for t in cuda_layer ffi cuda_mode; do
     f=$(ls -t target/release/deps/$t-* | grep -v '\.d$' | head -1)
     cp "$f" "$PREP/bin/$t"
   done
@@ -60,37 +63,53 @@ export LD_LIBRARY_PATH=$PWD/$PREP/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 #    where cc exists; both must pass).
 step cuda-layer 240 "$PREP/bin/cuda_layer" --test-threads=1
 
-# 2. Host-mode C programs on the GPU machine (the harness compiles them with cc).
-step ffi-collectives 240 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" "$PREP/bin/ffi" \
-  --test-threads=2 collectives_2_processes collectives_4_processes p2p_4_processes errors_1_process
+# 2. (a) CUDA mode: ffi-tests/cuda.c against the real driver on 1, 2 and 4 ranks sharing the
+#    GPU (the harness compiles it with cc; NCCL_TEST_REAL_DRIVER drops the stub from the path).
+step ffi-cuda-mode 240 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/bin/cuda_mode" \
+  --test-threads=1
+step ffi-host-mode 240 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" "$PREP/bin/ffi" \
+  --test-threads=2 collectives_2_processes p2p_4_processes errors_1_process
 
-# 3. PyTorch: device tensors must be refused cleanly.
-cat > "$OUT/torch_check.py" <<'PY'
-import os, sys, torch, torch.distributed as dist
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda:0"))
-t = torch.ones(1024, device="cuda:0")
-try:
-    dist.all_reduce(t); torch.cuda.synchronize()
-    print(f"rank {rank}: all_reduce on device memory returned (unexpected before CUDA mode): {t[0].item()}")
-except Exception as e:
-    print(f"rank {rank}: refused as expected: {type(e).__name__}: {str(e)[:200]}")
-dist.destroy_process_group()
-PY
+# 3. (b) PyTorch with LD_PRELOAD, backend='nccl', device tensors: exact results, DDP = gloo.
+cp scripts/torch_check.py "$OUT/torch_check.py"
 if python3 -c 'import torch' 2>/dev/null; then
-  step torch-refuses-device 120 bash -c "
-    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 WORLD_SIZE=2 LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2
-    RANK=0 python3 $OUT/torch_check.py & RANK=1 python3 $OUT/torch_check.py; wait"
+  step torch-nccl-rs 240 bash -c "
+    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 WORLD_SIZE=2
+    for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
+    export MASTER_PORT=29534
+    for r in 0 1; do RANK=\$r python3 $OUT/torch_check.py gloo & done; wait
+    python3 $OUT/torch_check.py compare"
+  grep -E '^(rank|DDP|RESULT)' "$OUT/torch-nccl-rs.log" | sed 's/^/# torch: /' >> "$R"
   python3 -c 'import torch; print("# torch", torch.__version__, "nccl", torch.cuda.nccl.version())' 2>&1 | tee -a "$R"
 else
-  say "torch-refuses-device         skipped: no torch"
+  say "torch-nccl-rs                skipped: no torch"
 fi
 
-# 4. Host-mode benchmark numbers on this machine.
-step perf-allreduce-2 120 "$PREP/bin/nccl-rs-perf" allreduce -np 2 -b 8 -e 256M -f 8 -n 10 -w 2
-step perf-allreduce-8 120 "$PREP/bin/nccl-rs-perf" allreduce -np 8 -b 8 -e 64M -f 8 -n 5 -w 1
-step perf-allgather-2 120 "$PREP/bin/nccl-rs-perf" allgather -np 2 -b 1K -e 256M -f 16 -n 10 -w 2
-for f in perf-allreduce-2 perf-allreduce-8 perf-allgather-2; do
-  grep -E '^ +[0-9]|Avg bus' "$OUT/$f.log" | sed "s/^/# $f: /" >> "$R"
+# 4. (c) The benchmark with device buffers, beside the device copy bandwidth and NVIDIA's NCCL.
+step perf-cuda-allreduce-2 150 "$PREP/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -n 5 -w 1
+step perf-cuda-allgather-2 150 "$PREP/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -n 5 -w 1
+step perf-cuda-latency-1 60 "$PREP/bin/nccl-rs-perf" allreduce -np 1 --device 1 -b 8 -e 8 -n 2000 -w 50
+if python3 -c 'import torch' 2>/dev/null; then
+  step copy-bw-and-nvidia-nccl 120 python3 - <<'PY'
+import time, torch, torch.distributed as dist, os
+x = torch.empty(1 << 28, dtype=torch.float32, device="cuda:0"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+torch.cuda.synchronize(); t = time.perf_counter(); n = 10
+for _ in range(n): y.copy_(x)
+torch.cuda.synchronize(); dt = (time.perf_counter() - t) / n
+print(f"device-to-device copy: {x.numel() * 4 / dt / 1e9:.1f} GB/s (1 GiB)")
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+t8 = torch.ones(2, device="cuda:0")
+for _ in range(50): dist.all_reduce(t8)
+torch.cuda.synchronize(); n = 2000; t = time.perf_counter()
+for _ in range(n): dist.all_reduce(t8)
+torch.cuda.synchronize()
+print(f"NVIDIA NCCL {torch.cuda.nccl.version()} 1-rank allreduce 8 B: {(time.perf_counter() - t) / n * 1e6:.2f} us per call")
+dist.destroy_process_group()
+PY
+fi
+for f in perf-cuda-allreduce-2 perf-cuda-allgather-2 perf-cuda-latency-1 copy-bw-and-nvidia-nccl; do
+  grep -E '^ +[0-9]|Avg bus|GB/s|us per call' "$OUT/$f.log" | sed "s/^/# $f: /" >> "$R"
 done
 say "# done in ${SECONDS}s"

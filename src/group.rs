@@ -13,16 +13,27 @@ use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::params;
 use crate::plan::{ops::plan_into, Builder, Op, Step};
+use crate::device::cuda::UserStream;
 use crate::proxy::{self, Job, JobBufs};
+use crate::streamed::StreamOp;
 use crate::transport::{self, Ctx};
 
 /// Work that needs every rank of the group at once (split, shrink): run in parallel threads.
 pub type Deferred = Box<dyn FnOnce() -> Result<()> + Send>;
 
+/// An operation recorded in a group: its communicator, the call's stream, and whether it
+/// names device memory (CUDA mode: it then runs in stream order).
+struct Queued {
+    comm: Arc<Comm>,
+    op: Op,
+    stream: UserStream,
+    device: bool,
+}
+
 #[derive(Default)]
 struct Group {
     depth: u32,
-    ops: Vec<(Arc<Comm>, Op)>,
+    ops: Vec<Queued>,
     inits: Vec<(Arc<Comm>, UniqueId)>,
     deferred: Vec<Deferred>,
     error: Option<Error>,
@@ -79,7 +90,24 @@ pub fn end() -> Result<()> {
         run_init_list(&group.inits)?;
     }
     run_parallel(group.deferred)?;
-    execute(group.ops)
+    // A communicator with any operation on device memory runs all of its operations of the
+    // group on its stream worker (its sends and receives may pair up with each other). Those
+    // are queued first: the worker runs them while this thread runs the others.
+    let device_comms: Vec<*const Comm> = group.ops.iter().filter(|q| q.device).map(|q| Arc::as_ptr(&q.comm)).collect();
+    let (on_stream, host): (Vec<Queued>, Vec<Queued>) =
+        group.ops.into_iter().partition(|q| device_comms.contains(&Arc::as_ptr(&q.comm)));
+    let mut per_comm: Vec<(Arc<Comm>, Vec<StreamOp>)> = Vec::new();
+    for q in on_stream {
+        let o = StreamOp { op: q.op, stream: q.stream };
+        match per_comm.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &q.comm)) {
+            Some((_, v)) => v.push(o),
+            None => per_comm.push((q.comm, vec![o])),
+        }
+    }
+    for (c, ops) in &per_comm {
+        crate::streamed::submit(c, ops.clone()).map_err(|e| e.context(format!("rank {}", c.rank)))?;
+    }
+    execute(host.into_iter().map(|q| (q.comm, q.op)).collect())
 }
 
 /// Run now outside a group; inside one, at the outermost ncclGroupEnd, concurrently with the
@@ -128,7 +156,7 @@ pub fn simulate_end() -> Result<f32> {
     }
     const LATENCY_S: f64 = 5e-6;
     const BYTES_PER_S: f64 = 5e9;
-    let t: f64 = group.ops.iter().map(|(_, op)| LATENCY_S + (op.send.len().max(op.recv.len()) as f64) / BYTES_PER_S).sum();
+    let t: f64 = group.ops.iter().map(|Queued { op, .. }| LATENCY_S + (op.send.len().max(op.recv.len()) as f64) / BYTES_PER_S).sum();
     Ok(t as f32)
 }
 
@@ -146,11 +174,11 @@ pub fn record_error(e: &Error) {
     });
 }
 
-pub fn add_op(comm: Arc<Comm>, op: Op) -> Result<()> {
+pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, device: bool) -> Result<()> {
     let queued = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth > 0 {
-            g.ops.push((comm.clone(), op));
+            g.ops.push(Queued { comm: comm.clone(), op, stream, device });
             true
         } else {
             false
@@ -158,6 +186,9 @@ pub fn add_op(comm: Arc<Comm>, op: Op) -> Result<()> {
     });
     if queued {
         return Ok(());
+    }
+    if device {
+        return crate::streamed::submit(&comm, vec![StreamOp { op, stream }]);
     }
     execute_one(comm, op)
 }
@@ -251,6 +282,15 @@ fn execute(ops: Vec<(Arc<Comm>, Op)>) -> Result<()> {
     with_workspace(|ws| {
         for (c, op) in ops {
             ws.add(c, op);
+        }
+    })
+}
+
+/// Run operations of one communicator now, on this thread (the stream worker's way in).
+pub fn execute_now(comm: Arc<Comm>, ops: Vec<Op>) -> Result<()> {
+    with_workspace(|ws| {
+        for op in ops {
+            ws.add(comm.clone(), op);
         }
     })
 }

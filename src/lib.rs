@@ -21,6 +21,7 @@ pub mod device;
 pub mod group;
 pub mod plan;
 pub mod proxy;
+pub mod streamed;
 pub mod transport;
 
 pub use error::{Code, Error, Result};

@@ -7,12 +7,13 @@
 //! `<target>/cuda-stub/`). In the child, the same test function finds the variable set and runs
 //! the check itself. Waits have deadlines; nothing sleeps to let work happen.
 
+mod common;
+
 use std::ffi::c_void;
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use nccl::device::cuda::{self, Context, Event, IpcHandle, IpcMapping, MappedHost, MemOp, PtrKind, Stream, WaitCond};
@@ -39,36 +40,8 @@ enum Driver {
     System,
 }
 
-/// `<target>/cuda-stub`, holding the stub as `libcuda.so.1` and `libcuda.so`, built once.
 fn stub_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).parent().unwrap().join("cuda-stub");
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut sources: Vec<PathBuf> = std::fs::read_dir(repo.join("tests/cuda-stub"))
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|e| e == "c"))
-            .collect();
-        sources.sort();
-        // Built under a unique name and renamed: concurrent test runs never see half a file.
-        let tmp = dir.join(format!("libcuda.so.1.{}", std::process::id()));
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let out = Command::new(&cc)
-            .args(["-Wall", "-Wextra", "-Werror", "-O2", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden", "-o"])
-            .arg(&tmp)
-            .args(&sources)
-            .output()
-            .unwrap_or_else(|e| panic!("running {cc}: {e}"));
-        assert!(out.status.success(), "building the stub libcuda failed:\n{}", String::from_utf8_lossy(&out.stderr));
-        std::fs::rename(&tmp, dir.join("libcuda.so.1")).unwrap();
-        let link = dir.join("libcuda.so");
-        if std::fs::symlink_metadata(&link).is_err() {
-            let _ = std::os::unix::fs::symlink("libcuda.so.1", &link);
-        }
-        dir
-    })
+    common::cuda_stub_dir()
 }
 
 /// The drivers every check runs against: the stub, and the system's driver if it has one.
@@ -742,32 +715,47 @@ fn check_errors() {
     }
 }
 
-/// Until CUDA mode lands, a collective on device memory must be refused with a clear error
-/// (a host copy would crash a real process); host memory keeps working in the same process.
+/// CUDA mode through the C API on one rank: a collective on device memory runs in order on
+/// the caller's stream (here the legacy NULL stream); a PreMulSum whose scalar lives in device
+/// memory is refused with a clear error (it cannot be read in stream order yet); host memory
+/// keeps working in the same process.
 #[test]
-fn collectives_refuse_device_memory_until_cuda_mode_lands() {
-    if in_child("collectives_refuse_device_memory_until_cuda_mode_lands", check_refuse_device) {
+fn collectives_run_on_device_memory_in_stream_order() {
+    if in_child("collectives_run_on_device_memory_in_stream_order", check_device_collective) {
         return;
     }
     for driver in drivers() {
-        run_child("collectives_refuse_device_memory_until_cuda_mode_lands", driver, &[]);
+        run_child("collectives_run_on_device_memory_in_stream_order", driver, &[]);
     }
 }
 
-fn check_refuse_device() {
-    use nccl::abi::coll::ncclAllReduce;
+fn check_device_collective() {
+    use nccl::abi::coll::{ncclAllReduce, ncclRedOpCreatePreMulSum};
     use nccl::abi::comm::{ncclCommDestroy, ncclCommInitAll};
     use nccl::abi::misc::ncclGetLastError;
     use nccl::abi::types::*;
-    Context::primary(0).unwrap();
+    let ctx = Context::primary(0).unwrap();
     let mut comm: ncclComm_t = std::ptr::null_mut();
     assert_eq!(ncclCommInitAll(&mut comm, 1, std::ptr::null()).0, 0);
-    let dev = DeviceBuf::new(4096);
-    let r = ncclAllReduce(dev.ptr, dev.ptr, 16, ncclDataType_t(7), ncclRedOp_t(0), comm, std::ptr::null_mut());
-    assert_eq!(r.0, 5, "device memory must be ncclInvalidUsage");
+    let (send, recv) = (DeviceBuf::new(64), DeviceBuf::new(64));
+    // SAFETY: NULL is the legacy stream of the current context.
+    let legacy = Stream::caller(ctx, unsafe { cuda::UserStream::new(std::ptr::null_mut::<c_void>()) });
+    let mut input: Vec<u8> = (1..=16u32).flat_map(|i| (i as f32).to_ne_bytes()).collect();
+    legacy.copy(send.region(), host_region(&mut input)).unwrap();
+    let r = ncclAllReduce(send.ptr, recv.ptr, 16, ncclDataType_t(7), ncclRedOp_t(0), comm, std::ptr::null_mut());
+    assert_eq!(r.0, 0, "allreduce on device memory");
+    let got = download(&legacy, recv.region());
+    assert_eq!(got, input, "one rank's all-reduce is a copy, after the upload on the same stream");
+
+    let mut op = ncclRedOp_t(0);
+    let r = ncclRedOpCreatePreMulSum(&mut op, send.ptr, ncclDataType_t(7), ncclScalarResidence_t(0), comm);
+    assert_eq!(r.0, 0);
+    let r = ncclAllReduce(send.ptr, recv.ptr, 16, ncclDataType_t(7), op, comm, std::ptr::null_mut());
+    assert_eq!(r.0, 5, "a device-resident PreMulSum scalar must be ncclInvalidUsage");
     // SAFETY: the library returns a NUL-terminated string.
     let msg = unsafe { std::ffi::CStr::from_ptr(ncclGetLastError(comm)) }.to_string_lossy().into_owned();
-    assert!(msg.contains("device"), "{msg}");
+    assert!(msg.contains("device memory"), "{msg}");
+
     let mut host = vec![1.0f32; 16];
     let p = host.as_mut_ptr() as *mut c_void;
     assert_eq!(ncclAllReduce(p, p, 16, ncclDataType_t(7), ncclRedOp_t(0), comm, std::ptr::null_mut()).0, 0);

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::comm::{resolve_op, Comm, ScalarSource, UserOp};
+use crate::device::cuda::UserStream;
 use crate::device::host::{self, Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
@@ -24,6 +25,8 @@ pub struct Args {
     pub op: i32,
     /// Root, or peer for send/recv.
     pub root: i32,
+    /// The call's stream (CUDA mode orders the operation with it; host mode ignores it).
+    pub stream: UserStream,
 }
 
 fn need(p: UserPtr, what: &str, kind: OpKind) -> Result<()> {
@@ -62,28 +65,23 @@ fn regions(a: &Args, es: usize, n: usize, rank: usize, root: usize) -> Result<(R
     Ok((region(a.send, s), region(a.recv, r)))
 }
 
-/// CUDA mode is not implemented yet: on a machine with a driver, a device buffer must get a
-/// clear error, not a host copy that would crash the process. Host, pinned and managed
-/// memory are readable by the host and work as in host mode.
-fn refuse_device_memory(regions: &[Region], kind: OpKind) -> Result<()> {
+/// In CUDA mode, does the call name device memory? Then it runs on the communicator's stream
+/// worker (see `streamed`), ordered with the call's stream; host, pinned and managed memory
+/// alone run at once on the calling thread, as in host mode.
+fn uses_device_memory(regions: &[Region]) -> bool {
     if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
-        return Ok(());
+        return false;
     }
-    for r in regions.iter().filter(|r| !r.is_empty()) {
-        if let Ok(crate::device::cuda::PtrKind::Device { ordinal }) = crate::device::cuda::classify(r.addr()) {
-            return Err(Error::invalid_usage(format!(
-                "{}: buffer {:#x} is memory of CUDA device {ordinal}; nccl-rs does not run collectives on \
-                 device memory yet (host, pinned and managed memory work)", kind.name(), r.addr())));
-        }
-    }
-    Ok(())
+    regions.iter().filter(|r| !r.is_empty()).any(|r| {
+        matches!(crate::device::cuda::classify(r.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }))
+    })
 }
 
 /// Validate and issue one call.
 pub fn enqueue(comm: Arc<Comm>, a: Args) -> Result<()> {
     let result = validate(&comm, &a);
     match result {
-        Ok(op) => crate::group::add_op(comm, op),
+        Ok((op, device)) => crate::group::add_op(comm, op, a.stream, device),
         Err(e) => {
             crate::group::record_error(&e);
             Err(e)
@@ -91,7 +89,7 @@ pub fn enqueue(comm: Arc<Comm>, a: Args) -> Result<()> {
     }
 }
 
-fn validate(comm: &Comm, a: &Args) -> Result<Op> {
+fn validate(comm: &Comm, a: &Args) -> Result<(Op, bool)> {
     comm.ready()?;
     let dt = DataType::from_raw(a.datatype).ok_or_else(|| Error::invalid_arg(format!("invalid datatype {}", a.datatype)))?;
     let n = comm.nranks;
@@ -106,12 +104,12 @@ fn validate(comm: &Comm, a: &Args) -> Result<Op> {
     };
     let op = if a.kind.reduces() { resolve_op(comm, a.op, dt)? } else { RedOp::Builtin(BuiltinOp::Sum) };
     let (send, recv) = regions(a, dt.size(), n, comm.rank, root)?;
-    refuse_device_memory(&[send, recv], a.kind)?;
+    let device = uses_device_memory(&[send, recv]);
     // Collectives are numbered alike on every rank; point-to-point calls are not.
     let seq = if a.kind.is_p2p() { 0 } else { comm.seq.fetch_add(1, Ordering::Relaxed) };
     let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq };
     crate::info!(COLL, "{}: rank {} send {:#x} recv {:#x}", op.describe(), comm.rank, send.addr(), recv.addr());
-    Ok(op)
+    Ok((op, device))
 }
 
 /// ncclRedOpCreatePreMulSum.

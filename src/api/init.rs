@@ -29,10 +29,19 @@ fn check_rank(nranks: i32, rank: i32) -> Result<(usize, usize)> {
     Ok((nranks as usize, rank as usize))
 }
 
+/// The device of the caller's current context (CUDA mode), as NCCL takes it for a new
+/// communicator; 0 in host mode.
+fn caller_device() -> i32 {
+    match crate::device::mode::current() {
+        crate::device::mode::Mode::Cuda { .. } => crate::device::cuda::current_device().ok().flatten().unwrap_or(0),
+        crate::device::mode::Mode::Host => 0,
+    }
+}
+
 pub fn init_rank(nranks: i32, id: [u8; 128], rank: i32, config: Config) -> Result<Started> {
     let (n, r) = check_rank(nranks, rank)?;
     let id = UniqueId::decode(&id)?;
-    let comm = Arc::new(Comm::new(r, n, 0, config, id.magic));
+    let comm = Arc::new(Comm::new(r, n, caller_device(), config, id.magic));
     let handle = handle::register(comm.clone());
     if crate::group::depth() > 0 {
         crate::group::add_init(comm, id);
@@ -146,6 +155,10 @@ pub fn finalize(comm: &Comm) -> Result<()> {
 }
 
 pub fn destroy(comm: Arc<Comm>) -> Result<()> {
+    // As ncclCommFinalize: operations already issued on streams complete first.
+    if let Some(s) = comm.streamed.get() {
+        s.drain();
+    }
     comm.abort.store(true, Ordering::Release);
     comm.shutdown();
     Ok(())

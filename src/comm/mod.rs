@@ -6,7 +6,7 @@ pub mod handle;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::api::config::Config;
 use crate::bootstrap::{PeerInfo, Service};
@@ -102,6 +102,8 @@ pub struct Comm {
     next_user_op: AtomicI32,
     /// Operations issued, for messages and fingerprints.
     pub seq: AtomicU64,
+    /// CUDA mode: the worker that runs operations on device memory in stream order.
+    pub streamed: OnceLock<Arc<crate::streamed::Streamed>>,
 }
 
 impl Comm {
@@ -123,6 +125,7 @@ impl Comm {
             user_ops: Mutex::new(HashMap::new()),
             next_user_op: AtomicI32::new(crate::types::BuiltinOp::ALL.len() as i32),
             seq: AtomicU64::new(0),
+            streamed: OnceLock::new(),
         }
     }
 
@@ -278,6 +281,9 @@ impl Comm {
 
     /// Release connections and stop the bootstrap service (destroy/abort).
     pub fn shutdown(&self) {
+        if let Some(s) = self.streamed.get() {
+            s.close();
+        }
         if let Some(r) = self.ready.get() {
             r.conns().close_all();
             r.service.stop();
@@ -309,7 +315,16 @@ pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<RedOp> {
     }
     let scalar = match op.scalar {
         ScalarSource::Immediate(s) => s,
-        ScalarSource::Pointer(p) => crate::device::host::read_scalar(dt, p)?,
+        ScalarSource::Pointer(p) => {
+            if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. })
+                && matches!(crate::device::cuda::classify(p.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }))
+            {
+                return Err(Error::invalid_usage(format!(
+                    "reduction operator {raw}: its scalar is in device memory, which nccl-rs cannot read in \
+                     stream order yet; create it with ncclScalarHostImmediate")));
+            }
+            crate::device::host::read_scalar(dt, p)?
+        }
     };
     Ok(RedOp::PreMulSum(scalar))
 }

@@ -417,6 +417,8 @@ pub struct Job {
     per_proc: Vec<PerProc>,
     triggers: Vec<Trigger>,
     dir: Option<PathBuf>,
+    /// Searched after the library under test (e.g. the stand-in libcuda).
+    lib_paths: Vec<PathBuf>,
 }
 
 impl Job {
@@ -433,7 +435,13 @@ impl Job {
             per_proc: Vec::new(),
             triggers: Vec::new(),
             dir: None,
+            lib_paths: Vec::new(),
         }
+    }
+    /// Let the processes' dynamic linker find libraries in `dir` (after the library under test).
+    pub fn lib_path(mut self, dir: &Path) -> Job {
+        self.lib_paths.push(dir.to_path_buf());
+        self
     }
     pub fn procs(mut self, n: usize) -> Job {
         self.procs = n;
@@ -599,15 +607,15 @@ impl Job {
         // searches before the program's RUNPATH: put the library under test first, so a stray
         // libnccl.so.2 elsewhere in the target folder can never be the one that runs.
         let lib_dir = setup().lib_dir.clone();
-        let ld_path = match std::env::var_os("LD_LIBRARY_PATH") {
-            Some(old) => {
-                let mut v = std::ffi::OsString::from(lib_dir.as_os_str());
-                v.push(":");
-                v.push(old);
-                v
-            }
-            None => lib_dir.into_os_string(),
-        };
+        let mut ld_path = std::ffi::OsString::from(lib_dir.as_os_str());
+        for extra in &self.lib_paths {
+            ld_path.push(":");
+            ld_path.push(extra.as_os_str());
+        }
+        if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+            ld_path.push(":");
+            ld_path.push(old);
+        }
         cmd.args(&self.args)
             .env("LD_LIBRARY_PATH", ld_path)
             .env_remove("NCCL_COMM_ID")
@@ -1095,4 +1103,37 @@ fn remove_orphaned_hosts() {
 
 pub fn testhosts_script() -> PathBuf {
     repo().join("scripts/testhosts")
+}
+
+/// `<target>/cuda-stub`, holding the stand-in driver (tests/cuda-stub) as `libcuda.so.1` and
+/// `libcuda.so`, built once per test binary run.
+pub fn cuda_stub_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).parent().expect("target dir").join("cuda-stub");
+        fs::create_dir_all(&dir).expect("create the stub's folder");
+        let mut sources: Vec<PathBuf> = fs::read_dir(repo.join("tests/cuda-stub"))
+            .expect("tests/cuda-stub")
+            .map(|e| e.expect("dir entry").path())
+            .filter(|p| p.extension().is_some_and(|e| e == "c"))
+            .collect();
+        sources.sort();
+        // Built under a unique name and renamed: concurrent test runs never see half a file.
+        let tmp = dir.join(format!("libcuda.so.1.{}", std::process::id()));
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let out = Command::new(&cc)
+            .args(["-Wall", "-Wextra", "-Werror", "-O2", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden", "-o"])
+            .arg(&tmp)
+            .args(&sources)
+            .output()
+            .unwrap_or_else(|e| panic!("running {cc}: {e}"));
+        assert!(out.status.success(), "building the stub libcuda failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        fs::rename(&tmp, dir.join("libcuda.so.1")).expect("rename the stub");
+        let link = dir.join("libcuda.so");
+        if fs::symlink_metadata(&link).is_err() {
+            let _ = std::os::unix::fs::symlink("libcuda.so.1", &link);
+        }
+        dir
+    })
 }

@@ -61,6 +61,7 @@ struct stream {
   struct op *head, *tail;
   uint64_t enqueued, done;
   int destroying;
+  int capturing; /* between cuStreamBeginCapture_v2 and cuStreamEndCapture (nothing is recorded) */
 };
 
 static void event_unref(struct event *e) {
@@ -217,6 +218,48 @@ EXPORT CUresult cuStreamSynchronize(struct stream *h) {
   uint64_t target = s->enqueued;
   while (s->done < target) pthread_cond_wait(&s->cv, &s->mu);
   pthread_mutex_unlock(&s->mu);
+  return CUDA_SUCCESS;
+}
+
+/* Graph capture, as far as callers can observe it: a stream is "capturing" between begin and
+ * end; the stub records nothing and ends with an empty graph (NULL). */
+EXPORT CUresult cuStreamBeginCapture_v2(struct stream *h, int mode) {
+  (void)mode;
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&s->mu);
+  s->capturing = 1;
+  pthread_mutex_unlock(&s->mu);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamEndCapture(struct stream *h, void **graph) {
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  if (!graph) return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&s->mu);
+  int was = s->capturing;
+  s->capturing = 0;
+  pthread_mutex_unlock(&s->mu);
+  *graph = NULL;
+  return was ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuStreamIsCapturing(struct stream *h, int *status) {
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  if (!status) return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&s->mu);
+  *status = s->capturing; /* CU_STREAM_CAPTURE_STATUS_NONE 0, _ACTIVE 1 */
+  pthread_mutex_unlock(&s->mu);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphDestroy(void *graph) {
+  (void)graph;
   return CUDA_SUCCESS;
 }
 

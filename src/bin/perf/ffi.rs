@@ -12,6 +12,9 @@ use nccl::abi::group::*;
 use nccl::abi::misc::*;
 use nccl::abi::types::*;
 
+use nccl::device::cuda;
+use nccl::device::host::{Region, UserPtr};
+
 use crate::opts::{Coll, Opts};
 
 const FLOAT64: ncclDataType_t = ncclDataType_t(8);
@@ -74,12 +77,62 @@ impl Drop for Buf {
     }
 }
 
-/// One rank of this process: its communicator and buffers.
+/// A rank's buffers in device memory (`--device 1`), and the stream its calls go to.
+pub struct DeviceBufs {
+    send: *mut c_void,
+    recv: *mut c_void,
+    stream: cuda::Stream,
+}
+
+impl DeviceBufs {
+    fn new(send_bytes: usize, recv_bytes: usize) -> Result<DeviceBufs, String> {
+        let ctx = cuda::Context::primary(0).map_err(|e| format!("--device 1: {}", e.msg))?;
+        let stream = cuda::Stream::new(ctx).map_err(|e| format!("--device 1: {}", e.msg))?;
+        let send = cuda::alloc(send_bytes.max(1)).map_err(|e| e.msg)?;
+        let recv = cuda::alloc(recv_bytes.max(1)).map_err(|e| e.msg)?;
+        Ok(DeviceBufs { send, recv, stream })
+    }
+}
+
+impl Drop for DeviceBufs {
+    fn drop(&mut self) {
+        let _ = cuda::free(self.send);
+        let _ = cuda::free(self.recv);
+    }
+}
+
+fn region(p: *mut c_void, len: usize) -> Region {
+    // SAFETY: p is one of our own allocations of at least len bytes (host or device).
+    Region::user(unsafe { UserPtr::new(p as *const u8) }, 0, len)
+}
+
+/// One rank of this process: its communicator and buffers. With `--device 1` the calls use
+/// the device buffers; the host ones then stage the checker's inputs and outputs.
 pub struct Rank {
     pub comm: ncclComm_t,
     pub rank: usize,
     pub send: Buf,
     pub recv: Buf,
+    pub dev: Option<DeviceBufs>,
+}
+
+impl Rank {
+    /// Device mode: the host buffers' contents to the device (before a checked call).
+    pub fn upload(&self) -> Result<(), String> {
+        let Some(d) = &self.dev else { return Ok(()) };
+        let (s, r) = (region(self.send.ptr.cast(), self.send.len), region(self.recv.ptr.cast(), self.recv.len));
+        d.stream.copy(region(d.send, self.send.len), s).map_err(|e| e.msg)?;
+        d.stream.copy(region(d.recv, self.recv.len), r).map_err(|e| e.msg)?;
+        d.stream.synchronize().map_err(|e| e.msg)
+    }
+    /// Device mode: the device buffers' contents back to the host ones (after a checked call).
+    pub fn download(&self) -> Result<(), String> {
+        let Some(d) = &self.dev else { return Ok(()) };
+        let (s, r) = (region(self.send.ptr.cast(), self.send.len), region(self.recv.ptr.cast(), self.recv.len));
+        d.stream.copy(s, region(d.send, self.send.len)).map_err(|e| e.msg)?;
+        d.stream.copy(r, region(d.recv, self.recv.len)).map_err(|e| e.msg)?;
+        d.stream.synchronize().map_err(|e| e.msg)
+    }
 }
 
 /// Create this process's `local` communicators of an `n`-rank job and their buffers.
@@ -99,12 +152,13 @@ pub fn init_ranks(o: &Opts, proc_index: usize, nprocs: usize, send_bytes: usize,
         }
         check(ncclGroupEnd(), "ncclGroupEnd")?;
     }
-    Ok(comms.into_iter().enumerate().map(|(l, comm)| Rank {
+    comms.into_iter().enumerate().map(|(l, comm)| Ok(Rank {
         comm,
         rank: proc_index * local + l,
         send: Buf::new(send_bytes, 1),
         recv: Buf::new(recv_bytes, 0),
-    }).collect())
+        dev: if o.device { Some(DeviceBufs::new(send_bytes, recv_bytes)?) } else { None },
+    })).collect()
 }
 
 pub fn destroy(ranks: Vec<Rank>) -> Result<(), String> {
@@ -131,9 +185,17 @@ fn issue(o: &Opts, r: &mut Rank, n: usize, count: usize, in_place: bool) -> nccl
     let dt = ncclDataType_t(o.dtype.id);
     let op = ncclRedOp_t(o.op.id);
     let ((sin, soff), (rin, roff)) = regions(o.coll, r.rank, count, o.dtype.size, in_place);
-    let sp = if sin { r.recv.at(soff) } else { r.send.at(soff) } as *const c_void;
-    let rp = if rin { r.recv.at(roff) } else { r.send.at(roff) };
-    let s = null_mut();
+    let (sp, rp, s): (*const c_void, *mut c_void, cudaStream_t) = match &r.dev {
+        None => {
+            let sp = if sin { r.recv.at(soff) } else { r.send.at(soff) } as *const c_void;
+            (sp, if rin { r.recv.at(roff) } else { r.send.at(roff) }, null_mut())
+        }
+        Some(d) => {
+            let at = |p: *mut c_void, off: usize| (p as usize + off) as *mut c_void;
+            let sp = if sin { at(d.recv, soff) } else { at(d.send, soff) } as *const c_void;
+            (sp, if rin { at(d.recv, roff) } else { at(d.send, roff) }, d.stream.raw() as cudaStream_t)
+        }
+    };
     match o.coll {
         Coll::AllReduce => ncclAllReduce(sp, rp, count, dt, op, r.comm, s),
         Coll::AllGather => ncclAllGather(sp, rp, count, dt, r.comm, s),
@@ -168,6 +230,10 @@ pub fn step(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool
     }
     if grouped {
         check(ncclGroupEnd(), "ncclGroupEnd")?;
+    }
+    // Device mode: a call has finished when its stream has.
+    for d in ranks.iter().filter_map(|r| r.dev.as_ref()) {
+        d.stream.synchronize().map_err(|e| format!("{}: cuStreamSynchronize: {}", o.coll.name(), e.msg))?;
     }
     Ok(())
 }

@@ -128,6 +128,8 @@ pub struct Opts {
     pub op: RedOp,
     pub root: i32,
     pub bind: bool,
+    /// CUDA mode: buffers in device memory, each rank on a stream of its own (`--device 1`).
+    pub device: bool,
     pub table: Table,
     /// The baselines' table measures the in-place call instead (`--in-place 1`).
     pub in_place: bool,
@@ -151,6 +153,8 @@ as the baselines (../shared/scripts/baselines/mpi_allreduce_bench.c):
   -x LIST        extra sizes merged into the sweep (e.g. 64M,256M)
   --min-iters M  sizes over 1 MiB run max(M, N*1MiB/size) iterations, warmup likewise (min 2)
   --bind 0|1     pin process p to the p-th allowed CPU, like mpirun --bind-to core (0)
+  --device 0|1   CUDA mode: buffers on the current device (0), a stream per rank; each timed
+                 call ends with cuStreamSynchronize
   --table nccl-tests|baselines   output format (nccl-tests); baselines: out-of-place only
   --in-place 0|1 the baselines' table measures the in-place call (0); MPI_Bcast and Gloo's
                  broadcast have one buffer, so their equivalent is an in-place ncclBroadcast
@@ -223,6 +227,7 @@ fn defaults() -> Opts {
         op: RedOp { id: 0, name: "sum" },
         root: 0,
         bind: false,
+        device: false,
         table: Table::NcclTests,
         in_place: false,
         json: None,
@@ -270,6 +275,7 @@ pub fn parse_args(args: &[String]) -> Result<Opts, String> {
             "-o" => o.op = redop(v).ok_or_else(bad)?,
             "-r" => o.root = v.parse().map_err(|_| bad())?,
             "--bind" => o.bind = num()? != 0,
+            "--device" => o.device = num()? != 0,
             "--table" => o.table = match v.as_str() {
                 "nccl-tests" => Table::NcclTests,
                 "baselines" => Table::Baselines,

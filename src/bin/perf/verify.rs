@@ -202,7 +202,13 @@ pub fn validate(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: 
             put(dt, &mut input[soff..], j, p.val(rank, p.input_index(rank, count, j)));
         }
     }
+    for r in ranks.iter() {
+        r.upload()?;
+    }
     step(o, ranks, n, count, in_place)?;
+    for r in ranks.iter() {
+        r.download()?;
+    }
     let mut wrong = Vec::with_capacity(ranks.len());
     for r in ranks.iter() {
         let ((_, _), (rin, roff)) = regions(o.coll, r.rank, count, es, in_place);

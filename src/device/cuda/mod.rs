@@ -32,7 +32,7 @@ pub use cudarc::driver::sys::CUstream;
 pub use ipc::{IpcHandle, IpcMapping};
 pub use kernels::Kernels;
 pub use memory::{alloc, classify, free, MappedHost, PtrKind};
-pub use stream::{Event, MemOp, Stream, WaitCond};
+pub use stream::{Event, MemOp, Stream, UserStream, WaitCond};
 
 /// Runs `f`, whose driver calls may panic inside cudarc (library or symbol missing), and turns
 /// such a panic into an error naming `what`.

@@ -14,6 +14,22 @@ use super::{check, driver};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 
+/// The `cudaStream_t` an NCCL call received (NULL: the legacy default stream), carried to
+/// where it is used without being dereferenced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UserStream(usize);
+
+impl UserStream {
+    pub const NULL: UserStream = UserStream(0);
+
+    /// # Safety
+    /// `raw` is the stream argument of an NCCL call: NULL or a stream of the communicator's
+    /// device that stays alive until the operations enqueued on it have completed.
+    pub unsafe fn new<T>(raw: *mut T) -> UserStream {
+        UserStream(raw as usize)
+    }
+}
+
 /// A stream: ours (destroyed on drop) or a caller's (left alone).
 pub struct Stream {
     raw: CUstream,
@@ -69,8 +85,23 @@ impl Stream {
         Stream { raw, owned: false, ctx }
     }
 
+    /// The stream of a call ([`UserStream`] carries its caller's promise).
+    pub fn caller(ctx: &'static Context, s: UserStream) -> Stream {
+        Stream { raw: s.0 as CUstream, owned: false, ctx }
+    }
+
     pub fn raw(&self) -> CUstream {
         self.raw
+    }
+
+    /// Is the stream capturing a CUDA graph (work enqueued now would be recorded, not run)?
+    pub fn is_capturing(&self) -> Result<bool> {
+        driver("cuStreamIsCapturing", || {
+            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: `status` is a valid out-pointer; `raw` is a live stream.
+            check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(self.raw, &mut status) })?;
+            Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        })
     }
 
     /// Blocks until everything enqueued so far has completed.

@@ -1,0 +1,393 @@
+/*
+ * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
+ *
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Capture]
+ *
+ * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
+ * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
+ * builds without CUDA headers. Every local rank uses device NCCL_TEST_CUDA_DEVICE (default 0):
+ * several ranks share one GPU, which nccl-rs allows.
+ *
+ * NCCL's stream semantics checked here: the call returns before the stream has reached it
+ * (Gated: the stream is held by a wait on host memory while the call is made); the operation
+ * sees what the stream did before it (inputs are uploaded on the same stream) and work after
+ * it sees its result (results are downloaded on the same stream); cuStreamSynchronize is the
+ * only synchronisation the program does.
+ */
+#include "common.h"
+
+#include <dlfcn.h>
+#include <string.h>
+#include <strings.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef void* CUstream;
+typedef void* CUcontext;
+
+static struct {
+  CUresult (*Init)(unsigned);
+  CUresult (*DeviceGet)(int*, int);
+  CUresult (*PrimaryCtxRetain)(CUcontext*, int);
+  CUresult (*CtxSetCurrent)(CUcontext);
+  CUresult (*MemAlloc)(CUdeviceptr*, size_t);
+  CUresult (*MemFree)(CUdeviceptr);
+  CUresult (*MemHostAlloc)(void**, size_t, unsigned);
+  CUresult (*MemFreeHost)(void*);
+  CUresult (*MemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned);
+  CUresult (*MemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+  CUresult (*StreamCreate)(CUstream*, unsigned);
+  CUresult (*StreamDestroy)(CUstream);
+  CUresult (*StreamSynchronize)(CUstream);
+  CUresult (*StreamQuery)(CUstream);
+  CUresult (*StreamWaitValue32)(CUstream, CUdeviceptr, unsigned, unsigned);
+  CUresult (*StreamBeginCapture)(CUstream, int);
+  CUresult (*StreamEndCapture)(CUstream, void**);
+  CUresult (*GraphDestroy)(void*);
+} cu;
+
+#define CU(call)                                                                  \
+  do {                                                                            \
+    CUresult cu_r_ = (call);                                                      \
+    if (cu_r_ != 0) {                                                             \
+      tlog("FATAL %s:%d: %s returned CUDA error %d", __FILE__, __LINE__, #call, cu_r_); \
+      exit(1);                                                                    \
+    }                                                                             \
+  } while (0)
+
+static void* sym(void* lib, const char* name) {
+  void* p = dlsym(lib, name);
+  if (!p) {
+    tlog("FATAL: libcuda.so.1 has no %s", name);
+    exit(1);
+  }
+  return p;
+}
+
+static void load_driver(void) {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW);
+  if (!lib) {
+    tlog("FATAL: cannot load libcuda.so.1: %s", dlerror());
+    exit(1);
+  }
+  *(void**)&cu.Init = sym(lib, "cuInit");
+  *(void**)&cu.DeviceGet = sym(lib, "cuDeviceGet");
+  *(void**)&cu.PrimaryCtxRetain = sym(lib, "cuDevicePrimaryCtxRetain");
+  *(void**)&cu.CtxSetCurrent = sym(lib, "cuCtxSetCurrent");
+  *(void**)&cu.MemAlloc = sym(lib, "cuMemAlloc_v2");
+  *(void**)&cu.MemFree = sym(lib, "cuMemFree_v2");
+  *(void**)&cu.MemHostAlloc = sym(lib, "cuMemHostAlloc");
+  *(void**)&cu.MemFreeHost = sym(lib, "cuMemFreeHost");
+  *(void**)&cu.MemHostGetDevicePointer = sym(lib, "cuMemHostGetDevicePointer_v2");
+  *(void**)&cu.MemcpyAsync = sym(lib, "cuMemcpyAsync");
+  *(void**)&cu.StreamCreate = sym(lib, "cuStreamCreate");
+  *(void**)&cu.StreamDestroy = sym(lib, "cuStreamDestroy_v2");
+  *(void**)&cu.StreamSynchronize = sym(lib, "cuStreamSynchronize");
+  *(void**)&cu.StreamQuery = sym(lib, "cuStreamQuery");
+  *(void**)&cu.StreamWaitValue32 = sym(lib, "cuStreamWaitValue32_v2");
+  *(void**)&cu.StreamBeginCapture = sym(lib, "cuStreamBeginCapture_v2");
+  *(void**)&cu.StreamEndCapture = sym(lib, "cuStreamEndCapture");
+  *(void**)&cu.GraphDestroy = sym(lib, "cuGraphDestroy");
+}
+
+#define CU_STREAM_NON_BLOCKING 1
+#define CU_MEMHOSTALLOC_DEVICEMAP 2
+#define CU_STREAM_WAIT_VALUE_GEQ 0
+#define CU_STREAM_CAPTURE_MODE_RELAXED 2
+#define CUDA_ERROR_NOT_READY 600
+
+static ncclComm_t g_comms[MAX_LOCAL];
+static CUstream g_streams[MAX_LOCAL];
+static CUcontext g_ctx;
+static int g_device;
+
+static int wanted(const char* name) { return !g_env.only || !strcasecmp(g_env.only, name); }
+
+/* Pinned host memory, so copies on a stream are truly asynchronous. */
+static void* host_alloc(size_t bytes) {
+  void* p = NULL;
+  CU(cu.MemHostAlloc(&p, bytes ? bytes : 1, CU_MEMHOSTALLOC_DEVICEMAP));
+  return p;
+}
+
+static CUdeviceptr dev_alloc(size_t bytes) {
+  CUdeviceptr p = 0;
+  CU(cu.MemAlloc(&p, bytes ? bytes : 1));
+  return p;
+}
+
+/* Value j of rank r's input: small integers, exact in float sums of up to 16 ranks. */
+static float in_value(int r, size_t j, int salt) { return (float)((r + 1) * 3 + (int)(j % 13) + salt); }
+
+static void make_cuda_comms(void) {
+  ncclUniqueId id;
+  get_unique_id("", &id);
+  CU(cu.CtxSetCurrent(g_ctx));
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommInitRank(&g_comms[l], g_env.nranks, id, g_env.first_rank + l));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamCreate(&g_streams[l], CU_STREAM_NON_BLOCKING));
+    int dev = -1;
+    CHECK(ncclCommCuDevice(g_comms[l], &dev));
+    EXPECT(dev == g_device, "ncclCommCuDevice says %d, the current device is %d", dev, g_device);
+  }
+}
+
+typedef enum { C_ALLREDUCE, C_ALLGATHER, C_REDUCESCATTER, C_BROADCAST, C_REDUCE, C_ALLTOALL } coll_t;
+static const char* COLL_NAME[] = {"AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce", "AlltoAll"};
+
+/* Element counts of the send and receive buffers of `c` for `count` (NCCL's argument). */
+static void coll_sizes(coll_t c, size_t count, int n, size_t* ns, size_t* nr) {
+  switch (c) {
+    case C_ALLGATHER: *ns = count; *nr = count * n; break;
+    case C_REDUCESCATTER: *ns = count * n; *nr = count; break;
+    case C_ALLTOALL: *ns = count * n; *nr = count * n; break;
+    default: *ns = count; *nr = count; break;
+  }
+}
+
+static float expected(coll_t c, size_t count, int n, int rank, size_t j, int salt) {
+  const int root = n - 1;
+  switch (c) {
+    case C_ALLREDUCE:
+    case C_REDUCE: {
+      float s = 0;
+      for (int r = 0; r < n; r++) s += in_value(r, j, salt);
+      return s;
+    }
+    case C_ALLGATHER: return in_value((int)(j / count), j % count, salt);
+    case C_REDUCESCATTER: {
+      float s = 0;
+      for (int r = 0; r < n; r++) s += in_value(r, (size_t)rank * count + j, salt);
+      return s;
+    }
+    case C_BROADCAST: return in_value(root, j, salt);
+    case C_ALLTOALL: {
+      /* block b of my output is block `rank` of rank b's input */
+      size_t b = j / count, k = j % count;
+      return in_value((int)b, (size_t)rank * count + k, salt);
+    }
+  }
+  return -1;
+}
+
+static ncclResult_t issue(coll_t c, const void* s, void* r, size_t count, ncclComm_t comm, CUstream st, int n) {
+  switch (c) {
+    case C_ALLREDUCE: return ncclAllReduce(s, r, count, ncclFloat32, ncclSum, comm, st);
+    case C_ALLGATHER: return ncclAllGather(s, r, count, ncclFloat32, comm, st);
+    case C_REDUCESCATTER: return ncclReduceScatter(s, r, count, ncclFloat32, ncclSum, comm, st);
+    case C_BROADCAST: return ncclBroadcast(s, r, count, ncclFloat32, n - 1, comm, st);
+    case C_REDUCE: return ncclReduce(s, r, count, ncclFloat32, ncclSum, n - 1, comm, st);
+    case C_ALLTOALL: return ncclAlltoAll(s, r, count, ncclFloat32, comm, st);
+  }
+  return ncclInvalidArgument;
+}
+
+/* One collective on every local rank: upload, call, download on the rank's stream; then
+ * synchronise and compare. `gate`: the streams first wait on a host word, released only
+ * after every call returned (a call that waited for its stream would never return). */
+static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
+  const int n = g_env.nranks;
+  size_t ns, nr;
+  coll_sizes(c, count, n, &ns, &nr);
+  CUdeviceptr dsend[MAX_LOCAL], drecv[MAX_LOCAL];
+  float *hin[MAX_LOCAL], *hout[MAX_LOCAL];
+  uint32_t* flag = host_alloc(64);
+  CUdeviceptr dflag = 0;
+  *(volatile uint32_t*)flag = 0;
+  if (gate) CU(cu.MemHostGetDevicePointer(&dflag, flag, 0));
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    drecv[l] = dev_alloc(nr * sizeof(float));
+    hin[l] = host_alloc(ns * sizeof(float));
+    hout[l] = host_alloc(nr * sizeof(float));
+    for (size_t j = 0; j < ns; j++) hin[l][j] = in_value(rank, j, salt);
+    memset(hout[l], 0xff, nr * sizeof(float));
+    if (in_place) {
+      /* NCCL's in-place layouts: allgather's input is my block of the output, reducescatter's
+       * output my block of the input; the others share one buffer. */
+      size_t big = ns > nr ? ns : nr;
+      CU(cu.MemFree(drecv[l]));
+      drecv[l] = dev_alloc(big * sizeof(float));
+      dsend[l] = drecv[l];
+      if (c == C_ALLGATHER) dsend[l] = drecv[l] + (CUdeviceptr)rank * count * sizeof(float);
+      if (c == C_REDUCESCATTER) drecv[l] = dsend[l] + (CUdeviceptr)rank * count * sizeof(float);
+    } else {
+      dsend[l] = dev_alloc(ns * sizeof(float));
+    }
+    if (gate) CU(cu.StreamWaitValue32(g_streams[l], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
+    CU(cu.MemcpyAsync(dsend[l], (CUdeviceptr)(uintptr_t)hin[l], ns * sizeof(float), g_streams[l]));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(issue(c, (const void*)(uintptr_t)dsend[l], (void*)(uintptr_t)drecv[l], count, g_comms[l], g_streams[l], n));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++)
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hout[l], drecv[l], nr * sizeof(float), g_streams[l]));
+  if (gate) {
+    for (int l = 0; l < g_env.local; l++)
+      EXPECT(cu.StreamQuery(g_streams[l]) == CUDA_ERROR_NOT_READY,
+             "%s: rank %d's stream finished while it was held before the call", COLL_NAME[c], g_env.first_rank + l);
+    __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamSynchronize(g_streams[l]));
+    int rank = g_env.first_rank + l;
+    int is_root = rank == n - 1;
+    if (c == C_REDUCE && !is_root) continue; /* only the root's output is defined */
+    size_t bad = 0, first = 0;
+    for (size_t j = 0; j < nr; j++) {
+      float want = expected(c, count, n, rank, j, salt);
+      if (hout[l][j] != want && bad++ == 0) first = j;
+    }
+    EXPECT(bad == 0, "%s count %zu%s%s rank %d: %zu wrong values, first at %zu: %g, expected %g", COLL_NAME[c], count,
+           in_place ? " in-place" : "", gate ? " gated" : "", rank, bad, first, bad ? hout[l][first] : 0.0,
+           bad ? expected(c, count, n, rank, first, salt) : 0.0);
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    if (in_place) {
+      CU(cu.MemFree(c == C_REDUCESCATTER ? dsend[l] : drecv[l]));
+    } else {
+      CU(cu.MemFree(dsend[l]));
+      CU(cu.MemFree(drecv[l]));
+    }
+    CU(cu.MemFreeHost(hin[l]));
+    CU(cu.MemFreeHost(hout[l]));
+  }
+  CU(cu.MemFreeHost(flag));
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t async = ncclSuccess;
+    CHECK(ncclCommGetAsyncError(g_comms[l], &async));
+    EXPECT(async == ncclSuccess, "%s: async error %s: %s", COLL_NAME[c], result_name(async), ncclGetLastError(g_comms[l]));
+  }
+}
+
+static void gated(void) {
+  test_step("gated");
+  run_coll(C_ALLREDUCE, 1000, 0, 1, 1);
+  run_coll(C_ALLGATHER, 777, 0, 1, 2);
+}
+
+static void collectives(void) {
+  test_step("collectives");
+  size_t counts[] = {1, 1000, 100000, 300001};
+  int ncounts = g_env.quick ? 2 : 4;
+  for (int c = C_ALLREDUCE; c <= C_ALLTOALL; c++)
+    for (int k = 0; k < ncounts; k++) run_coll((coll_t)c, counts[k], 0, 0, c + k);
+}
+
+static void in_place(void) {
+  test_step("in-place");
+  for (int c = C_ALLREDUCE; c <= C_ALLTOALL; c++) run_coll((coll_t)c, 4099, 1, 0, 7 + c);
+}
+
+/* A ring of sends and receives in one group, on device memory, many times in a row. */
+static void p2p(void) {
+  test_step("p2p");
+  const int n = g_env.nranks;
+  const size_t count = 70000;
+  for (int round = 0; round < 3; round++) {
+    CUdeviceptr ds[MAX_LOCAL], dr[MAX_LOCAL];
+    float *hin[MAX_LOCAL], *hout[MAX_LOCAL];
+    for (int l = 0; l < g_env.local; l++) {
+      int rank = g_env.first_rank + l;
+      ds[l] = dev_alloc(count * sizeof(float));
+      dr[l] = dev_alloc(count * sizeof(float));
+      hin[l] = host_alloc(count * sizeof(float));
+      hout[l] = host_alloc(count * sizeof(float));
+      for (size_t j = 0; j < count; j++) hin[l][j] = in_value(rank, j, round);
+      CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], count * sizeof(float), g_streams[l]));
+    }
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++) {
+      int rank = g_env.first_rank + l;
+      CHECK(ncclSend((const void*)(uintptr_t)ds[l], count, ncclFloat32, (rank + 1) % n, g_comms[l], g_streams[l]));
+      CHECK(ncclRecv((void*)(uintptr_t)dr[l], count, ncclFloat32, (rank + n - 1) % n, g_comms[l], g_streams[l]));
+    }
+    CHECK(ncclGroupEnd());
+    for (int l = 0; l < g_env.local; l++) {
+      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hout[l], dr[l], count * sizeof(float), g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l]));
+      int rank = g_env.first_rank + l, from = (rank + n - 1) % n;
+      size_t bad = 0;
+      for (size_t j = 0; j < count; j++) bad += hout[l][j] != in_value(from, j, round);
+      EXPECT(bad == 0, "p2p round %d rank %d: %zu wrong values from rank %d", round, rank, bad, from);
+      CU(cu.MemFree(ds[l]));
+      CU(cu.MemFree(dr[l]));
+      CU(cu.MemFreeHost(hin[l]));
+      CU(cu.MemFreeHost(hout[l]));
+    }
+  }
+}
+
+/* A device send buffer with a pinned host receive buffer: both are staged alike. */
+static void mixed(void) {
+  test_step("mixed");
+  const size_t count = 5000;
+  CUdeviceptr ds[MAX_LOCAL];
+  float *hin[MAX_LOCAL], *hr[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    ds[l] = dev_alloc(count * sizeof(float));
+    hin[l] = host_alloc(count * sizeof(float));
+    hr[l] = host_alloc(count * sizeof(float));
+    for (size_t j = 0; j < count; j++) hin[l][j] = in_value(rank, j, 5);
+    CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], count * sizeof(float), g_streams[l]));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAllReduce((const void*)(uintptr_t)ds[l], hr[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += hr[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 5);
+    EXPECT(bad == 0, "mixed device/pinned allreduce rank %d: %zu wrong values", g_env.first_rank + l, bad);
+    CU(cu.MemFree(ds[l]));
+    CU(cu.MemFreeHost(hin[l]));
+    CU(cu.MemFreeHost(hr[l]));
+  }
+}
+
+/* A collective issued while its stream captures a graph is refused with a clear error, and
+ * the communicator stays usable. Every rank refuses alike, so no peer waits. */
+static void capture(void) {
+  test_step("capture");
+  CUdeviceptr d = dev_alloc(64 * sizeof(float));
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_RELAXED));
+    ncclResult_t r = ncclAllReduce((const void*)(uintptr_t)d, (void*)(uintptr_t)d, 64, ncclFloat32, ncclSum, g_comms[l],
+                                   g_streams[l]);
+    const char* msg = ncclGetLastError(g_comms[l]);
+    void* graph = NULL;
+    CU(cu.StreamEndCapture(g_streams[l], &graph));
+    if (graph) CU(cu.GraphDestroy(graph));
+    EXPECT(r == ncclInvalidUsage, "allreduce during graph capture returned %s", result_name(r));
+    EXPECT(msg && strstr(msg, "graph"), "the capture error does not say why: '%s'", msg ? msg : "(null)");
+  }
+  CU(cu.MemFree(d));
+  run_coll(C_ALLREDUCE, 100, 0, 0, 9); /* still works */
+}
+
+int main(int argc, char** argv) {
+  test_init(argc, argv);
+  load_driver();
+  const char* dev = getenv("NCCL_TEST_CUDA_DEVICE");
+  g_device = dev && *dev ? atoi(dev) : 0;
+  CU(cu.Init(0));
+  int cudev = 0;
+  CU(cu.DeviceGet(&cudev, g_device));
+  CU(cu.PrimaryCtxRetain(&g_ctx, cudev));
+  CU(cu.CtxSetCurrent(g_ctx));
+  make_cuda_comms();
+  if (wanted("Gated")) gated();
+  if (wanted("Collectives")) collectives();
+  if (wanted("InPlace")) in_place();
+  if (wanted("P2P")) p2p();
+  if (wanted("Mixed")) mixed();
+  if (wanted("Capture")) capture();
+  for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
+  destroy_comms(g_comms);
+  return test_finish();
+}

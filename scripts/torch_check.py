@@ -1,0 +1,110 @@
+"""PyTorch on nccl-rs (scripts/device-check.sh, step b): two processes on cuda:0.
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... LD_PRELOAD=libnccl.so.2 python3 torch_check.py nccl
+    RANK=r ... python3 torch_check.py gloo        # the same DDP steps on the gloo backend
+    python3 torch_check.py compare                 # DDP losses of both must be equal
+
+Collectives are checked exactly (inputs are small integers, exact in fp32 and bf16 sums).
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+OUT = os.path.dirname(os.path.abspath(__file__))
+
+
+def check(name, got, want):
+    ok = torch.equal(got.float().cpu(), want.float().cpu())
+    print(f"rank {dist.get_rank()}: {name}: {'ok' if ok else 'WRONG'}", flush=True)
+    return ok
+
+
+def collectives(rank, world, dev):
+    ok = True
+    for dt in (torch.float32, torch.bfloat16):
+        n = 4096 + 3
+        base = torch.arange(n, device=dev) % 17
+        x = (base + rank + 1).to(dt)
+        t = x.clone()
+        dist.all_reduce(t)
+        want = sum((base + r + 1) for r in range(world)).to(dt)
+        ok &= check(f"all_reduce {dt}", t, want)
+        out = torch.empty(n * world, dtype=dt, device=dev)
+        dist.all_gather_into_tensor(out, x)
+        ok &= check(f"all_gather_into_tensor {dt}", out, torch.cat([(base + r + 1).to(dt) for r in range(world)]))
+        big = torch.cat([(base + r + 1 + 100 * k).to(dt) for k in range(world) for r in [rank]])
+        rs = torch.empty(n, dtype=dt, device=dev)
+        dist.reduce_scatter_tensor(rs, big)
+        ok &= check(f"reduce_scatter_tensor {dt}", rs, sum((base + r + 1 + 100 * rank) for r in range(world)).to(dt))
+        b = x.clone()
+        dist.broadcast(b, src=1)
+        ok &= check(f"broadcast {dt}", b, (base + 2).to(dt))
+        a2a_in = torch.cat([(base[:64] + 10 * rank + k).to(dt) for k in range(world)])
+        a2a_out = torch.empty_like(a2a_in)
+        dist.all_to_all_single(a2a_out, a2a_in)
+        ok &= check(f"all_to_all_single {dt}", a2a_out, torch.cat([(base[:64] + 10 * k + rank).to(dt) for k in range(world)]))
+        peer = 1 - rank
+        s = (base + 1000 * rank).to(dt)
+        r = torch.empty_like(s)
+        if rank == 0:
+            dist.send(s, peer)
+            dist.recv(r, peer)
+        else:
+            dist.recv(r, peer)
+            dist.send(s, peer)
+        ok &= check(f"send/recv {dt}", r, (base + 1000 * peer).to(dt))
+    dist.barrier()
+    torch.cuda.synchronize()
+    print(f"rank {rank}: barrier: ok", flush=True)
+    return ok
+
+
+def ddp_losses(dev):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1234 + dist.get_rank())
+    losses = []
+    for _ in range(5):
+        xb = torch.randn(16, 32, generator=g).to(dev)
+        yb = torch.randn(16, 1, generator=g).to(dev)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(xb), yb)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def main():
+    mode = sys.argv[1]
+    if mode == "compare":
+        a = json.load(open(os.path.join(OUT, "ddp-nccl.json")))
+        b = json.load(open(os.path.join(OUT, "ddp-gloo.json")))
+        same = a == b
+        print(f"DDP losses nccl-rs: {a}\nDDP losses gloo:    {b}\nRESULT: DDP {'equal' if same else 'DIFFERENT'}")
+        sys.exit(0 if same else 1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if mode == "nccl":
+        dev = torch.device("cuda:0")
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+        ok = collectives(rank, world, dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        ok = True
+    losses = ddp_losses(dev)
+    if rank == 0:
+        json.dump(losses, open(os.path.join(OUT, f"ddp-{mode}.json"), "w"))
+    print(f"rank {rank}: {mode}: RESULT {'ok' if ok else 'FAILED'} losses {losses}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

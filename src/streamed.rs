@@ -1,0 +1,240 @@
+//! CUDA mode: collectives on device memory, ordered with the caller's streams.
+//!
+//! The calling thread does not run an operation whose buffers include device memory. It
+//! records an event on the caller's stream (everything the stream did before the call), makes
+//! that stream wait (`cuStreamWaitValue32`) until a completion counter in mapped host memory
+//! reaches the operation's number, hands the operation to the communicator's stream worker and
+//! returns: NCCL's semantics, where the host call only enqueues.
+//!
+//! The worker, a thread per communicator with its device's context current, waits for the
+//! event, copies the buffers into host staging memory on a stream of its own, runs the same
+//! plan and progress engine as host mode on the staged copies, copies the results back and
+//! bumps the counter, which releases the caller's stream. A failure becomes the
+//! communicator's asynchronous error (`ncclCommGetAsyncError`) and still bumps the counter:
+//! a stream never waits forever for an operation that failed.
+//!
+//! Staging through host memory works for every pair of ranks (same GPU, peer GPUs, other
+//! hosts); it is the correct baseline that peer copies between GPUs will shortcut.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::comm::Comm;
+use crate::device::cuda::{Context, Event, MappedHost, MemOp, Stream, UserStream, WaitCond};
+use crate::device::host::Region;
+use crate::error::{Error, Result};
+use crate::plan::Op;
+
+/// One operation for the worker: what to run and the stream it is ordered with.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamOp {
+    pub op: Op,
+    pub stream: UserStream,
+}
+
+/// The stream worker of one communicator.
+pub struct Streamed {
+    ctx: &'static Context,
+    /// Word 0: the number of the last batch the worker finished (it counts 1, 2, ...).
+    done: MappedHost,
+    state: Mutex<State>,
+    /// Signalled when a batch is queued, when one finishes, and on close.
+    changed: Condvar,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+#[derive(Default)]
+struct State {
+    queue: VecDeque<Batch>,
+    issued: u32,
+    finished: u32,
+    closing: bool,
+}
+
+/// The operations one group issued on this communicator, run together (their sends and
+/// receives may pair up with each other).
+struct Batch {
+    seq: u32,
+    starts: Vec<Event>,
+    ops: Vec<Op>,
+}
+
+impl Streamed {
+    fn start(comm: &Arc<Comm>) -> Result<Arc<Streamed>> {
+        let ctx = Context::primary(comm.cuda_dev)?;
+        let done = MappedHost::new(64)?;
+        done.word(0).store(0, Ordering::Release);
+        let s = Arc::new(Streamed { ctx, done, state: Mutex::new(State::default()), changed: Condvar::new(),
+                                    worker: Mutex::new(None) });
+        let (c, w) = (comm.clone(), s.clone());
+        let handle = std::thread::Builder::new()
+            .name(format!("nccl-rs-stream-{}", comm.rank))
+            .spawn(move || worker(c, w))
+            .map_err(|e| Error::os("spawn the stream worker", e))?;
+        *s.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
+        crate::info!(INIT, "rank {}: CUDA mode on device {}, collectives staged through host memory", comm.rank, comm.cuda_dev);
+        Ok(s)
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wait until every batch issued so far has finished.
+    pub fn drain(&self) {
+        let mut st = self.state();
+        while st.finished != st.issued && !st.closing {
+            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Stop the worker after the batches already queued (they fail fast on an aborted
+    /// communicator) and wait for it.
+    pub fn close(&self) {
+        self.state().closing = true;
+        self.changed.notify_all();
+        let handle = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = handle {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+/// The communicator's worker, started on first use.
+fn streamed(comm: &Arc<Comm>) -> Result<&Arc<Streamed>> {
+    static STARTING: Mutex<()> = Mutex::new(());
+    let cell: &OnceLock<Arc<Streamed>> = &comm.streamed;
+    if let Some(s) = cell.get() {
+        return Ok(s);
+    }
+    let _one = STARTING.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(s) = cell.get() {
+        return Ok(s);
+    }
+    let s = Streamed::start(comm)?;
+    Ok(cell.get_or_init(|| s))
+}
+
+/// Enqueue one group's operations on `comm` (in issue order) behind the work already on their
+/// streams; returns once they are queued (or, where the driver cannot make a stream wait on
+/// host memory, once they have run).
+pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<()> {
+    if ops.is_empty() {
+        return Ok(());
+    }
+    comm.ready()?;
+    let s = streamed(comm)?;
+    let mut streams: Vec<UserStream> = Vec::new();
+    for o in &ops {
+        if !streams.contains(&o.stream) {
+            streams.push(o.stream);
+        }
+    }
+    let callers: Vec<Stream> = streams.iter().map(|u| Stream::caller(s.ctx, *u)).collect();
+    for st in &callers {
+        if st.is_capturing()? {
+            return Err(Error::invalid_usage(
+                "the stream is capturing a CUDA graph: nccl-rs cannot record collectives into graphs yet; \
+                 issue them outside the capture"));
+        }
+    }
+    let mut starts = Vec::with_capacity(callers.len());
+    for st in &callers {
+        let e = Event::new(s.ctx)?;
+        e.record(st)?;
+        starts.push(e);
+    }
+    let mut state = s.state();
+    if state.closing {
+        return Err(Error::invalid_usage("communicator is being destroyed"));
+    }
+    let seq = state.issued.wrapping_add(1);
+    let mut waits_on_host = false;
+    for st in &callers {
+        match st.wait_value32(&s.done, 0, seq, WaitCond::Geq)? {
+            MemOp::Enqueued => {}
+            MemOp::Unsupported => waits_on_host = true,
+        }
+    }
+    state.issued = seq;
+    state.queue.push_back(Batch { seq, starts, ops: ops.into_iter().map(|o| o.op).collect() });
+    drop(state);
+    s.changed.notify_all();
+    if waits_on_host {
+        // No stream memory operations on this device: ordering by waiting here instead.
+        let mut st = s.state();
+        while st.finished.wrapping_sub(seq) as i32 <= -1 && !st.closing {
+            st = s.changed.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+    Ok(())
+}
+
+fn worker(comm: Arc<Comm>, s: Arc<Streamed>) {
+    let mut staging: Vec<Vec<u8>> = Vec::new();
+    let stream = s.ctx.make_current().and_then(|()| Stream::new(s.ctx));
+    loop {
+        let batch = {
+            let mut st = s.state();
+            loop {
+                if let Some(b) = st.queue.pop_front() {
+                    break Some(b);
+                }
+                if st.closing {
+                    break None;
+                }
+                st = s.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        let Some(batch) = batch else { break };
+        let result = match &stream {
+            Ok(stream) => run_batch(&comm, stream, &mut staging, &batch),
+            Err(e) => Err(e.clone()),
+        };
+        if let Err(e) = result {
+            crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
+            comm.set_async_error(&e);
+        }
+        // Released even on failure: the caller's stream must never wait forever.
+        s.done.word(0).store(batch.seq, Ordering::Release);
+        s.state().finished = batch.seq;
+        s.changed.notify_all();
+    }
+}
+
+/// A staging buffer of `len` bytes, kept across batches.
+fn stage(staging: &mut Vec<Vec<u8>>, i: usize, len: usize) -> Region {
+    if staging.len() <= i {
+        staging.resize_with(i + 1, Vec::new);
+    }
+    let v = &mut staging[i];
+    if v.len() < len {
+        v.resize(len, 0);
+    }
+    Region::owned(&mut v[..len])
+}
+
+fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Vec<Vec<u8>>, batch: &Batch) -> Result<()> {
+    for e in &batch.starts {
+        e.synchronize()?;
+    }
+    comm.ready()?;
+    let mut host_ops = Vec::with_capacity(batch.ops.len());
+    for (k, op) in batch.ops.iter().enumerate() {
+        let send = if op.send.is_empty() { Region::EMPTY } else { stage(staging, 2 * k, op.send.len()) };
+        let recv = if op.recv.is_empty() { Region::EMPTY } else { stage(staging, 2 * k + 1, op.recv.len()) };
+        stream.copy(send, op.send)?;
+        host_ops.push(Op { send, recv, ..*op });
+    }
+    stream.synchronize()?;
+    crate::group::execute_now(comm.clone(), host_ops.clone())?;
+    for (op, h) in batch.ops.iter().zip(&host_ops) {
+        stream.copy(op.recv, h.recv)?;
+    }
+    stream.synchronize()
+}
