@@ -76,6 +76,12 @@ fn library_version() -> String {
     format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100)
 }
 
+/// The library's mode and where the buffers live.
+fn buffers(o: &Opts) -> String {
+    let mode = nccl::device::mode::current().name();
+    format!("{mode} mode, {} buffers", if o.device { "device" } else { "host" })
+}
+
 fn redop_name(o: &Opts) -> &'static str {
     if o.coll.reduces() { o.op.name } else { "none" }
 }
@@ -98,8 +104,8 @@ as mpi_allreduce_bench; GB = 1e9 B";
 fn print_header(o: &Opts, n: usize, nprocs: usize) {
     let step = if o.incr > 0 { format!("{}(bytes)", o.incr) } else { format!("{}(factor)", o.factor) };
     let extra: Vec<String> = o.extra.iter().map(|s| s.to_string()).collect();
-    println!("# nccl-rs-perf {}: nccl-rs {} (host mode), nranks {n} ({nprocs} process(es) x {} rank(s)), {} {}, root {}, bind {}",
-             o.coll.name(), library_version(), o.threads, o.dtype.name, redop_name(o), root_of(o), o.bind as u8);
+    println!("# nccl-rs-perf {}: nccl-rs {} ({}), nranks {n} ({nprocs} process(es) x {} rank(s)), {} {}, root {}, bind {}",
+             o.coll.name(), library_version(), buffers(o), o.threads, o.dtype.name, redop_name(o), root_of(o), o.bind as u8);
     println!("# minBytes {} maxBytes {} step: {step} extra: [{}] {} validation: {}",
              o.min, o.max, extra.join(","), iters_text(o), o.check as u8);
     println!("# {TIMING}");
@@ -234,7 +240,7 @@ fn to_json(o: &Opts, n: usize, nprocs: usize, rows: &[Row], avg_busbw: f64, wron
     }).collect();
     Json::obj(vec![
         ("tool", Json::str("nccl-rs-perf")),
-        ("library", Json::str(&format!("nccl-rs {} (host mode)", library_version()))),
+        ("library", Json::str(&format!("nccl-rs {} ({})", library_version(), buffers(o)))),
         ("label", Json::Str(label)),
         ("collective", Json::str(o.coll.name())),
         ("nranks", Json::Num(n as f64)),

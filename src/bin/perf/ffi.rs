@@ -142,7 +142,11 @@ pub fn init_ranks(o: &Opts, proc_index: usize, nprocs: usize, send_bytes: usize,
     let n = nprocs * local;
     let mut comms: Vec<ncclComm_t> = vec![null_mut(); local];
     if nprocs == 1 {
-        check(ncclCommInitAll(comms.as_mut_ptr(), local as i32, std::ptr::null()), "ncclCommInitAll")?;
+        // Device buffers: every rank on device 0 (nccl-rs lets ranks share a GPU); host
+        // buffers: NCCL's default device list.
+        let zeros = vec![0i32; local];
+        let devs = if o.device { zeros.as_ptr() } else { std::ptr::null() };
+        check(ncclCommInitAll(comms.as_mut_ptr(), local as i32, devs), "ncclCommInitAll")?;
     } else {
         let mut id = ncclUniqueId { internal: [0; 128] };
         check(ncclGetUniqueId(&mut id), "ncclGetUniqueId (NCCL_COMM_ID must be set for several processes)")?;
