@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Capture]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Capture|MemAlloc]
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
  * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
@@ -44,6 +44,7 @@ static struct {
   CUresult (*StreamBeginCapture)(CUstream, int);
   CUresult (*StreamEndCapture)(CUstream, void**);
   CUresult (*GraphDestroy)(void*);
+  CUresult (*PointerGetAttribute)(void*, int, CUdeviceptr);
 } cu;
 
 #define CU(call)                                                                  \
@@ -88,6 +89,7 @@ static void load_driver(void) {
   *(void**)&cu.StreamBeginCapture = sym(lib, "cuStreamBeginCapture_v2");
   *(void**)&cu.StreamEndCapture = sym(lib, "cuStreamEndCapture");
   *(void**)&cu.GraphDestroy = sym(lib, "cuGraphDestroy");
+  *(void**)&cu.PointerGetAttribute = sym(lib, "cuPointerGetAttribute");
 }
 
 #define CU_STREAM_NON_BLOCKING 1
@@ -370,6 +372,46 @@ static void capture(void) {
   run_coll(C_ALLREDUCE, 100, 0, 0, 9); /* still works */
 }
 
+/* ncclMemAlloc gives device memory in CUDA mode; registered, it works in collectives like any
+ * device buffer; deregistered and freed, nothing is left. */
+static void memalloc(void) {
+  test_step("memalloc");
+  const size_t count = 3000;
+  void *s[MAX_LOCAL], *r[MAX_LOCAL], *hs[MAX_LOCAL], *hr[MAX_LOCAL];
+  void* handles[MAX_LOCAL][2];
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    CHECK(ncclMemAlloc(&s[l], count * sizeof(float)));
+    CHECK(ncclMemAlloc(&r[l], count * sizeof(float)));
+    unsigned type = 0;
+    CU(cu.PointerGetAttribute(&type, 2 /* CU_POINTER_ATTRIBUTE_MEMORY_TYPE */, (CUdeviceptr)(uintptr_t)s[l]));
+    EXPECT(type == 2 /* CU_MEMORYTYPE_DEVICE */, "ncclMemAlloc returned memory of type %u, not device memory", type);
+    CHECK(ncclCommRegister(g_comms[l], s[l], count * sizeof(float), &handles[l][0]));
+    CHECK(ncclCommRegister(g_comms[l], r[l], count * sizeof(float), &handles[l][1]));
+    hs[l] = host_alloc(count * sizeof(float));
+    hr[l] = host_alloc(count * sizeof(float));
+    for (size_t j = 0; j < count; j++) ((float*)hs[l])[j] = in_value(rank, j, 11);
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)s[l], (CUdeviceptr)(uintptr_t)hs[l], count * sizeof(float), g_streams[l]));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAllReduce(s[l], r[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hr[l], (CUdeviceptr)(uintptr_t)r[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += ((float*)hr[l])[j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 11);
+    EXPECT(bad == 0, "allreduce on ncclMemAlloc'd buffers, rank %d: %zu wrong values", g_env.first_rank + l, bad);
+    CHECK(ncclCommDeregister(g_comms[l], handles[l][0]));
+    CHECK(ncclCommDeregister(g_comms[l], handles[l][1]));
+    CHECK(ncclMemFree(s[l]));
+    CHECK(ncclMemFree(r[l]));
+    CU(cu.MemFreeHost(hs[l]));
+    CU(cu.MemFreeHost(hr[l]));
+  }
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
@@ -387,6 +429,7 @@ int main(int argc, char** argv) {
   if (wanted("P2P")) p2p();
   if (wanted("Mixed")) mixed();
   if (wanted("Capture")) capture();
+  if (wanted("MemAlloc")) memalloc();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

@@ -10,11 +10,11 @@ use crate::error::Error;
 export! {
     fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) {
         ensure!(!ptr.is_null(), Error::invalid_arg("ptr is NULL"));
-        let p = crate::device::host::alloc(size)?;
+        let p = crate::api::mem::alloc(size)?;
         write_out(ptr, "ptr", p)
     }
     fn ncclMemFree(ptr: *mut c_void) {
-        crate::device::host::free(ptr)
+        crate::api::mem::free(ptr)
     }
     fn ncclCommRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, handle: *mut *mut c_void) {
         let _comm = handle::get(comm)?;

@@ -3,4 +3,5 @@
 pub mod coll;
 pub mod config;
 pub mod init;
+pub mod mem;
 pub mod split;
