@@ -1,17 +1,20 @@
 //! A single-producer single-consumer ring of message slots in memory both sides map: the
 //! shared-memory transport between processes and the local transport inside one process.
 //!
-//! Layout: `head` (consumer count) and `tail` (producer count) on their own cache lines, the
-//! two "closed" flags, the single-copy handshake, one 32-byte header per slot (length, kind,
-//! stamp), then the slots.
+//! Layout: `head` (consumer count) on its own cache line, the two "closed" flags, the
+//! single-copy handshakes, one 64-byte header per slot (sequence word, length, kind, stamp, and
+//! up to 24 bytes of payload), then the slots.
 //!
 //! Single copy between processes (CMA): a large message need not be copied into the ring.
 //! The sender posts a descriptor (its address and length) and the receiver pulls the bytes
 //! straight from the sender's memory with `process_vm_readv`; the send completes when the
 //! receiver frees the slot. The receiver enables this at connect time by reading a probe value
-//! from the sender's memory (`NCCL_CMA_DISABLE=1`, or a kernel that forbids it, keeps copies). The producer
-//! writes a slot and its header, then publishes with a release store of `tail`; the consumer
-//! reads after an acquire load of `tail` and frees the slot with a release store of `head`.
+//! from the sender's memory (`NCCL_CMA_DISABLE=1`, or a kernel that forbids it, keeps copies).
+//!
+//! The producer writes a slot and its header, then publishes with a release store of the
+//! header's sequence word (message number + 1); the consumer polls that word (acquire), so a
+//! small message costs the receiver one cache line, and frees the slot with a release store of
+//! `head`, which the producer reads only when the ring looks full.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,14 +25,22 @@ use crate::error::{Error, Result};
 
 pub const SLOTS: usize = 8;
 const HEAD: usize = 0;
-const TAIL: usize = 64;
 const SENDER_CLOSED: usize = 128;
 const RECEIVER_CLOSED: usize = 132;
 /// Set by the receiver once it has read the sender's probe through CMA.
 const CMA_OK: usize = 136;
 /// Written by the sender: the address of [`PROBE`] in its memory.
 const CMA_PROBE_ADDR: usize = 144;
-const HEADERS: usize = 256;
+/// One 64-byte header per slot: the slot's sequence word (the message number + 1, written
+/// last: the receiver polls it), length, kind, stamp, and up to HEADER_DATA bytes of payload,
+/// so a small message is one cache line from sender to receiver.
+const HEADERS: usize = 1024;
+const HDR_SEQ: usize = 0;
+const HDR_LEN: usize = 8;
+const HDR_KIND: usize = 12;
+const HDR_STAMP: usize = 16;
+const HDR_DATA: usize = 40;
+const HEADER_DATA: usize = 24;
 /// Shared reading of a large descriptor (see [`RingRecv::try_recv_into`]): the claim word
 /// (tag << TAG_SHIFT | next block), blocks finished, and the message's addresses.
 const HELP_CLAIM: usize = 512;
@@ -47,13 +58,16 @@ const TAG_SHIFT: u32 = 20;
 const CMA_MIN: usize = 64 << 10;
 const KIND_INLINE: u32 = 0;
 const KIND_DESCRIPTOR: u32 = 1;
+/// The payload is in the header itself (at most HEADER_DATA bytes).
+const KIND_IN_HEADER: u32 = 2;
 
 /// A value every process holds at a known address, read by peers to test CMA.
 static PROBE: u64 = 0x6e63_636c_2d72_7321;
 /// Where senders test that they may write into this process (the value written is PROBE).
 static WRITE_PROBE: AtomicU64 = AtomicU64::new(0);
-const HEADER_BYTES: usize = 32;
+const HEADER_BYTES: usize = 64;
 const DATA: usize = 4096;
+const _: () = assert!(HEADERS + SLOTS * HEADER_BYTES <= DATA && HELP_PROBE_ADDR + 8 <= HEADERS);
 
 pub fn ring_bytes(slice: usize) -> usize {
     DATA + SLOTS * slice
@@ -124,6 +138,9 @@ pub struct RingSend {
     map: Arc<Mapping>,
     slice: usize,
     tail: u64,
+    /// The receiver's count as last read: re-read only when the ring looks full, so a send
+    /// does not pull the receiver's cache line every time.
+    head_seen: u64,
     kind: Kind,
     /// The receiver's process, for liveness checks (None inside one process).
     peer_pid: Option<u32>,
@@ -148,7 +165,7 @@ impl RingSend {
         if peer_pid.is_some() {
             map.atomic_u64(CMA_PROBE_ADDR).store(&PROBE as *const u64 as u64, Ordering::Release);
         }
-        RingSend { map, slice, tail: 0, kind, peer_pid, can_write: None }
+        RingSend { map, slice, tail: 0, head_seen: 0, kind, peer_pid, can_write: None }
     }
 
     /// Write blocks of the posted message `token` that the receiver shares (a large
@@ -280,6 +297,12 @@ impl RingRecv {
         self.finish_shared()
     }
 
+    /// Has the sender published the next message (its slot's sequence word)?
+    fn published(&self) -> bool {
+        let slot = (self.head % SLOTS as u64) as usize;
+        self.map.atomic_u64(HEADERS + slot * HEADER_BYTES + HDR_SEQ).load(Ordering::Acquire) == self.head + 1
+    }
+
     /// Has the sender finished its blocks of the shared message? Then free the slot.
     fn finish_shared(&mut self) -> Result<bool> {
         let Some((_, blocks)) = self.helped else { return Ok(true) };
@@ -353,36 +376,50 @@ impl super::SendConn for RingSend {
         if src.len() > self.slice {
             return Err(Error::internal(format!("message of {} bytes exceeds the slot size {}", src.len(), self.slice)));
         }
-        let head = self.map.atomic_u64(HEAD).load(Ordering::Acquire);
-        if self.tail - head >= SLOTS as u64 {
-            // A closed receiver consumed all it will: re-read head after seeing the flag, so a
-            // message it took just before closing still counts as delivered.
-            if self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0
-                && self.map.atomic_u64(HEAD).load(Ordering::Acquire) == head
-            {
-                return Err(Error::remote("the receiving rank closed its connection"));
+        if self.tail - self.head_seen >= SLOTS as u64 {
+            let head = self.map.atomic_u64(HEAD).load(Ordering::Acquire);
+            self.head_seen = head;
+            if self.tail - head >= SLOTS as u64 {
+                // A closed receiver consumed all it will: re-read head after seeing the flag, so
+                // a message it took just before closing still counts as delivered.
+                if self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0
+                    && self.map.atomic_u64(HEAD).load(Ordering::Acquire) == head
+                {
+                    return Err(Error::remote("the receiving rank closed its connection"));
+                }
+                return Ok(Sent::Blocked);
             }
-            return Ok(Sent::Blocked);
         }
         let by_descriptor = src.len() >= CMA_MIN && self.map.atomic_u32(CMA_OK).load(Ordering::Acquire) == 1;
+        let kind = if by_descriptor {
+            KIND_DESCRIPTOR
+        } else if src.len() <= HEADER_DATA {
+            KIND_IN_HEADER
+        } else {
+            KIND_INLINE
+        };
         let slot = (self.tail % SLOTS as u64) as usize;
+        let hdr_off = HEADERS + slot * HEADER_BYTES;
         // SAFETY: the slot is free (tail - head < SLOTS) so only we touch it until we publish;
         // slot and header lie inside the mapping (ring_bytes). src is a valid region.
         unsafe {
             let dst = self.map.base.add(DATA + slot * self.slice);
-            if by_descriptor {
-                (dst as *mut u64).write_volatile(src.addr() as u64);
-                (dst as *mut u64).add(1).write_volatile(src.len() as u64);
-            } else {
-                std::ptr::copy_nonoverlapping(src.addr() as *const u8, dst, src.len());
+            let hdr = self.map.base.add(hdr_off);
+            match kind {
+                KIND_DESCRIPTOR => {
+                    (dst as *mut u64).write_volatile(src.addr() as u64);
+                    (dst as *mut u64).add(1).write_volatile(src.len() as u64);
+                }
+                KIND_IN_HEADER => std::ptr::copy_nonoverlapping(src.addr() as *const u8, hdr.add(HDR_DATA), src.len()),
+                _ => std::ptr::copy_nonoverlapping(src.addr() as *const u8, dst, src.len()),
             }
-            let hdr = self.map.base.add(HEADERS + slot * HEADER_BYTES);
-            (hdr as *mut u32).write_volatile(src.len() as u32);
-            (hdr as *mut u32).add(1).write_volatile(if by_descriptor { KIND_DESCRIPTOR } else { KIND_INLINE });
-            std::ptr::copy_nonoverlapping(stamp.as_ptr(), hdr.add(8), STAMP_BYTES);
+            (hdr.add(HDR_LEN) as *mut u32).write_volatile(src.len() as u32);
+            (hdr.add(HDR_KIND) as *mut u32).write_volatile(kind);
+            std::ptr::copy_nonoverlapping(stamp.as_ptr(), hdr.add(HDR_STAMP), STAMP_BYTES);
         }
         self.tail += 1;
-        self.map.atomic_u64(TAIL).store(self.tail, Ordering::Release);
+        // The sequence word publishes the slot: the receiver polls it, in the line it reads.
+        self.map.atomic_u64(hdr_off + HDR_SEQ).store(self.tail, Ordering::Release);
         // A descriptor's bytes are read by the receiver later: the send completes only then.
         Ok(if by_descriptor { Sent::Posted(self.tail - 1) } else { Sent::Done })
     }
@@ -413,28 +450,28 @@ impl super::SendConn for RingSend {
 
 impl super::RecvConn for RingRecv {
     fn try_recv(&mut self, deliver: &mut dyn FnMut(&Stamp, &[u8]) -> Result<()>) -> Result<bool> {
-        let tail = self.map.atomic_u64(TAIL).load(Ordering::Acquire);
-        if tail == self.head {
+        if !self.published() {
             if self.map.atomic_u32(SENDER_CLOSED).load(Ordering::Acquire) == 0 {
                 return Ok(false);
             }
             // The sender may have published its last message just before closing: only an
-            // empty ring after seeing the flag means the message will never come.
-            if self.map.atomic_u64(TAIL).load(Ordering::Acquire) == self.head {
+            // empty slot after seeing the flag means the message will never come.
+            if !self.published() {
                 return Err(Error::remote("the sending rank closed its connection"));
             }
-            return self.try_recv(deliver);
         }
         let slot = (self.head % SLOTS as u64) as usize;
-        // SAFETY: head < tail: the producer published this slot (acquire above) and will not
-        // touch it until we advance head. Bounds as in try_send.
+        // SAFETY: the slot's sequence word says the producer published it (acquire in
+        // `published`) and it will not touch it until we advance head. Bounds as in try_send.
         let (stamp, kind, data) = unsafe {
             let hdr = self.map.base.add(HEADERS + slot * HEADER_BYTES);
-            let n = ((hdr as *const u32).read_volatile() as usize).min(self.slice);
-            let kind = (hdr as *const u32).add(1).read_volatile();
+            let kind = (hdr.add(HDR_KIND) as *const u32).read_volatile();
+            let cap = if kind == KIND_IN_HEADER { HEADER_DATA } else { self.slice };
+            let n = ((hdr.add(HDR_LEN) as *const u32).read_volatile() as usize).min(cap);
             let mut stamp = [0u8; STAMP_BYTES];
-            std::ptr::copy_nonoverlapping(hdr.add(8), stamp.as_mut_ptr(), STAMP_BYTES);
-            (stamp, kind, std::slice::from_raw_parts(self.map.base.add(DATA + slot * self.slice), n))
+            std::ptr::copy_nonoverlapping(hdr.add(HDR_STAMP), stamp.as_mut_ptr(), STAMP_BYTES);
+            let at = if kind == KIND_IN_HEADER { hdr.add(HDR_DATA) } else { self.map.base.add(DATA + slot * self.slice) };
+            (stamp, kind, std::slice::from_raw_parts(at, n))
         };
         if kind == KIND_DESCRIPTOR {
             let word = |i: usize| u64::from_ne_bytes(data[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
@@ -471,17 +508,19 @@ impl super::RecvConn for RingRecv {
         if self.helped.is_some() {
             return self.finish_shared();
         }
-        let tail = self.map.atomic_u64(TAIL).load(Ordering::Acquire);
-        if tail == self.head {
+        if !self.published() {
             return self.recv_copying(dst, accept);
         }
         let slot = (self.head % SLOTS as u64) as usize;
-        // SAFETY: head < tail, as in try_recv: the slot and its header are published and ours.
+        // SAFETY: published, as in try_recv: the slot and its header are ours until we free it.
         let (stamp, kind, addr, len) = unsafe {
             let hdr = self.map.base.add(HEADERS + slot * HEADER_BYTES);
-            let kind = (hdr as *const u32).add(1).read_volatile();
+            let kind = (hdr.add(HDR_KIND) as *const u32).read_volatile();
+            if kind != KIND_DESCRIPTOR {
+                return self.recv_copying(dst, accept);
+            }
             let mut stamp = [0u8; STAMP_BYTES];
-            std::ptr::copy_nonoverlapping(hdr.add(8), stamp.as_mut_ptr(), STAMP_BYTES);
+            std::ptr::copy_nonoverlapping(hdr.add(HDR_STAMP), stamp.as_mut_ptr(), STAMP_BYTES);
             let data = self.map.base.add(DATA + slot * self.slice) as *const u64;
             (stamp, kind, data.read_volatile(), data.add(1).read_volatile() as usize)
         };
