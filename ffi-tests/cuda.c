@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Capture|MemAlloc]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|Capture|MemAlloc]
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
  * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
@@ -352,6 +352,55 @@ static void mixed(void) {
   }
 }
 
+/* Device-memory and host-memory calls alternate on one communicator with no synchronisation
+ * between them: every rank must run them in issue order (a host-memory call runs at once on the
+ * calling thread, after what the streams already hold). */
+static void order(void) {
+  test_step("order");
+  const size_t count = 1024;
+  const int rounds = g_env.quick ? 5 : 20;
+  CUdeviceptr d[MAX_LOCAL];
+  float *hd[MAX_LOCAL], *hh[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    d[l] = dev_alloc(count * sizeof(float));
+    hd[l] = host_alloc(count * sizeof(float));
+    hh[l] = malloc(count * sizeof(float));
+  }
+  for (int k = 0; k < rounds; k++) {
+    for (int l = 0; l < g_env.local; l++) {
+      int rank = g_env.first_rank + l;
+      for (size_t j = 0; j < count; j++) {
+        hd[l][j] = in_value(rank, j, k);
+        hh[l][j] = in_value(rank, j, k + 100);
+      }
+      CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)hd[l], count * sizeof(float), g_streams[l]));
+    }
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+    CHECK(ncclGroupEnd());
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      CHECK(ncclAllGather(hh[l] + (size_t)(g_env.first_rank + l) * (count / g_env.nranks), hh[l], count / g_env.nranks,
+                          ncclFloat32, g_comms[l], NULL));
+    CHECK(ncclGroupEnd());
+    for (int l = 0; l < g_env.local; l++) {
+      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hd[l], d[l], count * sizeof(float), g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l]));
+      size_t bad = 0, per = count / g_env.nranks;
+      for (size_t j = 0; j < count; j++) bad += hd[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, k);
+      for (size_t j = 0; j < per * g_env.nranks; j++)
+        bad += hh[l][j] != in_value((int)(j / per), (j / per) * per + j % per, k + 100);
+      EXPECT(bad == 0, "order round %d rank %d: %zu wrong values", k, g_env.first_rank + l, bad);
+    }
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.MemFree(d[l]));
+    CU(cu.MemFreeHost(hd[l]));
+    free(hh[l]);
+  }
+}
+
 /* A collective issued while its stream captures a graph is refused with a clear error, and
  * the communicator stays usable. Every rank refuses alike, so no peer waits. */
 static void capture(void) {
@@ -428,6 +477,7 @@ int main(int argc, char** argv) {
   if (wanted("InPlace")) in_place();
   if (wanted("P2P")) p2p();
   if (wanted("Mixed")) mixed();
+  if (wanted("Order")) order();
   if (wanted("Capture")) capture();
   if (wanted("MemAlloc")) memalloc();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));

@@ -107,6 +107,9 @@ pub fn end() -> Result<()> {
     for (c, ops) in &per_comm {
         crate::streamed::submit(c, ops.clone()).map_err(|e| e.context(format!("rank {}", c.rank)))?;
     }
+    for q in &host {
+        crate::streamed::drain(&q.comm);
+    }
     execute(host.into_iter().map(|q| (q.comm, q.op)).collect())
 }
 
@@ -190,6 +193,7 @@ pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, device: bool) -> Resu
     if device {
         return crate::streamed::submit(&comm, vec![StreamOp { op, stream }]);
     }
+    crate::streamed::drain(&comm);
     execute_one(comm, op)
 }
 

@@ -105,6 +105,15 @@ impl Streamed {
     }
 }
 
+/// Before an operation runs on the calling thread (host buffers only): let the operations
+/// already issued on the communicator's streams finish, so every rank runs them in issue
+/// order.
+pub fn drain(comm: &Comm) {
+    if let Some(s) = comm.streamed.get() {
+        s.drain();
+    }
+}
+
 /// The communicator's worker, started on first use.
 fn streamed(comm: &Arc<Comm>) -> Result<&Arc<Streamed>> {
     static STARTING: Mutex<()> = Mutex::new(());

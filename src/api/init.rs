@@ -151,14 +151,14 @@ pub fn finalize(comm: &Comm) -> Result<()> {
     if comm.finalized.swap(true, Ordering::AcqRel) {
         return Err(Error::invalid_arg("communicator was already finalized"));
     }
+    // Flush what was issued on streams (CUDA mode); host-mode calls have completed already.
+    crate::streamed::drain(comm);
     Ok(())
 }
 
 pub fn destroy(comm: Arc<Comm>) -> Result<()> {
     // As ncclCommFinalize: operations already issued on streams complete first.
-    if let Some(s) = comm.streamed.get() {
-        s.drain();
-    }
+    crate::streamed::drain(&comm);
     comm.abort.store(true, Ordering::Release);
     comm.shutdown();
     Ok(())
