@@ -86,8 +86,8 @@ else
 fi
 
 # 4. (c) The benchmark with device buffers, beside the device copy bandwidth and NVIDIA's NCCL.
-step perf-cuda-allreduce-2 150 "$PREP/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -n 5 -w 1
-step perf-cuda-allgather-2 150 "$PREP/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -n 5 -w 1
+step perf-cuda-allreduce-2 150 "$PREP/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
+step perf-cuda-allgather-2 150 "$PREP/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 step perf-cuda-latency-1 60 "$PREP/bin/nccl-rs-perf" allreduce -np 1 --device 1 -b 8 -e 8 -n 2000 -w 50
 if python3 -c 'import torch' 2>/dev/null; then
   step copy-bw-and-nvidia-nccl 120 python3 - <<'PY'
@@ -110,6 +110,6 @@ dist.destroy_process_group()
 PY
 fi
 for f in perf-cuda-allreduce-2 perf-cuda-allgather-2 perf-cuda-latency-1 copy-bw-and-nvidia-nccl; do
-  grep -E '^ +[0-9]|Avg bus|GB/s|us per call' "$OUT/$f.log" | sed "s/^/# $f: /" >> "$R"
+  grep -E '^ +[0-9]|Avg bus|GB/s|us per call' "$OUT/$f.log" 2>/dev/null | sed "s/^/# $f: /" >> "$R"
 done
 say "# done in ${SECONDS}s"
