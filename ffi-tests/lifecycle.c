@@ -132,6 +132,19 @@ static void step_queries(ncclComm_t* comms) {
   query_check(comms, "queries");
   allreduce_check(comms, 0, "queries allreduce");
   EXPECT(allreduce_sum_int(comms, 1) == g_env.nranks, "allreduce of 1 per rank != nranks");
+  /* After collectives the communicator holds connection buffers: reported, a few MiB per peer. */
+  for (int l = 0; l < g_env.local; l++) {
+    uint64_t total = 0, persist = 0, suspended = 1;
+    CHECK(ncclCommMemStats(comms[l], ncclStatGpuMemTotal, &total));
+    CHECK(ncclCommMemStats(comms[l], ncclStatGpuMemPersist, &persist));
+    CHECK(ncclCommMemStats(comms[l], ncclStatGpuMemSuspended, &suspended));
+    uint64_t peers = (uint64_t)(g_env.nranks - 1);
+    EXPECT(peers == 0 || total > 0, "ncclCommMemStats total is 0 after collectives on %d ranks", g_env.nranks);
+    EXPECT(total <= peers * 2 * (8u << 20), "ncclCommMemStats total %llu bytes for %llu peers: more than 16 MiB per peer",
+           (unsigned long long)total, (unsigned long long)peers);
+    EXPECT(persist == total, "persistent %llu != total %llu", (unsigned long long)persist, (unsigned long long)total);
+    EXPECT(suspended == 0, "a running communicator reports suspended = %llu", (unsigned long long)suspended);
+  }
 }
 
 /* PyTorch's watchdog polls ncclCommGetAsyncError from its own thread while the main thread

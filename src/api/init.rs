@@ -201,9 +201,14 @@ pub fn resume(comm: &Comm) -> Result<()> {
 }
 
 /// ncclCommMemStats: host mode holds no GPU memory.
+/// ncclCommMemStats. The buffers a communicator holds are its connections' rings and staging
+/// areas (host memory; in CUDA mode too, since data is staged through the host): reported as
+/// persistent and total. Suspending frees nothing yet.
 pub fn mem_stat(comm: &Comm, stat: i32) -> Result<u64> {
+    let held = || comm.ready_if_any().map_or(0, |r| r.conns().mem_bytes());
     match stat {
-        0 | 2 | 3 => Ok(0),
+        0 => Ok(0),
+        2 | 3 => Ok(held()),
         1 => Ok(comm.suspended.load(Ordering::Acquire) as u64),
         _ => Err(Error::invalid_arg(format!("invalid memory statistic {stat}"))),
     }

@@ -42,6 +42,10 @@ pub trait SendConn: Send {
     /// Is the peer still there? Called while waiting.
     fn check(&mut self) -> Result<()>;
     fn kind(&self) -> Kind;
+    /// Bytes of buffer memory this connection holds (for ncclCommMemStats).
+    fn mem_bytes(&self) -> u64 {
+        0
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +71,10 @@ pub trait RecvConn: Send {
     }
     fn check(&mut self) -> Result<()>;
     fn kind(&self) -> Kind;
+    /// Bytes of buffer memory this connection holds (for ncclCommMemStats).
+    fn mem_bytes(&self) -> u64 {
+        0
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,6 +122,12 @@ impl Conns {
             Some(Some(c)) => Ok(c.as_mut()),
             _ => Err(Error::internal(format!("no receive connection from rank {peer}"))),
         }
+    }
+    /// Buffer memory held by every connection: each ring once (its sender's), staging areas.
+    pub fn mem_bytes(&self) -> u64 {
+        let sends = self.send.iter().flatten().map(|c| c.mem_bytes());
+        let recvs = self.recv.iter().flatten().map(|c| c.mem_bytes());
+        sends.chain(recvs).sum()
     }
     pub fn close_all(&mut self) {
         self.send.iter_mut().for_each(|c| *c = None);

@@ -446,6 +446,9 @@ impl super::SendConn for RingSend {
     fn kind(&self) -> Kind {
         self.kind
     }
+    fn mem_bytes(&self) -> u64 {
+        self.map.len as u64
+    }
 }
 
 impl super::RecvConn for RingRecv {
@@ -552,6 +555,9 @@ impl super::RecvConn for RingRecv {
     }
     fn kind(&self) -> Kind {
         self.kind
+    }
+    fn mem_bytes(&self) -> u64 {
+        self.staging.capacity() as u64
     }
 }
 

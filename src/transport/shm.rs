@@ -32,6 +32,9 @@ impl SendConn for ShmSend {
     fn kind(&self) -> Kind {
         Kind::Shm
     }
+    fn mem_bytes(&self) -> u64 {
+        self.ring.mem_bytes()
+    }
 }
 
 impl Drop for ShmSend {

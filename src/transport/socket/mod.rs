@@ -180,4 +180,7 @@ impl RecvConn for SocketRecv {
     fn kind(&self) -> Kind {
         Kind::Socket
     }
+    fn mem_bytes(&self) -> u64 {
+        self.body.capacity() as u64
+    }
 }
