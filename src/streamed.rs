@@ -185,7 +185,7 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<()> {
 }
 
 fn worker(comm: Arc<Comm>, s: Arc<Streamed>) {
-    let mut staging: Vec<Vec<u8>> = Vec::new();
+    let mut staging = Staging::default();
     let stream = s.ctx.make_current().and_then(|()| Stream::new(s.ctx));
     loop {
         let batch = {
@@ -216,27 +216,45 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>) {
     }
 }
 
-/// A staging buffer of `len` bytes, kept across batches.
-fn stage(staging: &mut Vec<Vec<u8>>, i: usize, len: usize) -> Region {
-    if staging.len() <= i {
-        staging.resize_with(i + 1, Vec::new);
-    }
-    let v = &mut staging[i];
-    if v.len() < len {
-        v.resize(len, 0);
-    }
-    Region::owned(&mut v[..len])
+/// Host memory operations are staged in, kept across batches: pinned (page-locked, so the
+/// device copies it at full speed, asynchronously), or ordinary memory where pinning fails.
+#[derive(Default)]
+struct Staging {
+    pinned: Vec<Option<MappedHost>>,
+    plain: Vec<Vec<u8>>,
 }
 
-fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Vec<Vec<u8>>, batch: &Batch) -> Result<()> {
+impl Staging {
+    /// Buffer `i`, at least `len` bytes.
+    fn get(&mut self, i: usize, len: usize) -> Region {
+        if self.pinned.len() <= i {
+            self.pinned.resize_with(i + 1, || None);
+            self.plain.resize_with(i + 1, Vec::new);
+        }
+        if self.pinned[i].as_ref().is_none_or(|m| m.len() < len) {
+            // Grow by half again, so a sweep of growing sizes does not re-pin every time.
+            self.pinned[i] = MappedHost::new(len + len / 2).ok();
+        }
+        if let Some(m) = &self.pinned[i] {
+            return m.region().sub(0, len);
+        }
+        let v = &mut self.plain[i];
+        if v.len() < len {
+            v.resize(len, 0);
+        }
+        Region::owned(&mut v[..len])
+    }
+}
+
+fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, batch: &Batch) -> Result<()> {
     for e in &batch.starts {
         e.synchronize()?;
     }
     comm.ready()?;
     let mut host_ops = Vec::with_capacity(batch.ops.len());
     for (k, op) in batch.ops.iter().enumerate() {
-        let send = if op.send.is_empty() { Region::EMPTY } else { stage(staging, 2 * k, op.send.len()) };
-        let recv = if op.recv.is_empty() { Region::EMPTY } else { stage(staging, 2 * k + 1, op.recv.len()) };
+        let send = if op.send.is_empty() { Region::EMPTY } else { staging.get(2 * k, op.send.len()) };
+        let recv = if op.recv.is_empty() { Region::EMPTY } else { staging.get(2 * k + 1, op.recv.len()) };
         stream.copy(send, op.send)?;
         host_ops.push(Op { send, recv, ..*op });
     }

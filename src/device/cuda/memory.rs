@@ -133,6 +133,13 @@ impl MappedHost {
         self.device as usize
     }
 
+    /// The whole memory as a region (its host address, which devices may use too under UVA).
+    /// The region must not be used after `self` is dropped.
+    pub fn region(&self) -> crate::device::host::Region {
+        // SAFETY: `len` bytes at `host` belong to this allocation while `self` lives.
+        crate::device::host::Region::user(unsafe { crate::device::host::UserPtr::new(self.host) }, 0, self.len)
+    }
+
     /// The `index`-th 32-bit word, shared with the device (panics if out of range).
     pub fn word(&self, index: usize) -> &AtomicU32 {
         assert!(index < self.len / 4, "word {index} outside {} bytes", self.len);
