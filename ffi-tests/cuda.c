@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|Capture|MemAlloc]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc]
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
  * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
@@ -401,6 +401,48 @@ static void order(void) {
   }
 }
 
+/* PreMulSum with the scalar in device memory (ncclScalarDevice), written on the stream just
+ * before the call: the operation must use the value the stream left there. */
+static void premul(void) {
+  test_step("premul");
+  const size_t count = 2000;
+  CUdeviceptr d[MAX_LOCAL], sc[MAX_LOCAL];
+  float *h[MAX_LOCAL], *hs[MAX_LOCAL];
+  ncclRedOp_t ops[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    d[l] = dev_alloc(count * sizeof(float));
+    sc[l] = dev_alloc(sizeof(float));
+    h[l] = host_alloc(count * sizeof(float));
+    hs[l] = host_alloc(sizeof(float));
+    for (size_t j = 0; j < count; j++) h[l][j] = in_value(rank, j, 3);
+    hs[l][0] = (float)(rank + 1);
+    CHECK(ncclRedOpCreatePreMulSum(&ops[l], (void*)(uintptr_t)sc[l], ncclFloat32, ncclScalarDevice, g_comms[l]));
+    CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
+    CU(cu.MemcpyAsync(sc[l], (CUdeviceptr)(uintptr_t)hs[l], sizeof(float), g_streams[l]));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ops[l], g_comms[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) {
+      float want = 0;
+      for (int r = 0; r < g_env.nranks; r++) want += (float)(r + 1) * in_value(r, j, 3);
+      bad += h[l][j] != want;
+    }
+    EXPECT(bad == 0, "PreMulSum with device scalars, rank %d: %zu wrong values", g_env.first_rank + l, bad);
+    CHECK(ncclRedOpDestroy(ops[l], g_comms[l]));
+    CU(cu.MemFree(d[l]));
+    CU(cu.MemFree(sc[l]));
+    CU(cu.MemFreeHost(h[l]));
+    CU(cu.MemFreeHost(hs[l]));
+  }
+}
+
 /* A collective issued while its stream captures a graph is refused with a clear error, and
  * the communicator stays usable. Every rank refuses alike, so no peer waits. */
 static void capture(void) {
@@ -478,6 +520,7 @@ int main(int argc, char** argv) {
   if (wanted("P2P")) p2p();
   if (wanted("Mixed")) mixed();
   if (wanted("Order")) order();
+  if (wanted("PreMul")) premul();
   if (wanted("Capture")) capture();
   if (wanted("MemAlloc")) memalloc();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));

@@ -259,6 +259,18 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, batch: &B
         host_ops.push(Op { send, recv, ..*op });
     }
     stream.synchronize()?;
+    // PreMulSum scalars in device memory: read now, after the stream's earlier work.
+    for h in host_ops.iter_mut() {
+        if let Some(p) = h.scalar_at.take() {
+            let n = h.dt.size();
+            let mut bytes = [0u8; 8];
+            stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
+            stream.synchronize()?;
+            let value = crate::device::host::reduce::scalar_from_bytes(h.dt, &bytes[..n])
+                .ok_or_else(|| Error::internal("PreMulSum scalar conversion"))?;
+            h.op = crate::types::RedOp::PreMulSum(value);
+        }
+    }
     crate::group::execute_now(comm.clone(), host_ops.clone())?;
     for (op, h) in batch.ops.iter().zip(&host_ops) {
         stream.copy(op.recv, h.recv)?;

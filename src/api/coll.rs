@@ -102,12 +102,13 @@ fn validate(comm: &Comm, a: &Args) -> Result<(Op, bool)> {
     } else {
         0
     };
-    let op = if a.kind.reduces() { resolve_op(comm, a.op, dt)? } else { RedOp::Builtin(BuiltinOp::Sum) };
+    let (op, scalar_at) = if a.kind.reduces() { resolve_op(comm, a.op, dt)? } else { (RedOp::Builtin(BuiltinOp::Sum), None) };
     let (send, recv) = regions(a, dt.size(), n, comm.rank, root)?;
-    let device = uses_device_memory(&[send, recv]);
+    // A scalar in device memory is read in stream order: the operation goes to the stream too.
+    let device = scalar_at.is_some() || uses_device_memory(&[send, recv]);
     // Collectives are numbered alike on every rank; point-to-point calls are not.
     let seq = if a.kind.is_p2p() { 0 } else { comm.seq.fetch_add(1, Ordering::Relaxed) };
-    let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq };
+    let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq, scalar_at };
     crate::info!(COLL, "{}: rank {} send {:#x} recv {:#x}", op.describe(), comm.rank, send.addr(), recv.addr());
     Ok((op, device))
 }

@@ -299,9 +299,11 @@ impl Drop for Comm {
 
 
 /// A reduction resolved for one operation (built-ins, or a PreMulSum with its scalar read).
-pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<RedOp> {
+/// In CUDA mode a scalar in device memory cannot be read now (the stream may not have written
+/// it yet): its address comes back instead, for the stream worker to read in stream order.
+pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<(RedOp, Option<crate::device::host::UserPtr>)> {
     if let Some(b) = crate::types::BuiltinOp::from_raw(raw) {
-        return Ok(RedOp::Builtin(b));
+        return Ok((RedOp::Builtin(b), None));
     }
     let op = comm
         .user_op(raw)
@@ -319,12 +321,10 @@ pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<RedOp> {
             if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. })
                 && matches!(crate::device::cuda::classify(p.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }))
             {
-                return Err(Error::invalid_usage(format!(
-                    "reduction operator {raw}: its scalar is in device memory, which nccl-rs cannot read in \
-                     stream order yet; create it with ncclScalarHostImmediate")));
+                return Ok((RedOp::PreMulSum(crate::types::Scalar { bytes: [0; 8] }), Some(p)));
             }
             crate::device::host::read_scalar(dt, p)?
         }
     };
-    Ok(RedOp::PreMulSum(scalar))
+    Ok((RedOp::PreMulSum(scalar), None))
 }

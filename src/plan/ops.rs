@@ -60,6 +60,9 @@ pub struct Op {
     pub send: Region,
     pub recv: Region,
     pub seq: u64,
+    /// CUDA mode: a PreMulSum scalar still in device memory, read in stream order (by the
+    /// stream worker) before the operation is planned; `op` holds it from then on.
+    pub scalar_at: Option<crate::device::host::UserPtr>,
 }
 
 impl Op {
@@ -159,6 +162,9 @@ pub fn plan_group(rank: usize, nranks: usize, slice: usize, ops: &[Op], algo: Op
 /// [`plan_group`] into a builder kept from an earlier call (its memory is reused).
 pub fn plan_into(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops: &[Op], algo: Option<Algo>) -> Result<()> {
     b.reset(slice);
+    if ops.iter().any(|o| o.scalar_at.is_some()) {
+        return Err(Error::internal("a PreMulSum scalar in device memory reached the planner unread"));
+    }
     let b = &mut *b;
     for op in ops.iter().filter(|o| !o.kind.is_p2p() && o.count > 0) {
         b.begin(op.stamp());
