@@ -2,6 +2,7 @@
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
  *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc]
+ *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
  * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
@@ -503,6 +504,46 @@ static void memalloc(void) {
   }
 }
 
+/* A peer dies while operations run on streams: the survivor's stream must be released, the
+ * communicator must report ncclRemoteError naming the lost rank within CUDA_FAULT_BOUND_S, and
+ * abort must return. Rank 1 loops until it is killed. */
+static int fault(void) {
+  test_step("fault");
+  const size_t count = 1 << 20;
+  const double bound = getenv("CUDA_FAULT_BOUND_S") ? atof(getenv("CUDA_FAULT_BOUND_S")) : 30.0;
+  CUdeviceptr d = dev_alloc(count * sizeof(float));
+  ncclComm_t comm = g_comms[0];
+  CUstream st = g_streams[0];
+  double start = now_s(), failed_at = 0;
+  ncclResult_t seen = ncclSuccess;
+  const char* why = "";
+  for (long i = 0; now_s() - start < bound + 5; i++) {
+    ncclResult_t r = ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, st);
+    if (r == ncclSuccess) {
+      CU(cu.StreamSynchronize(st)); /* must return: a failed operation still releases it */
+      CHECK(ncclCommGetAsyncError(comm, &r));
+    }
+    if (r != ncclSuccess) {
+      seen = r;
+      why = ncclGetLastError(comm);
+      failed_at = now_s();
+      break;
+    }
+    if (i == 5) tlog("LOOPING: %ld allreduces on device memory done", i);
+  }
+  if (g_env.first_rank == 0) {
+    EXPECT(seen == ncclRemoteError, "after the peer died: %s (%s), expected ncclRemoteError", result_name(seen), why);
+    EXPECT(why && strstr(why, "rank 1"), "the error does not name the lost rank: '%s'", why ? why : "(null)");
+    EXPECT(failed_at > 0 && failed_at - start <= bound + 5, "no error within %.0f s of the loop's start", bound + 5);
+    tlog("TIMING error_after_start=%.3f", failed_at - start);
+  }
+  double t = now_s();
+  CHECK(ncclCommAbort(comm));
+  EXPECT(now_s() - t < 5.0, "ncclCommAbort took %.1f s", now_s() - t);
+  CU(cu.MemFree(d));
+  return test_finish();
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
@@ -514,6 +555,7 @@ int main(int argc, char** argv) {
   CU(cu.PrimaryCtxRetain(&g_ctx, cudev));
   CU(cu.CtxSetCurrent(g_ctx));
   make_cuda_comms();
+  if (getenv("CUDA_TEST_FAULT")) return fault();
   if (wanted("Gated")) gated();
   if (wanted("Collectives")) collectives();
   if (wanted("InPlace")) in_place();

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{cuda_stub_dir, Job};
+use common::{cuda_stub_dir, Job, When};
 
 /// Against the stub; with `NCCL_TEST_REAL_DRIVER=1` (scripts/device-check.sh on a GPU
 /// machine), against the machine's own driver.
@@ -62,4 +62,22 @@ fn perf_tool_runs_and_checks_device_buffers() {
         assert_eq!(text.lines().filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())).count(), 4,
                    "{op}: expected 4 sizes (8 B to 256 KiB):\n{text}");
     }
+}
+
+/// A rank is SIGKILLed while both loop over all-reduces on device memory: the survivor's
+/// stream is released, its communicator reports ncclRemoteError naming rank 1 well within the
+/// bound, and ncclCommAbort returns (ffi-tests/cuda.c checks all of it).
+#[test]
+fn cuda_mode_peer_killed_during_stream_operations() {
+    let o = cuda_job()
+        .procs(2)
+        .env("CUDA_TEST_FAULT", "1")
+        .env("CUDA_FAULT_BOUND_S", "20")
+        .kill(1, When::marker(1, "LOOPING").then_ms(50))
+        .timeout_s(60)
+        .run_outcome();
+    assert!(o.fired[0].is_some(), "process 1 was never killed:\n{}", o.report);
+    assert!(o.procs[0].exited_0(), "the survivor did not pass:\n{}", o.report);
+    assert!(o.procs[1].died_of_sigkill(), "process 1 did not die of SIGKILL:\n{}", o.report);
+    println!("{}", o.report);
 }
