@@ -38,8 +38,10 @@ pub struct StreamOp {
 /// The stream worker of one communicator.
 pub struct Streamed {
     ctx: &'static Context,
-    /// Word 0: the number of the last batch the worker finished (it counts 1, 2, ...).
-    done: MappedHost,
+    /// Word 0: the number of the last batch the worker finished (it counts 1, 2, ...). Never
+    /// freed: a caller's stream may still be about to read it after an abort (a page per
+    /// communicator, against a device fault).
+    done: std::mem::ManuallyDrop<MappedHost>,
     state: Mutex<State>,
     /// Signalled when a batch is queued, when one finishes, and on close.
     changed: Condvar,
@@ -65,7 +67,7 @@ struct Batch {
 impl Streamed {
     fn start(comm: &Arc<Comm>) -> Result<Arc<Streamed>> {
         let ctx = Context::primary(comm.cuda_dev)?;
-        let done = MappedHost::new(64)?;
+        let done = std::mem::ManuallyDrop::new(MappedHost::new(64)?);
         done.word(0).store(0, Ordering::Release);
         let s = Arc::new(Streamed { ctx, done, state: Mutex::new(State::default()), changed: Condvar::new(),
                                     worker: Mutex::new(None) });
