@@ -103,6 +103,10 @@ fn fork_ranks(o: &Opts, args: &[String]) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    // `nccl-rs-perf ... | head`: end quietly on a closed pipe, as C tools do, instead of
+    // panicking in println!.
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.iter().any(|a| a == "-h" || a == "--help") {
         println!("{}", opts::USAGE);
