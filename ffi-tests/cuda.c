@@ -324,10 +324,11 @@ static void p2p(void) {
   }
 }
 
-/* A device send buffer with a pinned host receive buffer: both are staged alike. */
+/* A device send buffer with a pinned host receive buffer: the ranks agree that the direct path
+ * cannot take it, and stage both alike. */
 static void mixed(void) {
   test_step("mixed");
-  const size_t count = 5000;
+  const size_t count = 50000; /* large enough to try the direct path, which pinned memory refuses */
   CUdeviceptr ds[MAX_LOCAL];
   float *hin[MAX_LOCAL], *hr[MAX_LOCAL];
   for (int l = 0; l < g_env.local; l++) {
@@ -406,7 +407,7 @@ static void order(void) {
  * before the call: the operation must use the value the stream left there. */
 static void premul(void) {
   test_step("premul");
-  const size_t count = 2000;
+  const size_t count = 20000; /* 80 KB: large enough for the direct path between ranks of a host */
   CUdeviceptr d[MAX_LOCAL], sc[MAX_LOCAL];
   float *h[MAX_LOCAL], *hs[MAX_LOCAL];
   ncclRedOp_t ops[MAX_LOCAL];

@@ -27,6 +27,7 @@ use crate::device::cuda::{Context, Event, MappedHost, MemOp, Stream, UserStream,
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::Op;
+use crate::transport::ipc::{self, Direct};
 
 /// One operation for the worker: what to run and the stream it is ordered with.
 #[derive(Clone, Copy, Debug)]
@@ -188,6 +189,7 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<()> {
 
 fn worker(comm: Arc<Comm>, s: Arc<Streamed>) {
     let mut staging = Staging::default();
+    let mut direct = Direct::default();
     let stream = s.ctx.make_current().and_then(|()| Stream::new(s.ctx));
     loop {
         let batch = {
@@ -204,7 +206,7 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>) {
         };
         let Some(batch) = batch else { break };
         let result = match &stream {
-            Ok(stream) => run_batch(&comm, stream, &mut staging, &batch),
+            Ok(stream) => run_batch(&comm, stream, &mut staging, &mut direct, &batch),
             Err(e) => Err(e.clone()),
         };
         if let Err(e) = result {
@@ -248,33 +250,50 @@ impl Staging {
     }
 }
 
-fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, batch: &Batch) -> Result<()> {
+fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, direct: &mut Direct, batch: &Batch) -> Result<()> {
     for e in &batch.starts {
         e.synchronize()?;
     }
     comm.ready()?;
-    let mut host_ops = Vec::with_capacity(batch.ops.len());
-    for (k, op) in batch.ops.iter().enumerate() {
+    let mut ops = batch.ops.clone();
+    // PreMulSum scalars in device memory: read now, after the stream's earlier work.
+    for op in ops.iter_mut() {
+        if let Some(p) = op.scalar_at.take() {
+            let n = op.dt.size();
+            let mut bytes = [0u8; 8];
+            stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
+            stream.synchronize()?;
+            let value = crate::device::host::reduce::scalar_from_bytes(op.dt, &bytes[..n])
+                .ok_or_else(|| Error::internal("PreMulSum scalar conversion"))?;
+            op.op = crate::types::RedOp::PreMulSum(value);
+        }
+    }
+    // Sends and receives pair up within their group: staged together.
+    if ops.iter().any(|o| o.kind.is_p2p()) {
+        return run_staged(comm, stream, staging, &ops);
+    }
+    for op in &ops {
+        if ipc::eligible(comm, op) && ipc::run(comm, stream, direct, op)? {
+            continue;
+        }
+        run_staged(comm, stream, staging, std::slice::from_ref(op))?;
+    }
+    Ok(())
+}
+
+/// Copy the operations' buffers into host staging memory, run them with the host transports,
+/// copy the results back.
+fn run_staged(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, ops: &[Op]) -> Result<()> {
+    let mut host_ops = Vec::with_capacity(ops.len());
+    for (k, op) in ops.iter().enumerate() {
         let send = if op.send.is_empty() { Region::EMPTY } else { staging.get(2 * k, op.send.len()) };
         let recv = if op.recv.is_empty() { Region::EMPTY } else { staging.get(2 * k + 1, op.recv.len()) };
         stream.copy(send, op.send)?;
         host_ops.push(Op { send, recv, ..*op });
     }
     stream.synchronize()?;
-    // PreMulSum scalars in device memory: read now, after the stream's earlier work.
-    for h in host_ops.iter_mut() {
-        if let Some(p) = h.scalar_at.take() {
-            let n = h.dt.size();
-            let mut bytes = [0u8; 8];
-            stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
-            stream.synchronize()?;
-            let value = crate::device::host::reduce::scalar_from_bytes(h.dt, &bytes[..n])
-                .ok_or_else(|| Error::internal("PreMulSum scalar conversion"))?;
-            h.op = crate::types::RedOp::PreMulSum(value);
-        }
-    }
     crate::group::execute_now(comm.clone(), host_ops.clone())?;
-    for (op, h) in batch.ops.iter().zip(&host_ops) {
+    for (op, h) in ops.iter().zip(&host_ops) {
         stream.copy(op.recv, h.recv)?;
     }
     stream.synchronize()

@@ -33,6 +33,18 @@ fn cuda_mode_4_processes() {
     cuda_job().procs(4).arg("--quick").run();
 }
 
+/// The same with the direct path off (NCCL_P2P_DISABLE=1): every operation staged through
+/// host memory and the host transports.
+#[test]
+fn cuda_mode_2_processes_staged() {
+    cuda_job().procs(2).env("NCCL_P2P_DISABLE", "1").arg("--quick").run();
+}
+
+#[test]
+fn cuda_mode_3_processes_staged_over_sockets() {
+    cuda_job().procs(3).env("NCCL_P2P_DISABLE", "1").env("NCCL_SHM_DISABLE", "1").arg("--quick").run();
+}
+
 #[test]
 fn cuda_mode_2_ranks_in_one_process() {
     cuda_job().local(2).run();

@@ -233,13 +233,29 @@ EXPORT CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUde
   return res;
 }
 
+/* The allocation (device, managed or an opened IPC mapping) that contains p. */
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+  REQUIRE_INIT();
+  pthread_mutex_lock(&g_mem_lock);
+  struct range *r = find((uintptr_t)p);
+  int ok = r && r->kind != MEM_HOST_PINNED;
+  if (ok) {
+    if (base) *base = r->base;
+    if (size) *size = r->size;
+  }
+  pthread_mutex_unlock(&g_mem_lock);
+  return ok ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
 EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr p) {
   REQUIRE_INIT();
   if (!handle) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_mem_lock);
   struct range *r = find((uintptr_t)p);
   struct ipc h = {0};
-  if (r && r->kind == MEM_DEVICE) h = (struct ipc){IPC_MAGIC, (int32_t)getpid(), r->fd, r->dev, r->id, r->size};
+  /* The driver wants the start of the allocation (cuMemGetAddressRange finds it). */
+  if (r && r->kind == MEM_DEVICE && r->base == (uintptr_t)p)
+    h = (struct ipc){IPC_MAGIC, (int32_t)getpid(), r->fd, r->dev, r->id, r->size};
   pthread_mutex_unlock(&g_mem_lock);
   if (!h.magic) return CUDA_ERROR_INVALID_VALUE;
   memset(handle, 0, sizeof *handle);

@@ -76,6 +76,19 @@ pub fn classify(addr: usize) -> Result<PtrKind> {
     })
 }
 
+/// The allocation that contains device address `addr`: (start, size), as
+/// `cuMemGetAddressRange` reports it (an IPC handle must name the start).
+pub fn allocation_of(addr: usize) -> Result<(usize, usize)> {
+    driver("cuMemGetAddressRange_v2", || {
+        let (mut base, mut size): (CUdeviceptr, usize) = (0, 0);
+        // SAFETY: valid out-pointers; the driver checks the address.
+        check(format_args!("cuMemGetAddressRange({addr:#x})"), unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr as CUdeviceptr)
+        })?;
+        Ok((base as usize, size))
+    })
+}
+
 /// Pinned host memory mapped into every device's address space (`cuMemHostAlloc` with
 /// DEVICEMAP | PORTABLE), zeroed. The host reaches it through [`MappedHost::word`], the device
 /// (copies, stream memory operations) through [`MappedHost::device_addr`]. Freed on drop.

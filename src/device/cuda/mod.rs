@@ -31,7 +31,7 @@ pub use context::{current_device, device_count, Context};
 pub use cudarc::driver::sys::CUstream;
 pub use ipc::{IpcHandle, IpcMapping};
 pub use kernels::Kernels;
-pub use memory::{alloc, classify, free, MappedHost, PtrKind};
+pub use memory::{alloc, allocation_of, classify, free, MappedHost, PtrKind};
 pub use stream::{Event, MemOp, Stream, UserStream, WaitCond};
 
 /// Runs `f`, whose driver calls may panic inside cudarc (library or symbol missing), and turns

@@ -1,0 +1,353 @@
+//! CUDA mode, ranks of one host: collectives that read the peers' device buffers directly.
+//!
+//! Every rank publishes where its input and output are (a CUDA IPC handle of the allocation
+//! and the offset, or the raw address for ranks of the same process) with a small all-gather
+//! over the host transports; each rank maps the others' buffers (NVLink or PCIe peer access,
+//! or the same GPU) and computes its own part with device copies and the reduction kernels of
+//! `kernels/reduce.ptx` on its stream worker's stream, reading peers and writing only its own
+//! output. Small host-transport all-reduces are the barriers: after the last one every peer
+//! has finished reading this rank's buffers, so the caller's stream may move on.
+//!
+//! All ranks take this path or none: whether an operation is eligible depends only on what
+//! every rank knows alike (the operation, its size, where the ranks run), and when a rank
+//! cannot publish or map a buffer (memory without IPC support, GPUs without peer access, an
+//! in-place all-to-all) all of them learn it in the agreement step and stage the operation
+//! through host memory instead.
+
+use std::sync::Arc;
+
+use crate::comm::Comm;
+use crate::device::cuda::{self, IpcHandle, IpcMapping, Stream};
+use crate::device::host::{ElemOp, Region, UserPtr};
+use crate::error::{Error, Result};
+use crate::plan::{Op, OpKind};
+use crate::types::{BuiltinOp, DataType, RedOp};
+
+/// Operations at least this large go direct; smaller ones are latency-bound, and staging
+/// through the host transports costs fewer round trips.
+const DIRECT_MIN: usize = 64 << 10;
+/// Peer mappings kept open (cuIpcOpenMemHandle is slow; the caching allocators behind
+/// frameworks hand out the same allocations again and again).
+const MAPPINGS_KEPT: usize = 64;
+
+/// What a rank publishes about one buffer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Published {
+    handle: [u8; 64],
+    /// Offset of the buffer in the allocation the handle names.
+    off: u64,
+    /// Its address in the publishing process (ranks of the same process use it directly).
+    addr: u64,
+    len: u64,
+}
+
+impl Default for Published {
+    fn default() -> Published {
+        Published { handle: [0; 64], off: 0, addr: 0, len: 0 }
+    }
+}
+
+const PUB_BYTES: usize = 64 + 8 + 8 + 8;
+const RECORD_BYTES: usize = 8 + 2 * PUB_BYTES;
+
+/// One rank's record: its pid, whether it could publish its buffers, input and output.
+#[derive(Clone, Copy, Debug, Default)]
+struct Record {
+    pid: u32,
+    ok: bool,
+    input: Published,
+    output: Published,
+}
+
+impl Record {
+    fn encode(&self) -> [u8; RECORD_BYTES] {
+        let mut b = [0u8; RECORD_BYTES];
+        b[0..4].copy_from_slice(&self.pid.to_le_bytes());
+        b[4] = self.ok as u8;
+        for (i, p) in [self.input, self.output].iter().enumerate() {
+            let o = 8 + i * PUB_BYTES;
+            b[o..o + 64].copy_from_slice(&p.handle);
+            b[o + 64..o + 72].copy_from_slice(&p.off.to_le_bytes());
+            b[o + 72..o + 80].copy_from_slice(&p.addr.to_le_bytes());
+            b[o + 80..o + 88].copy_from_slice(&p.len.to_le_bytes());
+        }
+        b
+    }
+
+    fn decode(b: &[u8]) -> Record {
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
+        let published = |o: usize| {
+            let mut handle = [0u8; 64];
+            handle.copy_from_slice(&b[o..o + 64]);
+            Published { handle, off: u64_at(o + 64), addr: u64_at(o + 72), len: u64_at(o + 80) }
+        };
+        Record {
+            pid: u32::from_le_bytes(b[0..4].try_into().unwrap_or([0; 4])),
+            ok: b[4] != 0,
+            input: published(8),
+            output: published(8 + PUB_BYTES),
+        }
+    }
+}
+
+/// A stream worker's state for direct operations: peer mappings and a device scratch buffer.
+#[derive(Default)]
+pub struct Direct {
+    maps: Vec<(IpcHandle, IpcMapping, usize)>,
+    scratch: Option<(usize, usize)>,
+    /// Operations run direct so far (the first is logged).
+    ran: u64,
+}
+
+impl Drop for Direct {
+    fn drop(&mut self) {
+        if let Some((p, _)) = self.scratch.take() {
+            let _ = cuda::free(p as *mut std::ffi::c_void);
+        }
+    }
+}
+
+/// Does `op` on `comm` go direct? The same answer on every rank.
+pub fn eligible(comm: &Comm, op: &Op) -> bool {
+    if crate::params::p2p_disable() || std::env::var_os("NCCL_RS_DIRECT_DISABLE").is_some() {
+        return false;
+    }
+    let Some(ready) = comm.ready_if_any() else { return false };
+    let me = &ready.peers[comm.rank];
+    let one_host = ready.peers.iter().all(|p| p.same_host(me));
+    let bytes = op.count.saturating_mul(op.dt.size());
+    let kind_ok = matches!(op.kind, OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter | OpKind::Broadcast
+        | OpKind::Reduce | OpKind::Gather | OpKind::Scatter | OpKind::AlltoAll);
+    one_host && kind_ok && bytes >= DIRECT_MIN && op.scalar_at.is_none()
+}
+
+/// The device reduction of an operation's op: (element op, divide at the end by).
+fn reduction(op: RedOp, n: usize) -> (ElemOp, Option<u64>) {
+    match op {
+        RedOp::Builtin(BuiltinOp::Sum) | RedOp::PreMulSum(_) => (ElemOp::Sum, None),
+        RedOp::Builtin(BuiltinOp::Avg) => (ElemOp::Sum, Some(n as u64)),
+        RedOp::Builtin(BuiltinOp::Prod) => (ElemOp::Prod, None),
+        RedOp::Builtin(BuiltinOp::Max) => (ElemOp::Max, None),
+        RedOp::Builtin(BuiltinOp::Min) => (ElemOp::Min, None),
+    }
+}
+
+impl Direct {
+    /// A device scratch buffer of at least `len` bytes (kept, grown as needed).
+    fn scratch(&mut self, len: usize) -> Result<Region> {
+        if self.scratch.is_none_or(|(_, l)| l < len) {
+            if let Some((p, _)) = self.scratch.take() {
+                cuda::free(p as *mut std::ffi::c_void)?;
+            }
+            let p = cuda::alloc(len.max(1))?;
+            self.scratch = Some((p as usize, len.max(1)));
+        }
+        let (p, _) = self.scratch.unwrap_or((0, 0));
+        // SAFETY: our own device allocation of at least `len` bytes, freed only when replaced
+        // (not during an operation) or on drop.
+        Ok(Region::user(unsafe { UserPtr::new(p as *const u8) }, 0, len))
+    }
+
+    /// Where a peer's published buffer is in this process.
+    fn map(&mut self, mine_pid: u32, their_pid: u32, p: &Published) -> Result<Region> {
+        if p.len == 0 {
+            return Ok(Region::EMPTY);
+        }
+        let len = p.len as usize;
+        if their_pid == mine_pid {
+            // SAFETY: a rank of this process published the address of its own buffer (valid
+            // for `len` bytes by its caller's contract) and keeps it until the final barrier.
+            return Ok(Region::user(unsafe { UserPtr::new(p.addr as usize as *const u8) }, 0, len));
+        }
+        let handle = IpcHandle { bytes: p.handle };
+        let i = match self.maps.iter().position(|(h, _, _)| *h == handle) {
+            Some(i) => i,
+            None => {
+                if self.maps.len() >= MAPPINGS_KEPT {
+                    self.maps.remove(0);
+                }
+                let m = IpcMapping::open(&handle)?;
+                let (_, size) = cuda::allocation_of(m.addr())?;
+                self.maps.push((handle, m, size));
+                self.maps.len() - 1
+            }
+        };
+        let (_, m, size) = &self.maps[i];
+        let end = (p.off as usize).checked_add(len).filter(|&e| e <= *size)
+            .ok_or_else(|| Error::internal(format!("peer buffer {}+{len} outside its allocation of {size}", p.off)))?;
+        let _ = end;
+        // SAFETY: inside the peer allocation this mapping holds open (checked just above); the
+        // peer keeps the buffer until the final barrier, and the mapping stays in the cache
+        // for at least this operation (fewer than MAPPINGS_KEPT are opened per operation).
+        Ok(Region::user(unsafe { UserPtr::new((m.addr() + p.off as usize) as *const u8) }, 0, len))
+    }
+}
+
+/// Publish one of our buffers: handle of its allocation and offset (None if it has no IPC).
+fn publish(r: Region) -> Option<Published> {
+    if r.is_empty() {
+        return Some(Published::default());
+    }
+    let (base, _) = cuda::allocation_of(r.addr()).ok()?;
+    let handle = IpcHandle::of(base as *mut std::ffi::c_void).ok()?;
+    Some(Published { handle: handle.bytes, off: (r.addr() - base) as u64, addr: r.addr() as u64, len: r.len() as u64 })
+}
+
+/// A control operation on the host transports (every rank issues the same ones).
+fn control(comm: &Arc<Comm>, kind: OpKind, dt: DataType, op: BuiltinOp, count: usize, send: Region, recv: Region,
+           seq: u64) -> Result<()> {
+    let c = Op { kind, dt, op: RedOp::Builtin(op), count, root: 0, send, recv, seq, scalar_at: None };
+    crate::group::execute_now(comm.clone(), vec![c])
+}
+
+fn barrier(comm: &Arc<Comm>, seq: u64) -> Result<()> {
+    let mut v = [1i32.to_le_bytes()];
+    let r = Region::owned(v[0].as_mut_slice());
+    control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Sum, 1, r, r, seq)
+}
+
+/// Run `op` directly. Ok(false): some rank could not, and every rank falls back alike.
+pub fn run(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> Result<bool> {
+    let ready = comm.ready()?;
+    let (n, me) = (comm.nranks, comm.rank);
+    let ctx = cuda::Context::primary(comm.cuda_dev)?;
+    let kernels = ctx.kernels()?;
+    // PreMulSum: our input scaled first, into scratch the peers read.
+    let mut input = op.send;
+    if let RedOp::PreMulSum(scalar) = op.op {
+        if !input.is_empty() {
+            let scaled = direct.scratch(input.len())?;
+            kernels.premul(op.dt, scaled, input, scalar, stream)?;
+            stream.synchronize()?;
+            input = scaled;
+        }
+    }
+    let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
+    let (pi, po) = (publish(input), publish(op.recv));
+    let mine = Record {
+        pid: std::process::id(),
+        ok: pi.is_some() && po.is_some() && !in_place_alltoall,
+        input: pi.unwrap_or_default(),
+        output: po.unwrap_or_default(),
+    };
+    let mut all = vec![0u8; RECORD_BYTES * n];
+    let mut enc = mine.encode();
+    control(comm, OpKind::AllGather, DataType::Int8, BuiltinOp::Sum, RECORD_BYTES, Region::owned(&mut enc),
+            Region::owned(&mut all), op.seq)?;
+    let records: Vec<Record> = all.chunks(RECORD_BYTES).map(Record::decode).collect();
+    // Map every peer's buffers; then agree that everyone could.
+    let mut ins = Vec::with_capacity(n);
+    let mut outs = Vec::with_capacity(n);
+    let mut ok = records.iter().all(|r| r.ok);
+    for (p, rec) in records.iter().enumerate() {
+        if !ok {
+            break;
+        }
+        if p == me {
+            ins.push(input);
+            outs.push(op.recv);
+            continue;
+        }
+        if rec.pid == mine.pid && ready.peers[p].cuda_dev != comm.cuda_dev {
+            // Another device of this process: its memory needs peer access we have not enabled.
+            crate::info!(P2P, "rank {me}: rank {p} is on device {} of this process; staging through host memory",
+                         ready.peers[p].cuda_dev);
+            ok = false;
+            break;
+        }
+        match (direct.map(mine.pid, rec.pid, &rec.input), direct.map(mine.pid, rec.pid, &rec.output)) {
+            (Ok(i), Ok(o)) => {
+                ins.push(i);
+                outs.push(o);
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                crate::info!(P2P, "rank {me}: cannot map rank {p}'s buffers ({}); staging through host memory", e.msg);
+                ok = false;
+            }
+        }
+    }
+    let mut flag = [(ok as i32).to_le_bytes()];
+    let f = Region::owned(flag[0].as_mut_slice());
+    control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Min, 1, f, f, op.seq)?;
+    if i32::from_le_bytes(flag[0]) == 0 {
+        return Ok(false);
+    }
+    compute(comm, stream, kernels, op, &ins, &outs)?;
+    if direct.ran == 0 {
+        crate::info!(P2P, "rank {me}: device buffers of the {n} ranks of this host are read directly (CUDA IPC / same process), from {}",
+                     op.describe());
+    }
+    direct.ran += 1;
+    Ok(true)
+}
+
+/// This rank's part, reading `ins`/`outs` of every rank (its own included).
+fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &[Region], outs: &[Region]) -> Result<()> {
+    let (n, me) = (comm.nranks, comm.rank);
+    let es = op.dt.size();
+    let block = op.count * es;
+    let (elem, divide) = reduction(op.op, n);
+    let dt = op.dt;
+    let out = op.recv;
+    // dst <- op over every rank's `part` of its input, in rank order (the same bits on every
+    // rank), then the Avg division.
+    let reduce_all = |dst: Region, part: &dyn Fn(Region) -> Region| -> Result<()> {
+        if n == 1 {
+            stream.copy(dst, part(ins[0]))?;
+        } else {
+            k.reduce(dt, elem, dst, part(ins[0]), part(ins[1]), stream)?;
+            for i in ins.iter().skip(2) {
+                k.reduce(dt, elem, dst, dst, part(*i), stream)?;
+            }
+        }
+        if let Some(d) = divide {
+            k.divide(dt, dst, dst, d, stream)?;
+        }
+        Ok(())
+    };
+    let copy = |dst: Region, src: Region| -> Result<()> {
+        if dst.addr() == src.addr() { Ok(()) } else { stream.copy(dst, src) }
+    };
+    match op.kind {
+        OpKind::AllReduce => {
+            let chunk = |c: usize| crate::algo::chunk(op.count, es, n, c);
+            let (off, len) = chunk(me);
+            reduce_all(out.sub(off, len), &|r: Region| r.sub(off, len))?;
+            stream.synchronize()?;
+            barrier(comm, op.seq)?;
+            for (p, o) in outs.iter().enumerate().filter(|(p, _)| *p != me) {
+                let (off, len) = chunk(p);
+                copy(out.sub(off, len), o.sub(off, len))?;
+            }
+        }
+        OpKind::ReduceScatter => reduce_all(out, &|r: Region| r.sub(me * block, block))?,
+        OpKind::AllGather => {
+            for (p, i) in ins.iter().enumerate() {
+                copy(out.sub(p * block, block), *i)?;
+            }
+        }
+        OpKind::Broadcast => copy(out, ins[op.root])?,
+        OpKind::Reduce => {
+            if me == op.root {
+                reduce_all(out, &|r: Region| r)?;
+            }
+        }
+        OpKind::Gather => {
+            if me == op.root {
+                for (p, i) in ins.iter().enumerate() {
+                    copy(out.sub(p * block, block), *i)?;
+                }
+            }
+        }
+        OpKind::Scatter => copy(out, ins[op.root].sub(me * block, block))?,
+        OpKind::AlltoAll => {
+            for (p, i) in ins.iter().enumerate() {
+                copy(out.sub(p * block, block), i.sub(me * block, block))?;
+            }
+        }
+        OpKind::Send | OpKind::Recv => return Err(Error::internal("point-to-point operation on the direct path")),
+    }
+    stream.synchronize()?;
+    // Every peer has finished reading our buffers once all passed this point.
+    barrier(comm, op.seq)
+}
