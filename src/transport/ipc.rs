@@ -93,10 +93,14 @@ impl Record {
 /// A stream worker's state for direct operations: peer mappings and a device scratch buffer.
 #[derive(Default)]
 pub struct Direct {
-    maps: Vec<(IpcHandle, IpcMapping, usize)>,
+    /// Open peer mappings: handle, mapping, allocation size, number of the last operation
+    /// that used it.
+    maps: Vec<(IpcHandle, IpcMapping, usize, u64)>,
     scratch: Option<(usize, usize)>,
     /// Operations run direct so far (the first is logged).
     ran: u64,
+    /// Operations attempted (numbers the mappings' last use).
+    tried: u64,
 }
 
 impl Drop for Direct {
@@ -160,25 +164,31 @@ impl Direct {
             return Ok(Region::user(unsafe { UserPtr::new(p.addr as usize as *const u8) }, 0, len));
         }
         let handle = IpcHandle { bytes: p.handle };
-        let i = match self.maps.iter().position(|(h, _, _)| *h == handle) {
+        let now = self.tried;
+        let i = match self.maps.iter().position(|(h, ..)| *h == handle) {
             Some(i) => i,
             None => {
+                // Close the least recently used mapping, never one this operation uses.
                 if self.maps.len() >= MAPPINGS_KEPT {
-                    self.maps.remove(0);
+                    let oldest = self.maps.iter().enumerate().filter(|(_, m)| m.3 < now).min_by_key(|(_, m)| m.3).map(|(i, _)| i);
+                    if let Some(o) = oldest {
+                        self.maps.remove(o);
+                    }
                 }
                 let m = IpcMapping::open(&handle)?;
                 let (_, size) = cuda::allocation_of(m.addr())?;
-                self.maps.push((handle, m, size));
+                self.maps.push((handle, m, size, now));
                 self.maps.len() - 1
             }
         };
-        let (_, m, size) = &self.maps[i];
+        self.maps[i].3 = now;
+        let (_, m, size, _) = &self.maps[i];
         let end = (p.off as usize).checked_add(len).filter(|&e| e <= *size)
             .ok_or_else(|| Error::internal(format!("peer buffer {}+{len} outside its allocation of {size}", p.off)))?;
         let _ = end;
         // SAFETY: inside the peer allocation this mapping holds open (checked just above); the
-        // peer keeps the buffer until the final barrier, and the mapping stays in the cache
-        // for at least this operation (fewer than MAPPINGS_KEPT are opened per operation).
+        // peer keeps the buffer until the final barrier, and a mapping used by the current
+        // operation is never closed (the cache grows past MAPPINGS_KEPT instead).
         Ok(Region::user(unsafe { UserPtr::new((m.addr() + p.off as usize) as *const u8) }, 0, len))
     }
 }
@@ -210,6 +220,7 @@ fn barrier(comm: &Arc<Comm>, seq: u64) -> Result<()> {
 pub fn run(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> Result<bool> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
+    direct.tried += 1;
     let ctx = cuda::Context::primary(comm.cuda_dev)?;
     let kernels = ctx.kernels()?;
     // PreMulSum: our input scaled first, into scratch the peers read.
