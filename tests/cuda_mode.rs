@@ -33,16 +33,33 @@ fn cuda_mode_4_processes() {
     cuda_job().procs(4).arg("--quick").run();
 }
 
-/// The same with the direct path off (NCCL_P2P_DISABLE=1): every operation staged through
-/// host memory and the host transports.
+/// Runs `job` with INFO logs of the P2P subsystem and checks which path the collectives took:
+/// the direct one (peers' device buffers read through CUDA IPC) or staging.
+fn run_expecting_direct(job: Job, direct: bool) {
+    let o = job.env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        let took = p.log.contains("are read directly");
+        assert_eq!(took, direct, "process {i}: direct path taken = {took}, expected {direct}:\n{}", p.log);
+    }
+}
+
+#[test]
+fn cuda_mode_2_processes_read_each_other_directly() {
+    run_expecting_direct(cuda_job().procs(2).arg("--only").arg("Collectives"), true);
+}
+
+/// With the direct path off (NCCL_P2P_DISABLE=1, NCCL_P2P_LEVEL=LOC) every operation is staged
+/// through host memory and the host transports, and the results are the same.
 #[test]
 fn cuda_mode_2_processes_staged() {
-    cuda_job().procs(2).env("NCCL_P2P_DISABLE", "1").arg("--quick").run();
+    run_expecting_direct(cuda_job().procs(2).env("NCCL_P2P_DISABLE", "1").arg("--quick"), false);
 }
 
 #[test]
 fn cuda_mode_3_processes_staged_over_sockets() {
-    cuda_job().procs(3).env("NCCL_P2P_DISABLE", "1").env("NCCL_SHM_DISABLE", "1").arg("--quick").run();
+    let job = cuda_job().procs(3).env("NCCL_P2P_LEVEL", "LOC").env("NCCL_SHM_DISABLE", "1").arg("--quick");
+    run_expecting_direct(job, false);
 }
 
 #[test]

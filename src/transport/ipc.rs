@@ -113,7 +113,7 @@ impl Drop for Direct {
 
 /// Does `op` on `comm` go direct? The same answer on every rank.
 pub fn eligible(comm: &Comm, op: &Op) -> bool {
-    if crate::params::p2p_disable() || std::env::var_os("NCCL_RS_DIRECT_DISABLE").is_some() {
+    if crate::params::p2p_disable() || crate::params::p2p_level_forbids() {
         return false;
     }
     let Some(ready) = comm.ready_if_any() else { return false };
