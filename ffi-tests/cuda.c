@@ -137,14 +137,16 @@ static void make_cuda_comms(void) {
   }
 }
 
-typedef enum { C_ALLREDUCE, C_ALLGATHER, C_REDUCESCATTER, C_BROADCAST, C_REDUCE, C_ALLTOALL } coll_t;
-static const char* COLL_NAME[] = {"AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce", "AlltoAll"};
+typedef enum { C_ALLREDUCE, C_ALLGATHER, C_REDUCESCATTER, C_BROADCAST, C_REDUCE, C_ALLTOALL, C_GATHER, C_SCATTER } coll_t;
+static const char* COLL_NAME[] = {"AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce", "AlltoAll", "Gather", "Scatter"};
 
 /* Element counts of the send and receive buffers of `c` for `count` (NCCL's argument). */
 static void coll_sizes(coll_t c, size_t count, int n, size_t* ns, size_t* nr) {
   switch (c) {
-    case C_ALLGATHER: *ns = count; *nr = count * n; break;
-    case C_REDUCESCATTER: *ns = count * n; *nr = count; break;
+    case C_ALLGATHER:
+    case C_GATHER: *ns = count; *nr = count * n; break;
+    case C_REDUCESCATTER:
+    case C_SCATTER: *ns = count * n; *nr = count; break;
     case C_ALLTOALL: *ns = count * n; *nr = count * n; break;
     default: *ns = count; *nr = count; break;
   }
@@ -159,7 +161,9 @@ static float expected(coll_t c, size_t count, int n, int rank, size_t j, int sal
       for (int r = 0; r < n; r++) s += in_value(r, j, salt);
       return s;
     }
-    case C_ALLGATHER: return in_value((int)(j / count), j % count, salt);
+    case C_ALLGATHER:
+    case C_GATHER: return in_value((int)(j / count), j % count, salt);
+    case C_SCATTER: return in_value(root, (size_t)rank * count + j, salt);
     case C_REDUCESCATTER: {
       float s = 0;
       for (int r = 0; r < n; r++) s += in_value(r, (size_t)rank * count + j, salt);
@@ -183,6 +187,8 @@ static ncclResult_t issue(coll_t c, const void* s, void* r, size_t count, ncclCo
     case C_BROADCAST: return ncclBroadcast(s, r, count, ncclFloat32, n - 1, comm, st);
     case C_REDUCE: return ncclReduce(s, r, count, ncclFloat32, ncclSum, n - 1, comm, st);
     case C_ALLTOALL: return ncclAlltoAll(s, r, count, ncclFloat32, comm, st);
+    case C_GATHER: return ncclGather(s, r, count, ncclFloat32, n - 1, comm, st);
+    case C_SCATTER: return ncclScatter(s, r, count, ncclFloat32, n - 1, comm, st);
   }
   return ncclInvalidArgument;
 }
@@ -214,8 +220,8 @@ static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
       CU(cu.MemFree(drecv[l]));
       drecv[l] = dev_alloc(big * sizeof(float));
       dsend[l] = drecv[l];
-      if (c == C_ALLGATHER) dsend[l] = drecv[l] + (CUdeviceptr)rank * count * sizeof(float);
-      if (c == C_REDUCESCATTER) drecv[l] = dsend[l] + (CUdeviceptr)rank * count * sizeof(float);
+      if (c == C_ALLGATHER || c == C_GATHER) dsend[l] = drecv[l] + (CUdeviceptr)rank * count * sizeof(float);
+      if (c == C_REDUCESCATTER || c == C_SCATTER) drecv[l] = dsend[l] + (CUdeviceptr)rank * count * sizeof(float);
     } else {
       dsend[l] = dev_alloc(ns * sizeof(float));
     }
@@ -238,7 +244,7 @@ static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
     CU(cu.StreamSynchronize(g_streams[l]));
     int rank = g_env.first_rank + l;
     int is_root = rank == n - 1;
-    if (c == C_REDUCE && !is_root) continue; /* only the root's output is defined */
+    if ((c == C_REDUCE || c == C_GATHER) && !is_root) continue; /* only the root's output is defined */
     size_t bad = 0, first = 0;
     for (size_t j = 0; j < nr; j++) {
       float want = expected(c, count, n, rank, j, salt);
@@ -250,7 +256,7 @@ static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
   }
   for (int l = 0; l < g_env.local; l++) {
     if (in_place) {
-      CU(cu.MemFree(c == C_REDUCESCATTER ? dsend[l] : drecv[l]));
+      CU(cu.MemFree(c == C_REDUCESCATTER || c == C_SCATTER ? dsend[l] : drecv[l]));
     } else {
       CU(cu.MemFree(dsend[l]));
       CU(cu.MemFree(drecv[l]));
@@ -276,13 +282,13 @@ static void collectives(void) {
   test_step("collectives");
   size_t counts[] = {1, 1000, 100000, 300001};
   int ncounts = g_env.quick ? 2 : 4;
-  for (int c = C_ALLREDUCE; c <= C_ALLTOALL; c++)
+  for (int c = C_ALLREDUCE; c <= C_SCATTER; c++)
     for (int k = 0; k < ncounts; k++) run_coll((coll_t)c, counts[k], 0, 0, c + k);
 }
 
 static void in_place(void) {
   test_step("in-place");
-  for (int c = C_ALLREDUCE; c <= C_ALLTOALL; c++) run_coll((coll_t)c, 4099, 1, 0, 7 + c);
+  for (int c = C_ALLREDUCE; c <= C_SCATTER; c++) run_coll((coll_t)c, 40099, 1, 0, 7 + c);
 }
 
 /* A ring of sends and receives in one group, on device memory, many times in a row. */

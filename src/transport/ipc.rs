@@ -300,24 +300,26 @@ fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &
     let (elem, divide) = reduction(op.op, n);
     let dt = op.dt;
     let out = op.recv;
-    // dst <- op over every rank's `part` of its input, in rank order (the same bits on every
-    // rank), then the Avg division.
+    // dst <- op over every rank's `part` of its input, then the Avg division. Our own input
+    // comes first: in place, `dst` is our own input, and the first step overwrites it. (Each
+    // result is computed by one rank only, so the order need not agree across ranks.)
+    let copy = |dst: Region, src: Region| -> Result<()> {
+        if dst.addr() == src.addr() { Ok(()) } else { stream.copy(dst, src) }
+    };
+    let order: Vec<usize> = std::iter::once(me).chain((0..n).filter(|&p| p != me)).collect();
     let reduce_all = |dst: Region, part: &dyn Fn(Region) -> Region| -> Result<()> {
         if n == 1 {
-            stream.copy(dst, part(ins[0]))?;
+            copy(dst, part(ins[me]))?;
         } else {
-            k.reduce(dt, elem, dst, part(ins[0]), part(ins[1]), stream)?;
-            for i in ins.iter().skip(2) {
-                k.reduce(dt, elem, dst, dst, part(*i), stream)?;
+            k.reduce(dt, elem, dst, part(ins[order[0]]), part(ins[order[1]]), stream)?;
+            for &p in &order[2..] {
+                k.reduce(dt, elem, dst, dst, part(ins[p]), stream)?;
             }
         }
         if let Some(d) = divide {
             k.divide(dt, dst, dst, d, stream)?;
         }
         Ok(())
-    };
-    let copy = |dst: Region, src: Region| -> Result<()> {
-        if dst.addr() == src.addr() { Ok(()) } else { stream.copy(dst, src) }
     };
     match op.kind {
         OpKind::AllReduce => {
