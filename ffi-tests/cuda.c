@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
@@ -31,6 +31,7 @@ static struct {
   CUresult (*DeviceGet)(int*, int);
   CUresult (*PrimaryCtxRetain)(CUcontext*, int);
   CUresult (*CtxSetCurrent)(CUcontext);
+  CUresult (*CtxGetCurrent)(CUcontext*);
   CUresult (*MemAlloc)(CUdeviceptr*, size_t);
   CUresult (*MemFree)(CUdeviceptr);
   CUresult (*MemHostAlloc)(void**, size_t, unsigned);
@@ -76,6 +77,7 @@ static void load_driver(void) {
   *(void**)&cu.DeviceGet = sym(lib, "cuDeviceGet");
   *(void**)&cu.PrimaryCtxRetain = sym(lib, "cuDevicePrimaryCtxRetain");
   *(void**)&cu.CtxSetCurrent = sym(lib, "cuCtxSetCurrent");
+  *(void**)&cu.CtxGetCurrent = sym(lib, "cuCtxGetCurrent");
   *(void**)&cu.MemAlloc = sym(lib, "cuMemAlloc_v2");
   *(void**)&cu.MemFree = sym(lib, "cuMemFree_v2");
   *(void**)&cu.MemHostAlloc = sym(lib, "cuMemHostAlloc");
@@ -552,6 +554,30 @@ static int fault(void) {
   return test_finish();
 }
 
+/* A call leaves the caller's current context alone (here: none), as NCCL does. */
+static void context(void) {
+  test_step("context");
+  const size_t count = 20000;
+  CUdeviceptr d[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    d[l] = dev_alloc(count * sizeof(float));
+    CU(cu.MemcpyAsync(d[l], d[l], 0, g_streams[l]));
+  }
+  CU(cu.CtxSetCurrent(NULL));
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
+  CUcontext now = (CUcontext)1;
+  CU(cu.CtxGetCurrent(&now));
+  EXPECT(now == NULL, "the calls changed the caller's current context (%p, expected none)", now);
+  CU(cu.CtxSetCurrent(g_ctx));
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamSynchronize(g_streams[l]));
+    CU(cu.MemFree(d[l]));
+  }
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
@@ -573,6 +599,7 @@ int main(int argc, char** argv) {
   if (wanted("PreMul")) premul();
   if (wanted("Capture")) capture();
   if (wanted("MemAlloc")) memalloc();
+  if (wanted("Context")) context();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::comm::Comm;
-use crate::device::cuda::{Context, Event, MappedHost, MemOp, Stream, UserStream, WaitCond};
+use crate::device::cuda::{Context, Event, KeepCurrent, MappedHost, MemOp, Stream, UserStream, WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::Op;
@@ -140,6 +140,8 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<()> {
         return Ok(());
     }
     comm.ready()?;
+    // The calls below make the communicator's context current; the caller's comes back.
+    let _keep = KeepCurrent::new();
     let s = streamed(comm)?;
     let mut streams: Vec<UserStream> = Vec::new();
     for o in &ops {

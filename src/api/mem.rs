@@ -11,6 +11,7 @@ use crate::error::Result;
 pub fn alloc(size: usize) -> Result<*mut c_void> {
     match mode::current() {
         Mode::Cuda { .. } => {
+            let _keep = cuda::KeepCurrent::new();
             let dev = cuda::current_device()?.unwrap_or(0);
             cuda::Context::primary(dev)?;
             cuda::alloc(size.max(1))

@@ -40,6 +40,42 @@ pub fn current_device() -> Result<Option<i32>> {
     })
 }
 
+/// The calling thread's current context, put back when this value is dropped: an NCCL call
+/// that makes its communicator's context current must not change the caller's.
+pub struct KeepCurrent {
+    saved: Option<CUcontext>,
+}
+
+impl KeepCurrent {
+    pub fn new() -> KeepCurrent {
+        let saved = driver("cuCtxGetCurrent", || {
+            let mut ctx: CUcontext = std::ptr::null_mut();
+            // SAFETY: `ctx` is a valid out-pointer for the call.
+            check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
+            Ok(ctx)
+        })
+        .ok();
+        KeepCurrent { saved }
+    }
+}
+
+impl Default for KeepCurrent {
+    fn default() -> KeepCurrent {
+        KeepCurrent::new()
+    }
+}
+
+impl Drop for KeepCurrent {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.saved {
+            // SAFETY: `ctx` was current on this thread (or NULL) when saved; contexts we hand
+            // out are retained for the life of the process, and the caller's own stays alive
+            // across its NCCL call.
+            let _ = driver("cuCtxSetCurrent", || check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) }));
+        }
+    }
+}
+
 /// The primary context of one device, retained for the life of the process.
 pub struct Context {
     ordinal: i32,
