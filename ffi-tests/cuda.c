@@ -294,36 +294,42 @@ static void in_place(void) {
   for (int c = C_ALLREDUCE; c <= C_SCATTER; c++) run_coll((coll_t)c, 40099, 1, 0, 7 + c);
 }
 
-/* A ring of sends and receives in one group, on device memory, many times in a row. */
+/* A ring of sends and receives in one group, on device memory, three rounds. Each round sends
+ * three messages to the next rank: large, small, large — the large ones go direct between
+ * ranks of a host, the small one is staged, and each must still land in its own buffer. */
 static void p2p(void) {
   test_step("p2p");
   const int n = g_env.nranks;
-  const size_t count = 70000;
+  const size_t counts[3] = {70000, 1000, 70001};
+  const size_t offs[3] = {0, 70000, 71000}, total = 141001;
   for (int round = 0; round < 3; round++) {
     CUdeviceptr ds[MAX_LOCAL], dr[MAX_LOCAL];
     float *hin[MAX_LOCAL], *hout[MAX_LOCAL];
     for (int l = 0; l < g_env.local; l++) {
       int rank = g_env.first_rank + l;
-      ds[l] = dev_alloc(count * sizeof(float));
-      dr[l] = dev_alloc(count * sizeof(float));
-      hin[l] = host_alloc(count * sizeof(float));
-      hout[l] = host_alloc(count * sizeof(float));
-      for (size_t j = 0; j < count; j++) hin[l][j] = in_value(rank, j, round);
-      CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], count * sizeof(float), g_streams[l]));
+      ds[l] = dev_alloc(total * sizeof(float));
+      dr[l] = dev_alloc(total * sizeof(float));
+      hin[l] = host_alloc(total * sizeof(float));
+      hout[l] = host_alloc(total * sizeof(float));
+      for (size_t j = 0; j < total; j++) hin[l][j] = in_value(rank, j, round);
+      CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], total * sizeof(float), g_streams[l]));
     }
     CHECK(ncclGroupStart());
     for (int l = 0; l < g_env.local; l++) {
       int rank = g_env.first_rank + l;
-      CHECK(ncclSend((const void*)(uintptr_t)ds[l], count, ncclFloat32, (rank + 1) % n, g_comms[l], g_streams[l]));
-      CHECK(ncclRecv((void*)(uintptr_t)dr[l], count, ncclFloat32, (rank + n - 1) % n, g_comms[l], g_streams[l]));
+      for (int m = 0; m < 3; m++) {
+        CUdeviceptr off = (CUdeviceptr)offs[m] * sizeof(float);
+        CHECK(ncclSend((const void*)(uintptr_t)(ds[l] + off), counts[m], ncclFloat32, (rank + 1) % n, g_comms[l], g_streams[l]));
+        CHECK(ncclRecv((void*)(uintptr_t)(dr[l] + off), counts[m], ncclFloat32, (rank + n - 1) % n, g_comms[l], g_streams[l]));
+      }
     }
     CHECK(ncclGroupEnd());
     for (int l = 0; l < g_env.local; l++) {
-      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hout[l], dr[l], count * sizeof(float), g_streams[l]));
+      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hout[l], dr[l], total * sizeof(float), g_streams[l]));
       CU(cu.StreamSynchronize(g_streams[l]));
       int rank = g_env.first_rank + l, from = (rank + n - 1) % n;
       size_t bad = 0;
-      for (size_t j = 0; j < count; j++) bad += hout[l][j] != in_value(from, j, round);
+      for (size_t j = 0; j < total; j++) bad += hout[l][j] != in_value(from, j, round);
       EXPECT(bad == 0, "p2p round %d rank %d: %zu wrong values from rank %d", round, rank, bad, from);
       CU(cu.MemFree(ds[l]));
       CU(cu.MemFree(dr[l]));
@@ -357,6 +363,23 @@ static void mixed(void) {
     size_t bad = 0;
     for (size_t j = 0; j < count; j++) bad += hr[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 5);
     EXPECT(bad == 0, "mixed device/pinned allreduce rank %d: %zu wrong values", g_env.first_rank + l, bad);
+  }
+  /* A send from pinned host memory to a device buffer: the sender cannot publish it, the
+   * receiver answers so, and both stage it. */
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l, n = g_env.nranks;
+    CHECK(ncclSend(hin[l], count, ncclFloat32, (rank + 1) % n, g_comms[l], g_streams[l]));
+    CHECK(ncclRecv((void*)(uintptr_t)ds[l], count, ncclFloat32, (rank + n - 1) % n, g_comms[l], g_streams[l]));
+  }
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l, from = (rank + g_env.nranks - 1) % g_env.nranks;
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hr[l], ds[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += hr[l][j] != in_value(from, j, 5);
+    EXPECT(bad == 0, "pinned-to-device send, rank %d: %zu wrong values from rank %d", rank, bad, from);
     CU(cu.MemFree(ds[l]));
     CU(cu.MemFreeHost(hin[l]));
     CU(cu.MemFreeHost(hr[l]));

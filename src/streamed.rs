@@ -270,9 +270,12 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, direct: &
             op.op = crate::types::RedOp::PreMulSum(value);
         }
     }
-    // Sends and receives pair up within their group: staged together.
+    // Sends and receives pair up within their group: those between ranks of this host go
+    // direct, the rest are staged together.
     if ops.iter().any(|o| o.kind.is_p2p()) {
-        return run_staged(comm, stream, staging, &ops);
+        let done = ipc::run_p2p(comm, stream, direct, &ops)?;
+        let rest: Vec<Op> = ops.iter().zip(&done).filter(|(_, d)| !**d).map(|(o, _)| *o).collect();
+        return if rest.is_empty() { Ok(()) } else { run_staged(comm, stream, staging, &rest) };
     }
     for op in &ops {
         if ipc::eligible(comm, op) && ipc::run(comm, stream, direct, op)? {

@@ -364,3 +364,87 @@ fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &
     // Every peer has finished reading our buffers once all passed this point.
     barrier(comm, op.seq)
 }
+
+/// Does this point-to-point operation go direct? Both ends of a pair decide alike (same size,
+/// same hosts).
+fn eligible_p2p(comm: &Comm, op: &Op) -> bool {
+    if crate::params::p2p_disable() || crate::params::p2p_level_forbids() || op.root == comm.rank {
+        return false;
+    }
+    let Some(ready) = comm.ready_if_any() else { return false };
+    let same_host = ready.peers.get(op.root).is_some_and(|p| p.same_host(&ready.peers[comm.rank]));
+    same_host && op.count.saturating_mul(op.dt.size()) >= DIRECT_MIN && op.scalar_at.is_none()
+}
+
+/// A control message of a point-to-point exchange (host transports).
+fn p2p_control(kind: OpKind, peer: usize, buf: Region) -> Op {
+    let (send, recv) = if kind == OpKind::Send { (buf, Region::EMPTY) } else { (Region::EMPTY, buf) };
+    Op { kind, dt: DataType::Int8, op: RedOp::Builtin(BuiltinOp::Sum), count: buf.len(), root: peer, send, recv, seq: 0,
+         scalar_at: None }
+}
+
+/// The sends and receives of one group on `comm` between ranks of one host, directly: each
+/// sender tells its receiver where its buffer is, the receiver copies from it on its stream
+/// and answers whether it did. Returns, per operation, whether it was done; the others (other
+/// hosts, small, self, or a buffer that could not be published or mapped — both ends learn
+/// it from the answer) are for the caller to stage, in their order.
+pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op]) -> Result<Vec<bool>> {
+    let mut done = vec![false; ops.len()];
+    let picked: Vec<usize> = (0..ops.len()).filter(|&i| eligible_p2p(comm, &ops[i])).collect();
+    if picked.is_empty() {
+        return Ok(done);
+    }
+    direct.tried += 1;
+    let ready = comm.ready()?;
+    let pid = std::process::id();
+    // 1. Senders publish their buffers to their receivers.
+    let mut records = vec![[0u8; RECORD_BYTES]; picked.len()];
+    for (slot, &i) in records.iter_mut().zip(&picked) {
+        if ops[i].kind == OpKind::Send {
+            let p = publish(ops[i].send);
+            *slot = Record { pid, ok: p.is_some(), input: p.unwrap_or_default(), output: Published::default() }.encode();
+        }
+    }
+    let control: Vec<Op> = picked.iter().zip(records.iter_mut())
+        .map(|(&i, rec)| p2p_control(ops[i].kind, ops[i].root, Region::owned(rec.as_mut_slice())))
+        .collect();
+    crate::group::execute_now(comm.clone(), control)?;
+    // 2. Receivers copy what they can map.
+    let mut answers = vec![[0u8; 1]; picked.len()];
+    for ((&i, rec), answer) in picked.iter().zip(&records).zip(answers.iter_mut()) {
+        let op = &ops[i];
+        if op.kind != OpKind::Recv {
+            continue;
+        }
+        let theirs = Record::decode(rec);
+        let other_device = theirs.pid == pid && ready.peers[op.root].cuda_dev != comm.cuda_dev;
+        if !theirs.ok || other_device || theirs.input.len as usize != op.recv.len() {
+            continue;
+        }
+        match direct.map(pid, theirs.pid, &theirs.input) {
+            Ok(src) => {
+                stream.copy(op.recv, src)?;
+                answer[0] = 1;
+            }
+            Err(e) => crate::info!(P2P, "rank {}: cannot map rank {}'s buffer ({}); staging", comm.rank, op.root, e.msg),
+        }
+    }
+    stream.synchronize()?;
+    // 3. Receivers answer: done (the sender's buffer is free again) or stage it.
+    let control: Vec<Op> = picked.iter().zip(answers.iter_mut())
+        .map(|(&i, a)| {
+            let kind = if ops[i].kind == OpKind::Recv { OpKind::Send } else { OpKind::Recv };
+            p2p_control(kind, ops[i].root, Region::owned(a.as_mut_slice()))
+        })
+        .collect();
+    crate::group::execute_now(comm.clone(), control)?;
+    for (&i, a) in picked.iter().zip(&answers) {
+        done[i] = a[0] == 1;
+    }
+    if direct.ran == 0 && done.iter().any(|&d| d) {
+        crate::info!(P2P, "rank {}: device buffers of peers on this host are read directly (CUDA IPC / same process), \
+                           from point-to-point calls", comm.rank);
+    }
+    direct.ran += done.iter().filter(|&&d| d).count() as u64;
+    Ok(done)
+}
