@@ -13,6 +13,10 @@
 //! cannot publish or map a buffer (memory without IPC support, GPUs without peer access, an
 //! in-place all-to-all) all of them learn it in the agreement step and stage the operation
 //! through host memory instead.
+//!
+//! Sends and receives ([`run_p2p`]) work pairwise: the sender sends its receiver a record, the
+//! receiver copies from the mapped buffer and answers "done" (the sender's buffer is free) or
+//! "stage it" (both ends then stage that message).
 
 use std::sync::Arc;
 
