@@ -3,7 +3,7 @@
 # finishes well under 8 minutes and writes $OUT/results.txt (plus logs).
 #
 # Prepare here (no GPU needed), then run there with the prepared folder carried:
-#   bash scripts/device-check.sh --prepare        # builds into .device/ (git-ignored via .git/info/exclude)
+#   bash scripts/device-check.sh --prepare        # builds into .device/ (git-ignored)
 #   device run: carry [".device"], command: "bash scripts/device-check.sh"
 #
 # What it checks:
@@ -26,17 +26,18 @@ PREP=.device
 
 if [ "${1:-}" = "--prepare" ]; then
   set -e
-  grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
   cargo build --release --lib --bins
   cargo test --release --no-run --test cuda_layer --test ffi --test cuda_mode 2>&1 | tail -3
-  rm -rf "$PREP" && mkdir -p "$PREP/bin" "$PREP/lib"
+  rm -rf "$PREP" && mkdir -p "$PREP/run/bin" "$PREP/lib"
   cp target/release/deps/libnccl.so "$PREP/lib/libnccl.so.2"
   ln -sfn libnccl.so.2 "$PREP/lib/libnccl.so"
-  cp target/release/nccl-rs-perf "$PREP/bin/"
+  cp target/release/nccl-rs-perf "$PREP/run/bin/"
   for t in cuda_layer ffi cuda_mode; do
     f=$(ls -t target/release/deps/$t-* | grep -v '\.d$' | head -1)
-    cp "$f" "$PREP/bin/$t"
+    cp "$f" "$PREP/run/bin/$t"
   done
+  # Debug info is most of the size; the carry limit is 64 MiB in all. Symbols stay.
+  strip --strip-debug "$PREP"/run/bin/* "$PREP/lib/libnccl.so.2"
   du -sh "$PREP"
   exit 0
 fi
@@ -58,16 +59,18 @@ step() { # name timeout command...
 say "# nccl-rs device check $(date -u +%FT%TZ) on $(hostname)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/# gpu: /' | tee -a "$R"
 export LD_LIBRARY_PATH=$PWD/$PREP/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# The test binaries were built elsewhere: point them at this tree and the carried tool.
+export NCCL_TEST_REPO=$PWD NCCL_RS_PERF=$PWD/$PREP/run/bin/nccl-rs-perf
 
 # 1. The device layer against the real driver (the test binary also builds and uses the stub
 #    where cc exists; both must pass).
-step cuda-layer 240 "$PREP/bin/cuda_layer" --test-threads=1
+step cuda-layer 240 "$PREP/run/bin/cuda_layer" --test-threads=1
 
 # 2. (a) CUDA mode: ffi-tests/cuda.c against the real driver on 1, 2 and 4 ranks sharing the
 #    GPU (the harness compiles it with cc; NCCL_TEST_REAL_DRIVER drops the stub from the path).
-step ffi-cuda-mode 240 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/bin/cuda_mode" \
+step ffi-cuda-mode 240 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" \
   --test-threads=1
-step ffi-host-mode 240 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" "$PREP/bin/ffi" \
+step ffi-host-mode 240 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" "$PREP/run/bin/ffi" \
   --test-threads=2 collectives_2_processes p2p_4_processes errors_1_process
 
 # 3. (b) PyTorch with LD_PRELOAD, backend='nccl', device tensors: exact results, DDP = gloo.
@@ -86,9 +89,9 @@ else
 fi
 
 # 4. (c) The benchmark with device buffers, beside the device copy bandwidth and NVIDIA's NCCL.
-step perf-cuda-allreduce-2 150 "$PREP/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
-step perf-cuda-allgather-2 150 "$PREP/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
-step perf-cuda-latency-1 60 "$PREP/bin/nccl-rs-perf" allreduce -np 1 --device 1 -b 8 -e 8 -n 2000 -w 50
+step perf-cuda-allreduce-2 150 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
+step perf-cuda-allgather-2 150 "$PREP/run/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
+step perf-cuda-latency-1 60 "$PREP/run/bin/nccl-rs-perf" allreduce -np 1 --device 1 -b 8 -e 8 -n 2000 -w 50
 if python3 -c 'import torch' 2>/dev/null; then
   step copy-bw-and-nvidia-nccl 120 python3 - <<'PY'
 import time, torch, torch.distributed as dist, os

@@ -76,9 +76,10 @@ fn cuda_mode_2_processes_of_2_ranks() {
 /// processes and as ranks of one process sharing the device.
 #[test]
 fn perf_tool_runs_and_checks_device_buffers() {
-    let perf = env!("CARGO_BIN_EXE_nccl-rs-perf");
+    // NCCL_RS_PERF: the binary beside this test when both were copied to another machine.
+    let perf = std::env::var("NCCL_RS_PERF").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nccl-rs-perf").to_string());
     for (op, layout) in [("allreduce", ["-np", "2"]), ("allgather", ["-t", "2"]), ("reducescatter", ["-np", "2"])] {
-        let mut cmd = std::process::Command::new(perf);
+        let mut cmd = std::process::Command::new(&perf);
         cmd.arg(op).args(layout).args(["--device", "1", "-b", "8", "-e", "1M", "-f", "32", "-n", "2", "-w", "1", "-d", "bfloat16"]);
         if std::env::var_os("NCCL_TEST_REAL_DRIVER").is_none() {
             cmd.env("LD_LIBRARY_PATH", cuda_stub_dir());

@@ -16,6 +16,8 @@
 //! - `NCCL_FFI_LIB`: test another `libnccl.so` instead of the one cargo built (for example
 //!   NVIDIA's, on a machine with a GPU).
 //! - `CC`: the C compiler (default `cc`).
+//! - `NCCL_TEST_REPO`: the source tree, when the test binary runs on another machine than the
+//!   one that built it (scripts/device-check.sh).
 //! - `NCCL_TEST_SKIP_NETNS=1`: tests that need network namespaces (root, iproute2) pass
 //!   without running, saying so, instead of failing.
 //!
@@ -41,8 +43,14 @@ pub const GRACE_AFTER_FAILURE: Duration = Duration::from_secs(10);
 const POLL: Duration = Duration::from_millis(20);
 const LOG_TAIL: usize = 12_000;
 
+/// The source tree: where cargo built from, or `NCCL_TEST_REPO` (a test binary copied to
+/// another machine, as scripts/device-check.sh does, runs against the tree there).
 pub fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    static REPO: OnceLock<PathBuf> = OnceLock::new();
+    REPO.get_or_init(|| match std::env::var_os("NCCL_TEST_REPO") {
+        Some(r) => PathBuf::from(r),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")),
+    })
 }
 
 pub fn symbols_file() -> PathBuf {
@@ -1110,8 +1118,12 @@ pub fn testhosts_script() -> PathBuf {
 pub fn cuda_stub_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).parent().expect("target dir").join("cuda-stub");
+        let repo = repo();
+        // Beside cargo's target folder, or in the tree's own when the binary runs elsewhere.
+        let dir = match std::env::var_os("NCCL_TEST_REPO") {
+            Some(r) => PathBuf::from(r).join("target").join("cuda-stub"),
+            None => Path::new(env!("CARGO_TARGET_TMPDIR")).parent().expect("target dir").join("cuda-stub"),
+        };
         fs::create_dir_all(&dir).expect("create the stub's folder");
         let mut sources: Vec<PathBuf> = fs::read_dir(repo.join("tests/cuda-stub"))
             .expect("tests/cuda-stub")
