@@ -3,6 +3,7 @@
  *
  *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
+ *   CUDA_TEST_MISMATCH=1 cuda   (2 processes issuing all-reduces of different counts)
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
  * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
@@ -601,6 +602,27 @@ static void context(void) {
   }
 }
 
+/* Two ranks issue all-reduces of different counts on device memory (large enough for the
+ * direct path): neither may read the other's buffer as if it were the same call; both must
+ * end with ncclInvalidUsage naming the calls, and their streams must be released. */
+static int mismatch(void) {
+  test_step("mismatch");
+  const size_t count = g_env.first_rank == 0 ? 100000 : 200000;
+  CUdeviceptr d = dev_alloc(200000 * sizeof(float));
+  ncclComm_t comm = g_comms[0];
+  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, g_streams[0]));
+  CU(cu.StreamSynchronize(g_streams[0]));
+  ncclResult_t r = ncclSuccess;
+  CHECK(ncclCommGetAsyncError(comm, &r));
+  const char* why = ncclGetLastError(comm);
+  EXPECT(r == ncclInvalidUsage || r == ncclRemoteError, "mismatched all-reduces gave %s (%s)", result_name(r), why);
+  EXPECT(why && strstr(why, "AllReduce"), "the error does not name the calls: '%s'", why ? why : "(null)");
+  tlog("mismatch: %s: %s", result_name(r), why);
+  CHECK(ncclCommAbort(comm));
+  CU(cu.MemFree(d));
+  return test_finish();
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
@@ -613,6 +635,7 @@ int main(int argc, char** argv) {
   CU(cu.CtxSetCurrent(g_ctx));
   make_cuda_comms();
   if (getenv("CUDA_TEST_FAULT")) return fault();
+  if (getenv("CUDA_TEST_MISMATCH")) return mismatch();
   if (wanted("Gated")) gated();
   if (wanted("Collectives")) collectives();
   if (wanted("InPlace")) in_place();

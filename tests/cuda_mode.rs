@@ -111,3 +111,12 @@ fn cuda_mode_peer_killed_during_stream_operations() {
     assert!(o.procs[1].died_of_sigkill(), "process 1 did not die of SIGKILL:\n{}", o.report);
     println!("{}", o.report);
 }
+
+/// Ranks issuing all-reduces of different counts on device memory (direct-path sizes) get
+/// ncclInvalidUsage naming the calls, never each other's data read as the same call.
+#[test]
+fn cuda_mode_mismatched_calls_are_reported() {
+    let o = cuda_job().procs(2).env("CUDA_TEST_MISMATCH", "1").timeout_s(60).run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    println!("{}", o.report);
+}

@@ -25,6 +25,7 @@ use crate::device::cuda::{self, IpcHandle, IpcMapping, Stream};
 use crate::device::host::{ElemOp, Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
+use crate::transport::{Stamp, STAMP_BYTES};
 use crate::types::{BuiltinOp, DataType, RedOp};
 
 /// Operations at least this large go direct; smaller ones are latency-bound, and staging
@@ -52,15 +53,18 @@ impl Default for Published {
 }
 
 const PUB_BYTES: usize = 64 + 8 + 8 + 8;
-const RECORD_BYTES: usize = 8 + 2 * PUB_BYTES;
+const RECORD_BYTES: usize = 8 + 2 * PUB_BYTES + STAMP_BYTES;
 
-/// One rank's record: its pid, whether it could publish its buffers, input and output.
+/// One rank's record: its pid, whether it could publish its buffers, input and output, and
+/// the stamp of its operation (ranks that issued different calls must not read each other's
+/// buffers: they stage, and the host transports report the mismatch).
 #[derive(Clone, Copy, Debug, Default)]
 struct Record {
     pid: u32,
     ok: bool,
     input: Published,
     output: Published,
+    stamp: Stamp,
 }
 
 impl Record {
@@ -75,6 +79,7 @@ impl Record {
             b[o + 72..o + 80].copy_from_slice(&p.addr.to_le_bytes());
             b[o + 80..o + 88].copy_from_slice(&p.len.to_le_bytes());
         }
+        b[8 + 2 * PUB_BYTES..].copy_from_slice(&self.stamp);
         b
     }
 
@@ -85,11 +90,14 @@ impl Record {
             handle.copy_from_slice(&b[o..o + 64]);
             Published { handle, off: u64_at(o + 64), addr: u64_at(o + 72), len: u64_at(o + 80) }
         };
+        let mut stamp = [0u8; STAMP_BYTES];
+        stamp.copy_from_slice(&b[8 + 2 * PUB_BYTES..RECORD_BYTES]);
         Record {
             pid: u32::from_le_bytes(b[0..4].try_into().unwrap_or([0; 4])),
             ok: b[4] != 0,
             input: published(8),
             output: published(8 + PUB_BYTES),
+            stamp,
         }
     }
 }
@@ -244,6 +252,7 @@ pub fn run(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> R
         ok: pi.is_some() && po.is_some() && !in_place_alltoall,
         input: pi.unwrap_or_default(),
         output: po.unwrap_or_default(),
+        stamp: op.stamp(),
     };
     let mut all = vec![0u8; RECORD_BYTES * n];
     let mut enc = mine.encode();
@@ -253,7 +262,8 @@ pub fn run(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> R
     // Map every peer's buffers; then agree that everyone could.
     let mut ins = Vec::with_capacity(n);
     let mut outs = Vec::with_capacity(n);
-    let mut ok = records.iter().all(|r| r.ok);
+    // Every rank must have issued this very call (else: stage, where the mismatch is reported).
+    let mut ok = records.iter().all(|r| r.ok && r.stamp == mine.stamp);
     for (p, rec) in records.iter().enumerate() {
         if !ok {
             break;
@@ -406,7 +416,8 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op
     for (slot, &i) in records.iter_mut().zip(&picked) {
         if ops[i].kind == OpKind::Send {
             let p = publish(ops[i].send);
-            *slot = Record { pid, ok: p.is_some(), input: p.unwrap_or_default(), output: Published::default() }.encode();
+            *slot = Record { pid, ok: p.is_some(), input: p.unwrap_or_default(), output: Published::default(),
+                             stamp: ops[i].stamp() }.encode();
         }
     }
     let control: Vec<Op> = picked.iter().zip(records.iter_mut())
@@ -422,7 +433,9 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op
         }
         let theirs = Record::decode(rec);
         let other_device = theirs.pid == pid && ready.peers[op.root].cuda_dev != comm.cuda_dev;
-        if !theirs.ok || other_device || theirs.input.len as usize != op.recv.len() {
+        // A message that is not the one this receive expects is staged: the host transports
+        // then report the mismatch on both ends.
+        if !theirs.ok || other_device || theirs.stamp != op.stamp() || theirs.input.len as usize != op.recv.len() {
             continue;
         }
         match direct.map(pid, theirs.pid, &theirs.input) {

@@ -285,7 +285,7 @@ impl RingRecv {
                     // SAFETY: dst is a region this receive may write (Region contract); the
                     // block is within it and no other block overlaps it.
                     let out = unsafe { std::slice::from_raw_parts_mut((dst.addr() + off) as *mut u8, n) };
-                    cma_read(pid, src + off as u64, out)?;
+                    cma_read(pid, src + off as u64, out).map_err(|e| self.sender_gone(e))?;
                 }
                 // SAFETY: one process: the sender's message is valid and unwritten until we
                 // free the slot; dst as above.
@@ -295,6 +295,16 @@ impl RingRecv {
         }
         self.helped = Some((tag, blocks));
         self.finish_shared()
+    }
+
+    /// A failed read of the sender's memory after the sender closed the connection (it stopped
+    /// on an error of its own and may have freed the buffer) is a lost peer, whose own reason
+    /// the caller then reports, not a system error of ours.
+    fn sender_gone(&self, e: Error) -> Error {
+        if e.code != crate::Code::RemoteError && self.map.atomic_u32(SENDER_CLOSED).load(Ordering::Acquire) != 0 {
+            return Error::remote(format!("the sending rank closed its connection ({})", e.msg));
+        }
+        e
     }
 
     /// Has the sender published the next message (its slot's sequence word)?
@@ -484,7 +494,8 @@ impl super::RecvConn for RingRecv {
                     if self.staging.len() < len {
                         self.staging.resize(self.slice, 0);
                     }
-                    cma_read(pid, addr, &mut self.staging[..len])?;
+                    let read = cma_read(pid, addr, &mut self.staging[..len]);
+                    read.map_err(|e| self.sender_gone(e))?;
                     deliver(&stamp, &self.staging[..len])?;
                 }
                 None => {
@@ -539,7 +550,7 @@ impl super::RecvConn for RingRecv {
                 // SAFETY: dst is a region the schedule lets this receive write (Region
                 // contract), and nothing else touches it until this unit completes.
                 let out = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, len) };
-                cma_read(pid, addr, out)?;
+                cma_read(pid, addr, out).map_err(|e| self.sender_gone(e))?;
             }
             // SAFETY: same process: the sender's buffer is valid and unwritten until we free
             // the slot; dst as above. The two may not overlap (different ranks' buffers), and
