@@ -3,7 +3,7 @@
  *
  *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
- *   CUDA_TEST_MISMATCH=1 cuda   (2 processes issuing all-reduces of different counts)
+ *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
  * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
@@ -607,7 +607,10 @@ static void context(void) {
  * end with ncclInvalidUsage naming the calls, and their streams must be released. */
 static int mismatch(void) {
   test_step("mismatch");
-  const size_t count = g_env.first_rank == 0 ? 100000 : 200000;
+  /* CUDA_TEST_MISMATCH=small: rank 1's call is below the direct path's size, so the ranks do
+   * not even take the same path. */
+  const int small = !strcmp(getenv("CUDA_TEST_MISMATCH"), "small");
+  const size_t count = g_env.first_rank == 0 ? 100000 : small ? 1000 : 200000;
   CUdeviceptr d = dev_alloc(200000 * sizeof(float));
   ncclComm_t comm = g_comms[0];
   CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, g_streams[0]));

@@ -116,7 +116,9 @@ fn cuda_mode_peer_killed_during_stream_operations() {
 /// ncclInvalidUsage naming the calls, never each other's data read as the same call.
 #[test]
 fn cuda_mode_mismatched_calls_are_reported() {
-    let o = cuda_job().procs(2).env("CUDA_TEST_MISMATCH", "1").timeout_s(60).run_outcome();
-    assert!(o.ok(), "{}", o.report);
-    println!("{}", o.report);
+    for case in ["1", "small"] {
+        let o = cuda_job().procs(2).env("CUDA_TEST_MISMATCH", case).timeout_s(60).run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        println!("{}", o.report);
+    }
 }

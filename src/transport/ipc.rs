@@ -230,6 +230,13 @@ fn barrier(comm: &Arc<Comm>, seq: u64) -> Result<()> {
 
 /// Run `op` directly. Ok(false): some rank could not, and every rank falls back alike.
 pub fn run(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> Result<bool> {
+    // An error in the exchanges (say, a peer that issued a smaller call and so did not take
+    // this path) would otherwise only name the internal control operations.
+    run_direct(comm, stream, direct, op)
+        .map_err(|e| e.context(format!("{} on device memory, between the ranks of this host", op.describe())))
+}
+
+fn run_direct(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> Result<bool> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
     direct.tried += 1;
@@ -403,6 +410,11 @@ fn p2p_control(kind: OpKind, peer: usize, buf: Region) -> Op {
 /// hosts, small, self, or a buffer that could not be published or mapped — both ends learn
 /// it from the answer) are for the caller to stage, in their order.
 pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op]) -> Result<Vec<bool>> {
+    run_p2p_direct(comm, stream, direct, ops)
+        .map_err(|e| e.context("sends and receives on device memory, between the ranks of this host"))
+}
+
+fn run_p2p_direct(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op]) -> Result<Vec<bool>> {
     let mut done = vec![false; ops.len()];
     let picked: Vec<usize> = (0..ops.len()).filter(|&i| eligible_p2p(comm, &ops[i])).collect();
     if picked.is_empty() {
