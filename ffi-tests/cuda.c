@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *
@@ -578,6 +578,55 @@ static int fault(void) {
   return test_finish();
 }
 
+/* Ranks 0 and 1 group a large all-reduce with a send/receive between them; the others issue
+ * the all-reduce alone. Every rank must still take the same path for the all-reduce. */
+static void group_mix(void) {
+  test_step("group-mix");
+  if (g_env.nranks < 3) return;
+  const size_t count = 100000, pc = 70000;
+  CUdeviceptr d[MAX_LOCAL], ps[MAX_LOCAL], pr[MAX_LOCAL];
+  float* h[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    d[l] = dev_alloc(count * sizeof(float));
+    ps[l] = dev_alloc(pc * sizeof(float));
+    pr[l] = dev_alloc(pc * sizeof(float));
+    h[l] = host_alloc(count * sizeof(float));
+    for (size_t j = 0; j < count; j++) h[l][j] = in_value(rank, j, 21);
+    CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
+    CU(cu.MemcpyAsync(ps[l], (CUdeviceptr)(uintptr_t)h[l], pc * sizeof(float), g_streams[l]));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+    if (rank < 2) {
+      CHECK(ncclSend((void*)(uintptr_t)ps[l], pc, ncclFloat32, 1 - rank, g_comms[l], g_streams[l]));
+      CHECK(ncclRecv((void*)(uintptr_t)pr[l], pc, ncclFloat32, 1 - rank, g_comms[l], g_streams[l]));
+    }
+  }
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 21);
+    EXPECT(bad == 0, "all-reduce grouped with p2p on some ranks, rank %d: %zu wrong values", rank, bad);
+    if (rank < 2) {
+      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], pr[l], pc * sizeof(float), g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l]));
+      size_t badp = 0;
+      for (size_t j = 0; j < pc; j++) badp += h[l][j] != in_value(1 - rank, j, 21);
+      EXPECT(badp == 0, "send/recv grouped with an all-reduce, rank %d: %zu wrong values", rank, badp);
+    }
+    CU(cu.MemFree(d[l]));
+    CU(cu.MemFree(ps[l]));
+    CU(cu.MemFree(pr[l]));
+    CU(cu.MemFreeHost(h[l]));
+  }
+}
+
 /* A call leaves the caller's current context alone (here: none), as NCCL does. */
 static void context(void) {
   test_step("context");
@@ -649,6 +698,7 @@ int main(int argc, char** argv) {
   if (wanted("Capture")) capture();
   if (wanted("MemAlloc")) memalloc();
   if (wanted("Context")) context();
+  if (wanted("GroupMix")) group_mix();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

@@ -28,6 +28,7 @@ pub const ALL: &[Param] = &[
     p("NCCL_SHM_DISABLE", "0", "1: never use shared memory between processes (sockets instead)"),
     p("NCCL_CMA_DISABLE", "0", "1: processes of one host always copy through shared memory, never read each other's buffers (CMA)"),
     p("NCCL_P2P_DISABLE", "0", "1: never copy directly between ranks of one process or GPU peers"),
+    p("NCCL_RS_DIRECT_P2P", "0", "1: CUDA mode sends/receives between ranks of a host read the sender's buffer directly (experimental: both ends must group their sends and receives alike)"),
     p("NCCL_P2P_LEVEL", "", "LOC or 0: CUDA mode never reads peers' device memory directly; other levels allow it where CUDA IPC works"),
     p("NCCL_ALGO", "", "force an algorithm: Ring or Tree (case-insensitive); unset chooses by size"),
     p("NCCL_BUFFSIZE", "4194304", "bytes of staging buffer per connection to a peer"),
@@ -118,6 +119,10 @@ pub fn cma_disable() -> bool {
 }
 pub fn p2p_disable() -> bool {
     int("NCCL_P2P_DISABLE") != 0
+}
+/// `NCCL_RS_DIRECT_P2P=1`: the experimental direct path for sends and receives (CUDA mode).
+pub fn direct_p2p() -> bool {
+    int("NCCL_RS_DIRECT_P2P") != 0
 }
 /// `NCCL_P2P_LEVEL` forbids direct device access between ranks (LOC, or 0). nccl-rs reads no
 /// PCIe topology: other levels allow it wherever CUDA IPC maps the peer's memory.

@@ -170,9 +170,18 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<()> {
     let seq = state.issued.wrapping_add(1);
     let mut waits_on_host = false;
     for st in &callers {
-        match st.wait_value32(&s.done, 0, seq, WaitCond::Geq)? {
-            MemOp::Enqueued => {}
-            MemOp::Unsupported => waits_on_host = true,
+        match st.wait_value32(&s.done, 0, seq, WaitCond::Geq) {
+            Ok(MemOp::Enqueued) => {}
+            Ok(MemOp::Unsupported) => waits_on_host = true,
+            Err(e) => {
+                // Streams already told to wait for `seq` must get it: an empty batch releases
+                // them (the next batch must not reuse the number behind their wait).
+                state.issued = seq;
+                state.queue.push_back(Batch { seq, starts: Vec::new(), ops: Vec::new() });
+                drop(state);
+                s.changed.notify_all();
+                return Err(e);
+            }
         }
     }
     state.issued = seq;
@@ -270,20 +279,23 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, direct: &
             op.op = crate::types::RedOp::PreMulSum(value);
         }
     }
-    // Sends and receives pair up within their group: those between ranks of this host go
-    // direct, the rest are staged together.
-    if ops.iter().any(|o| o.kind.is_p2p()) {
-        let done = ipc::run_p2p(comm, stream, direct, &ops)?;
-        let rest: Vec<Op> = ops.iter().zip(&done).filter(|(_, d)| !**d).map(|(o, _)| *o).collect();
-        return if rest.is_empty() { Ok(()) } else { run_staged(comm, stream, staging, &rest) };
-    }
-    for op in &ops {
+    // Collectives first, in issue order, each direct or staged by rules every rank applies
+    // alike whatever else its group holds (as the host planner also runs a group's
+    // collectives before its sends and receives); then the sends and receives, which pair up
+    // within their group and so are staged together.
+    let (p2p, colls): (Vec<Op>, Vec<Op>) = ops.into_iter().partition(|o| o.kind.is_p2p());
+    for op in &colls {
         if ipc::eligible(comm, op) && ipc::run(comm, stream, direct, op)? {
             continue;
         }
         run_staged(comm, stream, staging, std::slice::from_ref(op))?;
     }
-    Ok(())
+    if p2p.is_empty() {
+        return Ok(());
+    }
+    let done = ipc::run_p2p(comm, stream, direct, &p2p)?;
+    let rest: Vec<Op> = p2p.iter().zip(&done).filter(|(_, d)| !**d).map(|(o, _)| *o).collect();
+    if rest.is_empty() { Ok(()) } else { run_staged(comm, stream, staging, &rest) }
 }
 
 /// Copy the operations' buffers into host staging memory, run them with the host transports,

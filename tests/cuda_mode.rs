@@ -49,6 +49,22 @@ fn cuda_mode_2_processes_read_each_other_directly() {
     run_expecting_direct(cuda_job().procs(2).arg("--only").arg("Collectives"), true);
 }
 
+/// The experimental direct path for sends and receives (NCCL_RS_DIRECT_P2P=1).
+#[test]
+fn cuda_mode_direct_sends_and_receives() {
+    for part in ["P2P", "Mixed"] {
+        let job = cuda_job().procs(2).env("NCCL_RS_DIRECT_P2P", "1").arg("--only").arg(part);
+        run_expecting_direct(job, part == "P2P");
+    }
+}
+
+/// Three processes: two group a large all-reduce with a send/receive between them, the third
+/// issues the all-reduce alone; all must take the same path for it.
+#[test]
+fn cuda_mode_3_processes_group_mix() {
+    cuda_job().procs(3).arg("--only").arg("GroupMix").run();
+}
+
 /// With the direct path off (NCCL_P2P_DISABLE=1, NCCL_P2P_LEVEL=LOC) every operation is staged
 /// through host memory and the host transports, and the results are the same.
 #[test]

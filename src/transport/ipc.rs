@@ -31,8 +31,10 @@ use crate::types::{BuiltinOp, DataType, RedOp};
 /// Operations at least this large go direct; smaller ones are latency-bound, and staging
 /// through the host transports costs fewer round trips.
 const DIRECT_MIN: usize = 64 << 10;
-/// Peer mappings kept open (cuIpcOpenMemHandle is slow; the caching allocators behind
-/// frameworks hand out the same allocations again and again).
+/// Peer mappings kept open within one operation. Mappings are closed when the operation
+/// ends: a peer may free its buffer afterwards (caching allocators do), and freeing memory
+/// another process still maps is not something to rely on. Reopening costs time on a GPU;
+/// keeping mappings of registered buffers (ncclCommRegister) is the way to avoid it.
 const MAPPINGS_KEPT: usize = 64;
 
 /// What a rank publishes about one buffer.
@@ -237,6 +239,12 @@ pub fn run(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> R
 }
 
 fn run_direct(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> Result<bool> {
+    let result = run_direct_mapped(comm, stream, direct, op);
+    direct.maps.clear();
+    result
+}
+
+fn run_direct_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> Result<bool> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
     direct.tried += 1;
@@ -389,6 +397,12 @@ fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &
 /// Does this point-to-point operation go direct? Both ends of a pair decide alike (same size,
 /// same hosts).
 fn eligible_p2p(comm: &Comm, op: &Op) -> bool {
+    // Off unless asked for: the exchange assumes both ends group their sends and receives
+    // alike (a rank that sends and receives in two calls while its peer groups both would
+    // read the peer's record where it expects an answer). Staging has no such assumption.
+    if !crate::params::direct_p2p() {
+        return false;
+    }
     if crate::params::p2p_disable() || crate::params::p2p_level_forbids() || op.root == comm.rank {
         return false;
     }
@@ -415,6 +429,12 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op
 }
 
 fn run_p2p_direct(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op]) -> Result<Vec<bool>> {
+    let result = run_p2p_mapped(comm, stream, direct, ops);
+    direct.maps.clear();
+    result
+}
+
+fn run_p2p_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op]) -> Result<Vec<bool>> {
     let mut done = vec![false; ops.len()];
     let picked: Vec<usize> = (0..ops.len()).filter(|&i| eligible_p2p(comm, &ops[i])).collect();
     if picked.is_empty() {

@@ -146,6 +146,9 @@ pub struct RingSend {
     peer_pid: Option<u32>,
     /// May we write into the receiver's memory (tested on first use)?
     can_write: Option<bool>,
+    /// Descriptors posted and not yet known consumed: (token, address, length). Helping uses
+    /// these, not the addresses in shared memory, to bound what it claims.
+    posted: std::collections::VecDeque<(u64, usize, usize)>,
 }
 
 pub struct RingRecv {
@@ -165,13 +168,15 @@ impl RingSend {
         if peer_pid.is_some() {
             map.atomic_u64(CMA_PROBE_ADDR).store(&PROBE as *const u64 as u64, Ordering::Release);
         }
-        RingSend { map, slice, tail: 0, head_seen: 0, kind, peer_pid, can_write: None }
+        RingSend { map, slice, tail: 0, head_seen: 0, kind, peer_pid, can_write: None, posted: std::collections::VecDeque::new() }
     }
 
     /// Write blocks of the posted message `token` that the receiver shares (a large
-    /// descriptor): claim one at a time while any is left. Stale claims cannot succeed: the
-    /// claim word names the message, and the receiver moves on only when every block of it
-    /// was claimed and finished, so the addresses read after a successful claim are its own.
+    /// descriptor): claim one at a time while any is left. The claim word names the message,
+    /// and block indices are bounded by our own record of the message (several may be
+    /// posted, so the shared addresses may already describe a later one): a claim that
+    /// succeeds is for a block of `token` while the receiver still reads it, and the receiver
+    /// only rewrites the shared destination once every block of `token` is claimed and done.
     fn help(&mut self, token: u64) -> Result<()> {
         let claim = self.map.atomic_u64(HELP_CLAIM);
         let tag = help_tag(token);
@@ -179,9 +184,12 @@ impl RingSend {
         if word >> TAG_SHIFT != tag || self.can_write == Some(false) {
             return Ok(());
         }
+        let Some(&(_, src, len)) = self.posted.iter().find(|p| p.0 == token) else { return Ok(()) };
+        let (src, len) = (src as u64, len);
         let dst = self.map.atomic_u64(HELP_DST).load(Ordering::Relaxed);
-        let src = self.map.atomic_u64(HELP_SRC).load(Ordering::Relaxed);
-        let len = self.map.atomic_u64(HELP_LEN).load(Ordering::Relaxed) as usize;
+        if self.map.atomic_u64(HELP_LEN).load(Ordering::Relaxed) as usize != len {
+            return Ok(()); // the shared fields already describe another message
+        }
         if self.can_write.is_none() {
             let ok = match self.peer_pid {
                 None => true,
@@ -199,7 +207,8 @@ impl RingSend {
         let blocks = len.div_ceil(HELP_BLOCK) as u64;
         loop {
             let idx = word & ((1 << TAG_SHIFT) - 1);
-            if word >> TAG_SHIFT != tag || idx >= blocks {
+            // A receiver that gave up (closed) no longer wants our blocks.
+            if word >> TAG_SHIFT != tag || idx >= blocks || self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0 {
                 return Ok(());
             }
             match claim.compare_exchange_weak(word, word + 1, Ordering::AcqRel, Ordering::Acquire) {
@@ -285,7 +294,11 @@ impl RingRecv {
                     // SAFETY: dst is a region this receive may write (Region contract); the
                     // block is within it and no other block overlaps it.
                     let out = unsafe { std::slice::from_raw_parts_mut((dst.addr() + off) as *mut u8, n) };
-                    cma_read(pid, src + off as u64, out).map_err(|e| self.sender_gone(e))?;
+                    if let Err(e) = cma_read(pid, src + off as u64, out) {
+                        // Giving up: no more claims for this message (the sender stops).
+                        claim.store((tag << TAG_SHIFT) | ((1 << TAG_SHIFT) - 1), Ordering::Release);
+                        return Err(self.sender_gone(e));
+                    }
                 }
                 // SAFETY: one process: the sender's message is valid and unwritten until we
                 // free the slot; dst as above.
@@ -431,10 +444,18 @@ impl super::SendConn for RingSend {
         // The sequence word publishes the slot: the receiver polls it, in the line it reads.
         self.map.atomic_u64(hdr_off + HDR_SEQ).store(self.tail, Ordering::Release);
         // A descriptor's bytes are read by the receiver later: the send completes only then.
-        Ok(if by_descriptor { Sent::Posted(self.tail - 1) } else { Sent::Done })
+        if by_descriptor {
+            self.posted.push_back((self.tail - 1, src.addr(), src.len()));
+            return Ok(Sent::Posted(self.tail - 1));
+        }
+        Ok(Sent::Done)
     }
     fn consumed(&mut self, token: u64, help: bool) -> Result<bool> {
-        if self.map.atomic_u64(HEAD).load(Ordering::Acquire) > token {
+        let head = self.map.atomic_u64(HEAD).load(Ordering::Acquire);
+        while self.posted.front().is_some_and(|p| p.0 < head) {
+            self.posted.pop_front();
+        }
+        if head > token {
             return Ok(true);
         }
         if help {
@@ -640,6 +661,44 @@ mod tests {
                 tx = helper.join().unwrap();
                 assert!(dst == src, "round {round}, helping {helping}: bytes differ");
             }
+        }
+    }
+
+    /// Several large messages posted at once, growing in size, while the sender helps with
+    /// whichever is oldest: each lands whole in its own buffer.
+    #[test]
+    fn several_posted_messages_are_shared_one_after_another() {
+        let slice = 1 << 20;
+        let map = Arc::new(Mapping::new(ring_bytes(slice), None).unwrap());
+        let mut tx = RingSend::new(map.clone(), slice, Kind::Local, None);
+        let mut rx = RingRecv::new(map, slice, Kind::Local, None);
+        let lens = [HELP_MIN, HELP_MIN + 3 * HELP_BLOCK + 5, slice];
+        let mut srcs: Vec<Vec<u8>> = lens.iter().enumerate().map(|(k, &n)| (0..n).map(|i| (i * 13 + k * 7) as u8).collect()).collect();
+        let stamp = [9u8; STAMP_BYTES];
+        let tokens: Vec<u64> = srcs.iter_mut().map(|v| match tx.try_send(Region::owned(v), &stamp).unwrap() {
+            Sent::Posted(t) => t,
+            other => panic!("not posted: {other:?}"),
+        }).collect();
+        let helper = std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            for t in tokens {
+                while !tx.consumed(t, true).unwrap() {
+                    assert!(std::time::Instant::now() < deadline, "send {t} never completed");
+                    std::hint::spin_loop();
+                }
+            }
+        });
+        let mut dsts: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
+        for (k, d) in dsts.iter_mut().enumerate() {
+            let r = Region::owned(d);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while !rx.try_recv_into(r, &mut |_, n| { assert_eq!(n, lens[k]); Ok(()) }).unwrap() {
+                assert!(std::time::Instant::now() < deadline, "receive {k} never completed");
+            }
+        }
+        helper.join().unwrap();
+        for (k, (d, s)) in dsts.iter().zip(&srcs).enumerate() {
+            assert!(d == s, "message {k}: bytes differ");
         }
     }
 
