@@ -140,7 +140,7 @@ pub fn describe_stamp(s: &Stamp) -> String {
 
 /// How the reduction runs: PreMulSum becomes a local scaling and a sum, Avg a sum and a
 /// division of the result.
-fn reduction(op: RedOp, dt: DataType, nranks: usize) -> Reduction {
+pub(crate) fn reduction(op: RedOp, dt: DataType, nranks: usize) -> Reduction {
     let elem = match op {
         RedOp::Builtin(BuiltinOp::Sum) | RedOp::Builtin(BuiltinOp::Avg) | RedOp::PreMulSum(_) => ElemOp::Sum,
         RedOp::Builtin(BuiltinOp::Prod) => ElemOp::Prod,

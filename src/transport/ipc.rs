@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use crate::comm::Comm;
 use crate::device::cuda::{self, IpcHandle, IpcMapping, Stream};
-use crate::device::host::{ElemOp, Region, UserPtr};
+use crate::device::host::{Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
 use crate::transport::{Stamp, STAMP_BYTES};
@@ -31,11 +31,6 @@ use crate::types::{BuiltinOp, DataType, RedOp};
 /// Operations at least this large go direct; smaller ones are latency-bound, and staging
 /// through the host transports costs fewer round trips.
 const DIRECT_MIN: usize = 64 << 10;
-/// Peer mappings kept open within one operation. Mappings are closed when the operation
-/// ends: a peer may free its buffer afterwards (caching allocators do), and freeing memory
-/// another process still maps is not something to rely on. Reopening costs time on a GPU;
-/// keeping mappings of registered buffers (ncclCommRegister) is the way to avoid it.
-const MAPPINGS_KEPT: usize = 64;
 
 /// What a rank publishes about one buffer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -107,14 +102,15 @@ impl Record {
 /// A stream worker's state for direct operations: peer mappings and a device scratch buffer.
 #[derive(Default)]
 pub struct Direct {
-    /// Open peer mappings: handle, mapping, allocation size, number of the last operation
-    /// that used it.
-    maps: Vec<(IpcHandle, IpcMapping, usize, u64)>,
+    /// Peer mappings of the current operation: handle, mapping, allocation size. Closed when
+    /// the operation ends: a peer may free its buffer afterwards (caching allocators do), and
+    /// freeing memory another process still maps is not something to rely on. Reopening
+    /// costs time on a GPU; keeping mappings of registered buffers (ncclCommRegister) is the
+    /// way to avoid it.
+    maps: Vec<(IpcHandle, IpcMapping, usize)>,
     scratch: Option<(usize, usize)>,
     /// Operations run direct so far (the first is logged).
     ran: u64,
-    /// Operations attempted (numbers the mappings' last use).
-    tried: u64,
 }
 
 impl Drop for Direct {
@@ -137,17 +133,6 @@ pub fn eligible(comm: &Comm, op: &Op) -> bool {
     let kind_ok = matches!(op.kind, OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter | OpKind::Broadcast
         | OpKind::Reduce | OpKind::Gather | OpKind::Scatter | OpKind::AlltoAll);
     one_host && kind_ok && bytes >= DIRECT_MIN && op.scalar_at.is_none()
-}
-
-/// The device reduction of an operation's op: (element op, divide at the end by).
-fn reduction(op: RedOp, n: usize) -> (ElemOp, Option<u64>) {
-    match op {
-        RedOp::Builtin(BuiltinOp::Sum) | RedOp::PreMulSum(_) => (ElemOp::Sum, None),
-        RedOp::Builtin(BuiltinOp::Avg) => (ElemOp::Sum, Some(n as u64)),
-        RedOp::Builtin(BuiltinOp::Prod) => (ElemOp::Prod, None),
-        RedOp::Builtin(BuiltinOp::Max) => (ElemOp::Max, None),
-        RedOp::Builtin(BuiltinOp::Min) => (ElemOp::Min, None),
-    }
 }
 
 impl Direct {
@@ -178,31 +163,22 @@ impl Direct {
             return Ok(Region::user(unsafe { UserPtr::new(p.addr as usize as *const u8) }, 0, len));
         }
         let handle = IpcHandle { bytes: p.handle };
-        let now = self.tried;
         let i = match self.maps.iter().position(|(h, ..)| *h == handle) {
             Some(i) => i,
             None => {
-                // Close the least recently used mapping, never one this operation uses.
-                if self.maps.len() >= MAPPINGS_KEPT {
-                    let oldest = self.maps.iter().enumerate().filter(|(_, m)| m.3 < now).min_by_key(|(_, m)| m.3).map(|(i, _)| i);
-                    if let Some(o) = oldest {
-                        self.maps.remove(o);
-                    }
-                }
                 let m = IpcMapping::open(&handle)?;
                 let (_, size) = cuda::allocation_of(m.addr())?;
-                self.maps.push((handle, m, size, now));
+                self.maps.push((handle, m, size));
                 self.maps.len() - 1
             }
         };
-        self.maps[i].3 = now;
-        let (_, m, size, _) = &self.maps[i];
-        let end = (p.off as usize).checked_add(len).filter(|&e| e <= *size)
-            .ok_or_else(|| Error::internal(format!("peer buffer {}+{len} outside its allocation of {size}", p.off)))?;
-        let _ = end;
+        let (_, m, size) = &self.maps[i];
+        if (p.off as usize).checked_add(len).is_none_or(|e| e > *size) {
+            return Err(Error::internal(format!("peer buffer {}+{len} outside its allocation of {size}", p.off)));
+        }
         // SAFETY: inside the peer allocation this mapping holds open (checked just above); the
-        // peer keeps the buffer until the final barrier, and a mapping used by the current
-        // operation is never closed (the cache grows past MAPPINGS_KEPT instead).
+        // peer keeps the buffer until the final barrier, and mappings are closed only when the
+        // operation ends.
         Ok(Region::user(unsafe { UserPtr::new((m.addr() + p.off as usize) as *const u8) }, 0, len))
     }
 }
@@ -247,7 +223,6 @@ fn run_direct(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -
 fn run_direct_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> Result<bool> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
-    direct.tried += 1;
     let ctx = cuda::Context::primary(comm.cuda_dev)?;
     let kernels = ctx.kernels()?;
     // PreMulSum: our input scaled first, into scratch the peers read.
@@ -326,8 +301,7 @@ fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &
     let (n, me) = (comm.nranks, comm.rank);
     let es = op.dt.size();
     let block = op.count * es;
-    let (elem, divide) = reduction(op.op, n);
-    let dt = op.dt;
+    let crate::plan::Reduction { dt, op: elem, divide } = crate::plan::ops::reduction(op.op, op.dt, n);
     let out = op.recv;
     // dst <- op over every rank's `part` of its input, then the Avg division. Our own input
     // comes first: in place, `dst` is our own input, and the first step overwrites it. (Each
@@ -440,7 +414,6 @@ fn run_p2p_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &
     if picked.is_empty() {
         return Ok(done);
     }
-    direct.tried += 1;
     let ready = comm.ready()?;
     let pid = std::process::id();
     // 1. Senders publish their buffers to their receivers.
