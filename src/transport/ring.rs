@@ -344,47 +344,60 @@ impl RingRecv {
     }
 }
 
-/// Write `buf` at `addr` in process `pid` (Linux cross-memory attach).
-fn cma_write(pid: u32, addr: u64, buf: &[u8]) -> Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        let local = libc::iovec { iov_base: buf[done..].as_ptr() as *mut libc::c_void, iov_len: buf.len() - done };
-        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: buf.len() - done };
-        // SAFETY: `local` describes memory we own and only read; the kernel validates `remote`
-        // against the other process and fails cleanly (EFAULT/EPERM/ESRCH) if it is not valid.
-        let n = unsafe { libc::process_vm_writev(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
-        if n <= 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ESRCH) || !pid_alive(pid) {
-                return Err(Error::remote(format!("peer process {pid} exited")));
-            }
-            return Err(Error::os(format!("writing {} bytes into process {pid}", buf.len()), e));
-        }
-        done += n as usize;
-    }
-    Ok(())
+/// Which way a cross-memory-attach copy goes.
+#[derive(Clone, Copy)]
+enum Cma {
+    Read,
+    Write,
 }
 
-/// Read `buf.len()` bytes at `addr` in process `pid` (Linux cross-memory attach).
-fn cma_read(pid: u32, addr: u64, buf: &mut [u8]) -> Result<()> {
+/// Copy `len` bytes between our `local` memory and `addr` in process `pid` (Linux
+/// cross-memory attach), in as many calls as the kernel needs.
+///
+/// # Safety
+/// `local` is valid for `len` bytes: readable for `Cma::Write`, writable and ours alone for
+/// `Cma::Read`.
+unsafe fn cma(dir: Cma, pid: u32, addr: u64, local: *mut u8, len: usize) -> Result<()> {
     let mut done = 0;
-    while done < buf.len() {
-        let local = libc::iovec { iov_base: buf[done..].as_mut_ptr().cast(), iov_len: buf.len() - done };
-        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: buf.len() - done };
-        // SAFETY: `local` describes memory we own and may write; the kernel validates `remote`
-        // against the other process and fails cleanly (EFAULT/EPERM/ESRCH) if it is not valid.
-        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    while done < len {
+        // SAFETY: within the caller's `len` bytes.
+        let here = libc::iovec { iov_base: unsafe { local.add(done) }.cast(), iov_len: len - done };
+        let there = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: len - done };
+        // SAFETY: `here` is memory the caller vouches for; the kernel validates `there` against
+        // the other process and fails cleanly (EFAULT/EPERM/ESRCH) if it is not valid.
+        let n = unsafe {
+            match dir {
+                Cma::Read => libc::process_vm_readv(pid as libc::pid_t, &here, 1, &there, 1, 0),
+                Cma::Write => libc::process_vm_writev(pid as libc::pid_t, &here, 1, &there, 1, 0),
+            }
+        };
         if n <= 0 {
             let e = std::io::Error::last_os_error();
             // A process that is exiting (or a zombie) may answer EFAULT before ESRCH.
             if e.raw_os_error() == Some(libc::ESRCH) || !pid_alive(pid) {
                 return Err(Error::remote(format!("peer process {pid} exited")));
             }
-            return Err(Error::os(format!("reading {} bytes from process {pid}", buf.len()), e));
+            let what = match dir {
+                Cma::Read => format!("reading {len} bytes from process {pid}"),
+                Cma::Write => format!("writing {len} bytes into process {pid}"),
+            };
+            return Err(Error::os(what, e));
         }
         done += n as usize;
     }
     Ok(())
+}
+
+/// Read `buf.len()` bytes at `addr` in process `pid`.
+fn cma_read(pid: u32, addr: u64, buf: &mut [u8]) -> Result<()> {
+    // SAFETY: `buf` is ours and writable for its length.
+    unsafe { cma(Cma::Read, pid, addr, buf.as_mut_ptr(), buf.len()) }
+}
+
+/// Write `buf` at `addr` in process `pid`.
+fn cma_write(pid: u32, addr: u64, buf: &[u8]) -> Result<()> {
+    // SAFETY: `buf` is readable for its length, and the kernel only reads it for a write.
+    unsafe { cma(Cma::Write, pid, addr, buf.as_ptr() as *mut u8, buf.len()) }
 }
 
 fn check_pid(pid: Option<u32>) -> Result<()> {
