@@ -4,6 +4,7 @@
  *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
+ *   CUDA_TEST_ABORT_HELD=1 cuda (ncclCommAbort while the call's stream is held before it)
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
  * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
@@ -675,6 +676,28 @@ static int mismatch(void) {
   return test_finish();
 }
 
+/* The call's stream is held (waiting on host memory) before the call, so the operation can
+ * never start; ncclCommAbort must still return promptly, and the stream, once let go, must
+ * get past the aborted operation. */
+static int abort_held(void) {
+  test_step("abort-held");
+  CUdeviceptr d = dev_alloc(1024 * sizeof(float));
+  uint32_t* flag = host_alloc(64);
+  CUdeviceptr dflag = 0;
+  *(volatile uint32_t*)flag = 0;
+  CU(cu.MemHostGetDevicePointer(&dflag, flag, 0));
+  CU(cu.StreamWaitValue32(g_streams[0], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, 1024, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
+  double t = now_s();
+  CHECK(ncclCommAbort(g_comms[0]));
+  EXPECT(now_s() - t < 5.0, "ncclCommAbort took %.1f s with the stream held", now_s() - t);
+  __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+  CU(cu.StreamSynchronize(g_streams[0]));
+  CU(cu.MemFree(d));
+  CU(cu.MemFreeHost(flag));
+  return test_finish();
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
@@ -688,6 +711,7 @@ int main(int argc, char** argv) {
   make_cuda_comms();
   if (getenv("CUDA_TEST_FAULT")) return fault();
   if (getenv("CUDA_TEST_MISMATCH")) return mismatch();
+  if (getenv("CUDA_TEST_ABORT_HELD")) return abort_held();
   if (wanted("Gated")) gated();
   if (wanted("Collectives")) collectives();
   if (wanted("InPlace")) in_place();

@@ -17,6 +17,7 @@
 //! hosts); it is the correct baseline that peer copies between GPUs will shortcut.
 
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -28,6 +29,9 @@ use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::Op;
 use crate::transport::ipc::{self, Direct};
+
+/// Events kept for reuse per communicator.
+const EVENTS_KEPT: usize = 8;
 
 /// One operation for the worker: what to run and the stream it is ordered with.
 #[derive(Clone, Copy, Debug)]
@@ -47,6 +51,8 @@ pub struct Streamed {
     /// Signalled when a batch is queued, when one finishes, and on close.
     changed: Condvar,
     worker: Mutex<Option<JoinHandle<()>>>,
+    /// Events of finished batches, recorded again by later calls (no create/destroy per call).
+    events: Mutex<Vec<Event>>,
 }
 
 #[derive(Default)]
@@ -71,7 +77,7 @@ impl Streamed {
         let done = std::mem::ManuallyDrop::new(MappedHost::new(64)?);
         done.word(0).store(0, Ordering::Release);
         let s = Arc::new(Streamed { ctx, done, state: Mutex::new(State::default()), changed: Condvar::new(),
-                                    worker: Mutex::new(None) });
+                                    worker: Mutex::new(None), events: Mutex::new(Vec::new()) });
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
@@ -80,6 +86,25 @@ impl Streamed {
         *s.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
         crate::info!(INIT, "rank {}: CUDA mode on device {}, collectives staged through host memory", comm.rank, comm.cuda_dev);
         Ok(s)
+    }
+
+    /// An event for a call to record (a pooled one, or a new one).
+    fn event(&self) -> Result<Event> {
+        let pooled = self.events.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match pooled {
+            Some(e) => Ok(e),
+            None => Event::new(self.ctx),
+        }
+    }
+
+    /// Events whose records have completed, back to the pool (a few are enough).
+    fn recycle(&self, events: Vec<Event>) {
+        let mut pool = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        for e in events {
+            if pool.len() < EVENTS_KEPT {
+                pool.push(e);
+            }
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -159,7 +184,7 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<()> {
     }
     let mut starts = Vec::with_capacity(callers.len());
     for st in &callers {
-        let e = Event::new(s.ctx)?;
+        let e = s.event()?;
         e.record(st)?;
         starts.push(e);
     }
@@ -215,11 +240,21 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>) {
                 st = s.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         };
-        let Some(batch) = batch else { break };
+        let Some(mut batch) = batch else { break };
         let result = match &stream {
-            Ok(stream) => run_batch(&comm, stream, &mut staging, &mut direct, &batch),
+            // A panic must not strand the callers' streams: it becomes this batch's error,
+            // and the worker starts over with fresh staging.
+            Ok(stream) => catch_unwind(AssertUnwindSafe(|| run_batch(&comm, stream, &mut staging, &mut direct, &batch)))
+                .unwrap_or_else(|_| {
+                    staging = Staging::default();
+                    direct = Direct::default();
+                    Err(Error::internal("the stream worker panicked"))
+                }),
             Err(e) => Err(e.clone()),
         };
+        if result.is_ok() {
+            s.recycle(std::mem::take(&mut batch.starts));
+        }
         if let Err(e) = result {
             crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
             comm.set_async_error(&e);
@@ -229,6 +264,27 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>) {
         s.state().finished = batch.seq;
         s.changed.notify_all();
     }
+}
+
+/// Wait until the caller's stream has reached the call (its event), but not past an abort:
+/// a stream that never gets there (held by the caller, a hung kernel) must not make
+/// ncclCommAbort wait forever for this worker.
+fn wait_started(comm: &Comm, e: &Event) -> Result<()> {
+    let mut spins = 0u32;
+    while !e.query()? {
+        if comm.abort.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage("communicator aborted while waiting for the caller's stream"));
+        }
+        spins += 1;
+        if spins < 256 {
+            std::hint::spin_loop();
+        } else if spins < 4096 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+    Ok(())
 }
 
 /// Host memory operations are staged in, kept across batches: pinned (page-locked, so the
@@ -263,7 +319,7 @@ impl Staging {
 
 fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, direct: &mut Direct, batch: &Batch) -> Result<()> {
     for e in &batch.starts {
-        e.synchronize()?;
+        wait_started(comm, e)?;
     }
     comm.ready()?;
     let mut ops = batch.ops.clone();

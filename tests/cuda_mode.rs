@@ -138,3 +138,10 @@ fn cuda_mode_mismatched_calls_are_reported() {
         println!("{}", o.report);
     }
 }
+
+/// ncclCommAbort returns while the call's stream is held before the call (the operation
+/// never starts), and the stream gets past the aborted operation once let go.
+#[test]
+fn cuda_mode_abort_with_the_stream_held() {
+    cuda_job().env("CUDA_TEST_ABORT_HELD", "1").timeout_s(60).run();
+}
