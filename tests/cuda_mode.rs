@@ -49,12 +49,13 @@ fn cuda_mode_2_processes_read_each_other_directly() {
     run_expecting_direct(cuda_job().procs(2).arg("--only").arg("Collectives"), true);
 }
 
-/// The experimental direct path for sends and receives (NCCL_RS_DIRECT_P2P=1).
+/// The experimental direct path for sends and receives (NCCL_RS_DIRECT_P2P=1), also under
+/// PyTorch's pattern (part Torch: its large all-reduces take the direct path in any case).
 #[test]
 fn cuda_mode_direct_sends_and_receives() {
-    for part in ["P2P", "Mixed"] {
+    for part in ["P2P", "Mixed", "Torch"] {
         let job = cuda_job().procs(2).env("NCCL_RS_DIRECT_P2P", "1").arg("--only").arg(part);
-        run_expecting_direct(job, part == "P2P");
+        run_expecting_direct(job, part != "Mixed");
     }
 }
 
@@ -76,6 +77,13 @@ fn cuda_mode_2_processes_staged() {
 fn cuda_mode_3_processes_staged_over_sockets() {
     let job = cuda_job().procs(3).env("NCCL_P2P_LEVEL", "LOC").env("NCCL_SHM_DISABLE", "1").arg("--quick");
     run_expecting_direct(job, false);
+}
+
+/// PyTorch's way (ffi-tests/cuda.c, part Torch): nonblocking communicators, a split with one
+/// rank left out, a watchdog thread, a separate NCCL stream ordered by events.
+#[test]
+fn cuda_mode_3_processes_torch_like() {
+    cuda_job().procs(3).arg("--only").arg("Torch").run();
 }
 
 #[test]
