@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # device-check.sh — the checks that need a GPU machine (one H200 here), in one run that
-# finishes well under 8 minutes and writes $OUT/results.txt (plus logs).
+# finishes within 7.5 minutes (DEVICE_CHECK_BUDGET=450 s; a hung step is killed at its cap)
+# and writes $OUT/results.txt (plus logs).
 #
 # Prepare here (no GPU needed), then run there with the prepared folder carried:
 #   bash scripts/device-check.sh --prepare        # builds into .device/ (git-ignored)
@@ -47,12 +48,34 @@ mkdir -p "$OUT"
 R=$OUT/results.txt
 : > "$R"
 say() { echo "$*" | tee -a "$R"; }
-step() { # name timeout command...
+# The whole run must end within BUDGET seconds (the device is lent for minutes): each step
+# gets its own cap, cut to what is left, and a step that runs past it is killed with all its
+# processes (its own session), so one hang costs one step, not the run.
+BUDGET=${DEVICE_CHECK_BUDGET:-450}
+capped() { # seconds command...
+  local t=$1; shift
+  setsid "$@" 0<&0 & # (stdin kept: a step may read a here-document)
+  local pid=$! end=$((SECONDS + t))
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ "$SECONDS" -ge "$end" ]; then
+      kill -TERM -- -"$pid" 2>/dev/null; sleep 2; kill -KILL -- -"$pid" 2>/dev/null
+      wait "$pid" 2>/dev/null
+      return 124
+    fi
+    sleep 0.5
+  done
+  wait "$pid"
+}
+step() { # name cap-seconds command...
   local name=$1 t=$2; shift 2
+  local left=$((BUDGET - SECONDS))
+  if [ "$left" -lt 10 ]; then say "$(printf '%-28s skipped: out of time (budget %ss)' "$name" "$BUDGET")"; return; fi
+  [ "$t" -gt "$left" ] && t=$left
   local t0=$SECONDS
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  capped "$t" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  say "$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -E 'test result|RESULT|Error|error' "$OUT/$name.log" | tail -1 | cut -c1-120)")"
+  local why; why=$([ "$rc" = 124 ] && echo "KILLED at its ${t}s cap; " )
+  say "$(printf '%-28s rc=%-3s %4ss  %s%s' "$name" "$rc" "$((SECONDS - t0))" "$why" "$(grep -E 'test result|RESULT|Error|error' "$OUT/$name.log" | tail -1 | cut -c1-120)")"
 }
 
 [ -d "$PREP" ] || { say "no $PREP folder: run 'bash scripts/device-check.sh --prepare' here and carry .device"; exit 2; }
@@ -64,19 +87,19 @@ export NCCL_TEST_REPO=$PWD NCCL_RS_PERF=$PWD/$PREP/run/bin/nccl-rs-perf
 
 # 1. The device layer against the real driver (the test binary also builds and uses the stub
 #    where cc exists; both must pass).
-step cuda-layer 240 "$PREP/run/bin/cuda_layer" --test-threads=1
+step cuda-layer 60 "$PREP/run/bin/cuda_layer" --test-threads=1
 
 # 2. (a) CUDA mode: ffi-tests/cuda.c against the real driver on 1, 2 and 4 ranks sharing the
 #    GPU (the harness compiles it with cc; NCCL_TEST_REAL_DRIVER drops the stub from the path).
-step ffi-cuda-mode 240 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" \
+step ffi-cuda-mode 100 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" \
   --test-threads=1
-step ffi-host-mode 240 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" "$PREP/run/bin/ffi" \
+step ffi-host-mode 45 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" "$PREP/run/bin/ffi" \
   --test-threads=2 collectives_2_processes p2p_4_processes errors_1_process
 
 # 3. (b) PyTorch with LD_PRELOAD, backend='nccl', device tensors: exact results, DDP = gloo.
 cp scripts/torch_check.py "$OUT/torch_check.py"
 if python3 -c 'import torch' 2>/dev/null; then
-  step torch-nccl-rs 240 bash -c "
+  step torch-nccl-rs 120 bash -c "
     export MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 WORLD_SIZE=2
     for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
     export MASTER_PORT=29534
@@ -89,11 +112,11 @@ else
 fi
 
 # 4. (c) The benchmark with device buffers, beside the device copy bandwidth and NVIDIA's NCCL.
-step perf-cuda-allreduce-2 150 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
-step perf-cuda-allgather-2 150 "$PREP/run/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
-step perf-cuda-latency-1 60 "$PREP/run/bin/nccl-rs-perf" allreduce -np 1 --device 1 -b 8 -e 8 -n 2000 -w 50
+step perf-cuda-allreduce-2 50 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
+step perf-cuda-allgather-2 50 "$PREP/run/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
+step perf-cuda-latency-1 20 "$PREP/run/bin/nccl-rs-perf" allreduce -np 1 --device 1 -b 8 -e 8 -n 2000 -w 50
 if python3 -c 'import torch' 2>/dev/null; then
-  step copy-bw-and-nvidia-nccl 120 python3 - <<'PY'
+  step copy-bw-and-nvidia-nccl 45 python3 - <<'PY'
 import time, torch, torch.distributed as dist, os
 x = torch.empty(1 << 28, dtype=torch.float32, device="cuda:0"); y = torch.empty_like(x)
 for _ in range(3): y.copy_(x)
