@@ -104,9 +104,20 @@ pub fn end() -> Result<()> {
             None => per_comm.push((q.comm, vec![o])),
         }
     }
+    let mut host_waits = Vec::new();
+    let mut submitted = Ok(());
     for (c, ops) in &per_comm {
-        crate::streamed::submit(c, ops.clone()).map_err(|e| e.context(format!("rank {}", c.rank)))?;
+        match crate::streamed::submit(c, ops.clone()) {
+            Ok(w) => host_waits.extend(w),
+            Err(e) => {
+                submitted = Err(e.context(format!("rank {}", c.rank)));
+                break;
+            }
+        }
     }
+    // Waited for only once every communicator's part is in (they may need each other).
+    host_waits.into_iter().for_each(crate::streamed::HostWait::wait);
+    submitted?;
     for q in &host {
         crate::streamed::drain(&q.comm);
     }
@@ -191,7 +202,7 @@ pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, device: bool) -> Resu
         return Ok(());
     }
     if device {
-        return crate::streamed::submit(&comm, vec![StreamOp { op, stream }]);
+        return crate::streamed::submit(&comm, vec![StreamOp { op, stream }]).map(|w| w.into_iter().for_each(|w| w.wait()));
     }
     crate::streamed::drain(&comm);
     execute_one(comm, op)

@@ -14,7 +14,17 @@
 //! a stream never waits forever for an operation that failed.
 //!
 //! Staging through host memory works for every pair of ranks (same GPU, peer GPUs, other
-//! hosts); it is the correct baseline that peer copies between GPUs will shortcut.
+//! hosts); it is the correct baseline that peer copies between GPUs shortcut
+//! (`transport::ipc`).
+//!
+//! While a caller's stream waits on a completion word, only the worker can release it, so the
+//! worker must not make driver calls that may wait for the whole context to go idle: freeing
+//! or pinning memory, loading kernels (cuMemFree, cuMemFreeHost and lazy module loading are
+//! documented or reported to synchronise). Everything such is done before a communicator's
+//! first wait is queued — its stream, the kernels, the completion word (from a slab allocated
+//! once per device) — and the worker stages through ordinary host memory, which it grows
+//! without the driver. CUDA IPC mappings are kept for the communicator's life and closed when
+//! its worker stops.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -24,7 +34,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::comm::Comm;
-use crate::device::cuda::{Context, Event, KeepCurrent, MappedHost, MemOp, Stream, UserStream, WaitCond};
+use crate::device::cuda::{Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::Op;
@@ -32,6 +42,26 @@ use crate::transport::ipc::{self, Direct};
 
 /// Events kept for reuse per communicator.
 const EVENTS_KEPT: usize = 8;
+
+/// Completion words per slab of mapped host memory, one cache line (16 words) apart.
+const WORDS_PER_SLAB: usize = 1024;
+const WORD_STRIDE: usize = 16;
+
+/// A completion word of its own for a new communicator on device `ordinal` (its slab holds the
+/// index). Words come from slabs allocated when a slab runs out (the first communicator, then
+/// every 1024th), are never freed and never reused: a stream may still wait on a word after
+/// its communicator was aborted.
+fn completion_word(ordinal: i32) -> Result<(&'static MappedHost, usize)> {
+    static SLABS: Mutex<Vec<(i32, &'static MappedHost, usize)>> = Mutex::new(Vec::new());
+    let mut slabs = SLABS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, mem, next)) = slabs.iter_mut().find(|(o, _, next)| *o == ordinal && *next < WORDS_PER_SLAB) {
+        *next += 1;
+        return Ok((*mem, (*next - 1) * WORD_STRIDE));
+    }
+    let mem: &'static MappedHost = Box::leak(Box::new(MappedHost::new(WORDS_PER_SLAB * WORD_STRIDE * 4)?));
+    slabs.push((ordinal, mem, 1));
+    Ok((mem, 0))
+}
 
 /// One operation for the worker: what to run and the stream it is ordered with.
 #[derive(Clone, Copy, Debug)]
@@ -43,10 +73,13 @@ pub struct StreamOp {
 /// The stream worker of one communicator.
 pub struct Streamed {
     ctx: &'static Context,
-    /// Word 0: the number of the last batch the worker finished (it counts 1, 2, ...). Never
-    /// freed: a caller's stream may still be about to read it after an abort (a page per
-    /// communicator, against a device fault).
-    done: std::mem::ManuallyDrop<MappedHost>,
+    /// Word `word` of `done`: the number of the last batch the worker finished (it counts 1, 2,
+    /// ...). See [`completion_word`].
+    done: &'static MappedHost,
+    word: usize,
+    /// Loaded when the worker started; None (with a warning) if the driver refused them, and
+    /// then every operation is staged.
+    kernels: Option<&'static Kernels>,
     state: Mutex<State>,
     /// Signalled when a batch is queued, when one finishes, and on close.
     changed: Condvar,
@@ -72,19 +105,33 @@ struct Batch {
 }
 
 impl Streamed {
+    /// Everything the worker will use is made here, before any stream waits for it.
     fn start(comm: &Arc<Comm>) -> Result<Arc<Streamed>> {
         let ctx = Context::primary(comm.cuda_dev)?;
-        let done = std::mem::ManuallyDrop::new(MappedHost::new(64)?);
-        done.word(0).store(0, Ordering::Release);
-        let s = Arc::new(Streamed { ctx, done, state: Mutex::new(State::default()), changed: Condvar::new(),
-                                    worker: Mutex::new(None), events: Mutex::new(Vec::new()) });
+        let (done, word) = completion_word(comm.cuda_dev)?;
+        done.word(word).store(0, Ordering::Release);
+        let stream = Stream::new(ctx)?;
+        let kernels = match ctx.kernels() {
+            Ok(k) => Some(k),
+            Err(e) => {
+                crate::warn!("rank {}: the reduction kernels did not load ({}); every operation on device memory is \
+                              staged through host memory", comm.rank, e.msg);
+                None
+            }
+        };
+        let s = Arc::new(Streamed { ctx, done, word, kernels, state: Mutex::new(State::default()),
+                                    changed: Condvar::new(), worker: Mutex::new(None), events: Mutex::new(Vec::new()) });
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
-            .spawn(move || worker(c, w))
+            .spawn(move || worker(c, w, stream))
             .map_err(|e| Error::os("spawn the stream worker", e))?;
         *s.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
-        crate::info!(INIT, "rank {}: CUDA mode on device {}, collectives staged through host memory", comm.rank, comm.cuda_dev);
+        crate::info!(INIT, "rank {}: CUDA mode on device {}, stream worker started", comm.rank, comm.cuda_dev);
+        if crate::params::few_device_connections() {
+            crate::info!(INIT, "rank {}: calls on device memory wait on the host until done (NCCL_RS_HOST_WAIT=1 or \
+                                CUDA_DEVICE_MAX_CONNECTIONS below 8)", comm.rank);
+        }
         Ok(s)
     }
 
@@ -158,16 +205,19 @@ fn streamed(comm: &Arc<Comm>) -> Result<&Arc<Streamed>> {
 }
 
 /// Enqueue one group's operations on `comm` (in issue order) behind the work already on their
-/// streams; returns once they are queued (or, where the driver cannot make a stream wait on
-/// host memory, once they have run).
-pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<()> {
+/// streams; returns once they are queued. Where the streams cannot be made to wait for them
+/// (no stream memory operations, or host waits asked for: `params::few_device_connections`),
+/// the caller must wait for the returned [`HostWait`] once it has submitted its whole group.
+pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> {
     if ops.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     comm.ready()?;
-    // The calls below make the communicator's context current; the caller's comes back.
+    // The communicator's context is current for the calls below (the legacy stream, NULL, is
+    // that context's); the caller's comes back.
     let _keep = KeepCurrent::new();
     let s = streamed(comm)?;
+    s.ctx.make_current()?;
     let mut streams: Vec<UserStream> = Vec::new();
     for o in &ops {
         if !streams.contains(&o.stream) {
@@ -193,9 +243,10 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<()> {
         return Err(Error::invalid_usage("communicator is being destroyed"));
     }
     let seq = state.issued.wrapping_add(1);
-    let mut waits_on_host = false;
-    for st in &callers {
-        match st.wait_value32(&s.done, 0, seq, WaitCond::Geq) {
+    let host_wait = crate::params::few_device_connections();
+    let mut waits_on_host = host_wait;
+    for st in callers.iter().filter(|_| !host_wait) {
+        match st.wait_value32(s.done, s.word, seq, WaitCond::Geq) {
             Ok(MemOp::Enqueued) => {}
             Ok(MemOp::Unsupported) => waits_on_host = true,
             Err(e) => {
@@ -213,20 +264,31 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<()> {
     state.queue.push_back(Batch { seq, starts, ops: ops.into_iter().map(|o| o.op).collect() });
     drop(state);
     s.changed.notify_all();
-    if waits_on_host {
-        // No stream memory operations on this device: ordering by waiting here instead.
-        let mut st = s.state();
-        while st.finished.wrapping_sub(seq) as i32 <= -1 && !st.closing {
-            st = s.changed.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|p| p.into_inner()).0;
-        }
-    }
-    Ok(())
+    // No stream memory operations on this device, or host waits asked for: the caller orders
+    // its stream by waiting here instead (after submitting the rest of its group).
+    Ok(waits_on_host.then(|| HostWait { s: s.clone(), seq }))
 }
 
-fn worker(comm: Arc<Comm>, s: Arc<Streamed>) {
+/// A batch whose caller orders its stream by waiting on the host until it is done.
+#[must_use = "the caller's stream is ordered only once the wait returns"]
+pub struct HostWait {
+    s: Arc<Streamed>,
+    seq: u32,
+}
+
+impl HostWait {
+    pub fn wait(self) {
+        let mut st = self.s.state();
+        while st.finished.wrapping_sub(self.seq) as i32 <= -1 && !st.closing {
+            st = self.s.changed.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}
+
+fn worker(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
     let mut staging = Staging::default();
     let mut direct = Direct::default();
-    let stream = s.ctx.make_current().and_then(|()| Stream::new(s.ctx));
+    let stream = s.ctx.make_current().map(|()| stream);
     loop {
         let batch = {
             let mut st = s.state();
@@ -244,12 +306,10 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>) {
         let result = match &stream {
             // A panic must not strand the callers' streams: it becomes this batch's error,
             // and the worker starts over with fresh staging.
-            Ok(stream) => catch_unwind(AssertUnwindSafe(|| run_batch(&comm, stream, &mut staging, &mut direct, &batch)))
-                .unwrap_or_else(|_| {
-                    staging = Staging::default();
-                    direct = Direct::default();
-                    Err(Error::internal("the stream worker panicked"))
-                }),
+            Ok(stream) => {
+                catch_unwind(AssertUnwindSafe(|| run_batch(&comm, stream, s.kernels, &mut staging, &mut direct, &batch)))
+                    .unwrap_or_else(|_| Err(Error::internal("the stream worker panicked")))
+            }
             Err(e) => Err(e.clone()),
         };
         if result.is_ok() {
@@ -258,9 +318,14 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>) {
         if let Err(e) = result {
             crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
             comm.set_async_error(&e);
+            // Copies the failed batch queued may still be writing the caller's buffers: they
+            // finish before the caller's stream moves on.
+            if let Ok(stream) = &stream {
+                let _ = stream.synchronize();
+            }
         }
         // Released even on failure: the caller's stream must never wait forever.
-        s.done.word(0).store(batch.seq, Ordering::Release);
+        s.done.word(s.word).store(batch.seq, Ordering::Release);
         s.state().finished = batch.seq;
         s.changed.notify_all();
     }
@@ -287,27 +352,20 @@ fn wait_started(comm: &Comm, e: &Event) -> Result<()> {
     Ok(())
 }
 
-/// Host memory operations are staged in, kept across batches: pinned (page-locked, so the
-/// device copies it at full speed, asynchronously), or ordinary memory where pinning fails.
+/// Host memory operations are staged in, kept across batches. Ordinary memory, not pinned:
+/// pinning or unpinning while a caller's stream waits for this worker could stall in the driver
+/// (see the module's notes); the device copies it synchronously, through the driver's own
+/// pinned buffers.
 #[derive(Default)]
 struct Staging {
-    pinned: Vec<Option<MappedHost>>,
     plain: Vec<Vec<u8>>,
 }
 
 impl Staging {
     /// Buffer `i`, at least `len` bytes.
     fn get(&mut self, i: usize, len: usize) -> Region {
-        if self.pinned.len() <= i {
-            self.pinned.resize_with(i + 1, || None);
+        if self.plain.len() <= i {
             self.plain.resize_with(i + 1, Vec::new);
-        }
-        if self.pinned[i].as_ref().is_none_or(|m| m.len() < len) {
-            // Grow by half again, so a sweep of growing sizes does not re-pin every time.
-            self.pinned[i] = MappedHost::new(len + len / 2).ok();
-        }
-        if let Some(m) = &self.pinned[i] {
-            return m.region().sub(0, len);
         }
         let v = &mut self.plain[i];
         if v.len() < len {
@@ -317,7 +375,8 @@ impl Staging {
     }
 }
 
-fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, direct: &mut Direct, batch: &Batch) -> Result<()> {
+fn run_batch(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&Kernels>, staging: &mut Staging, direct: &mut Direct,
+             batch: &Batch) -> Result<()> {
     for e in &batch.starts {
         wait_started(comm, e)?;
     }
@@ -341,7 +400,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, direct: &
     // within their group and so are staged together.
     let (p2p, colls): (Vec<Op>, Vec<Op>) = ops.into_iter().partition(|o| o.kind.is_p2p());
     for op in &colls {
-        if ipc::eligible(comm, op) && ipc::run(comm, stream, direct, op)? {
+        if ipc::eligible(comm, op) && ipc::run(comm, stream, kernels, direct, op)? {
             continue;
         }
         run_staged(comm, stream, staging, std::slice::from_ref(op))?;

@@ -86,6 +86,22 @@ fn cuda_mode_3_processes_torch_like() {
     cuda_job().procs(3).arg("--only").arg("Torch").run();
 }
 
+/// Host-wait mode (a call returns once its operation is done), asked for or taken because
+/// CUDA_DEVICE_MAX_CONNECTIONS is low (Megatron-LM's 1): every part passes, as processes and
+/// as ranks of one process (whose group must be submitted whole before anyone waits).
+#[test]
+fn cuda_mode_host_wait() {
+    for (k, v) in [("NCCL_RS_HOST_WAIT", "1"), ("CUDA_DEVICE_MAX_CONNECTIONS", "1")] {
+        for job in [cuda_job().procs(2).arg("--quick"), cuda_job().local(2).arg("--quick")] {
+            let o = job.env(k, v).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT").run_outcome();
+            assert!(o.ok(), "{k}={v}: {}", o.report);
+            for p in &o.procs {
+                assert!(p.log.contains("wait on the host until done"), "{k}={v}: host-wait mode not taken:\n{}", p.log);
+            }
+        }
+    }
+}
+
 #[test]
 fn cuda_mode_2_ranks_in_one_process() {
     cuda_job().local(2).run();

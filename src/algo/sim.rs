@@ -159,7 +159,7 @@ fn check(c: &Case, algo: Option<Algo>, rendezvous: bool) {
             }
         }
         let op = Op { kind: c.kind, dt: DataType::Int32, op: RedOp::Builtin(c.op), count, root: c.root,
-                      send, recv, seq: 0, scalar_at: None };
+                      send, recv, seq: 0, scalar_at: None, of: None };
         plans.push(plan_group(r, n, 256, &[op], algo).unwrap());
     }
     run(&plans, rendezvous);

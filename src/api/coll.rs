@@ -108,7 +108,7 @@ fn validate(comm: &Comm, a: &Args) -> Result<(Op, bool)> {
     let device = scalar_at.is_some() || uses_device_memory(&[send, recv]);
     // Collectives are numbered alike on every rank; point-to-point calls are not.
     let seq = if a.kind.is_p2p() { 0 } else { comm.seq.fetch_add(1, Ordering::Relaxed) };
-    let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq, scalar_at };
+    let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq, scalar_at, of: None };
     crate::info!(COLL, "{}: rank {} send {:#x} recv {:#x}", op.describe(), comm.rank, send.addr(), recv.addr());
     Ok((op, device))
 }

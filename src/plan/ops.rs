@@ -63,12 +63,19 @@ pub struct Op {
     /// CUDA mode: a PreMulSum scalar still in device memory, read in stream order (by the
     /// stream worker) before the operation is planned; `op` holds it from then on.
     pub scalar_at: Option<crate::device::host::UserPtr>,
+    /// A control operation of CUDA mode's direct path (`transport::ipc`): the stamp of the
+    /// user's operation it serves, marked with its step. Its messages carry that stamp, so a
+    /// rank that issued something else is told which call this one was part of.
+    pub of: Option<Stamp>,
 }
 
 impl Op {
     /// What every rank computes identically for the same collective (for point-to-point: the
     /// same byte count), carried on every message so a mismatch is detected and described.
     pub fn stamp(&self) -> Stamp {
+        if let Some(s) = self.of {
+            return s;
+        }
         let mut s = [0u8; STAMP_BYTES];
         if self.kind.is_p2p() {
             s[0] = P2P_KIND;
@@ -94,6 +101,9 @@ impl Op {
 
     /// "AllReduce #12 (count 1024, float, sum)" for messages.
     pub fn describe(&self) -> String {
+        if let Some(s) = self.of {
+            return describe_stamp(&s);
+        }
         let mut s = format!("{} #{} (count {}, {}", self.kind.name(), self.seq, self.count, self.dt.name());
         if self.kind.reduces() {
             s.push_str(&format!(", {}", self.op.name()));
@@ -109,7 +119,17 @@ impl Op {
     }
 }
 
+/// The stamp of a control operation serving the operation stamped `user`, at `step` (1-255)
+/// of its exchanges.
+pub fn control_stamp(user: &Stamp, step: u8) -> Stamp {
+    let mut s = *user;
+    s[CONTROL_STEP] = step;
+    s
+}
+
 const P2P_KIND: u8 = 200;
+/// Byte of a stamp that marks a control operation's step (0: the user's own operation).
+const CONTROL_STEP: usize = 3;
 const NO_REDOP: u8 = 255;
 const PREMULSUM: u8 = 99;
 const KINDS: [OpKind; 8] = [OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce, OpKind::AllGather,
@@ -117,6 +137,11 @@ const KINDS: [OpKind; 8] = [OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce
 
 /// Read a stamp back into words: "AllGather #12 (count 2048, float)".
 pub fn describe_stamp(s: &Stamp) -> String {
+    if s[CONTROL_STEP] != 0 {
+        let mut user = *s;
+        user[CONTROL_STEP] = 0;
+        return format!("step {} of the device-buffer exchange for {}", s[CONTROL_STEP], describe_stamp(&user));
+    }
     let u64_at = |i: usize| u64::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3], s[i + 4], s[i + 5], s[i + 6], s[i + 7]]);
     if s[0] == P2P_KIND {
         return format!("a send of {} bytes", u64_at(8));

@@ -14,6 +14,13 @@
 //! in-place all-to-all) all of them learn it in the agreement step and stage the operation
 //! through host memory instead.
 //!
+//! Mappings of peers' allocations are kept for the communicator's life (closed when its stream
+//! worker stops): opening and closing them per operation costs time, and unmapping while a
+//! caller's stream waits for the worker could stall in the driver. A peer's handle names one
+//! allocation, so a mapping is only used while its owner publishes that allocation again.
+//! PreMulSum is staged (its scaled input would need device scratch memory, allocated while
+//! streams wait).
+//!
 //! Sends and receives ([`run_p2p`]) work pairwise: the sender sends its receiver a record, the
 //! receiver copies from the mapped buffer and answers "done" (the sender's buffer is free) or
 //! "stage it" (both ends then stage that message).
@@ -99,27 +106,17 @@ impl Record {
     }
 }
 
-/// A stream worker's state for direct operations: peer mappings and a device scratch buffer.
+/// A stream worker's state for direct operations: the peer mappings it keeps.
 #[derive(Default)]
 pub struct Direct {
-    /// Peer mappings of the current operation: handle, mapping, allocation size. Closed when
-    /// the operation ends: a peer may free its buffer afterwards (caching allocators do), and
-    /// freeing memory another process still maps is not something to rely on. Reopening
-    /// costs time on a GPU; keeping mappings of registered buffers (ncclCommRegister) is the
-    /// way to avoid it.
+    /// Peer allocations mapped so far: handle, mapping (closed on drop), allocation size.
     maps: Vec<(IpcHandle, IpcMapping, usize)>,
-    scratch: Option<(usize, usize)>,
     /// Operations run direct so far (the first is logged).
     ran: u64,
 }
 
-impl Drop for Direct {
-    fn drop(&mut self) {
-        if let Some((p, _)) = self.scratch.take() {
-            let _ = cuda::free(p as *mut std::ffi::c_void);
-        }
-    }
-}
+/// Mappings a worker keeps before it says (INFO) that peers keep publishing new allocations.
+const MAPS_NOTED: usize = 256;
 
 /// Does `op` on `comm` go direct? The same answer on every rank.
 pub fn eligible(comm: &Comm, op: &Op) -> bool {
@@ -132,25 +129,11 @@ pub fn eligible(comm: &Comm, op: &Op) -> bool {
     let bytes = op.count.saturating_mul(op.dt.size());
     let kind_ok = matches!(op.kind, OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter | OpKind::Broadcast
         | OpKind::Reduce | OpKind::Gather | OpKind::Scatter | OpKind::AlltoAll);
-    one_host && kind_ok && bytes >= DIRECT_MIN && op.scalar_at.is_none()
+    let premul = matches!(op.op, RedOp::PreMulSum(_)) || op.scalar_at.is_some();
+    one_host && kind_ok && bytes >= DIRECT_MIN && !premul
 }
 
 impl Direct {
-    /// A device scratch buffer of at least `len` bytes (kept, grown as needed).
-    fn scratch(&mut self, len: usize) -> Result<Region> {
-        if self.scratch.is_none_or(|(_, l)| l < len) {
-            if let Some((p, _)) = self.scratch.take() {
-                cuda::free(p as *mut std::ffi::c_void)?;
-            }
-            let p = cuda::alloc(len.max(1))?;
-            self.scratch = Some((p as usize, len.max(1)));
-        }
-        let (p, _) = self.scratch.unwrap_or((0, 0));
-        // SAFETY: our own device allocation of at least `len` bytes, freed only when replaced
-        // (not during an operation) or on drop.
-        Ok(Region::user(unsafe { UserPtr::new(p as *const u8) }, 0, len))
-    }
-
     /// Where a peer's published buffer is in this process.
     fn map(&mut self, mine_pid: u32, their_pid: u32, p: &Published) -> Result<Region> {
         if p.len == 0 {
@@ -169,6 +152,10 @@ impl Direct {
                 let m = IpcMapping::open(&handle)?;
                 let (_, size) = cuda::allocation_of(m.addr())?;
                 self.maps.push((handle, m, size));
+                if self.maps.len() == MAPS_NOTED {
+                    crate::info!(P2P, "{MAPS_NOTED} peer allocations mapped by one communicator: peers keep publishing \
+                                       new allocations (mappings are kept until the communicator is destroyed)");
+                }
                 self.maps.len() - 1
             }
         };
@@ -178,7 +165,7 @@ impl Direct {
         }
         // SAFETY: inside the peer allocation this mapping holds open (checked just above); the
         // peer keeps the buffer until the final barrier, and mappings are closed only when the
-        // operation ends.
+        // worker stops.
         Ok(Region::user(unsafe { UserPtr::new((m.addr() + p.off as usize) as *const u8) }, 0, len))
     }
 }
@@ -193,53 +180,52 @@ fn publish(r: Region) -> Option<Published> {
     Some(Published { handle: handle.bytes, off: (r.addr() - base) as u64, addr: r.addr() as u64, len: r.len() as u64 })
 }
 
-/// A control operation on the host transports (every rank issues the same ones).
+/// The steps of the exchanges, as the control operations' stamps name them.
+const STEP_RECORDS: u8 = 1;
+const STEP_AGREE: u8 = 2;
+const STEP_HALFWAY: u8 = 3;
+const STEP_DONE: u8 = 4;
+const STEP_P2P_RECORD: u8 = 5;
+const STEP_P2P_ANSWER: u8 = 6;
+
+/// A control operation on the host transports (every rank issues the same ones) at `step` of
+/// the user's operation `user`: a rank that issued another call is told which one this was.
+#[allow(clippy::too_many_arguments)]
 fn control(comm: &Arc<Comm>, kind: OpKind, dt: DataType, op: BuiltinOp, count: usize, send: Region, recv: Region,
-           seq: u64) -> Result<()> {
-    let c = Op { kind, dt, op: RedOp::Builtin(op), count, root: 0, send, recv, seq, scalar_at: None };
+           user: &Op, step: u8) -> Result<()> {
+    let c = Op { kind, dt, op: RedOp::Builtin(op), count, root: 0, send, recv, seq: user.seq, scalar_at: None,
+                 of: Some(crate::plan::ops::control_stamp(&user.stamp(), step)) };
     crate::group::execute_now(comm.clone(), vec![c])
 }
 
-fn barrier(comm: &Arc<Comm>, seq: u64) -> Result<()> {
+fn barrier(comm: &Arc<Comm>, user: &Op, step: u8) -> Result<()> {
     let mut v = [1i32.to_le_bytes()];
     let r = Region::owned(v[0].as_mut_slice());
-    control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Sum, 1, r, r, seq)
+    control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Sum, 1, r, r, user, step)
 }
 
 /// Run `op` directly. Ok(false): some rank could not, and every rank falls back alike.
-pub fn run(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> Result<bool> {
-    // An error in the exchanges (say, a peer that issued a smaller call and so did not take
-    // this path) would otherwise only name the internal control operations.
-    run_direct(comm, stream, direct, op)
-        .map_err(|e| e.context(format!("{} on device memory, between the ranks of this host", op.describe())))
+/// Without `kernels` (the driver refused them on this rank) the rank takes part in the
+/// agreement and says it cannot, so every rank stages.
+pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op)
+           -> Result<bool> {
+    run_mapped(comm, stream, kernels, direct, op).inspect_err(|_| {
+        // Copies already queued may read peers' memory or write the caller's: they finish
+        // before the failure is reported (and the caller's stream released).
+        let _ = stream.synchronize();
+    })
 }
 
-fn run_direct(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> Result<bool> {
-    let result = run_direct_mapped(comm, stream, direct, op);
-    direct.maps.clear();
-    result
-}
-
-fn run_direct_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op: &Op) -> Result<bool> {
+fn run_mapped(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op)
+              -> Result<bool> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
-    let ctx = cuda::Context::primary(comm.cuda_dev)?;
-    let kernels = ctx.kernels()?;
-    // PreMulSum: our input scaled first, into scratch the peers read.
-    let mut input = op.send;
-    if let RedOp::PreMulSum(scalar) = op.op {
-        if !input.is_empty() {
-            let scaled = direct.scratch(input.len())?;
-            kernels.premul(op.dt, scaled, input, scalar, stream)?;
-            stream.synchronize()?;
-            input = scaled;
-        }
-    }
+    let input = op.send;
     let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
     let (pi, po) = (publish(input), publish(op.recv));
     let mine = Record {
         pid: std::process::id(),
-        ok: pi.is_some() && po.is_some() && !in_place_alltoall,
+        ok: pi.is_some() && po.is_some() && !in_place_alltoall && kernels.is_some(),
         input: pi.unwrap_or_default(),
         output: po.unwrap_or_default(),
         stamp: op.stamp(),
@@ -247,7 +233,7 @@ fn run_direct_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op:
     let mut all = vec![0u8; RECORD_BYTES * n];
     let mut enc = mine.encode();
     control(comm, OpKind::AllGather, DataType::Int8, BuiltinOp::Sum, RECORD_BYTES, Region::owned(&mut enc),
-            Region::owned(&mut all), op.seq)?;
+            Region::owned(&mut all), op, STEP_RECORDS)?;
     let records: Vec<Record> = all.chunks(RECORD_BYTES).map(Record::decode).collect();
     // Map every peer's buffers; then agree that everyone could.
     let mut ins = Vec::with_capacity(n);
@@ -283,10 +269,8 @@ fn run_direct_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, op:
     }
     let mut flag = [(ok as i32).to_le_bytes()];
     let f = Region::owned(flag[0].as_mut_slice());
-    control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Min, 1, f, f, op.seq)?;
-    if i32::from_le_bytes(flag[0]) == 0 {
-        return Ok(false);
-    }
+    control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Min, 1, f, f, op, STEP_AGREE)?;
+    let Some(kernels) = kernels.filter(|_| i32::from_le_bytes(flag[0]) != 0) else { return Ok(false) };
     compute(comm, stream, kernels, op, &ins, &outs)?;
     if direct.ran == 0 {
         crate::info!(P2P, "rank {me}: device buffers of the {n} ranks of this host are read directly (CUDA IPC / same process), from {}",
@@ -330,7 +314,7 @@ fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &
             let (off, len) = chunk(me);
             reduce_all(out.sub(off, len), &|r: Region| r.sub(off, len))?;
             stream.synchronize()?;
-            barrier(comm, op.seq)?;
+            barrier(comm, op, STEP_HALFWAY)?;
             for (p, o) in outs.iter().enumerate().filter(|(p, _)| *p != me) {
                 let (off, len) = chunk(p);
                 copy(out.sub(off, len), o.sub(off, len))?;
@@ -365,7 +349,7 @@ fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &
     }
     stream.synchronize()?;
     // Every peer has finished reading our buffers once all passed this point.
-    barrier(comm, op.seq)
+    barrier(comm, op, STEP_DONE)
 }
 
 /// Does this point-to-point operation go direct? Both ends of a pair decide alike (same size,
@@ -385,11 +369,11 @@ fn eligible_p2p(comm: &Comm, op: &Op) -> bool {
     same_host && op.count.saturating_mul(op.dt.size()) >= DIRECT_MIN && op.scalar_at.is_none()
 }
 
-/// A control message of a point-to-point exchange (host transports).
-fn p2p_control(kind: OpKind, peer: usize, buf: Region) -> Op {
+/// A control message of a point-to-point exchange (host transports) at `step` of `user`'s.
+fn p2p_control(kind: OpKind, peer: usize, buf: Region, user: &Op, step: u8) -> Op {
     let (send, recv) = if kind == OpKind::Send { (buf, Region::EMPTY) } else { (Region::EMPTY, buf) };
     Op { kind, dt: DataType::Int8, op: RedOp::Builtin(BuiltinOp::Sum), count: buf.len(), root: peer, send, recv, seq: 0,
-         scalar_at: None }
+         scalar_at: None, of: Some(crate::plan::ops::control_stamp(&user.stamp(), step)) }
 }
 
 /// The sends and receives of one group on `comm` between ranks of one host, directly: each
@@ -398,14 +382,9 @@ fn p2p_control(kind: OpKind, peer: usize, buf: Region) -> Op {
 /// hosts, small, self, or a buffer that could not be published or mapped — both ends learn
 /// it from the answer) are for the caller to stage, in their order.
 pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op]) -> Result<Vec<bool>> {
-    run_p2p_direct(comm, stream, direct, ops)
-        .map_err(|e| e.context("sends and receives on device memory, between the ranks of this host"))
-}
-
-fn run_p2p_direct(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op]) -> Result<Vec<bool>> {
-    let result = run_p2p_mapped(comm, stream, direct, ops);
-    direct.maps.clear();
-    result
+    run_p2p_mapped(comm, stream, direct, ops).inspect_err(|_| {
+        let _ = stream.synchronize();
+    })
 }
 
 fn run_p2p_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op]) -> Result<Vec<bool>> {
@@ -426,7 +405,7 @@ fn run_p2p_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &
         }
     }
     let control: Vec<Op> = picked.iter().zip(records.iter_mut())
-        .map(|(&i, rec)| p2p_control(ops[i].kind, ops[i].root, Region::owned(rec.as_mut_slice())))
+        .map(|(&i, rec)| p2p_control(ops[i].kind, ops[i].root, Region::owned(rec.as_mut_slice()), &ops[i], STEP_P2P_RECORD))
         .collect();
     crate::group::execute_now(comm.clone(), control)?;
     // 2. Receivers copy what they can map.
@@ -456,7 +435,7 @@ fn run_p2p_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &
     let control: Vec<Op> = picked.iter().zip(answers.iter_mut())
         .map(|(&i, a)| {
             let kind = if ops[i].kind == OpKind::Recv { OpKind::Send } else { OpKind::Recv };
-            p2p_control(kind, ops[i].root, Region::owned(a.as_mut_slice()))
+            p2p_control(kind, ops[i].root, Region::owned(a.as_mut_slice()), &ops[i], STEP_P2P_ANSWER)
         })
         .collect();
     crate::group::execute_now(comm.clone(), control)?;
