@@ -340,3 +340,16 @@ KERNELS(double, Float64)
 KERNELS(bfloat16, Bfloat16)
 KERNELS(f8e4m3, Float8e4m3)
 KERNELS(f8e5m2, Float8e5m2)
+
+// ---------------------------------------------------------------------------------------------
+// The stream gate (NCCL_RS_STREAM_GATE=kernel): holds its stream until the 32-bit word at
+// `word` (mapped host memory the stream worker advances) reaches `value`, compared as the
+// wrapping counter it is. Unlike a stream wait on memory (cuStreamWaitValue32), a running
+// kernel does not stall a hardware queue that other streams may share. One thread polls.
+extern "C" __global__ void nccl_rs_wait_geq(void* word, const void*, u64 value, u64) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const volatile unsigned* w = static_cast<const volatile unsigned*>(word);
+  const unsigned v = static_cast<unsigned>(value);
+  while (static_cast<int>(*w - v) < 0) __nanosleep(500);
+  __threadfence_system();
+}

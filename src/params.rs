@@ -30,6 +30,7 @@ pub const ALL: &[Param] = &[
     p("NCCL_P2P_DISABLE", "0", "1: never copy directly between ranks of one process or GPU peers"),
     p("NCCL_RS_DIRECT_P2P", "0", "1: CUDA mode sends/receives between ranks of a host read the sender's buffer directly (experimental: both ends must group their sends and receives alike)"),
     p("NCCL_RS_HOST_WAIT", "0", "1: CUDA mode calls return once their operation is done instead of making the stream wait for it (taken anyway when CUDA_DEVICE_MAX_CONNECTIONS is below 8)"),
+    p("NCCL_RS_STREAM_GATE", "memop", "CUDA mode: how a caller's stream waits for its operation: memop (cuStreamWaitValue32) or kernel (a one-thread polling kernel, which stalls no hardware queue other streams share)"),
     p("NCCL_P2P_LEVEL", "", "LOC or 0: CUDA mode never reads peers' device memory directly; other levels allow it where CUDA IPC works"),
     p("NCCL_ALGO", "", "force an algorithm: Ring or Tree (case-insensitive); unset chooses by size"),
     p("NCCL_BUFFSIZE", "4194304", "bytes of staging buffer per connection to a peer"),
@@ -130,6 +131,11 @@ pub fn few_device_connections() -> bool {
     // CUDA's own variable, read as the driver reads it (not an NCCL parameter).
     let connections = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<i64>().ok());
     int("NCCL_RS_HOST_WAIT") != 0 || connections.is_some_and(|n| n < 8)
+}
+/// `NCCL_RS_STREAM_GATE=kernel`: callers' streams wait with a polling kernel, not a stream
+/// memory operation.
+pub fn stream_gate_kernel() -> bool {
+    text("NCCL_RS_STREAM_GATE").trim().eq_ignore_ascii_case("kernel")
 }
 /// `NCCL_RS_DIRECT_P2P=1`: the experimental direct path for sends and receives (CUDA mode).
 pub fn direct_p2p() -> bool {

@@ -131,6 +131,8 @@ impl Streamed {
         if crate::params::few_device_connections() {
             crate::info!(INIT, "rank {}: calls on device memory wait on the host until done (NCCL_RS_HOST_WAIT=1 or \
                                 CUDA_DEVICE_MAX_CONNECTIONS below 8)", comm.rank);
+        } else if crate::params::stream_gate_kernel() && s.kernels.is_some() {
+            crate::info!(INIT, "rank {}: callers' streams wait for operations with a polling kernel", comm.rank);
         }
         Ok(s)
     }
@@ -245,8 +247,13 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> 
     let seq = state.issued.wrapping_add(1);
     let host_wait = crate::params::few_device_connections();
     let mut waits_on_host = host_wait;
+    let gate_kernel = s.kernels.filter(|_| crate::params::stream_gate_kernel());
     for st in callers.iter().filter(|_| !host_wait) {
-        match st.wait_value32(s.done, s.word, seq, WaitCond::Geq) {
+        let gated = match gate_kernel {
+            Some(k) => k.wait_geq(st, s.done.device_addr() + 4 * s.word, seq).map(|()| MemOp::Enqueued),
+            None => st.wait_value32(s.done, s.word, seq, WaitCond::Geq),
+        };
+        match gated {
             Ok(MemOp::Enqueued) => {}
             Ok(MemOp::Unsupported) => waits_on_host = true,
             Err(e) => {

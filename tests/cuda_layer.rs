@@ -517,6 +517,40 @@ fn kernels_match_host_reductions() {
     }
 }
 
+/// The stream gate kernel (NCCL_RS_STREAM_GATE=kernel) holds its stream until the host moves
+/// the word to the value, compared as a wrapping counter, while other streams run.
+#[test]
+fn gate_kernel_holds_a_stream_until_the_host_releases_it() {
+    if in_child("gate_kernel_holds_a_stream_until_the_host_releases_it", check_gate_kernel) {
+        return;
+    }
+    for driver in drivers() {
+        run_child("gate_kernel_holds_a_stream_until_the_host_releases_it", driver, &[]);
+    }
+}
+
+fn check_gate_kernel() {
+    let ctx = Context::primary(0).unwrap();
+    let k = ctx.kernels().unwrap();
+    let (s1, s2) = (Stream::new(ctx).unwrap(), Stream::new(ctx).unwrap());
+    let words = MappedHost::new(64).unwrap();
+    let a = DeviceBuf::new(4096);
+    for (start, value, not_yet) in [(0u32, 3u32, 2u32), (0xffff_fff0, 5, 0xffff_ffff)] {
+        words.word(0).store(start, Ordering::Release);
+        k.wait_geq(&s1, words.device_addr(), value).unwrap();
+        s1.memset(a.region(), value as u8).unwrap();
+        // Another stream runs meanwhile.
+        s2.memset(a.region(), 0xee).unwrap();
+        s2.synchronize().unwrap();
+        assert!(stays_busy(&s1, Duration::from_millis(30)), "the gate opened at {start:#x} for {value:#x}");
+        words.word(0).store(not_yet, Ordering::Release);
+        assert!(stays_busy(&s1, Duration::from_millis(30)), "the gate opened at {not_yet:#x} for {value:#x}");
+        words.word(0).store(value.wrapping_add(1), Ordering::Release);
+        wait_until(&format!("the gate for {value:#x}"), || s1.query().unwrap());
+        assert!(download(&s1, a.region()).iter().all(|&x| x == value as u8), "the memset behind the gate did not run");
+    }
+}
+
 /// splitmix64: deterministic test data without a dependency.
 struct Rng(u64);
 impl Rng {

@@ -102,6 +102,20 @@ fn cuda_mode_host_wait() {
     }
 }
 
+/// Callers' streams held by the polling kernel instead of cuStreamWaitValue32
+/// (NCCL_RS_STREAM_GATE=kernel): every part passes, gated streams included.
+#[test]
+fn cuda_mode_stream_gate_kernel() {
+    for job in [cuda_job().procs(2), cuda_job().local(2).arg("--quick")] {
+        let o = job.env("NCCL_RS_STREAM_GATE", "kernel").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT")
+            .run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for p in &o.procs {
+            assert!(p.log.contains("wait for operations with a polling kernel"), "the kernel gate was not taken:\n{}", p.log);
+        }
+    }
+}
+
 #[test]
 fn cuda_mode_2_ranks_in_one_process() {
     cuda_job().local(2).run();

@@ -13,10 +13,11 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "stub.h"
 
-enum { K_REDUCE, K_PREMUL, K_DIVIDE };
+enum { K_REDUCE, K_PREMUL, K_DIVIDE, K_WAIT };
 enum { OP_SUM, OP_PROD, OP_MAX, OP_MIN };
 /* NCCL's datatype values (src/types.rs). */
 enum { INT8, UINT8, INT32, UINT32, INT64, UINT64, HALF, FLOAT, DOUBLE, BFLOAT16, E4M3, E5M2, NTYPES };
@@ -31,7 +32,7 @@ struct kernel {
   int kind, type, op;
 };
 
-#define NKERNELS (NTYPES * 6)
+#define NKERNELS (NTYPES * 6 + 1) /* and the stream gate, nccl_rs_wait_geq */
 static struct kernel g_kernels[NKERNELS];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -49,6 +50,7 @@ static void build_table(void) {
     snprintf(k->name, sizeof k->name, "nccl_rs_divide_%s", TYPE_NAMES[t]);
     k++;
   }
+  *k = (struct kernel){"nccl_rs_wait_geq", K_WAIT, UINT32, 0};
 }
 
 const struct kernel *kernel_find(const char *name) {
@@ -64,7 +66,7 @@ int kernel_valid(const void *f) {
 }
 
 int kernel_pointers(const struct kernel *k) {
-  return k->kind == K_REDUCE ? 3 : 2;
+  return k->kind == K_REDUCE ? 3 : k->kind == K_WAIT ? 1 : 2;
 }
 
 size_t kernel_elem_size(const struct kernel *k) {
@@ -224,6 +226,15 @@ static uint32_t narrow(int t, float v) {
   }
 
 void kernel_run(const struct kernel *k, const uint64_t params[4]) {
+  if (k->kind == K_WAIT) {
+    /* The stream gate: poll the word (written by the host, maybe another process) until it
+     * reaches the value, as a wrapping counter, like the GPU's one polling thread. */
+    const uint32_t *word = (const uint32_t *)(uintptr_t)params[0];
+    const uint32_t value = (uint32_t)params[2];
+    struct timespec pause = {0, 20000};
+    while ((int32_t)(__atomic_load_n(word, __ATOMIC_ACQUIRE) - value) < 0) nanosleep(&pause, NULL);
+    return;
+  }
   void *dst = (void *)(uintptr_t)params[0];
   const void *a = (const void *)(uintptr_t)params[1], *b = (const void *)(uintptr_t)params[2];
   uint64_t p2 = params[2], n = params[3];

@@ -32,11 +32,13 @@ const THREADS: usize = 256;
 const ELEMS_PER_THREAD: usize = 8;
 const MAX_BLOCKS: usize = 1024;
 
-/// The 72 kernels of one context, indexed by datatype (its NCCL value) and operator.
+/// The 72 reduction kernels of one context, indexed by datatype (its NCCL value) and
+/// operator, and the stream gate.
 pub struct Kernels {
     reduce: [[CUfunction; 4]; 12],
     premul: [CUfunction; 12],
     divide: [CUfunction; 12],
+    wait_geq: CUfunction,
 }
 
 // SAFETY: CUfunction handles are usable from any thread; the module is never unloaded (it
@@ -67,6 +69,7 @@ impl Kernels {
                 reduce: [[std::ptr::null_mut(); 4]; 12],
                 premul: [std::ptr::null_mut(); 12],
                 divide: [std::ptr::null_mut(); 12],
+                wait_geq: get("nccl_rs_wait_geq".to_string())?,
             };
             for dt in DataType::ALL {
                 let t = dt.name();
@@ -99,6 +102,16 @@ impl Kernels {
     pub fn divide(&self, dt: DataType, dst: Region, src: Region, divisor: u64, stream: &Stream) -> Result<()> {
         let n = dst.len().min(src.len()) / dt.size();
         launch(self.divide[dt as usize], [dst.addr() as u64, src.addr() as u64, divisor], n, stream)
+    }
+}
+
+impl Kernels {
+    /// Holds `stream` until the 32-bit word at device address `word` (mapped host memory)
+    /// reaches `value` (wrapping comparison), with a one-thread kernel: unlike
+    /// `cuStreamWaitValue32`, it stalls no hardware queue that other streams share. The memory
+    /// must stay mapped until the stream has passed the kernel.
+    pub fn wait_geq(&self, stream: &Stream, word: usize, value: u32) -> Result<()> {
+        launch(self.wait_geq, [word as u64, 0, value as u64], 1, stream)
     }
 }
 
