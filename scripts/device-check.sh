@@ -20,7 +20,10 @@
 #      must equal those of the gloo backend;
 #   4. (c) nccl-rs-perf: allreduce and allgather on 2 ranks with device buffers (--device 1)
 #      next to the device-to-device copy bandwidth measured in the same run, and 1-rank
-#      allreduce latency next to NVIDIA's NCCL (PyTorch's) in the same run.
+#      allreduce latency next to NVIDIA's NCCL (PyTorch's) in the same run, both through
+#      PyTorch (and ours through nccl-rs-perf);
+#   5. the polling-kernel stream gate (NCCL_RS_STREAM_GATE=kernel) against the default.
+# A step that passes its cap leaves hang-<step>.txt: every thread's stack of its processes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PREP=.device
@@ -52,12 +55,28 @@ say() { echo "$*" | tee -a "$R"; }
 # gets its own cap, cut to what is left, and a step that runs past it is killed with all its
 # processes (its own session), so one hang costs one step, not the run.
 BUDGET=${DEVICE_CHECK_BUDGET:-450}
+# Where a step hangs: every thread's stack of each of its processes (gdb where installed, else
+# the kernel's view), written before the step is killed.
+stacks() { # session-leader-pid name
+  local p n=0
+  for p in $(pgrep -s "$1"); do
+    n=$((n + 1)); [ "$n" -gt 4 ] && break
+    { echo "== pid $p: $(tr '\0' ' ' < /proc/"$p"/cmdline 2>/dev/null | cut -c1-200)"
+      if command -v gdb >/dev/null; then
+        timeout 8 gdb -p "$p" -batch -ex 'thread apply all bt 12' 2>&1 | grep -E '^(Thread|#)' | head -300
+      else
+        for t in /proc/"$p"/task/*; do echo "$(cat "$t"/comm 2>/dev/null) wchan=$(cat "$t"/wchan 2>/dev/null)"; done
+      fi
+    } >> "$OUT/hang-$2.txt" 2>&1
+  done
+}
 capped() { # seconds command...
   local t=$1; shift
   setsid "$@" 0<&0 & # (stdin kept: a step may read a here-document)
   local pid=$! end=$((SECONDS + t))
   while kill -0 "$pid" 2>/dev/null; do
     if [ "$SECONDS" -ge "$end" ]; then
+      stacks "$pid" "${STEP:-step}"
       kill -TERM -- -"$pid" 2>/dev/null; sleep 2; kill -KILL -- -"$pid" 2>/dev/null
       wait "$pid" 2>/dev/null
       return 124
@@ -72,7 +91,7 @@ step() { # name cap-seconds command...
   if [ "$left" -lt 10 ]; then say "$(printf '%-28s skipped: out of time (budget %ss)' "$name" "$BUDGET")"; return; fi
   [ "$t" -gt "$left" ] && t=$left
   local t0=$SECONDS
-  capped "$t" "$@" > "$OUT/$name.log" 2>&1
+  STEP=$name capped "$t" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   local why; why=$([ "$rc" = 124 ] && echo "KILLED at its ${t}s cap; " )
   say "$(printf '%-28s rc=%-3s %4ss  %s%s' "$name" "$rc" "$((SECONDS - t0))" "$why" "$(grep -E 'test result|RESULT|Error|error' "$OUT/$name.log" | tail -1 | cut -c1-120)")"
@@ -115,27 +134,47 @@ fi
 step perf-cuda-allreduce-2 50 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 step perf-cuda-allgather-2 50 "$PREP/run/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 step perf-cuda-latency-1 20 "$PREP/run/bin/nccl-rs-perf" allreduce -np 1 --device 1 -b 8 -e 8 -n 2000 -w 50
-if python3 -c 'import torch' 2>/dev/null; then
-  step copy-bw-and-nvidia-nccl 45 python3 - <<'PY'
-import time, torch, torch.distributed as dist, os
-x = torch.empty(1 << 28, dtype=torch.float32, device="cuda:0"); y = torch.empty_like(x)
-for _ in range(3): y.copy_(x)
-torch.cuda.synchronize(); t = time.perf_counter(); n = 10
-for _ in range(n): y.copy_(x)
-torch.cuda.synchronize(); dt = (time.perf_counter() - t) / n
-print(f"device-to-device copy: {x.numel() * 4 / dt / 1e9:.1f} GB/s (1 GiB)")
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
+cat > "$OUT/latency.py" <<'PY'
+# Device copy bandwidth, and 1-rank all-reduce latency through PyTorch of whichever libnccl
+# is loaded (NVIDIA's from PyTorch's wheel, or ours with LD_PRELOAD): the same path for both.
+import os, sys, time, torch, torch.distributed as dist
+which = sys.argv[1]
+if which == "nvidia":
+    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda:0"); y = torch.empty_like(x)
+    for _ in range(3): y.copy_(x)
+    torch.cuda.synchronize(); t = time.perf_counter(); n = 10
+    for _ in range(n): y.copy_(x)
+    torch.cuda.synchronize(); dt = (time.perf_counter() - t) / n
+    print(f"device-to-device copy: {x.numel() * 4 / dt / 1e9:.1f} GB/s (1 GiB)")
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
 t8 = torch.ones(2, device="cuda:0")
 for _ in range(50): dist.all_reduce(t8)
 torch.cuda.synchronize(); n = 2000; t = time.perf_counter()
 for _ in range(n): dist.all_reduce(t8)
 torch.cuda.synchronize()
-print(f"NVIDIA NCCL {torch.cuda.nccl.version()} 1-rank allreduce 8 B: {(time.perf_counter() - t) / n * 1e6:.2f} us per call")
+print(f"{which} (NCCL {torch.cuda.nccl.version()}) 1-rank allreduce 8 B through PyTorch: {(time.perf_counter() - t) / n * 1e6:.2f} us per call")
 dist.destroy_process_group()
 PY
+if python3 -c 'import torch' 2>/dev/null; then
+  step copy-bw-and-nvidia-nccl 45 python3 "$OUT/latency.py" nvidia 29541
+  step latency-nccl-rs-torch 45 env LD_PRELOAD="$PWD/$PREP/lib/libnccl.so.2" python3 "$OUT/latency.py" nccl-rs 29542
 fi
-for f in perf-cuda-allreduce-2 perf-cuda-allgather-2 perf-cuda-latency-1 copy-bw-and-nvidia-nccl; do
-  grep -E '^ +[0-9]|Avg bus|GB/s|us per call' "$OUT/$f.log" 2>/dev/null | sed "s/^/# $f: /" >> "$R"
+
+# 5. The other stream gate (NCCL_RS_STREAM_GATE=kernel: a polling kernel instead of
+#    cuStreamWaitValue32), to choose the default: CUDA mode tests, PyTorch, 2-rank latency.
+step ffi-cuda-gate-kernel 60 env NCCL_RS_STREAM_GATE=kernel NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" \
+  NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 cuda_mode_2_processes cuda_mode_2_ranks_in_one_process
+step perf-cuda-allreduce-2-gate-kernel 40 env NCCL_RS_STREAM_GATE=kernel "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 \
+  --device 1 -b 1K -e 64M -f 8 -n 5 -w 1
+if python3 -c 'import torch' 2>/dev/null; then
+  step torch-nccl-rs-gate-kernel 60 bash -c "
+    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29535 WORLD_SIZE=2 NCCL_RS_STREAM_GATE=kernel
+    for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
+    python3 $OUT/torch_check.py compare"
+fi
+for f in perf-cuda-allreduce-2 perf-cuda-allgather-2 perf-cuda-latency-1 copy-bw-and-nvidia-nccl latency-nccl-rs-torch \
+         perf-cuda-allreduce-2-gate-kernel torch-nccl-rs-gate-kernel; do
+  grep -E '^ +[0-9]|Avg bus|GB/s|us per call|RESULT' "$OUT/$f.log" 2>/dev/null | sed "s/^/# $f: /" >> "$R"
 done
 say "# done in ${SECONDS}s"

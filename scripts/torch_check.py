@@ -8,6 +8,7 @@
 
 Collectives are checked exactly (inputs are small integers, exact in fp32 and bf16 sums).
 """
+import datetime
 import json
 import os
 import sys
@@ -111,7 +112,9 @@ def main():
     if mode == "nccl":
         dev = torch.device("cuda:0")
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+        # A hang becomes an error within a minute (PyTorch's watchdog), not the step's cap.
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
+                                timeout=datetime.timedelta(seconds=60))
         ok = collectives(rank, world, dev)
     elif mode == "selftest":
         dev = torch.device("cpu")
