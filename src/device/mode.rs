@@ -40,6 +40,13 @@ fn probe() -> Mode {
         // a missing symbol panics inside cudarc, which catch_unwind turns into host mode.
         let init = unsafe { sys::cuInit(0) };
         if init != sys::CUresult::CUDA_SUCCESS {
+            // Not silent: a program that passes device memory would otherwise crash in host
+            // mode. 34 (CUDA_ERROR_STUB_LIBRARY) is the CUDA toolkit's stub libcuda.so found
+            // before the driver's.
+            crate::warn!("nccl-rs: a CUDA driver library loaded but cuInit failed ({}): host mode, device buffers \
+                          cannot be used{}", super::cuda::result_name(init),
+                         if init as u32 == 34 { " (a stub libcuda.so of the CUDA toolkit is on the library path \
+                                                  before the driver's)" } else { "" });
             return Mode::Host;
         }
         let mut count = 0;

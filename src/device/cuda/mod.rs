@@ -52,7 +52,24 @@ fn check(call: impl std::fmt::Display, r: CUresult) -> Result<()> {
     if r == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::new(Code::UnhandledCudaError, format!("{call}: {r:?}")))
+        Err(Error::new(Code::UnhandledCudaError, format!("{call}: {}", result_name(r))))
+    }
+}
+
+/// The name of a CUresult, as the driver gives it ("CUDA_ERROR_INVALID_VALUE"), else its number.
+/// Never through cudarc's enum names: they are CUDA 12.0's, and a newer driver's code is not
+/// one of them.
+pub fn result_name(r: CUresult) -> String {
+    let raw = r as u32;
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: `name` is a valid out-pointer; the driver returns a static string or an error.
+    let known = unsafe { cudarc::driver::sys::cuGetErrorName(r, &mut name) } == CUresult::CUDA_SUCCESS;
+    if known && !name.is_null() {
+        // SAFETY: the driver returned a NUL-terminated static string.
+        let s = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy();
+        s.into_owned()
+    } else {
+        format!("CUDA error {raw}")
     }
 }
 

@@ -99,7 +99,12 @@ impl Stream {
         driver("cuStreamIsCapturing", || {
             let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
             // SAFETY: `status` is a valid out-pointer; `raw` is a live stream.
-            check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(self.raw, &mut status) })?;
+            match unsafe { sys::cuStreamIsCapturing(self.raw, &mut status) } {
+                // The legacy stream while another stream captures in global mode: enqueueing
+                // on it would invalidate that capture, so it counts as capturing.
+                CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => return Ok(true),
+                r => check("cuStreamIsCapturing", r)?,
+            }
             Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
         })
     }
