@@ -116,6 +116,19 @@ fn cuda_mode_stream_gate_kernel() {
     }
 }
 
+/// A rank whose driver refuses the reduction kernels stages every operation, and its peers,
+/// which have them, stage with it: the ranks agree on the path, results are exact.
+#[test]
+fn cuda_mode_a_rank_without_kernels() {
+    let o = cuda_job().procs(2).proc_env(1, "NCCL_RS_STUB_NO_MODULES", "1").arg("--only").arg("Collectives")
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    assert!(o.procs[1].log.contains("reduction kernels did not load"), "process 1 had its kernels:\n{}", o.procs[1].log);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(!p.log.contains("are read directly"), "process {i} took the direct path:\n{}", p.log);
+    }
+}
+
 #[test]
 fn cuda_mode_2_ranks_in_one_process() {
     cuda_job().local(2).run();

@@ -413,6 +413,8 @@ EXPORT CUresult cuModuleLoadData(struct module **pm, const void *image) {
   REQUIRE_CTX();
   if (!pm || !image) return CUDA_ERROR_INVALID_VALUE;
   if (!strstr(image, ".version")) return CUDA_ERROR_INVALID_IMAGE; /* not PTX text */
+  /* A driver that cannot JIT the PTX (too old for its .version), for tests. */
+  if (env_int("NCCL_RS_STUB_NO_MODULES", 0)) return CUDA_ERROR_INVALID_IMAGE;
   struct module *m = calloc(1, sizeof *m);
   if (!m || !(m->ptx = strdup(image))) {
     free(m);
