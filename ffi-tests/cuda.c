@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *   CUDA_TEST_ABORT_HELD=1 cuda (ncclCommAbort while the call's stream is held before it)
@@ -678,6 +678,44 @@ static void group_mix(void) {
   }
 }
 
+/* Fresh device memory for every all-reduce (large enough to read peers directly), as a
+ * caching allocator's churn looks to the peers: first kept allocated (more allocations than
+ * the mappings a worker keeps: the oldest are closed), then freed after each call (new
+ * allocations at addresses the peers have mapped before). Every result exact. */
+static void churn(void) {
+  test_step("churn");
+  enum { ROUNDS_MAX = 300 };
+  const int full = g_env.only && !strcasecmp(g_env.only, "Churn");
+  const int rounds = full ? ROUNDS_MAX : 12, kept = full ? 270 : 6;
+  static CUdeviceptr live[ROUNDS_MAX][MAX_LOCAL];
+  for (int i = 0; i < rounds; i++) {
+    const size_t count = 20000 + (size_t)(i % 7) * 1000;
+    CUdeviceptr* d = live[i];
+    float* h[MAX_LOCAL];
+    for (int l = 0; l < g_env.local; l++) {
+      d[l] = dev_alloc(count * sizeof(float));
+      h[l] = host_alloc(count * sizeof(float));
+      for (size_t j = 0; j < count; j++) h[l][j] = in_value(g_env.first_rank + l, j, i % 5);
+      CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
+    }
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+    CHECK(ncclGroupEnd());
+    for (int l = 0; l < g_env.local; l++) {
+      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l]));
+      size_t bad = 0;
+      for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, i % 5);
+      EXPECT(bad == 0, "churn round %d, rank %d: %zu wrong values", i, g_env.first_rank + l, bad);
+      if (i >= kept) CU(cu.MemFree(d[l]));
+      CU(cu.MemFreeHost(h[l]));
+    }
+  }
+  for (int i = 0; i < kept && i < rounds; i++)
+    for (int l = 0; l < g_env.local; l++) CU(cu.MemFree(live[i][l]));
+}
+
 /* A call leaves the caller's current context alone (here: none), as NCCL does. */
 static void context(void) {
   test_step("context");
@@ -1050,6 +1088,7 @@ int main(int argc, char** argv) {
   if (wanted("Context")) context();
   if (wanted("GroupMix")) group_mix();
   if (wanted("Torch")) torch_like();
+  if (wanted("Churn")) churn();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

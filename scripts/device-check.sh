@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # device-check.sh — the checks that need a GPU machine (one H200 here), in one run that
-# finishes within 7.5 minutes (DEVICE_CHECK_BUDGET=450 s; a hung step is killed at its cap)
+# finishes within 7.5 minutes (DEVICE_CHECK_BUDGET=420 s of steps; a hung step is killed at its cap)
 # and writes $OUT/results.txt (plus logs).
 #
 # Prepare here (no GPU needed), then run there with the prepared folder carried:
@@ -54,7 +54,7 @@ say() { echo "$*" | tee -a "$R"; }
 # The whole run must end within BUDGET seconds (the device is lent for minutes): each step
 # gets its own cap, cut to what is left, and a step that runs past it is killed with all its
 # processes (its own session), so one hang costs one step, not the run.
-BUDGET=${DEVICE_CHECK_BUDGET:-450}
+BUDGET=${DEVICE_CHECK_BUDGET:-420} # (stack dumps and probes between steps take the rest of 7.5 min)
 # Where a step hangs: every thread's stack of each of its processes (gdb where installed, else
 # the kernel's view), written before the step is killed.
 stacks() { # session-leader-pid name
@@ -79,11 +79,14 @@ capped() { # seconds command...
       stacks "$pid" "${STEP:-step}"
       kill -TERM -- -"$pid" 2>/dev/null; sleep 2; kill -KILL -- -"$pid" 2>/dev/null
       wait "$pid" 2>/dev/null
-      return 124
+      return 200
     fi
     sleep 0.5
   done
   wait "$pid"
+  local rc=$?
+  kill -KILL -- -"$pid" 2>/dev/null # what the step left running (ranks of a failed run)
+  return $rc
 }
 step() { # name cap-seconds command...
   local name=$1 t=$2; shift 2
@@ -93,7 +96,7 @@ step() { # name cap-seconds command...
   local t0=$SECONDS
   STEP=$name capped "$t" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  local why; why=$([ "$rc" = 124 ] && echo "KILLED at its ${t}s cap; " )
+  local why; why=$([ "$rc" = 200 ] && echo "KILLED at its ${t}s cap; " )
   say "$(printf '%-28s rc=%-3s %4ss  %s%s' "$name" "$rc" "$((SECONDS - t0))" "$why" "$(grep -E 'test result|RESULT|Error|error' "$OUT/$name.log" | tail -1 | cut -c1-120)")"
 }
 
@@ -110,7 +113,7 @@ step cuda-layer 60 "$PREP/run/bin/cuda_layer" --test-threads=1
 
 # 2. (a) CUDA mode: ffi-tests/cuda.c against the real driver on 1, 2 and 4 ranks sharing the
 #    GPU (the harness compiles it with cc; NCCL_TEST_REAL_DRIVER drops the stub from the path).
-step ffi-cuda-mode 100 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" \
+step ffi-cuda-mode 150 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" \
   --test-threads=1
 step ffi-host-mode 45 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" "$PREP/run/bin/ffi" \
   --test-threads=2 collectives_2_processes p2p_4_processes errors_1_process

@@ -105,23 +105,19 @@ pub fn end() -> Result<()> {
         }
     }
     let mut host_waits = Vec::new();
-    let mut submitted = Ok(());
     for (c, ops) in &per_comm {
-        match crate::streamed::submit(c, ops.clone()) {
-            Ok(w) => host_waits.extend(w),
-            Err(e) => {
-                submitted = Err(e.context(format!("rank {}", c.rank)));
-                break;
-            }
-        }
+        // On a failure, no waiting for the parts already queued: they may need the ones never
+        // queued, and fail on their own (or on abort), their streams released.
+        host_waits.extend(crate::streamed::submit(c, ops.clone()).map_err(|e| e.context(format!("rank {}", c.rank)))?);
     }
-    // Waited for only once every communicator's part is in (they may need each other).
-    host_waits.into_iter().for_each(crate::streamed::HostWait::wait);
-    submitted?;
     for q in &host {
         crate::streamed::drain(&q.comm);
     }
-    execute(host.into_iter().map(|q| (q.comm, q.op)).collect())
+    // Host-wait mode: waited for only once every communicator's part is in, host-buffer
+    // parts included (ranks of this thread may need each other's).
+    execute(host.into_iter().map(|q| (q.comm, q.op)).collect())?;
+    host_waits.into_iter().for_each(crate::streamed::HostWait::wait);
+    Ok(())
 }
 
 /// Run now outside a group; inside one, at the outermost ncclGroupEnd, concurrently with the

@@ -81,6 +81,10 @@ pub struct Streamed {
     /// then every operation is staged.
     kernels: Option<&'static Kernels>,
     state: Mutex<State>,
+    /// Held through a whole submit (driver calls included, which may block while the device's
+    /// launch queue is full) and while closing; never by the worker, which needs `state` to
+    /// drain that queue.
+    submitting: Mutex<()>,
     /// Signalled when a batch is queued, when one finishes, and on close.
     changed: Condvar,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -120,7 +124,8 @@ impl Streamed {
             }
         };
         let s = Arc::new(Streamed { ctx, done, word, kernels, state: Mutex::new(State::default()),
-                                    changed: Condvar::new(), worker: Mutex::new(None), events: Mutex::new(Vec::new()) });
+                                    submitting: Mutex::new(()), changed: Condvar::new(), worker: Mutex::new(None),
+                                    events: Mutex::new(Vec::new()) });
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
@@ -171,7 +176,11 @@ impl Streamed {
     /// Stop the worker after the batches already queued (they fail fast on an aborted
     /// communicator) and wait for it.
     pub fn close(&self) {
-        self.state().closing = true;
+        {
+            // Not while a submit is between numbering its batch and queueing it.
+            let _no_submit = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
+            self.state().closing = true;
+        }
         self.changed.notify_all();
         let handle = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
@@ -240,17 +249,20 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> 
         e.record(st)?;
         starts.push(e);
     }
-    let mut state = s.state();
-    if state.closing {
-        return Err(Error::invalid_usage("communicator is being destroyed"));
-    }
-    let seq = state.issued.wrapping_add(1);
+    let _one = s.submitting.lock().unwrap_or_else(|p| p.into_inner());
+    let seq = {
+        let state = s.state();
+        if state.closing {
+            return Err(Error::invalid_usage("communicator is being destroyed"));
+        }
+        state.issued.wrapping_add(1)
+    };
     let host_wait = crate::params::few_device_connections();
     let mut waits_on_host = host_wait;
     let gate_kernel = s.kernels.filter(|_| crate::params::stream_gate_kernel());
     for st in callers.iter().filter(|_| !host_wait) {
         let gated = match gate_kernel {
-            Some(k) => k.wait_geq(st, s.done.device_addr() + 4 * s.word, seq).map(|()| MemOp::Enqueued),
+            Some(k) => k.wait_geq(st, s.done, s.word, seq).map(|()| MemOp::Enqueued),
             None => st.wait_value32(s.done, s.word, seq, WaitCond::Geq),
         };
         match gated {
@@ -259,6 +271,7 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> 
             Err(e) => {
                 // Streams already told to wait for `seq` must get it: an empty batch releases
                 // them (the next batch must not reuse the number behind their wait).
+                let mut state = s.state();
                 state.issued = seq;
                 state.queue.push_back(Batch { seq, starts: Vec::new(), ops: Vec::new() });
                 drop(state);
@@ -267,6 +280,7 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> 
             }
         }
     }
+    let mut state = s.state();
     state.issued = seq;
     state.queue.push_back(Batch { seq, starts, ops: ops.into_iter().map(|o| o.op).collect() });
     drop(state);
@@ -284,9 +298,12 @@ pub struct HostWait {
 }
 
 impl HostWait {
+    /// Returns once the batch has finished (or failed). Closing does not cut it short: the
+    /// worker runs every queued batch before it stops (failing fast after an abort), and the
+    /// caller may reuse its buffers once this returns.
     pub fn wait(self) {
         let mut st = self.s.state();
-        while st.finished.wrapping_sub(self.seq) as i32 <= -1 && !st.closing {
+        while st.finished.wrapping_sub(self.seq) as i32 <= -1 {
             st = self.s.changed.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
@@ -344,8 +361,8 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
 fn wait_started(comm: &Comm, e: &Event) -> Result<()> {
     let mut spins = 0u32;
     while !e.query()? {
-        if comm.abort.load(Ordering::Acquire) {
-            return Err(Error::invalid_usage("communicator aborted while waiting for the caller's stream"));
+        if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage("communicator aborted or revoked while waiting for the caller's stream"));
         }
         spins += 1;
         if spins < 256 {

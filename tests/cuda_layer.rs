@@ -537,7 +537,7 @@ fn check_gate_kernel() {
     let a = DeviceBuf::new(4096);
     for (start, value, not_yet) in [(0u32, 3u32, 2u32), (0xffff_fff0, 5, 0xffff_ffff)] {
         words.word(0).store(start, Ordering::Release);
-        k.wait_geq(&s1, words.device_addr(), value).unwrap();
+        k.wait_geq(&s1, &words, 0, value).unwrap();
         s1.memset(a.region(), value as u8).unwrap();
         // Another stream runs meanwhile.
         s2.memset(a.region(), 0xee).unwrap();
@@ -549,6 +549,8 @@ fn check_gate_kernel() {
         wait_until(&format!("the gate for {value:#x}"), || s1.query().unwrap());
         assert!(download(&s1, a.region()).iter().all(|&x| x == value as u8), "the memset behind the gate did not run");
     }
+    // A word outside the memory is an error, not a wild read.
+    assert!(k.wait_geq(&s1, &words, 16, 1).is_err());
 }
 
 /// splitmix64: deterministic test data without a dependency.

@@ -129,6 +129,23 @@ fn cuda_mode_a_rank_without_kernels() {
     }
 }
 
+/// 300 all-reduces, each on freshly allocated device memory, read directly: 270 kept
+/// allocated (peers' mappings past the number kept are evicted), then freed after each call
+/// (mappings replaced when an address is reused); results exact.
+#[test]
+fn cuda_mode_buffer_churn() {
+    let o = cuda_job().procs(2).arg("--only").arg("Churn").env("NCCL_DEBUG", "TRACE").env("NCCL_DEBUG_SUBSYS", "P2P")
+        .run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(p.log.contains("are read directly"), "process {i} did not take the direct path:\n{}", p.log);
+        // 270 live allocations of the peer: more than a worker keeps mapped.
+        assert!(p.log.contains("closed the least recently used"), "process {i} never evicted a mapping:\n{}", p.log);
+        println!("process {i}: {} mappings replaced at a reused address",
+                 p.log.matches("a new one is there").count());
+    }
+}
+
 #[test]
 fn cuda_mode_2_ranks_in_one_process() {
     cuda_job().local(2).run();

@@ -14,10 +14,14 @@
 //! in-place all-to-all) all of them learn it in the agreement step and stage the operation
 //! through host memory instead.
 //!
-//! Mappings of peers' allocations are kept for the communicator's life (closed when its stream
-//! worker stops): opening and closing them per operation costs time, and unmapping while a
-//! caller's stream waits for the worker could stall in the driver. A peer's handle names one
-//! allocation, so a mapping is only used while its owner publishes that allocation again.
+//! Mappings of peers' allocations are kept (as UCX's CUDA IPC cache does): opening and closing
+//! them per operation costs time, and unmapping while a caller's stream waits for the worker
+//! could stall in the driver. A peer's handle names one allocation, so a mapping is only used
+//! while its owner publishes that allocation again. One is closed when its owner publishes a
+//! new allocation at the same address (the old one is gone), when more than [`MAPS_KEPT`] are
+//! open (the least recently used), and when the worker stops. The driver documents freeing an
+//! exported allocation before its importers close it as undefined; in practice the importer's
+//! mapping keeps it alive until closed — this is the trade-off the first GPU runs must confirm.
 //! PreMulSum is staged (its scaled input would need device scratch memory, allocated while
 //! streams wait).
 //!
@@ -109,14 +113,25 @@ impl Record {
 /// A stream worker's state for direct operations: the peer mappings it keeps.
 #[derive(Default)]
 pub struct Direct {
-    /// Peer allocations mapped so far: handle, mapping (closed on drop), allocation size.
-    maps: Vec<(IpcHandle, IpcMapping, usize)>,
+    maps: Vec<Mapped>,
+    /// Operations so far (a mapping used by the current one is never closed).
+    epoch: u64,
     /// Operations run direct so far (the first is logged).
     ran: u64,
 }
 
-/// Mappings a worker keeps before it says (INFO) that peers keep publishing new allocations.
-const MAPS_NOTED: usize = 256;
+/// One peer allocation mapped into this process (closed on drop).
+struct Mapped {
+    handle: IpcHandle,
+    mapping: IpcMapping,
+    size: usize,
+    /// Its owner and its address there: a new handle at the same place means this one is gone.
+    owner: (u32, u64),
+    used: u64,
+}
+
+/// Peer allocations a worker keeps mapped at most.
+const MAPS_KEPT: usize = 256;
 
 /// Does `op` on `comm` go direct? The same answer on every rank.
 pub fn eligible(comm: &Comm, op: &Op) -> bool {
@@ -146,27 +161,40 @@ impl Direct {
             return Ok(Region::user(unsafe { UserPtr::new(p.addr as usize as *const u8) }, 0, len));
         }
         let handle = IpcHandle { bytes: p.handle };
-        let i = match self.maps.iter().position(|(h, ..)| *h == handle) {
+        let owner = (their_pid, p.addr.wrapping_sub(p.off));
+        let i = match self.maps.iter().position(|m| m.handle == handle) {
             Some(i) => i,
             None => {
-                let m = IpcMapping::open(&handle)?;
-                let (_, size) = cuda::allocation_of(m.addr())?;
-                self.maps.push((handle, m, size));
-                if self.maps.len() == MAPS_NOTED {
-                    crate::info!(P2P, "{MAPS_NOTED} peer allocations mapped by one communicator: peers keep publishing \
-                                       new allocations (mappings are kept until the communicator is destroyed)");
+                // The allocation that was at this address is gone; too many open: the least
+                // recently used one goes (never one this operation uses).
+                let before = self.maps.len();
+                self.maps.retain(|m| m.owner != owner || m.used == self.epoch);
+                if self.maps.len() < before {
+                    crate::trace!(P2P, "closed the mapping of pid {their_pid}'s allocation at {:#x}: a new one is there",
+                                  owner.1);
                 }
+                if self.maps.len() >= MAPS_KEPT {
+                    let oldest = self.maps.iter().enumerate().filter(|(_, m)| m.used != self.epoch).min_by_key(|(_, m)| m.used);
+                    if let Some((k, _)) = oldest {
+                        self.maps.swap_remove(k);
+                        crate::trace!(P2P, "closed the least recently used of {MAPS_KEPT} peer mappings");
+                    }
+                }
+                let mapping = IpcMapping::open(&handle)?;
+                let (_, size) = cuda::allocation_of(mapping.addr())?;
+                self.maps.push(Mapped { handle, mapping, size, owner, used: self.epoch });
                 self.maps.len() - 1
             }
         };
-        let (_, m, size) = &self.maps[i];
-        if (p.off as usize).checked_add(len).is_none_or(|e| e > *size) {
-            return Err(Error::internal(format!("peer buffer {}+{len} outside its allocation of {size}", p.off)));
+        let m = &mut self.maps[i];
+        m.used = self.epoch;
+        if (p.off as usize).checked_add(len).is_none_or(|e| e > m.size) {
+            return Err(Error::internal(format!("peer buffer {}+{len} outside its allocation of {}", p.off, m.size)));
         }
         // SAFETY: inside the peer allocation this mapping holds open (checked just above); the
-        // peer keeps the buffer until the final barrier, and mappings are closed only when the
-        // worker stops.
-        Ok(Region::user(unsafe { UserPtr::new((m.addr() + p.off as usize) as *const u8) }, 0, len))
+        // peer keeps the buffer until the final barrier, and a mapping used by the current
+        // operation is not closed before the next one.
+        Ok(Region::user(unsafe { UserPtr::new((m.mapping.addr() + p.off as usize) as *const u8) }, 0, len))
     }
 }
 
@@ -220,6 +248,7 @@ fn run_mapped(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>
               -> Result<bool> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
+    direct.epoch += 1;
     let input = op.send;
     let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
     let (pi, po) = (publish(input), publish(op.recv));
@@ -394,6 +423,7 @@ fn run_p2p_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &
         return Ok(done);
     }
     let ready = comm.ready()?;
+    direct.epoch += 1;
     let pid = std::process::id();
     // 1. Senders publish their buffers to their receivers.
     let mut records = vec![[0u8; RECORD_BYTES]; picked.len()];

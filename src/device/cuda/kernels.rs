@@ -106,12 +106,12 @@ impl Kernels {
 }
 
 impl Kernels {
-    /// Holds `stream` until the 32-bit word at device address `word` (mapped host memory)
-    /// reaches `value` (wrapping comparison), with a one-thread kernel: unlike
-    /// `cuStreamWaitValue32`, it stalls no hardware queue that other streams share. The memory
-    /// must stay mapped until the stream has passed the kernel.
-    pub fn wait_geq(&self, stream: &Stream, word: usize, value: u32) -> Result<()> {
-        launch(self.wait_geq, [word as u64, 0, value as u64], 1, stream)
+    /// Holds `stream` until word `word` of `mem` reaches `value` (wrapping comparison), with a
+    /// one-thread kernel: unlike `cuStreamWaitValue32`, it stalls no hardware queue that other
+    /// streams share. `mem` must stay alive until the stream has passed the kernel.
+    pub fn wait_geq(&self, stream: &Stream, mem: &super::MappedHost, word: usize, value: u32) -> Result<()> {
+        let addr = super::stream::word_addr(mem, word)?;
+        launch(self.wait_geq, [addr, 0, value as u64], 1, stream)
     }
 }
 

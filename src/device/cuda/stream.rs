@@ -214,7 +214,7 @@ impl Drop for Stream {
     }
 }
 
-fn word_addr(mem: &MappedHost, word: usize) -> Result<u64> {
+pub(super) fn word_addr(mem: &MappedHost, word: usize) -> Result<u64> {
     if word >= mem.len() / 4 {
         return Err(Error::internal(format!("word {word} lies outside the {}-byte mapped host buffer", mem.len())));
     }
