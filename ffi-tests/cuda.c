@@ -125,7 +125,8 @@ static int wanted(const char* name) { return !g_env.only || !strcasecmp(g_env.on
 static int host_wait_mode(void) {
   const char* hw = getenv("NCCL_RS_HOST_WAIT");
   const char* conns = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  return (hw && atoi(hw) != 0) || (conns && *conns && atoi(conns) < 8);
+  if (hw && *hw) return atoi(hw) != 0;
+  return conns && *conns && atoi(conns) < 8;
 }
 
 /* Pinned host memory, so copies on a stream are truly asynchronous. */

@@ -22,7 +22,8 @@
 #      next to the device-to-device copy bandwidth measured in the same run, and 1-rank
 #      allreduce latency next to NVIDIA's NCCL (PyTorch's) in the same run, both through
 #      PyTorch (and ours through nccl-rs-perf);
-#   5. the polling-kernel stream gate (NCCL_RS_STREAM_GATE=kernel) against the default.
+#   5. the polling-kernel stream gate (NCCL_RS_STREAM_GATE=kernel) against the default;
+#   6. whether one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) deadlocks without host-wait.
 # A step that passes its cap leaves hang-<step>.txt: every thread's stack of its processes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -176,6 +177,15 @@ if python3 -c 'import torch' 2>/dev/null; then
     for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
     python3 $OUT/torch_check.py compare"
 fi
+# 6. An experiment for the host-wait default: with one hardware queue (Megatron-LM's
+#    CUDA_DEVICE_MAX_CONNECTIONS=1) and host-wait forced off, does a stream waiting for the
+#    worker hold up the worker's own copies? Killed at the cap = yes (hang-*.txt shows where).
+for gate in memop kernel; do
+  step one-queue-$gate 30 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_RS_STREAM_GATE=$gate \
+    NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
+    cuda_mode_2_processes_read_each_other_directly
+done
+
 for f in perf-cuda-allreduce-2 perf-cuda-allgather-2 perf-cuda-latency-1 copy-bw-and-nvidia-nccl latency-nccl-rs-torch \
          perf-cuda-allreduce-2-gate-kernel torch-nccl-rs-gate-kernel; do
   grep -E '^ +[0-9]|Avg bus|GB/s|us per call|RESULT' "$OUT/$f.log" 2>/dev/null | sed "s/^/# $f: /" >> "$R"

@@ -29,7 +29,7 @@ pub const ALL: &[Param] = &[
     p("NCCL_CMA_DISABLE", "0", "1: processes of one host always copy through shared memory, never read each other's buffers (CMA)"),
     p("NCCL_P2P_DISABLE", "0", "1: never copy directly between ranks of one process or GPU peers"),
     p("NCCL_RS_DIRECT_P2P", "0", "1: CUDA mode sends/receives between ranks of a host read the sender's buffer directly (experimental: both ends must group their sends and receives alike)"),
-    p("NCCL_RS_HOST_WAIT", "0", "1: CUDA mode calls return once their operation is done instead of making the stream wait for it (taken anyway when CUDA_DEVICE_MAX_CONNECTIONS is below 8)"),
+    p("NCCL_RS_HOST_WAIT", "", "1: CUDA mode calls return once their operation is done instead of making the stream wait for it; 0: never; unset: when CUDA_DEVICE_MAX_CONNECTIONS is below 8"),
     p("NCCL_RS_STREAM_GATE", "memop", "CUDA mode: how a caller's stream waits for its operation: memop (cuStreamWaitValue32) or kernel (a one-thread polling kernel, which stalls no hardware queue other streams share)"),
     p("NCCL_P2P_LEVEL", "", "LOC or 0: CUDA mode never reads peers' device memory directly; other levels allow it where CUDA IPC works"),
     p("NCCL_ALGO", "", "force an algorithm: Ring or Tree (case-insensitive); unset chooses by size"),
@@ -123,14 +123,17 @@ pub fn p2p_disable() -> bool {
     int("NCCL_P2P_DISABLE") != 0
 }
 /// CUDA mode: the NCCL call waits on the host until its operation is done, instead of making
-/// the caller's stream wait for it on the device. Asked for with `NCCL_RS_HOST_WAIT=1`, and
-/// taken when `CUDA_DEVICE_MAX_CONNECTIONS` is below its default of 8 (Megatron-LM sets 1):
+/// the caller's stream wait for it on the device. `NCCL_RS_HOST_WAIT=1` or `0` decides; unset,
+/// it is taken when `CUDA_DEVICE_MAX_CONNECTIONS` is below its default of 8 (Megatron-LM sets 1):
 /// with few hardware queues, the streams share them, and a stream waiting for the stream
 /// worker could hold up the worker's own copies queued behind it.
 pub fn few_device_connections() -> bool {
     // CUDA's own variable, read as the driver reads it (not an NCCL parameter).
+    if raw("NCCL_RS_HOST_WAIT").is_some() {
+        return int("NCCL_RS_HOST_WAIT") != 0;
+    }
     let connections = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<i64>().ok());
-    int("NCCL_RS_HOST_WAIT") != 0 || connections.is_some_and(|n| n < 8)
+    connections.is_some_and(|n| n < 8)
 }
 /// `NCCL_RS_STREAM_GATE=kernel`: callers' streams wait with a polling kernel, not a stream
 /// memory operation.

@@ -134,8 +134,8 @@ impl Streamed {
         *s.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
         crate::info!(INIT, "rank {}: CUDA mode on device {}, stream worker started", comm.rank, comm.cuda_dev);
         if crate::params::few_device_connections() {
-            crate::info!(INIT, "rank {}: calls on device memory wait on the host until done (NCCL_RS_HOST_WAIT=1 or \
-                                CUDA_DEVICE_MAX_CONNECTIONS below 8)", comm.rank);
+            crate::info!(INIT, "rank {}: calls on device memory wait on the host until done (NCCL_RS_HOST_WAIT=1, or \
+                                CUDA_DEVICE_MAX_CONNECTIONS below 8 and NCCL_RS_HOST_WAIT unset)", comm.rank);
         } else if crate::params::stream_gate_kernel() && s.kernels.is_some() {
             crate::info!(INIT, "rank {}: callers' streams wait for operations with a polling kernel", comm.rank);
         }

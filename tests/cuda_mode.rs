@@ -100,6 +100,11 @@ fn cuda_mode_host_wait() {
             }
         }
     }
+    // Said off, it stays off whatever CUDA_DEVICE_MAX_CONNECTIONS says.
+    let o = cuda_job().procs(2).arg("--quick").env("CUDA_DEVICE_MAX_CONNECTIONS", "1").env("NCCL_RS_HOST_WAIT", "0")
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    assert!(o.procs.iter().all(|p| !p.log.contains("wait on the host until done")), "{}", o.report);
 }
 
 /// Callers' streams held by the polling kernel instead of cuStreamWaitValue32
