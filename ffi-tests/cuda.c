@@ -295,6 +295,22 @@ static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
   }
 }
 
+/* Every local rank: fresh device memory d[l] and pinned h[l] of `count` floats, inputs
+ * (in_value with `salt`) uploaded on its stream, then one in-place sum all-reduce per rank
+ * in a group. */
+static void fresh_allreduce(CUdeviceptr* d, float** h, size_t count, int salt) {
+  for (int l = 0; l < g_env.local; l++) {
+    d[l] = dev_alloc(count * sizeof(float));
+    h[l] = host_alloc(count * sizeof(float));
+    for (size_t j = 0; j < count; j++) h[l][j] = in_value(g_env.first_rank + l, j, salt);
+    CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
+}
+
 /* Host-wait mode: when the call (the group) returns, the operation is done: another stream,
  * not ordered after the call's, reads the result. */
 static void host_wait(void) {
@@ -304,16 +320,7 @@ static void host_wait(void) {
   float* h[MAX_LOCAL];
   CUstream side;
   CU(cu.StreamCreate(&side, CU_STREAM_NON_BLOCKING));
-  for (int l = 0; l < g_env.local; l++) {
-    d[l] = dev_alloc(count * sizeof(float));
-    h[l] = host_alloc(count * sizeof(float));
-    for (size_t j = 0; j < count; j++) h[l][j] = in_value(g_env.first_rank + l, j, 5);
-    CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
-  }
-  CHECK(ncclGroupStart());
-  for (int l = 0; l < g_env.local; l++)
-    CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
-  CHECK(ncclGroupEnd());
+  fresh_allreduce(d, h, count, 5);
   for (int l = 0; l < g_env.local; l++) {
     CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), side));
     CU(cu.StreamSynchronize(side));
@@ -693,16 +700,7 @@ static void churn(void) {
     const size_t count = 20000 + (size_t)(i % 7) * 1000;
     CUdeviceptr* d = live[i];
     float* h[MAX_LOCAL];
-    for (int l = 0; l < g_env.local; l++) {
-      d[l] = dev_alloc(count * sizeof(float));
-      h[l] = host_alloc(count * sizeof(float));
-      for (size_t j = 0; j < count; j++) h[l][j] = in_value(g_env.first_rank + l, j, i % 5);
-      CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
-    }
-    CHECK(ncclGroupStart());
-    for (int l = 0; l < g_env.local; l++)
-      CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
-    CHECK(ncclGroupEnd());
+    fresh_allreduce(d, h, count, i % 5);
     for (int l = 0; l < g_env.local; l++) {
       CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
       CU(cu.StreamSynchronize(g_streams[l]));
