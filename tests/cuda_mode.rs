@@ -151,6 +151,24 @@ fn cuda_mode_buffer_churn() {
     }
 }
 
+/// One hardware queue for all streams (the stand-in's model of CUDA_DEVICE_MAX_CONNECTIONS=1,
+/// NCCL_RS_STUB_CONNECTIONS=1): host-wait mode, which that setting selects, passes every
+/// part; with host-wait forced off, a caller's stream waiting for the worker holds up the
+/// worker's own copies queued behind it, and the job never finishes — why host-wait is the
+/// default there.
+#[test]
+fn cuda_mode_one_hardware_queue() {
+    let one_queue = |job: Job| job.env("NCCL_RS_STUB_CONNECTIONS", "1").env("CUDA_DEVICE_MAX_CONNECTIONS", "1");
+    for job in [cuda_job().procs(2).arg("--quick"), cuda_job().local(2).arg("--quick")] {
+        let o = one_queue(job).run_outcome();
+        assert!(o.ok(), "host-wait mode with one hardware queue: {}", o.report);
+    }
+    let o = one_queue(cuda_job().procs(2).arg("--only").arg("Collectives")).env("NCCL_RS_HOST_WAIT", "0").timeout_s(6)
+        .run_outcome();
+    assert!(o.timed_out && o.procs.iter().all(|p| p.killed_at_deadline),
+            "one hardware queue without host-wait did not hang as the model says it must:\n{}", o.report);
+}
+
 #[test]
 fn cuda_mode_2_ranks_in_one_process() {
     cuda_job().local(2).run();

@@ -65,6 +65,8 @@ int kernel_valid(const void *f) {
   return k >= g_kernels && k < g_kernels + NKERNELS;
 }
 
+int kernel_is_gate(const struct kernel *k) { return k->kind == K_WAIT; }
+
 int kernel_pointers(const struct kernel *k) {
   return k->kind == K_REDUCE ? 3 : k->kind == K_WAIT ? 1 : 2;
 }

@@ -1,7 +1,8 @@
 /*
- * Streams of the stub driver: ordered queues, each executed by its own worker thread, and
- * what runs on them: copies, memsets, event records and waits, stream memory operations and
- * kernel launches. Also events and modules.
+ * Streams of the stub driver: ordered queues, each executed by its own worker thread (or, with
+ * NCCL_RS_STUB_CONNECTIONS=N, sharing N hardware queues: see below), and what runs on them:
+ * copies, memsets, event records and waits, stream memory operations and kernel launches.
+ * Also events and modules.
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -52,7 +53,10 @@ struct op {
   unsigned cond;
   const struct kernel *kernel;
   uint64_t params[4];
+  struct stream *owner; /* shared hardware queues: the stream it was issued on */
 };
+
+struct queue;
 
 struct stream {
   uint32_t magic;
@@ -62,6 +66,8 @@ struct stream {
   uint64_t enqueued, done;
   int destroying;
   int capturing; /* between cuStreamBeginCapture_v2 and cuStreamEndCapture (nothing is recorded) */
+  struct queue *q;      /* shared hardware queues: the one this stream's commands go to */
+  int kernels_running;  /* shared hardware queues: its launched kernels still running */
 };
 
 static void event_unref(struct event *e) {
@@ -141,12 +147,107 @@ static void *worker(void *arg) {
   return NULL;
 }
 
+/* ---- shared hardware queues (NCCL_RS_STUB_CONNECTIONS=N) --------------------------------------
+ * A GPU multiplexes streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues. Within one queue
+ * commands are processed in the order they were issued, whatever their stream, and a command
+ * that waits (for another stream's event, or on memory) holds up everything behind it. With
+ * N > 0 the stub models that: stream i (in creation order) goes to queue i % N, one thread per
+ * queue runs its commands in issue order. A launched kernel runs on its own (the queue moves
+ * on), but the next command of the same stream waits for it, holding up the queue meanwhile.
+ * Streams destroyed in this mode are not freed (a test double). Unset or 0: every stream is a
+ * queue of its own. */
+#define MAX_QUEUES 32
+
+struct queue {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  struct op *head, *tail;
+};
+
+static struct queue g_queues[MAX_QUEUES];
+static int g_nqueues;
+static unsigned g_next_queue;
+static pthread_once_t g_queues_once = PTHREAD_ONCE_INIT;
+
+static void finish_op(struct stream *s, struct op *op) {
+  pthread_mutex_lock(&s->mu);
+  if (op->kind == OP_RECORD) complete_record(op->ev, op->seq);
+  s->done++;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  free(op);
+}
+
+static void *kernel_thread(void *arg) {
+  struct op *op = arg;
+  struct stream *s = op->owner;
+  run(op);
+  pthread_mutex_lock(&s->mu);
+  s->kernels_running--;
+  pthread_mutex_unlock(&s->mu);
+  finish_op(s, op);
+  return NULL;
+}
+
+static void *queue_worker(void *arg) {
+  struct queue *q = arg;
+  for (;;) {
+    pthread_mutex_lock(&q->mu);
+    while (!q->head) pthread_cond_wait(&q->cv, &q->mu);
+    struct op *op = q->head;
+    q->head = op->next;
+    if (!q->head) q->tail = NULL;
+    pthread_mutex_unlock(&q->mu);
+    struct stream *s = op->owner;
+    pthread_mutex_lock(&s->mu);
+    while (s->kernels_running) pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    /* The gate kernel may run for long: it runs beside the queue. Others are short. */
+    pthread_t t;
+    if (op->kind == OP_KERNEL && kernel_is_gate(op->kernel)) {
+      pthread_mutex_lock(&s->mu);
+      s->kernels_running++;
+      pthread_mutex_unlock(&s->mu);
+      if (pthread_create(&t, NULL, kernel_thread, op) == 0) {
+        pthread_detach(t);
+        continue;
+      }
+      pthread_mutex_lock(&s->mu);
+      s->kernels_running--;
+      pthread_mutex_unlock(&s->mu);
+    }
+    run(op);
+    finish_op(s, op);
+  }
+  return NULL;
+}
+
+static void queues_init(void) {
+  g_nqueues = env_int("NCCL_RS_STUB_CONNECTIONS", 0);
+  if (g_nqueues > MAX_QUEUES) g_nqueues = MAX_QUEUES;
+  for (int i = 0; i < g_nqueues; i++) {
+    pthread_mutex_init(&g_queues[i].mu, NULL);
+    pthread_cond_init(&g_queues[i].cv, NULL);
+    pthread_t t;
+    if (pthread_create(&t, NULL, queue_worker, &g_queues[i]) != 0) {
+      g_nqueues = i; /* fewer queues than asked; still a model */
+      break;
+    }
+    pthread_detach(t);
+  }
+}
+
 static struct stream *stream_new(void) {
   struct stream *s = calloc(1, sizeof *s);
   if (!s) return NULL;
   s->magic = STREAM_MAGIC;
   pthread_mutex_init(&s->mu, NULL);
   pthread_cond_init(&s->cv, NULL);
+  pthread_once(&g_queues_once, queues_init);
+  if (g_nqueues > 0) {
+    s->q = &g_queues[__atomic_fetch_add(&g_next_queue, 1, __ATOMIC_RELAXED) % (unsigned)g_nqueues];
+    return s;
+  }
   pthread_t t;
   if (pthread_create(&t, NULL, worker, s) != 0) {
     free(s);
@@ -182,6 +283,19 @@ static CUresult enqueue(struct stream *h, const struct op *op) {
   if (!o) return CUDA_ERROR_OUT_OF_MEMORY;
   *o = *op;
   o->next = NULL;
+  o->owner = s;
+  if (s->q) {
+    pthread_mutex_lock(&s->mu);
+    s->enqueued++;
+    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_lock(&s->q->mu);
+    if (s->q->tail) s->q->tail->next = o;
+    else s->q->head = o;
+    s->q->tail = o;
+    pthread_cond_broadcast(&s->q->cv);
+    pthread_mutex_unlock(&s->q->mu);
+    return CUDA_SUCCESS;
+  }
   pthread_mutex_lock(&s->mu);
   if (s->tail) s->tail->next = o;
   else s->head = o;

@@ -72,6 +72,7 @@ enum mem_kind mem_lookup(uintptr_t p, size_t n);
 struct kernel;
 const struct kernel *kernel_find(const char *name);
 int kernel_valid(const void *f);
+int kernel_is_gate(const struct kernel *k);
 /* How many of the parameters (dst, a, b) are pointers to n elements of elem_size bytes. */
 int kernel_pointers(const struct kernel *k);
 size_t kernel_elem_size(const struct kernel *k);
