@@ -103,7 +103,9 @@ step() { # name cap-seconds command...
 
 [ -d "$PREP" ] || { say "no $PREP folder: run 'bash scripts/device-check.sh --prepare' here and carry .device"; exit 2; }
 say "# nccl-rs device check $(date -u +%FT%TZ) on $(hostname)"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/# gpu: /' | tee -a "$R"
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv,noheader 2>&1 | sed 's/^/# gpu: /' | tee -a "$R"
+# (compute mode must be Default: Exclusive_Process refuses the second process on the GPU)
+say "# env: CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset} CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-unset}"
 export LD_LIBRARY_PATH=$PWD/$PREP/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # The test binaries were built elsewhere: point them at this tree and the carried tool.
 export NCCL_TEST_REPO=$PWD NCCL_RS_PERF=$PWD/$PREP/run/bin/nccl-rs-perf
