@@ -23,7 +23,8 @@
 #      allreduce latency next to NVIDIA's NCCL (PyTorch's) in the same run, both through
 #      PyTorch (and ours through nccl-rs-perf);
 #   5. the polling-kernel stream gate (NCCL_RS_STREAM_GATE=kernel) against the default;
-#   6. whether one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) deadlocks without host-wait.
+#   6. whether one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) deadlocks without host-wait,
+#      on the direct path and with everything staged by the callers' streams.
 # A step that passes its cap leaves hang-<step>.txt: every thread's stack of its processes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -179,14 +180,17 @@ if python3 -c 'import torch' 2>/dev/null; then
     for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
     python3 $OUT/torch_check.py compare"
 fi
-# 6. An experiment for the host-wait default: with one hardware queue (Megatron-LM's
-#    CUDA_DEVICE_MAX_CONNECTIONS=1) and host-wait forced off, does a stream waiting for the
-#    worker hold up the worker's own copies? Killed at the cap = yes (hang-*.txt shows where).
-for gate in memop kernel; do
-  step one-queue-$gate 30 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_RS_STREAM_GATE=$gate \
-    NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
-    cuda_mode_2_processes_read_each_other_directly
-done
+# 6. An experiment for the host-wait default: one hardware queue (Megatron-LM's
+#    CUDA_DEVICE_MAX_CONNECTIONS=1), host-wait forced off. Direct path (the worker issues device
+#    work while the caller's stream waits): the stand-in's model says it hangs (killed at the
+#    cap; hang-*.txt shows where). Everything staged (NCCL_P2P_DISABLE=1: the callers' streams
+#    stage through the pinned pool, the worker issues none): the model says it passes.
+step one-queue-direct 30 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 \
+  NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
+  cuda_mode_2_processes_read_each_other_directly
+step one-queue-staged 40 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_P2P_DISABLE=1 \
+  NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
+  --exact cuda_mode_2_processes cuda_mode_2_ranks_in_one_process
 
 for f in perf-cuda-allreduce-2 perf-cuda-allgather-2 perf-cuda-latency-1 copy-bw-and-nvidia-nccl latency-nccl-rs-torch \
          perf-cuda-allreduce-2-gate-kernel torch-nccl-rs-gate-kernel; do

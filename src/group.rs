@@ -104,11 +104,18 @@ pub fn end() -> Result<()> {
             None => per_comm.push((q.comm, vec![o])),
         }
     }
-    let mut host_waits = Vec::new();
+    // Every communicator's part prepared (inputs staged, start events recorded) before any is
+    // committed (streams made to wait): streams may share a hardware queue.
+    let mut prepared = Vec::with_capacity(per_comm.len());
     for (c, ops) in &per_comm {
+        let p = crate::streamed::prepare(c, ops.clone()).map_err(|e| e.context(format!("rank {}", c.rank)))?;
+        prepared.extend(p.map(|p| (c.rank, p)));
+    }
+    let mut host_waits = Vec::new();
+    for (rank, p) in prepared {
         // On a failure, no waiting for the parts already queued: they may need the ones never
         // queued, and fail on their own (or on abort), their streams released.
-        host_waits.extend(crate::streamed::submit(c, ops.clone()).map_err(|e| e.context(format!("rank {}", c.rank)))?);
+        host_waits.extend(p.commit().map_err(|e| e.context(format!("rank {rank}")))?);
     }
     for q in &host {
         crate::streamed::drain(&q.comm);

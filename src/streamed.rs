@@ -17,6 +17,14 @@
 //! hosts); it is the correct baseline that peer copies between GPUs shortcut
 //! (`transport::ipc`).
 //!
+//! Staged operations whose buffers the device copies asynchronously (device, pinned or managed
+//! memory) and that fit the communicator's pinned pool are staged by the caller's own stream,
+//! at call time: input copied into the pool before the event the worker waits for, the result
+//! copied out after the wait. The worker then runs only host work for them, so the caller's
+//! stream never waits for device work the worker issues later — which, on a GPU whose streams
+//! share hardware queues, could sit behind that very wait (README, CUDA mode's limits). Other
+//! operations are staged by the worker on its own stream.
+//!
 //! While a caller's stream waits on a completion word, only the worker can release it, so the
 //! worker must not make driver calls that may wait for the whole context to go idle: freeing
 //! or pinning memory, loading kernels (cuMemFree, cuMemFreeHost and lazy module loading are
@@ -34,7 +42,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::comm::Comm;
-use crate::device::cuda::{Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
+use crate::device::cuda::{classify, Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, PtrKind, Stream, UserStream,
+                          WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::Op;
@@ -43,9 +52,76 @@ use crate::transport::ipc::{self, Direct};
 /// Events kept for reuse per communicator.
 const EVENTS_KEPT: usize = 8;
 
+/// Pinned staging per communicator for operations its callers' streams stage at call time: to
+/// begin with, and at most (grown, while nothing is in flight, to fit a larger batch).
+const POOL_BYTES: usize = 4 << 20;
+const POOL_MAX: usize = 64 << 20;
+/// Alignment of each buffer carved from it.
+const POOL_ALIGN: usize = 256;
+
 /// Completion words per slab of mapped host memory, one cache line (16 words) apart.
 const WORDS_PER_SLAB: usize = 1024;
 const WORD_STRIDE: usize = 16;
+
+/// The operations of a batch the callers' streams stage at call time, and their buffers: the
+/// offset of the batch's carve of `pool` and, per operation, (index, send, recv) regions of
+/// it. None when no operation qualifies or they do not fit.
+fn plan_caller_staging(comm: &Comm, pool: &mut Pool, ops: &[StreamOp]) -> Option<(usize, Vec<Staged>)> {
+    let round = |n: usize| n.div_ceil(POOL_ALIGN) * POOL_ALIGN;
+    let picked: Vec<usize> = (0..ops.len()).filter(|&i| caller_stageable(comm, &ops[i].op)).collect();
+    let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
+    let total: usize = picked.iter().map(|&i| round(ops[i].op.send.len()) + round(ops[i].op.recv.len()) + scalar(i)).sum();
+    if total == 0 {
+        return None;
+    }
+    let cap = pool.mem.as_ref().map_or(0, |m| m.len());
+    if total > cap && total <= POOL_MAX && pool.inflight.is_empty() {
+        // Grown while nothing is in flight; the old memory goes to the spares (never freed).
+        if let Ok(bigger) = MappedHost::new(total.next_power_of_two()) {
+            crate::info!(P2P, "rank {}: pinned staging pool grown to {} bytes", comm.rank, bigger.len());
+            if let Some(old) = pool.mem.replace(bigger) {
+                SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(old);
+            }
+        }
+    }
+    let start = pool.alloc(total)?;
+    let whole = pool.mem.as_ref()?.region();
+    let mut at = start;
+    let mut take = |n: usize| {
+        let r = if n == 0 { Region::EMPTY } else { whole.sub(at, n) };
+        at += round(n);
+        r
+    };
+    let mut planned = Vec::with_capacity(picked.len());
+    for i in picked {
+        let op = &ops[i].op;
+        let (send, recv) = (take(op.send.len()), take(op.recv.len()));
+        let scalar = op.scalar_at.map(|_| take(op.dt.size()));
+        planned.push(Staged { i, send, recv, scalar });
+    }
+    Some((start, planned))
+}
+
+/// Operation `i` of a batch, staged by its caller's stream into these pool regions (and its
+/// device PreMulSum scalar into `scalar`).
+#[derive(Clone, Copy)]
+struct Staged {
+    i: usize,
+    send: Region,
+    recv: Region,
+    scalar: Option<Region>,
+}
+
+/// Can the caller's stream stage `op`? Staged (not direct), with buffers (and a device
+/// PreMulSum scalar) the device copies asynchronously: not pageable host memory.
+fn caller_stageable(comm: &Comm, op: &Op) -> bool {
+    let copyable = |r: &Region| {
+        r.is_empty() || matches!(classify(r.addr()), Ok(PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed))
+    };
+    let direct = if op.kind.is_p2p() { ipc::eligible_p2p(comm, op) } else { ipc::eligible(comm, op) };
+    let scalar = op.scalar_at.map_or(Region::EMPTY, |p| Region::user(p, 0, op.dt.size()));
+    !direct && copyable(&op.send) && copyable(&op.recv) && copyable(&scalar)
+}
 
 /// A completion word of its own for a new communicator on device `ordinal` (its slab holds the
 /// index). Words come from slabs allocated when a slab runs out (the first communicator, then
@@ -81,15 +157,92 @@ pub struct Streamed {
     /// then every operation is staged.
     kernels: Option<&'static Kernels>,
     state: Mutex<State>,
-    /// Held through a whole submit (driver calls included, which may block while the device's
-    /// launch queue is full) and while closing; never by the worker, which needs `state` to
-    /// drain that queue.
-    submitting: Mutex<()>,
+    /// True through a whole submit, both halves (driver calls included, which may block while
+    /// the device's launch queue is full), and while closing; never set by the worker, which
+    /// needs `state` to drain that queue. A flag, not a guard: the halves are separate calls.
+    submit_busy: Mutex<bool>,
+    submit_done: Condvar,
     /// Signalled when a batch is queued, when one finishes, and on close.
     changed: Condvar,
     worker: Mutex<Option<JoinHandle<()>>>,
     /// Events of finished batches, recorded again by later calls (no create/destroy per call).
     events: Mutex<Vec<Event>>,
+    /// Pinned staging callers' streams copy through (None: pinning failed at start, or a
+    /// failed call left it in an unknown state). Used under `submitting`.
+    pool: Mutex<Option<Pool>>,
+    /// Whether callers' streams have staged anything yet (the first time is logged).
+    caller_staged: std::sync::atomic::AtomicBool,
+}
+
+/// A ring of pinned memory, carved per batch and given back once every stream of the batch
+/// has finished copying out of it (its release events have completed).
+struct Pool {
+    /// Always Some until dropped.
+    mem: Option<MappedHost>,
+    head: usize,
+    inflight: VecDeque<Carve>,
+}
+
+/// Pools of destroyed communicators, for new ones: pinned memory is never freed (freeing may
+/// wait for the whole context while other communicators' callers wait for their workers).
+static SPARE_POOLS: Mutex<Vec<MappedHost>> = Mutex::new(Vec::new());
+
+impl Drop for Pool {
+    /// Back to the spares once the callers' streams are done copying out of it (a short
+    /// wait: destroy has drained the worker); a pool still in use is leaked, never reused.
+    fn drop(&mut self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while !self.inflight.is_empty() && std::time::Instant::now() < deadline {
+            drop(self.reclaim());
+            if !self.inflight.is_empty() {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        match self.mem.take() {
+            Some(mem) if self.inflight.is_empty() => SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(mem),
+            other => std::mem::forget(other),
+        }
+    }
+}
+
+struct Carve {
+    start: usize,
+    released: Vec<Event>,
+}
+
+impl Pool {
+    /// Carves whose streams are done with them go; their events are returned for reuse.
+    fn reclaim(&mut self) -> Vec<Event> {
+        let mut events = Vec::new();
+        while self.inflight.front().is_some_and(|c| c.released.iter().all(|e| e.query().unwrap_or(false))) {
+            if let Some(c) = self.inflight.pop_front() {
+                events.extend(c.released);
+            }
+        }
+        if self.inflight.is_empty() {
+            self.head = 0;
+        }
+        events
+    }
+
+    /// The offset of `len` free bytes (the ring's free space is [head, end) and [0, oldest)
+    /// when not wrapped, [head, oldest) when wrapped; `head` never catches up with `oldest`).
+    fn alloc(&mut self, len: usize) -> Option<usize> {
+        let cap = self.mem.as_ref().map_or(0, |m| m.len());
+        let at = match self.inflight.front().map(|c| c.start) {
+            None => (len <= cap).then_some(0),
+            Some(oldest) if self.head >= oldest => {
+                if self.head + len <= cap {
+                    Some(self.head)
+                } else {
+                    (len < oldest).then_some(0)
+                }
+            }
+            Some(oldest) => (self.head + len < oldest).then_some(self.head),
+        }?;
+        self.head = at + len;
+        Some(at)
+    }
 }
 
 #[derive(Default)]
@@ -106,6 +259,8 @@ struct Batch {
     seq: u32,
     starts: Vec<Event>,
     ops: Vec<Op>,
+    /// Per operation: staged by the caller's stream (its regions are the pool's).
+    prestaged: Vec<bool>,
 }
 
 impl Streamed {
@@ -123,9 +278,19 @@ impl Streamed {
                 None
             }
         };
+        let spare = SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let pool = match spare.map_or_else(|| MappedHost::new(POOL_BYTES), Ok) {
+            Ok(mem) => Some(Pool { mem: Some(mem), head: 0, inflight: VecDeque::new() }),
+            Err(e) => {
+                crate::info!(INIT, "rank {}: no pinned staging pool ({}); the worker stages every operation",
+                             comm.rank, e.msg);
+                None
+            }
+        };
         let s = Arc::new(Streamed { ctx, done, word, kernels, state: Mutex::new(State::default()),
-                                    submitting: Mutex::new(()), changed: Condvar::new(), worker: Mutex::new(None),
-                                    events: Mutex::new(Vec::new()) });
+                                    submit_busy: Mutex::new(false), submit_done: Condvar::new(), changed: Condvar::new(), worker: Mutex::new(None),
+                                    events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
+                                    caller_staged: std::sync::atomic::AtomicBool::new(false) });
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
@@ -165,6 +330,19 @@ impl Streamed {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn lock_submits(&self) {
+        let mut busy = self.submit_busy.lock().unwrap_or_else(|p| p.into_inner());
+        while *busy {
+            busy = self.submit_done.wait(busy).unwrap_or_else(|p| p.into_inner());
+        }
+        *busy = true;
+    }
+
+    fn unlock_submits(&self) {
+        *self.submit_busy.lock().unwrap_or_else(|p| p.into_inner()) = false;
+        self.submit_done.notify_all();
+    }
+
     /// Wait until every batch issued so far has finished.
     pub fn drain(&self) {
         let mut st = self.state();
@@ -176,11 +354,10 @@ impl Streamed {
     /// Stop the worker after the batches already queued (they fail fast on an aborted
     /// communicator) and wait for it.
     pub fn close(&self) {
-        {
-            // Not while a submit is between numbering its batch and queueing it.
-            let _no_submit = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
-            self.state().closing = true;
-        }
+        // Not while a submit is between numbering its batch and queueing it.
+        self.lock_submits();
+        self.state().closing = true;
+        self.unlock_submits();
         self.changed.notify_all();
         let handle = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
@@ -220,6 +397,17 @@ fn streamed(comm: &Arc<Comm>) -> Result<&Arc<Streamed>> {
 /// (no stream memory operations, or host waits asked for: `params::few_device_connections`),
 /// the caller must wait for the returned [`HostWait`] once it has submitted its whole group.
 pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> {
+    match prepare(comm, ops)? {
+        Some(p) => p.commit(),
+        None => Ok(None),
+    }
+}
+
+/// The first half of [`submit`]: the operations' inputs staged into the pool and the events
+/// the worker waits for, on the callers' streams. A group over several communicators
+/// prepares every one before committing any: with streams sharing a hardware queue, one
+/// communicator's wait must not sit before another's inputs.
+pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>> {
     if ops.is_empty() {
         return Ok(None);
     }
@@ -243,13 +431,7 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> 
                  issue them outside the capture"));
         }
     }
-    let mut starts = Vec::with_capacity(callers.len());
-    for st in &callers {
-        let e = s.event()?;
-        e.record(st)?;
-        starts.push(e);
-    }
-    let _one = s.submitting.lock().unwrap_or_else(|p| p.into_inner());
+    let lock = SubmitLock::acquire(s);
     let seq = {
         let state = s.state();
         if state.closing {
@@ -258,36 +440,171 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> 
         state.issued.wrapping_add(1)
     };
     let host_wait = crate::params::few_device_connections();
-    let mut waits_on_host = host_wait;
     let gate_kernel = s.kernels.filter(|_| crate::params::stream_gate_kernel());
-    for st in callers.iter().filter(|_| !host_wait) {
-        let gated = match gate_kernel {
-            Some(k) => k.wait_geq(st, s.done, s.word, seq).map(|()| MemOp::Enqueued),
-            None => st.wait_value32(s.done, s.word, seq, WaitCond::Geq),
-        };
-        match gated {
-            Ok(MemOp::Enqueued) => {}
-            Ok(MemOp::Unsupported) => waits_on_host = true,
-            Err(e) => {
-                // Streams already told to wait for `seq` must get it: an empty batch releases
-                // them (the next batch must not reuse the number behind their wait).
-                let mut state = s.state();
-                state.issued = seq;
-                state.queue.push_back(Batch { seq, starts: Vec::new(), ops: Vec::new() });
-                drop(state);
-                s.changed.notify_all();
-                return Err(e);
+    let on = |o: &StreamOp| streams.iter().position(|u| *u == o.stream).unwrap_or(0);
+    // The callers' streams stage what they can (module docs): inputs into the pool now, before
+    // the events the worker waits for.
+    let mut pool = s.pool.lock().unwrap_or_else(|p| p.into_inner());
+    let gated = !host_wait && (gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
+    let carve = match pool.as_mut() {
+        Some(p) if gated && crate::params::caller_staging() => {
+            s.recycle(p.reclaim());
+            plan_caller_staging(comm, p, &ops)
+        }
+        _ => None,
+    };
+    let mut ops = ops;
+    let mut prestaged = vec![false; ops.len()];
+    let mut outs: Vec<(usize, Region, Region)> = Vec::new();
+    if let Some((start, picked)) = carve {
+        if !s.caller_staged.swap(true, Ordering::Relaxed) {
+            crate::info!(P2P, "rank {}: callers' streams stage operations through a pinned pool ({} bytes)", comm.rank,
+                         pool.as_ref().and_then(|p| p.mem.as_ref()).map_or(0, |m| m.len()));
+        }
+        let staged_in = picked.iter().try_for_each(|st| {
+            let (caller, op) = (&callers[on(&ops[st.i])], &ops[st.i].op);
+            if let (Some(at), Some(to)) = (op.scalar_at, st.scalar) {
+                caller.copy(to, Region::user(at, 0, to.len()))?;
             }
+            caller.copy(st.send, op.send)
+        });
+        if let Err(e) = staged_in {
+            // Copies into the pool may be in flight: it is never used (nor freed) again.
+            std::mem::forget(pool.take());
+            return Err(e);
+        }
+        for st in &picked {
+            let op = ops[st.i].op;
+            outs.push((st.i, op.recv, st.recv));
+            let scalar_at = st.scalar.map(|r| r.start());
+            ops[st.i].op = Op { send: st.send, recv: st.recv, scalar_at, ..op };
+            prestaged[st.i] = true;
+        }
+        if let Some(p) = pool.as_mut() {
+            p.inflight.push_back(Carve { start, released: Vec::new() });
         }
     }
-    let mut state = s.state();
-    state.issued = seq;
-    state.queue.push_back(Batch { seq, starts, ops: ops.into_iter().map(|o| o.op).collect() });
-    drop(state);
-    s.changed.notify_all();
-    // No stream memory operations on this device, or host waits asked for: the caller orders
-    // its stream by waiting here instead (after submitting the rest of its group).
-    Ok(waits_on_host.then(|| HostWait { s: s.clone(), seq }))
+    drop(pool);
+    let mut prepared = Prepared { lock, callers, streams, ops, prestaged, outs, starts: Vec::new(), seq, host_wait,
+                                  committed: false };
+    for st in &prepared.callers {
+        let e = s.event()?;
+        e.record(st)?;
+        prepared.starts.push(e);
+    }
+    Ok(Some(prepared))
+}
+
+/// A submit between its two halves (see [`prepare`]). Dropped uncommitted (a later
+/// communicator of the group failed), its batch is never queued, and the pool it staged into
+/// is never used again (copies into it may still be in flight).
+pub struct Prepared {
+    lock: SubmitLock,
+    callers: Vec<Stream>,
+    streams: Vec<UserStream>,
+    ops: Vec<StreamOp>,
+    prestaged: Vec<bool>,
+    /// Per caller-staged operation: its index, the user's output, the pool's copy of it.
+    outs: Vec<(usize, Region, Region)>,
+    starts: Vec<Event>,
+    seq: u32,
+    host_wait: bool,
+    committed: bool,
+}
+
+impl Drop for Prepared {
+    fn drop(&mut self) {
+        if !self.committed && !self.outs.is_empty() {
+            std::mem::forget(self.lock.0.pool.lock().unwrap_or_else(|p| p.into_inner()).take());
+        }
+    }
+}
+
+impl Prepared {
+    /// The second half: the callers' streams made to wait for the batch, the results copied
+    /// out of the pool after that, and the batch queued for the worker.
+    pub fn commit(mut self) -> Result<Option<HostWait>> {
+        self.committed = true;
+        let _keep = KeepCurrent::new();
+        let s = self.lock.0.clone();
+        s.ctx.make_current()?;
+        let seq = self.seq;
+        let mut waits_on_host = self.host_wait;
+        let gate_kernel = s.kernels.filter(|_| crate::params::stream_gate_kernel());
+        let streams = &self.streams;
+        let on = |o: &StreamOp| streams.iter().position(|u| *u == o.stream).unwrap_or(0);
+        let mut pool = s.pool.lock().unwrap_or_else(|p| p.into_inner());
+        for st in self.callers.iter().filter(|_| !self.host_wait) {
+            let gated = match gate_kernel {
+                Some(k) => k.wait_geq(st, s.done, s.word, seq).map(|()| MemOp::Enqueued),
+                None => st.wait_value32(s.done, s.word, seq, WaitCond::Geq),
+            };
+            match gated {
+                Ok(MemOp::Enqueued) => {}
+                Ok(MemOp::Unsupported) => waits_on_host = true,
+                Err(e) => {
+                    // Streams already told to wait for `seq` must get it: an empty batch releases
+                    // them (the next batch must not reuse the number behind their wait).
+                    let mut state = s.state();
+                    state.issued = seq;
+                    state.queue.push_back(Batch { seq, starts: Vec::new(), ops: Vec::new(), prestaged: Vec::new() });
+                    if !self.outs.is_empty() {
+                        // The pool's carve would never be given back.
+                        std::mem::forget(pool.take());
+                    }
+                    drop(state);
+                    s.changed.notify_all();
+                    return Err(e);
+                }
+            }
+        }
+        // Results out of the pool after the wait, then the events that give the pool back.
+        let mut staged_out = Ok(());
+        if !self.outs.is_empty() {
+            let (callers, ops) = (&self.callers, &self.ops);
+            staged_out = self.outs.iter().try_for_each(|&(i, user, pooled)| callers[on(&ops[i])].copy(user, pooled));
+            let mut released = Vec::new();
+            for (k, st) in callers.iter().enumerate() {
+                if staged_out.is_ok() && self.outs.iter().any(|&(i, ..)| on(&ops[i]) == k) {
+                    staged_out = s.event().and_then(|e| e.record(st).map(|()| e)).map(|e| released.push(e));
+                }
+            }
+            match (staged_out.is_ok(), pool.as_mut().and_then(|p| p.inflight.back_mut())) {
+                (true, Some(c)) => c.released = released,
+                // A result copy or release event that could not be queued: the pool's state is
+                // unknown, so it is never used (nor freed) again.
+                _ => std::mem::forget(pool.take()),
+            }
+        }
+        drop(pool);
+        let ops: Vec<Op> = self.ops.iter().map(|o| o.op).collect();
+        let batch = Batch { seq, starts: std::mem::take(&mut self.starts), ops, prestaged: std::mem::take(&mut self.prestaged) };
+        let mut state = s.state();
+        state.issued = seq;
+        state.queue.push_back(batch);
+        drop(state);
+        s.changed.notify_all();
+        staged_out?;
+        // No stream memory operations on this device, or host waits asked for: the caller
+        // orders its stream by waiting here instead (after submitting the rest of its group).
+        Ok(waits_on_host.then(|| HostWait { s: s.clone(), seq }))
+    }
+}
+
+/// Held through both halves of a submit and while closing (see `Streamed::submit_busy`).
+struct SubmitLock(Arc<Streamed>);
+
+impl SubmitLock {
+    fn acquire(s: &Arc<Streamed>) -> SubmitLock {
+        s.lock_submits();
+        SubmitLock(s.clone())
+    }
+}
+
+impl Drop for SubmitLock {
+    fn drop(&mut self) {
+        self.0.unlock_submits();
+    }
 }
 
 /// A batch whose caller orders its stream by waiting on the host until it is done.
@@ -399,6 +716,9 @@ impl Staging {
     }
 }
 
+/// An operation of a batch and whether the caller's stream staged it.
+type Flagged = (Op, bool);
+
 fn run_batch(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&Kernels>, staging: &mut Staging, direct: &mut Direct,
              batch: &Batch) -> Result<()> {
     for e in &batch.starts {
@@ -406,13 +726,18 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&Kernels>, stagi
     }
     comm.ready()?;
     let mut ops = batch.ops.clone();
-    // PreMulSum scalars in device memory: read now, after the stream's earlier work.
-    for op in ops.iter_mut() {
+    // PreMulSum scalars in device memory: read now, after the stream's earlier work (from the
+    // pool, on the host, where the caller's stream staged it).
+    for (op, &pre) in ops.iter_mut().zip(batch.prestaged.iter().chain(std::iter::repeat(&false))) {
         if let Some(p) = op.scalar_at.take() {
             let n = op.dt.size();
             let mut bytes = [0u8; 8];
-            stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
-            stream.synchronize()?;
+            if pre {
+                crate::device::host::copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n));
+            } else {
+                stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
+                stream.synchronize()?;
+            }
             let value = crate::device::host::reduce::scalar_from_bytes(op.dt, &bytes[..n])
                 .ok_or_else(|| Error::internal("PreMulSum scalar conversion"))?;
             op.op = crate::types::RedOp::PreMulSum(value);
@@ -421,36 +746,49 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&Kernels>, stagi
     // Collectives first, in issue order, each direct or staged by rules every rank applies
     // alike whatever else its group holds (as the host planner also runs a group's
     // collectives before its sends and receives); then the sends and receives, which pair up
-    // within their group and so are staged together.
-    let (p2p, colls): (Vec<Op>, Vec<Op>) = ops.into_iter().partition(|o| o.kind.is_p2p());
-    for op in &colls {
-        if ipc::eligible(comm, op) && ipc::run(comm, stream, kernels, direct, op)? {
+    // within their group and so are staged together. An operation the caller's stream staged
+    // (`prestaged`) is host work only: its regions are the pool's.
+    let flagged = ops.into_iter().zip(batch.prestaged.iter().copied().chain(std::iter::repeat(false)));
+    let (p2p, colls): (Vec<Flagged>, Vec<Flagged>) = flagged.partition(|(o, _)| o.kind.is_p2p());
+    for &(op, pre) in &colls {
+        if !pre && ipc::eligible(comm, &op) && ipc::run(comm, stream, kernels, direct, &op)? {
             continue;
         }
-        run_staged(comm, stream, staging, std::slice::from_ref(op))?;
+        run_staged(comm, stream, staging, &[(op, pre)])?;
     }
     if p2p.is_empty() {
         return Ok(());
     }
-    let done = ipc::run_p2p(comm, stream, direct, &p2p)?;
-    let rest: Vec<Op> = p2p.iter().zip(&done).filter(|(_, d)| !**d).map(|(o, _)| *o).collect();
+    let plain: Vec<Op> = p2p.iter().filter(|(_, pre)| !pre).map(|(o, _)| *o).collect();
+    let mut done = ipc::run_p2p(comm, stream, direct, &plain)?.into_iter();
+    // In order: the caller-staged ones, and the others not done directly.
+    let rest: Vec<(Op, bool)> = p2p.into_iter().filter(|&(_, pre)| pre || !done.next().unwrap_or(false)).collect();
     if rest.is_empty() { Ok(()) } else { run_staged(comm, stream, staging, &rest) }
 }
 
-/// Copy the operations' buffers into host staging memory, run them with the host transports,
-/// copy the results back.
-fn run_staged(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, ops: &[Op]) -> Result<()> {
+/// Run the operations with the host transports: those the caller's stream staged (flag set)
+/// as they are, the others copied into host staging memory first and their results back.
+fn run_staged(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, ops: &[(Op, bool)]) -> Result<()> {
     let mut host_ops = Vec::with_capacity(ops.len());
-    for (k, op) in ops.iter().enumerate() {
+    let copies = ops.iter().any(|&(_, pre)| !pre);
+    for (k, &(op, pre)) in ops.iter().enumerate() {
+        if pre {
+            host_ops.push(op);
+            continue;
+        }
         let send = if op.send.is_empty() { Region::EMPTY } else { staging.get(2 * k, op.send.len()) };
         let recv = if op.recv.is_empty() { Region::EMPTY } else { staging.get(2 * k + 1, op.recv.len()) };
         stream.copy(send, op.send)?;
-        host_ops.push(Op { send, recv, ..*op });
+        host_ops.push(Op { send, recv, ..op });
     }
-    stream.synchronize()?;
+    if copies {
+        stream.synchronize()?;
+    }
     crate::group::execute_now(comm.clone(), host_ops.clone())?;
-    for (op, h) in ops.iter().zip(&host_ops) {
-        stream.copy(op.recv, h.recv)?;
+    for (&(op, pre), h) in ops.iter().zip(&host_ops) {
+        if !pre {
+            stream.copy(op.recv, h.recv)?;
+        }
     }
-    stream.synchronize()
+    if copies { stream.synchronize() } else { Ok(()) }
 }

@@ -152,10 +152,14 @@ fn cuda_mode_buffer_churn() {
 }
 
 /// One hardware queue for all streams (the stand-in's model of CUDA_DEVICE_MAX_CONNECTIONS=1,
-/// NCCL_RS_STUB_CONNECTIONS=1): host-wait mode, which that setting selects, passes every
-/// part; with host-wait forced off, a caller's stream waiting for the worker holds up the
-/// worker's own copies queued behind it, and the job never finishes — why host-wait is the
-/// default there.
+/// NCCL_RS_STUB_CONNECTIONS=1):
+/// - host-wait mode, which that setting selects, passes every part;
+/// - with host-wait off and every operation staged (NCCL_P2P_DISABLE=1), the callers' streams
+///   stage them through the pinned pool at call time and the worker issues no device work:
+///   every part passes, with both gates (the pool grows for the largest all-to-all);
+/// - with host-wait off and the direct path, a caller's stream waiting for the worker holds up
+///   the worker's own copies queued behind it, and the job never finishes — why host-wait is
+///   the default there.
 #[test]
 fn cuda_mode_one_hardware_queue() {
     let one_queue = |job: Job| job.env("NCCL_RS_STUB_CONNECTIONS", "1").env("CUDA_DEVICE_MAX_CONNECTIONS", "1");
@@ -163,10 +167,34 @@ fn cuda_mode_one_hardware_queue() {
         let o = one_queue(job).run_outcome();
         assert!(o.ok(), "host-wait mode with one hardware queue: {}", o.report);
     }
+    for gate in ["memop", "kernel"] {
+        for (job, full) in [(cuda_job().procs(2), true), (cuda_job().local(2).arg("--quick"), false)] {
+            let o = one_queue(job).env("NCCL_RS_HOST_WAIT", "0").env("NCCL_P2P_DISABLE", "1")
+                .env("NCCL_RS_STREAM_GATE", gate).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+            assert!(o.ok(), "{gate} gate, one hardware queue, staged by the callers' streams: {}", o.report);
+            for p in &o.procs {
+                assert!(p.log.contains("callers' streams stage operations"), "caller staging not used:\n{}", p.log);
+                // The full run's largest all-to-all (2 x 1.2 MB each way) needs more than 4 MiB.
+                assert!(!full || p.log.contains("pool grown"), "the pool did not grow:\n{}", p.log);
+            }
+        }
+    }
     let o = one_queue(cuda_job().procs(2).arg("--only").arg("Collectives")).env("NCCL_RS_HOST_WAIT", "0").timeout_s(6)
         .run_outcome();
     assert!(o.timed_out && o.procs.iter().all(|p| p.killed_at_deadline),
             "one hardware queue without host-wait did not hang as the model says it must:\n{}", o.report);
+}
+
+/// With caller staging off (NCCL_RS_CALLER_STAGING=0) the worker stages every operation on
+/// its own stream, as before the pool existed: the same results.
+#[test]
+fn cuda_mode_worker_staging() {
+    for job in [cuda_job().procs(2).arg("--quick"), cuda_job().local(2).arg("--quick")] {
+        let o = job.env("NCCL_RS_CALLER_STAGING", "0").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
+            .run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        assert!(o.procs.iter().all(|p| !p.log.contains("callers' streams stage")), "{}", o.report);
+    }
 }
 
 #[test]

@@ -383,7 +383,7 @@ fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &
 
 /// Does this point-to-point operation go direct? Both ends of a pair decide alike (same size,
 /// same hosts).
-fn eligible_p2p(comm: &Comm, op: &Op) -> bool {
+pub fn eligible_p2p(comm: &Comm, op: &Op) -> bool {
     // Off unless asked for: the exchange assumes both ends group their sends and receives
     // alike (a rank that sends and receives in two calls while its peer groups both would
     // read the peer's record where it expects an answer). Staging has no such assumption.

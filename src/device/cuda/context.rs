@@ -166,6 +166,11 @@ impl Context {
         Ok(self.kernels.get_or_init(|| loaded))
     }
 
+    /// Can streams of this device wait on memory (`cuStreamWaitValue32_v2` with GEQ)?
+    pub fn can_wait_on_memory(&self) -> Result<bool> {
+        Ok(self.mem_ops()?.wait_write)
+    }
+
     /// What the device supports of the stream memory operations, asked once. The v2 entry
     /// points exist from CUDA 11.7 and "are available by default on all platforms" (CUDA driver
     /// API, Stream Memory Operations); the V1 attribute (CAN_USE_STREAM_MEM_OPS_V1) only says
