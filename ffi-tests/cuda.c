@@ -120,11 +120,14 @@ static int g_device;
 
 static int wanted(const char* name) { return !g_env.only || !strcasecmp(g_env.only, name); }
 
-/* nccl-rs's host-wait mode (NCCL_RS_HOST_WAIT=1, or CUDA_DEVICE_MAX_CONNECTIONS below 8): a
- * call returns once its operation is done, so a stream held before the call cannot be. */
+/* nccl-rs's host-wait mode (NCCL_RS_HOST_WAIT=1, or CUDA_DEVICE_MAX_CONNECTIONS below 8, or a
+ * driver that refuses stream waits: the stand-in's NCCL_RS_STUB_WAIT_VALUE_REFUSED): a call
+ * returns once its operation is done, so a stream held before the call cannot be. */
 static int host_wait_mode(void) {
   const char* hw = getenv("NCCL_RS_HOST_WAIT");
   const char* conns = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const char* refused = getenv("NCCL_RS_STUB_WAIT_VALUE_REFUSED");
+  if (refused && atoi(refused) != 0) return 1;
   if (hw && *hw) return atoi(hw) != 0;
   return conns && *conns && atoi(conns) < 8;
 }

@@ -105,7 +105,9 @@ pub fn end() -> Result<()> {
         }
     }
     // Every communicator's part prepared (inputs staged, start events recorded) before any is
-    // committed (streams made to wait): streams may share a hardware queue.
+    // committed (streams made to wait): streams may share a hardware queue. Preparing holds
+    // each communicator's submit lock until its commit: taken in one global order.
+    per_comm.sort_by_key(|(c, _)| Arc::as_ptr(c) as usize);
     let mut prepared = Vec::with_capacity(per_comm.len());
     for (c, ops) in &per_comm {
         let p = crate::streamed::prepare(c, ops.clone()).map_err(|e| e.context(format!("rank {}", c.rank)))?;

@@ -181,6 +181,7 @@ struct Pool {
     mem: Option<MappedHost>,
     head: usize,
     inflight: VecDeque<Carve>,
+    next_id: u64,
 }
 
 /// Pools of destroyed communicators, for new ones: pinned memory is never freed (freeing may
@@ -206,17 +207,21 @@ impl Drop for Pool {
 }
 
 struct Carve {
+    id: u64,
     start: usize,
-    released: Vec<Event>,
+    /// The events after which no stream touches the carve any more; None until known (the
+    /// carve, and every later one, stays taken).
+    released: Option<Vec<Event>>,
 }
 
 impl Pool {
     /// Carves whose streams are done with them go; their events are returned for reuse.
     fn reclaim(&mut self) -> Vec<Event> {
         let mut events = Vec::new();
-        while self.inflight.front().is_some_and(|c| c.released.iter().all(|e| e.query().unwrap_or(false))) {
+        let done = |c: &Carve| c.released.as_ref().is_some_and(|r| r.iter().all(|e| e.query().unwrap_or(false)));
+        while self.inflight.front().is_some_and(done) {
             if let Some(c) = self.inflight.pop_front() {
-                events.extend(c.released);
+                events.extend(c.released.unwrap_or_default());
             }
         }
         if self.inflight.is_empty() {
@@ -243,6 +248,27 @@ impl Pool {
         self.head = at + len;
         Some(at)
     }
+
+    /// A new carve of `len` bytes at `start` (from [`Pool::alloc`]); its id.
+    fn push(&mut self, start: usize) -> u64 {
+        self.next_id += 1;
+        self.inflight.push_back(Carve { id: self.next_id, start, released: None });
+        self.next_id
+    }
+
+    /// The events that give carve `id` back.
+    fn release(&mut self, id: u64, events: Vec<Event>) {
+        if let Some(c) = self.inflight.iter_mut().find(|c| c.id == id) {
+            c.released = Some(events);
+        }
+    }
+}
+
+/// Gives the carve `id` of `s`'s pool back after `events`.
+fn release_carve(s: &Streamed, id: u64, events: Vec<Event>) {
+    if let Some(p) = s.pool.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+        p.release(id, events);
+    }
 }
 
 #[derive(Default)]
@@ -259,8 +285,9 @@ struct Batch {
     seq: u32,
     starts: Vec<Event>,
     ops: Vec<Op>,
-    /// Per operation: staged by the caller's stream (its regions are the pool's).
-    prestaged: Vec<bool>,
+    /// Per operation: staged by the caller's stream (its regions are the pool's), with its
+    /// device PreMulSum scalar, if any, copied into this pool region.
+    prestaged: Vec<(bool, Option<Region>)>,
 }
 
 impl Streamed {
@@ -280,7 +307,7 @@ impl Streamed {
         };
         let spare = SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let pool = match spare.map_or_else(|| MappedHost::new(POOL_BYTES), Ok) {
-            Ok(mem) => Some(Pool { mem: Some(mem), head: 0, inflight: VecDeque::new() }),
+            Ok(mem) => Some(Pool { mem: Some(mem), head: 0, inflight: VecDeque::new(), next_id: 0 }),
             Err(e) => {
                 crate::info!(INIT, "rank {}: no pinned staging pool ({}); the worker stages every operation",
                              comm.rank, e.msg);
@@ -454,13 +481,16 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         _ => None,
     };
     let mut ops = ops;
-    let mut prestaged = vec![false; ops.len()];
+    let mut prestaged = vec![(false, None); ops.len()];
     let mut outs: Vec<(usize, Region, Region)> = Vec::new();
+    let mut carve_id = None;
     if let Some((start, picked)) = carve {
         if !s.caller_staged.swap(true, Ordering::Relaxed) {
             crate::info!(P2P, "rank {}: callers' streams stage operations through a pinned pool ({} bytes)", comm.rank,
                          pool.as_ref().and_then(|p| p.mem.as_ref()).map_or(0, |m| m.len()));
         }
+        // Taken from here on; given back after the events that end its use (see Prepared).
+        carve_id = pool.as_mut().map(|p| p.push(start));
         let staged_in = picked.iter().try_for_each(|st| {
             let (caller, op) = (&callers[on(&ops[st.i])], &ops[st.i].op);
             if let (Some(at), Some(to)) = (op.scalar_at, st.scalar) {
@@ -468,25 +498,19 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
             }
             caller.copy(st.send, op.send)
         });
-        if let Err(e) = staged_in {
-            // Copies into the pool may be in flight: it is never used (nor freed) again.
-            std::mem::forget(pool.take());
-            return Err(e);
-        }
+        // Failed: copies into the carve may be in flight, and nothing says when they end: it
+        // stays taken (with the rest of the ring behind it; later batches stage on the worker).
+        staged_in?;
         for st in &picked {
             let op = ops[st.i].op;
             outs.push((st.i, op.recv, st.recv));
-            let scalar_at = st.scalar.map(|r| r.start());
-            ops[st.i].op = Op { send: st.send, recv: st.recv, scalar_at, ..op };
-            prestaged[st.i] = true;
-        }
-        if let Some(p) = pool.as_mut() {
-            p.inflight.push_back(Carve { start, released: Vec::new() });
+            ops[st.i].op = Op { send: st.send, recv: st.recv, scalar_at: None, ..op };
+            prestaged[st.i] = (true, st.scalar);
         }
     }
     drop(pool);
-    let mut prepared = Prepared { lock, callers, streams, ops, prestaged, outs, starts: Vec::new(), seq, host_wait,
-                                  committed: false };
+    let mut prepared = Prepared { lock, callers, streams, ops, prestaged, outs, carve_id, starts: Vec::new(), seq,
+                                  host_wait, committed: false };
     for st in &prepared.callers {
         let e = s.event()?;
         e.record(st)?;
@@ -496,16 +520,17 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
 }
 
 /// A submit between its two halves (see [`prepare`]). Dropped uncommitted (a later
-/// communicator of the group failed), its batch is never queued, and the pool it staged into
-/// is never used again (copies into it may still be in flight).
+/// communicator of the group failed), its batch is never queued; its carve of the pool is
+/// given back after the start events (recorded after every copy into it).
 pub struct Prepared {
     lock: SubmitLock,
     callers: Vec<Stream>,
     streams: Vec<UserStream>,
     ops: Vec<StreamOp>,
-    prestaged: Vec<bool>,
+    prestaged: Vec<(bool, Option<Region>)>,
     /// Per caller-staged operation: its index, the user's output, the pool's copy of it.
     outs: Vec<(usize, Region, Region)>,
+    carve_id: Option<u64>,
     starts: Vec<Event>,
     seq: u32,
     host_wait: bool,
@@ -514,26 +539,56 @@ pub struct Prepared {
 
 impl Drop for Prepared {
     fn drop(&mut self) {
-        if !self.committed && !self.outs.is_empty() {
-            std::mem::forget(self.lock.0.pool.lock().unwrap_or_else(|p| p.into_inner()).take());
+        if let (false, Some(id)) = (self.committed, self.carve_id) {
+            // Complete start events mean complete copies in; nothing else touches the carve.
+            if self.starts.len() == self.callers.len() {
+                release_carve(&self.lock.0, id, std::mem::take(&mut self.starts));
+            }
         }
     }
 }
 
+/// Copies of staged results out of the pool, on their callers' streams, then the events that
+/// give the carve back.
+struct StageOut {
+    callers: Vec<Stream>,
+    /// (caller index, the user's output, the pool's copy).
+    copies: Vec<(usize, Region, Region)>,
+    carve: u64,
+}
+
+impl StageOut {
+    /// Queues the copies and the release events; with `finish`, also waits for them (host-wait
+    /// mode: the call returns with its results in place).
+    fn enqueue(self, s: &Streamed, finish: bool) -> Result<()> {
+        for &(k, user, pooled) in &self.copies {
+            self.callers[k].copy(user, pooled)?;
+        }
+        let mut released = Vec::new();
+        for (k, st) in self.callers.iter().enumerate() {
+            if self.copies.iter().any(|&(c, ..)| c == k) {
+                let e = s.event()?;
+                e.record(st)?;
+                released.push(e);
+            }
+        }
+        let finished = if finish { released.iter().try_for_each(Event::synchronize) } else { Ok(()) };
+        release_carve(s, self.carve, released);
+        finished
+    }
+}
+
 impl Prepared {
-    /// The second half: the callers' streams made to wait for the batch, the results copied
-    /// out of the pool after that, and the batch queued for the worker.
+    /// The second half: the callers' streams made to wait for the batch, the batch queued for
+    /// the worker, and the results copied out of the pool after the wait (or, in host-wait
+    /// mode, once the batch is done).
     pub fn commit(mut self) -> Result<Option<HostWait>> {
-        self.committed = true;
         let _keep = KeepCurrent::new();
         let s = self.lock.0.clone();
         s.ctx.make_current()?;
         let seq = self.seq;
         let mut waits_on_host = self.host_wait;
         let gate_kernel = s.kernels.filter(|_| crate::params::stream_gate_kernel());
-        let streams = &self.streams;
-        let on = |o: &StreamOp| streams.iter().position(|u| *u == o.stream).unwrap_or(0);
-        let mut pool = s.pool.lock().unwrap_or_else(|p| p.into_inner());
         for st in self.callers.iter().filter(|_| !self.host_wait) {
             let gated = match gate_kernel {
                 Some(k) => k.wait_geq(st, s.done, s.word, seq).map(|()| MemOp::Enqueued),
@@ -544,50 +599,73 @@ impl Prepared {
                 Ok(MemOp::Unsupported) => waits_on_host = true,
                 Err(e) => {
                     // Streams already told to wait for `seq` must get it: an empty batch releases
-                    // them (the next batch must not reuse the number behind their wait).
+                    // them (the next batch must not reuse the number behind their wait). The
+                    // carve goes back after the start events (Prepared's drop).
                     let mut state = s.state();
                     state.issued = seq;
                     state.queue.push_back(Batch { seq, starts: Vec::new(), ops: Vec::new(), prestaged: Vec::new() });
-                    if !self.outs.is_empty() {
-                        // The pool's carve would never be given back.
-                        std::mem::forget(pool.take());
-                    }
                     drop(state);
                     s.changed.notify_all();
                     return Err(e);
                 }
             }
         }
-        // Results out of the pool after the wait, then the events that give the pool back.
-        let mut staged_out = Ok(());
-        if !self.outs.is_empty() {
-            let (callers, ops) = (&self.callers, &self.ops);
-            staged_out = self.outs.iter().try_for_each(|&(i, user, pooled)| callers[on(&ops[i])].copy(user, pooled));
-            let mut released = Vec::new();
-            for (k, st) in callers.iter().enumerate() {
-                if staged_out.is_ok() && self.outs.iter().any(|&(i, ..)| on(&ops[i]) == k) {
-                    staged_out = s.event().and_then(|e| e.record(st).map(|()| e)).map(|e| released.push(e));
-                }
-            }
-            match (staged_out.is_ok(), pool.as_mut().and_then(|p| p.inflight.back_mut())) {
-                (true, Some(c)) => c.released = released,
-                // A result copy or release event that could not be queued: the pool's state is
-                // unknown, so it is never used (nor freed) again.
-                _ => std::mem::forget(pool.take()),
-            }
-        }
-        drop(pool);
+        self.committed = true;
+        let streams = &self.streams;
+        let on = |o: &StreamOp| streams.iter().position(|u| *u == o.stream).unwrap_or(0);
+        let copies: Vec<(usize, Region, Region)> =
+            self.outs.iter().map(|&(i, user, pooled)| (on(&self.ops[i]), user, pooled)).collect();
         let ops: Vec<Op> = self.ops.iter().map(|o| o.op).collect();
         let batch = Batch { seq, starts: std::mem::take(&mut self.starts), ops, prestaged: std::mem::take(&mut self.prestaged) };
+        // Queued before the results are copied out: a copy the driver runs synchronously must
+        // find its gate already on the way to opening.
         let mut state = s.state();
         state.issued = seq;
         state.queue.push_back(batch);
         drop(state);
         s.changed.notify_all();
-        staged_out?;
-        // No stream memory operations on this device, or host waits asked for: the caller
-        // orders its stream by waiting here instead (after submitting the rest of its group).
-        Ok(waits_on_host.then(|| HostWait { s: s.clone(), seq }))
+        let stage_out = self.carve_id.map(|carve| StageOut { callers: std::mem::take(&mut self.callers), copies, carve });
+        if !waits_on_host {
+            // After the gates on the streams: the results once the worker has put them there.
+            // A copy that cannot be queued leaves the carve taken (the rest of the ring too).
+            if let Some(out) = stage_out {
+                out.enqueue(&s, false)?;
+            }
+            return Ok(None);
+        }
+        // No gate on some stream (host waits asked for, or the device has no stream memory
+        // operations after all): the results are copied out once the batch is done.
+        Ok(Some(HostWait { s: s.clone(), seq, stage_out }))
+    }
+}
+
+/// A batch whose caller orders its stream by waiting on the host until it is done.
+#[must_use = "the caller's stream is ordered only once the wait returns"]
+pub struct HostWait {
+    s: Arc<Streamed>,
+    seq: u32,
+    stage_out: Option<StageOut>,
+}
+
+impl HostWait {
+    /// Returns once the batch has finished (or failed), its staged results copied out on their
+    /// streams. Closing does not cut it short: the worker runs every queued batch before it
+    /// stops (failing fast after an abort), and the caller may reuse its buffers once this
+    /// returns.
+    pub fn wait(self) {
+        {
+            let mut st = self.s.state();
+            while st.finished.wrapping_sub(self.seq) as i32 <= -1 {
+                st = self.s.changed.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|p| p.into_inner()).0;
+            }
+        }
+        if let Some(out) = self.stage_out {
+            let _keep = KeepCurrent::new();
+            let copied = self.s.ctx.make_current().and_then(|()| out.enqueue(&self.s, true));
+            if let Err(e) = copied {
+                crate::warn!("results of an operation could not be copied out of the staging pool: {}", e.msg);
+            }
+        }
     }
 }
 
@@ -604,25 +682,6 @@ impl SubmitLock {
 impl Drop for SubmitLock {
     fn drop(&mut self) {
         self.0.unlock_submits();
-    }
-}
-
-/// A batch whose caller orders its stream by waiting on the host until it is done.
-#[must_use = "the caller's stream is ordered only once the wait returns"]
-pub struct HostWait {
-    s: Arc<Streamed>,
-    seq: u32,
-}
-
-impl HostWait {
-    /// Returns once the batch has finished (or failed). Closing does not cut it short: the
-    /// worker runs every queued batch before it stops (failing fast after an abort), and the
-    /// caller may reuse its buffers once this returns.
-    pub fn wait(self) {
-        let mut st = self.s.state();
-        while st.finished.wrapping_sub(self.seq) as i32 <= -1 {
-            st = self.s.changed.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|p| p.into_inner()).0;
-        }
     }
 }
 
@@ -728,16 +787,23 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&Kernels>, stagi
     let mut ops = batch.ops.clone();
     // PreMulSum scalars in device memory: read now, after the stream's earlier work (from the
     // pool, on the host, where the caller's stream staged it).
-    for (op, &pre) in ops.iter_mut().zip(batch.prestaged.iter().chain(std::iter::repeat(&false))) {
-        if let Some(p) = op.scalar_at.take() {
-            let n = op.dt.size();
-            let mut bytes = [0u8; 8];
-            if pre {
-                crate::device::host::copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n));
-            } else {
+    let pooled_scalar = |i: usize| batch.prestaged.get(i).and_then(|&(_, r)| r);
+    for (i, op) in ops.iter_mut().enumerate() {
+        let n = op.dt.size();
+        let mut bytes = [0u8; 8];
+        let read = match (pooled_scalar(i), op.scalar_at.take()) {
+            (Some(r), _) => {
+                crate::device::host::copy(Region::owned(&mut bytes[..n]), r);
+                true
+            }
+            (None, Some(p)) => {
                 stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
                 stream.synchronize()?;
+                true
             }
+            (None, None) => false,
+        };
+        if read {
             let value = crate::device::host::reduce::scalar_from_bytes(op.dt, &bytes[..n])
                 .ok_or_else(|| Error::internal("PreMulSum scalar conversion"))?;
             op.op = crate::types::RedOp::PreMulSum(value);
@@ -748,7 +814,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&Kernels>, stagi
     // collectives before its sends and receives); then the sends and receives, which pair up
     // within their group and so are staged together. An operation the caller's stream staged
     // (`prestaged`) is host work only: its regions are the pool's.
-    let flagged = ops.into_iter().zip(batch.prestaged.iter().copied().chain(std::iter::repeat(false)));
+    let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre).chain(std::iter::repeat(false)));
     let (p2p, colls): (Vec<Flagged>, Vec<Flagged>) = flagged.partition(|(o, _)| o.kind.is_p2p());
     for &(op, pre) in &colls {
         if !pre && ipc::eligible(comm, &op) && ipc::run(comm, stream, kernels, direct, &op)? {

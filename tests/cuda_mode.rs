@@ -185,6 +185,19 @@ fn cuda_mode_one_hardware_queue() {
             "one hardware queue without host-wait did not hang as the model says it must:\n{}", o.report);
 }
 
+/// A driver that reports stream memory operations but refuses the wait when it is asked for
+/// (the stand-in's NCCL_RS_STUB_WAIT_VALUE_REFUSED): the call waits on the host instead, and
+/// what the caller's stream staged is copied out once the operation is done. Exact results.
+#[test]
+fn cuda_mode_wait_refused_at_call_time() {
+    for job in [cuda_job().procs(2).arg("--quick"), cuda_job().local(2).arg("--quick")] {
+        let o = job.env("NCCL_RS_STUB_WAIT_VALUE_REFUSED", "1").env("NCCL_P2P_DISABLE", "1").env("NCCL_RS_HOST_WAIT", "0")
+            .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        assert!(o.procs.iter().all(|p| p.log.contains("callers' streams stage operations")), "{}", o.report);
+    }
+}
+
 /// With caller staging off (NCCL_RS_CALLER_STAGING=0) the worker stages every operation on
 /// its own stream, as before the pool existed: the same results.
 #[test]

@@ -184,8 +184,10 @@ static void *kernel_thread(void *arg) {
   run(op);
   pthread_mutex_lock(&s->mu);
   s->kernels_running--;
+  s->done++;
+  pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
-  finish_op(s, op);
+  free(op);
   return NULL;
 }
 
@@ -285,10 +287,11 @@ static CUresult enqueue(struct stream *h, const struct op *op) {
   o->next = NULL;
   o->owner = s;
   if (s->q) {
+    /* Counted and queued under the queue's lock: issue order is queue order. */
+    pthread_mutex_lock(&s->q->mu);
     pthread_mutex_lock(&s->mu);
     s->enqueued++;
     pthread_mutex_unlock(&s->mu);
-    pthread_mutex_lock(&s->q->mu);
     if (s->q->tail) s->q->tail->next = o;
     else s->q->head = o;
     s->q->tail = o;
@@ -430,6 +433,8 @@ EXPORT CUresult cuStreamWaitValue32_v2(struct stream *h, CUdeviceptr addr, uint3
   /* FLUSH needs platform support the stub does not pretend to have. */
   if (flags & WAIT_FLUSH) return CUDA_ERROR_NOT_SUPPORTED;
   if (cond == WAIT_NOR && !env_int("NCCL_RS_STUB_WAIT_VALUE_NOR", 1)) return CUDA_ERROR_NOT_SUPPORTED;
+  /* A driver that reports stream memory operations but refuses a wait when asked. */
+  if (env_int("NCCL_RS_STUB_WAIT_VALUE_REFUSED", 0)) return CUDA_ERROR_NOT_SUPPORTED;
   struct op op = {.kind = OP_WAIT_VALUE, .word = (uint32_t *)(uintptr_t)addr, .value = value, .cond = cond};
   return enqueue(h, &op);
 }

@@ -60,11 +60,6 @@ impl Region {
     pub fn is_empty(self) -> bool {
         self.len == 0
     }
-    /// Its start, as a pointer that names this region again with [`Region::user`] (for no
-    /// more than its length: the region's own contract is what makes that sound).
-    pub fn start(self) -> UserPtr {
-        UserPtr(self.addr)
-    }
     /// A sub-range; `off + len` must lie inside (checked: schedules are generated, not trusted).
     pub fn sub(self, off: usize, len: usize) -> Region {
         assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "sub-region out of range");
