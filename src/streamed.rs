@@ -2,9 +2,11 @@
 //!
 //! The calling thread does not run an operation whose buffers include device memory. It
 //! records an event on the caller's stream (everything the stream did before the call), makes
-//! that stream wait (`cuStreamWaitValue32`) until a completion counter in mapped host memory
-//! reaches the operation's number, hands the operation to the communicator's stream worker and
-//! returns: NCCL's semantics, where the host call only enqueues.
+//! that stream wait (the gate: `cuStreamWaitValue32`, or a one-thread polling kernel with
+//! `NCCL_RS_STREAM_GATE=kernel`) until a completion counter in mapped host memory reaches the
+//! operation's number, hands the operation to the communicator's stream worker and returns:
+//! NCCL's semantics, where the host call only enqueues. In host-wait mode
+//! (`params::few_device_connections`) there is no gate: the call returns once done.
 //!
 //! The worker, a thread per communicator with its device's context current, waits for the
 //! event, copies the buffers into host staging memory on a stream of its own, runs the same
@@ -30,9 +32,9 @@
 //! or pinning memory, loading kernels (cuMemFree, cuMemFreeHost and lazy module loading are
 //! documented or reported to synchronise). Everything such is done before a communicator's
 //! first wait is queued — its stream, the kernels, the completion word (from a slab allocated
-//! once per device) — and the worker stages through ordinary host memory, which it grows
-//! without the driver. CUDA IPC mappings are kept for the communicator's life and closed when
-//! its worker stops.
+//! once per device), the pinned pool — and the worker stages through ordinary host memory,
+//! which it grows without the driver. CUDA IPC mappings are cached (`transport::ipc`). Pinned
+//! memory is never freed: a destroyed communicator's pool goes to the next one.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
