@@ -44,86 +44,21 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::comm::Comm;
-use crate::device::cuda::{classify, Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, PtrKind, Stream, UserStream,
-                          WaitCond};
+use crate::device::cuda::{Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::Op;
 use crate::transport::ipc::{self, Direct};
 
+mod pool;
+use pool::{plan_caller_staging, Pool};
+
 /// Events kept for reuse per communicator.
 const EVENTS_KEPT: usize = 8;
-
-/// Pinned staging per communicator for operations its callers' streams stage at call time: to
-/// begin with, and at most (grown, while nothing is in flight, to fit a larger batch).
-const POOL_BYTES: usize = 4 << 20;
-const POOL_MAX: usize = 64 << 20;
-/// Alignment of each buffer carved from it.
-const POOL_ALIGN: usize = 256;
 
 /// Completion words per slab of mapped host memory, one cache line (16 words) apart.
 const WORDS_PER_SLAB: usize = 1024;
 const WORD_STRIDE: usize = 16;
-
-/// The operations of a batch the callers' streams stage at call time, and their buffers: the
-/// offset of the batch's carve of `pool` and, per operation, (index, send, recv) regions of
-/// it. None when no operation qualifies or they do not fit.
-fn plan_caller_staging(comm: &Comm, pool: &mut Pool, ops: &[StreamOp]) -> Option<(usize, Vec<Staged>)> {
-    let round = |n: usize| n.div_ceil(POOL_ALIGN) * POOL_ALIGN;
-    let picked: Vec<usize> = (0..ops.len()).filter(|&i| caller_stageable(comm, &ops[i].op)).collect();
-    let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
-    let total: usize = picked.iter().map(|&i| round(ops[i].op.send.len()) + round(ops[i].op.recv.len()) + scalar(i)).sum();
-    if total == 0 {
-        return None;
-    }
-    let cap = pool.mem.as_ref().map_or(0, |m| m.len());
-    if total > cap && total <= POOL_MAX && pool.inflight.is_empty() {
-        // Grown while nothing is in flight; the old memory goes to the spares (never freed).
-        if let Ok(bigger) = MappedHost::new(total.next_power_of_two()) {
-            crate::info!(P2P, "rank {}: pinned staging pool grown to {} bytes", comm.rank, bigger.len());
-            if let Some(old) = pool.mem.replace(bigger) {
-                SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(old);
-            }
-        }
-    }
-    let start = pool.alloc(total)?;
-    let whole = pool.mem.as_ref()?.region();
-    let mut at = start;
-    let mut take = |n: usize| {
-        let r = if n == 0 { Region::EMPTY } else { whole.sub(at, n) };
-        at += round(n);
-        r
-    };
-    let mut planned = Vec::with_capacity(picked.len());
-    for i in picked {
-        let op = &ops[i].op;
-        let (send, recv) = (take(op.send.len()), take(op.recv.len()));
-        let scalar = op.scalar_at.map(|_| take(op.dt.size()));
-        planned.push(Staged { i, send, recv, scalar });
-    }
-    Some((start, planned))
-}
-
-/// Operation `i` of a batch, staged by its caller's stream into these pool regions (and its
-/// device PreMulSum scalar into `scalar`).
-#[derive(Clone, Copy)]
-struct Staged {
-    i: usize,
-    send: Region,
-    recv: Region,
-    scalar: Option<Region>,
-}
-
-/// Can the caller's stream stage `op`? Staged (not direct), with buffers (and a device
-/// PreMulSum scalar) the device copies asynchronously: not pageable host memory.
-fn caller_stageable(comm: &Comm, op: &Op) -> bool {
-    let copyable = |r: &Region| {
-        r.is_empty() || matches!(classify(r.addr()), Ok(PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed))
-    };
-    let direct = if op.kind.is_p2p() { ipc::eligible_p2p(comm, op) } else { ipc::eligible(comm, op) };
-    let scalar = op.scalar_at.map_or(Region::EMPTY, |p| Region::user(p, 0, op.dt.size()));
-    !direct && copyable(&op.send) && copyable(&op.recv) && copyable(&scalar)
-}
 
 /// A completion word of its own for a new communicator on device `ordinal` (its slab holds the
 /// index). Words come from slabs allocated when a slab runs out (the first communicator, then
@@ -176,96 +111,6 @@ pub struct Streamed {
     caller_staged: std::sync::atomic::AtomicBool,
 }
 
-/// A ring of pinned memory, carved per batch and given back once every stream of the batch
-/// has finished copying out of it (its release events have completed).
-struct Pool {
-    /// Always Some until dropped.
-    mem: Option<MappedHost>,
-    head: usize,
-    inflight: VecDeque<Carve>,
-    next_id: u64,
-}
-
-/// Pools of destroyed communicators, for new ones: pinned memory is never freed (freeing may
-/// wait for the whole context while other communicators' callers wait for their workers).
-static SPARE_POOLS: Mutex<Vec<MappedHost>> = Mutex::new(Vec::new());
-
-impl Drop for Pool {
-    /// Back to the spares once the callers' streams are done copying out of it (a short
-    /// wait: destroy has drained the worker); a pool still in use is leaked, never reused.
-    fn drop(&mut self) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(2);
-        while !self.inflight.is_empty() && std::time::Instant::now() < deadline {
-            drop(self.reclaim());
-            if !self.inflight.is_empty() {
-                std::thread::sleep(Duration::from_micros(100));
-            }
-        }
-        match self.mem.take() {
-            Some(mem) if self.inflight.is_empty() => SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(mem),
-            other => std::mem::forget(other),
-        }
-    }
-}
-
-struct Carve {
-    id: u64,
-    start: usize,
-    /// The events after which no stream touches the carve any more; None until known (the
-    /// carve, and every later one, stays taken).
-    released: Option<Vec<Event>>,
-}
-
-impl Pool {
-    /// Carves whose streams are done with them go; their events are returned for reuse.
-    fn reclaim(&mut self) -> Vec<Event> {
-        let mut events = Vec::new();
-        let done = |c: &Carve| c.released.as_ref().is_some_and(|r| r.iter().all(|e| e.query().unwrap_or(false)));
-        while self.inflight.front().is_some_and(done) {
-            if let Some(c) = self.inflight.pop_front() {
-                events.extend(c.released.unwrap_or_default());
-            }
-        }
-        if self.inflight.is_empty() {
-            self.head = 0;
-        }
-        events
-    }
-
-    /// The offset of `len` free bytes (the ring's free space is [head, end) and [0, oldest)
-    /// when not wrapped, [head, oldest) when wrapped; `head` never catches up with `oldest`).
-    fn alloc(&mut self, len: usize) -> Option<usize> {
-        let cap = self.mem.as_ref().map_or(0, |m| m.len());
-        let at = match self.inflight.front().map(|c| c.start) {
-            None => (len <= cap).then_some(0),
-            Some(oldest) if self.head >= oldest => {
-                if self.head + len <= cap {
-                    Some(self.head)
-                } else {
-                    (len < oldest).then_some(0)
-                }
-            }
-            Some(oldest) => (self.head + len < oldest).then_some(self.head),
-        }?;
-        self.head = at + len;
-        Some(at)
-    }
-
-    /// A new carve of `len` bytes at `start` (from [`Pool::alloc`]); its id.
-    fn push(&mut self, start: usize) -> u64 {
-        self.next_id += 1;
-        self.inflight.push_back(Carve { id: self.next_id, start, released: None });
-        self.next_id
-    }
-
-    /// The events that give carve `id` back.
-    fn release(&mut self, id: u64, events: Vec<Event>) {
-        if let Some(c) = self.inflight.iter_mut().find(|c| c.id == id) {
-            c.released = Some(events);
-        }
-    }
-}
-
 /// Gives the carve `id` of `s`'s pool back after `events`.
 fn release_carve(s: &Streamed, id: u64, events: Vec<Event>) {
     if let Some(p) = s.pool.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
@@ -307,9 +152,8 @@ impl Streamed {
                 None
             }
         };
-        let spare = SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let pool = match spare.map_or_else(|| MappedHost::new(POOL_BYTES), Ok) {
-            Ok(mem) => Some(Pool { mem: Some(mem), head: 0, inflight: VecDeque::new(), next_id: 0 }),
+        let pool = match Pool::new() {
+            Ok(p) => Some(p),
             Err(e) => {
                 crate::info!(INIT, "rank {}: no pinned staging pool ({}); the worker stages every operation",
                              comm.rank, e.msg);
@@ -317,8 +161,8 @@ impl Streamed {
             }
         };
         let s = Arc::new(Streamed { ctx, done, word, kernels, state: Mutex::new(State::default()),
-                                    submit_busy: Mutex::new(false), submit_done: Condvar::new(), changed: Condvar::new(), worker: Mutex::new(None),
-                                    events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
+                                    submit_busy: Mutex::new(false), submit_done: Condvar::new(), changed: Condvar::new(),
+                                    worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
                                     caller_staged: std::sync::atomic::AtomicBool::new(false) });
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
@@ -489,7 +333,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     if let Some((start, picked)) = carve {
         if !s.caller_staged.swap(true, Ordering::Relaxed) {
             crate::info!(P2P, "rank {}: callers' streams stage operations through a pinned pool ({} bytes)", comm.rank,
-                         pool.as_ref().and_then(|p| p.mem.as_ref()).map_or(0, |m| m.len()));
+                         pool.as_ref().map_or(0, Pool::capacity));
         }
         // Taken from here on; given back after the events that end its use (see Prepared).
         carve_id = pool.as_mut().map(|p| p.push(start));

@@ -1,0 +1,237 @@
+//! The pinned pool callers' streams stage operations through at call time (module notes of
+//! `streamed`): which operations qualify, a ring of pinned memory carved per batch, and when a
+//! carve may be reused (after the events that end every stream's use of it). It owns no
+//! thread and makes no driver call but pinning (when a communicator starts or its pool grows
+//! while idle) and event queries; the streams' copies are queued by `streamed`.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::StreamOp;
+use crate::comm::Comm;
+use crate::device::cuda::{classify, Event, MappedHost, PtrKind};
+use crate::device::host::Region;
+use crate::plan::Op;
+use crate::transport::ipc;
+
+/// Pinned staging per communicator for operations its callers' streams stage at call time: to
+/// begin with, and at most (grown, while nothing is in flight, to fit a larger batch).
+const POOL_BYTES: usize = 4 << 20;
+const POOL_MAX: usize = 64 << 20;
+/// Alignment of each buffer carved from it.
+const POOL_ALIGN: usize = 256;
+
+/// A ring of pinned memory, carved per batch and given back once every stream of the batch
+/// has finished copying out of it (its release events have completed).
+pub(super) struct Pool {
+    /// Always Some until dropped.
+    mem: Option<MappedHost>,
+    head: usize,
+    inflight: VecDeque<Carve>,
+    next_id: u64,
+}
+
+/// Pools of destroyed communicators, for new ones: pinned memory is never freed (freeing may
+/// wait for the whole context while other communicators' callers wait for their workers).
+static SPARE_POOLS: Mutex<Vec<MappedHost>> = Mutex::new(Vec::new());
+
+impl Drop for Pool {
+    /// Back to the spares once the callers' streams are done copying out of it (a short
+    /// wait: destroy has drained the worker); a pool still in use is leaked, never reused.
+    fn drop(&mut self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while !self.inflight.is_empty() && std::time::Instant::now() < deadline {
+            drop(self.reclaim());
+            if !self.inflight.is_empty() {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        match self.mem.take() {
+            Some(mem) if self.inflight.is_empty() => SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(mem),
+            other => std::mem::forget(other),
+        }
+    }
+}
+
+struct Carve {
+    id: u64,
+    start: usize,
+    /// The events after which no stream touches the carve any more; None until known (the
+    /// carve, and every later one, stays taken).
+    released: Option<Vec<Event>>,
+}
+
+impl Pool {
+    /// A pool: a destroyed communicator's, else newly pinned.
+    pub(super) fn new() -> crate::error::Result<Pool> {
+        let spare = SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mem = match spare {
+            Some(m) => m,
+            None => MappedHost::new(POOL_BYTES)?,
+        };
+        Ok(Pool { mem: Some(mem), head: 0, inflight: VecDeque::new(), next_id: 0 })
+    }
+
+    pub(super) fn capacity(&self) -> usize {
+        self.mem.as_ref().map_or(0, |m| m.len())
+    }
+
+    /// Carves whose streams are done with them go; their events are returned for reuse.
+    pub(super) fn reclaim(&mut self) -> Vec<Event> {
+        let mut events = Vec::new();
+        let done = |c: &Carve| c.released.as_ref().is_some_and(|r| r.iter().all(|e| e.query().unwrap_or(false)));
+        while self.inflight.front().is_some_and(done) {
+            if let Some(c) = self.inflight.pop_front() {
+                events.extend(c.released.unwrap_or_default());
+            }
+        }
+        if self.inflight.is_empty() {
+            self.head = 0;
+        }
+        events
+    }
+
+    /// The offset of `len` free bytes (the ring's free space is [head, end) and [0, oldest)
+    /// when not wrapped, [head, oldest) when wrapped; `head` never catches up with `oldest`).
+    fn alloc(&mut self, len: usize) -> Option<usize> {
+        let at = ring_alloc(self.capacity(), self.head, self.inflight.front().map(|c| c.start), len)?;
+        self.head = at + len;
+        Some(at)
+    }
+
+    /// A new carve of `len` bytes at `start` (from [`Pool::alloc`]); its id.
+    pub(super) fn push(&mut self, start: usize) -> u64 {
+        self.next_id += 1;
+        self.inflight.push_back(Carve { id: self.next_id, start, released: None });
+        self.next_id
+    }
+
+    /// The events that give carve `id` back.
+    pub(super) fn release(&mut self, id: u64, events: Vec<Event>) {
+        if let Some(c) = self.inflight.iter_mut().find(|c| c.id == id) {
+            c.released = Some(events);
+        }
+    }
+}
+
+/// Where `len` bytes go in a ring of `cap` bytes whose next free byte is `head` and whose
+/// oldest live carve starts at `oldest` (None: nothing live).
+fn ring_alloc(cap: usize, head: usize, oldest: Option<usize>, len: usize) -> Option<usize> {
+    match oldest {
+        None => (len <= cap).then_some(0),
+        Some(oldest) if head >= oldest => {
+            if head + len <= cap {
+                Some(head)
+            } else {
+                (len < oldest).then_some(0)
+            }
+        }
+        Some(oldest) => (head + len < oldest).then_some(head),
+    }
+}
+
+/// The operations of a batch the callers' streams stage at call time, and their buffers: the
+/// offset of the batch's carve of `pool` and, per operation, (index, send, recv) regions of
+/// it. None when no operation qualifies or they do not fit.
+pub(super) fn plan_caller_staging(comm: &Comm, pool: &mut Pool, ops: &[StreamOp]) -> Option<(usize, Vec<Staged>)> {
+    let round = |n: usize| n.div_ceil(POOL_ALIGN) * POOL_ALIGN;
+    let picked: Vec<usize> = (0..ops.len()).filter(|&i| caller_stageable(comm, &ops[i].op)).collect();
+    let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
+    let total: usize = picked.iter().map(|&i| round(ops[i].op.send.len()) + round(ops[i].op.recv.len()) + scalar(i)).sum();
+    if total == 0 {
+        return None;
+    }
+    let cap = pool.mem.as_ref().map_or(0, |m| m.len());
+    if total > cap && total <= POOL_MAX && pool.inflight.is_empty() {
+        // Grown while nothing is in flight; the old memory goes to the spares (never freed).
+        if let Ok(bigger) = MappedHost::new(total.next_power_of_two()) {
+            crate::info!(P2P, "rank {}: pinned staging pool grown to {} bytes", comm.rank, bigger.len());
+            if let Some(old) = pool.mem.replace(bigger) {
+                SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(old);
+            }
+        }
+    }
+    let start = pool.alloc(total)?;
+    let whole = pool.mem.as_ref()?.region();
+    let mut at = start;
+    let mut take = |n: usize| {
+        let r = if n == 0 { Region::EMPTY } else { whole.sub(at, n) };
+        at += round(n);
+        r
+    };
+    let mut planned = Vec::with_capacity(picked.len());
+    for i in picked {
+        let op = &ops[i].op;
+        let (send, recv) = (take(op.send.len()), take(op.recv.len()));
+        let scalar = op.scalar_at.map(|_| take(op.dt.size()));
+        planned.push(Staged { i, send, recv, scalar });
+    }
+    Some((start, planned))
+}
+
+/// Operation `i` of a batch, staged by its caller's stream into these pool regions (and its
+/// device PreMulSum scalar into `scalar`).
+#[derive(Clone, Copy)]
+pub(super) struct Staged {
+    pub i: usize,
+    pub send: Region,
+    pub recv: Region,
+    pub scalar: Option<Region>,
+}
+
+/// Can the caller's stream stage `op`? Staged (not direct), with buffers (and a device
+/// PreMulSum scalar) the device copies asynchronously: not pageable host memory.
+fn caller_stageable(comm: &Comm, op: &Op) -> bool {
+    let copyable = |r: &Region| {
+        r.is_empty() || matches!(classify(r.addr()), Ok(PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed))
+    };
+    let direct = if op.kind.is_p2p() { ipc::eligible_p2p(comm, op) } else { ipc::eligible(comm, op) };
+    let scalar = op.scalar_at.map_or(Region::EMPTY, |p| Region::user(p, 0, op.dt.size()));
+    !direct && copyable(&op.send) && copyable(&op.recv) && copyable(&scalar)
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::ring_alloc;
+    use std::collections::VecDeque;
+
+    /// Random carves taken and given back in order: live carves never overlap, stay inside
+    /// the ring, and a request that fits an empty ring always succeeds.
+    #[test]
+    fn ring_carves_never_overlap() {
+        const CAP: usize = 1000;
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let (mut head, mut live) = (0usize, VecDeque::<(usize, usize)>::new());
+        let mut granted = 0;
+        for _ in 0..200_000 {
+            if next(3) == 0 && !live.is_empty() {
+                live.pop_front();
+                if live.is_empty() {
+                    head = 0;
+                }
+                continue;
+            }
+            let len = 1 + next(400);
+            let Some(at) = ring_alloc(CAP, head, live.front().map(|c| c.0), len) else {
+                assert!(!live.is_empty(), "{len} bytes refused by an empty ring");
+                continue;
+            };
+            assert!(at + len <= CAP, "carve {at}+{len} outside the ring");
+            for &(s, l) in &live {
+                assert!(at + len <= s || s + l <= at, "carve {at}+{len} overlaps live {s}+{l}");
+            }
+            head = at + len;
+            live.push_back((at, len));
+            granted += 1;
+        }
+        assert!(granted > 50_000, "only {granted} carves granted");
+    }
+}
