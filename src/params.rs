@@ -133,7 +133,10 @@ pub fn few_device_connections() -> bool {
     if raw("NCCL_RS_HOST_WAIT").is_some() {
         return int("NCCL_RS_HOST_WAIT") != 0;
     }
-    let connections = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<i64>().ok());
+    // CUDA's own variable (not an NCCL parameter), read once, as the driver reads it once.
+    static CONNECTIONS: std::sync::OnceLock<Option<i64>> = std::sync::OnceLock::new();
+    let connections = *CONNECTIONS
+        .get_or_init(|| std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<i64>().ok()));
     connections.is_some_and(|n| n < 8)
 }
 /// `NCCL_RS_STREAM_GATE=kernel`: callers' streams wait with a polling kernel, not a stream
