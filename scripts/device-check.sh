@@ -126,7 +126,7 @@ step ffi-host-mode 45 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" "$PREP/run/
 cp scripts/torch_check.py "$OUT/torch_check.py"
 if python3 -c 'import torch' 2>/dev/null; then
   step torch-nccl-rs 120 bash -c "
-    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 WORLD_SIZE=2
+    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 WORLD_SIZE=2 NCCL_DEBUG=WARN
     for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
     export MASTER_PORT=29534
     for r in 0 1; do RANK=\$r python3 $OUT/torch_check.py gloo & done; wait
@@ -176,7 +176,7 @@ step perf-cuda-allreduce-2-gate-kernel 40 env NCCL_RS_STREAM_GATE=kernel "$PREP/
   --device 1 -b 1K -e 64M -f 8 -n 5 -w 1
 if python3 -c 'import torch' 2>/dev/null; then
   step torch-nccl-rs-gate-kernel 60 bash -c "
-    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29535 WORLD_SIZE=2 NCCL_RS_STREAM_GATE=kernel
+    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29535 WORLD_SIZE=2 NCCL_RS_STREAM_GATE=kernel NCCL_DEBUG=WARN
     for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
     python3 $OUT/torch_check.py compare"
 fi
