@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *   CUDA_TEST_ABORT_HELD=1 cuda (ncclCommAbort while the call's stream is held before it)
@@ -446,6 +446,74 @@ static void mixed(void) {
     CU(cu.MemFree(ds[l]));
     CU(cu.MemFreeHost(hin[l]));
     CU(cu.MemFreeHost(hr[l]));
+  }
+}
+
+/* One group, one communicator, two streams: a small all-reduce (staged) and a large one
+ * (direct) on the first, an all-gather and a ring of sends/receives on the second, each
+ * stream uploading its inputs and downloading its results, synchronised only with itself. */
+static void two_streams(void) {
+  test_step("two-streams");
+  enum { NOPS = 4 };
+  const int n = g_env.nranks;
+  const size_t counts[NOPS] = {3000, 60000, 2000, 5000}; /* small AR, large AR, AG, p2p */
+  CUstream other[MAX_LOCAL];
+  CUdeviceptr din[MAX_LOCAL][NOPS], dout[MAX_LOCAL][NOPS];
+  float *hin[MAX_LOCAL][NOPS], *hout[MAX_LOCAL][NOPS];
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    CU(cu.StreamCreate(&other[l], CU_STREAM_NON_BLOCKING));
+    for (int k = 0; k < NOPS; k++) {
+      size_t out = k == 2 ? counts[k] * n : counts[k];
+      CUstream st = k < 2 ? g_streams[l] : other[l];
+      din[l][k] = dev_alloc(counts[k] * sizeof(float));
+      dout[l][k] = dev_alloc(out * sizeof(float));
+      hin[l][k] = host_alloc(counts[k] * sizeof(float));
+      hout[l][k] = host_alloc(out * sizeof(float));
+      for (size_t j = 0; j < counts[k]; j++) hin[l][k][j] = in_value(rank, j, 60 + k);
+      CU(cu.MemcpyAsync(din[l][k], (CUdeviceptr)(uintptr_t)hin[l][k], counts[k] * sizeof(float), st));
+    }
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    void* in[NOPS];
+    void* out[NOPS];
+    for (int k = 0; k < NOPS; k++) {
+      in[k] = (void*)(uintptr_t)din[l][k];
+      out[k] = (void*)(uintptr_t)dout[l][k];
+    }
+    CHECK(ncclAllReduce(in[0], out[0], counts[0], ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+    CHECK(ncclAllGather(in[2], out[2], counts[2], ncclFloat32, g_comms[l], other[l]));
+    CHECK(ncclAllReduce(in[1], out[1], counts[1], ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+    CHECK(ncclSend(in[3], counts[3], ncclFloat32, (rank + 1) % n, g_comms[l], other[l]));
+    CHECK(ncclRecv(out[3], counts[3], ncclFloat32, (rank + n - 1) % n, g_comms[l], other[l]));
+  }
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l, from = (rank + n - 1) % n;
+    for (int k = 0; k < NOPS; k++) {
+      size_t out = k == 2 ? counts[k] * n : counts[k];
+      CUstream st = k < 2 ? g_streams[l] : other[l];
+      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hout[l][k], dout[l][k], out * sizeof(float), st));
+    }
+    CU(cu.StreamSynchronize(g_streams[l]));
+    CU(cu.StreamSynchronize(other[l]));
+    for (int k = 0; k < NOPS; k++) {
+      size_t out = k == 2 ? counts[k] * n : counts[k], bad = 0;
+      for (size_t j = 0; j < out; j++) {
+        float want = k < 2 ? expected(C_ALLREDUCE, counts[k], n, rank, j, 60 + k)
+                   : k == 2 ? in_value((int)(j / counts[k]), j % counts[k], 60 + k)
+                            : in_value(from, j, 60 + k);
+        bad += hout[l][k][j] != want;
+      }
+      EXPECT(bad == 0, "two streams, operation %d, rank %d: %zu wrong values", k, rank, bad);
+      CU(cu.MemFree(din[l][k]));
+      CU(cu.MemFree(dout[l][k]));
+      CU(cu.MemFreeHost(hin[l][k]));
+      CU(cu.MemFreeHost(hout[l][k]));
+    }
+    CU(cu.StreamDestroy(other[l]));
   }
 }
 
@@ -1083,6 +1151,7 @@ int main(int argc, char** argv) {
   if (wanted("InPlace")) in_place();
   if (wanted("P2P")) p2p();
   if (wanted("Mixed")) mixed();
+  if (wanted("Streams")) two_streams();
   if (wanted("Order")) order();
   if (wanted("PreMul")) premul();
   if (wanted("Capture")) capture();
