@@ -514,6 +514,11 @@ static void two_streams(void) {
       CU(cu.MemFreeHost(hout[l][k]));
     }
     CU(cu.StreamDestroy(other[l]));
+    /* The pinned staging pool is counted (4 MiB at least, unless caller staging is off). */
+    const char* cs = getenv("NCCL_RS_CALLER_STAGING");
+    uint64_t total = 0;
+    CHECK(ncclCommMemStats(g_comms[l], ncclStatGpuMemTotal, &total));
+    if (!(cs && atoi(cs) == 0)) EXPECT(total >= (4u << 20), "ncclCommMemStats total %llu, without the 4 MiB pool", (unsigned long long)total);
   }
 }
 

@@ -152,9 +152,10 @@ impl Streamed {
                 None
             }
         };
-        let pool = match Pool::new() {
-            Ok(p) => Some(p),
-            Err(e) => {
+        let pool = match crate::params::caller_staging().then(Pool::new) {
+            None => None,
+            Some(Ok(p)) => Some(p),
+            Some(Err(e)) => {
                 crate::info!(INIT, "rank {}: no pinned staging pool ({}); the worker stages every operation",
                              comm.rank, e.msg);
                 None
@@ -214,6 +215,11 @@ impl Streamed {
     fn unlock_submits(&self) {
         *self.submit_busy.lock().unwrap_or_else(|p| p.into_inner()) = false;
         self.submit_done.notify_all();
+    }
+
+    /// Bytes of pinned staging pool this communicator holds (ncclCommMemStats).
+    pub fn pool_bytes(&self) -> u64 {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |p| p.capacity() as u64)
     }
 
     /// Wait until every batch issued so far has finished.

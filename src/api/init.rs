@@ -200,12 +200,12 @@ pub fn resume(comm: &Comm) -> Result<()> {
     Ok(())
 }
 
-/// ncclCommMemStats: host mode holds no GPU memory.
 /// ncclCommMemStats. The buffers a communicator holds are its connections' rings and staging
-/// areas (host memory; in CUDA mode too, since data is staged through the host): reported as
-/// persistent and total. Suspending frees nothing yet.
+/// areas, and in CUDA mode its pinned staging pool (host memory all: data is staged through
+/// the host): reported as persistent and total. Suspending frees nothing yet.
 pub fn mem_stat(comm: &Comm, stat: i32) -> Result<u64> {
-    let held = || comm.ready_if_any().map_or(0, |r| r.conns().mem_bytes());
+    let pool = || comm.streamed.get().map_or(0, |s| s.pool_bytes());
+    let held = || comm.ready_if_any().map_or(0, |r| r.conns().mem_bytes()) + pool();
     match stat {
         0 => Ok(0),
         2 | 3 => Ok(held()),
