@@ -15,19 +15,19 @@ use crate::params;
 use crate::plan::{ops::plan_into, Builder, Op, Step};
 use crate::device::cuda::UserStream;
 use crate::proxy::{self, Job, JobBufs};
-use crate::streamed::StreamOp;
+use crate::streamed::{Placement, StreamOp};
 use crate::transport::{self, Ctx};
 
 /// Work that needs every rank of the group at once (split, shrink): run in parallel threads.
 pub type Deferred = Box<dyn FnOnce() -> Result<()> + Send>;
 
-/// An operation recorded in a group: its communicator, the call's stream, and whether it
-/// names device memory (CUDA mode: it then runs in stream order).
+/// An operation recorded in a group: its communicator, the call's stream, and where its
+/// buffers are (CUDA mode: with device memory it runs in stream order).
 struct Queued {
     comm: Arc<Comm>,
     op: Op,
     stream: UserStream,
-    device: bool,
+    placement: Placement,
 }
 
 #[derive(Default)]
@@ -93,12 +93,12 @@ pub fn end() -> Result<()> {
     // A communicator with any operation on device memory runs all of its operations of the
     // group on its stream worker (its sends and receives may pair up with each other). Those
     // are queued first: the worker runs them while this thread runs the others.
-    let device_comms: Vec<*const Comm> = group.ops.iter().filter(|q| q.device).map(|q| Arc::as_ptr(&q.comm)).collect();
+    let device_comms: Vec<*const Comm> = group.ops.iter().filter(|q| q.placement.device).map(|q| Arc::as_ptr(&q.comm)).collect();
     let (on_stream, host): (Vec<Queued>, Vec<Queued>) =
         group.ops.into_iter().partition(|q| device_comms.contains(&Arc::as_ptr(&q.comm)));
     let mut per_comm: Vec<(Arc<Comm>, Vec<StreamOp>)> = Vec::new();
     for q in on_stream {
-        let o = StreamOp { op: q.op, stream: q.stream };
+        let o = StreamOp { op: q.op, stream: q.stream, copyable: q.placement.copyable };
         match per_comm.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &q.comm)) {
             Some((_, v)) => v.push(o),
             None => per_comm.push((q.comm, vec![o])),
@@ -193,11 +193,11 @@ pub fn record_error(e: &Error) {
     });
 }
 
-pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, device: bool) -> Result<()> {
+pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, placement: Placement) -> Result<()> {
     let queued = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth > 0 {
-            g.ops.push(Queued { comm: comm.clone(), op, stream, device });
+            g.ops.push(Queued { comm: comm.clone(), op, stream, placement });
             true
         } else {
             false
@@ -206,8 +206,9 @@ pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, device: bool) -> Resu
     if queued {
         return Ok(());
     }
-    if device {
-        return crate::streamed::submit(&comm, vec![StreamOp { op, stream }]).map(|w| w.into_iter().for_each(|w| w.wait()));
+    if placement.device {
+        let o = StreamOp { op, stream, copyable: placement.copyable };
+        return crate::streamed::submit(&comm, vec![o]).map(|w| w.into_iter().for_each(|w| w.wait()));
     }
     crate::streamed::drain(&comm);
     execute_one(comm, op)

@@ -76,11 +76,23 @@ fn completion_word(ordinal: i32) -> Result<(&'static MappedHost, usize)> {
     Ok((mem, 0))
 }
 
-/// One operation for the worker: what to run and the stream it is ordered with.
+/// One operation for the worker: what to run, the stream it is ordered with, and whether the
+/// device copies all its buffers asynchronously (`Placement::copyable`).
 #[derive(Clone, Copy, Debug)]
 pub struct StreamOp {
     pub op: Op,
     pub stream: UserStream,
+    pub copyable: bool,
+}
+
+/// Where a call's buffers live, as CUDA mode needs to know: classified once, at the call.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Placement {
+    /// Some buffer (or the PreMulSum scalar) is device memory: the call runs in stream order.
+    pub device: bool,
+    /// Every buffer is memory the device copies asynchronously (device, pinned or managed,
+    /// not pageable): the caller's stream can stage it.
+    pub copyable: bool,
 }
 
 /// The stream worker of one communicator.
@@ -93,6 +105,11 @@ pub struct Streamed {
     /// Loaded when the worker started; None (with a warning) if the driver refused them, and
     /// then every operation is staged.
     kernels: Option<&'static Kernels>,
+    /// How callers' streams are ordered, decided from the parameters when the worker starts:
+    /// host-wait mode (`params::few_device_connections`), else a gate — the polling kernel if
+    /// asked for and loaded, else a stream wait on memory.
+    host_wait: bool,
+    gate_kernel: Option<&'static Kernels>,
     state: Mutex<State>,
     /// True through a whole submit, both halves (driver calls included, which may block while
     /// the device's launch queue is full), and while closing; never set by the worker, which
@@ -104,8 +121,8 @@ pub struct Streamed {
     worker: Mutex<Option<JoinHandle<()>>>,
     /// Events of finished batches, recorded again by later calls (no create/destroy per call).
     events: Mutex<Vec<Event>>,
-    /// Pinned staging callers' streams copy through (None: pinning failed at start, or a
-    /// failed call left it in an unknown state). Used under `submitting`.
+    /// Pinned staging callers' streams copy through (None: caller staging is off, or pinning
+    /// failed at start). Used under `submit_busy`.
     pool: Mutex<Option<Pool>>,
     /// Whether callers' streams have staged anything yet (the first time is logged).
     caller_staged: std::sync::atomic::AtomicBool,
@@ -161,7 +178,9 @@ impl Streamed {
                 None
             }
         };
-        let s = Arc::new(Streamed { ctx, done, word, kernels, state: Mutex::new(State::default()),
+        let host_wait = crate::params::few_device_connections();
+        let gate_kernel = kernels.filter(|_| crate::params::stream_gate_kernel());
+        let s = Arc::new(Streamed { ctx, done, word, kernels, host_wait, gate_kernel, state: Mutex::new(State::default()),
                                     submit_busy: Mutex::new(false), submit_done: Condvar::new(), changed: Condvar::new(),
                                     worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
                                     caller_staged: std::sync::atomic::AtomicBool::new(false) });
@@ -172,10 +191,10 @@ impl Streamed {
             .map_err(|e| Error::os("spawn the stream worker", e))?;
         *s.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
         crate::info!(INIT, "rank {}: CUDA mode on device {}, stream worker started", comm.rank, comm.cuda_dev);
-        if crate::params::few_device_connections() {
+        if host_wait {
             crate::info!(INIT, "rank {}: calls on device memory wait on the host until done (NCCL_RS_HOST_WAIT=1, or \
                                 CUDA_DEVICE_MAX_CONNECTIONS below 8 and NCCL_RS_HOST_WAIT unset)", comm.rank);
-        } else if crate::params::stream_gate_kernel() && s.kernels.is_some() {
+        } else if gate_kernel.is_some() {
             crate::info!(INIT, "rank {}: callers' streams wait for operations with a polling kernel", comm.rank);
         }
         Ok(s)
@@ -318,15 +337,13 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         }
         state.issued.wrapping_add(1)
     };
-    let host_wait = crate::params::few_device_connections();
-    let gate_kernel = s.kernels.filter(|_| crate::params::stream_gate_kernel());
     let on = |o: &StreamOp| streams.iter().position(|u| *u == o.stream).unwrap_or(0);
     // The callers' streams stage what they can (module docs): inputs into the pool now, before
     // the events the worker waits for.
     let mut pool = s.pool.lock().unwrap_or_else(|p| p.into_inner());
-    let gated = !host_wait && (gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
+    let gated = !s.host_wait && (s.gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
     let carve = match pool.as_mut() {
-        Some(p) if gated && crate::params::caller_staging() => {
+        Some(p) if gated => {
             s.recycle(p.reclaim());
             plan_caller_staging(comm, p, &ops)
         }
@@ -362,7 +379,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     }
     drop(pool);
     let mut prepared = Prepared { lock, callers, streams, ops, prestaged, outs, carve_id, starts: Vec::new(), seq,
-                                  host_wait, committed: false };
+                                  committed: false };
     for st in &prepared.callers {
         let e = s.event()?;
         e.record(st)?;
@@ -385,7 +402,6 @@ pub struct Prepared {
     carve_id: Option<u64>,
     starts: Vec<Event>,
     seq: u32,
-    host_wait: bool,
     committed: bool,
 }
 
@@ -439,9 +455,9 @@ impl Prepared {
         let s = self.lock.0.clone();
         s.ctx.make_current()?;
         let seq = self.seq;
-        let mut waits_on_host = self.host_wait;
-        let gate_kernel = s.kernels.filter(|_| crate::params::stream_gate_kernel());
-        for st in self.callers.iter().filter(|_| !self.host_wait) {
+        let mut waits_on_host = s.host_wait;
+        let gate_kernel = s.gate_kernel;
+        for st in self.callers.iter().filter(|_| !s.host_wait) {
             let gated = match gate_kernel {
                 Some(k) => k.wait_geq(st, s.done, s.word, seq).map(|()| MemOp::Enqueued),
                 None => st.wait_value32(s.done, s.word, seq, WaitCond::Geq),

@@ -10,6 +10,7 @@ use crate::device::cuda::UserStream;
 use crate::device::host::{self, Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
+use crate::streamed::Placement;
 use crate::types::{BuiltinOp, DataType, RedOp};
 
 pub use crate::plan::OpKind as Kind;
@@ -65,15 +66,19 @@ fn regions(a: &Args, es: usize, n: usize, rank: usize, root: usize) -> Result<(R
     Ok((region(a.send, s), region(a.recv, r)))
 }
 
-/// In CUDA mode, does the call name device memory? Then it runs on the communicator's stream
-/// worker (see `streamed`), ordered with the call's stream; host, pinned and managed memory
-/// alone run at once on the calling thread, as in host mode.
-fn uses_device_memory(regions: &[Region]) -> bool {
+/// In CUDA mode, where the call's buffers are (one classification each). A call naming
+/// device memory runs on the communicator's stream worker (see `streamed`), ordered with the
+/// call's stream; host, pinned and managed memory alone run at once on the calling thread, as
+/// in host mode.
+fn placement(regions: &[Region]) -> Placement {
+    use crate::device::cuda::{classify, PtrKind};
     if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
-        return false;
+        return Placement::default();
     }
-    regions.iter().filter(|r| !r.is_empty()).any(|r| {
-        matches!(crate::device::cuda::classify(r.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }))
+    let kinds = regions.iter().filter(|r| !r.is_empty()).map(|r| classify(r.addr()));
+    kinds.fold(Placement { device: false, copyable: true }, |p, k| Placement {
+        device: p.device || matches!(k, Ok(PtrKind::Device { .. })),
+        copyable: p.copyable && matches!(k, Ok(PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed)),
     })
 }
 
@@ -81,7 +86,7 @@ fn uses_device_memory(regions: &[Region]) -> bool {
 pub fn enqueue(comm: Arc<Comm>, a: Args) -> Result<()> {
     let result = validate(&comm, &a);
     match result {
-        Ok((op, device)) => crate::group::add_op(comm, op, a.stream, device),
+        Ok((op, placement)) => crate::group::add_op(comm, op, a.stream, placement),
         Err(e) => {
             crate::group::record_error(&e);
             Err(e)
@@ -89,7 +94,7 @@ pub fn enqueue(comm: Arc<Comm>, a: Args) -> Result<()> {
     }
 }
 
-fn validate(comm: &Comm, a: &Args) -> Result<(Op, bool)> {
+fn validate(comm: &Comm, a: &Args) -> Result<(Op, Placement)> {
     comm.ready()?;
     let dt = DataType::from_raw(a.datatype).ok_or_else(|| Error::invalid_arg(format!("invalid datatype {}", a.datatype)))?;
     let n = comm.nranks;
@@ -105,12 +110,14 @@ fn validate(comm: &Comm, a: &Args) -> Result<(Op, bool)> {
     let (op, scalar_at) = if a.kind.reduces() { resolve_op(comm, a.op, dt)? } else { (RedOp::Builtin(BuiltinOp::Sum), None) };
     let (send, recv) = regions(a, dt.size(), n, comm.rank, root)?;
     // A scalar in device memory is read in stream order: the operation goes to the stream too.
-    let device = scalar_at.is_some() || uses_device_memory(&[send, recv]);
+    let scalar = scalar_at.map_or(Region::EMPTY, |p| Region::user(p, 0, dt.size()));
+    let mut placement = placement(&[send, recv, scalar]);
+    placement.device |= scalar_at.is_some();
     // Collectives are numbered alike on every rank; point-to-point calls are not.
     let seq = if a.kind.is_p2p() { 0 } else { comm.seq.fetch_add(1, Ordering::Relaxed) };
     let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq, scalar_at, of: None };
     crate::info!(COLL, "{}: rank {} send {:#x} recv {:#x}", op.describe(), comm.rank, send.addr(), recv.addr());
-    Ok((op, device))
+    Ok((op, placement))
 }
 
 /// ncclRedOpCreatePreMulSum.

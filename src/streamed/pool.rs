@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::StreamOp;
 use crate::comm::Comm;
-use crate::device::cuda::{classify, Event, MappedHost, PtrKind};
+use crate::device::cuda::{Event, MappedHost};
 use crate::device::host::Region;
 use crate::plan::Op;
 use crate::transport::ipc;
@@ -136,7 +136,7 @@ fn ring_alloc(cap: usize, head: usize, oldest: Option<usize>, len: usize) -> Opt
 /// it. None when no operation qualifies or they do not fit.
 pub(super) fn plan_caller_staging(comm: &Comm, pool: &mut Pool, ops: &[StreamOp]) -> Option<(usize, Vec<Staged>)> {
     let round = |n: usize| n.div_ceil(POOL_ALIGN) * POOL_ALIGN;
-    let picked: Vec<usize> = (0..ops.len()).filter(|&i| caller_stageable(comm, &ops[i].op)).collect();
+    let picked: Vec<usize> = (0..ops.len()).filter(|&i| ops[i].copyable && !direct(comm, &ops[i].op)).collect();
     let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
     let total: usize = picked.iter().map(|&i| round(ops[i].op.send.len()) + round(ops[i].op.recv.len()) + scalar(i)).sum();
     if total == 0 {
@@ -180,15 +180,9 @@ pub(super) struct Staged {
     pub scalar: Option<Region>,
 }
 
-/// Can the caller's stream stage `op`? Staged (not direct), with buffers (and a device
-/// PreMulSum scalar) the device copies asynchronously: not pageable host memory.
-fn caller_stageable(comm: &Comm, op: &Op) -> bool {
-    let copyable = |r: &Region| {
-        r.is_empty() || matches!(classify(r.addr()), Ok(PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed))
-    };
-    let direct = if op.kind.is_p2p() { ipc::eligible_p2p(comm, op) } else { ipc::eligible(comm, op) };
-    let scalar = op.scalar_at.map_or(Region::EMPTY, |p| Region::user(p, 0, op.dt.size()));
-    !direct && copyable(&op.send) && copyable(&op.recv) && copyable(&scalar)
+/// Does `op` take the direct path (then the worker, not the caller's stream, moves its data)?
+fn direct(comm: &Comm, op: &Op) -> bool {
+    if op.kind.is_p2p() { ipc::eligible_p2p(comm, op) } else { ipc::eligible(comm, op) }
 }
 
 
