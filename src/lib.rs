@@ -26,6 +26,27 @@ pub mod transport;
 
 pub use error::{Code, Error, Result};
 
+/// Helpers shared by unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    /// splitmix64: deterministic test data without a dependency.
+    pub struct Rng(pub u64);
+
+    impl Rng {
+        pub fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let z = (self.0 ^ (self.0 >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            let z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+
+        /// A value in `0..n` (n > 0).
+        pub fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+}
+
 /// The NCCL API we are compatible with (2.32.3).
 pub const NCCL_MAJOR: i32 = 2;
 pub const NCCL_MINOR: i32 = 32;

@@ -189,6 +189,7 @@ fn direct(comm: &Comm, op: &Op) -> bool {
 #[cfg(test)]
 mod tests {
     use super::ring_alloc;
+    use crate::testing::Rng;
     use std::collections::VecDeque;
 
     /// Random carves taken and given back in order: live carves never overlap, stay inside
@@ -196,13 +197,8 @@ mod tests {
     #[test]
     fn ring_carves_never_overlap() {
         const CAP: usize = 1000;
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move |n: usize| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % n as u64) as usize
-        };
+        let mut rng = Rng(7);
+        let mut next = |n: usize| rng.below(n);
         let (mut head, mut live) = (0usize, VecDeque::<(usize, usize)>::new());
         let mut granted = 0;
         for _ in 0..200_000 {

@@ -8,16 +8,7 @@ use half::bf16;
 const OPS: [ElemOp; 4] = [ElemOp::Sum, ElemOp::Prod, ElemOp::Max, ElemOp::Min];
 const LENGTHS: [usize; 5] = [0, 1, 7, 33, 1000];
 
-/// splitmix64: deterministic test data without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let z = (self.0 ^ (self.0 >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        let z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
+use crate::testing::Rng;
 
 #[derive(Clone, Copy, Debug)]
 enum Val {
