@@ -26,6 +26,12 @@ pub mod transport;
 
 pub use error::{Code, Error, Result};
 
+/// The NCCL API we are compatible with (2.32.3).
+pub const NCCL_MAJOR: i32 = 2;
+pub const NCCL_MINOR: i32 = 32;
+pub const NCCL_PATCH: i32 = 3;
+pub const NCCL_VERSION_CODE: i32 = NCCL_MAJOR * 10000 + NCCL_MINOR * 100 + NCCL_PATCH;
+
 /// Helpers shared by unit tests.
 #[cfg(test)]
 pub(crate) mod testing {
@@ -46,9 +52,3 @@ pub(crate) mod testing {
         }
     }
 }
-
-/// The NCCL API we are compatible with (2.32.3).
-pub const NCCL_MAJOR: i32 = 2;
-pub const NCCL_MINOR: i32 = 32;
-pub const NCCL_PATCH: i32 = 3;
-pub const NCCL_VERSION_CODE: i32 = NCCL_MAJOR * 10000 + NCCL_MINOR * 100 + NCCL_PATCH;
