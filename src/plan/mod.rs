@@ -111,7 +111,8 @@ impl Builder {
 
     pub fn scratch(&mut self, len: usize) -> Region {
         if self.scratch_used == self.scratch.len() {
-            self.scratch.push(Vec::new());
+            // Zeroed by the allocator (fresh pages), not by a pass over the buffer.
+            self.scratch.push(vec![0u8; len]);
         }
         let v = &mut self.scratch[self.scratch_used];
         self.scratch_used += 1;

@@ -42,11 +42,10 @@ const HDR_STAMP: usize = 16;
 const HDR_DATA: usize = 40;
 const HEADER_DATA: usize = 24;
 /// Shared reading of a large descriptor (see [`RingRecv::try_recv_into`]): the claim word
-/// (tag << TAG_SHIFT | next block), blocks finished, and the message's addresses.
+/// (tag << TAG_SHIFT | next block), blocks finished, and the message's destination and length.
 const HELP_CLAIM: usize = 512;
 const HELP_DONE: usize = 576;
 const HELP_DST: usize = 640;
-const HELP_SRC: usize = 648;
 const HELP_LEN: usize = 656;
 /// Written by the receiver: the address of [`WRITE_PROBE`] in its memory.
 const HELP_PROBE_ADDR: usize = 664;
@@ -279,7 +278,6 @@ impl RingRecv {
         // The previous shared message is complete (all claimed and done): nobody writes these.
         done.store(0, Ordering::Relaxed);
         self.map.atomic_u64(HELP_DST).store(dst.addr() as u64, Ordering::Relaxed);
-        self.map.atomic_u64(HELP_SRC).store(src, Ordering::Relaxed);
         self.map.atomic_u64(HELP_LEN).store(len as u64, Ordering::Relaxed);
         claim.store(tag << TAG_SHIFT, Ordering::Release);
         loop {
@@ -288,26 +286,59 @@ impl RingRecv {
                 break;
             }
             let off = idx as usize * HELP_BLOCK;
-            let n = HELP_BLOCK.min(len - off);
-            match self.peer_pid {
-                Some(pid) => {
-                    // SAFETY: dst is a region this receive may write (Region contract); the
-                    // block is within it and no other block overlaps it.
-                    let out = unsafe { std::slice::from_raw_parts_mut((dst.addr() + off) as *mut u8, n) };
-                    if let Err(e) = cma_read(pid, src + off as u64, out) {
-                        // Giving up: no more claims for this message (the sender stops).
-                        claim.store((tag << TAG_SHIFT) | ((1 << TAG_SHIFT) - 1), Ordering::Release);
-                        return Err(self.sender_gone(e));
-                    }
-                }
-                // SAFETY: one process: the sender's message is valid and unwritten until we
-                // free the slot; dst as above.
-                None => unsafe { std::ptr::copy((src as usize + off) as *const u8, (dst.addr() + off) as *mut u8, n) },
+            // The block is within dst, and no other block overlaps it.
+            if let Err(e) = self.pull(src + off as u64, dst.sub(off, HELP_BLOCK.min(len - off))) {
+                // Giving up, with our block `idx` unfinished; the caller gets `dst` back.
+                self.abandon_shared(tag, blocks, 1);
+                return Err(self.sender_gone(e));
             }
             done.fetch_add(1, Ordering::AcqRel);
         }
         self.helped = Some((tag, blocks));
         self.finish_shared()
+    }
+
+    /// Copy the sender's bytes at `src` (a descriptor's address, in its memory) into `dst`.
+    fn pull(&self, src: u64, dst: Region) -> Result<()> {
+        match self.peer_pid {
+            Some(pid) => {
+                // SAFETY: dst is a region the schedule lets this receive write (Region
+                // contract), and nothing else touches it until this unit completes.
+                let out = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, dst.len()) };
+                cma_read(pid, src, out)
+            }
+            None => {
+                // SAFETY: one process: the sender's message is valid and unwritten until we
+                // free the slot; dst as above. Different ranks' buffers do not overlap, and
+                // ptr::copy tolerates it anyway.
+                unsafe { std::ptr::copy(src as usize as *const u8, dst.addr() as *mut u8, dst.len()) };
+                Ok(())
+            }
+        }
+    }
+
+    /// Stop sharing message `tag` (the receive failed, or the connection is dropped while the
+    /// sender still writes its blocks): no more claims, then wait for the blocks the sender
+    /// already claimed — it is writing them into the destination the caller is about to get
+    /// back (and may free). `unfinished` of the claimed blocks are ours and will never be
+    /// done. Bounded: a sender that closed or died writes no more, and a block is 128 KiB.
+    fn abandon_shared(&mut self, tag: u64, blocks: u64, unfinished: u64) {
+        let mask = (1u64 << TAG_SHIFT) - 1;
+        let old = self.map.atomic_u64(HELP_CLAIM).swap((tag << TAG_SHIFT) | mask, Ordering::AcqRel);
+        self.helped = None;
+        if old >> TAG_SHIFT != tag {
+            return;
+        }
+        let claimed = (old & mask).min(blocks);
+        let done = self.map.atomic_u64(HELP_DONE);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while done.load(Ordering::Acquire) + unfinished < claimed
+            && self.map.atomic_u32(SENDER_CLOSED).load(Ordering::Acquire) == 0
+            && self.peer_pid.is_none_or(pid_alive)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::yield_now();
+        }
     }
 
     /// A failed read of the sender's memory after the sender closed the connection (it stopped
@@ -521,7 +552,8 @@ impl super::RecvConn for RingRecv {
             (stamp, kind, std::slice::from_raw_parts(at, n))
         };
         if kind == KIND_DESCRIPTOR {
-            let word = |i: usize| u64::from_ne_bytes(data[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+            // A peer's header may say descriptor with fewer bytes than one: read as zeros.
+            let word = |i: usize| data.get(i * 8..i * 8 + 8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_ne_bytes);
             let (addr, len) = (word(0), (word(1) as usize).min(self.slice));
             match self.peer_pid {
                 Some(pid) => {
@@ -561,7 +593,7 @@ impl super::RecvConn for RingRecv {
         }
         let slot = (self.head % SLOTS as u64) as usize;
         // SAFETY: published, as in try_recv: the slot and its header are ours until we free it.
-        let (stamp, kind, addr, len) = unsafe {
+        let (stamp, addr, len) = unsafe {
             let hdr = self.map.base.add(HEADERS + slot * HEADER_BYTES);
             let kind = (hdr.add(HDR_KIND) as *const u32).read_volatile();
             if kind != KIND_DESCRIPTOR {
@@ -570,27 +602,16 @@ impl super::RecvConn for RingRecv {
             let mut stamp = [0u8; STAMP_BYTES];
             std::ptr::copy_nonoverlapping(hdr.add(HDR_STAMP), stamp.as_mut_ptr(), STAMP_BYTES);
             let data = self.map.base.add(DATA + slot * self.slice) as *const u64;
-            (stamp, kind, data.read_volatile(), data.add(1).read_volatile() as usize)
+            (stamp, data.read_volatile(), data.add(1).read_volatile() as usize)
         };
-        if kind != KIND_DESCRIPTOR || len != dst.len() {
+        if len != dst.len() {
             return self.recv_copying(dst, accept);
         }
         accept(&stamp, len)?;
         if len >= HELP_MIN {
             return self.read_shared(addr, dst);
         }
-        match self.peer_pid {
-            Some(pid) => {
-                // SAFETY: dst is a region the schedule lets this receive write (Region
-                // contract), and nothing else touches it until this unit completes.
-                let out = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, len) };
-                cma_read(pid, addr, out).map_err(|e| self.sender_gone(e))?;
-            }
-            // SAFETY: same process: the sender's buffer is valid and unwritten until we free
-            // the slot; dst as above. The two may not overlap (different ranks' buffers), and
-            // ptr::copy tolerates it anyway.
-            None => unsafe { std::ptr::copy(addr as usize as *const u8, dst.addr() as *mut u8, len) },
-        }
+        self.pull(addr, dst).map_err(|e| self.sender_gone(e))?;
         self.head += 1;
         self.map.atomic_u64(HEAD).store(self.head, Ordering::Release);
         Ok(true)
@@ -615,6 +636,11 @@ impl Drop for RingSend {
 impl Drop for RingRecv {
     fn drop(&mut self) {
         self.map.atomic_u32(RECEIVER_CLOSED).store(1, Ordering::Release);
+        // A failed job drops its connections while the sender may still be writing blocks of
+        // a shared message into the user's buffer.
+        if let Some((tag, blocks)) = self.helped {
+            self.abandon_shared(tag, blocks, 0);
+        }
     }
 }
 

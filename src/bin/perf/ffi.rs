@@ -89,7 +89,10 @@ impl DeviceBufs {
         let ctx = cuda::Context::primary(0).map_err(|e| format!("--device 1: {}", e.msg))?;
         let stream = cuda::Stream::new(ctx).map_err(|e| format!("--device 1: {}", e.msg))?;
         let send = cuda::alloc(send_bytes.max(1)).map_err(|e| e.msg)?;
-        let recv = cuda::alloc(recv_bytes.max(1)).map_err(|e| e.msg)?;
+        let recv = cuda::alloc(recv_bytes.max(1)).map_err(|e| {
+            let _ = cuda::free(send);
+            e.msg
+        })?;
         Ok(DeviceBufs { send, recv, stream })
     }
 }

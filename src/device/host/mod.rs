@@ -60,6 +60,9 @@ impl Region {
     pub fn is_empty(self) -> bool {
         self.len == 0
     }
+    pub fn overlaps(self, other: Region) -> bool {
+        self.len > 0 && other.len > 0 && self.addr < other.addr + other.len && other.addr < self.addr + self.len
+    }
     /// A sub-range; `off + len` must lie inside (checked: schedules are generated, not trusted).
     pub fn sub(self, off: usize, len: usize) -> Region {
         assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "sub-region out of range");
@@ -86,8 +89,7 @@ pub fn copy(dst: Region, src: Region) {
     if n == 0 || dst.addr == src.addr {
         return;
     }
-    let disjoint = dst.addr + n <= src.addr || src.addr + n <= dst.addr;
-    if disjoint && n >= STREAM_MIN && stream_copy(dst.addr, src.addr, n) {
+    if !dst.overlaps(src) && n >= STREAM_MIN && stream_copy(dst.addr, src.addr, n) {
         return;
     }
     // SAFETY: both regions are valid for n bytes (Region contract); `copy` is memmove.
