@@ -90,6 +90,13 @@ pub fn end() -> Result<()> {
         run_init_list(&group.inits)?;
     }
     run_parallel(group.deferred)?;
+    if !group.ops.iter().any(|q| q.placement.device) {
+        // Host buffers only (no allocation): after what the communicators' streams already hold.
+        for q in &group.ops {
+            crate::streamed::drain(&q.comm);
+        }
+        return execute(group.ops.into_iter().map(|q| (q.comm, q.op)));
+    }
     // A communicator with any operation on device memory runs all of its operations of the
     // group on its stream worker (its sends and receives may pair up with each other). Those
     // are queued first: the worker runs them while this thread runs the others.
@@ -109,8 +116,8 @@ pub fn end() -> Result<()> {
     // each communicator's submit lock until its commit: taken in one global order.
     per_comm.sort_by_key(|(c, _)| Arc::as_ptr(c) as usize);
     let mut prepared = Vec::with_capacity(per_comm.len());
-    for (c, ops) in &per_comm {
-        let p = crate::streamed::prepare(c, ops.clone()).map_err(|e| e.context(format!("rank {}", c.rank)))?;
+    for (c, ops) in per_comm {
+        let p = crate::streamed::prepare(&c, ops).map_err(|e| e.context(format!("rank {}", c.rank)))?;
         prepared.extend(p.map(|p| (c.rank, p)));
     }
     let mut host_waits = Vec::new();
@@ -124,7 +131,7 @@ pub fn end() -> Result<()> {
     }
     // Host-wait mode: waited for only once every communicator's part is in, host-buffer
     // parts included (ranks of this thread may need each other's).
-    execute(host.into_iter().map(|q| (q.comm, q.op)).collect())?;
+    execute(host.into_iter().map(|q| (q.comm, q.op)))?;
     host_waits.into_iter().for_each(crate::streamed::HostWait::wait);
     Ok(())
 }
@@ -296,8 +303,9 @@ impl<T> Few<T> {
 }
 
 /// Plan, connect and run the operations of one group, every communicator together.
-fn execute(ops: Vec<(Arc<Comm>, Op)>) -> Result<()> {
-    if ops.is_empty() {
+fn execute(ops: impl IntoIterator<Item = (Arc<Comm>, Op)>) -> Result<()> {
+    let mut ops = ops.into_iter().peekable();
+    if ops.peek().is_none() {
         return Ok(());
     }
     with_workspace(|ws| {
@@ -308,10 +316,10 @@ fn execute(ops: Vec<(Arc<Comm>, Op)>) -> Result<()> {
 }
 
 /// Run operations of one communicator now, on this thread (the stream worker's way in).
-pub fn execute_now(comm: Arc<Comm>, ops: Vec<Op>) -> Result<()> {
+pub fn execute_now(comm: &Arc<Comm>, ops: &[Op]) -> Result<()> {
     with_workspace(|ws| {
         for op in ops {
-            ws.add(comm.clone(), op);
+            ws.add(comm.clone(), *op);
         }
     })
 }

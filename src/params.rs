@@ -129,7 +129,6 @@ pub fn p2p_disable() -> bool {
 /// with few hardware queues, the streams share them, and a stream waiting for the stream
 /// worker could hold up the worker's own copies queued behind it.
 pub fn few_device_connections() -> bool {
-    // CUDA's own variable, read as the driver reads it (not an NCCL parameter).
     if raw("NCCL_RS_HOST_WAIT").is_some() {
         return int("NCCL_RS_HOST_WAIT") != 0;
     }

@@ -48,7 +48,7 @@ use crate::device::cuda::{Context, Event, KeepCurrent, Kernels, MappedHost, MemO
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::Op;
-use crate::transport::ipc::{self, Direct};
+use crate::transport::ipc::{self, Direct, Routes};
 
 mod pool;
 use pool::{plan_caller_staging, Pool};
@@ -110,6 +110,8 @@ pub struct Streamed {
     /// asked for and loaded, else a stream wait on memory.
     host_wait: bool,
     gate_kernel: Option<&'static Kernels>,
+    /// Which operations go direct (decided once, alike on every rank).
+    routes: Routes,
     state: Mutex<State>,
     /// True through a whole submit, both halves (driver calls included, which may block while
     /// the device's launch queue is full), and while closing; never set by the worker, which
@@ -180,7 +182,9 @@ impl Streamed {
         };
         let host_wait = crate::params::few_device_connections();
         let gate_kernel = kernels.filter(|_| crate::params::stream_gate_kernel());
-        let s = Arc::new(Streamed { ctx, done, word, kernels, host_wait, gate_kernel, state: Mutex::new(State::default()),
+        let routes = Routes::of(comm);
+        let s = Arc::new(Streamed { ctx, done, word, kernels, host_wait, gate_kernel, routes,
+                                    state: Mutex::new(State::default()),
                                     submit_busy: Mutex::new(false), submit_done: Condvar::new(), changed: Condvar::new(),
                                     worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
                                     caller_staged: std::sync::atomic::AtomicBool::new(false) });
@@ -345,7 +349,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let carve = match pool.as_mut() {
         Some(p) if gated => {
             s.recycle(p.reclaim());
-            plan_caller_staging(comm, p, &ops)
+            plan_caller_staging(&s.routes, p, &ops)
         }
         _ => None,
     };
@@ -372,13 +376,14 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         staged_in?;
         for st in &picked {
             let op = ops[st.i].op;
-            outs.push((st.i, op.recv, st.recv));
+            outs.push((on(&ops[st.i]), op.recv, st.recv));
             ops[st.i].op = Op { send: st.send, recv: st.recv, scalar_at: None, ..op };
             prestaged[st.i] = (true, st.scalar);
         }
     }
     drop(pool);
-    let mut prepared = Prepared { lock, callers, streams, ops, prestaged, outs, carve_id, starts: Vec::new(), seq,
+    let ops = ops.into_iter().map(|o| o.op).collect();
+    let mut prepared = Prepared { lock, callers, ops, prestaged, outs, carve_id, starts: Vec::new(), seq,
                                   committed: false };
     for st in &prepared.callers {
         let e = s.event()?;
@@ -394,10 +399,9 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
 pub struct Prepared {
     lock: SubmitLock,
     callers: Vec<Stream>,
-    streams: Vec<UserStream>,
-    ops: Vec<StreamOp>,
+    ops: Vec<Op>,
     prestaged: Vec<(bool, Option<Region>)>,
-    /// Per caller-staged operation: its index, the user's output, the pool's copy of it.
+    /// Per caller-staged operation: its caller's index, the user's output, the pool's copy.
     outs: Vec<(usize, Region, Region)>,
     carve_id: Option<u64>,
     starts: Vec<Event>,
@@ -479,12 +483,8 @@ impl Prepared {
             }
         }
         self.committed = true;
-        let streams = &self.streams;
-        let on = |o: &StreamOp| streams.iter().position(|u| *u == o.stream).unwrap_or(0);
-        let copies: Vec<(usize, Region, Region)> =
-            self.outs.iter().map(|&(i, user, pooled)| (on(&self.ops[i]), user, pooled)).collect();
-        let ops: Vec<Op> = self.ops.iter().map(|o| o.op).collect();
-        let batch = Batch { seq, starts: std::mem::take(&mut self.starts), ops, prestaged: std::mem::take(&mut self.prestaged) };
+        let batch = Batch { seq, starts: std::mem::take(&mut self.starts), ops: std::mem::take(&mut self.ops),
+                            prestaged: std::mem::take(&mut self.prestaged) };
         // Queued before the results are copied out: a copy the driver runs synchronously must
         // find its gate already on the way to opening.
         let mut state = s.state();
@@ -492,7 +492,11 @@ impl Prepared {
         state.queue.push_back(batch);
         drop(state);
         s.changed.notify_all();
-        let stage_out = self.carve_id.map(|carve| StageOut { callers: std::mem::take(&mut self.callers), copies, carve });
+        let stage_out = self.carve_id.map(|carve| StageOut {
+            callers: std::mem::take(&mut self.callers),
+            copies: std::mem::take(&mut self.outs),
+            carve,
+        });
         if !waits_on_host {
             // After the gates on the streams: the results once the worker has put them there.
             // A copy that cannot be queued leaves the carve taken (the rest of the ring too).
@@ -524,7 +528,7 @@ impl HostWait {
         {
             let mut st = self.s.state();
             while st.finished.wrapping_sub(self.seq) as i32 <= -1 {
-                st = self.s.changed.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|p| p.into_inner()).0;
+                st = self.s.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         }
         if let Some(out) = self.stage_out {
@@ -572,10 +576,11 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
         };
         let Some(mut batch) = batch else { break };
         let result = match &stream {
-            // A panic must not strand the callers' streams: it becomes this batch's error,
-            // and the worker starts over with fresh staging.
+            // A panic must not strand the callers' streams: it becomes this batch's error (the
+            // worker keeps its staging and mappings: closing mappings while streams wait is
+            // what this module avoids).
             Ok(stream) => {
-                catch_unwind(AssertUnwindSafe(|| run_batch(&comm, stream, s.kernels, &mut staging, &mut direct, &batch)))
+                catch_unwind(AssertUnwindSafe(|| run_batch(&comm, stream, &s, &mut staging, &mut direct, &batch)))
                     .unwrap_or_else(|_| Err(Error::internal("the stream worker panicked")))
             }
             Err(e) => Err(e.clone()),
@@ -646,7 +651,7 @@ impl Staging {
 /// An operation of a batch and whether the caller's stream staged it.
 type Flagged = (Op, bool);
 
-fn run_batch(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&Kernels>, staging: &mut Staging, direct: &mut Direct,
+fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
              batch: &Batch) -> Result<()> {
     for e in &batch.starts {
         wait_started(comm, e)?;
@@ -655,11 +660,10 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&Kernels>, stagi
     let mut ops = batch.ops.clone();
     // PreMulSum scalars in device memory: read now, after the stream's earlier work (from the
     // pool, on the host, where the caller's stream staged it).
-    let pooled_scalar = |i: usize| batch.prestaged.get(i).and_then(|&(_, r)| r);
-    for (i, op) in ops.iter_mut().enumerate() {
+    for (op, &(_, pooled)) in ops.iter_mut().zip(&batch.prestaged) {
         let n = op.dt.size();
         let mut bytes = [0u8; 8];
-        let read = match (pooled_scalar(i), op.scalar_at.take()) {
+        let read = match (pooled, op.scalar_at.take()) {
             (Some(r), _) => {
                 crate::device::host::copy(Region::owned(&mut bytes[..n]), r);
                 true
@@ -682,10 +686,10 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&Kernels>, stagi
     // collectives before its sends and receives); then the sends and receives, which pair up
     // within their group and so are staged together. An operation the caller's stream staged
     // (`prestaged`) is host work only: its regions are the pool's.
-    let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre).chain(std::iter::repeat(false)));
+    let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre));
     let (p2p, colls): (Vec<Flagged>, Vec<Flagged>) = flagged.partition(|(o, _)| o.kind.is_p2p());
     for &(op, pre) in &colls {
-        if !pre && ipc::eligible(comm, &op) && ipc::run(comm, stream, kernels, direct, &op)? {
+        if !pre && s.routes.eligible(&op) && ipc::run(comm, stream, s.kernels, direct, &op)? {
             continue;
         }
         run_staged(comm, stream, staging, &[(op, pre)])?;
@@ -694,7 +698,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&Kernels>, stagi
         return Ok(());
     }
     let plain: Vec<Op> = p2p.iter().filter(|(_, pre)| !pre).map(|(o, _)| *o).collect();
-    let mut done = ipc::run_p2p(comm, stream, direct, &plain)?.into_iter();
+    let mut done = ipc::run_p2p(comm, stream, &s.routes, direct, &plain)?.into_iter();
     // In order: the caller-staged ones, and the others not done directly.
     let rest: Vec<(Op, bool)> = p2p.into_iter().filter(|&(_, pre)| pre || !done.next().unwrap_or(false)).collect();
     if rest.is_empty() { Ok(()) } else { run_staged(comm, stream, staging, &rest) }
@@ -718,7 +722,7 @@ fn run_staged(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, ops: &[(
     if copies {
         stream.synchronize()?;
     }
-    crate::group::execute_now(comm.clone(), host_ops.clone())?;
+    crate::group::execute_now(comm, &host_ops)?;
     for (&(op, pre), h) in ops.iter().zip(&host_ops) {
         if !pre {
             stream.copy(op.recv, h.recv)?;

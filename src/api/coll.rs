@@ -110,8 +110,8 @@ fn validate(comm: &Comm, a: &Args) -> Result<(Op, Placement)> {
     let (op, scalar_at) = if a.kind.reduces() { resolve_op(comm, a.op, dt)? } else { (RedOp::Builtin(BuiltinOp::Sum), None) };
     let (send, recv) = regions(a, dt.size(), n, comm.rank, root)?;
     // A scalar in device memory is read in stream order: the operation goes to the stream too.
-    let scalar = scalar_at.map_or(Region::EMPTY, |p| Region::user(p, 0, dt.size()));
-    let mut placement = placement(&[send, recv, scalar]);
+    // (resolve_op gives such a scalar only in device memory, which the device copies.)
+    let mut placement = placement(&[send, recv]);
     placement.device |= scalar_at.is_some();
     // Collectives are numbered alike on every rank; point-to-point calls are not.
     let seq = if a.kind.is_p2p() { 0 } else { comm.seq.fetch_add(1, Ordering::Relaxed) };

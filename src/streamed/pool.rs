@@ -9,11 +9,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::StreamOp;
-use crate::comm::Comm;
 use crate::device::cuda::{Event, MappedHost};
 use crate::device::host::Region;
 use crate::plan::Op;
-use crate::transport::ipc;
+use crate::transport::ipc::Routes;
 
 /// Pinned staging per communicator for operations its callers' streams stage at call time: to
 /// begin with, and at most (grown, while nothing is in flight, to fit a larger batch).
@@ -134,9 +133,13 @@ fn ring_alloc(cap: usize, head: usize, oldest: Option<usize>, len: usize) -> Opt
 /// The operations of a batch the callers' streams stage at call time, and their buffers: the
 /// offset of the batch's carve of `pool` and, per operation, (index, send, recv) regions of
 /// it. None when no operation qualifies or they do not fit.
-pub(super) fn plan_caller_staging(comm: &Comm, pool: &mut Pool, ops: &[StreamOp]) -> Option<(usize, Vec<Staged>)> {
+pub(super) fn plan_caller_staging(routes: &Routes, pool: &mut Pool, ops: &[StreamOp]) -> Option<(usize, Vec<Staged>)> {
     let round = |n: usize| n.div_ceil(POOL_ALIGN) * POOL_ALIGN;
-    let picked: Vec<usize> = (0..ops.len()).filter(|&i| ops[i].copyable && !direct(comm, &ops[i].op)).collect();
+    // The direct path moves its own data; an operation larger than the pool can ever be never
+    // fits (and its size must not overflow the sum).
+    let fits = |op: &Op| op.send.len().saturating_add(op.recv.len()) <= POOL_MAX;
+    let picked: Vec<usize> =
+        (0..ops.len()).filter(|&i| ops[i].copyable && !routes.eligible(&ops[i].op) && fits(&ops[i].op)).collect();
     let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
     let total: usize = picked.iter().map(|&i| round(ops[i].op.send.len()) + round(ops[i].op.recv.len()) + scalar(i)).sum();
     if total == 0 {
@@ -146,7 +149,7 @@ pub(super) fn plan_caller_staging(comm: &Comm, pool: &mut Pool, ops: &[StreamOp]
     if total > cap && total <= POOL_MAX && pool.inflight.is_empty() {
         // Grown while nothing is in flight; the old memory goes to the spares (never freed).
         if let Ok(bigger) = MappedHost::new(total.next_power_of_two()) {
-            crate::info!(P2P, "rank {}: pinned staging pool grown to {} bytes", comm.rank, bigger.len());
+            crate::info!(P2P, "pinned staging pool grown to {} bytes", bigger.len());
             if let Some(old) = pool.mem.replace(bigger) {
                 SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(old);
             }
@@ -180,10 +183,6 @@ pub(super) struct Staged {
     pub scalar: Option<Region>,
 }
 
-/// Does `op` take the direct path (then the worker, not the caller's stream, moves its data)?
-fn direct(comm: &Comm, op: &Op) -> bool {
-    if op.kind.is_p2p() { ipc::eligible_p2p(comm, op) } else { ipc::eligible(comm, op) }
-}
 
 
 #[cfg(test)]

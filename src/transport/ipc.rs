@@ -31,6 +31,7 @@
 
 use std::sync::Arc;
 
+use crate::bootstrap::PeerInfo;
 use crate::comm::Comm;
 use crate::device::cuda::{self, IpcHandle, IpcMapping, Stream};
 use crate::device::host::{Region, UserPtr};
@@ -63,12 +64,12 @@ impl Default for Published {
 const PUB_BYTES: usize = 64 + 8 + 8 + 8;
 const RECORD_BYTES: usize = 8 + 2 * PUB_BYTES + STAMP_BYTES;
 
-/// One rank's record: its pid, whether it could publish its buffers, input and output, and
-/// the stamp of its operation (ranks that issued different calls must not read each other's
-/// buffers: they stage, and the host transports report the mismatch).
+/// One rank's record: whether it could publish its buffers, input and output, and the stamp
+/// of its operation (ranks that issued different calls must not read each other's buffers:
+/// they stage, and the host transports report the mismatch). Its process is in the peer
+/// table (`PeerInfo`). Byte 0 is the flag; the buffers start at 8.
 #[derive(Clone, Copy, Debug, Default)]
 struct Record {
-    pid: u32,
     ok: bool,
     input: Published,
     output: Published,
@@ -78,8 +79,7 @@ struct Record {
 impl Record {
     fn encode(&self) -> [u8; RECORD_BYTES] {
         let mut b = [0u8; RECORD_BYTES];
-        b[0..4].copy_from_slice(&self.pid.to_le_bytes());
-        b[4] = self.ok as u8;
+        b[0] = self.ok as u8;
         for (i, p) in [self.input, self.output].iter().enumerate() {
             let o = 8 + i * PUB_BYTES;
             b[o..o + 64].copy_from_slice(&p.handle);
@@ -101,8 +101,7 @@ impl Record {
         let mut stamp = [0u8; STAMP_BYTES];
         stamp.copy_from_slice(&b[8 + 2 * PUB_BYTES..RECORD_BYTES]);
         Record {
-            pid: u32::from_le_bytes(b[0..4].try_into().unwrap_or([0; 4])),
-            ok: b[4] != 0,
+            ok: b[0] != 0,
             input: published(8),
             output: published(8 + PUB_BYTES),
             stamp,
@@ -133,29 +132,54 @@ struct Mapped {
 /// Peer allocations a worker keeps mapped at most.
 const MAPS_KEPT: usize = 256;
 
-/// Does `op` on `comm` go direct? The same answer on every rank.
-pub fn eligible(comm: &Comm, op: &Op) -> bool {
-    if crate::params::p2p_disable() || crate::params::p2p_level_forbids() {
-        return false;
+/// Which operations of a communicator may go direct, decided once (when its stream worker
+/// starts) from the parameters and where the ranks run: the same answers on every rank.
+#[derive(Clone, Debug, Default)]
+pub struct Routes {
+    /// Collectives: every rank on this host, and direct access not disabled.
+    collectives: bool,
+    /// Sends and receives, per peer: only with NCCL_RS_DIRECT_P2P=1 (the exchange assumes
+    /// both ends group their sends and receives alike: a rank that sends and receives in two
+    /// calls while its peer groups both would read the peer's record where it expects an
+    /// answer; staging has no such assumption), to other ranks of this host.
+    p2p: Vec<bool>,
+}
+
+impl Routes {
+    pub fn of(comm: &Comm) -> Routes {
+        let Some(ready) = comm.ready_if_any() else { return Routes::default() };
+        if crate::params::p2p_disable() || crate::params::p2p_level_forbids() {
+            return Routes::default();
+        }
+        let me = &ready.peers[comm.rank];
+        let p2p = if crate::params::direct_p2p() {
+            ready.peers.iter().enumerate().map(|(p, info)| p != comm.rank && info.same_host(me)).collect()
+        } else {
+            Vec::new()
+        };
+        Routes { collectives: ready.peers.iter().all(|p| p.same_host(me)), p2p }
     }
-    let Some(ready) = comm.ready_if_any() else { return false };
-    let me = &ready.peers[comm.rank];
-    let one_host = ready.peers.iter().all(|p| p.same_host(me));
-    let bytes = op.count.saturating_mul(op.dt.size());
-    let kind_ok = matches!(op.kind, OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter | OpKind::Broadcast
-        | OpKind::Reduce | OpKind::Gather | OpKind::Scatter | OpKind::AlltoAll);
-    let premul = matches!(op.op, RedOp::PreMulSum(_)) || op.scalar_at.is_some();
-    one_host && kind_ok && bytes >= DIRECT_MIN && !premul
+
+    /// Does `op` go direct?
+    pub fn eligible(&self, op: &Op) -> bool {
+        let big = op.count.saturating_mul(op.dt.size()) >= DIRECT_MIN;
+        if op.kind.is_p2p() {
+            return big && op.scalar_at.is_none() && self.p2p.get(op.root).copied().unwrap_or(false);
+        }
+        let premul = matches!(op.op, RedOp::PreMulSum(_)) || op.scalar_at.is_some();
+        self.collectives && big && !premul
+    }
 }
 
 impl Direct {
-    /// Where a peer's published buffer is in this process.
-    fn map(&mut self, mine_pid: u32, their_pid: u32, p: &Published) -> Result<Region> {
+    /// Where the buffer `p` that rank `theirs` published is in this process (rank `mine`'s).
+    fn map(&mut self, mine: &PeerInfo, theirs: &PeerInfo, p: &Published) -> Result<Region> {
         if p.len == 0 {
             return Ok(Region::EMPTY);
         }
         let len = p.len as usize;
-        if their_pid == mine_pid {
+        let their_pid = theirs.pid;
+        if theirs.same_process(mine) {
             // SAFETY: a rank of this process published the address of its own buffer (valid
             // for `len` bytes by its caller's contract) and keeps it until the final barrier.
             return Ok(Region::user(unsafe { UserPtr::new(p.addr as usize as *const u8) }, 0, len));
@@ -223,7 +247,7 @@ fn control(comm: &Arc<Comm>, kind: OpKind, dt: DataType, op: BuiltinOp, count: u
            user: &Op, step: u8) -> Result<()> {
     let c = Op { kind, dt, op: RedOp::Builtin(op), count, root: 0, send, recv, seq: user.seq, scalar_at: None,
                  of: Some(crate::plan::ops::control_stamp(&user.stamp(), step)) };
-    crate::group::execute_now(comm.clone(), vec![c])
+    crate::group::execute_now(comm, &[c])
 }
 
 fn barrier(comm: &Arc<Comm>, user: &Op, step: u8) -> Result<()> {
@@ -234,18 +258,11 @@ fn barrier(comm: &Arc<Comm>, user: &Op, step: u8) -> Result<()> {
 
 /// Run `op` directly. Ok(false): some rank could not, and every rank falls back alike.
 /// Without `kernels` (the driver refused them on this rank) the rank takes part in the
-/// agreement and says it cannot, so every rank stages.
+/// agreement and says it cannot, so every rank stages. On an error, copies already queued
+/// may still read peers' memory or write the caller's: the worker synchronises its stream
+/// before it reports a failed batch.
 pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op)
            -> Result<bool> {
-    run_mapped(comm, stream, kernels, direct, op).inspect_err(|_| {
-        // Copies already queued may read peers' memory or write the caller's: they finish
-        // before the failure is reported (and the caller's stream released).
-        let _ = stream.synchronize();
-    })
-}
-
-fn run_mapped(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op)
-              -> Result<bool> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
     direct.epoch += 1;
@@ -253,7 +270,6 @@ fn run_mapped(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>
     let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
     let (pi, po) = (publish(input), publish(op.recv));
     let mine = Record {
-        pid: std::process::id(),
         ok: pi.is_some() && po.is_some() && !in_place_alltoall && kernels.is_some(),
         input: pi.unwrap_or_default(),
         output: po.unwrap_or_default(),
@@ -278,14 +294,15 @@ fn run_mapped(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>
             outs.push(op.recv);
             continue;
         }
-        if rec.pid == mine.pid && ready.peers[p].cuda_dev != comm.cuda_dev {
+        let (theirs, ours) = (&ready.peers[p], &ready.peers[me]);
+        if theirs.same_process(ours) && theirs.cuda_dev != comm.cuda_dev {
             // Another device of this process: its memory needs peer access we have not enabled.
             crate::info!(P2P, "rank {me}: rank {p} is on device {} of this process; staging through host memory",
                          ready.peers[p].cuda_dev);
             ok = false;
             break;
         }
-        match (direct.map(mine.pid, rec.pid, &rec.input), direct.map(mine.pid, rec.pid, &rec.output)) {
+        match (direct.map(ours, theirs, &rec.input), direct.map(ours, theirs, &rec.output)) {
             (Ok(i), Ok(o)) => {
                 ins.push(i);
                 outs.push(o);
@@ -381,23 +398,6 @@ fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &
     barrier(comm, op, STEP_DONE)
 }
 
-/// Does this point-to-point operation go direct? Both ends of a pair decide alike (same size,
-/// same hosts).
-pub fn eligible_p2p(comm: &Comm, op: &Op) -> bool {
-    // Off unless asked for: the exchange assumes both ends group their sends and receives
-    // alike (a rank that sends and receives in two calls while its peer groups both would
-    // read the peer's record where it expects an answer). Staging has no such assumption.
-    if !crate::params::direct_p2p() {
-        return false;
-    }
-    if crate::params::p2p_disable() || crate::params::p2p_level_forbids() || op.root == comm.rank {
-        return false;
-    }
-    let Some(ready) = comm.ready_if_any() else { return false };
-    let same_host = ready.peers.get(op.root).is_some_and(|p| p.same_host(&ready.peers[comm.rank]));
-    same_host && op.count.saturating_mul(op.dt.size()) >= DIRECT_MIN && op.scalar_at.is_none()
-}
-
 /// A control message of a point-to-point exchange (host transports) at `step` of `user`'s.
 fn p2p_control(kind: OpKind, peer: usize, buf: Region, user: &Op, step: u8) -> Op {
     let (send, recv) = if kind == OpKind::Send { (buf, Region::EMPTY) } else { (Region::EMPTY, buf) };
@@ -410,34 +410,28 @@ fn p2p_control(kind: OpKind, peer: usize, buf: Region, user: &Op, step: u8) -> O
 /// and answers whether it did. Returns, per operation, whether it was done; the others (other
 /// hosts, small, self, or a buffer that could not be published or mapped — both ends learn
 /// it from the answer) are for the caller to stage, in their order.
-pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op]) -> Result<Vec<bool>> {
-    run_p2p_mapped(comm, stream, direct, ops).inspect_err(|_| {
-        let _ = stream.synchronize();
-    })
-}
-
-fn run_p2p_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[Op]) -> Result<Vec<bool>> {
+pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut Direct, ops: &[Op])
+               -> Result<Vec<bool>> {
     let mut done = vec![false; ops.len()];
-    let picked: Vec<usize> = (0..ops.len()).filter(|&i| eligible_p2p(comm, &ops[i])).collect();
+    let picked: Vec<usize> = (0..ops.len()).filter(|&i| routes.eligible(&ops[i])).collect();
     if picked.is_empty() {
         return Ok(done);
     }
     let ready = comm.ready()?;
     direct.epoch += 1;
-    let pid = std::process::id();
     // 1. Senders publish their buffers to their receivers.
     let mut records = vec![[0u8; RECORD_BYTES]; picked.len()];
     for (slot, &i) in records.iter_mut().zip(&picked) {
         if ops[i].kind == OpKind::Send {
             let p = publish(ops[i].send);
-            *slot = Record { pid, ok: p.is_some(), input: p.unwrap_or_default(), output: Published::default(),
+            *slot = Record { ok: p.is_some(), input: p.unwrap_or_default(), output: Published::default(),
                              stamp: ops[i].stamp() }.encode();
         }
     }
     let control: Vec<Op> = picked.iter().zip(records.iter_mut())
         .map(|(&i, rec)| p2p_control(ops[i].kind, ops[i].root, Region::owned(rec.as_mut_slice()), &ops[i], STEP_P2P_RECORD))
         .collect();
-    crate::group::execute_now(comm.clone(), control)?;
+    crate::group::execute_now(comm, &control)?;
     // 2. Receivers copy what they can map.
     let mut answers = vec![[0u8; 1]; picked.len()];
     for ((&i, rec), answer) in picked.iter().zip(&records).zip(answers.iter_mut()) {
@@ -446,13 +440,14 @@ fn run_p2p_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &
             continue;
         }
         let theirs = Record::decode(rec);
-        let other_device = theirs.pid == pid && ready.peers[op.root].cuda_dev != comm.cuda_dev;
+        let (sender, ours) = (&ready.peers[op.root], &ready.peers[comm.rank]);
+        let other_device = sender.same_process(ours) && sender.cuda_dev != comm.cuda_dev;
         // A message that is not the one this receive expects is staged: the host transports
         // then report the mismatch on both ends.
         if !theirs.ok || other_device || theirs.stamp != op.stamp() || theirs.input.len as usize != op.recv.len() {
             continue;
         }
-        match direct.map(pid, theirs.pid, &theirs.input) {
+        match direct.map(ours, sender, &theirs.input) {
             Ok(src) => {
                 stream.copy(op.recv, src)?;
                 answer[0] = 1;
@@ -468,7 +463,7 @@ fn run_p2p_mapped(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &
             p2p_control(kind, ops[i].root, Region::owned(a.as_mut_slice()), &ops[i], STEP_P2P_ANSWER)
         })
         .collect();
-    crate::group::execute_now(comm.clone(), control)?;
+    crate::group::execute_now(comm, &control)?;
     for (&i, a) in picked.iter().zip(&answers) {
         done[i] = a[0] == 1;
     }
