@@ -5,6 +5,7 @@
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *   CUDA_TEST_ABORT_HELD=1 cuda (ncclCommAbort while the call's stream is held before it)
+ *   CUDA_TEST_LAUNCH_FAIL=1 cuda (2 processes; process 1 with NCCL_RS_STUB_LAUNCH_FAILS=1)
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
  * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
@@ -841,6 +842,47 @@ static int mismatch(void) {
   return test_finish();
 }
 
+/* Process 1's reduction kernels fail to launch (the stand-in's NCCL_RS_STUB_LAUNCH_FAILS) in
+ * the middle of a direct all-reduce, after the ranks agreed on the path: both must end with
+ * an error (rank 0's names rank 1's failure) instead of waiting for each other. */
+static int launch_fail(void) {
+  test_step("launch-fail");
+  const size_t count = 100000;
+  const double bound = 20.0;
+  CUdeviceptr d = dev_alloc(count * sizeof(float));
+  ncclComm_t comm = g_comms[0];
+  double start = now_s();
+  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, g_streams[0]));
+  CU(cu.StreamSynchronize(g_streams[0]));
+  ncclResult_t r = ncclSuccess;
+  CHECK(ncclCommGetAsyncError(comm, &r));
+  const char* why = ncclGetLastError(comm);
+  EXPECT(r != ncclSuccess, "rank %d: a failed kernel launch went unreported", g_env.first_rank);
+  EXPECT(now_s() - start < bound, "rank %d: the error took %.1f s", g_env.first_rank, now_s() - start);
+  if (g_env.first_rank == 0)
+    EXPECT(why && strstr(why, "rank 1") && strstr(why, "cuLaunchKernel"), "rank 0: %s (%s), expected rank 1's failure",
+           result_name(r), why ? why : "(null)");
+  tlog("launch-fail: %s: %s", result_name(r), why ? why : "");
+  /* Process 1 stays alive, its communicator open, until process 0 has its error: rank 0 must
+   * learn of the failure from rank 1's connections, not from its exit. */
+  char marker[4096];
+  const char* idf = getenv("NCCL_TEST_ID_FILE");
+  snprintf(marker, sizeof marker, "%s.launch-fail-done", idf ? idf : "/tmp/nccl-rs-cuda-test");
+  if (g_env.first_rank == 0) {
+    FILE* f = fopen(marker, "w");
+    if (f) fclose(f);
+  } else {
+    double until = now_s() + bound;
+    FILE* f = NULL;
+    while (now_s() < until && !(f = fopen(marker, "r"))) sleep_ms(10); /* polling, with a deadline */
+    EXPECT(f != NULL, "rank 0 did not finish within %.0f s", bound);
+    if (f) fclose(f);
+  }
+  CHECK(ncclCommAbort(comm));
+  CU(cu.MemFree(d));
+  return test_finish();
+}
+
 /* The call's stream is held (waiting on host memory) before the call, so the operation can
  * never start; ncclCommAbort must still return promptly, and the stream, once let go, must
  * get past the aborted operation. */
@@ -1146,6 +1188,7 @@ int main(int argc, char** argv) {
   make_cuda_comms();
   if (getenv("CUDA_TEST_FAULT")) return fault();
   if (getenv("CUDA_TEST_MISMATCH")) return mismatch();
+  if (getenv("CUDA_TEST_LAUNCH_FAIL")) return launch_fail();
   if (getenv("CUDA_TEST_ABORT_HELD")) return abort_held();
   if (host_wait_mode()) {
     host_wait();

@@ -590,6 +590,15 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
         }
         if let Err(e) = result {
             crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
+            // A failure outside the host transports (a device copy or kernel, the driver) has
+            // not told the peers, which would wait for this rank in their next exchange: as
+            // the transports' own failure path does, publish it and close the connections.
+            if comm.async_code() == crate::Code::Success {
+                if let Some(r) = comm.ready_if_any() {
+                    r.set_failed(&e);
+                    r.conns().close_all();
+                }
+            }
             comm.set_async_error(&e);
             // Copies the failed batch queued may still be writing the caller's buffers: they
             // finish before the caller's stream moves on.

@@ -290,6 +290,20 @@ fn cuda_mode_mismatched_calls_are_reported() {
     }
 }
 
+/// Process 1's reduction kernels fail to launch in the middle of a direct all-reduce, and it
+/// stays alive: both ranks get an error within the bound (process 0's names rank 1's
+/// failure), none waits for the other.
+#[test]
+fn cuda_mode_kernel_failure_is_reported_to_peers() {
+    if !stand_in_only("cuda_mode_kernel_failure_is_reported_to_peers") {
+        return;
+    }
+    let o = cuda_job().procs(2).env("CUDA_TEST_LAUNCH_FAIL", "1").proc_env(1, "NCCL_RS_STUB_LAUNCH_FAILS", "1")
+        .timeout_s(60).run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    println!("{}", o.report);
+}
+
 /// ncclCommAbort returns while the call's stream is held before the call (the operation
 /// never starts), and the stream gets past the aborted operation once let go.
 #[test]

@@ -574,6 +574,8 @@ EXPORT CUresult cuLaunchKernel(const struct kernel *f, unsigned gx, unsigned gy,
   REQUIRE_INIT();
   (void)shared;
   if (!kernel_valid(f)) return CUDA_ERROR_INVALID_HANDLE;
+  /* A device whose reduction kernels fail to launch, for tests (the gate kernel still runs). */
+  if (env_int("NCCL_RS_STUB_LAUNCH_FAILS", 0) && !kernel_is_gate(f)) return CUDA_ERROR_LAUNCH_FAILED;
   if (!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024) return CUDA_ERROR_INVALID_VALUE;
   if (extra) return CUDA_ERROR_NOT_SUPPORTED;
   if (!params) return CUDA_ERROR_INVALID_VALUE;
