@@ -6,7 +6,7 @@
 // converted on bit patterns exactly as the host code does it; f16 with PTX's own conversions
 // (cvt), which are IEEE's, as the host's `half` crate is.
 //
-// Kernels (72), all elementwise over n elements, all grid-stride (any grid covers any n):
+// Kernels (72 + 1), all elementwise over n elements, all grid-stride (any grid covers any n):
 //
 //   nccl_rs_reduce_<type>_<op>(void* dst, const void* a, const void* b, unsigned long long n)
 //       dst[i] = a[i] op b[i]; op is sum, prod, max or min.
@@ -15,6 +15,10 @@
 //       (the 8-byte little-endian Scalar of src/types.rs, read as a 64-bit integer).
 //   nccl_rs_divide_<type>(void* dst, const void* src, unsigned long long divisor, unsigned long long n)
 //       dst[i] = src[i] / divisor (ncclAvg); a divisor of 0 is taken as 1.
+//
+//   nccl_rs_indirect(const void* desc, const void*, unsigned long long, unsigned long long n)
+//       one of the above (or a byte copy, or nothing), as the 64-byte descriptor at `desc`
+//       says; `n` only sized the grid. See the end of this file.
 //
 //   <type>: int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 f8e4m3 f8e5m2,
 //           exactly DataType::name() (src/types.rs), and <op> is BuiltinOp::name(), so the
@@ -352,4 +356,73 @@ extern "C" __global__ void nccl_rs_wait_geq(void* word, const void*, u64 value, 
   const unsigned v = static_cast<unsigned>(value);
   while (static_cast<int>(*w - v) < 0) __nanosleep(500);
   __threadfence_system();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The direct path on the caller's stream (src/transport/ipc.rs): the caller queues these at
+// call time, before it knows where the peers' buffers are mapped; the stream worker writes
+// what each one does into its descriptor (mapped host memory) before the stream's gate for
+// that step opens. A descriptor is eight little-endian 64-bit words:
+//   [0] code | datatype << 32   code: 0 nothing, 1 copy n bytes from a, 2-5 reduce a and b
+//                               (sum, prod, max, min), 6 divide a by arg (ncclAvg)
+//   [1] dst  [2] a  [3] b  [4] n (elements; bytes for a copy)  [5] arg  [6, 7] unused
+enum { D_SKIP = 0, D_COPY = 1, D_SUM = 2, D_PROD = 3, D_MAX = 4, D_MIN = 5, D_DIVIDE = 6 };
+
+struct Desc {
+  u64 head, dst, a, b, n, arg;
+};
+
+template <class T>
+DEV void run_desc(const Desc& d) {
+  typedef typename T::S S;
+  void* dst = (void*)d.dst;
+  const void *a = (const void*)d.a, *b = (const void*)d.b;
+  switch ((u32)d.head) {
+    case D_SUM: map2<S>(dst, a, b, d.n, [](S x, S y) { return T::sum(x, y); }); break;
+    case D_PROD: map2<S>(dst, a, b, d.n, [](S x, S y) { return T::prod(x, y); }); break;
+    case D_MAX: map2<S>(dst, a, b, d.n, [](S x, S y) { return T::max(x, y); }); break;
+    case D_MIN: map2<S>(dst, a, b, d.n, [](S x, S y) { return T::min(x, y); }); break;
+    case D_DIVIDE: {
+      const typename T::Divisor dv = T::divisor(d.arg);
+      map2<S>(dst, a, a, d.n, [=](S x, S) { return T::div(x, dv); });
+      break;
+    }
+    default: break;
+  }
+}
+
+extern "C" __global__ void nccl_rs_indirect(void* desc, const void*, u64, u64) {
+  __shared__ Desc d;
+  if (threadIdx.x == 0) {
+    // Written by the host after this launch was queued: read through, never from a cache.
+    const volatile u64* w = static_cast<const volatile u64*>(desc);
+    d.head = w[0];
+    d.dst = w[1];
+    d.a = w[2];
+    d.b = w[3];
+    d.n = w[4];
+    d.arg = w[5];
+  }
+  __syncthreads();
+  const u32 code = (u32)d.head;
+  if (code == D_SKIP) return;
+  if (code == D_COPY) {
+    map2<u8>((void*)d.dst, (const void*)d.a, (const void*)d.a, d.n, [](u8 x, u8) { return x; });
+    return;
+  }
+  switch ((u32)(d.head >> 32)) {
+    case 0: run_desc<Int8>(d); break;
+    case 1: run_desc<Uint8>(d); break;
+    case 2: run_desc<Int32>(d); break;
+    case 3: run_desc<Uint32>(d); break;
+    case 4: run_desc<Int64>(d); break;
+    case 5: run_desc<Uint64>(d); break;
+    case 6: run_desc<Float16>(d); break;
+    case 7: run_desc<Float32>(d); break;
+    case 8: run_desc<Float64>(d); break;
+    case 9: run_desc<Bfloat16>(d); break;
+    case 10: run_desc<Float8e4m3>(d); break;
+    case 11: run_desc<Float8e5m2>(d); break;
+    default: break;
+  }
 }

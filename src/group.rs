@@ -120,12 +120,7 @@ pub fn end() -> Result<()> {
         let p = crate::streamed::prepare(&c, ops).map_err(|e| e.context(format!("rank {}", c.rank)))?;
         prepared.extend(p.map(|p| (c.rank, p)));
     }
-    let mut host_waits = Vec::new();
-    for (rank, p) in prepared {
-        // On a failure, no waiting for the parts already queued: they may need the ones never
-        // queued, and fail on their own (or on abort), their streams released.
-        host_waits.extend(p.commit().map_err(|e| e.context(format!("rank {rank}")))?);
-    }
+    let host_waits = crate::streamed::commit_all(prepared)?;
     for q in &host {
         crate::streamed::drain(&q.comm);
     }

@@ -27,6 +27,11 @@
 //! share hardware queues, could sit behind that very wait (README, CUDA mode's limits). Other
 //! operations are staged by the worker on its own stream.
 //!
+//! Direct operations (`transport::ipc`) queue their device work on the caller's stream too:
+//! kernels whose arguments the worker fills in once it knows where the peers' buffers are,
+//! between gates it opens (`board`). Only what cannot go that way (no slot free, too many
+//! kernels, `NCCL_RS_DIRECT_ON_STREAM=0`, host-wait mode) runs on the worker's stream.
+//!
 //! While a caller's stream waits on a completion word, only the worker can release it, so the
 //! worker must not make driver calls that may wait for the whole context to go idle: freeing
 //! or pinning memory, loading kernels (cuMemFree, cuMemFreeHost and lazy module loading are
@@ -50,7 +55,9 @@ use crate::error::{Error, Result};
 use crate::plan::Op;
 use crate::transport::ipc::{self, Direct, Routes};
 
+pub(crate) mod board;
 mod pool;
+use board::{Board, Ticket};
 use pool::{plan_caller_staging, Pool};
 
 /// Events kept for reuse per communicator.
@@ -128,6 +135,9 @@ pub struct Streamed {
     pool: Mutex<Option<Pool>>,
     /// Whether callers' streams have staged anything yet (the first time is logged).
     caller_staged: std::sync::atomic::AtomicBool,
+    /// Where direct operations queued on the callers' streams get their kernels' arguments
+    /// (None: they run on the worker's stream; see `board`).
+    board: Option<Board>,
 }
 
 /// Gives the carve `id` of `s`'s pool back after `events`.
@@ -154,6 +164,19 @@ struct Batch {
     /// Per operation: staged by the caller's stream (its regions are the pool's), with its
     /// device PreMulSum scalar, if any, copied into this pool region.
     prestaged: Vec<(bool, Option<Region>)>,
+    /// Per operation: direct, its kernels queued on the caller's stream (see `board`).
+    direct: Vec<Option<OnStream>>,
+    /// Per operation: a direct one this rank declines (`ipc::declines`, decided on the user's
+    /// buffers at call time): it takes part in the agreement, then every rank stages it.
+    declined: Vec<bool>,
+}
+
+/// A direct operation whose kernels the caller's stream queued: its slot of the board and
+/// its kernels per phase (`ipc::shape`).
+#[derive(Clone, Debug)]
+struct OnStream {
+    ticket: Ticket,
+    shape: Vec<Vec<usize>>,
 }
 
 impl Streamed {
@@ -183,11 +206,23 @@ impl Streamed {
         let host_wait = crate::params::few_device_connections();
         let gate_kernel = kernels.filter(|_| crate::params::stream_gate_kernel());
         let routes = Routes::of(comm);
+        let board = match kernels.is_some() && !host_wait && routes.collectives() && crate::params::direct_on_stream()
+            && ctx.can_wait_on_memory().unwrap_or(false)
+        {
+            false => None,
+            true => match Board::new() {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    crate::info!(INIT, "rank {}: direct operations run on the worker's stream ({})", comm.rank, e.msg);
+                    None
+                }
+            },
+        };
         let s = Arc::new(Streamed { ctx, done, word, kernels, host_wait, gate_kernel, routes,
                                     state: Mutex::new(State::default()),
                                     submit_busy: Mutex::new(false), submit_done: Condvar::new(), changed: Condvar::new(),
                                     worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
-                                    caller_staged: std::sync::atomic::AtomicBool::new(false) });
+                                    caller_staged: std::sync::atomic::AtomicBool::new(false), board });
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
@@ -300,7 +335,7 @@ fn streamed(comm: &Arc<Comm>) -> Result<&Arc<Streamed>> {
 /// the caller must wait for the returned [`HostWait`] once it has submitted its whole group.
 pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> {
     match prepare(comm, ops)? {
-        Some(p) => p.commit(),
+        Some(p) => commit_all(vec![(comm.rank, p)]).map(|mut w| w.pop()),
         None => Ok(None),
     }
 }
@@ -346,10 +381,14 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // the events the worker waits for.
     let mut pool = s.pool.lock().unwrap_or_else(|p| p.into_inner());
     let gated = !s.host_wait && (s.gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
+    // Direct operations this rank declines (every rank then stages them) are known now.
+    let declined: Vec<bool> = ops.iter()
+        .map(|o| !o.op.kind.is_p2p() && s.routes.eligible(&o.op) && ipc::declines(&o.op, s.kernels.is_some()))
+        .collect();
     let carve = match pool.as_mut() {
         Some(p) if gated => {
             s.recycle(p.reclaim());
-            plan_caller_staging(&s.routes, p, &ops)
+            plan_caller_staging(&s.routes, p, &ops, &declined)
         }
         _ => None,
     };
@@ -382,9 +421,20 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         }
     }
     drop(pool);
+    let caller_of: Vec<usize> = ops.iter().map(on).collect();
+    // Direct operations whose kernels this call queues on their streams (slots are taken at
+    // commit): collectives that go direct, with kernels the board can hold.
+    let shapes: Vec<Option<Vec<Vec<usize>>>> = ops.iter().zip(&prestaged).zip(&declined)
+        .map(|((o, &(pre, _)), &declined)| {
+            let direct = s.board.is_some() && !pre && !declined && !o.op.kind.is_p2p() && s.routes.eligible(&o.op);
+            direct.then(|| ipc::shape(comm, &o.op)).filter(|sh| {
+                !sh.is_empty() && sh.len() <= board::PHASES && sh.iter().map(Vec::len).sum::<usize>() <= board::DESCS
+            })
+        })
+        .collect();
     let ops = ops.into_iter().map(|o| o.op).collect();
-    let mut prepared = Prepared { lock, callers, ops, prestaged, outs, carve_id, starts: Vec::new(), seq,
-                                  committed: false };
+    let mut prepared = Prepared { comm: comm.clone(), lock, callers, ops, prestaged, declined, outs, carve_id,
+                                  starts: Vec::new(), seq, committed: false, caller_of, shapes, direct: Vec::new() };
     for st in &prepared.callers {
         let e = s.event()?;
         e.record(st)?;
@@ -397,20 +447,45 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
 /// communicator of the group failed), its batch is never queued; its carve of the pool is
 /// given back after the start events (recorded after every copy into it).
 pub struct Prepared {
+    comm: Arc<Comm>,
     lock: SubmitLock,
     callers: Vec<Stream>,
     ops: Vec<Op>,
     prestaged: Vec<(bool, Option<Region>)>,
+    declined: Vec<bool>,
     /// Per caller-staged operation: its caller's index, the user's output, the pool's copy.
     outs: Vec<(usize, Region, Region)>,
     carve_id: Option<u64>,
     starts: Vec<Event>,
     seq: u32,
     committed: bool,
+    /// Per operation: the index of its caller's stream, and the kernels per phase of a direct
+    /// one its stream will run (`ipc::shape`).
+    caller_of: Vec<usize>,
+    shapes: Vec<Option<Vec<Vec<usize>>>>,
+    /// Per operation, once the slots are taken (`commit_all`): its slot, if it got one.
+    direct: Vec<Option<OnStream>>,
+}
+
+/// One step a caller's stream runs of a direct operation (`board`): wait for the gate, run
+/// the kernels (descriptor address, grid size), raise the flag.
+struct Step {
+    caller: usize,
+    ticket: Ticket,
+    gate: u32,
+    kernels: Vec<(usize, usize)>,
+    flag: Option<u32>,
 }
 
 impl Drop for Prepared {
     fn drop(&mut self) {
+        if !self.committed {
+            // Never queued for the worker: whatever of it the streams got runs nothing, and
+            // their gates open.
+            if let Some(b) = &self.lock.0.board {
+                self.direct.iter().flatten().for_each(|d| b.close(&d.ticket));
+            }
+        }
         if let (false, Some(id)) = (self.committed, self.carve_id) {
             // Complete start events mean complete copies in; nothing else touches the carve.
             if self.starts.len() == self.callers.len() {
@@ -450,7 +525,121 @@ impl StageOut {
     }
 }
 
+/// The second half of a group's submits (see [`prepare`]), in an order that lets streams
+/// sharing one hardware queue progress: the direct operations' steps round-robin over the
+/// communicators (step k of every one before step k+1 of any: ranks of this process wait for
+/// each other's steps), then each communicator's batch. On a failure the parts not yet
+/// committed are dropped (their streams' gates open, nothing runs).
+pub fn commit_all(prepared: Vec<(usize, Prepared)>) -> Result<Vec<HostWait>> {
+    let mut prepared = prepared;
+    let mut steps = Vec::with_capacity(prepared.len());
+    for (_, p) in prepared.iter_mut() {
+        steps.push(p.take_slots());
+    }
+    let most = steps.iter().map(Vec::len).max().unwrap_or(0);
+    let failed = 'steps: {
+        for i in 0..most {
+            for ((rank, p), st) in prepared.iter().zip(&steps) {
+                if let Some(Err(e)) = st.get(i).map(|step| p.enqueue_step(step)) {
+                    break 'steps Some(e.context(format!("rank {rank}")));
+                }
+            }
+        }
+        None
+    };
+    if let Some(e) = failed {
+        prepared.iter().for_each(|(_, p)| publish_failure(&p.comm, &e));
+        return Err(e);
+    }
+    let mut host_waits = Vec::new();
+    let mut rest = prepared.into_iter();
+    while let Some((rank, p)) = rest.next() {
+        let comm = p.comm.clone();
+        match p.commit() {
+            Ok(w) => host_waits.extend(w),
+            Err(e) => {
+                // No waiting for the parts already queued: they may need the ones never queued,
+                // and fail on their own (or on abort), their streams released.
+                let e = e.context(format!("rank {rank}"));
+                publish_failure(&comm, &e);
+                rest.for_each(|(_, p)| publish_failure(&p.comm, &e));
+                return Err(e);
+            }
+        }
+    }
+    Ok(host_waits)
+}
+
+/// A rank that fails outside the host transports (a call that could not queue its device
+/// work, a device copy or kernel in the worker) tells its peers, which would otherwise wait
+/// for it in their next exchange, as the transports' own failure path does: the failure is
+/// published and the connections closed. It becomes the communicator's asynchronous error.
+fn publish_failure(comm: &Comm, e: &Error) {
+    if comm.async_code() == crate::Code::Success {
+        if let Some(r) = comm.ready_if_any() {
+            r.set_failed(e);
+            r.conns().close_all();
+        }
+    }
+    comm.set_async_error(e);
+}
+
 impl Prepared {
+    /// Slots of the board for the direct operations (one without a slot runs on the worker's
+    /// stream), and the steps their streams run.
+    fn take_slots(&mut self) -> Vec<Step> {
+        let s = self.lock.0.clone();
+        let Some(board) = &s.board else { return Vec::new() };
+        let mut steps = Vec::new();
+        self.direct = self.shapes.iter_mut().map(|sh| {
+            let shape = sh.take()?;
+            let ticket = board.take(shape.len())?;
+            Some(OnStream { ticket, shape })
+        }).collect();
+        for (i, d) in self.direct.iter().enumerate() {
+            let Some(d) = d else { continue };
+            let mut first = 0;
+            for (k, phase) in d.shape.iter().enumerate() {
+                let value = d.ticket.step_value(k + 1);
+                let kernels = phase.iter().enumerate().map(|(j, &n)| (board.desc_addr(&d.ticket, first + j), n)).collect();
+                first += phase.len();
+                steps.push(Step { caller: self.caller_of[i], ticket: d.ticket, gate: value, kernels, flag: Some(value) });
+            }
+            steps.push(Step { caller: self.caller_of[i], ticket: d.ticket, gate: d.ticket.final_gate(), kernels: Vec::new(),
+                              flag: None });
+        }
+        steps
+    }
+
+    /// Queues one step on its caller's stream.
+    fn enqueue_step(&self, step: &Step) -> Result<()> {
+        let _keep = KeepCurrent::new();
+        let s = &self.lock.0;
+        s.ctx.make_current()?;
+        let (Some(board), Some(kernels)) = (&s.board, s.kernels) else {
+            return Err(Error::internal("a direct operation's step without a board"));
+        };
+        let st = &self.callers[step.caller];
+        let gate = board.gate_word(&step.ticket);
+        let gated = match s.gate_kernel {
+            Some(k) => k.wait_geq(st, board.mem(), gate, step.gate).map(|()| MemOp::Enqueued),
+            None => st.wait_value32(board.mem(), gate, step.gate, WaitCond::Geq),
+        };
+        let refused = || Error::system("the driver refused a stream memory operation it reported as supported");
+        if gated? == MemOp::Unsupported {
+            return Err(refused());
+        }
+        for &(desc, n) in &step.kernels {
+            kernels.indirect(st, desc, n)?;
+        }
+        if let Some(v) = step.flag {
+            if st.write_value32(board.mem(), board.flag_word(&step.ticket), v)? == MemOp::Unsupported {
+                return Err(refused());
+            }
+        }
+        Ok(())
+    }
+
     /// The second half: the callers' streams made to wait for the batch, the batch queued for
     /// the worker, and the results copied out of the pool after the wait (or, in host-wait
     /// mode, once the batch is done).
@@ -475,7 +664,8 @@ impl Prepared {
                     // carve goes back after the start events (Prepared's drop).
                     let mut state = s.state();
                     state.issued = seq;
-                    state.queue.push_back(Batch { seq, starts: Vec::new(), ops: Vec::new(), prestaged: Vec::new() });
+                    state.queue.push_back(Batch { seq, starts: Vec::new(), ops: Vec::new(), prestaged: Vec::new(),
+                                                  direct: Vec::new(), declined: Vec::new() });
                     drop(state);
                     s.changed.notify_all();
                     return Err(e);
@@ -483,8 +673,11 @@ impl Prepared {
             }
         }
         self.committed = true;
+        let mut direct = std::mem::take(&mut self.direct);
+        direct.resize(self.ops.len(), None);
         let batch = Batch { seq, starts: std::mem::take(&mut self.starts), ops: std::mem::take(&mut self.ops),
-                            prestaged: std::mem::take(&mut self.prestaged) };
+                            prestaged: std::mem::take(&mut self.prestaged), direct,
+                            declined: std::mem::take(&mut self.declined) };
         // Queued before the results are copied out: a copy the driver runs synchronously must
         // find its gate already on the way to opening.
         let mut state = s.state();
@@ -590,16 +783,7 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
         }
         if let Err(e) = result {
             crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
-            // A failure outside the host transports (a device copy or kernel, the driver) has
-            // not told the peers, which would wait for this rank in their next exchange: as
-            // the transports' own failure path does, publish it and close the connections.
-            if comm.async_code() == crate::Code::Success {
-                if let Some(r) = comm.ready_if_any() {
-                    r.set_failed(&e);
-                    r.conns().close_all();
-                }
-            }
-            comm.set_async_error(&e);
+            publish_failure(&comm, &e);
             // Copies the failed batch queued may still be writing the caller's buffers: they
             // finish before the caller's stream moves on.
             if let Ok(stream) = &stream {
@@ -607,6 +791,9 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
             }
         }
         // Released even on failure: the caller's stream must never wait forever.
+        if let Some(b) = &s.board {
+            batch.direct.iter().flatten().for_each(|d| b.close(&d.ticket));
+        }
         s.done.word(s.word).store(batch.seq, Ordering::Release);
         s.state().finished = batch.seq;
         s.changed.notify_all();
@@ -617,10 +804,21 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
 /// a stream that never gets there (held by the caller, a hung kernel) must not make
 /// ncclCommAbort wait forever for this worker.
 fn wait_started(comm: &Comm, e: &Event) -> Result<()> {
+    let mut failed = None;
+    poll(comm, "the caller's stream", || e.query().unwrap_or_else(|err| {
+        failed = Some(err);
+        true
+    }))?;
+    failed.map_or(Ok(()), Err)
+}
+
+/// Polls `done` until it holds (spinning, then yielding, then napping 50 us), or fails once
+/// the communicator is aborted or revoked.
+pub(crate) fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
     let mut spins = 0u32;
-    while !e.query()? {
+    while !done() {
         if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {
-            return Err(Error::invalid_usage("communicator aborted or revoked while waiting for the caller's stream"));
+            return Err(Error::invalid_usage(format!("communicator aborted or revoked while waiting for {what}")));
         }
         spins += 1;
         if spins < 256 {
@@ -695,14 +893,28 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     // collectives before its sends and receives); then the sends and receives, which pair up
     // within their group and so are staged together. An operation the caller's stream staged
     // (`prestaged`) is host work only: its regions are the pool's.
-    let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre));
-    let (p2p, colls): (Vec<Flagged>, Vec<Flagged>) = flagged.partition(|(o, _)| o.kind.is_p2p());
-    for &(op, pre) in &colls {
-        if !pre && s.routes.eligible(&op) && ipc::run(comm, stream, s.kernels, direct, &op)? {
+    for (i, op) in ops.iter().enumerate().filter(|(_, o)| !o.kind.is_p2p()) {
+        let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
+        if let (Some(Some(d)), Some(board)) = (batch.direct.get(i), &s.board) {
+            if ipc::run_on_stream(comm, s.kernels, direct, op, board, &d.ticket, &d.shape)? {
+                continue;
+            }
+            // Every rank stages it; the caller's stream waits at the first gate meanwhile, and
+            // then runs kernels that do nothing.
+            run_staged(comm, stream, staging, &[(*op, false)])?;
+            board.close(&d.ticket);
             continue;
         }
-        run_staged(comm, stream, staging, &[(op, pre)])?;
+        if batch.declined.get(i).copied().unwrap_or(false) {
+            // Its regions may be the pool's now: the agreement must not publish those either.
+            ipc::decline(comm, direct, op)?;
+        } else if !pre && s.routes.eligible(op) && ipc::run(comm, stream, s.kernels, direct, op)? {
+            continue;
+        }
+        run_staged(comm, stream, staging, &[(*op, pre)])?;
     }
+    let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre));
+    let p2p: Vec<Flagged> = flagged.filter(|(o, _)| o.kind.is_p2p()).collect();
     if p2p.is_empty() {
         return Ok(());
     }

@@ -54,9 +54,22 @@ fn run_expecting_direct(job: Job, direct: bool) {
     }
 }
 
+/// The direct path with its kernels queued on the caller's stream at call time (the default),
+/// and issued by the worker on its own stream (NCCL_RS_DIRECT_ON_STREAM=0): the same results,
+/// as processes and as ranks of one process.
 #[test]
 fn cuda_mode_2_processes_read_each_other_directly() {
-    run_expecting_direct(cuda_job().procs(2).arg("--only").arg("Collectives"), true);
+    for (on_stream, by) in [("1", "on the caller's stream"), ("0", "on the stream worker's stream")] {
+        for job in [cuda_job().procs(2), cuda_job().local(2)] {
+            let o = job.arg("--only").arg("Collectives").env("NCCL_RS_DIRECT_ON_STREAM", on_stream)
+                .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+            assert!(o.ok(), "NCCL_RS_DIRECT_ON_STREAM={on_stream}: {}", o.report);
+            for (i, p) in o.procs.iter().enumerate() {
+                assert!(p.log.contains("are read directly") && p.log.contains(by),
+                        "process {i}: expected the direct path {by}:\n{}", p.log);
+            }
+        }
+    }
 }
 
 /// The experimental direct path for sends and receives (NCCL_RS_DIRECT_P2P=1), also under
@@ -170,9 +183,11 @@ fn cuda_mode_buffer_churn() {
 /// - with host-wait off and every operation staged (NCCL_P2P_DISABLE=1), the callers' streams
 ///   stage them through the pinned pool at call time and the worker issues no device work:
 ///   every part passes, with both gates (the pool grows for the largest all-to-all);
-/// - with host-wait off and the direct path, a caller's stream waiting for the worker holds up
-///   the worker's own copies queued behind it, and the job never finishes — why host-wait is
-///   the default there.
+/// - with host-wait off and the direct path, its kernels queued on the callers' streams at call
+///   time (the default), every part passes too, with both gates;
+/// - but with the direct path's device work on the worker's stream (NCCL_RS_DIRECT_ON_STREAM=0),
+///   a caller's stream waiting for the worker holds up the worker's own copies queued behind
+///   it, and the job never finishes.
 #[test]
 fn cuda_mode_one_hardware_queue() {
     if !stand_in_only("cuda_mode_one_hardware_queue") {
@@ -195,10 +210,21 @@ fn cuda_mode_one_hardware_queue() {
             }
         }
     }
-    let o = one_queue(cuda_job().procs(2).arg("--only").arg("Collectives")).env("NCCL_RS_HOST_WAIT", "0").timeout_s(6)
-        .run_outcome();
+    for gate in ["memop", "kernel"] {
+        for job in [cuda_job().procs(2), cuda_job().local(2).arg("--quick")] {
+            let o = one_queue(job).env("NCCL_RS_HOST_WAIT", "0").env("NCCL_RS_STREAM_GATE", gate)
+                .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+            assert!(o.ok(), "{gate} gate, one hardware queue, direct on the callers' streams: {}", o.report);
+            for p in &o.procs {
+                assert!(p.log.contains("on the caller's stream"), "the direct path did not run on the caller's stream:\n{}",
+                        p.log);
+            }
+        }
+    }
+    let o = one_queue(cuda_job().procs(2).arg("--only").arg("Collectives")).env("NCCL_RS_HOST_WAIT", "0")
+        .env("NCCL_RS_DIRECT_ON_STREAM", "0").timeout_s(6).run_outcome();
     assert!(o.timed_out && o.procs.iter().all(|p| p.killed_at_deadline),
-            "one hardware queue without host-wait did not hang as the model says it must:\n{}", o.report);
+            "one hardware queue, direct path on the worker's stream: did not hang as the model says it must:\n{}", o.report);
 }
 
 /// A driver that reports stream memory operations but refuses the wait when it is asked for
@@ -290,18 +316,21 @@ fn cuda_mode_mismatched_calls_are_reported() {
     }
 }
 
-/// Process 1's reduction kernels fail to launch in the middle of a direct all-reduce, and it
-/// stays alive: both ranks get an error within the bound (process 0's names rank 1's
-/// failure), none waits for the other.
+/// Process 1's reduction kernels fail to launch in a direct all-reduce (queued at call time on
+/// the caller's stream, or by the worker on its own), and it stays alive: both ranks get an
+/// error within the bound (process 0's names rank 1's failure), none waits for the other, and
+/// the streams get past the call.
 #[test]
 fn cuda_mode_kernel_failure_is_reported_to_peers() {
     if !stand_in_only("cuda_mode_kernel_failure_is_reported_to_peers") {
         return;
     }
-    let o = cuda_job().procs(2).env("CUDA_TEST_LAUNCH_FAIL", "1").proc_env(1, "NCCL_RS_STUB_LAUNCH_FAILS", "1")
-        .timeout_s(60).run_outcome();
-    assert!(o.ok(), "{}", o.report);
-    println!("{}", o.report);
+    for on_stream in ["1", "0"] {
+        let o = cuda_job().procs(2).env("CUDA_TEST_LAUNCH_FAIL", "1").proc_env(1, "NCCL_RS_STUB_LAUNCH_FAILS", "1")
+            .env("NCCL_RS_DIRECT_ON_STREAM", on_stream).timeout_s(60).run_outcome();
+        assert!(o.ok(), "NCCL_RS_DIRECT_ON_STREAM={on_stream}: {}", o.report);
+        println!("{}", o.report);
+    }
 }
 
 /// ncclCommAbort returns while the call's stream is held before the call (the operation

@@ -33,10 +33,11 @@ use std::sync::Arc;
 
 use crate::bootstrap::PeerInfo;
 use crate::comm::Comm;
-use crate::device::cuda::{self, IpcHandle, IpcMapping, Stream};
-use crate::device::host::{Region, UserPtr};
+use crate::device::cuda::{self, Desc, IpcHandle, IpcMapping, Stream};
+use crate::device::host::{ElemOp, Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
+use crate::streamed::board::{Board, Ticket};
 use crate::transport::{Stamp, STAMP_BYTES};
 use crate::types::{BuiltinOp, DataType, RedOp};
 
@@ -160,6 +161,11 @@ impl Routes {
         Routes { collectives: ready.peers.iter().all(|p| p.same_host(me)), p2p }
     }
 
+    /// May collectives go direct at all?
+    pub fn collectives(&self) -> bool {
+        self.collectives
+    }
+
     /// Does `op` go direct?
     pub fn eligible(&self, op: &Op) -> bool {
         let big = op.count.saturating_mul(op.dt.size()) >= DIRECT_MIN;
@@ -256,13 +262,27 @@ fn barrier(comm: &Arc<Comm>, user: &Op, step: u8) -> Result<()> {
     control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Sum, 1, r, r, user, step)
 }
 
-/// Run `op` directly. Ok(false): some rank could not, and every rank falls back alike.
-/// Without `kernels` (the driver refused them on this rank) the rank takes part in the
-/// agreement and says it cannot, so every rank stages. On an error, copies already queued
-/// may still read peers' memory or write the caller's: the worker synchronises its stream
-/// before it reports a failed batch.
-pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op)
-           -> Result<bool> {
+/// Will this rank say it cannot take `op` direct, whatever the others say? Known at call time:
+/// an in-place all-to-all, a buffer without CUDA IPC (pinned or pageable host memory, memory
+/// from the virtual memory API), or no kernels. Every rank then stages `op`, and this one's
+/// caller's stream can stage it at call time (it still takes part in the agreement,
+/// [`decline`]).
+pub fn declines(op: &Op, kernels: bool) -> bool {
+    let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
+    !kernels || in_place_alltoall || publish(op.send).is_none() || publish(op.recv).is_none()
+}
+
+/// This rank's part of the agreement for an operation it [`declines`]: every rank stages it.
+pub fn decline(comm: &Arc<Comm>, direct: &mut Direct, op: &Op) -> Result<()> {
+    agree(comm, None, direct, op).map(|_| ())
+}
+
+/// The buffers of every rank (its own included) mapped into this process, or None if some
+/// rank could not publish or map them, or issued another call: every rank learns it alike in
+/// the agreement and stages the operation. Without `kernels` (the driver refused them on this
+/// rank) the rank takes part and says it cannot.
+fn agree(comm: &Arc<Comm>, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op)
+         -> Result<Option<(Vec<Region>, Vec<Region>)>> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
     direct.epoch += 1;
@@ -316,19 +336,207 @@ pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, d
     let mut flag = [(ok as i32).to_le_bytes()];
     let f = Region::owned(flag[0].as_mut_slice());
     control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Min, 1, f, f, op, STEP_AGREE)?;
-    let Some(kernels) = kernels.filter(|_| i32::from_le_bytes(flag[0]) != 0) else { return Ok(false) };
-    compute(comm, stream, kernels, op, &ins, &outs)?;
+    if i32::from_le_bytes(flag[0]) == 0 || kernels.is_none() {
+        return Ok(None);
+    }
+    Ok(Some((ins, outs)))
+}
+
+fn log_first(comm: &Comm, direct: &mut Direct, op: &Op, on_stream: bool) {
     if direct.ran == 0 {
-        crate::info!(P2P, "rank {me}: device buffers of the {n} ranks of this host are read directly (CUDA IPC / same process), from {}",
-                     op.describe());
+        let by = if on_stream { "on the caller's stream" } else { "on the stream worker's stream" };
+        crate::info!(P2P, "rank {}: device buffers of the {} ranks of this host are read directly (CUDA IPC / same \
+                           process), {by}, from {}", comm.rank, comm.nranks, op.describe());
     }
     direct.ran += 1;
+}
+
+/// Run `op` directly, its device work on the worker's `stream`. Ok(false): some rank could
+/// not, and every rank falls back alike. On an error, copies already queued may still read
+/// peers' memory or write the caller's: the worker synchronises its stream before it reports
+/// a failed batch.
+pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op)
+           -> Result<bool> {
+    let Some((ins, outs)) = agree(comm, kernels, direct, op)? else { return Ok(false) };
+    let Some(k) = kernels else { return Ok(false) };
+    compute(comm, op, &ins, &outs, &mut Immediate { comm, op, stream, k })?;
+    log_first(comm, direct, op, false);
     Ok(true)
 }
 
-/// This rank's part, reading `ins`/`outs` of every rank (its own included).
-fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &[Region], outs: &[Region]) -> Result<()> {
-    let (n, me) = (comm.nranks, comm.rank);
+/// The kernels `op` needs on the direct path, per phase: each kernel's element count (bytes
+/// for a copy), which sizes its grid. Known at call time on every rank alike (peers' buffers
+/// have this rank's sizes; the worker checks that it fills in exactly these).
+pub fn shape(comm: &Comm, op: &Op) -> Vec<Vec<usize>> {
+    let n = comm.nranks;
+    let mut plan = Planner { phases: vec![Vec::new()] };
+    // Stand-ins for every rank's buffers, with the sizes the root's (or any rank's) have.
+    let input = match op.kind {
+        OpKind::Broadcast => op.count * op.dt.size(),
+        OpKind::Scatter => n * op.count * op.dt.size(),
+        _ => op.send.len(),
+    };
+    // SAFETY: never dereferenced: the planner only takes the lengths of these regions.
+    let stand_in = |len: usize| Region::user(unsafe { UserPtr::new(std::ptr::null::<u8>()) }, 0, len);
+    let ins = vec![stand_in(input); n];
+    let outs = vec![stand_in(op.recv.len()); n];
+    if compute_steps(comm.rank, n, op, &ins, &outs, &mut plan).is_err() {
+        return Vec::new();
+    }
+    plan.phases.pop();
+    plan.phases
+}
+
+/// Run `op` directly, its device work queued at call time on the caller's stream (the
+/// kernels of `shape` in slot `t` of `board`, see `streamed::board`): this fills in their
+/// descriptors phase by phase and opens the gates. Ok(false): every rank stages it (the
+/// caller does, then closes the slot). The caller closes the slot in every case.
+pub fn run_on_stream(comm: &Arc<Comm>, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op,
+                     board: &Board, t: &Ticket, shape: &[Vec<usize>]) -> Result<bool> {
+    let Some((ins, outs)) = agree(comm, kernels, direct, op)? else { return Ok(false) };
+    let mut fill = Filler { comm, op, board, t, shape, phase: 0, next: 0 };
+    compute(comm, op, &ins, &outs, &mut fill)?;
+    if fill.phase != shape.len() {
+        return Err(Error::internal(format!("direct {}: {} phases filled, {} queued", op.describe(), fill.phase,
+                                           shape.len())));
+    }
+    board.open(t, t.final_gate());
+    log_first(comm, direct, op, true);
+    Ok(true)
+}
+
+/// Where the steps of [`compute`] go.
+trait Exec {
+    fn copy(&mut self, dst: Region, src: Region) -> Result<()>;
+    fn reduce(&mut self, dt: DataType, op: ElemOp, dst: Region, a: Region, b: Region) -> Result<()>;
+    fn divide(&mut self, dt: DataType, dst: Region, src: Region, divisor: u64) -> Result<()>;
+    /// The end of a phase: every rank has done its part before any goes on. `step` names it
+    /// in the control operations' stamps.
+    fn phase_end(&mut self, step: u8) -> Result<()>;
+}
+
+/// Device work on the worker's stream, host barriers between phases.
+struct Immediate<'a> {
+    comm: &'a Arc<Comm>,
+    op: &'a Op,
+    stream: &'a Stream,
+    k: &'a cuda::Kernels,
+}
+
+impl Exec for Immediate<'_> {
+    fn copy(&mut self, dst: Region, src: Region) -> Result<()> {
+        if dst.addr() == src.addr() { Ok(()) } else { self.stream.copy(dst, src) }
+    }
+    fn reduce(&mut self, dt: DataType, op: ElemOp, dst: Region, a: Region, b: Region) -> Result<()> {
+        self.k.reduce(dt, op, dst, a, b, self.stream)
+    }
+    fn divide(&mut self, dt: DataType, dst: Region, src: Region, divisor: u64) -> Result<()> {
+        self.k.divide(dt, dst, src, divisor, self.stream)
+    }
+    fn phase_end(&mut self, step: u8) -> Result<()> {
+        self.stream.synchronize()?;
+        barrier(self.comm, self.op, step)
+    }
+}
+
+/// Counts the kernels per phase (call time).
+struct Planner {
+    phases: Vec<Vec<usize>>,
+}
+
+impl Planner {
+    fn push(&mut self, n: usize) -> Result<()> {
+        match self.phases.last_mut() {
+            Some(p) => p.push(n),
+            None => self.phases.push(vec![n]),
+        }
+        Ok(())
+    }
+}
+
+impl Exec for Planner {
+    fn copy(&mut self, dst: Region, src: Region) -> Result<()> {
+        self.push(dst.len().min(src.len()))
+    }
+    fn reduce(&mut self, dt: DataType, _: ElemOp, dst: Region, a: Region, b: Region) -> Result<()> {
+        self.push(dst.len().min(a.len()).min(b.len()) / dt.size())
+    }
+    fn divide(&mut self, dt: DataType, dst: Region, src: Region, _: u64) -> Result<()> {
+        self.push(dst.len().min(src.len()) / dt.size())
+    }
+    fn phase_end(&mut self, _: u8) -> Result<()> {
+        self.phases.push(Vec::new());
+        Ok(())
+    }
+}
+
+/// Fills in the descriptors of the kernels the caller queued, opens each phase's gate, waits
+/// for the caller's stream to finish the phase, then for the peers (worker).
+struct Filler<'a> {
+    comm: &'a Arc<Comm>,
+    op: &'a Op,
+    board: &'a Board,
+    t: &'a Ticket,
+    shape: &'a [Vec<usize>],
+    /// Phases opened so far, and the next descriptor of the current one.
+    phase: usize,
+    next: usize,
+}
+
+impl Filler<'_> {
+    fn put(&mut self, desc: Desc, n: usize) -> Result<()> {
+        let first: usize = self.shape.iter().take(self.phase).map(Vec::len).sum();
+        match self.shape.get(self.phase).and_then(|p| p.get(self.next)) {
+            Some(&queued) if queued == n => {
+                self.board.write(self.t, first + self.next, desc);
+                self.next += 1;
+                Ok(())
+            }
+            queued => Err(Error::internal(format!(
+                "direct {}: kernel {} of phase {} covers {n}, the one queued {queued:?}", self.op.describe(), self.next,
+                self.phase))),
+        }
+    }
+}
+
+impl Exec for Filler<'_> {
+    fn copy(&mut self, dst: Region, src: Region) -> Result<()> {
+        let bytes = dst.len().min(src.len());
+        let desc = if dst.addr() == src.addr() { Desc::Skip } else { Desc::Copy { dst: dst.addr(), src: src.addr(), bytes } };
+        self.put(desc, bytes)
+    }
+    fn reduce(&mut self, dt: DataType, op: ElemOp, dst: Region, a: Region, b: Region) -> Result<()> {
+        let n = dst.len().min(a.len()).min(b.len()) / dt.size();
+        self.put(Desc::Reduce { dt, op, dst: dst.addr(), a: a.addr(), b: b.addr(), n }, n)
+    }
+    fn divide(&mut self, dt: DataType, dst: Region, src: Region, divisor: u64) -> Result<()> {
+        let n = dst.len().min(src.len()) / dt.size();
+        self.put(Desc::Divide { dt, dst: dst.addr(), src: src.addr(), divisor, n }, n)
+    }
+    fn phase_end(&mut self, step: u8) -> Result<()> {
+        let filled = self.next;
+        let queued = self.shape.get(self.phase).map_or(0, Vec::len);
+        if filled != queued {
+            return Err(Error::internal(format!("direct {}: phase {} filled {filled} kernels of {queued}",
+                                               self.op.describe(), self.phase)));
+        }
+        self.phase += 1;
+        self.next = 0;
+        let value = self.t.step_value(self.phase);
+        self.board.open(self.t, value);
+        // The caller's stream runs the phase when it gets there; the host waits for its flag.
+        crate::streamed::poll(self.comm, "the caller's stream to finish a direct operation's phase",
+                              || self.board.flag_reached(self.t, value))?;
+        barrier(self.comm, self.op, step)
+    }
+}
+
+/// This rank's part, reading `ins`/`outs` of every rank (its own included), into `x`.
+fn compute(comm: &Arc<Comm>, op: &Op, ins: &[Region], outs: &[Region], x: &mut dyn Exec) -> Result<()> {
+    compute_steps(comm.rank, comm.nranks, op, ins, outs, x)
+}
+
+fn compute_steps(me: usize, n: usize, op: &Op, ins: &[Region], outs: &[Region], x: &mut dyn Exec) -> Result<()> {
     let es = op.dt.size();
     let block = op.count * es;
     let crate::plan::Reduction { dt, op: elem, divide } = crate::plan::ops::reduction(op.op, op.dt, n);
@@ -336,21 +544,18 @@ fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &
     // dst <- op over every rank's `part` of its input, then the Avg division. Our own input
     // comes first: in place, `dst` is our own input, and the first step overwrites it. (Each
     // result is computed by one rank only, so the order need not agree across ranks.)
-    let copy = |dst: Region, src: Region| -> Result<()> {
-        if dst.addr() == src.addr() { Ok(()) } else { stream.copy(dst, src) }
-    };
     let order: Vec<usize> = std::iter::once(me).chain((0..n).filter(|&p| p != me)).collect();
-    let reduce_all = |dst: Region, part: &dyn Fn(Region) -> Region| -> Result<()> {
+    let reduce_all = |x: &mut dyn Exec, dst: Region, part: &dyn Fn(Region) -> Region| -> Result<()> {
         if n == 1 {
-            copy(dst, part(ins[me]))?;
+            x.copy(dst, part(ins[me]))?;
         } else {
-            k.reduce(dt, elem, dst, part(ins[order[0]]), part(ins[order[1]]), stream)?;
+            x.reduce(dt, elem, dst, part(ins[order[0]]), part(ins[order[1]]))?;
             for &p in &order[2..] {
-                k.reduce(dt, elem, dst, dst, part(ins[p]), stream)?;
+                x.reduce(dt, elem, dst, dst, part(ins[p]))?;
             }
         }
         if let Some(d) = divide {
-            k.divide(dt, dst, dst, d, stream)?;
+            x.divide(dt, dst, dst, d)?;
         }
         Ok(())
     };
@@ -358,44 +563,42 @@ fn compute(comm: &Arc<Comm>, stream: &Stream, k: &cuda::Kernels, op: &Op, ins: &
         OpKind::AllReduce => {
             let chunk = |c: usize| crate::algo::chunk(op.count, es, n, c);
             let (off, len) = chunk(me);
-            reduce_all(out.sub(off, len), &|r: Region| r.sub(off, len))?;
-            stream.synchronize()?;
-            barrier(comm, op, STEP_HALFWAY)?;
+            reduce_all(x, out.sub(off, len), &|r: Region| r.sub(off, len))?;
+            x.phase_end(STEP_HALFWAY)?;
             for (p, o) in outs.iter().enumerate().filter(|(p, _)| *p != me) {
                 let (off, len) = chunk(p);
-                copy(out.sub(off, len), o.sub(off, len))?;
+                x.copy(out.sub(off, len), o.sub(off, len))?;
             }
         }
-        OpKind::ReduceScatter => reduce_all(out, &|r: Region| r.sub(me * block, block))?,
+        OpKind::ReduceScatter => reduce_all(x, out, &|r: Region| r.sub(me * block, block))?,
         OpKind::AllGather => {
             for (p, i) in ins.iter().enumerate() {
-                copy(out.sub(p * block, block), *i)?;
+                x.copy(out.sub(p * block, block), *i)?;
             }
         }
-        OpKind::Broadcast => copy(out, ins[op.root])?,
+        OpKind::Broadcast => x.copy(out, ins[op.root])?,
         OpKind::Reduce => {
             if me == op.root {
-                reduce_all(out, &|r: Region| r)?;
+                reduce_all(x, out, &|r: Region| r)?;
             }
         }
         OpKind::Gather => {
             if me == op.root {
                 for (p, i) in ins.iter().enumerate() {
-                    copy(out.sub(p * block, block), *i)?;
+                    x.copy(out.sub(p * block, block), *i)?;
                 }
             }
         }
-        OpKind::Scatter => copy(out, ins[op.root].sub(me * block, block))?,
+        OpKind::Scatter => x.copy(out, ins[op.root].sub(me * block, block))?,
         OpKind::AlltoAll => {
             for (p, i) in ins.iter().enumerate() {
-                copy(out.sub(p * block, block), i.sub(me * block, block))?;
+                x.copy(out.sub(p * block, block), i.sub(me * block, block))?;
             }
         }
         OpKind::Send | OpKind::Recv => return Err(Error::internal("point-to-point operation on the direct path")),
     }
-    stream.synchronize()?;
     // Every peer has finished reading our buffers once all passed this point.
-    barrier(comm, op, STEP_DONE)
+    x.phase_end(STEP_DONE)
 }
 
 /// A control message of a point-to-point exchange (host transports) at `step` of `user`'s.

@@ -10,6 +10,7 @@
  * Straightforward loops: this is a test double, not a fast path.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -17,7 +18,7 @@
 
 #include "stub.h"
 
-enum { K_REDUCE, K_PREMUL, K_DIVIDE, K_WAIT };
+enum { K_REDUCE, K_PREMUL, K_DIVIDE, K_WAIT, K_INDIRECT };
 enum { OP_SUM, OP_PROD, OP_MAX, OP_MIN };
 /* NCCL's datatype values (src/types.rs). */
 enum { INT8, UINT8, INT32, UINT32, INT64, UINT64, HALF, FLOAT, DOUBLE, BFLOAT16, E4M3, E5M2, NTYPES };
@@ -32,7 +33,7 @@ struct kernel {
   int kind, type, op;
 };
 
-#define NKERNELS (NTYPES * 6 + 1) /* and the stream gate, nccl_rs_wait_geq */
+#define NKERNELS (NTYPES * 6 + 2) /* and the stream gate, nccl_rs_wait_geq, and nccl_rs_indirect */
 static struct kernel g_kernels[NKERNELS];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -50,7 +51,8 @@ static void build_table(void) {
     snprintf(k->name, sizeof k->name, "nccl_rs_divide_%s", TYPE_NAMES[t]);
     k++;
   }
-  *k = (struct kernel){"nccl_rs_wait_geq", K_WAIT, UINT32, 0};
+  *k++ = (struct kernel){"nccl_rs_wait_geq", K_WAIT, UINT32, 0};
+  *k = (struct kernel){"nccl_rs_indirect", K_INDIRECT, UINT8, 0};
 }
 
 const struct kernel *kernel_find(const char *name) {
@@ -68,11 +70,13 @@ int kernel_valid(const void *f) {
 int kernel_is_gate(const struct kernel *k) { return k->kind == K_WAIT; }
 
 int kernel_pointers(const struct kernel *k) {
-  return k->kind == K_REDUCE ? 3 : k->kind == K_WAIT ? 1 : 2;
+  return k->kind == K_REDUCE ? 3 : k->kind == K_WAIT || k->kind == K_INDIRECT ? 1 : 2;
 }
 
-size_t kernel_elem_size(const struct kernel *k) {
-  return TYPE_SIZES[k->type];
+/* The bytes of pointer argument 0 a launch must be able to reach: the descriptor of an
+ * indirect kernel, else its n elements. */
+size_t kernel_reach(const struct kernel *k, uint64_t n) {
+  return k->kind == K_INDIRECT ? 64 : (size_t)n * TYPE_SIZES[k->type];
 }
 
 /* ---- float formats -------------------------------------------------------------------------- */
@@ -227,7 +231,41 @@ static uint32_t narrow(int t, float v) {
     STORE(S, dst, i, (S)narrow(t, r));                                                         \
   }
 
+/* nccl_rs_indirect (kernels/reduce.cu): what its descriptor says, read when the kernel runs
+ * (the host fills it in after the launch was queued). A pointer the device cannot reach is
+ * a fault: the real GPU would lose the context; the stand-in stops the process. */
+static void run_indirect(const uint64_t *desc) {
+  uint64_t w[6];
+  for (int i = 0; i < 6; i++) w[i] = __atomic_load_n(&desc[i], __ATOMIC_ACQUIRE);
+  const uint32_t code = (uint32_t)w[0], type = (uint32_t)(w[0] >> 32);
+  const uint64_t n = w[4];
+  if (code == 0 || n == 0) return;
+  if (code > 6 || (code > 1 && type >= NTYPES)) {
+    fprintf(stderr, "cuda-stub: nccl_rs_indirect: bad descriptor (code %u, type %u)\n", code, type);
+    abort();
+  }
+  const size_t bytes = code == 1 ? (size_t)n : (size_t)n * TYPE_SIZES[type];
+  const int pointers = code == 1 || code == 6 ? 2 : 3;
+  for (int i = 1; i <= pointers; i++) {
+    if (mem_lookup(w[i], bytes) == MEM_PAGEABLE) {
+      fprintf(stderr, "cuda-stub: nccl_rs_indirect: illegal address %#llx (+%zu)\n", (unsigned long long)w[i], bytes);
+      abort();
+    }
+  }
+  if (code == 1) {
+    memmove((void *)(uintptr_t)w[1], (const void *)(uintptr_t)w[2], bytes);
+    return;
+  }
+  struct kernel inner = {"", code == 6 ? K_DIVIDE : K_REDUCE, (int)type, code == 6 ? 0 : (int)code - 2};
+  const uint64_t params[4] = {w[1], w[2], code == 6 ? w[5] : w[3], n};
+  kernel_run(&inner, params);
+}
+
 void kernel_run(const struct kernel *k, const uint64_t params[4]) {
+  if (k->kind == K_INDIRECT) {
+    run_indirect((const uint64_t *)(uintptr_t)params[0]);
+    return;
+  }
   if (k->kind == K_WAIT) {
     /* The stream gate: poll the word (written by the host, maybe another process) until it
      * reaches the value, as a wrapping counter, like the GPU's one polling thread. */

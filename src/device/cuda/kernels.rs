@@ -39,6 +39,7 @@ pub struct Kernels {
     premul: [CUfunction; 12],
     divide: [CUfunction; 12],
     wait_geq: CUfunction,
+    indirect: CUfunction,
 }
 
 // SAFETY: CUfunction handles are usable from any thread; the module is never unloaded (it
@@ -70,6 +71,7 @@ impl Kernels {
                 premul: [std::ptr::null_mut(); 12],
                 divide: [std::ptr::null_mut(); 12],
                 wait_geq: get("nccl_rs_wait_geq".to_string())?,
+                indirect: get("nccl_rs_indirect".to_string())?,
             };
             for dt in DataType::ALL {
                 let t = dt.name();
@@ -112,6 +114,46 @@ impl Kernels {
     pub fn wait_geq(&self, stream: &Stream, mem: &super::MappedHost, word: usize, value: u32) -> Result<()> {
         let addr = super::stream::word_addr(mem, word)?;
         launch(self.wait_geq, [addr, 0, value as u64], 1, stream)
+    }
+}
+
+impl Kernels {
+    /// Queues the kernel that does what the 64-byte descriptor at device address `desc` says
+    /// when it runs (kernels/reduce.cu, [`Desc`]); `n` (elements, or bytes of a copy) sizes its
+    /// grid. The descriptor must stay valid until the stream has passed the kernel.
+    pub fn indirect(&self, stream: &Stream, desc: usize, n: usize) -> Result<()> {
+        launch(self.indirect, [desc as u64, 0, 0], n, stream)
+    }
+}
+
+/// What `nccl_rs_indirect` does (kernels/reduce.cu): nothing, a byte copy, an element-wise
+/// reduction or an Avg division.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Desc {
+    Skip,
+    Copy { dst: usize, src: usize, bytes: usize },
+    Reduce { dt: DataType, op: ElemOp, dst: usize, a: usize, b: usize, n: usize },
+    Divide { dt: DataType, dst: usize, src: usize, divisor: u64, n: usize },
+}
+
+impl Desc {
+    /// The descriptor as the kernel reads it: eight little-endian 64-bit words, as sixteen
+    /// 32-bit ones (low half first).
+    pub fn words(&self) -> [u32; 16] {
+        let q: [u64; 6] = match *self {
+            Desc::Skip => [0; 6],
+            Desc::Copy { dst, src, bytes } => [1, dst as u64, src as u64, 0, bytes as u64, 0],
+            Desc::Reduce { dt, op, dst, a, b, n } => {
+                [(2 + op_index(op) as u64) | (dt as u64) << 32, dst as u64, a as u64, b as u64, n as u64, 0]
+            }
+            Desc::Divide { dt, dst, src, divisor, n } => [6 | (dt as u64) << 32, dst as u64, src as u64, 0, n as u64, divisor],
+        };
+        let mut w = [0u32; 16];
+        for (i, v) in q.iter().enumerate() {
+            w[2 * i] = *v as u32;
+            w[2 * i + 1] = (*v >> 32) as u32;
+        }
+        w
     }
 }
 
