@@ -180,20 +180,26 @@ if python3 -c 'import torch' 2>/dev/null; then
     for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
     python3 $OUT/torch_check.py compare"
 fi
-# 6. An experiment for the host-wait default: one hardware queue (Megatron-LM's
-#    CUDA_DEVICE_MAX_CONNECTIONS=1), host-wait forced off. Direct path (the worker issues device
-#    work while the caller's stream waits): the stand-in's model says it hangs (killed at the
-#    cap; hang-*.txt shows where). Everything staged (NCCL_P2P_DISABLE=1: the callers' streams
-#    stage through the pinned pool, the worker issues none): the model says it passes.
-step one-queue-direct 30 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 \
+# 6. One hardware queue (Megatron-LM's CUDA_DEVICE_MAX_CONNECTIONS=1), host-wait forced off:
+#    what the stand-in's queue model predicts, on the GPU. The direct path with its kernels
+#    queued on the callers' streams (the default) and everything staged by the callers'
+#    streams (NCCL_P2P_DISABLE=1): the worker issues no device work while a stream waits, and
+#    the model says both pass. The direct path on the worker's stream (NCCL_RS_DIRECT_ON_STREAM=0,
+#    the design before): the model says it hangs (killed at the cap; hang-*.txt shows where).
+step perf-cuda-allreduce-2-worker-direct 40 env NCCL_RS_DIRECT_ON_STREAM=0 "$PREP/run/bin/nccl-rs-perf" allreduce \
+  -np 2 --device 1 -b 64K -e 256M -f 8 -n 5 -w 1
+step one-queue-direct 40 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 \
   NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
-  cuda_mode_2_processes_read_each_other_directly
+  --exact cuda_mode_2_processes cuda_mode_2_ranks_in_one_process
 step one-queue-staged 40 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_P2P_DISABLE=1 \
   NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
   --exact cuda_mode_2_processes cuda_mode_2_ranks_in_one_process
+step one-queue-worker-direct 25 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_RS_DIRECT_ON_STREAM=0 \
+  NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
+  --exact cuda_mode_2_processes
 
 for f in perf-cuda-allreduce-2 perf-cuda-allgather-2 perf-cuda-latency-1 copy-bw-and-nvidia-nccl latency-nccl-rs-torch \
-         perf-cuda-allreduce-2-gate-kernel torch-nccl-rs-gate-kernel; do
+         perf-cuda-allreduce-2-gate-kernel torch-nccl-rs-gate-kernel perf-cuda-allreduce-2-worker-direct; do
   grep -E '^ +[0-9]|Avg bus|GB/s|us per call|RESULT' "$OUT/$f.log" 2>/dev/null | sed "s/^/# $f: /" >> "$R"
 done
 say "# done in ${SECONDS}s"

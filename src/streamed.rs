@@ -140,6 +140,15 @@ pub struct Streamed {
     board: Option<Board>,
 }
 
+impl Drop for Streamed {
+    fn drop(&mut self) {
+        // Streams may still have steps of its operations ahead of them (see `board`).
+        if let Some(b) = self.board.take() {
+            b.retire();
+        }
+    }
+}
+
 /// Gives the carve `id` of `s`'s pool back after `events`.
 fn release_carve(s: &Streamed, id: u64, events: Vec<Event>) {
     if let Some(p) = s.pool.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
@@ -275,9 +284,11 @@ impl Streamed {
         self.submit_done.notify_all();
     }
 
-    /// Bytes of pinned staging pool this communicator holds (ncclCommMemStats).
+    /// Bytes of pinned memory this communicator holds: its staging pool and its board
+    /// (ncclCommMemStats).
     pub fn pool_bytes(&self) -> u64 {
-        self.pool.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |p| p.capacity() as u64)
+        let pool = self.pool.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |p| p.capacity() as u64);
+        pool + self.board.as_ref().map_or(0, |b| b.mem().len() as u64)
     }
 
     /// Wait until every batch issued so far has finished.

@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use nccl::device::cuda::{self, Context, Event, IpcHandle, IpcMapping, MappedHost, MemOp, PtrKind, Stream, WaitCond};
+use nccl::device::cuda::{self, Context, Desc, Event, IpcHandle, IpcMapping, MappedHost, MemOp, PtrKind, Stream, WaitCond};
 use nccl::device::host::{self, ElemOp, Region, UserPtr};
 use nccl::device::mode::{self, Mode};
 use nccl::types::{DataType, Scalar};
@@ -626,7 +626,8 @@ enum Kind {
 }
 
 /// One kernel run: `kind` on `n` elements of `dt`, with dst/a/b at byte offsets `offs` into
-/// their buffers, or dst = a (`in_place`, dst's offset unused).
+/// their buffers, or dst = a (`in_place`, dst's offset unused); with `indirect`, by
+/// nccl_rs_indirect and a descriptor (reductions and divisions).
 #[derive(Clone, Copy, Debug)]
 struct Case {
     dt: DataType,
@@ -634,11 +635,21 @@ struct Case {
     n: usize,
     offs: [usize; 3],
     in_place: bool,
+    indirect: bool,
+}
+
+/// Writes `desc` into `mem` (word 0 on) and queues nccl_rs_indirect on it.
+fn launch_indirect(k: &cuda::Kernels, s: &Stream, mem: &MappedHost, desc: Desc, n: usize) {
+    for (i, w) in desc.words().iter().enumerate() {
+        mem.word(i).store(*w, Ordering::Relaxed);
+    }
+    k.indirect(s, mem.device_addr(), n).unwrap();
 }
 
 /// Runs `case` on the device and on the host, on the same inputs, and compares.
 fn compare(k: &cuda::Kernels, s: &Stream, case: Case, rng: &mut Rng) {
-    let Case { dt, kind, n, offs, in_place } = case;
+    let Case { dt, kind, n, offs, in_place, indirect } = case;
+    let descs = MappedHost::new(64).unwrap();
     let bytes = n * dt.size();
     let (ea, eb) = (elements(dt, n, rng), elements(dt, n, rng));
     let bufs: Vec<DeviceBuf> = (0..3).map(|_| DeviceBuf::new(bytes + 64)).collect();
@@ -649,6 +660,11 @@ fn compare(k: &cuda::Kernels, s: &Stream, case: Case, rng: &mut Rng) {
     let (mut wa, mut wb, mut want) = (ea.clone(), eb.clone(), vec![0u8; bytes]);
     let (ha, hb, hw) = (host_region(&mut wa), host_region(&mut wb), host_region(&mut want));
     match kind {
+        Kind::Reduce(op) if indirect => {
+            let desc = Desc::Reduce { dt, op, dst: d.addr(), a: a.addr(), b: b.addr(), n };
+            launch_indirect(k, s, &descs, desc, n);
+            host::reduce_local(dt, op, hw, ha, hb);
+        }
         Kind::Reduce(op) => {
             k.reduce(dt, op, d, a, b, s).unwrap();
             host::reduce_local(dt, op, hw, ha, hb);
@@ -659,7 +675,11 @@ fn compare(k: &cuda::Kernels, s: &Stream, case: Case, rng: &mut Rng) {
             host::premul(dt, hw, ha, scalar);
         }
         Kind::Divide(divisor) => {
-            k.divide(dt, d, a, divisor, s).unwrap();
+            if indirect {
+                launch_indirect(k, s, &descs, Desc::Divide { dt, dst: d.addr(), src: a.addr(), divisor, n }, n);
+            } else {
+                k.divide(dt, d, a, divisor, s).unwrap();
+            }
             host::copy(hw, ha);
             host::divide(dt, hw, divisor);
         }
@@ -680,30 +700,69 @@ fn check_kernels() {
     for dt in DataType::ALL {
         let size = dt.size();
         let scalars: Vec<u64> = specials(dt).iter().copied().chain([rng.next(), rng.next()]).collect();
-        let mut run = |kind, n, offs, in_place| compare(k, &s, Case { dt, kind, n, offs, in_place }, &mut rng);
+        let mut run = |kind, n, offs, in_place, indirect| {
+            compare(k, &s, Case { dt, kind, n, offs, in_place, indirect }, &mut rng)
+        };
         // Aligned (vector path), element-aligned (element path), mixed 16-byte phases, bytes.
         let offsets = [[0, 0, 0], [size, size, size], [0, size, 2 * size], [1, 1, 1]];
         for op in [ElemOp::Sum, ElemOp::Prod, ElemOp::Max, ElemOp::Min] {
             for n in [1, 7, 33, 1000, 5000] {
                 for offs in offsets {
-                    run(Kind::Reduce(op), n, offs, false);
+                    run(Kind::Reduce(op), n, offs, false, false);
                 }
             }
-            run(Kind::Reduce(op), 777, [0, 0, 0], true);
+            run(Kind::Reduce(op), 777, [0, 0, 0], true, false);
+            // The direct path's kernel, as its descriptor says.
+            run(Kind::Reduce(op), 5000, [0, 0, 0], false, true);
+            run(Kind::Reduce(op), 33, [1, 1, 1], false, true);
+            run(Kind::Reduce(op), 777, [0, 0, 0], true, true);
         }
         for scalar in scalars {
-            run(Kind::Premul(scalar), 1000, [0, 0, 0], false);
-            run(Kind::Premul(scalar), 333, [size, 0, 0], true);
+            run(Kind::Premul(scalar), 1000, [0, 0, 0], false, false);
+            run(Kind::Premul(scalar), 333, [size, 0, 0], true, false);
         }
         for divisor in [0, 1, 2, 3, 7, 1000, 1 << 31, 1 << 40, 1 << 63, u64::MAX] {
-            run(Kind::Divide(divisor), 1000, [0, 0, 0], false);
-            run(Kind::Divide(divisor), 333, [1, 1, 0], true);
+            run(Kind::Divide(divisor), 1000, [0, 0, 0], false, false);
+            run(Kind::Divide(divisor), 333, [1, 1, 0], true, false);
+            run(Kind::Divide(divisor), 1000, [0, 0, 0], true, true);
         }
     }
+    check_indirect_copies(k, &s);
     // n == 0 launches nothing.
     let empty = device_region(0, 0);
     k.reduce(DataType::Float32, ElemOp::Sum, empty, empty, empty, &s).unwrap();
     s.synchronize().unwrap();
+}
+
+/// nccl_rs_indirect's copies and no-ops, and a descriptor written after its kernel was queued
+/// (behind a gate): the kernel reads it when it runs, as the direct path needs.
+fn check_indirect_copies(k: &cuda::Kernels, s: &Stream) {
+    let descs = MappedHost::new(128).unwrap();
+    let mut rng = Rng(11);
+    for (n, off) in [(1usize, 0usize), (15, 1), (4096, 0), (100_003, 3)] {
+        let src: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+        let (a, b) = (DeviceBuf::new(n + 16), DeviceBuf::new(n + 16));
+        let (ra, rb) = (a.region().sub(off, n), b.region().sub(16 - off.max(1), n));
+        upload(s, ra, src.clone());
+        upload(s, rb, vec![0x5a; n]);
+        launch_indirect(k, s, &descs, Desc::Skip, n);
+        assert_eq!(download(s, rb), vec![0x5a; n], "a skipped descriptor wrote");
+        launch_indirect(k, s, &descs, Desc::Copy { dst: rb.addr(), src: ra.addr(), bytes: n }, n);
+        assert_eq!(download(s, rb), src, "copy of {n} bytes at offset {off}");
+    }
+    let gate = MappedHost::new(64).unwrap();
+    let (a, b) = (DeviceBuf::new(4096), DeviceBuf::new(4096));
+    upload(s, a.region(), vec![7; 4096]);
+    upload(s, b.region(), vec![0; 4096]);
+    launch_indirect(k, s, &descs, Desc::Skip, 4096);
+    k.wait_geq(s, &gate, 0, 1).unwrap();
+    k.indirect(s, descs.device_addr(), 4096).unwrap();
+    assert!(stays_busy(s, Duration::from_millis(20)), "the gate did not hold the stream");
+    for (i, w) in (Desc::Copy { dst: b.region().addr(), src: a.region().addr(), bytes: 4096 }).words().iter().enumerate() {
+        descs.word(i).store(*w, Ordering::Relaxed);
+    }
+    gate.word(0).store(1, Ordering::Release);
+    assert_eq!(download(s, b.region()), vec![7; 4096], "the kernel did not read the descriptor written after its launch");
 }
 
 // ---- errors ----------------------------------------------------------------------------------

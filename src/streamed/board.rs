@@ -17,6 +17,10 @@
 //! slot is free again once its flag reached its operation's last value: the stream has run
 //! every kernel that reads its descriptors. A slot whose stream never gets that far (the call
 //! failed while queueing its steps) is never reused.
+//!
+//! A board is never freed: a stream may still wait on a gate of a destroyed communicator's
+//! board (it is open, but the stream has not got there). It goes to the next communicator,
+//! numbers and slots as they are, so that stream's steps stay safe.
 
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
@@ -24,8 +28,10 @@ use std::sync::Mutex;
 use crate::device::cuda::{Desc, MappedHost};
 use crate::error::Result;
 
-/// Operations in flight per communicator, and descriptors (kernels) per operation.
-pub const SLOTS: usize = 32;
+/// Operations in flight per communicator (a training step may queue hundreds of gradient
+/// all-reduces ahead of its stream; one without a slot runs on the worker's stream), and
+/// descriptors (kernels) per operation (2n - 1 for an all-reduce of n ranks).
+pub const SLOTS: usize = 512;
 pub const DESCS: usize = 31;
 /// Phases per operation at most (gate values base+1 ..= base+PHASES+1 stay below the next base).
 pub const PHASES: usize = 3;
@@ -47,6 +53,8 @@ pub struct Board {
 struct State {
     /// The next operation's base value.
     next: u32,
+    /// Where the search for a free slot starts (after the last one taken).
+    cursor: usize,
     /// Per slot: the flag value its operation's stream raises last (None: never used).
     last_flag: [Option<u32>; SLOTS],
 }
@@ -70,16 +78,48 @@ impl Ticket {
     }
 }
 
+impl State {
+    fn new() -> State {
+        State { next: 4, cursor: 0, last_flag: [None; SLOTS] }
+    }
+
+    /// A free slot (its flag, read by `flag`, has reached its last operation's last value)
+    /// and the next numbers.
+    fn take(&mut self, phases: usize, flag: impl Fn(usize) -> u32) -> Option<Ticket> {
+        let slot = (0..SLOTS).map(|k| (self.cursor + k) % SLOTS).find(|&i| match self.last_flag[i] {
+            None => true,
+            Some(last) => reached(flag(i), last),
+        })?;
+        let t = Ticket { slot, base: self.next, phases };
+        self.next = self.next.wrapping_add(4);
+        self.cursor = (slot + 1) % SLOTS;
+        self.last_flag[slot] = Some(t.step_value(phases));
+        Some(t)
+    }
+}
+
 /// `a >= b` for counters that wrap.
 fn reached(a: u32, b: u32) -> bool {
     a.wrapping_sub(b) as i32 >= 0
 }
 
+/// Boards of destroyed communicators, for new ones (see the module's notes).
+static SPARE_BOARDS: Mutex<Vec<Board>> = Mutex::new(Vec::new());
+
 impl Board {
-    /// Made before any stream waits on this communicator (pinning memory may synchronise).
+    /// A destroyed communicator's board, else a new one: made before any stream waits on
+    /// this communicator (pinning memory may synchronise).
     pub fn new() -> Result<Board> {
+        if let Some(b) = SPARE_BOARDS.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(b);
+        }
         let mem = MappedHost::new(SLOTS * SLOT_WORDS * 4)?;
-        Ok(Board { mem, state: Mutex::new(State { next: 4, last_flag: [None; SLOTS] }) })
+        Ok(Board { mem, state: Mutex::new(State::new()) })
+    }
+
+    /// Hands the board on to a later communicator.
+    pub fn retire(self) {
+        SPARE_BOARDS.lock().unwrap_or_else(|p| p.into_inner()).push(self);
     }
 
     pub fn mem(&self) -> &MappedHost {
@@ -92,15 +132,8 @@ impl Board {
         if phases == 0 || phases > PHASES {
             return None;
         }
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let slot = (0..SLOTS).find(|&i| match st.last_flag[i] {
-            None => true,
-            Some(last) => reached(self.mem.word(i * SLOT_WORDS + FLAG).load(Ordering::Acquire), last),
-        })?;
-        let t = Ticket { slot, base: st.next, phases };
-        st.next = st.next.wrapping_add(4);
-        st.last_flag[slot] = Some(t.step_value(phases));
-        drop(st);
+        let flag = |i: usize| self.mem.word(i * SLOT_WORDS + FLAG).load(Ordering::Acquire);
+        let t = self.state.lock().unwrap_or_else(|p| p.into_inner()).take(phases, flag)?;
         for d in 0..DESCS {
             self.write(&t, d, Desc::Skip);
         }
@@ -152,7 +185,36 @@ impl Board {
 
 #[cfg(test)]
 mod tests {
-    use super::reached;
+    use super::{reached, State, SLOTS};
+    use std::cell::RefCell;
+
+    /// Slots are reused only once their stream raised the last flag; every operation's numbers
+    /// lie above every earlier one's, so a stream late on an old gate always passes.
+    #[test]
+    fn slots_come_back_after_their_last_flag() {
+        let flags = RefCell::new(vec![0u32; SLOTS]);
+        let mut st = State::new();
+        let mut taken = Vec::new();
+        for k in 0..SLOTS {
+            let t = st.take(1 + k % 3, |i| flags.borrow()[i]).expect("a free slot");
+            assert!(taken.iter().all(|o: &super::Ticket| o.slot != t.slot), "slot {} handed out twice", t.slot);
+            if let Some(prev) = taken.last() {
+                assert!(reached(t.base, prev.final_gate()), "numbers went down: {} after {}", t.base, prev.final_gate());
+            }
+            taken.push(t);
+        }
+        assert!(st.take(1, |i| flags.borrow()[i]).is_none(), "a slot while all are in flight");
+        // The stream of operation 5 is past its next-to-last step: not yet free; past its last: free.
+        let t5 = taken[5];
+        flags.borrow_mut()[t5.slot] = t5.step_value(t5.phases - 1);
+        assert!(t5.phases == 1 || st.take(1, |i| flags.borrow()[i]).is_none());
+        flags.borrow_mut()[t5.slot] = t5.step_value(t5.phases);
+        let again = st.take(2, |i| flags.borrow()[i]).expect("the finished slot");
+        assert_eq!(again.slot, t5.slot);
+        assert!(reached(again.base, taken[SLOTS - 1].final_gate()));
+        // A later operation's flag values free the slot for an operation behind on it too.
+        assert!(reached(again.step_value(1), t5.step_value(t5.phases)));
+    }
 
     #[test]
     fn counters_compare_across_the_wrap() {
