@@ -23,8 +23,10 @@
 #      allreduce latency next to NVIDIA's NCCL (PyTorch's) in the same run, both through
 #      PyTorch (and ours through nccl-rs-perf);
 #   5. the polling-kernel stream gate (NCCL_RS_STREAM_GATE=kernel) against the default;
-#   6. whether one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) deadlocks without host-wait,
-#      on the direct path and with everything staged by the callers' streams.
+#   6. the direct path's bandwidth with its device work on the worker's stream (the design
+#      before) beside the default (on the callers' streams, step 4), and whether one hardware
+#      queue (CUDA_DEVICE_MAX_CONNECTIONS=1) deadlocks without host-wait: direct on the callers'
+#      streams, everything staged by the callers' streams, direct on the worker's stream.
 # A step that passes its cap leaves hang-<step>.txt: every thread's stack of its processes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
