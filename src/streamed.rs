@@ -138,6 +138,8 @@ pub struct Streamed {
     /// Where direct operations queued on the callers' streams get their kernels' arguments
     /// (None: they run on the worker's stream; see `board`).
     board: Option<Board>,
+    /// The worker's `Direct::off`, for calls: no collective goes direct any more.
+    direct_off: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Streamed {
@@ -231,7 +233,8 @@ impl Streamed {
                                     state: Mutex::new(State::default()),
                                     submit_busy: Mutex::new(false), submit_done: Condvar::new(), changed: Condvar::new(),
                                     worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
-                                    caller_staged: std::sync::atomic::AtomicBool::new(false), board });
+                                    caller_staged: std::sync::atomic::AtomicBool::new(false), board,
+                                    direct_off: std::sync::atomic::AtomicBool::new(false) });
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
@@ -392,14 +395,18 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // the events the worker waits for.
     let mut pool = s.pool.lock().unwrap_or_else(|p| p.into_inner());
     let gated = !s.host_wait && (s.gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
-    // Direct operations this rank declines (every rank then stages them) are known now.
-    let declined: Vec<bool> = ops.iter()
-        .map(|o| !o.op.kind.is_p2p() && s.routes.eligible(&o.op) && ipc::declines(&o.op, s.kernels.is_some()))
+    // Which operations go direct, as far as this rank can tell now: not those it declines
+    // (every rank then stages them), nor any collective once the ranks agreed they never do.
+    let off = s.direct_off.load(Ordering::Relaxed);
+    let eligible: Vec<bool> = ops.iter().map(|o| s.routes.eligible(&o.op) && (o.op.kind.is_p2p() || !off)).collect();
+    let declined: Vec<bool> = ops.iter().zip(&eligible)
+        .map(|(o, &e)| e && !o.op.kind.is_p2p() && ipc::declines(&o.op, s.kernels.is_some()))
         .collect();
+    let goes_direct: Vec<bool> = eligible.iter().zip(&declined).map(|(&e, &d)| e && !d).collect();
     let carve = match pool.as_mut() {
         Some(p) if gated => {
             s.recycle(p.reclaim());
-            plan_caller_staging(&s.routes, p, &ops, &declined)
+            plan_caller_staging(p, &ops, &goes_direct)
         }
         _ => None,
     };
@@ -435,9 +442,9 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let caller_of: Vec<usize> = ops.iter().map(on).collect();
     // Direct operations whose kernels this call queues on their streams (slots are taken at
     // commit): collectives that go direct, with kernels the board can hold.
-    let shapes: Vec<Option<Vec<Vec<usize>>>> = ops.iter().zip(&prestaged).zip(&declined)
-        .map(|((o, &(pre, _)), &declined)| {
-            let direct = s.board.is_some() && !pre && !declined && !o.op.kind.is_p2p() && s.routes.eligible(&o.op);
+    let shapes: Vec<Option<Vec<Vec<usize>>>> = ops.iter().zip(&prestaged).zip(&goes_direct)
+        .map(|((o, &(pre, _)), &goes_direct)| {
+            let direct = s.board.is_some() && !pre && goes_direct && !o.op.kind.is_p2p();
             direct.then(|| ipc::shape(comm, &o.op)).filter(|sh| {
                 !sh.is_empty() && sh.len() <= board::PHASES && sh.iter().map(Vec::len).sum::<usize>() <= board::DESCS
             })
@@ -904,24 +911,30 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     // collectives before its sends and receives); then the sends and receives, which pair up
     // within their group and so are staged together. An operation the caller's stream staged
     // (`prestaged`) is host work only: its regions are the pool's.
+    // Once the ranks agreed that collectives never go direct again (`Direct::off`, set in the
+    // same operation on every rank), they are staged without asking.
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| !o.kind.is_p2p()) {
         let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
         if let (Some(Some(d)), Some(board)) = (batch.direct.get(i), &s.board) {
-            if ipc::run_on_stream(comm, s.kernels, direct, op, board, &d.ticket, &d.shape)? {
+            if !direct.off && ipc::run_on_stream(comm, direct, op, board, &d.ticket, &d.shape)? {
                 continue;
             }
             // Every rank stages it; the caller's stream waits at the first gate meanwhile, and
             // then runs kernels that do nothing.
+            s.direct_off.store(direct.off, Ordering::Relaxed);
             run_staged(comm, stream, staging, &[(*op, false)])?;
             board.close(&d.ticket);
             continue;
         }
-        if batch.declined.get(i).copied().unwrap_or(false) {
-            // Its regions may be the pool's now: the agreement must not publish those either.
-            ipc::decline(comm, direct, op)?;
-        } else if !pre && s.routes.eligible(op) && ipc::run(comm, stream, s.kernels, direct, op)? {
-            continue;
+        if !direct.off {
+            if batch.declined.get(i).copied().unwrap_or(false) {
+                // Its regions may be the pool's now: the agreement must not publish those either.
+                ipc::decline(comm, direct, op, s.kernels.is_none())?;
+            } else if !pre && s.routes.eligible(op) && ipc::run(comm, stream, s.kernels, direct, op)? {
+                continue;
+            }
         }
+        s.direct_off.store(direct.off, Ordering::Relaxed);
         run_staged(comm, stream, staging, &[(*op, pre)])?;
     }
     let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre));

@@ -157,6 +157,27 @@ fn cuda_mode_a_rank_without_kernels() {
     assert!(o.procs[1].log.contains("reduction kernels did not load"), "process 1 had its kernels:\n{}", o.procs[1].log);
     for (i, p) in o.procs.iter().enumerate() {
         assert!(!p.log.contains("are read directly"), "process {i} took the direct path:\n{}", p.log);
+        // Agreed once, in the first eligible collective: the rest are staged without asking.
+        assert_eq!(p.log.matches("can never read its peers' device buffers").count(), 1, "process {i}:\n{}", p.log);
+    }
+}
+
+/// A rank whose driver cannot map its peer's device memory (GPUs without peer access: the
+/// stand-in's NCCL_RS_STUB_NO_PEER_ACCESS) makes every rank stage, from the first eligible
+/// collective on, without trying again; results exact.
+#[test]
+fn cuda_mode_no_peer_access() {
+    if !stand_in_only("cuda_mode_no_peer_access") {
+        return;
+    }
+    let o = cuda_job().procs(2).proc_env(1, "NCCL_RS_STUB_NO_PEER_ACCESS", "1").arg("--only").arg("Collectives")
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    assert_eq!(o.procs[1].log.matches("cannot map rank 0's buffers").count(), 1, "{}", o.procs[1].log);
+    assert!(o.procs[1].log.contains("CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"), "{}", o.procs[1].log);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(!p.log.contains("are read directly"), "process {i} took the direct path:\n{}", p.log);
+        assert_eq!(p.log.matches("can never read its peers' device buffers").count(), 1, "process {i}:\n{}", p.log);
     }
 }
 

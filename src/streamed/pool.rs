@@ -12,7 +12,6 @@ use super::StreamOp;
 use crate::device::cuda::{Event, MappedHost};
 use crate::device::host::Region;
 use crate::plan::Op;
-use crate::transport::ipc::Routes;
 
 /// Pinned staging per communicator for operations its callers' streams stage at call time: to
 /// begin with, and at most (grown, while nothing is in flight, to fit a larger batch).
@@ -133,14 +132,13 @@ fn ring_alloc(cap: usize, head: usize, oldest: Option<usize>, len: usize) -> Opt
 /// The operations of a batch the callers' streams stage at call time, and their buffers: the
 /// offset of the batch's carve of `pool` and, per operation, (index, send, recv) regions of
 /// it. None when no operation qualifies or they do not fit.
-pub(super) fn plan_caller_staging(routes: &Routes, pool: &mut Pool, ops: &[StreamOp], declined: &[bool])
+pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], goes_direct: &[bool])
                                   -> Option<(usize, Vec<Staged>)> {
     let round = |n: usize| n.div_ceil(POOL_ALIGN) * POOL_ALIGN;
-    // The direct path moves its own data (unless this rank declines it: every rank stages it
-    // then); an operation larger than the pool can ever be never fits (and its size must not
-    // overflow the sum).
+    // The direct path moves its own data; an operation larger than the pool can ever be never
+    // fits (and its size must not overflow the sum).
     let fits = |op: &Op| op.send.len().saturating_add(op.recv.len()) <= POOL_MAX;
-    let staged = |i: usize| !routes.eligible(&ops[i].op) || declined.get(i).copied().unwrap_or(false);
+    let staged = |i: usize| !goes_direct.get(i).copied().unwrap_or(false);
     let picked: Vec<usize> = (0..ops.len()).filter(|&i| ops[i].copyable && staged(i) && fits(&ops[i].op)).collect();
     let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
     let total: usize = picked.iter().map(|&i| round(ops[i].op.send.len()) + round(ops[i].op.recv.len()) + scalar(i)).sum();

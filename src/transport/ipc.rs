@@ -113,6 +113,9 @@ impl Record {
 /// A stream worker's state for direct operations: the peer mappings it keeps.
 #[derive(Default)]
 pub struct Direct {
+    /// The ranks agreed that collectives never go direct again on this communicator (some
+    /// rank cannot, ever: see [`agree`]); every rank stages them from the next one on.
+    pub off: bool,
     maps: Vec<Mapped>,
     /// Operations so far (a mapping used by the current one is never closed).
     epoch: u64,
@@ -272,25 +275,46 @@ pub fn declines(op: &Op, kernels: bool) -> bool {
     !kernels || in_place_alltoall || publish(op.send).is_none() || publish(op.recv).is_none()
 }
 
-/// This rank's part of the agreement for an operation it [`declines`]: every rank stages it.
-pub fn decline(comm: &Arc<Comm>, direct: &mut Direct, op: &Op) -> Result<()> {
-    agree(comm, None, direct, op).map(|_| ())
+/// This rank's part of the agreement for an operation it [`declines`]: every rank stages it
+/// (and, with `never` — this rank has no kernels — every later one too).
+pub fn decline(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, never: bool) -> Result<()> {
+    agree(comm, if never { Offer::Never } else { Offer::Declines }, direct, op).map(|_| ())
 }
+
+/// What a rank brings to the agreement on one operation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Offer {
+    /// Its buffers, published.
+    Buffers,
+    /// Nothing, this time (its buffers have no CUDA IPC, an in-place all-to-all).
+    Declines,
+    /// Nothing, ever (no kernels on this rank).
+    Never,
+}
+
+/// The agreement's verdicts, as the ranks' minimum: stage this operation and every later
+/// one; stage this one; go direct.
+const NEVER: i32 = -1;
+const STAGE: i32 = 0;
+const GO: i32 = 1;
 
 /// The buffers of every rank (its own included) mapped into this process, or None if some
 /// rank could not publish or map them, or issued another call: every rank learns it alike in
-/// the agreement and stages the operation. Without `kernels` (the driver refused them on this
-/// rank) the rank takes part and says it cannot.
-fn agree(comm: &Arc<Comm>, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op)
-         -> Result<Option<(Vec<Region>, Vec<Region>)>> {
+/// the agreement and stages the operation. A rank that never can (no kernels, a peer it can
+/// never map: the driver refused, or a device of its own process) says so, and then every
+/// rank stages every later collective without asking (`Direct::off`).
+fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op) -> Result<Option<(Vec<Region>, Vec<Region>)>> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
     direct.epoch += 1;
     let input = op.send;
+    let (pi, po) = match offer {
+        Offer::Buffers => (publish(input), publish(op.recv)),
+        _ => (None, None),
+    };
     let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
-    let (pi, po) = (publish(input), publish(op.recv));
     let mine = Record {
-        ok: pi.is_some() && po.is_some() && !in_place_alltoall && kernels.is_some(),
+        ok: pi.is_some() && po.is_some() && !in_place_alltoall,
         input: pi.unwrap_or_default(),
         output: po.unwrap_or_default(),
         stamp: op.stamp(),
@@ -304,9 +328,13 @@ fn agree(comm: &Arc<Comm>, kernels: Option<&cuda::Kernels>, direct: &mut Direct,
     let mut ins = Vec::with_capacity(n);
     let mut outs = Vec::with_capacity(n);
     // Every rank must have issued this very call (else: stage, where the mismatch is reported).
-    let mut ok = records.iter().all(|r| r.ok && r.stamp == mine.stamp);
+    let mut verdict = match offer {
+        Offer::Never => NEVER,
+        _ if records.iter().all(|r| r.ok && r.stamp == mine.stamp) => GO,
+        _ => STAGE,
+    };
     for (p, rec) in records.iter().enumerate() {
-        if !ok {
+        if verdict != GO {
             break;
         }
         if p == me {
@@ -319,7 +347,7 @@ fn agree(comm: &Arc<Comm>, kernels: Option<&cuda::Kernels>, direct: &mut Direct,
             // Another device of this process: its memory needs peer access we have not enabled.
             crate::info!(P2P, "rank {me}: rank {p} is on device {} of this process; staging through host memory",
                          ready.peers[p].cuda_dev);
-            ok = false;
+            verdict = NEVER;
             break;
         }
         match (direct.map(ours, theirs, &rec.input), direct.map(ours, theirs, &rec.output)) {
@@ -329,17 +357,27 @@ fn agree(comm: &Arc<Comm>, kernels: Option<&cuda::Kernels>, direct: &mut Direct,
             }
             (Err(e), _) | (_, Err(e)) => {
                 crate::info!(P2P, "rank {me}: cannot map rank {p}'s buffers ({}); staging through host memory", e.msg);
-                ok = false;
+                // The driver refused (no peer access between the devices, no IPC): it will
+                // again. A buffer outside what its owner published is this call's problem.
+                verdict = if e.code == crate::Code::UnhandledCudaError { NEVER } else { STAGE };
             }
         }
     }
-    let mut flag = [(ok as i32).to_le_bytes()];
+    let mut flag = [verdict.to_le_bytes()];
     let f = Region::owned(flag[0].as_mut_slice());
     control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Min, 1, f, f, op, STEP_AGREE)?;
-    if i32::from_le_bytes(flag[0]) == 0 || kernels.is_none() {
-        return Ok(None);
+    match i32::from_le_bytes(flag[0]) {
+        GO if offer == Offer::Buffers => Ok(Some((ins, outs))),
+        NEVER => {
+            if !direct.off {
+                crate::info!(P2P, "rank {me}: some rank can never read its peers' device buffers directly; from {} on, \
+                                   collectives on device memory are staged through host memory", op.describe());
+            }
+            direct.off = true;
+            Ok(None)
+        }
+        _ => Ok(None),
     }
-    Ok(Some((ins, outs)))
 }
 
 fn log_first(comm: &Comm, direct: &mut Direct, op: &Op, on_stream: bool) {
@@ -357,7 +395,8 @@ fn log_first(comm: &Comm, direct: &mut Direct, op: &Op, on_stream: bool) {
 /// a failed batch.
 pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op)
            -> Result<bool> {
-    let Some((ins, outs)) = agree(comm, kernels, direct, op)? else { return Ok(false) };
+    let offer = if kernels.is_some() { Offer::Buffers } else { Offer::Never };
+    let Some((ins, outs)) = agree(comm, offer, direct, op)? else { return Ok(false) };
     let Some(k) = kernels else { return Ok(false) };
     compute(comm, op, &ins, &outs, &mut Immediate { comm, op, stream, k })?;
     log_first(comm, direct, op, false);
@@ -391,9 +430,9 @@ pub fn shape(comm: &Comm, op: &Op) -> Vec<Vec<usize>> {
 /// kernels of `shape` in slot `t` of `board`, see `streamed::board`): this fills in their
 /// descriptors phase by phase and opens the gates. Ok(false): every rank stages it (the
 /// caller does, then closes the slot). The caller closes the slot in every case.
-pub fn run_on_stream(comm: &Arc<Comm>, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op,
-                     board: &Board, t: &Ticket, shape: &[Vec<usize>]) -> Result<bool> {
-    let Some((ins, outs)) = agree(comm, kernels, direct, op)? else { return Ok(false) };
+pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, board: &Board, t: &Ticket, shape: &[Vec<usize>])
+                     -> Result<bool> {
+    let Some((ins, outs)) = agree(comm, Offer::Buffers, direct, op)? else { return Ok(false) };
     let mut fill = Filler { comm, op, board, t, shape, phase: 0, next: 0 };
     compute(comm, op, &ins, &outs, &mut fill)?;
     if fill.phase != shape.len() {

@@ -272,6 +272,8 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
   if (!pdptr || (flags & ~(unsigned)IPC_LAZY_ENABLE_PEER_ACCESS) || h.magic != IPC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
   /* The real driver refuses a handle of the calling process. */
   if (h.pid == getpid()) return CUDA_ERROR_INVALID_CONTEXT;
+  /* For tests: GPUs without peer access to each other (NCCL_RS_STUB_NO_PEER_ACCESS=1). */
+  if (env_int("NCCL_RS_STUB_NO_PEER_ACCESS", 0)) return CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
   char path[64], link[128], want[128];
   snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
   snprintf(want, sizeof want, "/memfd:nccl-rs-stub-%llu (deleted)", (unsigned long long)h.id);
