@@ -4,7 +4,8 @@
  *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
- *   CUDA_TEST_ABORT_HELD=1 cuda (ncclCommAbort while the call's stream is held before it)
+ *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
+ *                                all-reduce of N floats, 1 meaning 1024)
  *   CUDA_TEST_LAUNCH_FAIL=1 cuda (2 processes; process 1 with NCCL_RS_STUB_LAUNCH_FAILS=1)
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
@@ -889,16 +890,19 @@ static int launch_fail(void) {
 
 /* The call's stream is held (waiting on host memory) before the call, so the operation can
  * never start; ncclCommAbort must still return promptly, and the stream, once let go, must
- * get past the aborted operation. */
+ * get past the aborted operation (staged, or direct with its kernels queued on the stream). */
 static int abort_held(void) {
   test_step("abort-held");
-  CUdeviceptr d = dev_alloc(1024 * sizeof(float));
+  long count = atol(getenv("CUDA_TEST_ABORT_HELD"));
+  if (count <= 1) count = 1024;
+  CUdeviceptr d = dev_alloc((size_t)count * sizeof(float));
   uint32_t* flag = host_alloc(64);
   CUdeviceptr dflag = 0;
   *(volatile uint32_t*)flag = 0;
   CU(cu.MemHostGetDevicePointer(&dflag, flag, 0));
   CU(cu.StreamWaitValue32(g_streams[0], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
-  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, 1024, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
+  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, (size_t)count, ncclFloat32, ncclSum, g_comms[0],
+                      g_streams[0]));
   double t = now_s();
   CHECK(ncclCommAbort(g_comms[0]));
   EXPECT(now_s() - t < 5.0, "ncclCommAbort took %.1f s with the stream held", now_s() - t);

@@ -355,8 +355,11 @@ fn cuda_mode_kernel_failure_is_reported_to_peers() {
 }
 
 /// ncclCommAbort returns while the call's stream is held before the call (the operation
-/// never starts), and the stream gets past the aborted operation once let go.
+/// never starts), and the stream gets past the aborted operation once let go: a staged
+/// all-reduce, and a direct one whose kernels wait on the stream behind the held point.
 #[test]
 fn cuda_mode_abort_with_the_stream_held() {
-    cuda_job().env("CUDA_TEST_ABORT_HELD", "1").timeout_s(60).run();
+    for count in ["1", "100000"] {
+        cuda_job().env("CUDA_TEST_ABORT_HELD", count).timeout_s(60).run();
+    }
 }
