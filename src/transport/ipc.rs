@@ -3,16 +3,19 @@
 //! Every rank publishes where its input and output are (a CUDA IPC handle of the allocation
 //! and the offset, or the raw address for ranks of the same process) with a small all-gather
 //! over the host transports; each rank maps the others' buffers (NVLink or PCIe peer access,
-//! or the same GPU) and computes its own part with device copies and the reduction kernels of
-//! `kernels/reduce.ptx` on its stream worker's stream, reading peers and writing only its own
-//! output. Small host-transport all-reduces are the barriers: after the last one every peer
-//! has finished reading this rank's buffers, so the caller's stream may move on.
+//! or the same GPU) and computes its own part with copies and the reduction kernels of
+//! `kernels/reduce.ptx`, reading peers and writing only its own output. Small host-transport
+//! all-reduces are the barriers: after the last one every peer has finished reading this
+//! rank's buffers, so the caller's stream may move on. [`compute`] says what runs, once, for
+//! three executors: the kernels queued on the caller's stream at call time ([`shape`] counts
+//! them; [`run_on_stream`] fills in their descriptors and opens their gates, see
+//! `streamed::board`), or copies and kernels on the worker's own stream ([`run`]).
 //!
 //! All ranks take this path or none: whether an operation is eligible depends only on what
 //! every rank knows alike (the operation, its size, where the ranks run), and when a rank
 //! cannot publish or map a buffer (memory without IPC support, GPUs without peer access, an
 //! in-place all-to-all) all of them learn it in the agreement step and stage the operation
-//! through host memory instead.
+//! through host memory instead — for good, when a rank never can ([`agree`]).
 //!
 //! Mappings of peers' allocations are kept (as UCX's CUDA IPC cache does): opening and closing
 //! them per operation costs time, and unmapping while a caller's stream waits for the worker
