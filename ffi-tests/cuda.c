@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Backlog]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
@@ -768,6 +768,59 @@ static void group_mix(void) {
  * caching allocator's churn looks to the peers: first kept allocated (more allocations than
  * the mappings a worker keeps: the oldest are closed), then freed after each call (new
  * allocations at addresses the peers have mapped before). Every result exact. */
+/* More direct all-reduces queued ahead of their stream than a communicator has slots for the
+ * kernels of calls (512): the stream is held before the first and let go after the last;
+ * those past the slots run on the worker's stream, in issue order with the others. Before
+ * each call the stream uploads a new input into the same buffer, so a call that ran early, or
+ * one that let its stream go on before the peers had read its input, shows in the results. */
+static void backlog(void) {
+  test_step("backlog");
+  enum { CALLS = 600, INPUTS = 5, OUTPUTS = 4 };
+  const size_t count = 16384; /* 64 KiB: the direct path */
+  CUdeviceptr din[MAX_LOCAL], dout[MAX_LOCAL][OUTPUTS];
+  float* hin[MAX_LOCAL][INPUTS];
+  float* hout[MAX_LOCAL];
+  uint32_t* flag = host_alloc(64);
+  CUdeviceptr dflag = 0;
+  *(volatile uint32_t*)flag = 0;
+  CU(cu.MemHostGetDevicePointer(&dflag, flag, 0));
+  for (int l = 0; l < g_env.local; l++) {
+    din[l] = dev_alloc(count * sizeof(float));
+    for (int k = 0; k < OUTPUTS; k++) dout[l][k] = dev_alloc(count * sizeof(float));
+    for (int k = 0; k < INPUTS; k++) {
+      hin[l][k] = host_alloc(count * sizeof(float));
+      for (size_t j = 0; j < count; j++) hin[l][k][j] = in_value(g_env.first_rank + l, j, k);
+    }
+    hout[l] = host_alloc(count * sizeof(float));
+    CU(cu.StreamWaitValue32(g_streams[l], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  }
+  for (int i = 0; i < CALLS; i++) {
+    for (int l = 0; l < g_env.local; l++)
+      CU(cu.MemcpyAsync(din[l], (CUdeviceptr)(uintptr_t)hin[l][i % INPUTS], count * sizeof(float), g_streams[l]));
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      CHECK(ncclAllReduce((const void*)(uintptr_t)din[l], (void*)(uintptr_t)dout[l][i % OUTPUTS], count, ncclFloat32,
+                          ncclSum, g_comms[l], g_streams[l]));
+    CHECK(ncclGroupEnd());
+  }
+  __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+  for (int l = 0; l < g_env.local; l++) {
+    for (int k = 0; k < OUTPUTS; k++) {
+      const int last = CALLS - OUTPUTS + k; /* the last call that wrote output k */
+      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hout[l], dout[l][last % OUTPUTS], count * sizeof(float), g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l]));
+      size_t bad = 0;
+      for (size_t j = 0; j < count; j++) bad += hout[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, last % INPUTS);
+      EXPECT(bad == 0, "backlog: rank %d, call %d: %zu wrong values", g_env.first_rank + l, last, bad);
+    }
+    CU(cu.MemFree(din[l]));
+    for (int k = 0; k < OUTPUTS; k++) CU(cu.MemFree(dout[l][k]));
+    for (int k = 0; k < INPUTS; k++) CU(cu.MemFreeHost(hin[l][k]));
+    CU(cu.MemFreeHost(hout[l]));
+  }
+  CU(cu.MemFreeHost(flag));
+}
+
 static void churn(void) {
   test_step("churn");
   enum { ROUNDS_MAX = 300 };
@@ -1216,6 +1269,7 @@ int main(int argc, char** argv) {
   if (wanted("GroupMix")) group_mix();
   if (wanted("Torch")) torch_like();
   if (wanted("Churn")) churn();
+  if (g_env.only && !strcasecmp(g_env.only, "Backlog")) backlog(); /* only when asked: 600 calls */
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

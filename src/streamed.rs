@@ -140,6 +140,8 @@ pub struct Streamed {
     board: Option<Board>,
     /// The worker's `Direct::off`, for calls: no collective goes direct any more.
     direct_off: std::sync::atomic::AtomicBool,
+    /// Whether the board ever had no free slot (logged the first time).
+    slots_ran_out: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Streamed {
@@ -234,7 +236,8 @@ impl Streamed {
                                     submit_busy: Mutex::new(false), submit_done: Condvar::new(), changed: Condvar::new(),
                                     worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
                                     caller_staged: std::sync::atomic::AtomicBool::new(false), board,
-                                    direct_off: std::sync::atomic::AtomicBool::new(false) });
+                                    direct_off: std::sync::atomic::AtomicBool::new(false),
+                                    slots_ran_out: std::sync::atomic::AtomicBool::new(false) });
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
@@ -611,7 +614,14 @@ impl Prepared {
         let mut steps = Vec::new();
         self.direct = self.shapes.iter_mut().map(|sh| {
             let shape = sh.take()?;
-            let ticket = board.take(shape.len())?;
+            let Some(ticket) = board.take(shape.len()) else {
+                if !s.slots_ran_out.swap(true, Ordering::Relaxed) {
+                    crate::info!(P2P, "rank {}: {} direct operations queued ahead of their streams: no free slot \
+                                       on the board, later ones run on the worker's stream until slots free up",
+                                 self.comm.rank, board::SLOTS);
+                }
+                return None;
+            };
             Some(OnStream { ticket, shape })
         }).collect();
         for (i, d) in self.direct.iter().enumerate() {

@@ -162,6 +162,22 @@ fn cuda_mode_a_rank_without_kernels() {
     }
 }
 
+/// 600 direct all-reduces queued behind a held stream, more than a communicator's 512 slots:
+/// the rest run on the worker's stream, in issue order with the others; exact results (each
+/// call's input is uploaded into the same buffer just before it). As processes and as ranks
+/// of one process.
+#[test]
+fn cuda_mode_backlog_past_the_slots() {
+    for job in [cuda_job().procs(2), cuda_job().local(2)] {
+        let o = job.arg("--only").arg("Backlog").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert!(p.log.contains("no free slot"), "process {i} never ran out of slots:\n{}", p.log);
+            assert!(p.log.contains("on the caller's stream"), "process {i}:\n{}", p.log);
+        }
+    }
+}
+
 /// A rank whose driver cannot map its peer's device memory (GPUs without peer access: the
 /// stand-in's NCCL_RS_STUB_NO_PEER_ACCESS) makes every rank stage, from the first eligible
 /// collective on, without trying again; results exact.
