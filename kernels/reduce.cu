@@ -6,7 +6,7 @@
 // converted on bit patterns exactly as the host code does it; f16 with PTX's own conversions
 // (cvt), which are IEEE's, as the host's `half` crate is.
 //
-// Kernels (72 + 1), all elementwise over n elements, all grid-stride (any grid covers any n):
+// Kernels (72 + 13 + 1), all elementwise over n elements, all grid-stride (any grid covers any n):
 //
 //   nccl_rs_reduce_<type>_<op>(void* dst, const void* a, const void* b, unsigned long long n)
 //       dst[i] = a[i] op b[i]; op is sum, prod, max or min.
@@ -16,9 +16,10 @@
 //   nccl_rs_divide_<type>(void* dst, const void* src, unsigned long long divisor, unsigned long long n)
 //       dst[i] = src[i] / divisor (ncclAvg); a divisor of 0 is taken as 1.
 //
-//   nccl_rs_indirect(const void* desc, const void*, unsigned long long, unsigned long long n)
-//       one of the above (or a byte copy, or nothing), as the 64-byte descriptor at `desc`
-//       says; `n` only sized the grid. See the end of this file.
+//   nccl_rs_indirect_<type>(const void* desc, const void*, unsigned long long, unsigned long long n)
+//       a reduction or division of <type> (or nothing), as the 64-byte descriptor at `desc`
+//       says; `n` only sized the grid. nccl_rs_indirect_copy: a byte copy (or nothing). See
+//       the end of this file.
 //
 //   <type>: int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 f8e4m3 f8e5m2,
 //           exactly DataType::name() (src/types.rs), and <op> is BuiltinOp::name(), so the
@@ -391,8 +392,12 @@ DEV void run_desc(const Desc& d) {
   }
 }
 
-extern "C" __global__ void nccl_rs_indirect(void* desc, const void*, u64, u64) {
-  __shared__ Desc d;
+// One kernel per datatype (its reductions and division) and one for copies: one kernel
+// covering them all would need the registers of the most demanding type, and fewer threads
+// would fit on a multiprocessor for every one. The caller knows which one a descriptor needs
+// (the datatype, and whether it is a copy) when it queues the kernel; the worker only fills
+// in addresses and sizes, or turns the kernel into a no-op.
+DEV void load_desc(Desc& d, const void* desc) {
   if (threadIdx.x == 0) {
     // Written by the host after this launch was queued: read through, never from a cache.
     const volatile u64* w = static_cast<const volatile u64*>(desc);
@@ -404,25 +409,31 @@ extern "C" __global__ void nccl_rs_indirect(void* desc, const void*, u64, u64) {
     d.arg = w[5];
   }
   __syncthreads();
-  const u32 code = (u32)d.head;
-  if (code == D_SKIP) return;
-  if (code == D_COPY) {
-    map2<u8>((void*)d.dst, (const void*)d.a, (const void*)d.a, d.n, [](u8 x, u8) { return x; });
-    return;
-  }
-  switch ((u32)(d.head >> 32)) {
-    case 0: run_desc<Int8>(d); break;
-    case 1: run_desc<Uint8>(d); break;
-    case 2: run_desc<Int32>(d); break;
-    case 3: run_desc<Uint32>(d); break;
-    case 4: run_desc<Int64>(d); break;
-    case 5: run_desc<Uint64>(d); break;
-    case 6: run_desc<Float16>(d); break;
-    case 7: run_desc<Float32>(d); break;
-    case 8: run_desc<Float64>(d); break;
-    case 9: run_desc<Bfloat16>(d); break;
-    case 10: run_desc<Float8e4m3>(d); break;
-    case 11: run_desc<Float8e5m2>(d); break;
-    default: break;
-  }
 }
+
+extern "C" __global__ void nccl_rs_indirect_copy(void* desc, const void*, u64, u64) {
+  __shared__ Desc d;
+  load_desc(d, desc);
+  if ((u32)d.head == D_COPY)
+    map2<u8>((void*)d.dst, (const void*)d.a, (const void*)d.a, d.n, [](u8 x, u8) { return x; });
+}
+
+#define INDIRECT_KERNEL(name, T)                                                              \
+  extern "C" __global__ void nccl_rs_indirect_##name(void* desc, const void*, u64, u64) {     \
+    __shared__ Desc d;                                                                        \
+    load_desc(d, desc);                                                                       \
+    run_desc<T>(d);                                                                           \
+  }
+
+INDIRECT_KERNEL(int8, Int8)
+INDIRECT_KERNEL(uint8, Uint8)
+INDIRECT_KERNEL(int32, Int32)
+INDIRECT_KERNEL(uint32, Uint32)
+INDIRECT_KERNEL(int64, Int64)
+INDIRECT_KERNEL(uint64, Uint64)
+INDIRECT_KERNEL(half, Float16)
+INDIRECT_KERNEL(float, Float32)
+INDIRECT_KERNEL(double, Float64)
+INDIRECT_KERNEL(bfloat16, Bfloat16)
+INDIRECT_KERNEL(f8e4m3, Float8e4m3)
+INDIRECT_KERNEL(f8e5m2, Float8e5m2)

@@ -49,7 +49,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::comm::Comm;
-use crate::device::cuda::{Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
+use crate::device::cuda::{Context, Event, Indirect, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::Op;
@@ -189,7 +189,7 @@ struct Batch {
 #[derive(Clone, Debug)]
 struct OnStream {
     ticket: Ticket,
-    shape: Vec<Vec<usize>>,
+    shape: ipc::Shape,
 }
 
 impl Streamed {
@@ -445,7 +445,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let caller_of: Vec<usize> = ops.iter().map(on).collect();
     // Direct operations whose kernels this call queues on their streams (slots are taken at
     // commit): collectives that go direct, with kernels the board can hold.
-    let shapes: Vec<Option<Vec<Vec<usize>>>> = ops.iter().zip(&prestaged).zip(&goes_direct)
+    let shapes: Vec<Option<ipc::Shape>> = ops.iter().zip(&prestaged).zip(&goes_direct)
         .map(|((o, &(pre, _)), &goes_direct)| {
             let direct = s.board.is_some() && !pre && goes_direct && !o.op.kind.is_p2p();
             direct.then(|| ipc::shape(comm, &o.op)).filter(|sh| {
@@ -483,18 +483,18 @@ pub struct Prepared {
     /// Per operation: the index of its caller's stream, and the kernels per phase of a direct
     /// one its stream will run (`ipc::shape`).
     caller_of: Vec<usize>,
-    shapes: Vec<Option<Vec<Vec<usize>>>>,
+    shapes: Vec<Option<ipc::Shape>>,
     /// Per operation, once the slots are taken (`commit_all`): its slot, if it got one.
     direct: Vec<Option<OnStream>>,
 }
 
 /// One step a caller's stream runs of a direct operation (`board`): wait for the gate, run
-/// the kernels (descriptor address, grid size), raise the flag.
+/// the kernels (descriptor address, grid size, which kernel), raise the flag.
 struct Step {
     caller: usize,
     ticket: Ticket,
     gate: u32,
-    kernels: Vec<(usize, usize)>,
+    kernels: Vec<(usize, usize, Indirect)>,
     flag: Option<u32>,
 }
 
@@ -629,7 +629,9 @@ impl Prepared {
             let mut first = 0;
             for (k, phase) in d.shape.iter().enumerate() {
                 let value = d.ticket.step_value(k + 1);
-                let kernels = phase.iter().enumerate().map(|(j, &n)| (board.desc_addr(&d.ticket, first + j), n)).collect();
+                let kernels = phase.iter().enumerate()
+                    .map(|(j, &(n, kind))| (board.desc_addr(&d.ticket, first + j), n, kind))
+                    .collect();
                 first += phase.len();
                 steps.push(Step { caller: self.caller_of[i], ticket: d.ticket, gate: value, kernels, flag: Some(value) });
             }
@@ -657,8 +659,8 @@ impl Prepared {
         if gated? == MemOp::Unsupported {
             return Err(refused());
         }
-        for &(desc, n) in &step.kernels {
-            kernels.indirect(st, desc, n)?;
+        for &(desc, n, kind) in &step.kernels {
+            kernels.indirect(st, desc, n, kind)?;
         }
         if let Some(v) = step.flag {
             if st.write_value32(board.mem(), board.flag_word(&step.ticket), v)? == MemOp::Unsupported {

@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use nccl::device::cuda::{self, Context, Desc, Event, IpcHandle, IpcMapping, MappedHost, MemOp, PtrKind, Stream, WaitCond};
+use nccl::device::cuda::{self, Context, Desc, Event, Indirect, IpcHandle, IpcMapping, MappedHost, MemOp, PtrKind, Stream, WaitCond};
 use nccl::device::host::{self, ElemOp, Region, UserPtr};
 use nccl::device::mode::{self, Mode};
 use nccl::types::{DataType, Scalar};
@@ -638,12 +638,13 @@ struct Case {
     indirect: bool,
 }
 
-/// Writes `desc` into `mem` (word 0 on) and queues nccl_rs_indirect on it.
+/// Writes `desc` into `mem` (word 0 on) and queues the indirect kernel for it (the copy
+/// kernel for a no-op).
 fn launch_indirect(k: &cuda::Kernels, s: &Stream, mem: &MappedHost, desc: Desc, n: usize) {
     for (i, w) in desc.words().iter().enumerate() {
         mem.word(i).store(*w, Ordering::Relaxed);
     }
-    k.indirect(s, mem.device_addr(), n).unwrap();
+    k.indirect(s, mem.device_addr(), n, desc.kernel().unwrap_or(Indirect::Copy)).unwrap();
 }
 
 /// Runs `case` on the device and on the host, on the same inputs, and compares.
@@ -756,7 +757,7 @@ fn check_indirect_copies(k: &cuda::Kernels, s: &Stream) {
     upload(s, b.region(), vec![0; 4096]);
     launch_indirect(k, s, &descs, Desc::Skip, 4096);
     k.wait_geq(s, &gate, 0, 1).unwrap();
-    k.indirect(s, descs.device_addr(), 4096).unwrap();
+    k.indirect(s, descs.device_addr(), 4096, Indirect::Copy).unwrap();
     assert!(stays_busy(s, Duration::from_millis(20)), "the gate did not hold the stream");
     for (i, w) in (Desc::Copy { dst: b.region().addr(), src: a.region().addr(), bytes: 4096 }).words().iter().enumerate() {
         descs.word(i).store(*w, Ordering::Relaxed);

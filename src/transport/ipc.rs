@@ -36,7 +36,7 @@ use std::sync::Arc;
 
 use crate::bootstrap::PeerInfo;
 use crate::comm::Comm;
-use crate::device::cuda::{self, Desc, IpcHandle, IpcMapping, Stream};
+use crate::device::cuda::{self, Desc, Indirect, IpcHandle, IpcMapping, Stream};
 use crate::device::host::{ElemOp, Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
@@ -407,9 +407,10 @@ pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, d
 }
 
 /// The kernels `op` needs on the direct path, per phase: each kernel's element count (bytes
-/// for a copy), which sizes its grid. Known at call time on every rank alike (peers' buffers
-/// have this rank's sizes; the worker checks that it fills in exactly these).
-pub fn shape(comm: &Comm, op: &Op) -> Vec<Vec<usize>> {
+/// for a copy), which sizes its grid, and which kernel it is. Known at call time on every rank
+/// alike (peers' buffers have this rank's sizes; the worker checks that it fills in exactly
+/// these).
+pub fn shape(comm: &Comm, op: &Op) -> Shape {
     let n = comm.nranks;
     let mut plan = Planner { phases: vec![Vec::new()] };
     // Stand-ins for every rank's buffers, with the sizes the root's (or any rank's) have.
@@ -433,7 +434,7 @@ pub fn shape(comm: &Comm, op: &Op) -> Vec<Vec<usize>> {
 /// kernels of `shape` in slot `t` of `board`, see `streamed::board`): this fills in their
 /// descriptors phase by phase and opens the gates. Ok(false): every rank stages it (the
 /// caller does, then closes the slot). The caller closes the slot in every case.
-pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, board: &Board, t: &Ticket, shape: &[Vec<usize>])
+pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, board: &Board, t: &Ticket, shape: &[Phase])
                      -> Result<bool> {
     let Some((ins, outs)) = agree(comm, Offer::Buffers, direct, op)? else { return Ok(false) };
     let mut fill = Filler { comm, op, board, t, shape, phase: 0, next: 0 };
@@ -481,16 +482,21 @@ impl Exec for Immediate<'_> {
     }
 }
 
+/// One phase of a direct operation queued at call time: per kernel, its grid size (elements,
+/// or bytes of a copy) and which kernel it is.
+pub type Phase = Vec<(usize, Indirect)>;
+pub type Shape = Vec<Phase>;
+
 /// Counts the kernels per phase (call time).
 struct Planner {
-    phases: Vec<Vec<usize>>,
+    phases: Shape,
 }
 
 impl Planner {
-    fn push(&mut self, n: usize) -> Result<()> {
+    fn push(&mut self, n: usize, kind: Indirect) -> Result<()> {
         match self.phases.last_mut() {
-            Some(p) => p.push(n),
-            None => self.phases.push(vec![n]),
+            Some(p) => p.push((n, kind)),
+            None => self.phases.push(vec![(n, kind)]),
         }
         Ok(())
     }
@@ -498,13 +504,13 @@ impl Planner {
 
 impl Exec for Planner {
     fn copy(&mut self, dst: Region, src: Region) -> Result<()> {
-        self.push(dst.len().min(src.len()))
+        self.push(dst.len().min(src.len()), Indirect::Copy)
     }
     fn reduce(&mut self, dt: DataType, _: ElemOp, dst: Region, a: Region, b: Region) -> Result<()> {
-        self.push(dst.len().min(a.len()).min(b.len()) / dt.size())
+        self.push(dst.len().min(a.len()).min(b.len()) / dt.size(), Indirect::Of(dt))
     }
     fn divide(&mut self, dt: DataType, dst: Region, src: Region, _: u64) -> Result<()> {
-        self.push(dst.len().min(src.len()) / dt.size())
+        self.push(dst.len().min(src.len()) / dt.size(), Indirect::Of(dt))
     }
     fn phase_end(&mut self, _: u8) -> Result<()> {
         self.phases.push(Vec::new());
@@ -519,17 +525,18 @@ struct Filler<'a> {
     op: &'a Op,
     board: &'a Board,
     t: &'a Ticket,
-    shape: &'a [Vec<usize>],
+    shape: &'a [Phase],
     /// Phases opened so far, and the next descriptor of the current one.
     phase: usize,
     next: usize,
 }
 
 impl Filler<'_> {
-    fn put(&mut self, desc: Desc, n: usize) -> Result<()> {
+    /// The next descriptor, for `n` elements (bytes of a copy) by the `kind` kernel.
+    fn put(&mut self, desc: Desc, n: usize, kind: Indirect) -> Result<()> {
         let first: usize = self.shape.iter().take(self.phase).map(Vec::len).sum();
         match self.shape.get(self.phase).and_then(|p| p.get(self.next)) {
-            Some(&queued) if queued == n => {
+            Some(&queued) if queued == (n, kind) => {
                 self.board.write(self.t, first + self.next, desc);
                 self.next += 1;
                 Ok(())
@@ -545,15 +552,15 @@ impl Exec for Filler<'_> {
     fn copy(&mut self, dst: Region, src: Region) -> Result<()> {
         let bytes = dst.len().min(src.len());
         let desc = if dst.addr() == src.addr() { Desc::Skip } else { Desc::Copy { dst: dst.addr(), src: src.addr(), bytes } };
-        self.put(desc, bytes)
+        self.put(desc, bytes, Indirect::Copy)
     }
     fn reduce(&mut self, dt: DataType, op: ElemOp, dst: Region, a: Region, b: Region) -> Result<()> {
         let n = dst.len().min(a.len()).min(b.len()) / dt.size();
-        self.put(Desc::Reduce { dt, op, dst: dst.addr(), a: a.addr(), b: b.addr(), n }, n)
+        self.put(Desc::Reduce { dt, op, dst: dst.addr(), a: a.addr(), b: b.addr(), n }, n, Indirect::Of(dt))
     }
     fn divide(&mut self, dt: DataType, dst: Region, src: Region, divisor: u64) -> Result<()> {
         let n = dst.len().min(src.len()) / dt.size();
-        self.put(Desc::Divide { dt, dst: dst.addr(), src: src.addr(), divisor, n }, n)
+        self.put(Desc::Divide { dt, dst: dst.addr(), src: src.addr(), divisor, n }, n, Indirect::Of(dt))
     }
     fn phase_end(&mut self, step: u8) -> Result<()> {
         let filled = self.next;

@@ -33,7 +33,7 @@ struct kernel {
   int kind, type, op;
 };
 
-#define NKERNELS (NTYPES * 6 + 2) /* and the stream gate, nccl_rs_wait_geq, and nccl_rs_indirect */
+#define NKERNELS (NTYPES * 7 + 2) /* and the stream gate, nccl_rs_wait_geq, and nccl_rs_indirect_copy */
 static struct kernel g_kernels[NKERNELS];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -50,9 +50,12 @@ static void build_table(void) {
     *k = (struct kernel){"", K_DIVIDE, t, 0};
     snprintf(k->name, sizeof k->name, "nccl_rs_divide_%s", TYPE_NAMES[t]);
     k++;
+    *k = (struct kernel){"", K_INDIRECT, t, 0};
+    snprintf(k->name, sizeof k->name, "nccl_rs_indirect_%s", TYPE_NAMES[t]);
+    k++;
   }
   *k++ = (struct kernel){"nccl_rs_wait_geq", K_WAIT, UINT32, 0};
-  *k = (struct kernel){"nccl_rs_indirect", K_INDIRECT, UINT8, 0};
+  *k = (struct kernel){"nccl_rs_indirect_copy", K_INDIRECT, -1, 0};
 }
 
 const struct kernel *kernel_find(const char *name) {
@@ -78,6 +81,7 @@ int kernel_pointers(const struct kernel *k) {
 size_t kernel_reach(const struct kernel *k, uint64_t n) {
   return k->kind == K_INDIRECT ? 64 : (size_t)n * TYPE_SIZES[k->type];
 }
+
 
 /* ---- float formats -------------------------------------------------------------------------- */
 
@@ -231,17 +235,20 @@ static uint32_t narrow(int t, float v) {
     STORE(S, dst, i, (S)narrow(t, r));                                                         \
   }
 
-/* nccl_rs_indirect (kernels/reduce.cu): what its descriptor says, read when the kernel runs
- * (the host fills it in after the launch was queued). A pointer the device cannot reach is
- * a fault: the real GPU would lose the context; the stand-in stops the process. */
-static void run_indirect(const uint64_t *desc) {
+/* nccl_rs_indirect_<type> and _copy (kernels/reduce.cu): what the descriptor says, read when
+ * the kernel runs (the host fills it in after the launch was queued). Type -1 is the copy
+ * kernel. A descriptor of another kernel, or a pointer the device cannot reach, is a fault:
+ * the real GPU would do something wrong or lose the context; the stand-in stops the process. */
+static void run_indirect(int kernel_type, const uint64_t *desc) {
   uint64_t w[6];
   for (int i = 0; i < 6; i++) w[i] = __atomic_load_n(&desc[i], __ATOMIC_ACQUIRE);
   const uint32_t code = (uint32_t)w[0], type = (uint32_t)(w[0] >> 32);
   const uint64_t n = w[4];
   if (code == 0 || n == 0) return;
-  if (code > 6 || (code > 1 && type >= NTYPES)) {
-    fprintf(stderr, "cuda-stub: nccl_rs_indirect: bad descriptor (code %u, type %u)\n", code, type);
+  if (code > 6 || (code > 1 && type >= NTYPES) || (code == 1) != (kernel_type < 0) ||
+      (code > 1 && (int)type != kernel_type)) {
+    fprintf(stderr, "cuda-stub: nccl_rs_indirect: descriptor (code %u, type %u) for the kernel of type %d\n", code,
+            type, kernel_type);
     abort();
   }
   const size_t bytes = code == 1 ? (size_t)n : (size_t)n * TYPE_SIZES[type];
@@ -263,7 +270,7 @@ static void run_indirect(const uint64_t *desc) {
 
 void kernel_run(const struct kernel *k, const uint64_t params[4]) {
   if (k->kind == K_INDIRECT) {
-    run_indirect((const uint64_t *)(uintptr_t)params[0]);
+    run_indirect(k->type, (const uint64_t *)(uintptr_t)params[0]);
     return;
   }
   if (k->kind == K_WAIT) {

@@ -39,7 +39,8 @@ pub struct Kernels {
     premul: [CUfunction; 12],
     divide: [CUfunction; 12],
     wait_geq: CUfunction,
-    indirect: CUfunction,
+    indirect: [CUfunction; 12],
+    indirect_copy: CUfunction,
 }
 
 // SAFETY: CUfunction handles are usable from any thread; the module is never unloaded (it
@@ -71,7 +72,8 @@ impl Kernels {
                 premul: [std::ptr::null_mut(); 12],
                 divide: [std::ptr::null_mut(); 12],
                 wait_geq: get("nccl_rs_wait_geq".to_string())?,
-                indirect: get("nccl_rs_indirect".to_string())?,
+                indirect: [std::ptr::null_mut(); 12],
+                indirect_copy: get("nccl_rs_indirect_copy".to_string())?,
             };
             for dt in DataType::ALL {
                 let t = dt.name();
@@ -80,6 +82,7 @@ impl Kernels {
                 }
                 k.premul[dt as usize] = get(format!("nccl_rs_premul_{t}"))?;
                 k.divide[dt as usize] = get(format!("nccl_rs_divide_{t}"))?;
+                k.indirect[dt as usize] = get(format!("nccl_rs_indirect_{t}"))?;
             }
             Ok(k)
         })
@@ -118,15 +121,27 @@ impl Kernels {
 }
 
 impl Kernels {
-    /// Queues the kernel that does what the 64-byte descriptor at device address `desc` says
-    /// when it runs (kernels/reduce.cu, [`Desc`]); `n` (elements, or bytes of a copy) sizes its
-    /// grid. The descriptor must stay valid until the stream has passed the kernel.
-    pub fn indirect(&self, stream: &Stream, desc: usize, n: usize) -> Result<()> {
-        launch(self.indirect, [desc as u64, 0, 0], n, stream)
+    /// Queues the `kind` kernel that does what the 64-byte descriptor at device address `desc`
+    /// says when it runs (kernels/reduce.cu, [`Desc`]); `n` (elements, or bytes of a copy)
+    /// sizes its grid. The descriptor must stay valid until the stream has passed the kernel.
+    pub fn indirect(&self, stream: &Stream, desc: usize, n: usize, kind: Indirect) -> Result<()> {
+        let f = match kind {
+            Indirect::Copy => self.indirect_copy,
+            Indirect::Of(dt) => self.indirect[dt as usize],
+        };
+        launch(f, [desc as u64, 0, 0], n, stream)
     }
 }
 
-/// What `nccl_rs_indirect` does (kernels/reduce.cu): nothing, a byte copy, an element-wise
+/// Which indirect kernel runs a descriptor: the copy kernel, or a datatype's (its reductions
+/// and division). Either does nothing with [`Desc::Skip`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Indirect {
+    Copy,
+    Of(DataType),
+}
+
+/// What an `nccl_rs_indirect_*` kernel does (kernels/reduce.cu): nothing, a byte copy, an element-wise
 /// reduction or an Avg division.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Desc {
@@ -137,6 +152,15 @@ pub enum Desc {
 }
 
 impl Desc {
+    /// The kernel that runs it (None: any does, as nothing).
+    pub fn kernel(&self) -> Option<Indirect> {
+        match *self {
+            Desc::Skip => None,
+            Desc::Copy { .. } => Some(Indirect::Copy),
+            Desc::Reduce { dt, .. } | Desc::Divide { dt, .. } => Some(Indirect::Of(dt)),
+        }
+    }
+
     /// The descriptor as the kernel reads it: eight little-endian 64-bit words, as sixteen
     /// 32-bit ones (low half first).
     pub fn words(&self) -> [u32; 16] {

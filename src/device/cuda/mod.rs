@@ -30,7 +30,7 @@ use crate::error::{Code, Error, Result};
 pub use context::{current_device, device_count, Context, KeepCurrent};
 pub use cudarc::driver::sys::CUstream;
 pub use ipc::{IpcHandle, IpcMapping};
-pub use kernels::{Desc, Kernels};
+pub use kernels::{Desc, Indirect, Kernels};
 pub use memory::{alloc, allocation_of, classify, free, MappedHost, PtrKind};
 pub use stream::{Event, MemOp, Stream, UserStream, WaitCond};
 
