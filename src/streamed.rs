@@ -179,9 +179,11 @@ struct Batch {
     prestaged: Vec<(bool, Option<Region>)>,
     /// Per operation: direct, its kernels queued on the caller's stream (see `board`).
     direct: Vec<Option<OnStream>>,
-    /// Per operation: a direct one this rank declines (`ipc::declines`, decided on the user's
+    /// Per operation: a direct one this rank declines (`ipc::offer`, decided on the user's
     /// buffers at call time): it takes part in the agreement, then every rank stages it.
     declined: Vec<bool>,
+    /// Per operation: what a direct one offers, published at call time (`ipc::offer`).
+    offers: Vec<Option<ipc::Offered>>,
 }
 
 /// A direct operation whose kernels the caller's stream queued: its slot of the board and
@@ -402,8 +404,11 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // (every rank then stages them), nor any collective once the ranks agreed they never do.
     let off = s.direct_off.load(Ordering::Relaxed);
     let eligible: Vec<bool> = ops.iter().map(|o| s.routes.eligible(&o.op) && (o.op.kind.is_p2p() || !off)).collect();
-    let declined: Vec<bool> = ops.iter().zip(&eligible)
-        .map(|(o, &e)| e && !o.op.kind.is_p2p() && ipc::declines(&o.op, s.kernels.is_some()))
+    let offers: Vec<Option<ipc::Offered>> = ops.iter().zip(&eligible)
+        .map(|(o, &e)| if e && !o.op.kind.is_p2p() { ipc::offer(&o.op, s.kernels.is_some()) } else { None })
+        .collect();
+    let declined: Vec<bool> = ops.iter().zip(&eligible).zip(&offers)
+        .map(|((o, &e), offered)| e && !o.op.kind.is_p2p() && offered.is_none())
         .collect();
     let goes_direct: Vec<bool> = eligible.iter().zip(&declined).map(|(&e, &d)| e && !d).collect();
     let carve = match pool.as_mut() {
@@ -454,7 +459,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         })
         .collect();
     let ops = ops.into_iter().map(|o| o.op).collect();
-    let mut prepared = Prepared { comm: comm.clone(), lock, callers, ops, prestaged, declined, outs, carve_id,
+    let mut prepared = Prepared { comm: comm.clone(), lock, callers, ops, prestaged, declined, offers, outs, carve_id,
                                   starts: Vec::new(), seq, committed: false, caller_of, shapes, direct: Vec::new() };
     for st in &prepared.callers {
         let e = s.event()?;
@@ -474,6 +479,7 @@ pub struct Prepared {
     ops: Vec<Op>,
     prestaged: Vec<(bool, Option<Region>)>,
     declined: Vec<bool>,
+    offers: Vec<Option<ipc::Offered>>,
     /// Per caller-staged operation: its caller's index, the user's output, the pool's copy.
     outs: Vec<(usize, Region, Region)>,
     carve_id: Option<u64>,
@@ -695,7 +701,7 @@ impl Prepared {
                     let mut state = s.state();
                     state.issued = seq;
                     state.queue.push_back(Batch { seq, starts: Vec::new(), ops: Vec::new(), prestaged: Vec::new(),
-                                                  direct: Vec::new(), declined: Vec::new() });
+                                                  direct: Vec::new(), declined: Vec::new(), offers: Vec::new() });
                     drop(state);
                     s.changed.notify_all();
                     return Err(e);
@@ -707,7 +713,7 @@ impl Prepared {
         direct.resize(self.ops.len(), None);
         let batch = Batch { seq, starts: std::mem::take(&mut self.starts), ops: std::mem::take(&mut self.ops),
                             prestaged: std::mem::take(&mut self.prestaged), direct,
-                            declined: std::mem::take(&mut self.declined) };
+                            declined: std::mem::take(&mut self.declined), offers: std::mem::take(&mut self.offers) };
         // Queued before the results are copied out: a copy the driver runs synchronously must
         // find its gate already on the way to opening.
         let mut state = s.state();
@@ -927,8 +933,9 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     // same operation on every rank), they are staged without asking.
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| !o.kind.is_p2p()) {
         let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
-        if let (Some(Some(d)), Some(board)) = (batch.direct.get(i), &s.board) {
-            if !direct.off && ipc::run_on_stream(comm, direct, op, board, &d.ticket, &d.shape)? {
+        let offered = batch.offers.get(i).copied().flatten();
+        if let (Some(Some(d)), Some(board), Some(offered)) = (batch.direct.get(i), &s.board, offered) {
+            if !direct.off && ipc::run_on_stream(comm, direct, op, offered, board, &d.ticket, &d.shape)? {
                 continue;
             }
             // Every rank stages it; the caller's stream waits at the first gate meanwhile, and
@@ -942,8 +949,10 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
             if batch.declined.get(i).copied().unwrap_or(false) {
                 // Its regions may be the pool's now: the agreement must not publish those either.
                 ipc::decline(comm, direct, op, s.kernels.is_none())?;
-            } else if !pre && s.routes.eligible(op) && ipc::run(comm, stream, s.kernels, direct, op)? {
-                continue;
+            } else if let Some(offered) = offered.filter(|_| !pre) {
+                if ipc::run(comm, stream, s.kernels, direct, op, offered)? {
+                    continue;
+                }
             }
         }
         s.direct_off.store(direct.off, Ordering::Relaxed);

@@ -268,18 +268,29 @@ fn barrier(comm: &Arc<Comm>, user: &Op, step: u8) -> Result<()> {
     control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Sum, 1, r, r, user, step)
 }
 
-/// Will this rank say it cannot take `op` direct, whatever the others say? Known at call time:
-/// an in-place all-to-all, a buffer without CUDA IPC (pinned or pageable host memory, memory
-/// from the virtual memory API), or no kernels. Every rank then stages `op`, and this one's
-/// caller's stream can stage it at call time (it still takes part in the agreement,
-/// [`decline`]).
-pub fn declines(op: &Op, kernels: bool) -> bool {
-    let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
-    !kernels || in_place_alltoall || publish(op.send).is_none() || publish(op.recv).is_none()
+/// This rank's buffers of a direct operation, published at call time (the worker then makes
+/// no driver call for them while a caller's stream may be waiting).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Offered {
+    input: Published,
+    output: Published,
 }
 
-/// This rank's part of the agreement for an operation it [`declines`]: every rank stages it
-/// (and, with `never` — this rank has no kernels — every later one too).
+/// What this rank offers for `op` on the direct path, known at call time; None when it
+/// declines whatever the others say: an in-place all-to-all, a buffer without CUDA IPC
+/// (pinned or pageable host memory, memory from the virtual memory API), or no kernels.
+/// Every rank then stages `op`, and this one's caller's stream can stage it at call time (it
+/// still takes part in the agreement, [`decline`]).
+pub fn offer(op: &Op, kernels: bool) -> Option<Offered> {
+    let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
+    if !kernels || in_place_alltoall {
+        return None;
+    }
+    Some(Offered { input: publish(op.send)?, output: publish(op.recv)? })
+}
+
+/// This rank's part of the agreement for an operation it declines ([`offer`]): every rank
+/// stages it (and, with `never` — this rank has no kernels — every later one too).
 pub fn decline(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, never: bool) -> Result<()> {
     agree(comm, if never { Offer::Never } else { Offer::Declines }, direct, op).map(|_| ())
 }
@@ -287,8 +298,8 @@ pub fn decline(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, never: bool) -> R
 /// What a rank brings to the agreement on one operation.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Offer {
-    /// Its buffers, published.
-    Buffers,
+    /// Its buffers, published at call time.
+    Buffers(Offered),
     /// Nothing, this time (its buffers have no CUDA IPC, an in-place all-to-all).
     Declines,
     /// Nothing, ever (no kernels on this rank).
@@ -311,16 +322,9 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op) -> Result
     let (n, me) = (comm.nranks, comm.rank);
     direct.epoch += 1;
     let input = op.send;
-    let (pi, po) = match offer {
-        Offer::Buffers => (publish(input), publish(op.recv)),
-        _ => (None, None),
-    };
-    let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
-    let mine = Record {
-        ok: pi.is_some() && po.is_some() && !in_place_alltoall,
-        input: pi.unwrap_or_default(),
-        output: po.unwrap_or_default(),
-        stamp: op.stamp(),
+    let mine = match offer {
+        Offer::Buffers(o) => Record { ok: true, input: o.input, output: o.output, stamp: op.stamp() },
+        _ => Record { ok: false, stamp: op.stamp(), ..Record::default() },
     };
     let mut all = vec![0u8; RECORD_BYTES * n];
     let mut enc = mine.encode();
@@ -370,7 +374,7 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op) -> Result
     let f = Region::owned(flag[0].as_mut_slice());
     control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Min, 1, f, f, op, STEP_AGREE)?;
     match i32::from_le_bytes(flag[0]) {
-        GO if offer == Offer::Buffers => Ok(Some((ins, outs))),
+        GO if matches!(offer, Offer::Buffers(_)) => Ok(Some((ins, outs))),
         NEVER => {
             if !direct.off {
                 crate::info!(P2P, "rank {me}: some rank can never read its peers' device buffers directly; from {} on, \
@@ -396,9 +400,9 @@ fn log_first(comm: &Comm, direct: &mut Direct, op: &Op, on_stream: bool) {
 /// not, and every rank falls back alike. On an error, copies already queued may still read
 /// peers' memory or write the caller's: the worker synchronises its stream before it reports
 /// a failed batch.
-pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op)
-           -> Result<bool> {
-    let offer = if kernels.is_some() { Offer::Buffers } else { Offer::Never };
+pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op,
+           offered: Offered) -> Result<bool> {
+    let offer = if kernels.is_some() { Offer::Buffers(offered) } else { Offer::Never };
     let Some((ins, outs)) = agree(comm, offer, direct, op)? else { return Ok(false) };
     let Some(k) = kernels else { return Ok(false) };
     compute(comm, op, &ins, &outs, &mut Immediate { comm, op, stream, k })?;
@@ -434,9 +438,9 @@ pub fn shape(comm: &Comm, op: &Op) -> Shape {
 /// kernels of `shape` in slot `t` of `board`, see `streamed::board`): this fills in their
 /// descriptors phase by phase and opens the gates. Ok(false): every rank stages it (the
 /// caller does, then closes the slot). The caller closes the slot in every case.
-pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, board: &Board, t: &Ticket, shape: &[Phase])
-                     -> Result<bool> {
-    let Some((ins, outs)) = agree(comm, Offer::Buffers, direct, op)? else { return Ok(false) };
+pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, offered: Offered, board: &Board, t: &Ticket,
+                     shape: &[Phase]) -> Result<bool> {
+    let Some((ins, outs)) = agree(comm, Offer::Buffers(offered), direct, op)? else { return Ok(false) };
     let mut fill = Filler { comm, op, board, t, shape, phase: 0, next: 0 };
     compute(comm, op, &ins, &outs, &mut fill)?;
     if fill.phase != shape.len() {
