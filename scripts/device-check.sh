@@ -26,7 +26,8 @@
 #   6. the direct path's bandwidth with its device work on the worker's stream (the design
 #      before) beside the default (on the callers' streams, step 4), and whether one hardware
 #      queue (CUDA_DEVICE_MAX_CONNECTIONS=1) deadlocks without host-wait: direct on the callers'
-#      streams, everything staged by the callers' streams, direct on the worker's stream.
+#      streams, everything staged by the callers' streams, direct on the worker's stream;
+#   7. PyTorch: direct all-reduces while another thread calls torch.cuda.empty_cache().
 # A step that passes its cap leaves hang-<step>.txt: every thread's stack of its processes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -196,6 +197,16 @@ step one-queue-direct 40 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 \
 step one-queue-staged 40 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_P2P_DISABLE=1 \
   NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
   --exact cuda_mode_2_processes cuda_mode_2_ranks_in_one_process
+# 7. Direct all-reduces while another thread of the process calls torch.cuda.empty_cache()
+#    (cudaFree waits for the device; a stream worker that needed the driver then would hang).
+if python3 -c 'import torch' 2>/dev/null; then
+  step torch-empty-cache 45 bash -c "
+    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29536 WORLD_SIZE=2 NCCL_DEBUG=WARN
+    RANK=0 LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py stress & a=\$!
+    RANK=1 LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py stress & b=\$!
+    wait \$a && wait \$b"
+  grep -E 'stress' "$OUT/torch-empty-cache.log" | sed 's/^/# torch: /' >> "$R"
+fi
 step one-queue-worker-direct 25 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_RS_DIRECT_ON_STREAM=0 \
   NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
   --exact cuda_mode_2_processes

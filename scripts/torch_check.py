@@ -5,6 +5,8 @@
     python3 torch_check.py compare                 # DDP losses of both must be equal
     RANK=r ... python3 torch_check.py selftest    # the checks themselves, on gloo and the CPU
                                                    # (what gloo supports), before a GPU run
+    RANK=r ... LD_PRELOAD=... python3 torch_check.py stress   # direct all-reduces while another
+                                                   # thread calls torch.cuda.empty_cache()
 
 Collectives are checked exactly (inputs are small integers, exact in fp32 and bf16 sums).
 """
@@ -40,8 +42,9 @@ def check(name, got, want):
 
 def collectives(rank, world, dev):
     ok = True
-    for dt in (torch.float32, torch.bfloat16):
-        n = 4096 + 3
+    # 16 KiB goes through host staging; 1 MiB takes nccl-rs's direct path (64 KiB and more).
+    for dt, n in [(dt, n) for n in (4096 + 3, (1 << 18) + 3) for dt in (torch.float32, torch.bfloat16)]:
+        print(f"rank {rank}: {n} elements", flush=True)
         base = torch.arange(n, device=dev) % 17
         x = (base + rank + 1).to(dt)
         t = x.clone()
@@ -58,11 +61,12 @@ def collectives(rank, world, dev):
         b = x.clone()
         dist.broadcast(b, src=1)
         ok &= check(f"broadcast {dt}", b, (base + 2).to(dt))
-        a2a_in = torch.cat([(base[:64] + 10 * rank + k).to(dt) for k in range(world)])
+        m = 64 if n < 10000 else n // world
+        a2a_in = torch.cat([(base[:m] + 10 * rank + k).to(dt) for k in range(world)])
         a2a_out = torch.empty_like(a2a_in)
         if ran("all_to_all_single", lambda: dist.all_to_all_single(a2a_out, a2a_in)):
             ok &= check(f"all_to_all_single {dt}", a2a_out,
-                        torch.cat([(base[:64] + 10 * k + rank).to(dt) for k in range(world)]))
+                        torch.cat([(base[:m] + 10 * k + rank).to(dt) for k in range(world)]))
         peer = 1 - rank
         s = (base + 1000 * rank).to(dt)
         r = torch.empty_like(s)
@@ -98,6 +102,46 @@ def ddp_losses(dev):
     return losses
 
 
+def stress(rank, world, dev, seconds=10.0):
+    """All-reduces on the direct path (4 MiB) while another thread allocates, frees and calls
+    torch.cuda.empty_cache() (cudaFree, which waits for the device): nccl-rs's stream worker
+    must never need the driver in a way that waits for that thread. Exact results."""
+    import threading
+    import time
+    stop = time.monotonic() + seconds
+    errors = []
+
+    def churn():
+        k = 0
+        while time.monotonic() < stop:
+            try:
+                x = torch.empty((1 + k % 7) << 20, dtype=torch.uint8, device=dev)
+                del x
+                torch.cuda.empty_cache()
+            except Exception as e:  # reported, not raised in a thread
+                errors.append(repr(e))
+                return
+            k += 1
+
+    t = threading.Thread(target=churn)
+    t.start()
+    ok, calls = True, 0
+    while time.monotonic() < stop:
+        v = torch.full((1 << 20,), float(rank + 1 + calls % 3), device=dev)
+        dist.all_reduce(v)
+        want = float(sum(r + 1 + calls % 3 for r in range(world)))
+        if calls % 16 == 0 and not torch.equal(v, torch.full_like(v, want)):
+            ok = False
+            print(f"rank {rank}: stress: call {calls} WRONG", flush=True)
+        calls += 1
+    torch.cuda.synchronize()
+    t.join()
+    ok &= not errors
+    print(f"rank {rank}: stress: {calls} all-reduces beside empty_cache: {'ok' if ok else 'FAILED'} {errors}",
+          flush=True)
+    return ok
+
+
 def main():
     mode = sys.argv[1]
     if mode == "compare":
@@ -109,6 +153,15 @@ def main():
               f"(largest difference {diff:.3g})")
         sys.exit(0 if same else 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if mode == "stress":
+        dev = torch.device("cuda:0")
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
+                                timeout=datetime.timedelta(seconds=60))
+        ok = stress(rank, world, dev)
+        print(f"rank {rank}: stress: RESULT {'ok' if ok else 'FAILED'}", flush=True)
+        dist.destroy_process_group()
+        sys.exit(0 if ok else 1)
     if mode == "nccl":
         dev = torch.device("cuda:0")
         torch.cuda.set_device(dev)
