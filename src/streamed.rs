@@ -1,7 +1,7 @@
 //! CUDA mode: collectives on device memory, ordered with the caller's streams.
 //!
 //! The calling thread does not run an operation whose buffers include device memory. It
-//! records an event on the caller's stream (everything the stream did before the call), makes
+//! marks the point on the caller's stream (everything the stream did before the call), makes
 //! that stream wait (the gate: `cuStreamWaitValue32`, or a one-thread polling kernel with
 //! `NCCL_RS_STREAM_GATE=kernel`) until a completion counter in mapped host memory reaches the
 //! operation's number, hands the operation to the communicator's stream worker and returns:
@@ -26,6 +26,12 @@
 //! stream never waits for device work the worker issues later — which, on a GPU whose streams
 //! share hardware queues, could sit behind that very wait (README, CUDA mode's limits). Other
 //! operations are staged by the worker on its own stream.
+//!
+//! Where the device has stream memory operations, a caller's stream tells the worker that it
+//! has reached a batch by raising a flag in the communicator's board (mapped host memory the
+//! worker reads without the driver), not with an event the worker would query. Together with
+//! the two paragraphs around this one, the worker needs no device call for an operation that
+//! goes direct or that the callers' streams stage (tested: cuda_mode_worker_makes_no_device_calls).
 //!
 //! Direct operations (`transport::ipc`) queue their device work on the caller's stream too:
 //! kernels whose arguments the worker fills in once it knows where the peers' buffers are,
@@ -135,9 +141,13 @@ pub struct Streamed {
     pool: Mutex<Option<Pool>>,
     /// Whether callers' streams have staged anything yet (the first time is logged).
     caller_staged: std::sync::atomic::AtomicBool,
-    /// Where direct operations queued on the callers' streams get their kernels' arguments
-    /// (None: they run on the worker's stream; see `board`).
+    /// Where callers' streams signal that they reached a batch, and where direct operations
+    /// queued on them get their kernels' arguments (see `board`). None in host-wait mode or
+    /// without stream memory operations: events, and direct operations on the worker's stream.
     board: Option<Board>,
+    /// Direct operations queue their kernels on the callers' streams (a board, kernels, every
+    /// rank on this host, NCCL_RS_DIRECT_ON_STREAM).
+    direct_on_stream: bool,
     /// The worker's `Direct::off`, for calls: no collective goes direct any more.
     direct_off: std::sync::atomic::AtomicBool,
     /// Whether the board ever had no free slot (logged the first time).
@@ -172,7 +182,7 @@ struct State {
 /// receives may pair up with each other).
 struct Batch {
     seq: u32,
-    starts: Vec<Event>,
+    starts: Vec<Start>,
     ops: Vec<Op>,
     /// Per operation: staged by the caller's stream (its regions are the pool's), with its
     /// device PreMulSum scalar, if any, copied into this pool region.
@@ -184,6 +194,15 @@ struct Batch {
     declined: Vec<bool>,
     /// Per operation: what a direct one offers, published at call time (`ipc::offer`).
     offers: Vec<Option<ipc::Offered>>,
+}
+
+/// How the worker learns that a caller's stream has reached a batch (everything it did before
+/// the call is done, the inputs staged into the pool included): the stream raises the flag of
+/// a board slot (host memory the worker reads without the driver), or, without a board or a
+/// free slot, an event the worker queries through the driver.
+enum Start {
+    Word(Ticket),
+    Event(Event),
 }
 
 /// A direct operation whose kernels the caller's stream queued: its slot of the board and
@@ -221,23 +240,26 @@ impl Streamed {
         let host_wait = crate::params::few_device_connections();
         let gate_kernel = kernels.filter(|_| crate::params::stream_gate_kernel());
         let routes = Routes::of(comm);
-        let board = match kernels.is_some() && !host_wait && routes.collectives() && crate::params::direct_on_stream()
-            && ctx.can_wait_on_memory().unwrap_or(false)
-        {
+        // The board: callers' streams signal their start there, and direct operations queued on
+        // them get their kernels' arguments there.
+        let board = match !host_wait && ctx.can_wait_on_memory().unwrap_or(false) {
             false => None,
             true => match Board::new() {
                 Ok(b) => Some(b),
                 Err(e) => {
-                    crate::info!(INIT, "rank {}: direct operations run on the worker's stream ({})", comm.rank, e.msg);
+                    crate::info!(INIT, "rank {}: no board ({}): the worker queries events, and direct operations run \
+                                        on its stream", comm.rank, e.msg);
                     None
                 }
             },
         };
+        let direct_on_stream =
+            board.is_some() && kernels.is_some() && routes.collectives() && crate::params::direct_on_stream();
         let s = Arc::new(Streamed { ctx, done, word, kernels, host_wait, gate_kernel, routes,
                                     state: Mutex::new(State::default()),
                                     submit_busy: Mutex::new(false), submit_done: Condvar::new(), changed: Condvar::new(),
                                     worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
-                                    caller_staged: std::sync::atomic::AtomicBool::new(false), board,
+                                    caller_staged: std::sync::atomic::AtomicBool::new(false), board, direct_on_stream,
                                     direct_off: std::sync::atomic::AtomicBool::new(false),
                                     slots_ran_out: std::sync::atomic::AtomicBool::new(false) });
         let (c, w) = (comm.clone(), s.clone());
@@ -452,7 +474,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // commit): collectives that go direct, with kernels the board can hold.
     let shapes: Vec<Option<ipc::Shape>> = ops.iter().zip(&prestaged).zip(&goes_direct)
         .map(|((o, &(pre, _)), &goes_direct)| {
-            let direct = s.board.is_some() && !pre && goes_direct && !o.op.kind.is_p2p();
+            let direct = s.direct_on_stream && !pre && goes_direct && !o.op.kind.is_p2p();
             direct.then(|| ipc::shape(comm, &o.op)).filter(|sh| {
                 !sh.is_empty() && sh.len() <= board::PHASES && sh.iter().map(Vec::len).sum::<usize>() <= board::DESCS
             })
@@ -462,11 +484,28 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let mut prepared = Prepared { comm: comm.clone(), lock, callers, ops, prestaged, declined, offers, outs, carve_id,
                                   starts: Vec::new(), seq, committed: false, caller_of, shapes, direct: Vec::new() };
     for st in &prepared.callers {
-        let e = s.event()?;
-        e.record(st)?;
-        prepared.starts.push(e);
+        let start = start_signal(s, st)?;
+        prepared.starts.push(start);
     }
     Ok(Some(prepared))
+}
+
+/// The signal `st` gives when it reaches this point (see [`Start`]).
+fn start_signal(s: &Streamed, st: &Stream) -> Result<Start> {
+    if let Some((board, t)) = s.board.as_ref().and_then(|b| b.take(1).map(|t| (b, t))) {
+        match st.write_value32(board.mem(), board.flag_word(&t), t.step_value(1)) {
+            Ok(MemOp::Enqueued) => return Ok(Start::Word(t)),
+            // Nothing queued: the slot is free again.
+            Ok(MemOp::Unsupported) => board.untake(&t),
+            Err(e) => {
+                board.untake(&t);
+                return Err(e);
+            }
+        }
+    }
+    let e = s.event()?;
+    e.record(st)?;
+    Ok(Start::Event(e))
 }
 
 /// A submit between its two halves (see [`prepare`]). Dropped uncommitted (a later
@@ -483,7 +522,7 @@ pub struct Prepared {
     /// Per caller-staged operation: its caller's index, the user's output, the pool's copy.
     outs: Vec<(usize, Region, Region)>,
     carve_id: Option<u64>,
-    starts: Vec<Event>,
+    starts: Vec<Start>,
     seq: u32,
     committed: bool,
     /// Per operation: the index of its caller's stream, and the kernels per phase of a direct
@@ -514,9 +553,26 @@ impl Drop for Prepared {
             }
         }
         if let (false, Some(id)) = (self.committed, self.carve_id) {
-            // Complete start events mean complete copies in; nothing else touches the carve.
+            // Complete start events mean complete copies in; nothing else touches the carve. A
+            // stream that signals its start through the board gets an event now, behind it.
             if self.starts.len() == self.callers.len() {
-                release_carve(&self.lock.0, id, std::mem::take(&mut self.starts));
+                let s = self.lock.0.clone();
+                let events: Result<Vec<Event>> = std::mem::take(&mut self.starts).into_iter().zip(&self.callers)
+                    .map(|(start, st)| match start {
+                        Start::Event(e) => Ok(e),
+                        Start::Word(_) => {
+                            let _keep = KeepCurrent::new();
+                            s.ctx.make_current()?;
+                            let e = s.event()?;
+                            e.record(st)?;
+                            Ok(e)
+                        }
+                    })
+                    .collect();
+                // Without events nothing says when the copies in end: the carve stays taken.
+                if let Ok(events) = events {
+                    release_carve(&s, id, events);
+                }
             }
         }
     }
@@ -616,7 +672,7 @@ impl Prepared {
     /// stream), and the steps their streams run.
     fn take_slots(&mut self) -> Vec<Step> {
         let s = self.lock.0.clone();
-        let Some(board) = &s.board else { return Vec::new() };
+        let Some(board) = s.board.as_ref().filter(|_| s.direct_on_stream) else { return Vec::new() };
         let mut steps = Vec::new();
         self.direct = self.shapes.iter_mut().map(|sh| {
             let shape = sh.take()?;
@@ -815,7 +871,11 @@ fn worker(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
             Err(e) => Err(e.clone()),
         };
         if result.is_ok() {
-            s.recycle(std::mem::take(&mut batch.starts));
+            let events = std::mem::take(&mut batch.starts).into_iter().filter_map(|st| match st {
+                Start::Event(e) => Some(e),
+                Start::Word(_) => None,
+            });
+            s.recycle(events.collect());
         }
         if let Err(e) = result {
             crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
@@ -896,8 +956,12 @@ type Flagged = (Op, bool);
 
 fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
              batch: &Batch) -> Result<()> {
-    for e in &batch.starts {
-        wait_started(comm, e)?;
+    for start in &batch.starts {
+        match (start, &s.board) {
+            (Start::Word(t), Some(b)) => poll(comm, "the caller's stream", || b.flag_reached(t, t.step_value(1)))?,
+            (Start::Event(e), _) => wait_started(comm, e)?,
+            (Start::Word(_), None) => return Err(Error::internal("a start signal without a board")),
+        }
     }
     comm.ready()?;
     let mut ops = batch.ops.clone();

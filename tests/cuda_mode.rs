@@ -162,6 +162,28 @@ fn cuda_mode_a_rank_without_kernels() {
     }
 }
 
+/// While callers' streams may be waiting for it, the stream worker needs no device call for
+/// operations that go direct or that the callers' streams stage (stream starts are signalled
+/// through the board, direct kernels are queued by the caller): the stand-in reports any call
+/// made from a worker thread (NCCL_RS_STUB_REPORT_WORKER_CALLS). With the direct path on the
+/// worker's stream (NCCL_RS_DIRECT_ON_STREAM=0) it does report them: the check can fail.
+#[test]
+fn cuda_mode_worker_makes_no_device_calls() {
+    if !stand_in_only("cuda_mode_worker_makes_no_device_calls") {
+        return;
+    }
+    for (on_stream, quiet) in [("1", true), ("0", false)] {
+        let o = cuda_job().procs(2).arg("--only").arg("Collectives").env("NCCL_RS_STUB_REPORT_WORKER_CALLS", "1")
+            .env("NCCL_RS_DIRECT_ON_STREAM", on_stream).run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            let calls: Vec<&str> = p.log.lines().filter(|l| l.contains("from the stream worker")).collect();
+            assert_eq!(calls.is_empty(), quiet, "NCCL_RS_DIRECT_ON_STREAM={on_stream}, process {i}: {:?}",
+                       &calls[..calls.len().min(5)]);
+        }
+    }
+}
+
 /// 600 direct all-reduces queued behind a held stream, more than a communicator's 512 slots:
 /// the rest run on the worker's stream, in issue order with the others; exact results (each
 /// call's input is uploaded into the same buffer just before it). As processes and as ranks

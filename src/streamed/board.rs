@@ -11,7 +11,9 @@
 //! stream can sit behind a caller's wait in a hardware queue they share (README, CUDA mode).
 //!
 //! The board is one communicator's mapped host memory for this: [`SLOTS`] slots, one per
-//! operation in flight, each a gate word, a flag word and [`DESCS`] descriptors. Gate and
+//! operation in flight, each a gate word, a flag word and [`DESCS`] descriptors. A caller's
+//! stream also signals through a slot's flag that it has reached a batch (a one-phase ticket,
+//! `streamed::Start`), so the worker polls host memory instead of querying an event. Gate and
 //! flag values only grow (each operation takes four numbers from one counter), so a stream
 //! still waiting for an old operation's last gate passes when a later one reuses the slot. A
 //! slot is free again once its flag reached its operation's last value: the stream has run
@@ -138,6 +140,14 @@ impl Board {
             self.write(&t, d, Desc::Skip);
         }
         Some(t)
+    }
+
+    /// Gives back a slot just taken whose stream got nothing queued for it.
+    pub fn untake(&self, t: &Ticket) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.last_flag[t.slot] == Some(t.step_value(t.phases)) {
+            st.last_flag[t.slot] = None;
+        }
     }
 
     /// Word indexes (into [`Board::mem`]) of the slot's gate and flag.

@@ -1,3 +1,4 @@
+#define _GNU_SOURCE
 /*
  * A stand-in for libcuda.so.1, for tests only (never shipped): the CUDA driver entry points
  * that src/device/cuda calls, implemented on host memory with the driver's documented
@@ -25,6 +26,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <pthread.h>
+#include <string.h>
 #include "stub.h"
 
 int g_initialized;
@@ -50,6 +53,13 @@ enum {
 int env_int(const char *name, int dflt) {
   const char *v = getenv(name);
   return v && *v ? atoi(v) : dflt;
+}
+
+void note_worker_call(const char *name) {
+  if (!env_int("NCCL_RS_STUB_REPORT_WORKER_CALLS", 0)) return;
+  char thread[32] = "";
+  if (pthread_getname_np(pthread_self(), thread, sizeof thread) != 0) return;
+  if (strncmp(thread, "nccl-rs-stream", 14) == 0) fprintf(stderr, "cuda-stub: %s from the stream worker %s\n", name, thread);
 }
 
 EXPORT CUresult cuInit(unsigned flags) {

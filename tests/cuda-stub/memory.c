@@ -124,6 +124,7 @@ static CUresult alloc_shared(CUdeviceptr *dptr, size_t size, enum mem_kind kind)
 }
 
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
+  note_worker_call("cuMemAlloc_v2");
   return alloc_shared(dptr, size, MEM_DEVICE);
 }
 
@@ -139,6 +140,7 @@ static void unmap(struct range *r) {
 }
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+  note_worker_call("cuMemFree_v2");
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
   struct range *r = take((uintptr_t)p, 1u << MEM_DEVICE | 1u << MEM_MANAGED);
@@ -149,6 +151,7 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
 }
 
 EXPORT CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
+  note_worker_call("cuMemHostAlloc");
   REQUIRE_CTX();
   if (!pp || size == 0 || (flags & ~(unsigned)MEMHOSTALLOC_ALL)) return CUDA_ERROR_INVALID_VALUE;
   void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -169,6 +172,7 @@ EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsign
 }
 
 EXPORT CUresult cuMemFreeHost(void *p) {
+  note_worker_call("cuMemFreeHost");
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
   struct range *r = take((uintptr_t)p, 1u << MEM_HOST_PINNED);

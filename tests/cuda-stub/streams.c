@@ -328,6 +328,7 @@ EXPORT CUresult cuStreamDestroy_v2(struct stream *h) {
 }
 
 EXPORT CUresult cuStreamSynchronize(struct stream *h) {
+  note_worker_call("cuStreamSynchronize");
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
@@ -396,6 +397,7 @@ EXPORT CUresult cuStreamQuery(struct stream *h) {
  * From pageable memory it waits for the stream and copies at once (as staging does); to
  * pageable memory it returns when the copy has completed. */
 EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct stream *h) {
+  note_worker_call("cuMemcpyAsync");
   if (n == 0) return resolve(h, &(struct stream *){NULL});
   if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
   int from_pageable = mem_lookup(src, n) == MEM_PAGEABLE, to_pageable = mem_lookup(dst, n) == MEM_PAGEABLE;
@@ -411,6 +413,7 @@ EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct
 }
 
 EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char byte, size_t n, struct stream *h) {
+  note_worker_call("cuMemsetD8Async");
   if (n == 0) return resolve(h, &(struct stream *){NULL});
   if (mem_lookup(dst, n) == MEM_PAGEABLE) return CUDA_ERROR_INVALID_VALUE;
   struct op op = {.kind = OP_SET, .dst = (void *)(uintptr_t)dst, .n = n, .byte = byte};
@@ -426,6 +429,7 @@ static CUresult mem_op_target(CUdeviceptr addr) {
 }
 
 EXPORT CUresult cuStreamWaitValue32_v2(struct stream *h, CUdeviceptr addr, uint32_t value, unsigned flags) {
+  note_worker_call("cuStreamWaitValue32_v2");
   CUresult r = mem_op_target(addr);
   if (r != CUDA_SUCCESS) return r;
   unsigned cond = flags & ~(unsigned)WAIT_FLUSH;
@@ -440,6 +444,7 @@ EXPORT CUresult cuStreamWaitValue32_v2(struct stream *h, CUdeviceptr addr, uint3
 }
 
 EXPORT CUresult cuStreamWriteValue32_v2(struct stream *h, CUdeviceptr addr, uint32_t value, unsigned flags) {
+  note_worker_call("cuStreamWriteValue32_v2");
   CUresult r = mem_op_target(addr);
   if (r != CUDA_SUCCESS) return r;
   if (flags & ~(unsigned)WRITE_NO_MEMORY_BARRIER) return CUDA_ERROR_INVALID_VALUE;
@@ -471,6 +476,7 @@ EXPORT CUresult cuEventDestroy_v2(struct event *e) {
 }
 
 EXPORT CUresult cuEventRecord(struct event *e, struct stream *h) {
+  note_worker_call("cuEventRecord");
   REQUIRE_INIT();
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   struct stream *s;
@@ -485,6 +491,7 @@ EXPORT CUresult cuEventRecord(struct event *e, struct stream *h) {
 }
 
 EXPORT CUresult cuEventQuery(struct event *e) {
+  note_worker_call("cuEventQuery");
   REQUIRE_INIT();
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   pthread_mutex_lock(&e->mu);
@@ -494,6 +501,7 @@ EXPORT CUresult cuEventQuery(struct event *e) {
 }
 
 EXPORT CUresult cuEventSynchronize(struct event *e) {
+  note_worker_call("cuEventSynchronize");
   REQUIRE_INIT();
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   pthread_mutex_lock(&e->mu);
@@ -571,6 +579,7 @@ EXPORT CUresult cuModuleGetFunction(const struct kernel **pf, struct module *m, 
  * from the faulting kernel, and the context is lost; here the launch fails and nothing runs. */
 EXPORT CUresult cuLaunchKernel(const struct kernel *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                unsigned bz, unsigned shared, struct stream *h, void **params, void **extra) {
+  note_worker_call("cuLaunchKernel");
   REQUIRE_INIT();
   (void)shared;
   if (!kernel_valid(f)) return CUDA_ERROR_INVALID_HANDLE;

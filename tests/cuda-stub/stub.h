@@ -58,6 +58,10 @@ extern __thread struct ctx *t_current;
   do { REQUIRE_INIT(); if (!t_current) return CUDA_ERROR_INVALID_CONTEXT; } while (0)
 
 int env_int(const char *name, int dflt);
+/* With NCCL_RS_STUB_REPORT_WORKER_CALLS=1: a line on stderr when a thread of nccl-rs's stream
+ * workers (named nccl-rs-stream-*) makes device call `name` (work, waits, memory), so tests can
+ * check that the workers need no driver while callers' streams may wait for them. */
+void note_worker_call(const char *name);
 
 /* memory.c: what the driver knows of an address range. */
 enum mem_kind {
