@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Backlog]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
@@ -821,6 +821,51 @@ static void backlog(void) {
   CU(cu.MemFreeHost(flag));
 }
 
+/* Communicators made after others were destroyed take over their pinned pool and board
+ * (numbers and slots as they were: a stream may still have steps of the old ones ahead of
+ * it): a direct and a staged all-reduce on each of three successive sets are exact. */
+static void recycle(void) {
+  test_step("recycle");
+  const int n = g_env.nranks;
+  for (int round = 0; round < 3; round++) {
+    ncclComm_t c[MAX_LOCAL];
+    ncclUniqueId id;
+    char tag[32];
+    snprintf(tag, sizeof tag, "recycle%d", round);
+    get_unique_id(tag, &id);
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++) CHECK(ncclCommInitRank(&c[l], n, id, g_env.first_rank + l));
+    CHECK(ncclGroupEnd());
+    const size_t counts[2] = {100000, 1000}; /* the direct path, and staging */
+    for (int k = 0; k < 2; k++) {
+      const size_t count = counts[k];
+      const int salt = round * 2 + k;
+      CUdeviceptr d[MAX_LOCAL];
+      float* h[MAX_LOCAL];
+      for (int l = 0; l < g_env.local; l++) {
+        d[l] = dev_alloc(count * sizeof(float));
+        h[l] = host_alloc(count * sizeof(float));
+        for (size_t j = 0; j < count; j++) h[l][j] = in_value(g_env.first_rank + l, j, salt);
+        CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
+      }
+      CHECK(ncclGroupStart());
+      for (int l = 0; l < g_env.local; l++)
+        CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, c[l], g_streams[l]));
+      CHECK(ncclGroupEnd());
+      for (int l = 0; l < g_env.local; l++) {
+        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
+        CU(cu.StreamSynchronize(g_streams[l]));
+        size_t bad = 0;
+        for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, n, 0, j, salt);
+        EXPECT(bad == 0, "recycle round %d, %zu floats, rank %d: %zu wrong values", round, count, g_env.first_rank + l, bad);
+        CU(cu.MemFree(d[l]));
+        CU(cu.MemFreeHost(h[l]));
+      }
+    }
+    for (int l = 0; l < g_env.local; l++) CHECK(ncclCommDestroy(c[l]));
+  }
+}
+
 static void churn(void) {
   test_step("churn");
   enum { ROUNDS_MAX = 300 };
@@ -1269,6 +1314,7 @@ int main(int argc, char** argv) {
   if (wanted("GroupMix")) group_mix();
   if (wanted("Torch")) torch_like();
   if (wanted("Churn")) churn();
+  if (wanted("Recycle")) recycle();
   if (g_env.only && !strcasecmp(g_env.only, "Backlog")) backlog(); /* only when asked: 600 calls */
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
