@@ -16,10 +16,10 @@
 //   nccl_rs_divide_<type>(void* dst, const void* src, unsigned long long divisor, unsigned long long n)
 //       dst[i] = src[i] / divisor (ncclAvg); a divisor of 0 is taken as 1.
 //
-//   nccl_rs_indirect_<type>(const void* desc, const void*, unsigned long long, unsigned long long n)
-//       a reduction or division of <type> (or nothing), as the 64-byte descriptor at `desc`
-//       says; `n` only sized the grid. nccl_rs_indirect_copy: a byte copy (or nothing). See
-//       the end of this file.
+//   nccl_rs_indirect_<type>(const void* descs, const void*, unsigned long long count, unsigned long long n)
+//       reductions or divisions of <type> (or nothing), as the `count` 64-byte descriptors at
+//       `descs` say, one per blockIdx.y; `n` only sized the grid. nccl_rs_indirect_copy:
+//       byte copies (or nothing). See the end of this file.
 //
 //   <type>: int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 f8e4m3 f8e5m2,
 //           exactly DataType::name() (src/types.rs), and <op> is BuiltinOp::name(), so the
@@ -363,7 +363,9 @@ extern "C" __global__ void nccl_rs_wait_geq(void* word, const void*, u64 value, 
 // The direct path on the caller's stream (src/transport/ipc.rs): the caller queues these at
 // call time, before it knows where the peers' buffers are mapped; the stream worker writes
 // what each one does into its descriptor (mapped host memory) before the stream's gate for
-// that step opens. A descriptor is eight little-endian 64-bit words:
+// that step opens. A launch runs `count` consecutive descriptors, one per blockIdx.y (the
+// caller launches copies of a phase together, reductions one by one: each reads the last's
+// result). A descriptor is eight little-endian 64-bit words:
 //   [0] code | datatype << 32   code: 0 nothing, 1 copy n bytes from a, 2-5 reduce a and b
 //                               (sum, prod, max, min), 6 divide a by arg (ncclAvg)
 //   [1] dst  [2] a  [3] b  [4] n (elements; bytes for a copy)  [5] arg  [6, 7] unused
@@ -397,31 +399,34 @@ DEV void run_desc(const Desc& d) {
 // would fit on a multiprocessor for every one. The caller knows which one a descriptor needs
 // (the datatype, and whether it is a copy) when it queues the kernel; the worker only fills
 // in addresses and sizes, or turns the kernel into a no-op.
-DEV void load_desc(Desc& d, const void* desc) {
+DEV void load_desc(Desc& d, const void* descs, u64 count) {
   if (threadIdx.x == 0) {
     // Written by the host after this launch was queued: read through, never from a cache.
-    const volatile u64* w = static_cast<const volatile u64*>(desc);
-    d.head = w[0];
-    d.dst = w[1];
-    d.a = w[2];
-    d.b = w[3];
-    d.n = w[4];
-    d.arg = w[5];
+    const volatile u64* w = static_cast<const volatile u64*>(descs) + (u64)blockIdx.y * 8;
+    const bool mine = blockIdx.y < count;
+    d.head = mine ? w[0] : 0;
+    d.dst = mine ? w[1] : 0;
+    d.a = mine ? w[2] : 0;
+    d.b = mine ? w[3] : 0;
+    d.n = mine ? w[4] : 0;
+    d.arg = mine ? w[5] : 0;
   }
   __syncthreads();
 }
 
-extern "C" __global__ void nccl_rs_indirect_copy(void* desc, const void*, u64, u64) {
+// Copies are independent of each other within a phase (they write disjoint outputs): one
+// launch runs `count` consecutive descriptors side by side, one per blockIdx.y.
+extern "C" __global__ void nccl_rs_indirect_copy(void* descs, const void*, u64 count, u64) {
   __shared__ Desc d;
-  load_desc(d, desc);
+  load_desc(d, descs, count);
   if ((u32)d.head == D_COPY)
     map2<u8>((void*)d.dst, (const void*)d.a, (const void*)d.a, d.n, [](u8 x, u8) { return x; });
 }
 
 #define INDIRECT_KERNEL(name, T)                                                              \
-  extern "C" __global__ void nccl_rs_indirect_##name(void* desc, const void*, u64, u64) {     \
+  extern "C" __global__ void nccl_rs_indirect_##name(void* descs, const void*, u64 count, u64) { \
     __shared__ Desc d;                                                                        \
-    load_desc(d, desc);                                                                       \
+    load_desc(d, descs, count);                                                               \
     run_desc<T>(d);                                                                           \
   }
 

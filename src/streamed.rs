@@ -534,13 +534,31 @@ pub struct Prepared {
 }
 
 /// One step a caller's stream runs of a direct operation (`board`): wait for the gate, run
-/// the kernels (descriptor address, grid size, which kernel), raise the flag.
+/// the kernels (address of the first descriptor, grid size, which kernel, how many
+/// descriptors side by side), raise the flag.
 struct Step {
     caller: usize,
     ticket: Ticket,
     gate: u32,
-    kernels: Vec<(usize, usize, Indirect)>,
+    kernels: Vec<(usize, usize, Indirect, usize)>,
     flag: Option<u32>,
+}
+
+/// The launches of one phase: consecutive copies together (they write disjoint outputs, and
+/// one launch runs them side by side), every reduction on its own (each may read the last
+/// one's result). Per launch: first descriptor, largest grid size, kernel, descriptors.
+fn launches(phase: &ipc::Phase) -> Vec<(usize, usize, Indirect, usize)> {
+    let mut out: Vec<(usize, usize, Indirect, usize)> = Vec::new();
+    for (j, &(n, kind)) in phase.iter().enumerate() {
+        match out.last_mut() {
+            Some((_, most, Indirect::Copy, rows)) if kind == Indirect::Copy => {
+                *most = (*most).max(n);
+                *rows += 1;
+            }
+            _ => out.push((j, n, kind, 1)),
+        }
+    }
+    out
 }
 
 impl Drop for Prepared {
@@ -691,8 +709,8 @@ impl Prepared {
             let mut first = 0;
             for (k, phase) in d.shape.iter().enumerate() {
                 let value = d.ticket.step_value(k + 1);
-                let kernels = phase.iter().enumerate()
-                    .map(|(j, &(n, kind))| (board.desc_addr(&d.ticket, first + j), n, kind))
+                let kernels = launches(phase).into_iter()
+                    .map(|(j, n, kind, rows)| (board.desc_addr(&d.ticket, first + j), n, kind, rows))
                     .collect();
                 first += phase.len();
                 steps.push(Step { caller: self.caller_of[i], ticket: d.ticket, gate: value, kernels, flag: Some(value) });
@@ -721,8 +739,8 @@ impl Prepared {
         if gated? == MemOp::Unsupported {
             return Err(refused());
         }
-        for &(desc, n, kind) in &step.kernels {
-            kernels.indirect(st, desc, n, kind)?;
+        for &(descs, n, kind, rows) in &step.kernels {
+            kernels.indirect(st, descs, n, kind, rows)?;
         }
         if let Some(v) = step.flag {
             if st.write_value32(board.mem(), board.flag_word(&step.ticket), v)? == MemOp::Unsupported {
@@ -926,6 +944,23 @@ pub(crate) fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> R
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::launches;
+    use crate::device::cuda::Indirect::{Copy, Of};
+    use crate::types::DataType::Float32;
+
+    /// Consecutive copies share a launch (the largest grid); each reduction has its own.
+    #[test]
+    fn copies_of_a_phase_share_a_launch() {
+        let phase = vec![(10, Of(Float32)), (10, Of(Float32)), (7, Copy), (9, Copy), (3, Copy), (5, Of(Float32)), (2, Copy)];
+        assert_eq!(launches(&phase),
+                   vec![(0, 10, Of(Float32), 1), (1, 10, Of(Float32), 1), (2, 9, Copy, 3), (5, 5, Of(Float32), 1),
+                        (6, 2, Copy, 1)]);
+        assert!(launches(&Vec::new()).is_empty());
+    }
 }
 
 /// Host memory operations are staged in, kept across batches. Ordinary memory, not pinned:

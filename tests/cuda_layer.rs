@@ -644,7 +644,7 @@ fn launch_indirect(k: &cuda::Kernels, s: &Stream, mem: &MappedHost, desc: Desc, 
     for (i, w) in desc.words().iter().enumerate() {
         mem.word(i).store(*w, Ordering::Relaxed);
     }
-    k.indirect(s, mem.device_addr(), n, desc.kernel().unwrap_or(Indirect::Copy)).unwrap();
+    k.indirect(s, mem.device_addr(), n, desc.kernel().unwrap_or(Indirect::Copy), 1).unwrap();
 }
 
 /// Runs `case` on the device and on the host, on the same inputs, and compares.
@@ -738,7 +738,7 @@ fn check_kernels() {
 /// nccl_rs_indirect's copies and no-ops, and a descriptor written after its kernel was queued
 /// (behind a gate): the kernel reads it when it runs, as the direct path needs.
 fn check_indirect_copies(k: &cuda::Kernels, s: &Stream) {
-    let descs = MappedHost::new(128).unwrap();
+    let descs = MappedHost::new(4096).unwrap();
     let mut rng = Rng(11);
     for (n, off) in [(1usize, 0usize), (15, 1), (4096, 0), (100_003, 3)] {
         let src: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
@@ -751,13 +751,33 @@ fn check_indirect_copies(k: &cuda::Kernels, s: &Stream) {
         launch_indirect(k, s, &descs, Desc::Copy { dst: rb.addr(), src: ra.addr(), bytes: n }, n);
         assert_eq!(download(s, rb), src, "copy of {n} bytes at offset {off}");
     }
+    // Three copies side by side in one launch (one descriptor per row of blocks), of
+    // different sizes; the grid is sized for the largest.
+    let sizes = [5000usize, 70_000, 123];
+    let srcs: Vec<DeviceBuf> = sizes.iter().map(|&n| DeviceBuf::new(n)).collect();
+    let dsts: Vec<DeviceBuf> = sizes.iter().map(|&n| DeviceBuf::new(n)).collect();
+    let mut want = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let bytes: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+        upload(s, srcs[i].region(), bytes.clone());
+        upload(s, dsts[i].region(), vec![0; n]);
+        want.push(bytes);
+        let desc = Desc::Copy { dst: dsts[i].region().addr(), src: srcs[i].region().addr(), bytes: n };
+        for (w, v) in desc.words().iter().enumerate() {
+            descs.word(16 * i + w).store(*v, Ordering::Relaxed);
+        }
+    }
+    k.indirect(s, descs.device_addr(), 70_000, Indirect::Copy, 3).unwrap();
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&download(s, dsts[i].region()), w, "copy {i} of a launch of three");
+    }
     let gate = MappedHost::new(64).unwrap();
     let (a, b) = (DeviceBuf::new(4096), DeviceBuf::new(4096));
     upload(s, a.region(), vec![7; 4096]);
     upload(s, b.region(), vec![0; 4096]);
     launch_indirect(k, s, &descs, Desc::Skip, 4096);
     k.wait_geq(s, &gate, 0, 1).unwrap();
-    k.indirect(s, descs.device_addr(), 4096, Indirect::Copy).unwrap();
+    k.indirect(s, descs.device_addr(), 4096, Indirect::Copy, 1).unwrap();
     assert!(stays_busy(s, Duration::from_millis(20)), "the gate did not hold the stream");
     for (i, w) in (Desc::Copy { dst: b.region().addr(), src: a.region().addr(), bytes: 4096 }).words().iter().enumerate() {
         descs.word(i).store(*w, Ordering::Relaxed);

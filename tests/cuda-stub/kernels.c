@@ -78,8 +78,8 @@ int kernel_pointers(const struct kernel *k) {
 
 /* The bytes of pointer argument 0 a launch must be able to reach: the descriptor of an
  * indirect kernel, else its n elements. */
-size_t kernel_reach(const struct kernel *k, uint64_t n) {
-  return k->kind == K_INDIRECT ? 64 : (size_t)n * TYPE_SIZES[k->type];
+size_t kernel_reach(const struct kernel *k, const uint64_t params[4]) {
+  return k->kind == K_INDIRECT ? 64 * (size_t)params[2] : (size_t)params[3] * TYPE_SIZES[k->type];
 }
 
 
@@ -239,7 +239,7 @@ static uint32_t narrow(int t, float v) {
  * the kernel runs (the host fills it in after the launch was queued). Type -1 is the copy
  * kernel. A descriptor of another kernel, or a pointer the device cannot reach, is a fault:
  * the real GPU would do something wrong or lose the context; the stand-in stops the process. */
-static void run_indirect(int kernel_type, const uint64_t *desc) {
+static void run_one_indirect(int kernel_type, const uint64_t *desc) {
   uint64_t w[6];
   for (int i = 0; i < 6; i++) w[i] = __atomic_load_n(&desc[i], __ATOMIC_ACQUIRE);
   const uint32_t code = (uint32_t)w[0], type = (uint32_t)(w[0] >> 32);
@@ -270,7 +270,9 @@ static void run_indirect(int kernel_type, const uint64_t *desc) {
 
 void kernel_run(const struct kernel *k, const uint64_t params[4]) {
   if (k->kind == K_INDIRECT) {
-    run_indirect(k->type, (const uint64_t *)(uintptr_t)params[0]);
+    /* params[2] descriptors, one per row of blocks (the rows run side by side on a GPU). */
+    for (uint64_t row = 0; row < params[2]; row++)
+      run_one_indirect(k->type, (const uint64_t *)(uintptr_t)params[0] + 8 * row);
     return;
   }
   if (k->kind == K_WAIT) {

@@ -590,7 +590,7 @@ EXPORT CUresult cuLaunchKernel(const struct kernel *f, unsigned gx, unsigned gy,
   if (!params) return CUDA_ERROR_INVALID_VALUE;
   struct op op = {.kind = OP_KERNEL, .kernel = f};
   for (int i = 0; i < 4; i++) memcpy(&op.params[i], params[i], sizeof(uint64_t));
-  size_t bytes = kernel_reach(f, op.params[3]);
+  size_t bytes = kernel_reach(f, op.params);
   for (int i = 0; i < kernel_pointers(f) && op.params[3]; i++)
     if (mem_lookup(op.params[i], bytes) == MEM_PAGEABLE) return CUDA_ERROR_ILLEGAL_ADDRESS;
   return enqueue(h, &op);

@@ -121,15 +121,16 @@ impl Kernels {
 }
 
 impl Kernels {
-    /// Queues the `kind` kernel that does what the 64-byte descriptor at device address `desc`
-    /// says when it runs (kernels/reduce.cu, [`Desc`]); `n` (elements, or bytes of a copy)
-    /// sizes its grid. The descriptor must stay valid until the stream has passed the kernel.
-    pub fn indirect(&self, stream: &Stream, desc: usize, n: usize, kind: Indirect) -> Result<()> {
+    /// Queues the `kind` kernel that does what the `rows` consecutive 64-byte descriptors from
+    /// device address `descs` say when it runs (kernels/reduce.cu, [`Desc`]), side by side;
+    /// `n` (elements, or bytes of a copy: the largest) sizes its grid. The descriptors must
+    /// stay valid until the stream has passed the kernel.
+    pub fn indirect(&self, stream: &Stream, descs: usize, n: usize, kind: Indirect, rows: usize) -> Result<()> {
         let f = match kind {
             Indirect::Copy => self.indirect_copy,
             Indirect::Of(dt) => self.indirect[dt as usize],
         };
-        launch(f, [desc as u64, 0, 0], n, stream)
+        launch_rows(f, [descs as u64, 0, rows as u64], n, rows, stream)
     }
 }
 
@@ -184,9 +185,16 @@ impl Desc {
 /// Launches `f(args[0], args[1], args[2], n)`: every kernel takes three 64-bit values (pointers
 /// or a scalar) and the element count. Grid-stride kernels, so any grid covers any n.
 fn launch(f: CUfunction, args: [u64; 3], n: usize, stream: &Stream) -> Result<()> {
-    if n == 0 {
+    launch_rows(f, args, n, 1, stream)
+}
+
+/// [`launch`] with `rows` rows of blocks (gridDim.y), for kernels that take one descriptor per
+/// row.
+fn launch_rows(f: CUfunction, args: [u64; 3], n: usize, rows: usize, stream: &Stream) -> Result<()> {
+    if n == 0 || rows == 0 {
         return Ok(());
     }
+    let rows = c_uint::try_from(rows).map_err(|_| Error::internal(format!("{rows} rows of blocks")))?;
     let blocks = n.div_ceil(THREADS * ELEMS_PER_THREAD).clamp(1, MAX_BLOCKS);
     let [mut x, mut y, mut z] = args;
     let mut count = n as u64;
@@ -204,7 +212,7 @@ fn launch(f: CUfunction, args: [u64; 3], n: usize, stream: &Stream) -> Result<()
             sys::cuLaunchKernel(
                 f,
                 blocks as c_uint,
-                1,
+                rows,
                 1,
                 THREADS as c_uint,
                 1,
