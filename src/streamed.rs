@@ -48,23 +48,25 @@
 //! memory is never freed: a destroyed communicator's pool goes to the next one.
 
 use std::collections::VecDeque;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use crate::comm::Comm;
-use crate::device::cuda::{Context, Event, Indirect, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
+use crate::device::cuda::{Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::Op;
-use crate::transport::ipc::{self, Direct, Routes};
+use crate::transport::ipc::{self, Routes};
 
 pub(crate) mod board;
 mod pool;
+mod steps;
+mod worker;
+pub(crate) use worker::poll;
 use board::{Board, Ticket};
 use pool::{plan_caller_staging, Pool};
+use steps::on_stream_shape;
 
 /// Events kept for reuse per communicator.
 const EVENTS_KEPT: usize = 8;
@@ -265,7 +267,7 @@ impl Streamed {
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
-            .spawn(move || worker(c, w, stream))
+            .spawn(move || worker::run(c, w, stream))
             .map_err(|e| Error::os("spawn the stream worker", e))?;
         *s.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
         crate::info!(INIT, "rank {}: CUDA mode on device {}, stream worker started", comm.rank, comm.cuda_dev);
@@ -422,17 +424,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // the events the worker waits for.
     let mut pool = s.pool.lock().unwrap_or_else(|p| p.into_inner());
     let gated = !s.host_wait && (s.gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
-    // Which operations go direct, as far as this rank can tell now: not those it declines
-    // (every rank then stages them), nor any collective once the ranks agreed they never do.
-    let off = s.direct_off.load(Ordering::Relaxed);
-    let eligible: Vec<bool> = ops.iter().map(|o| s.routes.eligible(&o.op) && (o.op.kind.is_p2p() || !off)).collect();
-    let offers: Vec<Option<ipc::Offered>> = ops.iter().zip(&eligible)
-        .map(|(o, &e)| if e && !o.op.kind.is_p2p() { ipc::offer(&o.op, s.kernels.is_some()) } else { None })
-        .collect();
-    let declined: Vec<bool> = ops.iter().zip(&eligible).zip(&offers)
-        .map(|((o, &e), offered)| e && !o.op.kind.is_p2p() && offered.is_none())
-        .collect();
-    let goes_direct: Vec<bool> = eligible.iter().zip(&declined).map(|(&e, &d)| e && !d).collect();
+    let Routing { offers, declined, goes_direct } = routing(s, &ops);
     let carve = match pool.as_mut() {
         Some(p) if gated => {
             s.recycle(p.reclaim());
@@ -473,11 +465,8 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // Direct operations whose kernels this call queues on their streams (slots are taken at
     // commit): collectives that go direct, with kernels the board can hold.
     let shapes: Vec<Option<ipc::Shape>> = ops.iter().zip(&prestaged).zip(&goes_direct)
-        .map(|((o, &(pre, _)), &goes_direct)| {
-            let direct = s.direct_on_stream && !pre && goes_direct && !o.op.kind.is_p2p();
-            direct.then(|| ipc::shape(comm, &o.op)).filter(|sh| {
-                !sh.is_empty() && sh.len() <= board::PHASES && sh.iter().map(Vec::len).sum::<usize>() <= board::DESCS
-            })
+        .map(|((o, &(pre, _)), &direct)| {
+            if s.direct_on_stream && !pre && direct { on_stream_shape(comm, &o.op) } else { None }
         })
         .collect();
     let ops = ops.into_iter().map(|o| o.op).collect();
@@ -488,6 +477,30 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         prepared.starts.push(start);
     }
     Ok(Some(prepared))
+}
+
+/// Per operation of a call: what it offers for the direct path (published at call time), and
+/// whether this rank declines it (every rank then stages it) or it goes direct, as far as
+/// this rank can tell now. No collective goes direct once the ranks agreed they never do.
+struct Routing {
+    offers: Vec<Option<ipc::Offered>>,
+    declined: Vec<bool>,
+    goes_direct: Vec<bool>,
+}
+
+fn routing(s: &Streamed, ops: &[StreamOp]) -> Routing {
+    let off = s.direct_off.load(Ordering::Relaxed);
+    let mut r = Routing { offers: Vec::new(), declined: Vec::new(), goes_direct: Vec::new() };
+    for o in ops {
+        let p2p = o.op.kind.is_p2p();
+        let eligible = s.routes.eligible(&o.op) && (p2p || !off);
+        let offered = if eligible && !p2p { ipc::offer(&o.op, s.kernels.is_some()) } else { None };
+        let declined = eligible && !p2p && offered.is_none();
+        r.offers.push(offered);
+        r.declined.push(declined);
+        r.goes_direct.push(eligible && !declined);
+    }
+    r
 }
 
 /// The signal `st` gives when it reaches this point (see [`Start`]).
@@ -531,34 +544,6 @@ pub struct Prepared {
     shapes: Vec<Option<ipc::Shape>>,
     /// Per operation, once the slots are taken (`commit_all`): its slot, if it got one.
     direct: Vec<Option<OnStream>>,
-}
-
-/// One step a caller's stream runs of a direct operation (`board`): wait for the gate, run
-/// the kernels (address of the first descriptor, grid size, which kernel, how many
-/// descriptors side by side), raise the flag.
-struct Step {
-    caller: usize,
-    ticket: Ticket,
-    gate: u32,
-    kernels: Vec<(usize, usize, Indirect, usize)>,
-    flag: Option<u32>,
-}
-
-/// The launches of one phase: consecutive copies together (they write disjoint outputs, and
-/// one launch runs them side by side), every reduction on its own (each may read the last
-/// one's result). Per launch: first descriptor, largest grid size, kernel, descriptors.
-fn launches(phase: &ipc::Phase) -> Vec<(usize, usize, Indirect, usize)> {
-    let mut out: Vec<(usize, usize, Indirect, usize)> = Vec::new();
-    for (j, &(n, kind)) in phase.iter().enumerate() {
-        match out.last_mut() {
-            Some((_, most, Indirect::Copy, rows)) if kind == Indirect::Copy => {
-                *most = (*most).max(n);
-                *rows += 1;
-            }
-            _ => out.push((j, n, kind, 1)),
-        }
-    }
-    out
 }
 
 impl Drop for Prepared {
@@ -686,70 +671,6 @@ fn publish_failure(comm: &Comm, e: &Error) {
 }
 
 impl Prepared {
-    /// Slots of the board for the direct operations (one without a slot runs on the worker's
-    /// stream), and the steps their streams run.
-    fn take_slots(&mut self) -> Vec<Step> {
-        let s = self.lock.0.clone();
-        let Some(board) = s.board.as_ref().filter(|_| s.direct_on_stream) else { return Vec::new() };
-        let mut steps = Vec::new();
-        self.direct = self.shapes.iter_mut().map(|sh| {
-            let shape = sh.take()?;
-            let Some(ticket) = board.take(shape.len()) else {
-                if !s.slots_ran_out.swap(true, Ordering::Relaxed) {
-                    crate::info!(P2P, "rank {}: {} direct operations queued ahead of their streams: no free slot \
-                                       on the board, later ones run on the worker's stream until slots free up",
-                                 self.comm.rank, board::SLOTS);
-                }
-                return None;
-            };
-            Some(OnStream { ticket, shape })
-        }).collect();
-        for (i, d) in self.direct.iter().enumerate() {
-            let Some(d) = d else { continue };
-            let mut first = 0;
-            for (k, phase) in d.shape.iter().enumerate() {
-                let value = d.ticket.step_value(k + 1);
-                let kernels = launches(phase).into_iter()
-                    .map(|(j, n, kind, rows)| (board.desc_addr(&d.ticket, first + j), n, kind, rows))
-                    .collect();
-                first += phase.len();
-                steps.push(Step { caller: self.caller_of[i], ticket: d.ticket, gate: value, kernels, flag: Some(value) });
-            }
-            steps.push(Step { caller: self.caller_of[i], ticket: d.ticket, gate: d.ticket.final_gate(), kernels: Vec::new(),
-                              flag: None });
-        }
-        steps
-    }
-
-    /// Queues one step on its caller's stream.
-    fn enqueue_step(&self, step: &Step) -> Result<()> {
-        let _keep = KeepCurrent::new();
-        let s = &self.lock.0;
-        s.ctx.make_current()?;
-        let (Some(board), Some(kernels)) = (&s.board, s.kernels) else {
-            return Err(Error::internal("a direct operation's step without a board"));
-        };
-        let st = &self.callers[step.caller];
-        let gate = board.gate_word(&step.ticket);
-        let gated = match s.gate_kernel {
-            Some(k) => k.wait_geq(st, board.mem(), gate, step.gate).map(|()| MemOp::Enqueued),
-            None => st.wait_value32(board.mem(), gate, step.gate, WaitCond::Geq),
-        };
-        let refused = || Error::system("the driver refused a stream memory operation it reported as supported");
-        if gated? == MemOp::Unsupported {
-            return Err(refused());
-        }
-        for &(descs, n, kind, rows) in &step.kernels {
-            kernels.indirect(st, descs, n, kind, rows)?;
-        }
-        if let Some(v) = step.flag {
-            if st.write_value32(board.mem(), board.flag_word(&step.ticket), v)? == MemOp::Unsupported {
-                return Err(refused());
-            }
-        }
-        Ok(())
-    }
-
     /// The second half: the callers' streams made to wait for the batch, the batch queued for
     /// the worker, and the results copied out of the pool after the wait (or, in host-wait
     /// mode, once the batch is done).
@@ -858,240 +779,4 @@ impl Drop for SubmitLock {
     fn drop(&mut self) {
         self.0.unlock_submits();
     }
-}
-
-fn worker(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
-    let mut staging = Staging::default();
-    let mut direct = Direct::default();
-    let stream = s.ctx.make_current().map(|()| stream);
-    loop {
-        let batch = {
-            let mut st = s.state();
-            loop {
-                if let Some(b) = st.queue.pop_front() {
-                    break Some(b);
-                }
-                if st.closing {
-                    break None;
-                }
-                st = s.changed.wait(st).unwrap_or_else(|p| p.into_inner());
-            }
-        };
-        let Some(mut batch) = batch else { break };
-        let result = match &stream {
-            // A panic must not strand the callers' streams: it becomes this batch's error (the
-            // worker keeps its staging and mappings: closing mappings while streams wait is
-            // what this module avoids).
-            Ok(stream) => {
-                catch_unwind(AssertUnwindSafe(|| run_batch(&comm, stream, &s, &mut staging, &mut direct, &batch)))
-                    .unwrap_or_else(|_| Err(Error::internal("the stream worker panicked")))
-            }
-            Err(e) => Err(e.clone()),
-        };
-        if result.is_ok() {
-            let events = std::mem::take(&mut batch.starts).into_iter().filter_map(|st| match st {
-                Start::Event(e) => Some(e),
-                Start::Word(_) => None,
-            });
-            s.recycle(events.collect());
-        }
-        if let Err(e) = result {
-            crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
-            publish_failure(&comm, &e);
-            // Copies the failed batch queued may still be writing the caller's buffers: they
-            // finish before the caller's stream moves on.
-            if let Ok(stream) = &stream {
-                let _ = stream.synchronize();
-            }
-        }
-        // Released even on failure: the caller's stream must never wait forever.
-        if let Some(b) = &s.board {
-            batch.direct.iter().flatten().for_each(|d| b.close(&d.ticket));
-        }
-        s.done.word(s.word).store(batch.seq, Ordering::Release);
-        s.state().finished = batch.seq;
-        s.changed.notify_all();
-    }
-}
-
-/// Wait until the caller's stream has reached the call (its event), but not past an abort:
-/// a stream that never gets there (held by the caller, a hung kernel) must not make
-/// ncclCommAbort wait forever for this worker.
-fn wait_started(comm: &Comm, e: &Event) -> Result<()> {
-    let mut failed = None;
-    poll(comm, "the caller's stream", || e.query().unwrap_or_else(|err| {
-        failed = Some(err);
-        true
-    }))?;
-    failed.map_or(Ok(()), Err)
-}
-
-/// Polls `done` until it holds (spinning, then yielding, then napping 50 us), or fails once
-/// the communicator is aborted or revoked.
-pub(crate) fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
-    let mut spins = 0u32;
-    while !done() {
-        if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {
-            return Err(Error::invalid_usage(format!("communicator aborted or revoked while waiting for {what}")));
-        }
-        spins += 1;
-        if spins < 256 {
-            std::hint::spin_loop();
-        } else if spins < 4096 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::launches;
-    use crate::device::cuda::Indirect::{Copy, Of};
-    use crate::types::DataType::Float32;
-
-    /// Consecutive copies share a launch (the largest grid); each reduction has its own.
-    #[test]
-    fn copies_of_a_phase_share_a_launch() {
-        let phase = vec![(10, Of(Float32)), (10, Of(Float32)), (7, Copy), (9, Copy), (3, Copy), (5, Of(Float32)), (2, Copy)];
-        assert_eq!(launches(&phase),
-                   vec![(0, 10, Of(Float32), 1), (1, 10, Of(Float32), 1), (2, 9, Copy, 3), (5, 5, Of(Float32), 1),
-                        (6, 2, Copy, 1)]);
-        assert!(launches(&Vec::new()).is_empty());
-    }
-}
-
-/// Host memory operations are staged in, kept across batches. Ordinary memory, not pinned:
-/// pinning or unpinning while a caller's stream waits for this worker could stall in the driver
-/// (see the module's notes); the device copies it synchronously, through the driver's own
-/// pinned buffers.
-#[derive(Default)]
-struct Staging {
-    plain: Vec<Vec<u8>>,
-}
-
-impl Staging {
-    /// Buffer `i`, at least `len` bytes.
-    fn get(&mut self, i: usize, len: usize) -> Region {
-        if self.plain.len() <= i {
-            self.plain.resize_with(i + 1, Vec::new);
-        }
-        let v = &mut self.plain[i];
-        if v.len() < len {
-            v.resize(len, 0);
-        }
-        Region::owned(&mut v[..len])
-    }
-}
-
-/// An operation of a batch and whether the caller's stream staged it.
-type Flagged = (Op, bool);
-
-fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
-             batch: &Batch) -> Result<()> {
-    for start in &batch.starts {
-        match (start, &s.board) {
-            (Start::Word(t), Some(b)) => poll(comm, "the caller's stream", || b.flag_reached(t, t.step_value(1)))?,
-            (Start::Event(e), _) => wait_started(comm, e)?,
-            (Start::Word(_), None) => return Err(Error::internal("a start signal without a board")),
-        }
-    }
-    comm.ready()?;
-    let mut ops = batch.ops.clone();
-    // PreMulSum scalars in device memory: read now, after the stream's earlier work (from the
-    // pool, on the host, where the caller's stream staged it).
-    for (op, &(_, pooled)) in ops.iter_mut().zip(&batch.prestaged) {
-        let n = op.dt.size();
-        let mut bytes = [0u8; 8];
-        let read = match (pooled, op.scalar_at.take()) {
-            (Some(r), _) => {
-                crate::device::host::copy(Region::owned(&mut bytes[..n]), r);
-                true
-            }
-            (None, Some(p)) => {
-                stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
-                stream.synchronize()?;
-                true
-            }
-            (None, None) => false,
-        };
-        if read {
-            let value = crate::device::host::reduce::scalar_from_bytes(op.dt, &bytes[..n])
-                .ok_or_else(|| Error::internal("PreMulSum scalar conversion"))?;
-            op.op = crate::types::RedOp::PreMulSum(value);
-        }
-    }
-    // Collectives first, in issue order, each direct or staged by rules every rank applies
-    // alike whatever else its group holds (as the host planner also runs a group's
-    // collectives before its sends and receives); then the sends and receives, which pair up
-    // within their group and so are staged together. An operation the caller's stream staged
-    // (`prestaged`) is host work only: its regions are the pool's.
-    // Once the ranks agreed that collectives never go direct again (`Direct::off`, set in the
-    // same operation on every rank), they are staged without asking.
-    for (i, op) in ops.iter().enumerate().filter(|(_, o)| !o.kind.is_p2p()) {
-        let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
-        let offered = batch.offers.get(i).copied().flatten();
-        if let (Some(Some(d)), Some(board), Some(offered)) = (batch.direct.get(i), &s.board, offered) {
-            if !direct.off && ipc::run_on_stream(comm, direct, op, offered, board, &d.ticket, &d.shape)? {
-                continue;
-            }
-            // Every rank stages it; the caller's stream waits at the first gate meanwhile, and
-            // then runs kernels that do nothing.
-            s.direct_off.store(direct.off, Ordering::Relaxed);
-            run_staged(comm, stream, staging, &[(*op, false)])?;
-            board.close(&d.ticket);
-            continue;
-        }
-        if !direct.off {
-            if batch.declined.get(i).copied().unwrap_or(false) {
-                // Its regions may be the pool's now: the agreement must not publish those either.
-                ipc::decline(comm, direct, op, s.kernels.is_none())?;
-            } else if let Some(offered) = offered.filter(|_| !pre) {
-                if ipc::run(comm, stream, s.kernels, direct, op, offered)? {
-                    continue;
-                }
-            }
-        }
-        s.direct_off.store(direct.off, Ordering::Relaxed);
-        run_staged(comm, stream, staging, &[(*op, pre)])?;
-    }
-    let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre));
-    let p2p: Vec<Flagged> = flagged.filter(|(o, _)| o.kind.is_p2p()).collect();
-    if p2p.is_empty() {
-        return Ok(());
-    }
-    let plain: Vec<Op> = p2p.iter().filter(|(_, pre)| !pre).map(|(o, _)| *o).collect();
-    let mut done = ipc::run_p2p(comm, stream, &s.routes, direct, &plain)?.into_iter();
-    // In order: the caller-staged ones, and the others not done directly.
-    let rest: Vec<(Op, bool)> = p2p.into_iter().filter(|&(_, pre)| pre || !done.next().unwrap_or(false)).collect();
-    if rest.is_empty() { Ok(()) } else { run_staged(comm, stream, staging, &rest) }
-}
-
-/// Run the operations with the host transports: those the caller's stream staged (flag set)
-/// as they are, the others copied into host staging memory first and their results back.
-fn run_staged(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, ops: &[(Op, bool)]) -> Result<()> {
-    let mut host_ops = Vec::with_capacity(ops.len());
-    let copies = ops.iter().any(|&(_, pre)| !pre);
-    for (k, &(op, pre)) in ops.iter().enumerate() {
-        if pre {
-            host_ops.push(op);
-            continue;
-        }
-        let send = if op.send.is_empty() { Region::EMPTY } else { staging.get(2 * k, op.send.len()) };
-        let recv = if op.recv.is_empty() { Region::EMPTY } else { staging.get(2 * k + 1, op.recv.len()) };
-        stream.copy(send, op.send)?;
-        host_ops.push(Op { send, recv, ..op });
-    }
-    if copies {
-        stream.synchronize()?;
-    }
-    crate::group::execute_now(comm, &host_ops)?;
-    for (&(op, pre), h) in ops.iter().zip(&host_ops) {
-        if !pre {
-            stream.copy(op.recv, h.recv)?;
-        }
-    }
-    if copies { stream.synchronize() } else { Ok(()) }
 }

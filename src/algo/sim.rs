@@ -167,7 +167,8 @@ fn check(c: &Case, algo: Option<Algo>, rendezvous: bool) {
         if let Some(off) = out_in_send[r] {
             recvs[r] = sends[r][off..off + recv_elems].to_vec();
         }
-        for i in 0..recv_elems {
+        assert!(recvs[r].len() >= recv_elems, "rank {r}: {} elements received, {recv_elems} expected", recvs[r].len());
+        for (i, &got) in recvs[r].iter().enumerate().take(recv_elems) {
             let want = match c.kind {
                 OpKind::AllReduce => reduce_ref(c.op, (0..n).map(|q| value(q, i)), n),
                 OpKind::Reduce if r == c.root => reduce_ref(c.op, (0..n).map(|q| value(q, i)), n),
@@ -181,7 +182,7 @@ fn check(c: &Case, algo: Option<Algo>, rendezvous: bool) {
                 OpKind::AlltoAll => value(i / count, r * count + i % count),
                 _ => unreachable!(),
             };
-            assert_eq!(recvs[r][i], want, "{:?} n={n} count={count} {:?} root={} algo={algo:?} rank {r} elem {i}",
+            assert_eq!(got, want, "{:?} n={n} count={count} {:?} root={} algo={algo:?} rank {r} elem {i}",
                        c.kind, c.op, c.root);
         }
     }

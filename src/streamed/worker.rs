@@ -1,0 +1,240 @@
+//! The stream worker of a communicator in CUDA mode (see `streamed`): a thread that takes the
+//! batches its callers queued, in order, waits until their streams have reached them, runs
+//! them (host transports, the direct path's exchanges and descriptors, staging where the
+//! callers' streams did not) and releases the streams. It must never make a driver call that
+//! may wait for the device while a caller's stream waits for it (the module docs of
+//! `streamed` say which it makes and why they are safe).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{publish_failure, Batch, Start, Streamed};
+use crate::comm::Comm;
+use crate::device::cuda::{Event, Stream};
+use crate::device::host::Region;
+use crate::error::{Error, Result};
+use crate::plan::Op;
+use crate::transport::ipc::{self, Direct};
+
+/// The worker's loop: batches in order until the communicator closes.
+pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
+    let mut staging = Staging::default();
+    let mut direct = Direct::default();
+    let stream = s.ctx.make_current().map(|()| stream);
+    loop {
+        let batch = {
+            let mut st = s.state();
+            loop {
+                if let Some(b) = st.queue.pop_front() {
+                    break Some(b);
+                }
+                if st.closing {
+                    break None;
+                }
+                st = s.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        let Some(mut batch) = batch else { break };
+        let result = match &stream {
+            // A panic must not strand the callers' streams: it becomes this batch's error (the
+            // worker keeps its staging and mappings: closing mappings while streams wait is
+            // what this module avoids).
+            Ok(stream) => {
+                catch_unwind(AssertUnwindSafe(|| run_batch(&comm, stream, &s, &mut staging, &mut direct, &batch)))
+                    .unwrap_or_else(|_| Err(Error::internal("the stream worker panicked")))
+            }
+            Err(e) => Err(e.clone()),
+        };
+        if result.is_ok() {
+            let events = std::mem::take(&mut batch.starts).into_iter().filter_map(|st| match st {
+                Start::Event(e) => Some(e),
+                Start::Word(_) => None,
+            });
+            s.recycle(events.collect());
+        }
+        if let Err(e) = result {
+            crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
+            publish_failure(&comm, &e);
+            // Copies the failed batch queued may still be writing the caller's buffers: they
+            // finish before the caller's stream moves on.
+            if let Ok(stream) = &stream {
+                let _ = stream.synchronize();
+            }
+        }
+        // Released even on failure: the caller's stream must never wait forever.
+        if let Some(b) = &s.board {
+            batch.direct.iter().flatten().for_each(|d| b.close(&d.ticket));
+        }
+        s.done.word(s.word).store(batch.seq, Ordering::Release);
+        s.state().finished = batch.seq;
+        s.changed.notify_all();
+    }
+}
+
+/// Wait until the caller's stream has reached the call (its event), but not past an abort:
+/// a stream that never gets there (held by the caller, a hung kernel) must not make
+/// ncclCommAbort wait forever for this worker.
+fn wait_started(comm: &Comm, e: &Event) -> Result<()> {
+    let mut failed = None;
+    poll(comm, "the caller's stream", || e.query().unwrap_or_else(|err| {
+        failed = Some(err);
+        true
+    }))?;
+    failed.map_or(Ok(()), Err)
+}
+
+/// Polls `done` until it holds (spinning, then yielding, then napping 50 us), or fails once
+/// the communicator is aborted or revoked.
+pub(crate) fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
+    let mut spins = 0u32;
+    while !done() {
+        if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage(format!("communicator aborted or revoked while waiting for {what}")));
+        }
+        spins += 1;
+        if spins < 256 {
+            std::hint::spin_loop();
+        } else if spins < 4096 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+    Ok(())
+}
+
+
+/// Host memory operations are staged in, kept across batches. Ordinary memory, not pinned:
+/// pinning or unpinning while a caller's stream waits for this worker could stall in the driver
+/// (see the module's notes); the device copies it synchronously, through the driver's own
+/// pinned buffers.
+#[derive(Default)]
+struct Staging {
+    plain: Vec<Vec<u8>>,
+}
+
+impl Staging {
+    /// Buffer `i`, at least `len` bytes.
+    fn get(&mut self, i: usize, len: usize) -> Region {
+        if self.plain.len() <= i {
+            self.plain.resize_with(i + 1, Vec::new);
+        }
+        let v = &mut self.plain[i];
+        if v.len() < len {
+            v.resize(len, 0);
+        }
+        Region::owned(&mut v[..len])
+    }
+}
+
+/// An operation of a batch and whether the caller's stream staged it.
+type Flagged = (Op, bool);
+
+fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
+             batch: &Batch) -> Result<()> {
+    for start in &batch.starts {
+        match (start, &s.board) {
+            (Start::Word(t), Some(b)) => poll(comm, "the caller's stream", || b.flag_reached(t, t.step_value(1)))?,
+            (Start::Event(e), _) => wait_started(comm, e)?,
+            (Start::Word(_), None) => return Err(Error::internal("a start signal without a board")),
+        }
+    }
+    comm.ready()?;
+    let mut ops = batch.ops.clone();
+    // PreMulSum scalars in device memory: read now, after the stream's earlier work (from the
+    // pool, on the host, where the caller's stream staged it).
+    for (op, &(_, pooled)) in ops.iter_mut().zip(&batch.prestaged) {
+        let n = op.dt.size();
+        let mut bytes = [0u8; 8];
+        let read = match (pooled, op.scalar_at.take()) {
+            (Some(r), _) => {
+                crate::device::host::copy(Region::owned(&mut bytes[..n]), r);
+                true
+            }
+            (None, Some(p)) => {
+                stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
+                stream.synchronize()?;
+                true
+            }
+            (None, None) => false,
+        };
+        if read {
+            let value = crate::device::host::reduce::scalar_from_bytes(op.dt, &bytes[..n])
+                .ok_or_else(|| Error::internal("PreMulSum scalar conversion"))?;
+            op.op = crate::types::RedOp::PreMulSum(value);
+        }
+    }
+    // Collectives first, in issue order, each direct or staged by rules every rank applies
+    // alike whatever else its group holds (as the host planner also runs a group's
+    // collectives before its sends and receives); then the sends and receives, which pair up
+    // within their group and so are staged together. An operation the caller's stream staged
+    // (`prestaged`) is host work only: its regions are the pool's.
+    // Once the ranks agreed that collectives never go direct again (`Direct::off`, set in the
+    // same operation on every rank), they are staged without asking.
+    for (i, op) in ops.iter().enumerate().filter(|(_, o)| !o.kind.is_p2p()) {
+        let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
+        let offered = batch.offers.get(i).copied().flatten();
+        if let (Some(Some(d)), Some(board), Some(offered)) = (batch.direct.get(i), &s.board, offered) {
+            if !direct.off && ipc::run_on_stream(comm, direct, op, offered, board, &d.ticket, &d.shape)? {
+                continue;
+            }
+            // Every rank stages it; the caller's stream waits at the first gate meanwhile, and
+            // then runs kernels that do nothing.
+            s.direct_off.store(direct.off, Ordering::Relaxed);
+            run_staged(comm, stream, staging, &[(*op, false)])?;
+            board.close(&d.ticket);
+            continue;
+        }
+        if !direct.off {
+            if batch.declined.get(i).copied().unwrap_or(false) {
+                // Its regions may be the pool's now: the agreement must not publish those either.
+                ipc::decline(comm, direct, op, s.kernels.is_none())?;
+            } else if let Some(offered) = offered.filter(|_| !pre) {
+                if ipc::run(comm, stream, s.kernels, direct, op, offered)? {
+                    continue;
+                }
+            }
+        }
+        s.direct_off.store(direct.off, Ordering::Relaxed);
+        run_staged(comm, stream, staging, &[(*op, pre)])?;
+    }
+    let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre));
+    let p2p: Vec<Flagged> = flagged.filter(|(o, _)| o.kind.is_p2p()).collect();
+    if p2p.is_empty() {
+        return Ok(());
+    }
+    let plain: Vec<Op> = p2p.iter().filter(|(_, pre)| !pre).map(|(o, _)| *o).collect();
+    let mut done = ipc::run_p2p(comm, stream, &s.routes, direct, &plain)?.into_iter();
+    // In order: the caller-staged ones, and the others not done directly.
+    let rest: Vec<(Op, bool)> = p2p.into_iter().filter(|&(_, pre)| pre || !done.next().unwrap_or(false)).collect();
+    if rest.is_empty() { Ok(()) } else { run_staged(comm, stream, staging, &rest) }
+}
+
+/// Run the operations with the host transports: those the caller's stream staged (flag set)
+/// as they are, the others copied into host staging memory first and their results back.
+fn run_staged(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, ops: &[(Op, bool)]) -> Result<()> {
+    let mut host_ops = Vec::with_capacity(ops.len());
+    let copies = ops.iter().any(|&(_, pre)| !pre);
+    for (k, &(op, pre)) in ops.iter().enumerate() {
+        if pre {
+            host_ops.push(op);
+            continue;
+        }
+        let send = if op.send.is_empty() { Region::EMPTY } else { staging.get(2 * k, op.send.len()) };
+        let recv = if op.recv.is_empty() { Region::EMPTY } else { staging.get(2 * k + 1, op.recv.len()) };
+        stream.copy(send, op.send)?;
+        host_ops.push(Op { send, recv, ..op });
+    }
+    if copies {
+        stream.synchronize()?;
+    }
+    crate::group::execute_now(comm, &host_ops)?;
+    for (&(op, pre), h) in ops.iter().zip(&host_ops) {
+        if !pre {
+            stream.copy(op.recv, h.recv)?;
+        }
+    }
+    if copies { stream.synchronize() } else { Ok(()) }
+}
