@@ -184,6 +184,31 @@ fn cuda_mode_worker_makes_no_device_calls() {
     }
 }
 
+/// NCCL_RS_POOL_MAX bounds the pinned staging pool: with everything staged (NCCL_P2P_DISABLE=1)
+/// and the pool at its floor (4 MiB), the full run's largest all-to-all no longer fits and the
+/// worker stages it on its own stream (the stand-in reports its device calls); results stay
+/// exact. By default (64 MiB) the pool grows instead and the worker makes no device call in
+/// the whole run.
+#[test]
+fn cuda_mode_pool_max() {
+    if !stand_in_only("cuda_mode_pool_max") {
+        return;
+    }
+    for (max, worker_calls) in [("4194304", true), ("", false)] {
+        let mut job = cuda_job().procs(2).env("NCCL_RS_STUB_REPORT_WORKER_CALLS", "1").env("NCCL_P2P_DISABLE", "1")
+            .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P");
+        if !max.is_empty() {
+            job = job.env("NCCL_RS_POOL_MAX", max);
+        }
+        let o = job.run_outcome();
+        assert!(o.ok(), "NCCL_RS_POOL_MAX={max}: {}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert_eq!(p.log.contains("from the stream worker"), worker_calls, "NCCL_RS_POOL_MAX={max}, process {i}");
+            assert_eq!(p.log.contains("pool grown"), !worker_calls, "NCCL_RS_POOL_MAX={max}, process {i}");
+        }
+    }
+}
+
 /// 600 direct all-reduces queued behind a held stream, more than a communicator's 512 slots:
 /// the rest run on the worker's stream, in issue order with the others; exact results (each
 /// call's input is uploaded into the same buffer just before it). As processes and as ranks

@@ -16,7 +16,10 @@ use crate::plan::Op;
 /// Pinned staging per communicator for operations its callers' streams stage at call time: to
 /// begin with, and at most (grown, while nothing is in flight, to fit a larger batch).
 const POOL_BYTES: usize = 4 << 20;
-const POOL_MAX: usize = 64 << 20;
+/// What a pool may grow to (`NCCL_RS_POOL_MAX`, never below its first size).
+fn pool_max() -> usize {
+    crate::params::pool_max().max(POOL_BYTES)
+}
 /// Alignment of each buffer carved from it.
 const POOL_ALIGN: usize = 256;
 
@@ -137,7 +140,8 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], goes_direct
     let round = |n: usize| n.div_ceil(POOL_ALIGN) * POOL_ALIGN;
     // The direct path moves its own data; an operation larger than the pool can ever be never
     // fits (and its size must not overflow the sum).
-    let fits = |op: &Op| op.send.len().saturating_add(op.recv.len()) <= POOL_MAX;
+    let max = pool_max();
+    let fits = |op: &Op| op.send.len().saturating_add(op.recv.len()) <= max;
     let staged = |i: usize| !goes_direct.get(i).copied().unwrap_or(false);
     let picked: Vec<usize> = (0..ops.len()).filter(|&i| ops[i].copyable && staged(i) && fits(&ops[i].op)).collect();
     let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
@@ -146,9 +150,9 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], goes_direct
         return None;
     }
     let cap = pool.mem.as_ref().map_or(0, |m| m.len());
-    if total > cap && total <= POOL_MAX && pool.inflight.is_empty() {
+    if total > cap && total <= max && pool.inflight.is_empty() {
         // Grown while nothing is in flight; the old memory goes to the spares (never freed).
-        if let Ok(bigger) = MappedHost::new(total.next_power_of_two()) {
+        if let Ok(bigger) = MappedHost::new(total.next_power_of_two().min(max)) {
             crate::info!(P2P, "pinned staging pool grown to {} bytes", bigger.len());
             if let Some(old) = pool.mem.replace(bigger) {
                 SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(old);
