@@ -302,8 +302,8 @@ static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
 
 /* Every local rank: fresh device memory d[l] and pinned h[l] of `count` floats, inputs
  * (in_value with `salt`) uploaded on its stream, then one in-place sum all-reduce per rank
- * in a group. */
-static void fresh_allreduce(CUdeviceptr* d, float** h, size_t count, int salt) {
+ * on `comms` in a group. */
+static void fresh_allreduce_on(ncclComm_t* comms, CUdeviceptr* d, float** h, size_t count, int salt) {
   for (int l = 0; l < g_env.local; l++) {
     d[l] = dev_alloc(count * sizeof(float));
     h[l] = host_alloc(count * sizeof(float));
@@ -312,8 +312,12 @@ static void fresh_allreduce(CUdeviceptr* d, float** h, size_t count, int salt) {
   }
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++)
-    CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+    CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, comms[l], g_streams[l]));
   CHECK(ncclGroupEnd());
+}
+
+static void fresh_allreduce(CUdeviceptr* d, float** h, size_t count, int salt) {
+  fresh_allreduce_on(g_comms, d, h, count, salt);
 }
 
 /* Host-wait mode: when the call (the group) returns, the operation is done: another stream,
@@ -842,16 +846,7 @@ static void recycle(void) {
       const int salt = round * 2 + k;
       CUdeviceptr d[MAX_LOCAL];
       float* h[MAX_LOCAL];
-      for (int l = 0; l < g_env.local; l++) {
-        d[l] = dev_alloc(count * sizeof(float));
-        h[l] = host_alloc(count * sizeof(float));
-        for (size_t j = 0; j < count; j++) h[l][j] = in_value(g_env.first_rank + l, j, salt);
-        CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
-      }
-      CHECK(ncclGroupStart());
-      for (int l = 0; l < g_env.local; l++)
-        CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, c[l], g_streams[l]));
-      CHECK(ncclGroupEnd());
+      fresh_allreduce_on(c, d, h, count, salt);
       for (int l = 0; l < g_env.local; l++) {
         CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
         CU(cu.StreamSynchronize(g_streams[l]));

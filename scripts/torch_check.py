@@ -142,6 +142,16 @@ def stress(rank, world, dev, seconds=10.0):
     return ok
 
 
+def init_nccl(rank, world):
+    """The process group on cuda:0 with backend 'nccl' (ours under LD_PRELOAD)."""
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    # A hang becomes an error within a minute (PyTorch's watchdog), not the step's cap.
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
+                            timeout=datetime.timedelta(seconds=60))
+    return dev
+
+
 def main():
     mode = sys.argv[1]
     if mode == "compare":
@@ -154,20 +164,13 @@ def main():
         sys.exit(0 if same else 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if mode == "stress":
-        dev = torch.device("cuda:0")
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
-                                timeout=datetime.timedelta(seconds=60))
+        dev = init_nccl(rank, world)
         ok = stress(rank, world, dev)
         print(f"rank {rank}: stress: RESULT {'ok' if ok else 'FAILED'}", flush=True)
         dist.destroy_process_group()
         sys.exit(0 if ok else 1)
     if mode == "nccl":
-        dev = torch.device("cuda:0")
-        torch.cuda.set_device(dev)
-        # A hang becomes an error within a minute (PyTorch's watchdog), not the step's cap.
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
-                                timeout=datetime.timedelta(seconds=60))
+        dev = init_nccl(rank, world)
         ok = collectives(rank, world, dev)
     elif mode == "selftest":
         dev = torch.device("cpu")
