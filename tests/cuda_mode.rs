@@ -368,6 +368,9 @@ fn perf_tool_runs_and_checks_device_buffers() {
         assert!(text.contains("Out of bounds values : 0 OK"), "{op}: wrong results:\n{text}");
         assert_eq!(text.lines().filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())).count(), 4,
                    "{op}: expected 4 sizes (8 B to 256 KiB):\n{text}");
+        // And, per size, the time the calling thread spent in the calls.
+        assert_eq!(text.lines().filter(|l| l.starts_with('#') && l.contains("us per call (in the call")).count(), 4,
+                   "{op}: expected the time in the call for 4 sizes:\n{text}");
     }
 }
 

@@ -22,6 +22,8 @@ struct Cell {
     busbw: f64,
     /// Wrong elements over all ranks; None: not checked.
     wrong: Option<u64>,
+    /// Median time this process's thread spent in the calls (their return, not their work).
+    call_us: f64,
 }
 
 struct Row {
@@ -47,12 +49,14 @@ fn measure(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, bytes: usize, i
         step(o, ranks, n, count, in_place)?;
     }
     let mut t = vec![0.0f64; iters];
-    for ti in t.iter_mut() {
+    let mut calls = vec![0.0f64; iters];
+    for (ti, ci) in t.iter_mut().zip(calls.iter_mut()) {
         barrier(ranks)?;
         let t0 = Instant::now();
-        step(o, ranks, n, count, in_place)?;
+        *ci = step(o, ranks, n, count, in_place)?;
         *ti = t0.elapsed().as_secs_f64();
     }
+    calls.sort_by(|a, b| a.total_cmp(b));
     let mut t = max_over_ranks(ranks, &t)?;
     t.sort_by(|a, b| a.total_cmp(b));
     let med = median_sorted(&t);
@@ -65,6 +69,7 @@ fn measure(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, bytes: usize, i
         algbw,
         busbw: algbw * o.coll.bus_factor(n),
         wrong,
+        call_us: median_sorted(&calls) * 1e6,
     })
 }
 
@@ -188,6 +193,15 @@ pub fn run(o: &Opts, proc_index: usize, nprocs: usize) -> Result<(), String> {
         println!("# Out of bounds values : {} {}", wrong, if wrong == 0 { "OK" } else { "FAILED" });
         println!("# Avg bus bandwidth    : {avg_busbw:.4}");
         println!("#");
+        if o.device {
+            // With device buffers a call only queues its work; this is what it costs the
+            // calling thread (process 0's, median), next to the time the work takes.
+            for r in &rows {
+                let per: Vec<String> = r.cells.iter().map(|c| format!("{:.2}", c.call_us)).collect();
+                println!("# {:>12} bytes: {} us per call (in the call; {})", r.bytes, per.join(" / "),
+                         if per.len() > 1 { "out-of-place / in-place" } else { "as measured" });
+            }
+        }
         if let Some(path) = &o.json {
             let doc = to_json(o, n, nprocs, &rows, avg_busbw, wrong);
             std::fs::write(path, doc.pretty()).map_err(|e| format!("cannot write {path}: {e}"))?;

@@ -227,7 +227,10 @@ fn issue(o: &Opts, r: &mut Rank, n: usize, count: usize, in_place: bool) -> nccl
 }
 
 /// Run one call on every local rank (in one group when there are several, as nccl-tests does).
-pub fn step(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool) -> Result<(), String> {
+/// Returns the seconds the calling thread spent in the calls (with device buffers, the calls
+/// only queue the work: what an application's thread pays before it can go on).
+pub fn step(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool) -> Result<f64, String> {
+    let t0 = std::time::Instant::now();
     let grouped = ranks.len() > 1;
     if grouped {
         check(ncclGroupStart(), "ncclGroupStart")?;
@@ -238,11 +241,12 @@ pub fn step(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool
     if grouped {
         check(ncclGroupEnd(), "ncclGroupEnd")?;
     }
+    let in_calls = t0.elapsed().as_secs_f64();
     // Device mode: a call has finished when its stream has.
     for d in ranks.iter().filter_map(|r| r.dev.as_ref()) {
         d.stream.synchronize().map_err(|e| format!("{}: cuStreamSynchronize: {}", o.coll.name(), e.msg))?;
     }
-    Ok(())
+    Ok(in_calls)
 }
 
 /// In-place allreduce of `len` elements of every local rank's buffer `bufs[l]`.
