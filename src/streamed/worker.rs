@@ -132,8 +132,8 @@ impl Staging {
 /// An operation of a batch and whether the caller's stream staged it.
 type Flagged = (Op, bool);
 
-fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
-             batch: &Batch) -> Result<()> {
+/// Waits until every caller's stream of `batch` has reached it.
+fn wait_starts(comm: &Comm, s: &Streamed, batch: &Batch) -> Result<()> {
     for start in &batch.starts {
         match (start, &s.board) {
             (Start::Word(t), Some(b)) => poll(comm, "the caller's stream", || b.flag_reached(t, t.step_value(1)))?,
@@ -141,8 +141,26 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
             (Start::Word(_), None) => return Err(Error::internal("a start signal without a board")),
         }
     }
+    Ok(())
+}
+
+fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
+             batch: &Batch) -> Result<()> {
     comm.ready()?;
+    // The wait for the callers' streams, once, as late as possible: a direct operation maps
+    // its peers' buffers first (`ipc::Started`); everything else needs the streams there.
+    let mut arrived = false;
+    let mut started = || -> Result<()> {
+        if !arrived {
+            wait_starts(comm, s, batch)?;
+            arrived = true;
+        }
+        Ok(())
+    };
     let mut ops = batch.ops.clone();
+    if ops.iter().any(|o| o.scalar_at.is_some()) || batch.prestaged.iter().any(|&(_, scalar)| scalar.is_some()) {
+        started()?;
+    }
     // PreMulSum scalars in device memory: read now, after the stream's earlier work (from the
     // pool, on the host, where the caller's stream staged it).
     for (op, &(_, pooled)) in ops.iter_mut().zip(&batch.prestaged) {
@@ -177,12 +195,14 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
         let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
         let offered = batch.offers.get(i).copied().flatten();
         if let (Some(Some(d)), Some(board), Some(offered)) = (batch.direct.get(i), &s.board, offered) {
-            if !direct.off && ipc::run_on_stream(comm, direct, op, offered, board, &d.ticket, &d.shape)? {
+            let queued = ipc::Queued { board, ticket: &d.ticket, shape: &d.shape };
+            if !direct.off && ipc::run_on_stream(comm, direct, op, offered, &queued, &mut started)? {
                 continue;
             }
             // Every rank stages it; the caller's stream waits at the first gate meanwhile, and
             // then runs kernels that do nothing.
             s.direct_off.store(direct.off, Ordering::Relaxed);
+            started()?;
             run_staged(comm, stream, staging, &[(*op, false)])?;
             board.close(&d.ticket);
             continue;
@@ -190,16 +210,18 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
         if !direct.off {
             if batch.declined.get(i).copied().unwrap_or(false) {
                 // Its regions may be the pool's now: the agreement must not publish those either.
-                ipc::decline(comm, direct, op, s.kernels.is_none())?;
+                ipc::decline(comm, direct, op, s.kernels.is_none(), &mut started)?;
             } else if let Some(offered) = offered.filter(|_| !pre) {
-                if ipc::run(comm, stream, s.kernels, direct, op, offered)? {
+                if ipc::run(comm, stream, s.kernels, direct, op, offered, &mut started)? {
                     continue;
                 }
             }
         }
         s.direct_off.store(direct.off, Ordering::Relaxed);
+        started()?;
         run_staged(comm, stream, staging, &[(*op, pre)])?;
     }
+    started()?;
     let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre));
     let p2p: Vec<Flagged> = flagged.filter(|(o, _)| o.kind.is_p2p()).collect();
     if p2p.is_empty() {

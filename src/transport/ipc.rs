@@ -291,8 +291,22 @@ pub fn offer(op: &Op, kernels: bool) -> Option<Offered> {
 
 /// This rank's part of the agreement for an operation it declines ([`offer`]): every rank
 /// stages it (and, with `never` — this rank has no kernels — every later one too).
-pub fn decline(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, never: bool) -> Result<()> {
-    agree(comm, if never { Offer::Never } else { Offer::Declines }, direct, op).map(|_| ())
+pub fn decline(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, never: bool, started: Started) -> Result<()> {
+    agree(comm, if never { Offer::Never } else { Offer::Declines }, direct, op, started).map(|_| ())
+}
+
+/// Returns once the caller's stream has reached the operation (the worker's wait for its
+/// batch's start, done once). The agreement calls it after mapping the peers' buffers and
+/// before its last exchange, so that the mapping — driver work on page tables — is done while
+/// the stream is typically still busy with earlier work rather than waiting for the worker,
+/// and the last exchange still tells every rank that every stream has arrived.
+pub type Started<'a> = &'a mut dyn FnMut() -> Result<()>;
+
+/// A direct operation's kernels queued on the caller's stream: its board slot and shape.
+pub struct Queued<'a> {
+    pub board: &'a Board,
+    pub ticket: &'a Ticket,
+    pub shape: &'a [Phase],
 }
 
 /// What a rank brings to the agreement on one operation.
@@ -317,7 +331,8 @@ const GO: i32 = 1;
 /// the agreement and stages the operation. A rank that never can (no kernels, a peer it can
 /// never map: the driver refused, or a device of its own process) says so, and then every
 /// rank stages every later collective without asking (`Direct::off`).
-fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op) -> Result<Option<(Vec<Region>, Vec<Region>)>> {
+fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: Started)
+         -> Result<Option<(Vec<Region>, Vec<Region>)>> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
     direct.epoch += 1;
@@ -370,6 +385,8 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op) -> Result
             }
         }
     }
+    // Every rank enters the last exchange only once its own stream has arrived.
+    started()?;
     let mut flag = [verdict.to_le_bytes()];
     let f = Region::owned(flag[0].as_mut_slice());
     control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Min, 1, f, f, op, STEP_AGREE)?;
@@ -401,9 +418,9 @@ fn log_first(comm: &Comm, direct: &mut Direct, op: &Op, on_stream: bool) {
 /// peers' memory or write the caller's: the worker synchronises its stream before it reports
 /// a failed batch.
 pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op,
-           offered: Offered) -> Result<bool> {
+           offered: Offered, started: Started) -> Result<bool> {
     let offer = if kernels.is_some() { Offer::Buffers(offered) } else { Offer::Never };
-    let Some((ins, outs)) = agree(comm, offer, direct, op)? else { return Ok(false) };
+    let Some((ins, outs)) = agree(comm, offer, direct, op, started)? else { return Ok(false) };
     let Some(k) = kernels else { return Ok(false) };
     compute(comm, op, &ins, &outs, &mut Immediate { comm, op, stream, k })?;
     log_first(comm, direct, op, false);
@@ -438,9 +455,10 @@ pub fn shape(comm: &Comm, op: &Op) -> Shape {
 /// kernels of `shape` in slot `t` of `board`, see `streamed::board`): this fills in their
 /// descriptors phase by phase and opens the gates. Ok(false): every rank stages it (the
 /// caller does, then closes the slot). The caller closes the slot in every case.
-pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, offered: Offered, board: &Board, t: &Ticket,
-                     shape: &[Phase]) -> Result<bool> {
-    let Some((ins, outs)) = agree(comm, Offer::Buffers(offered), direct, op)? else { return Ok(false) };
+pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, offered: Offered, queued: &Queued,
+                     started: Started) -> Result<bool> {
+    let Some((ins, outs)) = agree(comm, Offer::Buffers(offered), direct, op, started)? else { return Ok(false) };
+    let Queued { board, ticket: t, shape } = *queued;
     let mut fill = Filler { comm, op, board, t, shape, phase: 0, next: 0 };
     compute(comm, op, &ins, &outs, &mut fill)?;
     if fill.phase != shape.len() {
