@@ -24,7 +24,8 @@
 #      PyTorch (and ours through nccl-rs-perf);
 #   5. the polling-kernel stream gate (NCCL_RS_STREAM_GATE=kernel) against the default;
 #   6. the direct path's bandwidth with its device work on the worker's stream (the design
-#      before) beside the default (on the callers' streams, step 4), and whether one hardware
+#      before) beside the default (on the callers' streams, step 4), small sizes direct (where
+#      NCCL_RS_DIRECT_MIN should be), and whether one hardware
 #      queue (CUDA_DEVICE_MAX_CONNECTIONS=1) deadlocks without host-wait: direct on the callers'
 #      streams, everything staged by the callers' streams, direct on the worker's stream;
 #   7. PyTorch: direct all-reduces while another thread calls torch.cuda.empty_cache().
@@ -191,6 +192,10 @@ fi
 #    the design before): the model says it hangs (killed at the cap; hang-*.txt shows where).
 step perf-cuda-allreduce-2-worker-direct 40 env NCCL_RS_DIRECT_ON_STREAM=0 "$PREP/run/bin/nccl-rs-perf" allreduce \
   -np 2 --device 1 -b 64K -e 256M -f 8 -n 5 -w 1
+# Where direct should start (NCCL_RS_DIRECT_MIN, 64 KiB): below it, small sizes direct, to set
+# beside the staged rows of perf-cuda-allreduce-2.
+step perf-cuda-allreduce-2-direct-small 30 env NCCL_RS_DIRECT_MIN=1 "$PREP/run/bin/nccl-rs-perf" allreduce \
+  -np 2 --device 1 -b 1K -e 64K -f 4 -n 20 -w 5
 step one-queue-direct 40 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 \
   NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
   --exact cuda_mode_2_processes cuda_mode_2_ranks_in_one_process
@@ -212,7 +217,8 @@ step one-queue-worker-direct 25 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_W
   --exact cuda_mode_2_processes
 
 for f in perf-cuda-allreduce-2 perf-cuda-allgather-2 perf-cuda-latency-1 copy-bw-and-nvidia-nccl latency-nccl-rs-torch \
-         perf-cuda-allreduce-2-gate-kernel torch-nccl-rs-gate-kernel perf-cuda-allreduce-2-worker-direct; do
+         perf-cuda-allreduce-2-gate-kernel torch-nccl-rs-gate-kernel perf-cuda-allreduce-2-worker-direct \
+         perf-cuda-allreduce-2-direct-small; do
   grep -E '^ +[0-9]|Avg bus|GB/s|us per call|RESULT' "$OUT/$f.log" 2>/dev/null | sed "s/^/# $f: /" >> "$R"
 done
 say "# done in ${SECONDS}s"

@@ -72,6 +72,25 @@ fn cuda_mode_2_processes_read_each_other_directly() {
     }
 }
 
+/// NCCL_RS_DIRECT_MIN moves the size from which collectives go direct: from 1 byte every
+/// collective on device memory reads the peers directly, down to single elements (ranks
+/// with nothing to reduce included), exact; from 1 GiB none does.
+#[test]
+fn cuda_mode_direct_min() {
+    for (min, direct) in [("1", true), ("1073741824", false)] {
+        let o = cuda_job().procs(2).arg("--only").arg("Collectives").env("NCCL_RS_DIRECT_MIN", min)
+            .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+        assert!(o.ok(), "NCCL_RS_DIRECT_MIN={min}: {}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert_eq!(p.log.contains("are read directly"), direct, "NCCL_RS_DIRECT_MIN={min}, process {i}:\n{}", p.log);
+        }
+        if direct {
+            // The first collective of part Collectives is its smallest (count 1).
+            assert!(o.procs[0].log.contains("from AllReduce #0 (count 1,"), "{}", o.procs[0].log);
+        }
+    }
+}
+
 /// The experimental direct path for sends and receives (NCCL_RS_DIRECT_P2P=1), also under
 /// PyTorch's pattern (part Torch: its large all-reduces take the direct path in any case).
 #[test]

@@ -44,9 +44,12 @@ use crate::streamed::board::{Board, Ticket};
 use crate::transport::{Stamp, STAMP_BYTES};
 use crate::types::{BuiltinOp, DataType, RedOp};
 
-/// Operations at least this large go direct; smaller ones are latency-bound, and staging
-/// through the host transports costs fewer round trips.
-const DIRECT_MIN: usize = 64 << 10;
+/// Operations at least this large go direct (`NCCL_RS_DIRECT_MIN`, 64 KiB by default); smaller
+/// ones are latency-bound, and staging through the host transports costs fewer round trips.
+/// Like every parameter that decides a path, it must be alike on every rank.
+fn direct_min() -> usize {
+    crate::params::direct_min()
+}
 
 /// What a rank publishes about one buffer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -174,7 +177,7 @@ impl Routes {
 
     /// Does `op` go direct?
     pub fn eligible(&self, op: &Op) -> bool {
-        let big = op.count.saturating_mul(op.dt.size()) >= DIRECT_MIN;
+        let big = op.count.saturating_mul(op.dt.size()) >= direct_min().max(1);
         if op.kind.is_p2p() {
             return big && op.scalar_at.is_none() && self.p2p.get(op.root).copied().unwrap_or(false);
         }
