@@ -505,7 +505,7 @@ fn routing(s: &Streamed, ops: &[StreamOp]) -> Routing {
 
 /// The signal `st` gives when it reaches this point (see [`Start`]).
 fn start_signal(s: &Streamed, st: &Stream) -> Result<Start> {
-    if let Some((board, t)) = s.board.as_ref().and_then(|b| b.take(1).map(|t| (b, t))) {
+    if let Some((board, t)) = s.board.as_ref().and_then(|b| b.take(1, 0).map(|t| (b, t))) {
         match st.write_value32(board.mem(), board.flag_word(&t), t.step_value(1)) {
             Ok(MemOp::Enqueued) => return Ok(Start::Word(t)),
             // Nothing queued: the slot is free again.

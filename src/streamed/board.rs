@@ -68,6 +68,8 @@ pub struct Ticket {
     pub slot: usize,
     pub base: u32,
     pub phases: usize,
+    /// Descriptors its kernels read (the first ones of the slot; none for a start signal).
+    pub descs: usize,
 }
 
 impl Ticket {
@@ -87,12 +89,12 @@ impl State {
 
     /// A free slot (its flag, read by `flag`, has reached its last operation's last value)
     /// and the next numbers.
-    fn take(&mut self, phases: usize, flag: impl Fn(usize) -> u32) -> Option<Ticket> {
+    fn take(&mut self, phases: usize, descs: usize, flag: impl Fn(usize) -> u32) -> Option<Ticket> {
         let slot = (0..SLOTS).map(|k| (self.cursor + k) % SLOTS).find(|&i| match self.last_flag[i] {
             None => true,
             Some(last) => reached(flag(i), last),
         })?;
-        let t = Ticket { slot, base: self.next, phases };
+        let t = Ticket { slot, base: self.next, phases, descs };
         self.next = self.next.wrapping_add(4);
         self.cursor = (slot + 1) % SLOTS;
         self.last_flag[slot] = Some(t.step_value(phases));
@@ -128,15 +130,15 @@ impl Board {
         &self.mem
     }
 
-    /// A free slot for an operation of `phases` phases, its descriptors reset to do nothing;
-    /// None when every slot is in flight.
-    pub fn take(&self, phases: usize) -> Option<Ticket> {
-        if phases == 0 || phases > PHASES {
+    /// A free slot for an operation of `phases` phases whose kernels read `descs` descriptors
+    /// (reset to do nothing); None when every slot is in flight, or it would not fit.
+    pub fn take(&self, phases: usize, descs: usize) -> Option<Ticket> {
+        if phases == 0 || phases > PHASES || descs > DESCS {
             return None;
         }
         let flag = |i: usize| self.mem.word(i * SLOT_WORDS + FLAG).load(Ordering::Acquire);
-        let t = self.state.lock().unwrap_or_else(|p| p.into_inner()).take(phases, flag)?;
-        for d in 0..DESCS {
+        let t = self.state.lock().unwrap_or_else(|p| p.into_inner()).take(phases, descs, flag)?;
+        for d in 0..descs {
             self.write(&t, d, Desc::Skip);
         }
         Some(t)
@@ -186,7 +188,7 @@ impl Board {
     /// nothing (a failed operation's output is undefined; the kernels of a phase already
     /// open may have done part of it) and the last gate opens.
     pub fn close(&self, t: &Ticket) {
-        for d in 0..DESCS {
+        for d in 0..t.descs {
             self.write(t, d, Desc::Skip);
         }
         self.open(t, t.final_gate());
@@ -206,20 +208,20 @@ mod tests {
         let mut st = State::new();
         let mut taken = Vec::new();
         for k in 0..SLOTS {
-            let t = st.take(1 + k % 3, |i| flags.borrow()[i]).expect("a free slot");
+            let t = st.take(1 + k % 3, 3, |i| flags.borrow()[i]).expect("a free slot");
             assert!(taken.iter().all(|o: &super::Ticket| o.slot != t.slot), "slot {} handed out twice", t.slot);
             if let Some(prev) = taken.last() {
                 assert!(reached(t.base, prev.final_gate()), "numbers went down: {} after {}", t.base, prev.final_gate());
             }
             taken.push(t);
         }
-        assert!(st.take(1, |i| flags.borrow()[i]).is_none(), "a slot while all are in flight");
+        assert!(st.take(1, 3, |i| flags.borrow()[i]).is_none(), "a slot while all are in flight");
         // The stream of operation 5 is past its next-to-last step: not yet free; past its last: free.
         let t5 = taken[5];
         flags.borrow_mut()[t5.slot] = t5.step_value(t5.phases - 1);
-        assert!(t5.phases == 1 || st.take(1, |i| flags.borrow()[i]).is_none());
+        assert!(t5.phases == 1 || st.take(1, 3, |i| flags.borrow()[i]).is_none());
         flags.borrow_mut()[t5.slot] = t5.step_value(t5.phases);
-        let again = st.take(2, |i| flags.borrow()[i]).expect("the finished slot");
+        let again = st.take(2, 3, |i| flags.borrow()[i]).expect("the finished slot");
         assert_eq!(again.slot, t5.slot);
         assert!(reached(again.base, taken[SLOTS - 1].final_gate()));
         // A later operation's flag values free the slot for an operation behind on it too.

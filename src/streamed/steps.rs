@@ -61,7 +61,7 @@ impl Prepared {
         let mut steps = Vec::new();
         self.direct = self.shapes.iter_mut().map(|sh| {
             let shape = sh.take()?;
-            let Some(ticket) = board.take(shape.len()) else {
+            let Some(ticket) = board.take(shape.len(), shape.iter().map(Vec::len).sum()) else {
                 if !s.slots_ran_out.swap(true, Ordering::Relaxed) {
                     crate::info!(P2P, "rank {}: {} direct operations queued ahead of their streams: no free slot \
                                        on the board, later ones run on the worker's stream until slots free up",
