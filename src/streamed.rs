@@ -182,6 +182,7 @@ struct State {
 
 /// The operations one group issued on this communicator, run together (their sends and
 /// receives may pair up with each other).
+#[derive(Default)]
 struct Batch {
     seq: u32,
     starts: Vec<Start>,
@@ -191,11 +192,30 @@ struct Batch {
     prestaged: Vec<(bool, Option<Region>)>,
     /// Per operation: direct, its kernels queued on the caller's stream (see `board`).
     direct: Vec<Option<OnStream>>,
-    /// Per operation: a direct one this rank declines (`ipc::offer`, decided on the user's
-    /// buffers at call time): it takes part in the agreement, then every rank stages it.
-    declined: Vec<bool>,
-    /// Per operation: what a direct one offers, published at call time (`ipc::offer`).
-    offers: Vec<Option<ipc::Offered>>,
+    /// Per operation: its path as its call saw it.
+    paths: Vec<Path>,
+}
+
+/// How an operation goes, as far as this rank can tell at call time (alike on every rank but
+/// for `Declined`, which the agreement tells the others).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Path {
+    /// Through host memory: small, other hosts, PreMulSum, or no collective goes direct any
+    /// more (`Direct::off`).
+    Staged,
+    /// A collective that could go direct but this rank cannot take (`ipc::offer`: its buffers
+    /// have no CUDA IPC, an in-place all-to-all, no kernels): it takes part in the agreement,
+    /// then every rank stages it.
+    Declined,
+    /// Direct: a collective with its buffers published at call time, or a send or receive on
+    /// the direct path (`NCCL_RS_DIRECT_P2P`, which publishes in the worker).
+    Direct(Option<ipc::Offered>),
+}
+
+impl Path {
+    fn goes_direct(self) -> bool {
+        matches!(self, Path::Direct(_))
+    }
 }
 
 /// How the worker learns that a caller's stream has reached a batch (everything it did before
@@ -424,11 +444,11 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // the events the worker waits for.
     let mut pool = s.pool.lock().unwrap_or_else(|p| p.into_inner());
     let gated = !s.host_wait && (s.gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
-    let Routing { offers, declined, goes_direct } = routing(s, &ops);
+    let paths = paths(s, &ops);
     let carve = match pool.as_mut() {
         Some(p) if gated => {
             s.recycle(p.reclaim());
-            plan_caller_staging(p, &ops, &goes_direct)
+            plan_caller_staging(p, &ops, &paths)
         }
         _ => None,
     };
@@ -464,13 +484,14 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let caller_of: Vec<usize> = ops.iter().map(on).collect();
     // Direct operations whose kernels this call queues on their streams (slots are taken at
     // commit): collectives that go direct, with kernels the board can hold.
-    let shapes: Vec<Option<ipc::Shape>> = ops.iter().zip(&prestaged).zip(&goes_direct)
-        .map(|((o, &(pre, _)), &direct)| {
-            if s.direct_on_stream && !pre && direct { on_stream_shape(comm, &o.op) } else { None }
+    let shapes: Vec<Option<ipc::Shape>> = ops.iter().zip(&prestaged).zip(&paths)
+        .map(|((o, &(pre, _)), path)| match path {
+            Path::Direct(Some(_)) if s.direct_on_stream && !pre => on_stream_shape(comm, &o.op),
+            _ => None,
         })
         .collect();
     let ops = ops.into_iter().map(|o| o.op).collect();
-    let mut prepared = Prepared { comm: comm.clone(), lock, callers, ops, prestaged, declined, offers, outs, carve_id,
+    let mut prepared = Prepared { comm: comm.clone(), lock, callers, ops, prestaged, paths, outs, carve_id,
                                   starts: Vec::new(), seq, committed: false, caller_of, shapes, direct: Vec::new() };
     for st in &prepared.callers {
         let start = start_signal(s, st)?;
@@ -479,28 +500,20 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     Ok(Some(prepared))
 }
 
-/// Per operation of a call: what it offers for the direct path (published at call time), and
-/// whether this rank declines it (every rank then stages it) or it goes direct, as far as
-/// this rank can tell now. No collective goes direct once the ranks agreed they never do.
-struct Routing {
-    offers: Vec<Option<ipc::Offered>>,
-    declined: Vec<bool>,
-    goes_direct: Vec<bool>,
-}
-
-fn routing(s: &Streamed, ops: &[StreamOp]) -> Routing {
+/// Each operation's path (see [`Path`]). No collective goes direct once the ranks agreed they
+/// never do.
+fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
     let off = s.direct_off.load(Ordering::Relaxed);
-    let mut r = Routing { offers: Vec::new(), declined: Vec::new(), goes_direct: Vec::new() };
-    for o in ops {
-        let p2p = o.op.kind.is_p2p();
-        let eligible = s.routes.eligible(&o.op) && (p2p || !off);
-        let offered = if eligible && !p2p { ipc::offer(&o.op, s.kernels.is_some()) } else { None };
-        let declined = eligible && !p2p && offered.is_none();
-        r.offers.push(offered);
-        r.declined.push(declined);
-        r.goes_direct.push(eligible && !declined);
-    }
-    r
+    ops.iter()
+        .map(|o| {
+            let p2p = o.op.kind.is_p2p();
+            match (s.routes.eligible(&o.op) && (p2p || !off), p2p) {
+                (false, _) => Path::Staged,
+                (true, true) => Path::Direct(None),
+                (true, false) => ipc::offer(&o.op, s.kernels.is_some()).map_or(Path::Declined, |o| Path::Direct(Some(o))),
+            }
+        })
+        .collect()
 }
 
 /// The signal `st` gives when it reaches this point (see [`Start`]).
@@ -530,8 +543,7 @@ pub struct Prepared {
     callers: Vec<Stream>,
     ops: Vec<Op>,
     prestaged: Vec<(bool, Option<Region>)>,
-    declined: Vec<bool>,
-    offers: Vec<Option<ipc::Offered>>,
+    paths: Vec<Path>,
     /// Per caller-staged operation: its caller's index, the user's output, the pool's copy.
     outs: Vec<(usize, Region, Region)>,
     carve_id: Option<u64>,
@@ -695,8 +707,7 @@ impl Prepared {
                     // carve goes back after the start events (Prepared's drop).
                     let mut state = s.state();
                     state.issued = seq;
-                    state.queue.push_back(Batch { seq, starts: Vec::new(), ops: Vec::new(), prestaged: Vec::new(),
-                                                  direct: Vec::new(), declined: Vec::new(), offers: Vec::new() });
+                    state.queue.push_back(Batch { seq, ..Batch::default() });
                     drop(state);
                     s.changed.notify_all();
                     return Err(e);
@@ -708,7 +719,7 @@ impl Prepared {
         direct.resize(self.ops.len(), None);
         let batch = Batch { seq, starts: std::mem::take(&mut self.starts), ops: std::mem::take(&mut self.ops),
                             prestaged: std::mem::take(&mut self.prestaged), direct,
-                            declined: std::mem::take(&mut self.declined), offers: std::mem::take(&mut self.offers) };
+                            paths: std::mem::take(&mut self.paths) };
         // Queued before the results are copied out: a copy the driver runs synchronously must
         // find its gate already on the way to opening.
         let mut state = s.state();

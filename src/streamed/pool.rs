@@ -135,14 +135,14 @@ fn ring_alloc(cap: usize, head: usize, oldest: Option<usize>, len: usize) -> Opt
 /// The operations of a batch the callers' streams stage at call time, and their buffers: the
 /// offset of the batch's carve of `pool` and, per operation, (index, send, recv) regions of
 /// it. None when no operation qualifies or they do not fit.
-pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], goes_direct: &[bool])
+pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[super::Path])
                                   -> Option<(usize, Vec<Staged>)> {
     let round = |n: usize| n.div_ceil(POOL_ALIGN) * POOL_ALIGN;
     // The direct path moves its own data; an operation larger than the pool can ever be never
     // fits (and its size must not overflow the sum).
     let max = pool_max();
     let fits = |op: &Op| op.send.len().saturating_add(op.recv.len()) <= max;
-    let staged = |i: usize| !goes_direct.get(i).copied().unwrap_or(false);
+    let staged = |i: usize| !paths.get(i).is_some_and(|p| p.goes_direct());
     let picked: Vec<usize> = (0..ops.len()).filter(|&i| ops[i].copyable && staged(i) && fits(&ops[i].op)).collect();
     let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
     let total: usize = picked.iter().map(|&i| round(ops[i].op.send.len()) + round(ops[i].op.recv.len()) + scalar(i)).sum();

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{publish_failure, Batch, Start, Streamed};
+use super::{publish_failure, Batch, Path, Start, Streamed};
 use crate::comm::Comm;
 use crate::device::cuda::{Event, Stream};
 use crate::device::host::Region;
@@ -105,7 +105,6 @@ pub(crate) fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> R
     Ok(())
 }
 
-
 /// Host memory operations are staged in, kept across batches. Ordinary memory, not pinned:
 /// pinning or unpinning while a caller's stream waits for this worker could stall in the driver
 /// (see the module's notes); the device copies it synchronously, through the driver's own
@@ -193,34 +192,34 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     // same operation on every rank), they are staged without asking.
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| !o.kind.is_p2p()) {
         let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
-        let offered = batch.offers.get(i).copied().flatten();
-        if let (Some(Some(d)), Some(board), Some(offered)) = (batch.direct.get(i), &s.board, offered) {
+        let path = batch.paths.get(i).copied().unwrap_or(Path::Staged);
+        if let (Some(Some(d)), Some(board), Path::Direct(Some(offered))) = (batch.direct.get(i), &s.board, path) {
             let queued = ipc::Queued { board, ticket: &d.ticket, shape: &d.shape };
             if !direct.off && ipc::run_on_stream(comm, direct, op, offered, &queued, &mut started)? {
                 continue;
             }
             // Every rank stages it; the caller's stream waits at the first gate meanwhile, and
             // then runs kernels that do nothing.
-            s.direct_off.store(direct.off, Ordering::Relaxed);
             started()?;
             run_staged(comm, stream, staging, &[(*op, false)])?;
             board.close(&d.ticket);
             continue;
         }
-        if !direct.off {
-            if batch.declined.get(i).copied().unwrap_or(false) {
-                // Its regions may be the pool's now: the agreement must not publish those either.
-                ipc::decline(comm, direct, op, s.kernels.is_none(), &mut started)?;
-            } else if let Some(offered) = offered.filter(|_| !pre) {
-                if ipc::run(comm, stream, s.kernels, direct, op, offered, &mut started)? {
-                    continue;
-                }
+        match path {
+            _ if direct.off => {}
+            // Its regions may be the pool's now: the agreement must not publish those either.
+            Path::Declined => ipc::decline(comm, direct, op, s.kernels.is_none(), &mut started)?,
+            // Run on the worker's stream (no board slot); false: every rank stages it.
+            Path::Direct(Some(offered)) if !pre && ipc::run(comm, stream, s.kernels, direct, op, offered, &mut started)? => {
+                continue
             }
+            _ => {}
         }
-        s.direct_off.store(direct.off, Ordering::Relaxed);
         started()?;
         run_staged(comm, stream, staging, &[(*op, pre)])?;
     }
+    // Calls from now on see it (the ranks agreed in this batch, or earlier).
+    s.direct_off.store(direct.off, Ordering::Relaxed);
     started()?;
     let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre));
     let p2p: Vec<Flagged> = flagged.filter(|(o, _)| o.kind.is_p2p()).collect();
