@@ -141,6 +141,15 @@ static void* host_alloc(size_t bytes) {
   return p;
 }
 
+/* A zeroed word of pinned host memory streams can wait on (`*dev`: its device address),
+ * released by the host storing 1: holds a stream before a call. */
+static uint32_t* gate_word(CUdeviceptr* dev) {
+  uint32_t* flag = host_alloc(64);
+  *(volatile uint32_t*)flag = 0;
+  CU(cu.MemHostGetDevicePointer(dev, flag, 0));
+  return flag;
+}
+
 static CUdeviceptr dev_alloc(size_t bytes) {
   CUdeviceptr p = 0;
   CU(cu.MemAlloc(&p, bytes ? bytes : 1));
@@ -230,10 +239,8 @@ static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
   coll_sizes(c, count, n, &ns, &nr);
   CUdeviceptr dsend[MAX_LOCAL], drecv[MAX_LOCAL];
   float *hin[MAX_LOCAL], *hout[MAX_LOCAL];
-  uint32_t* flag = host_alloc(64);
   CUdeviceptr dflag = 0;
-  *(volatile uint32_t*)flag = 0;
-  if (gate) CU(cu.MemHostGetDevicePointer(&dflag, flag, 0));
+  uint32_t* flag = gate_word(&dflag);
   for (int l = 0; l < g_env.local; l++) {
     int rank = g_env.first_rank + l;
     drecv[l] = dev_alloc(nr * sizeof(float));
@@ -768,10 +775,6 @@ static void group_mix(void) {
   }
 }
 
-/* Fresh device memory for every all-reduce (large enough to read peers directly), as a
- * caching allocator's churn looks to the peers: first kept allocated (more allocations than
- * the mappings a worker keeps: the oldest are closed), then freed after each call (new
- * allocations at addresses the peers have mapped before). Every result exact. */
 /* More direct all-reduces queued ahead of their stream than a communicator has slots for the
  * kernels of calls (512): the stream is held before the first and let go after the last;
  * those past the slots run on the worker's stream, in issue order with the others. Before
@@ -784,10 +787,8 @@ static void backlog(void) {
   CUdeviceptr din[MAX_LOCAL], dout[MAX_LOCAL][OUTPUTS];
   float* hin[MAX_LOCAL][INPUTS];
   float* hout[MAX_LOCAL];
-  uint32_t* flag = host_alloc(64);
   CUdeviceptr dflag = 0;
-  *(volatile uint32_t*)flag = 0;
-  CU(cu.MemHostGetDevicePointer(&dflag, flag, 0));
+  uint32_t* flag = gate_word(&dflag);
   for (int l = 0; l < g_env.local; l++) {
     din[l] = dev_alloc(count * sizeof(float));
     for (int k = 0; k < OUTPUTS; k++) dout[l][k] = dev_alloc(count * sizeof(float));
@@ -861,6 +862,10 @@ static void recycle(void) {
   }
 }
 
+/* Fresh device memory for every all-reduce (large enough to read peers directly), as a
+ * caching allocator's churn looks to the peers: first kept allocated (more allocations than
+ * the mappings a worker keeps: the oldest are closed), then freed after each call (new
+ * allocations at addresses the peers have mapped before). Every result exact. */
 static void churn(void) {
   test_step("churn");
   enum { ROUNDS_MAX = 300 };
@@ -989,10 +994,8 @@ static int abort_held(void) {
   long count = atol(getenv("CUDA_TEST_ABORT_HELD"));
   if (count <= 1) count = 1024;
   CUdeviceptr d = dev_alloc((size_t)count * sizeof(float));
-  uint32_t* flag = host_alloc(64);
   CUdeviceptr dflag = 0;
-  *(volatile uint32_t*)flag = 0;
-  CU(cu.MemHostGetDevicePointer(&dflag, flag, 0));
+  uint32_t* flag = gate_word(&dflag);
   CU(cu.StreamWaitValue32(g_streams[0], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
   CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, (size_t)count, ncclFloat32, ncclSum, g_comms[0],
                       g_streams[0]));
