@@ -762,7 +762,7 @@ impl HostWait {
     pub fn wait(self) {
         {
             let mut st = self.s.state();
-            while st.finished.wrapping_sub(self.seq) as i32 <= -1 {
+            while !board::reached(st.finished, self.seq) {
                 st = self.s.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         }

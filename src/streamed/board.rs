@@ -103,7 +103,7 @@ impl State {
 }
 
 /// `a >= b` for counters that wrap.
-fn reached(a: u32, b: u32) -> bool {
+pub(super) fn reached(a: u32, b: u32) -> bool {
     a.wrapping_sub(b) as i32 >= 0
 }
 
