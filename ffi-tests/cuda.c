@@ -7,6 +7,10 @@
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
  *                                all-reduce of N floats, 1 meaning 1024)
  *   CUDA_TEST_LAUNCH_FAIL=1 cuda (2 processes; process 1 with NCCL_RS_STUB_LAUNCH_FAILS=1)
+ *   CUDA_TEST_VMM=1 cuda        (device buffers from the virtual memory API, placed as PyTorch's
+ *                                expandable segments place them: see vmm_alloc)
+ *   CUDA_TEST_NO_PTRACE=1 cuda  (the process refuses ptrace access by others: no peer can take
+ *                                its descriptors with pidfd_getfd, nor read it with CMA)
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
  * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
@@ -22,9 +26,14 @@
 #include "common.h"
 
 #include <dlfcn.h>
+#include <errno.h>
+#include <linux/capability.h>
 #include <pthread.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -56,6 +65,14 @@ static struct {
   CUresult (*EventDestroy)(void*);
   CUresult (*EventRecord)(void*, CUstream);
   CUresult (*StreamWaitEvent)(CUstream, void*, unsigned);
+  /* The virtual memory API, loaded with CUDA_TEST_VMM=1. */
+  CUresult (*MemGetAllocationGranularity)(size_t*, const void*, int);
+  CUresult (*MemCreate)(unsigned long long*, size_t, const void*, unsigned long long);
+  CUresult (*MemRelease)(unsigned long long);
+  CUresult (*MemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*MemMap)(CUdeviceptr, size_t, size_t, unsigned long long, unsigned long long);
+  CUresult (*MemUnmap)(CUdeviceptr, size_t);
+  CUresult (*MemSetAccess)(CUdeviceptr, size_t, const void*, size_t);
 } cu;
 
 #define CU(call)                                                                  \
@@ -106,6 +123,15 @@ static void load_driver(void) {
   *(void**)&cu.EventDestroy = sym(lib, "cuEventDestroy_v2");
   *(void**)&cu.EventRecord = sym(lib, "cuEventRecord");
   *(void**)&cu.StreamWaitEvent = sym(lib, "cuStreamWaitEvent");
+  if (getenv("CUDA_TEST_VMM")) {
+    *(void**)&cu.MemGetAllocationGranularity = sym(lib, "cuMemGetAllocationGranularity");
+    *(void**)&cu.MemCreate = sym(lib, "cuMemCreate");
+    *(void**)&cu.MemRelease = sym(lib, "cuMemRelease");
+    *(void**)&cu.MemAddressReserve = sym(lib, "cuMemAddressReserve");
+    *(void**)&cu.MemMap = sym(lib, "cuMemMap");
+    *(void**)&cu.MemUnmap = sym(lib, "cuMemUnmap");
+    *(void**)&cu.MemSetAccess = sym(lib, "cuMemSetAccess");
+  }
 }
 
 #define CU_STREAM_NON_BLOCKING 1
@@ -150,10 +176,99 @@ static uint32_t* gate_word(CUdeviceptr* dev) {
   return flag;
 }
 
+/* cuda.h's CUmemAllocationProp and CUmemAccessDesc (CUDA 12), for the virtual memory API. */
+typedef struct {
+  int type, requested_handle_types, location_type, location_id;
+  void* win32;
+  unsigned char alloc_flags[8];
+} mem_prop_t;
+typedef struct {
+  int location_type, location_id, flags;
+} mem_access_t;
+enum { MEM_PINNED = 1, MEM_LOCATION_DEVICE = 1, MEM_HANDLE_POSIX_FD = 1, MEM_ACCESS_RW = 3 };
+
+/* CUDA_TEST_VMM=1: device buffers as PyTorch's expandable segments carve them. One range of
+ * addresses is reserved; allocations of the granularity (2 MiB on a GPU), each its own
+ * cuMemCreate shareable as a POSIX descriptor, are mapped into it as buffers need them; buffers
+ * follow each other at 256-byte alignment, so most start inside an allocation and many span
+ * several. When the last buffer is freed, every allocation is unmapped and released (as
+ * empty_cache does) and later buffers get new allocations at the same addresses. */
+static struct {
+  int on;
+  size_t gran, reserved;
+  CUdeviceptr base;
+  size_t mapped, used; /* bytes mapped from base, bytes handed out */
+  int live;
+} g_vmm;
+
+static mem_prop_t vmm_prop(void) {
+  mem_prop_t p = {MEM_PINNED, MEM_HANDLE_POSIX_FD, MEM_LOCATION_DEVICE, g_device, NULL, {0}};
+  return p;
+}
+
+static CUdeviceptr vmm_alloc(size_t bytes) {
+  if (!g_vmm.base) {
+    mem_prop_t prop = vmm_prop();
+    CU(cu.MemGetAllocationGranularity(&g_vmm.gran, &prop, 0));
+    g_vmm.reserved = (size_t)1 << 31;
+    CU(cu.MemAddressReserve(&g_vmm.base, g_vmm.reserved, g_vmm.gran, 0, 0));
+  }
+  size_t at = (g_vmm.used + 255) & ~(size_t)255;
+  if (at + bytes > g_vmm.reserved) {
+    tlog("FATAL: the test's expandable segment is full (%zu + %zu bytes)", at, bytes);
+    exit(1);
+  }
+  while (g_vmm.mapped < at + bytes) {
+    mem_prop_t prop = vmm_prop();
+    unsigned long long h = 0;
+    CU(cu.MemCreate(&h, g_vmm.gran, &prop, 0));
+    CU(cu.MemMap(g_vmm.base + g_vmm.mapped, g_vmm.gran, 0, h, 0));
+    CU(cu.MemRelease(h)); /* the mapping holds it */
+    mem_access_t rw = {MEM_LOCATION_DEVICE, g_device, MEM_ACCESS_RW};
+    CU(cu.MemSetAccess(g_vmm.base + g_vmm.mapped, g_vmm.gran, &rw, 1));
+    g_vmm.mapped += g_vmm.gran;
+  }
+  g_vmm.used = at + bytes;
+  g_vmm.live++;
+  return g_vmm.base + at;
+}
+
+static void vmm_free(void) {
+  if (--g_vmm.live > 0) return;
+  for (int l = 0; l < g_env.local; l++) CU(cu.StreamSynchronize(g_streams[l]));
+  for (size_t off = 0; off < g_vmm.mapped; off += g_vmm.gran) CU(cu.MemUnmap(g_vmm.base + off, g_vmm.gran));
+  g_vmm.mapped = g_vmm.used = 0;
+}
+
 static CUdeviceptr dev_alloc(size_t bytes) {
+  if (g_vmm.on) return vmm_alloc(bytes ? bytes : 1);
   CUdeviceptr p = 0;
   CU(cu.MemAlloc(&p, bytes ? bytes : 1));
   return p;
+}
+
+static void dev_free(CUdeviceptr p) {
+  if (g_vmm.on) vmm_free();
+  else CU(cu.MemFree(p));
+}
+
+/* CUDA_TEST_NO_PTRACE=1: no other process may ptrace this one (it is not dumpable and drops
+ * CAP_SYS_PTRACE, which root would use to override that), as under Yama's ptrace_scope or a
+ * container without CAP_SYS_PTRACE: pidfd_getfd and process_vm_readv on it fail. */
+static void refuse_ptrace(void) {
+  struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+  struct __user_cap_data_struct caps[2];
+  if (syscall(SYS_capget, &hdr, caps) != 0) {
+    tlog("FATAL: capget: %s", strerror(errno));
+    exit(1);
+  }
+  caps[CAP_TO_INDEX(CAP_SYS_PTRACE)].effective &= ~CAP_TO_MASK(CAP_SYS_PTRACE);
+  caps[CAP_TO_INDEX(CAP_SYS_PTRACE)].permitted &= ~CAP_TO_MASK(CAP_SYS_PTRACE);
+  caps[CAP_TO_INDEX(CAP_SYS_PTRACE)].inheritable &= ~CAP_TO_MASK(CAP_SYS_PTRACE);
+  if (syscall(SYS_capset, &hdr, caps) != 0 || prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
+    tlog("FATAL: refusing ptrace: %s", strerror(errno));
+    exit(1);
+  }
 }
 
 /* Value j of rank r's input: small integers, exact in float sums of up to 16 ranks. */
@@ -252,7 +367,7 @@ static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
       /* NCCL's in-place layouts: allgather's input is my block of the output, reducescatter's
        * output my block of the input; the others share one buffer. */
       size_t big = ns > nr ? ns : nr;
-      CU(cu.MemFree(drecv[l]));
+      dev_free(drecv[l]);
       drecv[l] = dev_alloc(big * sizeof(float));
       dsend[l] = drecv[l];
       if (c == C_ALLGATHER || c == C_GATHER) dsend[l] = drecv[l] + (CUdeviceptr)rank * count * sizeof(float);
@@ -291,10 +406,10 @@ static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
   }
   for (int l = 0; l < g_env.local; l++) {
     if (in_place) {
-      CU(cu.MemFree(c == C_REDUCESCATTER || c == C_SCATTER ? dsend[l] : drecv[l]));
+      dev_free(c == C_REDUCESCATTER || c == C_SCATTER ? dsend[l] : drecv[l]);
     } else {
-      CU(cu.MemFree(dsend[l]));
-      CU(cu.MemFree(drecv[l]));
+      dev_free(dsend[l]);
+      dev_free(drecv[l]);
     }
     CU(cu.MemFreeHost(hin[l]));
     CU(cu.MemFreeHost(hout[l]));
@@ -344,7 +459,7 @@ static void host_wait(void) {
     for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 5);
     EXPECT(bad == 0, "host-wait mode: rank %d's result incomplete when the call returned (%zu values)", g_env.first_rank + l, bad);
     CU(cu.StreamSynchronize(g_streams[l]));
-    CU(cu.MemFree(d[l]));
+    dev_free(d[l]);
     CU(cu.MemFreeHost(h[l]));
   }
   CU(cu.StreamDestroy(side));
@@ -407,8 +522,8 @@ static void p2p(void) {
       size_t bad = 0;
       for (size_t j = 0; j < total; j++) bad += hout[l][j] != in_value(from, j, round);
       EXPECT(bad == 0, "p2p round %d rank %d: %zu wrong values from rank %d", round, rank, bad, from);
-      CU(cu.MemFree(ds[l]));
-      CU(cu.MemFree(dr[l]));
+      dev_free(ds[l]);
+      dev_free(dr[l]);
       CU(cu.MemFreeHost(hin[l]));
       CU(cu.MemFreeHost(hout[l]));
     }
@@ -456,7 +571,7 @@ static void mixed(void) {
     size_t bad = 0;
     for (size_t j = 0; j < count; j++) bad += hr[l][j] != in_value(from, j, 5);
     EXPECT(bad == 0, "pinned-to-device send, rank %d: %zu wrong values from rank %d", rank, bad, from);
-    CU(cu.MemFree(ds[l]));
+    dev_free(ds[l]);
     CU(cu.MemFreeHost(hin[l]));
     CU(cu.MemFreeHost(hr[l]));
   }
@@ -521,8 +636,8 @@ static void two_streams(void) {
         bad += hout[l][k][j] != want;
       }
       EXPECT(bad == 0, "two streams, operation %d, rank %d: %zu wrong values", k, rank, bad);
-      CU(cu.MemFree(din[l][k]));
-      CU(cu.MemFree(dout[l][k]));
+      dev_free(din[l][k]);
+      dev_free(dout[l][k]);
       CU(cu.MemFreeHost(hin[l][k]));
       CU(cu.MemFreeHost(hout[l][k]));
     }
@@ -578,7 +693,7 @@ static void order(void) {
     }
   }
   for (int l = 0; l < g_env.local; l++) {
-    CU(cu.MemFree(d[l]));
+    dev_free(d[l]);
     CU(cu.MemFreeHost(hd[l]));
     free(hh[l]);
   }
@@ -619,8 +734,8 @@ static void premul(void) {
     }
     EXPECT(bad == 0, "PreMulSum with device scalars, rank %d: %zu wrong values", g_env.first_rank + l, bad);
     CHECK(ncclRedOpDestroy(ops[l], g_comms[l]));
-    CU(cu.MemFree(d[l]));
-    CU(cu.MemFree(sc[l]));
+    dev_free(d[l]);
+    dev_free(sc[l]);
     CU(cu.MemFreeHost(h[l]));
     CU(cu.MemFreeHost(hs[l]));
   }
@@ -642,7 +757,7 @@ static void capture(void) {
     EXPECT(r == ncclInvalidUsage, "allreduce during graph capture returned %s", result_name(r));
     EXPECT(msg && strstr(msg, "graph"), "the capture error does not say why: '%s'", msg ? msg : "(null)");
   }
-  CU(cu.MemFree(d));
+  dev_free(d);
   run_coll(C_ALLREDUCE, 100, 0, 0, 9); /* still works */
 }
 
@@ -722,7 +837,7 @@ static int fault(void) {
   double t = now_s();
   CHECK(ncclCommAbort(comm));
   EXPECT(now_s() - t < 5.0, "ncclCommAbort took %.1f s", now_s() - t);
-  CU(cu.MemFree(d));
+  dev_free(d);
   return test_finish();
 }
 
@@ -768,9 +883,9 @@ static void group_mix(void) {
       for (size_t j = 0; j < pc; j++) badp += h[l][j] != in_value(1 - rank, j, 21);
       EXPECT(badp == 0, "send/recv grouped with an all-reduce, rank %d: %zu wrong values", rank, badp);
     }
-    CU(cu.MemFree(d[l]));
-    CU(cu.MemFree(ps[l]));
-    CU(cu.MemFree(pr[l]));
+    dev_free(d[l]);
+    dev_free(ps[l]);
+    dev_free(pr[l]);
     CU(cu.MemFreeHost(h[l]));
   }
 }
@@ -818,8 +933,8 @@ static void backlog(void) {
       for (size_t j = 0; j < count; j++) bad += hout[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, last % INPUTS);
       EXPECT(bad == 0, "backlog: rank %d, call %d: %zu wrong values", g_env.first_rank + l, last, bad);
     }
-    CU(cu.MemFree(din[l]));
-    for (int k = 0; k < OUTPUTS; k++) CU(cu.MemFree(dout[l][k]));
+    dev_free(din[l]);
+    for (int k = 0; k < OUTPUTS; k++) dev_free(dout[l][k]);
     for (int k = 0; k < INPUTS; k++) CU(cu.MemFreeHost(hin[l][k]));
     CU(cu.MemFreeHost(hout[l]));
   }
@@ -854,7 +969,7 @@ static void recycle(void) {
         size_t bad = 0;
         for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, n, 0, j, salt);
         EXPECT(bad == 0, "recycle round %d, %zu floats, rank %d: %zu wrong values", round, count, g_env.first_rank + l, bad);
-        CU(cu.MemFree(d[l]));
+        dev_free(d[l]);
         CU(cu.MemFreeHost(h[l]));
       }
     }
@@ -883,12 +998,12 @@ static void churn(void) {
       size_t bad = 0;
       for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, i % 5);
       EXPECT(bad == 0, "churn round %d, rank %d: %zu wrong values", i, g_env.first_rank + l, bad);
-      if (i >= kept) CU(cu.MemFree(d[l]));
+      if (i >= kept) dev_free(d[l]);
       CU(cu.MemFreeHost(h[l]));
     }
   }
   for (int i = 0; i < kept && i < rounds; i++)
-    for (int l = 0; l < g_env.local; l++) CU(cu.MemFree(live[i][l]));
+    for (int l = 0; l < g_env.local; l++) dev_free(live[i][l]);
 }
 
 /* A call leaves the caller's current context alone (here: none), as NCCL does. */
@@ -911,7 +1026,7 @@ static void context(void) {
   CU(cu.CtxSetCurrent(g_ctx));
   for (int l = 0; l < g_env.local; l++) {
     CU(cu.StreamSynchronize(g_streams[l]));
-    CU(cu.MemFree(d[l]));
+    dev_free(d[l]);
   }
 }
 
@@ -937,7 +1052,7 @@ static int mismatch(void) {
   EXPECT(why && !strstr(why, "AllGather") && !strstr(why, "int8"), "the error names internal operations: '%s'", why ? why : "(null)");
   tlog("mismatch: %s: %s", result_name(r), why);
   CHECK(ncclCommAbort(comm));
-  CU(cu.MemFree(d));
+  dev_free(d);
   return test_finish();
 }
 
@@ -982,7 +1097,7 @@ static int launch_fail(void) {
     if (f) fclose(f);
   }
   CHECK(ncclCommAbort(comm));
-  CU(cu.MemFree(d));
+  dev_free(d);
   return test_finish();
 }
 
@@ -1004,7 +1119,7 @@ static int abort_held(void) {
   EXPECT(now_s() - t < 5.0, "ncclCommAbort took %.1f s with the stream held", now_s() - t);
   __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
   CU(cu.StreamSynchronize(g_streams[0]));
-  CU(cu.MemFree(d));
+  dev_free(d);
   CU(cu.MemFreeHost(flag));
   return test_finish();
 }
@@ -1261,17 +1376,17 @@ static void torch_like(void) {
     CU(cu.StreamDestroy(nccl_stream[l]));
     CU(cu.EventDestroy(ev_in[l]));
     CU(cu.EventDestroy(ev_out[l]));
-    CU(cu.MemFree(done[l]));
+    dev_free(done[l]);
     CU(cu.MemFreeHost(one[l]));
     if (!sub[l]) continue;
     for (int b = 0; b < BUCKETS; b++) {
-      CU(cu.MemFree(db[l][b]));
+      dev_free(db[l][b]);
       CU(cu.MemFreeHost(hb[l][b]));
     }
-    CU(cu.MemFree(da_in[l]));
-    CU(cu.MemFree(da_out[l]));
-    CU(cu.MemFree(du_in[l]));
-    CU(cu.MemFree(du_out[l]));
+    dev_free(da_in[l]);
+    dev_free(da_out[l]);
+    dev_free(du_in[l]);
+    dev_free(du_out[l]);
     CU(cu.MemFreeHost(ha_in[l]));
     CU(cu.MemFreeHost(ha_out[l]));
     CU(cu.MemFreeHost(hu_in[l]));
@@ -1282,6 +1397,8 @@ static void torch_like(void) {
 int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
+  g_vmm.on = getenv("CUDA_TEST_VMM") != NULL;
+  if (getenv("CUDA_TEST_NO_PTRACE")) refuse_ptrace();
   const char* dev = getenv("NCCL_TEST_CUDA_DEVICE");
   g_device = dev && *dev ? atoi(dev) : 0;
   CU(cu.Init(0));

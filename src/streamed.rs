@@ -198,7 +198,9 @@ struct Batch {
 
 /// How an operation goes, as far as this rank can tell at call time (alike on every rank but
 /// for `Declined`, which the agreement tells the others).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug)]
+// Boxing the offer would allocate on every direct call; the paths of a call are few.
+#[allow(clippy::large_enum_variant)]
 enum Path {
     /// Through host memory: small, other hosts, PreMulSum, or no collective goes direct any
     /// more (`Direct::off`).
@@ -213,7 +215,7 @@ enum Path {
 }
 
 impl Path {
-    fn goes_direct(self) -> bool {
+    fn goes_direct(&self) -> bool {
         matches!(self, Path::Direct(_))
     }
 }
@@ -510,7 +512,7 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
             match (s.routes.eligible(&o.op) && (p2p || !off), p2p) {
                 (false, _) => Path::Staged,
                 (true, true) => Path::Direct(None),
-                (true, false) => ipc::offer(&o.op, s.kernels.is_some()).map_or(Path::Declined, |o| Path::Direct(Some(o))),
+                (true, false) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes).map_or(Path::Declined, |o| Path::Direct(Some(o))),
             }
         })
         .collect()

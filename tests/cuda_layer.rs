@@ -16,7 +16,8 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use nccl::device::cuda::{self, Context, Desc, Event, Indirect, IpcHandle, IpcMapping, MappedHost, MemOp, PtrKind, Stream, WaitCond};
+use nccl::device::cuda::{self, Context, Desc, Event, Indirect, IpcHandle, IpcMapping, MappedHost, MemOp, PidFd, PtrKind,
+                         Segment, Stream, VmmMapping, WaitCond};
 use nccl::device::host::{self, ElemOp, Region, UserPtr};
 use nccl::device::mode::{self, Mode};
 use nccl::types::{DataType, Scalar};
@@ -27,6 +28,7 @@ const EXPECT_DEVICES: &str = "NCCL_RS_TEST_EXPECT_DEVICES";
 const CASE: &str = "NCCL_RS_TEST_CASE";
 const DRIVER: &str = "NCCL_RS_TEST_DRIVER";
 const IPC_HANDLE: &str = "NCCL_RS_TEST_IPC_HANDLE";
+const VMM_SEGMENTS: &str = "NCCL_RS_TEST_VMM_SEGMENTS";
 const DEADLINE: Duration = Duration::from_secs(20);
 const CHILD_DEADLINE: Duration = Duration::from_secs(300);
 
@@ -503,6 +505,137 @@ fn check_ipc() {
     let got = download(&stream, buf.region());
     assert!(got[..IPC_LEN / 2].iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)));
     assert!(got[IPC_LEN / 2..].iter().all(|&b| b == 0xee), "the owner sees the peer's write");
+}
+
+/// Allocations of the virtual memory API mapped side by side, as PyTorch's expandable segments
+/// map them (unmapped and released on drop).
+struct VmmBuf {
+    base: u64,
+    gran: usize,
+    count: usize,
+}
+
+impl VmmBuf {
+    /// `count` allocations of the granularity, each its own cuMemCreate, exportable as POSIX
+    /// descriptors if `shareable`.
+    fn new(count: usize, shareable: bool) -> VmmBuf {
+        use cudarc::driver::sys;
+        let ok = sys::CUresult::CUDA_SUCCESS;
+        let location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 0 };
+        let handles = if shareable {
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        } else {
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+        };
+        let prop = sys::CUmemAllocationProp {
+            type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: handles,
+            location,
+            win32HandleMetaData: std::ptr::null_mut(),
+            allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 { compressionType: 0, gpuDirectRDMACapable: 0, usage: 0,
+                                                                     reserved: [0; 4] },
+        };
+        let mut gran = 0usize;
+        let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        // SAFETY (this block): valid out-pointers and descriptors; every address passed is one
+        // reserved or mapped just before.
+        unsafe {
+            assert_eq!(sys::cuMemGetAllocationGranularity(&mut gran, &prop, min), ok);
+            let mut base = 0;
+            assert_eq!(sys::cuMemAddressReserve(&mut base, gran * count, gran, 0, 0), ok);
+            for k in 0..count {
+                let mut h = 0;
+                assert_eq!(sys::cuMemCreate(&mut h, gran, &prop, 0), ok);
+                assert_eq!(sys::cuMemMap(base + (k * gran) as u64, gran, 0, h, 0), ok);
+                assert_eq!(sys::cuMemRelease(h), ok);
+            }
+            let rw = sys::CUmemAccessDesc { location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+            assert_eq!(sys::cuMemSetAccess(base, gran * count, &rw, 1), ok);
+            VmmBuf { base, gran, count }
+        }
+    }
+}
+
+impl Drop for VmmBuf {
+    fn drop(&mut self) {
+        use cudarc::driver::sys;
+        // SAFETY: the mappings and the reservation `new` made.
+        unsafe {
+            for k in 0..self.count {
+                sys::cuMemUnmap(self.base + (k * self.gran) as u64, self.gran);
+            }
+            sys::cuMemAddressFree(self.base, self.gran * self.count);
+        }
+    }
+}
+
+#[test]
+fn vmm_allocations_map_side_by_side_in_another_process() {
+    if in_child("vmm_allocations_map_side_by_side_in_another_process", check_vmm) {
+        return;
+    }
+    for driver in drivers() {
+        run_child("vmm_allocations_map_side_by_side_in_another_process", driver, &[]);
+    }
+}
+
+fn check_vmm() {
+    let ctx = Context::primary(0).unwrap();
+    let stream = Stream::new(ctx).unwrap();
+    if let Ok(spec) = std::env::var(VMM_SEGMENTS) {
+        // The peer: take the owner's descriptors, map its allocations side by side, read what
+        // the owner wrote (from 100 bytes into the first), write the second half.
+        let mut fields = spec.split(',');
+        let pid: u32 = fields.next().unwrap().parse().unwrap();
+        let len: usize = fields.next().unwrap().parse().unwrap();
+        let segments: Vec<Segment> = fields.map(|f| {
+            let v: Vec<u64> = f.split(':').map(|x| x.parse().unwrap()).collect();
+            Segment { addr: v[0], size: v[1], id: v[2], fd: v[3] as i32 }
+        }).collect();
+        let owner = PidFd::open(pid).unwrap();
+        let mapping = VmmMapping::import(&owner, &segments, 0).unwrap();
+        assert_eq!(mapping.size() as u64, segments.iter().map(|s| s.size).sum::<u64>());
+        assert!(matches!(cuda::classify(mapping.addr()).unwrap(), PtrKind::Device { .. }));
+        let region = device_region(mapping.addr() + 100, len);
+        let got = download(&stream, region);
+        assert!(got.iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)), "the peer sees the owner's bytes");
+        stream.memset(region.sub(len / 2, len - len / 2), 0xee).unwrap();
+        stream.synchronize().unwrap();
+        let gone = VmmMapping::import(&owner, &[Segment { fd: 1 << 20, ..segments[0] }], 0).err().expect("no such fd");
+        assert!(gone.msg.starts_with("pidfd_getfd"), "{gone}");
+        return;
+    }
+    // The owner: three allocations side by side; a buffer from 100 bytes into the first to 100
+    // bytes before the end of the last.
+    let buf = VmmBuf::new(3, true);
+    let gran = buf.gran;
+    let (start, len) = (buf.base as usize + 100, 3 * gran - 200);
+    assert!(matches!(cuda::classify(start).unwrap(), PtrKind::Device { ordinal: 0 }));
+    assert!(IpcHandle::of(buf.base as *mut c_void).is_err(), "CUDA IPC handles do not cover this memory");
+    assert_eq!(cuda::allocation_of(start + gran).unwrap(), (buf.base as usize + gran, gran), "one mapping");
+    let exports = cuda::vmm_export(start, len).unwrap();
+    let segs: Vec<Segment> = exports.iter().map(|e| e.segment).collect();
+    assert_eq!(segs.iter().map(|s| (s.addr, s.size as usize)).collect::<Vec<_>>(),
+               (0..3).map(|k| (buf.base + (k * gran) as u64, gran)).collect::<Vec<_>>());
+    assert!(segs[0].id != segs[1].id && segs[1].id != segs[2].id, "buffer IDs tell the allocations apart: {segs:?}");
+    // While held, a second export of the same memory shares the descriptors.
+    let again = cuda::vmm_export(start + gran, 10).unwrap();
+    assert!(again.len() == 1 && std::sync::Arc::ptr_eq(&again[0], &exports[1]));
+    upload(&stream, device_region(start, len), (0..len).map(ipc_pattern).collect());
+    let spec: Vec<String> = [std::process::id().to_string(), len.to_string()].into_iter()
+        .chain(segs.iter().map(|s| format!("{}:{}:{}:{}", s.addr, s.size, s.id, s.fd)))
+        .collect();
+    let name = "vmm_allocations_map_side_by_side_in_another_process";
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(VMM_SEGMENTS, spec.join(","));
+    let (ok, output) = run_with_deadline(cmd, CHILD_DEADLINE);
+    assert!(ok && output.contains(&format!("test {name} ... ok")), "the peer process failed:\n{output}");
+    let got = download(&stream, device_region(start, len));
+    assert!(got[..len / 2].iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)));
+    assert!(got[len / 2..].iter().all(|&b| b == 0xee), "the owner sees the peer's write");
+    // Memory created without the POSIX descriptor handle type cannot be exported.
+    let private = VmmBuf::new(1, false);
+    assert!(cuda::vmm_export(private.base as usize, 4096).is_err());
 }
 
 // ---- kernels ---------------------------------------------------------------------------------

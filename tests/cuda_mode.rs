@@ -263,6 +263,34 @@ fn cuda_mode_no_peer_access() {
     }
 }
 
+/// Device buffers of the virtual memory API, placed as PyTorch's expandable segments place
+/// them (CUDA_TEST_VMM=1: 2 MiB allocations mapped side by side, buffers inside and across
+/// them, all unmapped and replaced at the same addresses whenever a part has freed its
+/// buffers): CUDA IPC cannot share them, their allocations' descriptors can, and every part
+/// runs on them with the collectives read directly, exact. Ranks of one process read them by
+/// address.
+#[test]
+fn cuda_mode_vmm_buffers_go_direct() {
+    run_expecting_direct(cuda_job().procs(2).env("CUDA_TEST_VMM", "1"), true);
+    run_expecting_direct(cuda_job().local(2).env("CUDA_TEST_VMM", "1").arg("--quick"), true);
+}
+
+/// Processes that refuse ptrace access to each other (as under Yama's ptrace_scope=1, or a
+/// container without CAP_SYS_PTRACE) cannot take each other's descriptors: collectives on
+/// memory of the virtual memory API are staged, exact, and a warning says why and what to do.
+#[test]
+fn cuda_mode_vmm_without_ptrace_is_staged() {
+    let job = cuda_job().procs(2).env("CUDA_TEST_VMM", "1").env("CUDA_TEST_NO_PTRACE", "1").arg("--only")
+        .arg("Collectives");
+    let o = job.env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(!p.log.contains("are read directly"), "process {i} took the direct path:\n{}", p.log);
+        assert_eq!(p.log.matches("pidfd_getfd needs ptrace access").count(), 1, "process {i}:\n{}", p.log);
+        assert!(p.log.contains("Operation not permitted"), "process {i}:\n{}", p.log);
+    }
+}
+
 /// 300 all-reduces, each on freshly allocated device memory, read directly: 270 kept
 /// allocated (peers' mappings past the number kept are evicted), then freed after each call
 /// (mappings replaced when an address is reused); results exact.

@@ -192,7 +192,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     // same operation on every rank), they are staged without asking.
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| !o.kind.is_p2p()) {
         let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
-        let path = batch.paths.get(i).copied().unwrap_or(Path::Staged);
+        let path = batch.paths.get(i).unwrap_or(&Path::Staged);
         if let (Some(Some(d)), Some(board), Path::Direct(Some(offered))) = (batch.direct.get(i), &s.board, path) {
             let queued = ipc::Queued { board, ticket: &d.ticket, shape: &d.shape };
             if !direct.off && ipc::run_on_stream(comm, direct, op, offered, &queued, &mut started)? {

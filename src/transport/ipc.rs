@@ -1,8 +1,10 @@
 //! CUDA mode, ranks of one host: collectives that read the peers' device buffers directly.
 //!
 //! Every rank publishes where its input and output are (a CUDA IPC handle of the allocation
-//! and the offset, or the raw address for ranks of the same process) with a small all-gather
-//! over the host transports; each rank maps the others' buffers (NVLink or PCIe peer access,
+//! and the offset; for memory of the virtual memory API — PyTorch's expandable segments — the
+//! file descriptors of the allocations behind the buffer, which peers take with pidfd_getfd
+//! and map side by side; or the raw address for ranks of the same process) with a small
+//! all-gather over the host transports; each rank maps the others' buffers (NVLink or PCIe peer access,
 //! or the same GPU) and computes its own part with copies and the reduction kernels of
 //! `kernels/reduce.ptx`, reading peers and writing only its own output. Small host-transport
 //! all-reduces are the barriers: after the last one every peer has finished reading this
@@ -36,7 +38,7 @@ use std::sync::Arc;
 
 use crate::bootstrap::PeerInfo;
 use crate::comm::Comm;
-use crate::device::cuda::{self, Desc, Indirect, IpcHandle, IpcMapping, Stream};
+use crate::device::cuda::{self, Desc, Export, Indirect, IpcHandle, IpcMapping, PidFd, Segment, Stream, VmmMapping};
 use crate::device::host::{ElemOp, Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
@@ -51,35 +53,44 @@ fn direct_min() -> usize {
     crate::params::direct_min()
 }
 
-/// What a rank publishes about one buffer.
+/// What a rank publishes about one buffer: a CUDA IPC handle of its allocation, or (`segs` >
+/// 0) the allocations of the virtual memory API behind it, entries `first..first + segs` of
+/// the rank's segment table; or neither, when every peer is in the publishing process.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Published {
     handle: [u8; 64],
-    /// Offset of the buffer in the allocation the handle names.
+    /// Offset of the buffer in the allocation the handle names (in the first segment).
     off: u64,
     /// Its address in the publishing process (ranks of the same process use it directly).
     addr: u64,
     len: u64,
+    segs: u32,
+    first: u32,
 }
 
 impl Default for Published {
     fn default() -> Published {
-        Published { handle: [0; 64], off: 0, addr: 0, len: 0 }
+        Published { handle: [0; 64], off: 0, addr: 0, len: 0, segs: 0, first: 0 }
     }
 }
 
-const PUB_BYTES: usize = 64 + 8 + 8 + 8;
+const PUB_BYTES: usize = 64 + 8 + 8 + 8 + 4 + 4;
 const RECORD_BYTES: usize = 8 + 2 * PUB_BYTES + STAMP_BYTES;
+const SEG_BYTES: usize = 8 + 8 + 8 + 8;
+/// The longest segment table a record may announce (input and output).
+const MAX_TABLE: usize = 2 * cuda::MAX_SEGMENTS;
 
-/// One rank's record: whether it could publish its buffers, input and output, and the stamp
-/// of its operation (ranks that issued different calls must not read each other's buffers:
-/// they stage, and the host transports report the mismatch). Its process is in the peer
-/// table (`PeerInfo`). Byte 0 is the flag; the buffers start at 8.
+/// One rank's record: whether it could publish its buffers, input and output, the length of
+/// its segment table (exchanged next, when some rank has one) and the stamp of its operation
+/// (ranks that issued different calls must not read each other's buffers: they stage, and
+/// the host transports report the mismatch). Its process is in the peer table (`PeerInfo`).
+/// Byte 0 is the flag, bytes 4..8 the table's length; the buffers start at 8.
 #[derive(Clone, Copy, Debug, Default)]
 struct Record {
     ok: bool,
     input: Published,
     output: Published,
+    table: u32,
     stamp: Stamp,
 }
 
@@ -87,12 +98,15 @@ impl Record {
     fn encode(&self) -> [u8; RECORD_BYTES] {
         let mut b = [0u8; RECORD_BYTES];
         b[0] = self.ok as u8;
+        b[4..8].copy_from_slice(&self.table.to_le_bytes());
         for (i, p) in [self.input, self.output].iter().enumerate() {
             let o = 8 + i * PUB_BYTES;
             b[o..o + 64].copy_from_slice(&p.handle);
             b[o + 64..o + 72].copy_from_slice(&p.off.to_le_bytes());
             b[o + 72..o + 80].copy_from_slice(&p.addr.to_le_bytes());
             b[o + 80..o + 88].copy_from_slice(&p.len.to_le_bytes());
+            b[o + 88..o + 92].copy_from_slice(&p.segs.to_le_bytes());
+            b[o + 92..o + 96].copy_from_slice(&p.first.to_le_bytes());
         }
         b[8 + 2 * PUB_BYTES..].copy_from_slice(&self.stamp);
         b
@@ -100,10 +114,12 @@ impl Record {
 
     fn decode(b: &[u8]) -> Record {
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap_or([0; 4]));
         let published = |o: usize| {
             let mut handle = [0u8; 64];
             handle.copy_from_slice(&b[o..o + 64]);
-            Published { handle, off: u64_at(o + 64), addr: u64_at(o + 72), len: u64_at(o + 80) }
+            Published { handle, off: u64_at(o + 64), addr: u64_at(o + 72), len: u64_at(o + 80), segs: u32_at(o + 88),
+                        first: u32_at(o + 92) }
         };
         let mut stamp = [0u8; STAMP_BYTES];
         stamp.copy_from_slice(&b[8 + 2 * PUB_BYTES..RECORD_BYTES]);
@@ -111,9 +127,22 @@ impl Record {
             ok: b[0] != 0,
             input: published(8),
             output: published(8 + PUB_BYTES),
+            table: u32_at(4),
             stamp,
         }
     }
+}
+
+fn encode_segment(s: &Segment, b: &mut [u8]) {
+    b[0..8].copy_from_slice(&s.addr.to_le_bytes());
+    b[8..16].copy_from_slice(&s.size.to_le_bytes());
+    b[16..24].copy_from_slice(&s.id.to_le_bytes());
+    b[24..28].copy_from_slice(&s.fd.to_le_bytes());
+}
+
+fn decode_segment(b: &[u8]) -> Segment {
+    let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
+    Segment { addr: u64_at(0), size: u64_at(8), id: u64_at(16), fd: i32::from_le_bytes(b[24..28].try_into().unwrap_or([0; 4])) }
 }
 
 /// A stream worker's state for direct operations: the peer mappings it keeps.
@@ -123,20 +152,68 @@ pub struct Direct {
     /// rank cannot, ever: see [`agree`]); every rank stages them from the next one on.
     pub off: bool,
     maps: Vec<Mapped>,
+    /// Peer processes whose descriptors this worker takes (memory of the virtual memory API).
+    pids: Vec<PidFd>,
+    /// Taking a peer's descriptors was refused (said once, at WARN).
+    refused: bool,
     /// Operations so far (a mapping used by the current one is never closed).
     epoch: u64,
     /// Operations run direct so far (the first is logged).
     ran: u64,
 }
 
-/// One peer allocation mapped into this process (closed on drop).
+/// One peer allocation mapped into this process (closed on drop), or a run of them.
 struct Mapped {
-    handle: IpcHandle,
-    mapping: IpcMapping,
+    key: Key,
+    mapping: Mapping,
     size: usize,
     /// Its owner and its address there: a new handle at the same place means this one is gone.
     owner: (u32, u64),
     used: u64,
+}
+
+/// What a mapping is of: the allocation an IPC handle names, or allocations of the virtual
+/// memory API (told apart by their buffer IDs, never reused in their process).
+enum Key {
+    Ipc(IpcHandle),
+    Vmm(Vec<Segment>),
+}
+
+impl Key {
+    fn same(&self, other: &Key) -> bool {
+        match (self, other) {
+            (Key::Ipc(a), Key::Ipc(b)) => a == b,
+            (Key::Vmm(a), Key::Vmm(b)) => a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.same_memory(y)),
+            _ => false,
+        }
+    }
+
+}
+
+/// The memory of a mapping of `old` (published by process and address `at`) is gone if its
+/// owner now publishes `new` (at `new_at`): a new IPC handle for an allocation at the same
+/// address, or other allocations of the virtual memory API where some of the old ones were.
+fn replaced(old: &Key, at: (u32, u64), new: &Key, new_at: (u32, u64)) -> bool {
+    let overlap = |x: &Segment, y: &Segment| x.addr < y.addr.saturating_add(y.size) && y.addr < x.addr.saturating_add(x.size);
+    at.0 == new_at.0 && match (old, new) {
+        (Key::Ipc(a), Key::Ipc(b)) => at == new_at && a != b,
+        (Key::Vmm(a), Key::Vmm(b)) => a.iter().any(|x| b.iter().any(|y| overlap(x, y) && !x.same_memory(y))),
+        _ => false,
+    }
+}
+
+enum Mapping {
+    Ipc(IpcMapping),
+    Vmm(VmmMapping),
+}
+
+impl Mapping {
+    fn addr(&self) -> usize {
+        match self {
+            Mapping::Ipc(m) => m.addr(),
+            Mapping::Vmm(m) => m.addr(),
+        }
+    }
 }
 
 /// Peer allocations a worker keeps mapped at most.
@@ -148,6 +225,8 @@ const MAPS_KEPT: usize = 256;
 pub struct Routes {
     /// Collectives: every rank on this host, and direct access not disabled.
     collectives: bool,
+    /// Every rank in this process: buffers are published by address alone.
+    one_process: bool,
     /// Sends and receives, per peer: only with NCCL_RS_DIRECT_P2P=1 (the exchange assumes
     /// both ends group their sends and receives alike: a rank that sends and receives in two
     /// calls while its peer groups both would read the peer's record where it expects an
@@ -167,7 +246,8 @@ impl Routes {
         } else {
             Vec::new()
         };
-        Routes { collectives: ready.peers.iter().all(|p| p.same_host(me)), p2p }
+        Routes { collectives: ready.peers.iter().all(|p| p.same_host(me)),
+                 one_process: ready.peers.iter().all(|p| p.same_process(me)), p2p }
     }
 
     /// May collectives go direct at all?
@@ -187,8 +267,10 @@ impl Routes {
 }
 
 impl Direct {
-    /// Where the buffer `p` that rank `theirs` published is in this process (rank `mine`'s).
-    fn map(&mut self, mine: &PeerInfo, theirs: &PeerInfo, p: &Published) -> Result<Region> {
+    /// Where the buffer `p` that rank `theirs` published (with its segment table `table`) is
+    /// in this process (rank `mine`'s, on `device`).
+    fn map(&mut self, mine: &PeerInfo, theirs: &PeerInfo, p: &Published, table: &[Segment], device: i32)
+           -> Result<Region> {
         if p.len == 0 {
             return Ok(Region::EMPTY);
         }
@@ -199,15 +281,24 @@ impl Direct {
             // for `len` bytes by its caller's contract) and keeps it until the final barrier.
             return Ok(Region::user(unsafe { UserPtr::new(p.addr as usize as *const u8) }, 0, len));
         }
-        let handle = IpcHandle { bytes: p.handle };
+        let key = if p.segs == 0 {
+            Key::Ipc(IpcHandle { bytes: p.handle })
+        } else {
+            let (first, segs) = (p.first as usize, p.segs as usize);
+            match table.get(first..first.saturating_add(segs)) {
+                Some(run) => Key::Vmm(run.to_vec()),
+                None => return Err(Error::internal(format!("segments {first}+{segs} outside a table of {}", table.len()))),
+            }
+        };
         let owner = (their_pid, p.addr.wrapping_sub(p.off));
-        let i = match self.maps.iter().position(|m| m.handle == handle) {
+        let i = match self.maps.iter().position(|m| m.owner.0 == their_pid && m.key.same(&key)) {
             Some(i) => i,
             None => {
                 // The allocation that was at this address is gone; too many open: the least
                 // recently used one goes (never one this operation uses).
                 let before = self.maps.len();
-                self.maps.retain(|m| m.owner != owner || m.used == self.epoch);
+                let epoch = self.epoch;
+                self.maps.retain(|m| m.used == epoch || !replaced(&m.key, m.owner, &key, owner));
                 if self.maps.len() < before {
                     crate::trace!(P2P, "closed the mapping of pid {their_pid}'s allocation at {:#x}: a new one is there",
                                   owner.1);
@@ -219,9 +310,19 @@ impl Direct {
                         crate::trace!(P2P, "closed the least recently used of {MAPS_KEPT} peer mappings");
                     }
                 }
-                let mapping = IpcMapping::open(&handle)?;
-                let (_, size) = cuda::allocation_of(mapping.addr())?;
-                self.maps.push(Mapped { handle, mapping, size, owner, used: self.epoch });
+                let (mapping, size) = match &key {
+                    Key::Ipc(handle) => {
+                        let m = IpcMapping::open(handle)?;
+                        let (_, size) = cuda::allocation_of(m.addr())?;
+                        (Mapping::Ipc(m), size)
+                    }
+                    Key::Vmm(segments) => {
+                        let m = VmmMapping::import(self.pidfd(their_pid)?, segments, device)?;
+                        let size = m.size();
+                        (Mapping::Vmm(m), size)
+                    }
+                };
+                self.maps.push(Mapped { key, mapping, size, owner, used: self.epoch });
                 self.maps.len() - 1
             }
         };
@@ -235,16 +336,47 @@ impl Direct {
         // operation is not closed before the next one.
         Ok(Region::user(unsafe { UserPtr::new((m.mapping.addr() + p.off as usize) as *const u8) }, 0, len))
     }
+
+    /// The peer process `pid`, to take descriptors from (opened once).
+    fn pidfd(&mut self, pid: u32) -> Result<&PidFd> {
+        let i = match self.pids.iter().position(|p| p.pid() == pid) {
+            Some(i) => i,
+            None => {
+                self.pids.push(PidFd::open(pid)?);
+                self.pids.len() - 1
+            }
+        };
+        Ok(&self.pids[i])
+    }
 }
 
-/// Publish one of our buffers: handle of its allocation and offset (None if it has no IPC).
-fn publish(r: Region) -> Option<Published> {
+/// Publish one of our buffers: handle of its allocation and offset, or the exports of the
+/// allocations of the virtual memory API behind it (added to `table` unless there already);
+/// only its address where `handles` is false (every peer is in this process). None if it has
+/// neither kind of handle.
+fn publish(r: Region, handles: bool, table: &mut Vec<Arc<Export>>) -> Option<Published> {
     if r.is_empty() {
         return Some(Published::default());
     }
+    let (addr, len) = (r.addr() as u64, r.len() as u64);
+    if !handles {
+        return Some(Published { addr, len, ..Published::default() });
+    }
     let (base, _) = cuda::allocation_of(r.addr()).ok()?;
-    let handle = IpcHandle::of(base as *mut std::ffi::c_void).ok()?;
-    Some(Published { handle: handle.bytes, off: (r.addr() - base) as u64, addr: r.addr() as u64, len: r.len() as u64 })
+    if let Ok(handle) = IpcHandle::of(base as *mut std::ffi::c_void) {
+        return Some(Published { handle: handle.bytes, off: (r.addr() - base) as u64, addr, len, ..Published::default() });
+    }
+    let run = cuda::vmm_export(r.addr(), r.len()).ok()?;
+    let same = |at: usize| run.iter().enumerate().all(|(k, e)| table.get(at + k).is_some_and(|t| Arc::ptr_eq(t, e)));
+    let first = match (0..table.len()).find(|&at| same(at)) {
+        Some(at) => at,
+        None => {
+            table.extend(run.iter().cloned());
+            table.len() - run.len()
+        }
+    };
+    let start = run.first()?.segment.addr;
+    Some(Published { off: addr - start, addr, len, segs: run.len() as u32, first: first as u32, ..Published::default() })
 }
 
 /// The steps of the exchanges, as the control operations' stamps name them.
@@ -254,6 +386,7 @@ const STEP_HALFWAY: u8 = 3;
 const STEP_DONE: u8 = 4;
 const STEP_P2P_RECORD: u8 = 5;
 const STEP_P2P_ANSWER: u8 = 6;
+const STEP_TABLES: u8 = 7;
 
 /// A control operation on the host transports (every rank issues the same ones) at `step` of
 /// the user's operation `user`: a rank that issued another call is told which one this was.
@@ -272,11 +405,13 @@ fn barrier(comm: &Arc<Comm>, user: &Op, step: u8) -> Result<()> {
 }
 
 /// This rank's buffers of a direct operation, published at call time (the worker then makes
-/// no driver call for them while a caller's stream may be waiting).
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// no driver call for them while a caller's stream may be waiting), and the exports of the
+/// virtual memory API's allocations behind them, open until the operation is done.
+#[derive(Clone, Debug)]
 pub struct Offered {
     input: Published,
     output: Published,
+    table: Vec<Arc<Export>>,
 }
 
 /// What this rank offers for `op` on the direct path, known at call time; None when it
@@ -284,12 +419,15 @@ pub struct Offered {
 /// (pinned or pageable host memory, memory from the virtual memory API), or no kernels.
 /// Every rank then stages `op`, and this one's caller's stream can stage it at call time (it
 /// still takes part in the agreement, [`decline`]).
-pub fn offer(op: &Op, kernels: bool) -> Option<Offered> {
+pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
     let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
     if !kernels || in_place_alltoall {
         return None;
     }
-    Some(Offered { input: publish(op.send)?, output: publish(op.recv)? })
+    let mut table = Vec::new();
+    let input = publish(op.send, !routes.one_process, &mut table)?;
+    let output = publish(op.recv, !routes.one_process, &mut table)?;
+    Some(Offered { input, output, table })
 }
 
 /// This rank's part of the agreement for an operation it declines ([`offer`]): every rank
@@ -313,10 +451,10 @@ pub struct Queued<'a> {
 }
 
 /// What a rank brings to the agreement on one operation.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Offer {
+#[derive(Clone, Copy, Debug)]
+enum Offer<'a> {
     /// Its buffers, published at call time.
-    Buffers(Offered),
+    Buffers(&'a Offered),
     /// Nothing, this time (its buffers have no CUDA IPC, an in-place all-to-all).
     Declines,
     /// Nothing, ever (no kernels on this rank).
@@ -341,7 +479,8 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
     direct.epoch += 1;
     let input = op.send;
     let mine = match offer {
-        Offer::Buffers(o) => Record { ok: true, input: o.input, output: o.output, stamp: op.stamp() },
+        Offer::Buffers(o) => Record { ok: true, input: o.input, output: o.output, table: o.table.len() as u32,
+                                      stamp: op.stamp() },
         _ => Record { ok: false, stamp: op.stamp(), ..Record::default() },
     };
     let mut all = vec![0u8; RECORD_BYTES * n];
@@ -349,15 +488,23 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
     control(comm, OpKind::AllGather, DataType::Int8, BuiltinOp::Sum, RECORD_BYTES, Region::owned(&mut enc),
             Region::owned(&mut all), op, STEP_RECORDS)?;
     let records: Vec<Record> = all.chunks(RECORD_BYTES).map(Record::decode).collect();
-    // Map every peer's buffers; then agree that everyone could.
-    let mut ins = Vec::with_capacity(n);
-    let mut outs = Vec::with_capacity(n);
     // Every rank must have issued this very call (else: stage, where the mismatch is reported).
     let mut verdict = match offer {
         Offer::Never => NEVER,
-        _ if records.iter().all(|r| r.ok && r.stamp == mine.stamp) => GO,
+        _ if records.iter().all(|r| r.ok && r.stamp == mine.stamp && r.table as usize <= MAX_TABLE) => GO,
         _ => STAGE,
     };
+    // The segment tables, when some rank has one (every rank knows it from the records alike).
+    let longest = records.iter().map(|r| r.table as usize).max().unwrap_or(0);
+    let tables = if longest > 0 && longest <= MAX_TABLE {
+        let own = match offer { Offer::Buffers(o) => &o.table[..], _ => &[] };
+        exchange_tables(comm, op, own, longest)?
+    } else {
+        vec![Vec::new(); n]
+    };
+    // Map every peer's buffers; then agree that everyone could.
+    let mut ins = Vec::with_capacity(n);
+    let mut outs = Vec::with_capacity(n);
     for (p, rec) in records.iter().enumerate() {
         if verdict != GO {
             break;
@@ -375,15 +522,26 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
             verdict = NEVER;
             break;
         }
-        match (direct.map(ours, theirs, &rec.input), direct.map(ours, theirs, &rec.output)) {
-            (Ok(i), Ok(o)) => {
+        let table = &tables[p];
+        let mapped = direct.map(ours, theirs, &rec.input, table, comm.cuda_dev)
+            .and_then(|i| Ok((i, direct.map(ours, theirs, &rec.output, table, comm.cuda_dev)?)));
+        match mapped {
+            Ok((i, o)) => {
                 ins.push(i);
                 outs.push(o);
             }
-            (Err(e), _) | (_, Err(e)) => {
+            Err(e) => {
+                if e.code == crate::Code::SystemError && !direct.refused {
+                    direct.refused = true;
+                    crate::warn!("rank {me}: cannot take rank {p}'s device memory ({}): memory of the CUDA virtual \
+                                  memory API (e.g. PyTorch's expandable_segments) is staged through host memory, \
+                                  which is slower; pidfd_getfd needs ptrace access between the ranks' processes \
+                                  (kernel.yama.ptrace_scope, CAP_SYS_PTRACE in containers)", e.msg);
+                }
                 crate::info!(P2P, "rank {me}: cannot map rank {p}'s buffers ({}); staging through host memory", e.msg);
                 // The driver refused (no peer access between the devices, no IPC): it will
-                // again. A buffer outside what its owner published is this call's problem.
+                // again. A buffer outside what its owner published, or descriptors the system
+                // would not hand over, are this call's problem.
                 verdict = if e.code == crate::Code::UnhandledCudaError { NEVER } else { STAGE };
             }
         }
@@ -407,11 +565,24 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
     }
 }
 
+/// Every rank's segment table (`mine` is this rank's), each entry padded to `longest` (the
+/// longest any record announced, at most [`MAX_TABLE`]).
+fn exchange_tables(comm: &Arc<Comm>, op: &Op, mine: &[Arc<Export>], longest: usize) -> Result<Vec<Vec<Segment>>> {
+    let mut enc = vec![0u8; longest * SEG_BYTES];
+    for (e, b) in mine.iter().zip(enc.chunks_mut(SEG_BYTES)) {
+        encode_segment(&e.segment, b);
+    }
+    let mut all = vec![0u8; enc.len() * comm.nranks];
+    control(comm, OpKind::AllGather, DataType::Int8, BuiltinOp::Sum, enc.len(), Region::owned(&mut enc),
+            Region::owned(&mut all), op, STEP_TABLES)?;
+    Ok(all.chunks(enc.len()).map(|t| t.chunks(SEG_BYTES).map(decode_segment).collect()).collect())
+}
+
 fn log_first(comm: &Comm, direct: &mut Direct, op: &Op, on_stream: bool) {
     if direct.ran == 0 {
         let by = if on_stream { "on the caller's stream" } else { "on the stream worker's stream" };
-        crate::info!(P2P, "rank {}: device buffers of the {} ranks of this host are read directly (CUDA IPC / same \
-                           process), {by}, from {}", comm.rank, comm.nranks, op.describe());
+        crate::info!(P2P, "rank {}: device buffers of the {} ranks of this host are read directly (CUDA IPC, \
+                           shared allocations of the virtual memory API, or the same process), {by}, from {}", comm.rank, comm.nranks, op.describe());
     }
     direct.ran += 1;
 }
@@ -421,7 +592,7 @@ fn log_first(comm: &Comm, direct: &mut Direct, op: &Op, on_stream: bool) {
 /// peers' memory or write the caller's: the worker synchronises its stream before it reports
 /// a failed batch.
 pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, direct: &mut Direct, op: &Op,
-           offered: Offered, started: Started) -> Result<bool> {
+           offered: &Offered, started: Started) -> Result<bool> {
     let offer = if kernels.is_some() { Offer::Buffers(offered) } else { Offer::Never };
     let Some((ins, outs)) = agree(comm, offer, direct, op, started)? else { return Ok(false) };
     let Some(k) = kernels else { return Ok(false) };
@@ -458,7 +629,7 @@ pub fn shape(comm: &Comm, op: &Op) -> Shape {
 /// kernels of `shape` in slot `t` of `board`, see `streamed::board`): this fills in their
 /// descriptors phase by phase and opens the gates. Ok(false): every rank stages it (the
 /// caller does, then closes the slot). The caller closes the slot in every case.
-pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, offered: Offered, queued: &Queued,
+pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, offered: &Offered, queued: &Queued,
                      started: Started) -> Result<bool> {
     let Some((ins, outs)) = agree(comm, Offer::Buffers(offered), direct, op, started)? else { return Ok(false) };
     let Queued { board, ticket: t, shape } = *queued;
@@ -700,8 +871,10 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut 
     let mut records = vec![[0u8; RECORD_BYTES]; picked.len()];
     for (slot, &i) in records.iter_mut().zip(&picked) {
         if ops[i].kind == OpKind::Send {
-            let p = publish(ops[i].send);
-            *slot = Record { ok: p.is_some(), input: p.unwrap_or_default(), output: Published::default(),
+            // (Memory of the virtual memory API is staged here: a record holds no segment table.)
+            let mut table = Vec::new();
+            let p = publish(ops[i].send, true, &mut table).filter(|_| table.is_empty());
+            *slot = Record { ok: p.is_some(), input: p.unwrap_or_default(), output: Published::default(), table: 0,
                              stamp: ops[i].stamp() }.encode();
         }
     }
@@ -724,7 +897,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut 
         if !theirs.ok || other_device || theirs.stamp != op.stamp() || theirs.input.len as usize != op.recv.len() {
             continue;
         }
-        match direct.map(ours, sender, &theirs.input) {
+        match direct.map(ours, sender, &theirs.input, &[], comm.cuda_dev) {
             Ok(src) => {
                 stream.copy(op.recv, src)?;
                 answer[0] = 1;
@@ -750,4 +923,50 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut 
     }
     direct.ran += done.iter().filter(|&&d| d).count() as u64;
     Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg(addr: u64, size: u64, id: u64) -> Segment {
+        Segment { addr, size, id, fd: 7 }
+    }
+
+    #[test]
+    fn records_and_segments_round_trip() {
+        let input = Published { handle: [3; 64], off: 17, addr: 0x7000_0011, len: 1 << 20, segs: 0, first: 0 };
+        let output = Published { handle: [0; 64], off: 256, addr: 0x7f00_0100, len: 5 << 20, segs: 3, first: 1 };
+        let r = Record { ok: true, input, output, table: 4, stamp: [9; STAMP_BYTES] };
+        let d = Record::decode(&r.encode());
+        assert_eq!((d.ok, d.input, d.output, d.table, d.stamp), (true, input, output, 4, [9; STAMP_BYTES]));
+        let s = Segment { addr: 0x7f00_0000, size: 2 << 20, id: u64::MAX - 1, fd: -3 };
+        let mut b = [0u8; SEG_BYTES];
+        encode_segment(&s, &mut b);
+        assert_eq!(decode_segment(&b), s);
+    }
+
+    #[test]
+    fn vmm_mappings_are_told_apart_by_buffer_id() {
+        let two = Key::Vmm(vec![seg(0x20_0000, 0x20_0000, 1), seg(0x40_0000, 0x20_0000, 2)]);
+        // The same allocations, published with other descriptors by a later operation.
+        let again = Key::Vmm(vec![Segment { fd: 11, ..seg(0x20_0000, 0x20_0000, 1) }, seg(0x40_0000, 0x20_0000, 2)]);
+        assert!(two.same(&again));
+        // A buffer within one of them is another run (another mapping), and does not replace it.
+        let inner = Key::Vmm(vec![seg(0x40_0000, 0x20_0000, 2)]);
+        assert!(!two.same(&inner));
+        let at = (5, 0x20_0000);
+        assert!(!replaced(&two, at, &inner, (5, 0x40_0000)));
+        // New allocations where one of them was: that one was freed.
+        let reused = Key::Vmm(vec![seg(0x40_0000, 0x20_0000, 3)]);
+        assert!(replaced(&two, at, &reused, (5, 0x40_0000)));
+        // ... unless they belong to another process, or lie elsewhere.
+        assert!(!replaced(&two, at, &reused, (6, 0x40_0000)));
+        assert!(!replaced(&two, at, &Key::Vmm(vec![seg(0x60_0000, 0x20_0000, 4)]), (5, 0x60_0000)));
+        // An IPC handle is replaced by another one at the same address only.
+        let (h1, h2) = (Key::Ipc(IpcHandle { bytes: [1; 64] }), Key::Ipc(IpcHandle { bytes: [2; 64] }));
+        assert!(replaced(&h1, at, &h2, at));
+        assert!(!replaced(&h1, at, &h2, (5, 0x40_0000)));
+        assert!(!replaced(&h1, at, &h1, at));
+    }
 }

@@ -1,6 +1,7 @@
 /*
  * Memory of the stub driver: device memory (memfd mappings, shareable by IPC handle), managed
- * memory, pinned host memory, what cuPointerGetAttribute(s) report, and CUDA IPC.
+ * memory, pinned host memory, what cuPointerGetAttribute(s) report, and CUDA IPC. The virtual
+ * memory API (cuMemCreate, cuMemMap, ...) is in vmm.c, on the same table of ranges.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -20,6 +21,7 @@ enum {
   PTR_ATTR_MEMORY_TYPE = 2,
   PTR_ATTR_DEVICE_POINTER = 3,
   PTR_ATTR_HOST_POINTER = 4,
+  PTR_ATTR_BUFFER_ID = 7,
   PTR_ATTR_IS_MANAGED = 8,
   PTR_ATTR_DEVICE_ORDINAL = 9,
   MEMHOSTALLOC_ALL = 7, /* PORTABLE | DEVICEMAP | WRITECOMBINED */
@@ -29,17 +31,6 @@ enum {
 };
 
 #define IPC_MAGIC 0x4e525349u
-
-/* One allocation the driver made or mapped. */
-struct range {
-  struct range *next;
-  uintptr_t base;
-  size_t size;
-  enum mem_kind kind;
-  int dev;
-  int fd; /* MEM_DEVICE: the memfd, kept open for peers to open through /proc */
-  uint64_t id;
-};
 
 /* What an IPC handle carries, in its 64 bytes. */
 struct ipc {
@@ -54,24 +45,30 @@ _Static_assert(sizeof(struct ipc) <= sizeof(CUipcMemHandle), "IPC handle too sma
 
 static struct range *g_ranges;
 static uint64_t g_next_id = 1;
-static pthread_mutex_t g_mem_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t g_next_buffer_id = 1;
+pthread_mutex_t g_mem_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* Callers hold g_mem_lock. */
-static struct range *find(uintptr_t p) {
+struct range *mem_find(uintptr_t p) {
   for (struct range *r = g_ranges; r; r = r->next)
     if (p >= r->base && p - r->base < r->size) return r;
   return NULL;
 }
 
-static void add(uintptr_t base, size_t size, enum mem_kind kind, int dev, int fd, uint64_t id) {
-  struct range *r = calloc(1, sizeof *r);
-  if (!r) abort();
-  *r = (struct range){g_ranges, base, size, kind, dev, fd, id};
-  g_ranges = r;
+int mem_overlaps(uintptr_t p, size_t n) {
+  for (struct range *r = g_ranges; r; r = r->next)
+    if (r->base < p + n && p < r->base + r->size) return 1;
+  return 0;
 }
 
-/* Unlinks and returns the range starting exactly at p if its kind is allowed. */
-static struct range *take(uintptr_t p, unsigned kinds) {
+struct range *mem_add(uintptr_t base, size_t size, enum mem_kind kind, int dev, int fd, uint64_t id) {
+  struct range *r = calloc(1, sizeof *r);
+  if (!r) abort();
+  *r = (struct range){g_ranges, base, size, kind, dev, fd, id, g_next_buffer_id++, NULL};
+  g_ranges = r;
+  return r;
+}
+
+struct range *mem_take(uintptr_t p, unsigned kinds) {
   for (struct range **pr = &g_ranges; *pr; pr = &(*pr)->next) {
     struct range *r = *pr;
     if (r->base == p && (kinds & (1u << r->kind))) {
@@ -82,9 +79,17 @@ static struct range *take(uintptr_t p, unsigned kinds) {
   return NULL;
 }
 
+/* Mappings of the virtual memory API that follow each other make one range of addresses,
+ * as on a GPU (PyTorch's expandable segments map every 20 MiB on its own). */
 enum mem_kind mem_lookup(uintptr_t p, size_t n) {
   pthread_mutex_lock(&g_mem_lock);
-  struct range *r = find(p);
+  struct range *r = mem_find(p);
+  while (r && r->kind == MEM_VMM && n > r->size - (p - r->base)) {
+    n -= r->size - (p - r->base);
+    p = r->base + r->size;
+    r = mem_find(p);
+    if (r && r->kind != MEM_VMM) r = NULL;
+  }
   enum mem_kind k = r && n <= r->size - (p - r->base) ? r->kind : MEM_PAGEABLE;
   pthread_mutex_unlock(&g_mem_lock);
   return k;
@@ -116,7 +121,7 @@ static CUresult alloc_shared(CUdeviceptr *dptr, size_t size, enum mem_kind kind)
   uint64_t id = g_next_id++;
   int fd = -1;
   void *p = map_memfd(size, id, &fd);
-  if (p) add((uintptr_t)p, size, kind, t_current->dev, fd, id);
+  if (p) mem_add((uintptr_t)p, size, kind, t_current->dev, fd, id);
   pthread_mutex_unlock(&g_mem_lock);
   if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
   *dptr = (CUdeviceptr)(uintptr_t)p;
@@ -143,7 +148,7 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
   note_worker_call("cuMemFree_v2");
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
-  struct range *r = take((uintptr_t)p, 1u << MEM_DEVICE | 1u << MEM_MANAGED);
+  struct range *r = mem_take((uintptr_t)p, 1u << MEM_DEVICE | 1u << MEM_MANAGED);
   pthread_mutex_unlock(&g_mem_lock);
   if (!r) return CUDA_ERROR_INVALID_VALUE;
   unmap(r);
@@ -157,7 +162,7 @@ EXPORT CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
   void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   pthread_mutex_lock(&g_mem_lock);
-  add((uintptr_t)p, size, MEM_HOST_PINNED, t_current->dev, -1, 0);
+  mem_add((uintptr_t)p, size, MEM_HOST_PINNED, t_current->dev, -1, 0);
   pthread_mutex_unlock(&g_mem_lock);
   *pp = p;
   return CUDA_SUCCESS;
@@ -175,7 +180,7 @@ EXPORT CUresult cuMemFreeHost(void *p) {
   note_worker_call("cuMemFreeHost");
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
-  struct range *r = take((uintptr_t)p, 1u << MEM_HOST_PINNED);
+  struct range *r = mem_take((uintptr_t)p, 1u << MEM_HOST_PINNED);
   pthread_mutex_unlock(&g_mem_lock);
   if (!r) return CUDA_ERROR_INVALID_VALUE;
   unmap(r);
@@ -193,6 +198,10 @@ static CUresult attribute(void *data, int attr, const struct range *r, uintptr_t
       if (!host && !managed) return CUDA_ERROR_INVALID_VALUE;
       *(void **)data = (void *)p;
       return CUDA_SUCCESS;
+    case PTR_ATTR_BUFFER_ID:
+      if (r->kind == MEM_HOST_PINNED) return CUDA_ERROR_INVALID_VALUE;
+      *(unsigned long long *)data = r->buffer_id;
+      return CUDA_SUCCESS;
     case PTR_ATTR_IS_MANAGED: *(unsigned *)data = managed; return CUDA_SUCCESS;
     case PTR_ATTR_DEVICE_ORDINAL: *(int *)data = r->dev; return CUDA_SUCCESS;
     default: return CUDA_ERROR_INVALID_VALUE;
@@ -204,7 +213,7 @@ EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr ptr) {
   REQUIRE_INIT();
   if (!data) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_mem_lock);
-  struct range *r = find((uintptr_t)ptr);
+  struct range *r = mem_find((uintptr_t)ptr);
   CUresult res = r ? attribute(data, attr, r, (uintptr_t)ptr) : CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_unlock(&g_mem_lock);
   return res;
@@ -216,7 +225,7 @@ EXPORT CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUde
   REQUIRE_INIT();
   if (!attrs || !data) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_mem_lock);
-  struct range *r = find((uintptr_t)ptr);
+  struct range *r = mem_find((uintptr_t)ptr);
   CUresult res = CUDA_SUCCESS;
   for (unsigned i = 0; i < n && res == CUDA_SUCCESS; i++) {
     if (r) {
@@ -237,11 +246,12 @@ EXPORT CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUde
   return res;
 }
 
-/* The allocation (device, managed or an opened IPC mapping) that contains p. */
+/* The allocation (device, managed or an opened IPC mapping) that contains p; for the virtual
+ * memory API, the one mapping (cuMemMap) that contains it, as the driver reports. */
 EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
-  struct range *r = find((uintptr_t)p);
+  struct range *r = mem_find((uintptr_t)p);
   int ok = r && r->kind != MEM_HOST_PINNED;
   if (ok) {
     if (base) *base = r->base;
@@ -255,7 +265,7 @@ EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr p) {
   REQUIRE_INIT();
   if (!handle) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_mem_lock);
-  struct range *r = find((uintptr_t)p);
+  struct range *r = mem_find((uintptr_t)p);
   struct ipc h = {0};
   /* The driver wants the start of the allocation (cuMemGetAddressRange finds it). */
   if (r && r->kind == MEM_DEVICE && r->base == (uintptr_t)p)
@@ -294,7 +304,7 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
   close(fd);
   if (p == MAP_FAILED) return CUDA_ERROR_MAP_FAILED;
   pthread_mutex_lock(&g_mem_lock);
-  add((uintptr_t)p, h.size, MEM_IPC, h.dev, -1, h.id);
+  mem_add((uintptr_t)p, h.size, MEM_IPC, h.dev, -1, h.id);
   pthread_mutex_unlock(&g_mem_lock);
   *pdptr = (CUdeviceptr)(uintptr_t)p;
   return CUDA_SUCCESS;
@@ -303,7 +313,7 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
 EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
   REQUIRE_CTX();
   pthread_mutex_lock(&g_mem_lock);
-  struct range *r = take((uintptr_t)p, 1u << MEM_IPC);
+  struct range *r = mem_take((uintptr_t)p, 1u << MEM_IPC);
   pthread_mutex_unlock(&g_mem_lock);
   if (!r) return CUDA_ERROR_INVALID_VALUE;
   unmap(r);

@@ -70,9 +70,33 @@ enum mem_kind {
   MEM_MANAGED,
   MEM_HOST_PINNED,
   MEM_IPC, /* a peer's device memory, opened by handle */
+  MEM_VMM, /* device memory of the virtual memory API, mapped by cuMemMap (vmm.c) */
 };
-/* The kind of the one allocation that holds all of [p, p + n), else MEM_PAGEABLE. */
+/* The kind of the one allocation that holds all of [p, p + n) (or of the adjacent cuMemMap
+ * mappings that do), else MEM_PAGEABLE. */
 enum mem_kind mem_lookup(uintptr_t p, size_t n);
+
+struct phys;
+/* One allocation the driver made or mapped. */
+struct range {
+  struct range *next;
+  uintptr_t base;
+  size_t size;
+  enum mem_kind kind;
+  int dev;
+  int fd; /* MEM_DEVICE: the memfd, kept open for peers to open through /proc */
+  uint64_t id;
+  uint64_t buffer_id; /* CU_POINTER_ATTRIBUTE_BUFFER_ID: never reused in the process */
+  struct phys *phys;  /* MEM_VMM: the physical allocation mapped here */
+};
+/* The table of ranges, under g_mem_lock (memory.c). */
+extern pthread_mutex_t g_mem_lock;
+struct range *mem_find(uintptr_t p);
+struct range *mem_add(uintptr_t base, size_t size, enum mem_kind kind, int dev, int fd, uint64_t id);
+/* Unlinks and returns the range starting exactly at p if its kind is one of `kinds` (bits). */
+struct range *mem_take(uintptr_t p, unsigned kinds);
+/* Some range overlaps [p, p + n). */
+int mem_overlaps(uintptr_t p, size_t n);
 
 /* kernels.c: the C twins of kernels/reduce.ptx. */
 struct kernel;

@@ -1,6 +1,6 @@
 //! CUDA mode's device layer: a small safe surface over the CUDA driver API (cudarc's `sys`,
 //! loaded at run time). It owns contexts, streams, events, device and mapped host memory,
-//! pointer classification, CUDA IPC, stream memory operations and the reduction kernels of
+//! pointer classification, CUDA IPC (and sharing memory of the virtual memory API), stream memory operations and the reduction kernels of
 //! `kernels/reduce.ptx`. It knows nothing of ranks, schedules or transports.
 //!
 //! Every entry point runs its driver calls inside [`driver`]: cudarc panics when `libcuda.so.1`
@@ -20,6 +20,7 @@ mod ipc;
 mod kernels;
 mod memory;
 mod stream;
+mod vmm;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -33,6 +34,7 @@ pub use ipc::{IpcHandle, IpcMapping};
 pub use kernels::{Desc, Indirect, Kernels};
 pub use memory::{alloc, allocation_of, classify, free, MappedHost, PtrKind};
 pub use stream::{Event, MemOp, Stream, UserStream, WaitCond};
+pub use vmm::{export as vmm_export, Export, PidFd, Segment, VmmMapping, MAX_SEGMENTS};
 
 /// Runs `f`, whose driver calls may panic inside cudarc (library or symbol missing), and turns
 /// such a panic into an error naming `what`.

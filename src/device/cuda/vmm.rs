@@ -1,0 +1,257 @@
+//! Device memory of the virtual memory API (`cuMemCreate` + `cuMemMap`: PyTorch's expandable
+//! segments, NVIDIA's `ncclMemAlloc`) shared with other processes of the host. CUDA IPC
+//! handles do not cover it, and one buffer may span several physical allocations mapped side
+//! by side (PyTorch maps every 20 MiB on its own; `cuMemGetAddressRange` names one of them).
+//! So each allocation behind a buffer is exported as a POSIX file descriptor ([`export`]), a
+//! peer takes the descriptors out of the exporting process with `pidfd_getfd` ([`PidFd`]: it
+//! needs the ptrace access that `process_vm_readv` needs too) and maps them again side by side
+//! ([`VmmMapping`]).
+//!
+//! An export is shared by every operation in flight that publishes the same allocation and
+//! closed when the last of them is done: an open descriptor keeps the memory alive, so none is
+//! kept once the owner could have freed it. Allocations are told apart by their buffer ID,
+//! which the driver never gives twice in a process.
+
+use std::ffi::c_void;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, Mutex, Weak};
+
+use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
+
+use super::{check, driver};
+use crate::error::{Error, Result};
+
+/// More allocations than this behind one operation's buffers are not exported (the operation is
+/// staged): each takes a descriptor while the operation is in flight.
+pub const MAX_SEGMENTS: usize = 256;
+
+/// One physical allocation behind a buffer, as its owner publishes it: where it is mapped in
+/// the owner's process, its size, its buffer ID and the owner's descriptor of it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Segment {
+    pub addr: u64,
+    pub size: u64,
+    pub id: u64,
+    pub fd: i32,
+}
+
+impl Segment {
+    /// The same allocation at the same place (the descriptor may differ between operations).
+    pub fn same_memory(&self, other: &Segment) -> bool {
+        (self.addr, self.size, self.id) == (other.addr, other.size, other.id)
+    }
+}
+
+/// An exported allocation; the descriptor closes when the last operation holding it is done.
+#[derive(Debug)]
+pub struct Export {
+    pub segment: Segment,
+    _fd: OwnedFd,
+}
+
+/// Exports of this process still held by some operation, by buffer ID.
+static EXPORTS: Mutex<Vec<(u64, Weak<Export>)>> = Mutex::new(Vec::new());
+
+/// The buffer ID of the allocation mapped at `addr`.
+fn buffer_id(addr: usize) -> Result<u64> {
+    driver("cuPointerGetAttribute(BUFFER_ID)", || {
+        let mut id: u64 = 0;
+        let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID;
+        // SAFETY: the attribute is an unsigned long long, written to `id`; the driver checks `addr`.
+        check("cuPointerGetAttribute(BUFFER_ID)", unsafe {
+            sys::cuPointerGetAttribute((&mut id as *mut u64).cast::<c_void>(), attr, addr as CUdeviceptr)
+        })?;
+        Ok(id)
+    })
+}
+
+/// A new POSIX descriptor for the allocation mapped at `base` (`size` bytes, buffer ID `id`).
+fn export_one(base: usize, size: usize, id: u64) -> Result<Export> {
+    driver("cuMemExportToShareableHandle", || {
+        let mut h: CUmemGenericAllocationHandle = 0;
+        // SAFETY: `h` is a valid out-pointer; the driver checks that `base` is mapped memory.
+        check("cuMemRetainAllocationHandle", unsafe { sys::cuMemRetainAllocationHandle(&mut h, base as *mut c_void) })?;
+        let mut fd: i32 = -1;
+        let ty = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        // SAFETY: a POSIX handle is an int, written to `fd`; `h` is the handle just retained.
+        let r = unsafe { sys::cuMemExportToShareableHandle((&mut fd as *mut i32).cast::<c_void>(), h, ty, 0) };
+        // SAFETY: releases the reference cuMemRetainAllocationHandle took; the mapping keeps its own.
+        let released = unsafe { sys::cuMemRelease(h) };
+        check("cuMemExportToShareableHandle", r)?;
+        if fd < 0 {
+            return Err(Error::system("cuMemExportToShareableHandle gave no descriptor"));
+        }
+        // SAFETY: the driver just opened `fd` for us; nothing else owns it.
+        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+        check("cuMemRelease", released)?;
+        Ok(Export { segment: Segment { addr: base as u64, size: size as u64, id, fd }, _fd: owned })
+    })
+}
+
+/// The exports of the allocations that hold `[addr, addr + len)`, in address order: shared
+/// with operations in flight that publish the same allocations, else new. An error where some
+/// of the memory is not from the virtual memory API, was created without the POSIX descriptor
+/// handle type, or spans more than [`MAX_SEGMENTS`] allocations.
+pub fn export(addr: usize, len: usize) -> Result<Vec<Arc<Export>>> {
+    let end = addr.checked_add(len).ok_or_else(|| Error::internal("buffer past the address space"))?;
+    let mut out = Vec::new();
+    let mut at = addr;
+    while at < end {
+        if out.len() == MAX_SEGMENTS {
+            return Err(Error::system(format!("a buffer of {len} bytes spans more than {MAX_SEGMENTS} allocations")));
+        }
+        let (base, size) = super::allocation_of(at)?;
+        if size == 0 || base.saturating_add(size) <= at {
+            return Err(Error::internal(format!("cuMemGetAddressRange({at:#x}): {base:#x}+{size}")));
+        }
+        let id = buffer_id(base)?;
+        out.push(shared(base, size, id)?);
+        at = base + size;
+    }
+    Ok(out)
+}
+
+/// The export of one allocation, shared while some operation holds it.
+fn shared(base: usize, size: usize, id: u64) -> Result<Arc<Export>> {
+    let mut exports = EXPORTS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(e) = exports.iter().find(|(i, _)| *i == id).and_then(|(_, w)| w.upgrade()) {
+        return Ok(e);
+    }
+    let e = Arc::new(export_one(base, size, id)?);
+    if exports.len() >= 64 {
+        exports.retain(|(_, w)| w.strong_count() > 0);
+    }
+    exports.retain(|(i, _)| *i != id);
+    exports.push((id, Arc::downgrade(&e)));
+    Ok(e)
+}
+
+/// A process, to take descriptors from (`pidfd_open`).
+pub struct PidFd {
+    pid: u32,
+    fd: OwnedFd,
+}
+
+impl PidFd {
+    pub fn open(pid: u32) -> Result<PidFd> {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if fd < 0 {
+            return Err(Error::system(format!("pidfd_open({pid}): {}", std::io::Error::last_os_error())));
+        }
+        // SAFETY: a new descriptor that nothing else owns.
+        Ok(PidFd { pid, fd: unsafe { OwnedFd::from_raw_fd(fd as i32) } })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// A duplicate of the process's descriptor `fd` (`pidfd_getfd`).
+    fn take(&self, fd: i32) -> Result<OwnedFd> {
+        // SAFETY: pidfd_getfd takes a pidfd, the target's descriptor number and flags, and
+        // returns a new descriptor of this process or -1.
+        let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, self.fd.as_raw_fd(), fd, 0) };
+        if got < 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(Error::system(format!("pidfd_getfd(pid {}, fd {fd}): {e}", self.pid)));
+        }
+        // SAFETY: a new descriptor that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
+    }
+}
+
+/// Another process's allocations mapped side by side into this one, readable and writable by
+/// one device; unmapped on drop.
+pub struct VmmMapping {
+    addr: CUdeviceptr,
+    size: usize,
+    /// Offset and size of each mapping made in the reservation.
+    mapped: Vec<(usize, usize)>,
+}
+
+// SAFETY: the mapping is a device address range owned by this value; the driver is thread-safe.
+unsafe impl Send for VmmMapping {}
+// SAFETY: as for Send.
+unsafe impl Sync for VmmMapping {}
+
+fn location(device: i32) -> sys::CUmemLocation {
+    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device }
+}
+
+impl VmmMapping {
+    /// Maps `segments` of `from`'s process (one buffer's allocations, in address order) for
+    /// `device` of this process, in the current context.
+    pub fn import(from: &PidFd, segments: &[Segment], device: i32) -> Result<VmmMapping> {
+        let size = segments.iter().try_fold(0usize, |a, s| a.checked_add(s.size as usize))
+            .ok_or_else(|| Error::internal("peer allocations past the address space"))?;
+        let fds = segments.iter().map(|s| from.take(s.fd)).collect::<Result<Vec<_>>>()?;
+        driver("cuMemMap", || {
+            let prop = sys::CUmemAllocationProp {
+                type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+                requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                location: location(device),
+                win32HandleMetaData: std::ptr::null_mut(),
+                allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 { compressionType: 0, gpuDirectRDMACapable: 0,
+                                                                         usage: 0, reserved: [0; 4] },
+            };
+            let mut gran = 0usize;
+            let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+            // SAFETY: valid out-pointer and property struct.
+            check("cuMemGetAllocationGranularity", unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, minimum) })?;
+            let mut addr: CUdeviceptr = 0;
+            // SAFETY: `addr` is a valid out-pointer; the driver checks size and alignment.
+            check(format_args!("cuMemAddressReserve({size} bytes)"), unsafe {
+                sys::cuMemAddressReserve(&mut addr, size, gran.max(1), 0, 0)
+            })?;
+            // From here on, drop undoes what was done.
+            let mut m = VmmMapping { addr, size, mapped: Vec::with_capacity(segments.len()) };
+            let mut off = 0usize;
+            for (s, fd) in segments.iter().zip(&fds) {
+                let mut h: CUmemGenericAllocationHandle = 0;
+                let ty = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+                let os = fd.as_raw_fd() as isize as *mut c_void;
+                // SAFETY: `h` is a valid out-pointer; a POSIX handle is passed as the descriptor's value.
+                check("cuMemImportFromShareableHandle", unsafe { sys::cuMemImportFromShareableHandle(&mut h, os, ty) })?;
+                let len = s.size as usize;
+                // SAFETY: maps the imported allocation at its place in our reservation.
+                let r = unsafe { sys::cuMemMap(addr + off as u64, len, 0, h, 0) };
+                // SAFETY: the mapping, if made, holds its own reference to the allocation.
+                unsafe { sys::cuMemRelease(h) };
+                check(format_args!("cuMemMap({len} bytes)"), r)?;
+                m.mapped.push((off, len));
+                off += len;
+            }
+            let access = sys::CUmemAccessDesc {
+                location: location(device),
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the whole reservation is mapped; one access descriptor.
+            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(addr, size, &access, 1) })?;
+            Ok(m)
+        })
+    }
+
+    /// Where the first allocation starts in this process.
+    pub fn addr(&self) -> usize {
+        self.addr as usize
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl Drop for VmmMapping {
+    fn drop(&mut self) {
+        // A failure cannot be reported from drop.
+        let _ = driver("cuMemUnmap", || {
+            for &(off, len) in &self.mapped {
+                // SAFETY: a mapping this value made, no longer used once it is dropped.
+                let _ = unsafe { sys::cuMemUnmap(self.addr + off as u64, len) };
+            }
+            // SAFETY: the reservation this value made, now unmapped.
+            check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(self.addr, self.size) })
+        });
+    }
+}
