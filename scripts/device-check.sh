@@ -28,7 +28,9 @@
 #      NCCL_RS_DIRECT_MIN should be), and whether one hardware
 #      queue (CUDA_DEVICE_MAX_CONNECTIONS=1) deadlocks without host-wait: direct on the callers'
 #      streams, everything staged by the callers' streams, direct on the worker's stream;
-#   7. PyTorch: direct all-reduces while another thread calls torch.cuda.empty_cache().
+#   7. PyTorch: direct all-reduces while another thread calls torch.cuda.empty_cache();
+#   8. PyTorch with expandable segments (memory of the virtual memory API, shared through file
+#      descriptors): the checks of step 3 again, and whether the collectives went direct.
 # A step that passes its cap leaves hang-<step>.txt: every thread's stack of its processes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -211,6 +213,18 @@ if python3 -c 'import torch' 2>/dev/null; then
     RANK=1 LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py stress & b=\$!
     wait \$a && wait \$b"
   grep -E 'stress' "$OUT/torch-empty-cache.log" | sed 's/^/# torch: /' >> "$R"
+fi
+# 8. PyTorch's expandable segments: every tensor in cuMemCreate allocations, which CUDA IPC
+#    cannot share; their descriptors are taken with pidfd_getfd and mapped side by side.
+if python3 -c 'import torch' 2>/dev/null; then
+  step torch-expandable-segments 60 bash -c "
+    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29537 WORLD_SIZE=2 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=P2P
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
+    python3 $OUT/torch_check.py compare"
+  say "# torch expandable segments: $(grep -c 'are read directly' "$OUT/torch-expandable-segments.log") ranks read \
+directly, $(grep -c 'cannot map\|cannot take' "$OUT/torch-expandable-segments.log") refusals; \
+$(grep -m1 -o 'cannot [a-z]* rank.*' "$OUT/torch-expandable-segments.log" | cut -c1-160)"
 fi
 step one-queue-worker-direct 25 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_RS_DIRECT_ON_STREAM=0 \
   NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
