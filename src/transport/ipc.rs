@@ -4,8 +4,8 @@
 //! and the offset; for memory of the virtual memory API — PyTorch's expandable segments — the
 //! file descriptors of the allocations behind the buffer, which peers take with pidfd_getfd
 //! and map side by side; or the raw address for ranks of the same process) with a small
-//! all-gather over the host transports; each rank maps the others' buffers (NVLink or PCIe peer access,
-//! or the same GPU) and computes its own part with copies and the reduction kernels of
+//! all-gather over the host transports; each rank maps the others' buffers (NVLink or PCIe
+//! peer access, or the same GPU) and computes its own part with copies and the reduction kernels of
 //! `kernels/reduce.ptx`, reading peers and writing only its own output. Small host-transport
 //! all-reduces are the barriers: after the last one every peer has finished reading this
 //! rank's buffers, so the caller's stream may move on. [`compute`] says what runs, once, for
@@ -142,7 +142,8 @@ fn encode_segment(s: &Segment, b: &mut [u8]) {
 
 fn decode_segment(b: &[u8]) -> Segment {
     let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
-    Segment { addr: u64_at(0), size: u64_at(8), id: u64_at(16), fd: i32::from_le_bytes(b[24..28].try_into().unwrap_or([0; 4])) }
+    let fd = i32::from_le_bytes(b[24..28].try_into().unwrap_or([0; 4]));
+    Segment { addr: u64_at(0), size: u64_at(8), id: u64_at(16), fd }
 }
 
 /// A stream worker's state for direct operations: the peer mappings it keeps.
@@ -194,7 +195,8 @@ impl Key {
 /// owner now publishes `new` (at `new_at`): a new IPC handle for an allocation at the same
 /// address, or other allocations of the virtual memory API where some of the old ones were.
 fn replaced(old: &Key, at: (u32, u64), new: &Key, new_at: (u32, u64)) -> bool {
-    let overlap = |x: &Segment, y: &Segment| x.addr < y.addr.saturating_add(y.size) && y.addr < x.addr.saturating_add(x.size);
+    let end = |x: &Segment| x.addr.saturating_add(x.size);
+    let overlap = |x: &Segment, y: &Segment| x.addr < end(y) && y.addr < end(x);
     at.0 == new_at.0 && match (old, new) {
         (Key::Ipc(a), Key::Ipc(b)) => at == new_at && a != b,
         (Key::Vmm(a), Key::Vmm(b)) => a.iter().any(|x| b.iter().any(|y| overlap(x, y) && !x.same_memory(y))),
@@ -287,7 +289,10 @@ impl Direct {
             let (first, segs) = (p.first as usize, p.segs as usize);
             match table.get(first..first.saturating_add(segs)) {
                 Some(run) => Key::Vmm(run.to_vec()),
-                None => return Err(Error::internal(format!("segments {first}+{segs} outside a table of {}", table.len()))),
+                None => {
+                    let n = table.len();
+                    return Err(Error::internal(format!("segments {first}+{segs} outside a table of {n}")));
+                }
             }
         };
         let owner = (their_pid, p.addr.wrapping_sub(p.off));
@@ -364,7 +369,8 @@ fn publish(r: Region, handles: bool, table: &mut Vec<Arc<Export>>) -> Option<Pub
     }
     let (base, _) = cuda::allocation_of(r.addr()).ok()?;
     if let Ok(handle) = IpcHandle::of(base as *mut std::ffi::c_void) {
-        return Some(Published { handle: handle.bytes, off: (r.addr() - base) as u64, addr, len, ..Published::default() });
+        let off = (r.addr() - base) as u64;
+        return Some(Published { handle: handle.bytes, off, addr, len, ..Published::default() });
     }
     let run = cuda::vmm_export(r.addr(), r.len()).ok()?;
     let same = |at: usize| run.iter().enumerate().all(|(k, e)| table.get(at + k).is_some_and(|t| Arc::ptr_eq(t, e)));
@@ -376,7 +382,8 @@ fn publish(r: Region, handles: bool, table: &mut Vec<Arc<Export>>) -> Option<Pub
         }
     };
     let start = run.first()?.segment.addr;
-    Some(Published { off: addr - start, addr, len, segs: run.len() as u32, first: first as u32, ..Published::default() })
+    let (segs, first) = (run.len() as u32, first as u32);
+    Some(Published { off: addr - start, addr, len, segs, first, ..Published::default() })
 }
 
 /// The steps of the exchanges, as the control operations' stamps name them.
@@ -582,7 +589,8 @@ fn log_first(comm: &Comm, direct: &mut Direct, op: &Op, on_stream: bool) {
     if direct.ran == 0 {
         let by = if on_stream { "on the caller's stream" } else { "on the stream worker's stream" };
         crate::info!(P2P, "rank {}: device buffers of the {} ranks of this host are read directly (CUDA IPC, \
-                           shared allocations of the virtual memory API, or the same process), {by}, from {}", comm.rank, comm.nranks, op.describe());
+                           shared allocations of the virtual memory API, or the same process), {by}, from {}",
+                     comm.rank, comm.nranks, op.describe());
     }
     direct.ran += 1;
 }

@@ -1,7 +1,8 @@
 //! CUDA mode's device layer: a small safe surface over the CUDA driver API (cudarc's `sys`,
 //! loaded at run time). It owns contexts, streams, events, device and mapped host memory,
-//! pointer classification, CUDA IPC (and sharing memory of the virtual memory API), stream memory operations and the reduction kernels of
-//! `kernels/reduce.ptx`. It knows nothing of ranks, schedules or transports.
+//! pointer classification, CUDA IPC and the sharing of virtual-memory allocations, stream
+//! memory operations and the reduction kernels of `kernels/reduce.ptx`. It knows nothing of
+//! ranks, schedules or transports.
 //!
 //! Every entry point runs its driver calls inside [`driver`]: cudarc panics when `libcuda.so.1`
 //! or one of its symbols is missing, and a panic must never reach C. A failed call becomes
