@@ -9,8 +9,9 @@
  *   CUDA_TEST_LAUNCH_FAIL=1 cuda (2 processes; process 1 with NCCL_RS_STUB_LAUNCH_FAILS=1)
  *   CUDA_TEST_VMM=1 cuda        (device buffers from the virtual memory API, placed as PyTorch's
  *                                expandable segments place them: see vmm_alloc)
- *   CUDA_TEST_NO_PTRACE=1 cuda  (the process refuses ptrace access by others: no peer can take
- *                                its descriptors with pidfd_getfd, nor read it with CMA)
+ *   CUDA_TEST_NO_PTRACE=1 cuda  (the process refuses ptrace access by others, as under Yama:
+ *                                no peer can take its descriptors with pidfd_getfd, nor read
+ *                                it with CMA)
  *
  * Runs where libcuda.so.1 loads: a GPU machine, or CI with the stand-in driver of
  * tests/cuda-stub on LD_LIBRARY_PATH. The driver API is reached through dlopen, so the program
@@ -253,8 +254,8 @@ static void dev_free(CUdeviceptr p) {
 }
 
 /* CUDA_TEST_NO_PTRACE=1: no other process may ptrace this one (it is not dumpable and drops
- * CAP_SYS_PTRACE, which root would use to override that), as under Yama's ptrace_scope or a
- * container without CAP_SYS_PTRACE: pidfd_getfd and process_vm_readv on it fail. */
+ * CAP_SYS_PTRACE, which root would use to override that), as under Yama's ptrace_scope:
+ * pidfd_getfd and process_vm_readv on it fail. */
 static void refuse_ptrace(void) {
   struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
   struct __user_cap_data_struct caps[2];

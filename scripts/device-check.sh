@@ -215,7 +215,7 @@ if python3 -c 'import torch' 2>/dev/null; then
   grep -E 'stress' "$OUT/torch-empty-cache.log" | sed 's/^/# torch: /' >> "$R"
 fi
 # 8. PyTorch's expandable segments: every tensor in cuMemCreate allocations, which CUDA IPC
-#    cannot share; their descriptors are taken with pidfd_getfd and mapped side by side.
+#    cannot share; their descriptors pass over a Unix socket and are mapped side by side.
 if python3 -c 'import torch' 2>/dev/null; then
   step torch-expandable-segments 60 bash -c "
     export MASTER_ADDR=127.0.0.1 MASTER_PORT=29537 WORLD_SIZE=2 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=P2P
@@ -223,7 +223,7 @@ if python3 -c 'import torch' 2>/dev/null; then
     for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
     python3 $OUT/torch_check.py compare"
   say "# torch expandable segments: $(grep -c 'are read directly' "$OUT/torch-expandable-segments.log") ranks read \
-directly, $(grep -c 'cannot map\|cannot take' "$OUT/torch-expandable-segments.log") refusals; \
+directly, $(grep -c 'cannot map\|cannot receive' "$OUT/torch-expandable-segments.log") refusals; \
 $(grep -m1 -o 'cannot [a-z]* rank.*' "$OUT/torch-expandable-segments.log" | cut -c1-160)"
 fi
 step one-queue-worker-direct 25 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_RS_DIRECT_ON_STREAM=0 \

@@ -16,8 +16,9 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use nccl::device::cuda::{self, Context, Desc, Event, Indirect, IpcHandle, IpcMapping, MappedHost, MemOp, PidFd, PtrKind,
-                         Segment, Stream, VmmMapping, WaitCond};
+use nccl::device::cuda::{self, Context, Desc, Event, Indirect, IpcHandle, IpcMapping, MappedHost, MemOp, PtrKind, Segment,
+                         Stream, VmmMapping, WaitCond};
+use nccl::transport::fdpass::{self, Address};
 use nccl::device::host::{self, ElemOp, Region, UserPtr};
 use nccl::device::mode::{self, Mode};
 use nccl::types::{DataType, Scalar};
@@ -583,17 +584,18 @@ fn check_vmm() {
     let ctx = Context::primary(0).unwrap();
     let stream = Stream::new(ctx).unwrap();
     if let Ok(spec) = std::env::var(VMM_SEGMENTS) {
-        // The peer: take the owner's descriptors, map its allocations side by side, read what
-        // the owner wrote (from 100 bytes into the first), write the second half.
+        // The peer: receive the owner's descriptors, map its allocations side by side, read
+        // what the owner wrote (from 100 bytes into the first), write the second half.
         let mut fields = spec.split(',');
-        let pid: u32 = fields.next().unwrap().parse().unwrap();
-        let len: usize = fields.next().unwrap().parse().unwrap();
+        let mut next = || fields.next().unwrap().parse::<u64>().unwrap();
+        let at = Address { name: next(), token: next() };
+        let len = next() as usize;
         let segments: Vec<Segment> = fields.map(|f| {
             let v: Vec<u64> = f.split(':').map(|x| x.parse().unwrap()).collect();
             Segment { addr: v[0], size: v[1], id: v[2], fd: v[3] as i32 }
         }).collect();
-        let owner = PidFd::open(pid).unwrap();
-        let mapping = VmmMapping::import(&owner, &segments, 0).unwrap();
+        let fds = fdpass::fetch(at, &segments.iter().map(|s| s.fd).collect::<Vec<_>>()).unwrap();
+        let mapping = VmmMapping::import(&fds, &segments, 0).unwrap();
         assert_eq!(mapping.size() as u64, segments.iter().map(|s| s.size).sum::<u64>());
         assert!(matches!(cuda::classify(mapping.addr()).unwrap(), PtrKind::Device { .. }));
         let region = device_region(mapping.addr() + 100, len);
@@ -601,8 +603,7 @@ fn check_vmm() {
         assert!(got.iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)), "the peer sees the owner's bytes");
         stream.memset(region.sub(len / 2, len - len / 2), 0xee).unwrap();
         stream.synchronize().unwrap();
-        let gone = VmmMapping::import(&owner, &[Segment { fd: 1 << 20, ..segments[0] }], 0).err().expect("no such fd");
-        assert!(gone.msg.starts_with("pidfd_getfd"), "{gone}");
+        assert!(fdpass::fetch(at, &[1 << 20]).is_err(), "a descriptor the owner does not offer");
         return;
     }
     // The owner: three allocations side by side; a buffer from 100 bytes into the first to 100
@@ -622,7 +623,11 @@ fn check_vmm() {
     let again = cuda::vmm_export(start + gran, 10).unwrap();
     assert!(again.len() == 1 && std::sync::Arc::ptr_eq(&again[0], &exports[1]));
     upload(&stream, device_region(start, len), (0..len).map(ipc_pattern).collect());
-    let spec: Vec<String> = [std::process::id().to_string(), len.to_string()].into_iter()
+    let mut at = Address::default();
+    for e in &exports {
+        at = fdpass::offer(e).unwrap();
+    }
+    let spec: Vec<String> = [at.name.to_string(), at.token.to_string(), len.to_string()].into_iter()
         .chain(segs.iter().map(|s| format!("{}:{}:{}:{}", s.addr, s.size, s.id, s.fd)))
         .collect();
     let name = "vmm_allocations_map_side_by_side_in_another_process";

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{cuda_stub_dir, Job, When};
+use common::{cuda_stub_dir, skip_netns, Hosts, Job, When};
 
 /// Against the stub; with `NCCL_TEST_REAL_DRIVER=1` (scripts/device-check.sh on a GPU
 /// machine), against the machine's own driver.
@@ -275,19 +275,36 @@ fn cuda_mode_vmm_buffers_go_direct() {
     run_expecting_direct(cuda_job().local(2).env("CUDA_TEST_VMM", "1").arg("--quick"), true);
 }
 
-/// Processes that refuse ptrace access to each other (as under Yama's ptrace_scope=1, or a
-/// container without CAP_SYS_PTRACE) cannot take each other's descriptors: collectives on
-/// memory of the virtual memory API are staged, exact, and a warning says why and what to do.
+/// Processes that refuse ptrace access to each other (as under Yama's ptrace_scope=1, the
+/// default of Ubuntu hosts and so of their containers) still pass the descriptors of
+/// virtual-memory allocations (over a Unix socket, not pidfd_getfd): the direct path.
 #[test]
-fn cuda_mode_vmm_without_ptrace_is_staged() {
+fn cuda_mode_vmm_buffers_go_direct_without_ptrace() {
     let job = cuda_job().procs(2).env("CUDA_TEST_VMM", "1").env("CUDA_TEST_NO_PTRACE", "1").arg("--only")
         .arg("Collectives");
+    run_expecting_direct(job, true);
+}
+
+/// Ranks of one host in network namespaces of their own (containers of one NCCL_HOSTID, say):
+/// the Unix socket that passes the descriptors does not reach across namespaces, so
+/// collectives on virtual-memory allocations are staged, exact, and a warning says why.
+#[test]
+fn cuda_mode_vmm_across_network_namespaces_is_staged() {
+    if skip_netns() {
+        return;
+    }
+    let hosts = Hosts::up("vmm", 2, &[]);
+    let mut job = cuda_job().procs(2).env("CUDA_TEST_VMM", "1").env("NCCL_HOSTID", "one-box").arg("--only")
+        .arg("Collectives");
+    for p in 0..2 {
+        job = job.wrap(p, &hosts.wrapper(p)).proc_env(p, "NCCL_SOCKET_IFNAME", &hosts.ifname(p));
+    }
     let o = job.env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
     assert!(o.ok(), "{}", o.report);
     for (i, p) in o.procs.iter().enumerate() {
         assert!(!p.log.contains("are read directly"), "process {i} took the direct path:\n{}", p.log);
-        assert_eq!(p.log.matches("pidfd_getfd needs ptrace access").count(), 1, "process {i}:\n{}", p.log);
-        assert!(p.log.contains("Operation not permitted"), "process {i}:\n{}", p.log);
+        assert_eq!(p.log.matches("one network namespace").count(), 1, "process {i}:\n{}", p.log);
+        assert!(p.log.contains("Connection refused"), "process {i}:\n{}", p.log);
     }
 }
 

@@ -2,8 +2,8 @@
 //!
 //! Every rank publishes where its input and output are (a CUDA IPC handle of the allocation
 //! and the offset; for memory of the virtual memory API — PyTorch's expandable segments — the
-//! file descriptors of the allocations behind the buffer, which peers take with pidfd_getfd
-//! and map side by side; or the raw address for ranks of the same process) with a small
+//! file descriptors of the allocations behind the buffer, which peers receive over a Unix
+//! socket (`fdpass`) and map side by side; or the raw address for ranks of the same process) with a small
 //! all-gather over the host transports; each rank maps the others' buffers (NVLink or PCIe
 //! peer access, or the same GPU) and computes its own part with copies and the reduction kernels of
 //! `kernels/reduce.ptx`, reading peers and writing only its own output. Small host-transport
@@ -38,11 +38,12 @@ use std::sync::Arc;
 
 use crate::bootstrap::PeerInfo;
 use crate::comm::Comm;
-use crate::device::cuda::{self, Desc, Export, Indirect, IpcHandle, IpcMapping, PidFd, Segment, Stream, VmmMapping};
+use crate::device::cuda::{self, Desc, Export, Indirect, IpcHandle, IpcMapping, Segment, Stream, VmmMapping};
 use crate::device::host::{ElemOp, Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
 use crate::streamed::board::{Board, Ticket};
+use crate::transport::fdpass::{self, Address};
 use crate::transport::{Stamp, STAMP_BYTES};
 use crate::types::{BuiltinOp, DataType, RedOp};
 
@@ -75,22 +76,26 @@ impl Default for Published {
 }
 
 const PUB_BYTES: usize = 64 + 8 + 8 + 8 + 4 + 4;
-const RECORD_BYTES: usize = 8 + 2 * PUB_BYTES + STAMP_BYTES;
+/// A record's flag, table length and descriptor server before its buffers.
+const HEAD_BYTES: usize = 8 + 16;
+const RECORD_BYTES: usize = HEAD_BYTES + 2 * PUB_BYTES + STAMP_BYTES;
 const SEG_BYTES: usize = 8 + 8 + 8 + 8;
 /// The longest segment table a record may announce (input and output).
 const MAX_TABLE: usize = 2 * cuda::MAX_SEGMENTS;
 
 /// One rank's record: whether it could publish its buffers, input and output, the length of
-/// its segment table (exchanged next, when some rank has one) and the stamp of its operation
-/// (ranks that issued different calls must not read each other's buffers: they stage, and
-/// the host transports report the mismatch). Its process is in the peer table (`PeerInfo`).
-/// Byte 0 is the flag, bytes 4..8 the table's length; the buffers start at 8.
+/// its segment table (exchanged next, when some rank has one) and where its process serves
+/// the table's descriptors, and the stamp of its operation (ranks that issued different
+/// calls must not read each other's buffers: they stage, and the host transports report the
+/// mismatch). Its process is in the peer table (`PeerInfo`). Byte 0 is the flag, bytes 4..8
+/// the table's length, 8..24 the server; the buffers follow.
 #[derive(Clone, Copy, Debug, Default)]
 struct Record {
     ok: bool,
     input: Published,
     output: Published,
     table: u32,
+    server: Address,
     stamp: Stamp,
 }
 
@@ -99,8 +104,10 @@ impl Record {
         let mut b = [0u8; RECORD_BYTES];
         b[0] = self.ok as u8;
         b[4..8].copy_from_slice(&self.table.to_le_bytes());
+        b[8..16].copy_from_slice(&self.server.name.to_le_bytes());
+        b[16..24].copy_from_slice(&self.server.token.to_le_bytes());
         for (i, p) in [self.input, self.output].iter().enumerate() {
-            let o = 8 + i * PUB_BYTES;
+            let o = HEAD_BYTES + i * PUB_BYTES;
             b[o..o + 64].copy_from_slice(&p.handle);
             b[o + 64..o + 72].copy_from_slice(&p.off.to_le_bytes());
             b[o + 72..o + 80].copy_from_slice(&p.addr.to_le_bytes());
@@ -108,7 +115,7 @@ impl Record {
             b[o + 88..o + 92].copy_from_slice(&p.segs.to_le_bytes());
             b[o + 92..o + 96].copy_from_slice(&p.first.to_le_bytes());
         }
-        b[8 + 2 * PUB_BYTES..].copy_from_slice(&self.stamp);
+        b[HEAD_BYTES + 2 * PUB_BYTES..].copy_from_slice(&self.stamp);
         b
     }
 
@@ -122,12 +129,13 @@ impl Record {
                         first: u32_at(o + 92) }
         };
         let mut stamp = [0u8; STAMP_BYTES];
-        stamp.copy_from_slice(&b[8 + 2 * PUB_BYTES..RECORD_BYTES]);
+        stamp.copy_from_slice(&b[HEAD_BYTES + 2 * PUB_BYTES..RECORD_BYTES]);
         Record {
             ok: b[0] != 0,
-            input: published(8),
-            output: published(8 + PUB_BYTES),
+            input: published(HEAD_BYTES),
+            output: published(HEAD_BYTES + PUB_BYTES),
             table: u32_at(4),
+            server: Address { name: u64_at(8), token: u64_at(16) },
             stamp,
         }
     }
@@ -153,9 +161,7 @@ pub struct Direct {
     /// rank cannot, ever: see [`agree`]); every rank stages them from the next one on.
     pub off: bool,
     maps: Vec<Mapped>,
-    /// Peer processes whose descriptors this worker takes (memory of the virtual memory API).
-    pids: Vec<PidFd>,
-    /// Taking a peer's descriptors was refused (said once, at WARN).
+    /// Receiving a peer's descriptors failed (said once, at WARN).
     refused: bool,
     /// Operations so far (a mapping used by the current one is never closed).
     epoch: u64,
@@ -268,10 +274,17 @@ impl Routes {
     }
 }
 
+/// A rank's allocations of the virtual memory API, as its record and table publish them.
+#[derive(Clone, Copy, Default)]
+struct Shared<'a> {
+    table: &'a [Segment],
+    server: Address,
+}
+
 impl Direct {
-    /// Where the buffer `p` that rank `theirs` published (with its segment table `table`) is
+    /// Where the buffer `p` that rank `theirs` published (with its allocations `shared`) is
     /// in this process (rank `mine`'s, on `device`).
-    fn map(&mut self, mine: &PeerInfo, theirs: &PeerInfo, p: &Published, table: &[Segment], device: i32)
+    fn map(&mut self, mine: &PeerInfo, theirs: &PeerInfo, p: &Published, shared: Shared, device: i32)
            -> Result<Region> {
         if p.len == 0 {
             return Ok(Region::EMPTY);
@@ -287,10 +300,10 @@ impl Direct {
             Key::Ipc(IpcHandle { bytes: p.handle })
         } else {
             let (first, segs) = (p.first as usize, p.segs as usize);
-            match table.get(first..first.saturating_add(segs)) {
+            match shared.table.get(first..first.saturating_add(segs)) {
                 Some(run) => Key::Vmm(run.to_vec()),
                 None => {
-                    let n = table.len();
+                    let n = shared.table.len();
                     return Err(Error::internal(format!("segments {first}+{segs} outside a table of {n}")));
                 }
             }
@@ -322,7 +335,8 @@ impl Direct {
                         (Mapping::Ipc(m), size)
                     }
                     Key::Vmm(segments) => {
-                        let m = VmmMapping::import(self.pidfd(their_pid)?, segments, device)?;
+                        let fds = fdpass::fetch(shared.server, &segments.iter().map(|s| s.fd).collect::<Vec<_>>())?;
+                        let m = VmmMapping::import(&fds, segments, device)?;
                         let size = m.size();
                         (Mapping::Vmm(m), size)
                     }
@@ -340,18 +354,6 @@ impl Direct {
         // peer keeps the buffer until the final barrier, and a mapping used by the current
         // operation is not closed before the next one.
         Ok(Region::user(unsafe { UserPtr::new((m.mapping.addr() + p.off as usize) as *const u8) }, 0, len))
-    }
-
-    /// The peer process `pid`, to take descriptors from (opened once).
-    fn pidfd(&mut self, pid: u32) -> Result<&PidFd> {
-        let i = match self.pids.iter().position(|p| p.pid() == pid) {
-            Some(i) => i,
-            None => {
-                self.pids.push(PidFd::open(pid)?);
-                self.pids.len() - 1
-            }
-        };
-        Ok(&self.pids[i])
     }
 }
 
@@ -419,6 +421,8 @@ pub struct Offered {
     input: Published,
     output: Published,
     table: Vec<Arc<Export>>,
+    /// Where this process serves the table's descriptors (none without a table).
+    server: Address,
 }
 
 /// What this rank offers for `op` on the direct path, known at call time; None when it
@@ -434,7 +438,11 @@ pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
     let mut table = Vec::new();
     let input = publish(op.send, !routes.one_process, &mut table)?;
     let output = publish(op.recv, !routes.one_process, &mut table)?;
-    Some(Offered { input, output, table })
+    let mut server = Address::default();
+    for e in &table {
+        server = fdpass::offer(e).ok()?;
+    }
+    Some(Offered { input, output, table, server })
 }
 
 /// This rank's part of the agreement for an operation it declines ([`offer`]): every rank
@@ -487,7 +495,7 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
     let input = op.send;
     let mine = match offer {
         Offer::Buffers(o) => Record { ok: true, input: o.input, output: o.output, table: o.table.len() as u32,
-                                      stamp: op.stamp() },
+                                      server: o.server, stamp: op.stamp() },
         _ => Record { ok: false, stamp: op.stamp(), ..Record::default() },
     };
     let mut all = vec![0u8; RECORD_BYTES * n];
@@ -529,9 +537,9 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
             verdict = NEVER;
             break;
         }
-        let table = &tables[p];
-        let mapped = direct.map(ours, theirs, &rec.input, table, comm.cuda_dev)
-            .and_then(|i| Ok((i, direct.map(ours, theirs, &rec.output, table, comm.cuda_dev)?)));
+        let shared = Shared { table: &tables[p], server: rec.server };
+        let mapped = direct.map(ours, theirs, &rec.input, shared, comm.cuda_dev)
+            .and_then(|i| Ok((i, direct.map(ours, theirs, &rec.output, shared, comm.cuda_dev)?)));
         match mapped {
             Ok((i, o)) => {
                 ins.push(i);
@@ -540,10 +548,10 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
             Err(e) => {
                 if e.code == crate::Code::SystemError && !direct.refused {
                     direct.refused = true;
-                    crate::warn!("rank {me}: cannot take rank {p}'s device memory ({}): memory of the CUDA virtual \
-                                  memory API (e.g. PyTorch's expandable_segments) is staged through host memory, \
-                                  which is slower; pidfd_getfd needs ptrace access between the ranks' processes \
-                                  (kernel.yama.ptrace_scope, CAP_SYS_PTRACE in containers)", e.msg);
+                    crate::warn!("rank {me}: cannot receive rank {p}'s device memory ({}): memory of the CUDA \
+                                  virtual memory API (e.g. PyTorch's expandable_segments) is staged through host \
+                                  memory, which is slower; its descriptors pass over a Unix socket, which needs the \
+                                  ranks' processes in one network namespace", e.msg);
                 }
                 crate::info!(P2P, "rank {me}: cannot map rank {p}'s buffers ({}); staging through host memory", e.msg);
                 // The driver refused (no peer access between the devices, no IPC): it will
@@ -882,8 +890,8 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut 
             // (Memory of the virtual memory API is staged here: a record holds no segment table.)
             let mut table = Vec::new();
             let p = publish(ops[i].send, true, &mut table).filter(|_| table.is_empty());
-            *slot = Record { ok: p.is_some(), input: p.unwrap_or_default(), output: Published::default(), table: 0,
-                             stamp: ops[i].stamp() }.encode();
+            *slot = Record { ok: p.is_some(), input: p.unwrap_or_default(), stamp: ops[i].stamp(), ..Record::default() }
+                .encode();
         }
     }
     let control: Vec<Op> = picked.iter().zip(records.iter_mut())
@@ -905,7 +913,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut 
         if !theirs.ok || other_device || theirs.stamp != op.stamp() || theirs.input.len as usize != op.recv.len() {
             continue;
         }
-        match direct.map(ours, sender, &theirs.input, &[], comm.cuda_dev) {
+        match direct.map(ours, sender, &theirs.input, Shared::default(), comm.cuda_dev) {
             Ok(src) => {
                 stream.copy(op.recv, src)?;
                 answer[0] = 1;
@@ -945,9 +953,10 @@ mod tests {
     fn records_and_segments_round_trip() {
         let input = Published { handle: [3; 64], off: 17, addr: 0x7000_0011, len: 1 << 20, segs: 0, first: 0 };
         let output = Published { handle: [0; 64], off: 256, addr: 0x7f00_0100, len: 5 << 20, segs: 3, first: 1 };
-        let r = Record { ok: true, input, output, table: 4, stamp: [9; STAMP_BYTES] };
+        let server = Address { name: 0x0123_4567_89ab_cdef, token: u64::MAX };
+        let r = Record { ok: true, input, output, table: 4, server, stamp: [9; STAMP_BYTES] };
         let d = Record::decode(&r.encode());
-        assert_eq!((d.ok, d.input, d.output, d.table, d.stamp), (true, input, output, 4, [9; STAMP_BYTES]));
+        assert_eq!((d.ok, d.input, d.output, d.table, d.server, d.stamp), (true, input, output, 4, server, [9; STAMP_BYTES]));
         let s = Segment { addr: 0x7f00_0000, size: 2 << 20, id: u64::MAX - 1, fd: -3 };
         let mut b = [0u8; SEG_BYTES];
         encode_segment(&s, &mut b);

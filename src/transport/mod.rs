@@ -8,6 +8,7 @@
 //! so one thread can connect many ranks of a process: every sender first *offers* (creates the
 //! buffer or dials the socket, which never waits for the receiver), then receivers *accept*.
 
+pub mod fdpass;
 pub mod ipc;
 pub mod local;
 pub mod ring;

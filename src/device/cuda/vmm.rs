@@ -2,10 +2,9 @@
 //! segments, NVIDIA's `ncclMemAlloc`) shared with other processes of the host. CUDA IPC
 //! handles do not cover it, and one buffer may span several physical allocations mapped side
 //! by side (PyTorch maps every 20 MiB on its own; `cuMemGetAddressRange` names one of them).
-//! So each allocation behind a buffer is exported as a POSIX file descriptor ([`export`]), a
-//! peer takes the descriptors out of the exporting process with `pidfd_getfd` ([`PidFd`]: it
-//! needs the ptrace access that `process_vm_readv` needs too) and maps them again side by side
-//! ([`VmmMapping`]).
+//! So each allocation behind a buffer is exported as a POSIX file descriptor ([`export`]); a
+//! peer that has received the descriptors (how is the transports' business) maps them again
+//! side by side ([`VmmMapping`]).
 //!
 //! An export is shared by every operation in flight that publishes the same allocation and
 //! closed when the last of them is done: an open descriptor keeps the memory alive, so none is
@@ -13,7 +12,7 @@
 //! which the driver never gives twice in a process.
 
 use std::ffi::c_void;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
@@ -46,7 +45,13 @@ impl Segment {
 #[derive(Debug)]
 pub struct Export {
     pub segment: Segment,
-    _fd: OwnedFd,
+    fd: OwnedFd,
+}
+
+impl AsFd for Export {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
 }
 
 /// Exports of this process still held by some operation, by buffer ID.
@@ -84,7 +89,7 @@ fn export_one(base: usize, size: usize, id: u64) -> Result<Export> {
         // SAFETY: the driver just opened `fd` for us; nothing else owns it.
         let owned = unsafe { OwnedFd::from_raw_fd(fd) };
         check("cuMemRelease", released)?;
-        Ok(Export { segment: Segment { addr: base as u64, size: size as u64, id, fd }, _fd: owned })
+        Ok(Export { segment: Segment { addr: base as u64, size: size as u64, id, fd }, fd: owned })
     })
 }
 
@@ -126,41 +131,6 @@ fn shared(base: usize, size: usize, id: u64) -> Result<Arc<Export>> {
     Ok(e)
 }
 
-/// A process, to take descriptors from (`pidfd_open`).
-pub struct PidFd {
-    pid: u32,
-    fd: OwnedFd,
-}
-
-impl PidFd {
-    pub fn open(pid: u32) -> Result<PidFd> {
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-        if fd < 0 {
-            return Err(Error::system(format!("pidfd_open({pid}): {}", std::io::Error::last_os_error())));
-        }
-        // SAFETY: a new descriptor that nothing else owns.
-        Ok(PidFd { pid, fd: unsafe { OwnedFd::from_raw_fd(fd as i32) } })
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.pid
-    }
-
-    /// A duplicate of the process's descriptor `fd` (`pidfd_getfd`).
-    fn take(&self, fd: i32) -> Result<OwnedFd> {
-        // SAFETY: pidfd_getfd takes a pidfd, the target's descriptor number and flags, and
-        // returns a new descriptor of this process or -1.
-        let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, self.fd.as_raw_fd(), fd, 0) };
-        if got < 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(Error::system(format!("pidfd_getfd(pid {}, fd {fd}): {e}", self.pid)));
-        }
-        // SAFETY: a new descriptor that nothing else owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
-    }
-}
-
 /// Another process's allocations mapped side by side into this one, readable and writable by
 /// one device; unmapped on drop.
 pub struct VmmMapping {
@@ -180,12 +150,15 @@ fn location(device: i32) -> sys::CUmemLocation {
 }
 
 impl VmmMapping {
-    /// Maps `segments` of `from`'s process (one buffer's allocations, in address order) for
-    /// `device` of this process, in the current context.
-    pub fn import(from: &PidFd, segments: &[Segment], device: i32) -> Result<VmmMapping> {
+    /// Maps another process's `segments` (one buffer's allocations, in address order), whose
+    /// descriptors this process received as `fds`, for `device` of this process, in the
+    /// current context.
+    pub fn import(fds: &[OwnedFd], segments: &[Segment], device: i32) -> Result<VmmMapping> {
+        if fds.len() != segments.len() {
+            return Err(Error::internal(format!("{} descriptors for {} allocations", fds.len(), segments.len())));
+        }
         let size = segments.iter().try_fold(0usize, |a, s| a.checked_add(s.size as usize))
             .ok_or_else(|| Error::internal("peer allocations past the address space"))?;
-        let fds = segments.iter().map(|s| from.take(s.fd)).collect::<Result<Vec<_>>>()?;
         driver("cuMemMap", || {
             let prop = sys::CUmemAllocationProp {
                 type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
@@ -207,7 +180,7 @@ impl VmmMapping {
             // From here on, drop undoes what was done.
             let mut m = VmmMapping { addr, size, mapped: Vec::with_capacity(segments.len()) };
             let mut off = 0usize;
-            for (s, fd) in segments.iter().zip(&fds) {
+            for (s, fd) in segments.iter().zip(fds) {
                 let mut h: CUmemGenericAllocationHandle = 0;
                 let ty = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
                 let os = fd.as_raw_fd() as isize as *mut c_void;

@@ -1,0 +1,259 @@
+//! File descriptors passed between processes of one host (`SCM_RIGHTS` over a Unix socket),
+//! for the allocations of the virtual memory API that the direct path shares (`ipc`).
+//!
+//! A process that publishes such memory serves the descriptors of its exports, while they
+//! are open, on an abstract Unix socket of a random name, from one thread; a peer asks for
+//! them by number over one connection, first proving a secret that only the communicator's
+//! ranks learnt (it travels in the operation's records). Unlike `pidfd_getfd`, which PyTorch
+//! uses for the same memory, this needs no ptrace access between the processes (Yama's
+//! `ptrace_scope`, containers without `CAP_SYS_PTRACE`), only one network namespace.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// How long one side waits for the other's next message.
+const PATIENCE: Duration = Duration::from_secs(5);
+
+/// Where a process serves its descriptors, and the secret it asks for: what its ranks publish.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Address {
+    pub name: u64,
+    pub token: u64,
+}
+
+type Served = Weak<dyn AsFd + Send + Sync>;
+
+struct Server {
+    pid: u32,
+    address: Address,
+    /// Descriptors on offer, by number, while their owners live.
+    offered: Mutex<Vec<(RawFd, Served)>>,
+}
+
+/// This process's server (a forked child starts its own).
+static SERVER: Mutex<Option<Arc<Server>>> = Mutex::new(None);
+
+fn socket_name(name: u64) -> String {
+    format!("nccl-rs-fds-{name:016x}")
+}
+
+fn server() -> Result<Arc<Server>> {
+    let mut slot = SERVER.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(s) = slot.as_ref().filter(|s| s.pid == std::process::id()) {
+        return Ok(s.clone());
+    }
+    let address = Address { name: crate::bootstrap::id::random_u64(), token: crate::bootstrap::id::random_u64() };
+    let sys = |what: &str, e: std::io::Error| Error::system(format!("descriptor server: {what}: {e}"));
+    let addr = SocketAddr::from_abstract_name(socket_name(address.name)).map_err(|e| sys("address", e))?;
+    let listener = UnixListener::bind_addr(&addr).map_err(|e| sys("bind", e))?;
+    let s = Arc::new(Server { pid: std::process::id(), address, offered: Mutex::new(Vec::new()) });
+    let serving = s.clone();
+    std::thread::Builder::new()
+        .name("nccl-rs-fds".into())
+        .spawn(move || serve_forever(&serving, &listener))
+        .map_err(|e| sys("thread", e))?;
+    *slot = Some(s.clone());
+    Ok(s)
+}
+
+/// Offers `what`'s descriptor to the peers that ask for it by number, for as long as `what`
+/// lives; where to ask.
+pub fn offer<T: AsFd + Send + Sync + 'static>(what: &Arc<T>) -> Result<Address> {
+    let s = server()?;
+    let fd = what.as_fd().as_raw_fd();
+    let mut offered = s.offered.lock().unwrap_or_else(|p| p.into_inner());
+    let weak: Served = Arc::downgrade(what) as Served;
+    if !offered.iter().any(|(n, w)| *n == fd && w.ptr_eq(&weak)) {
+        if offered.len() >= 64 {
+            offered.retain(|(_, w)| w.strong_count() > 0);
+        }
+        offered.push((fd, weak));
+    }
+    Ok(s.address)
+}
+
+fn serve_forever(s: &Server, listener: &UnixListener) {
+    loop {
+        match listener.accept() {
+            Ok((conn, _)) => {
+                // One peer at a time; a peer that stops talking is dropped after PATIENCE.
+                let _ = catch_unwind(AssertUnwindSafe(|| s.answer(conn)));
+            }
+            // Out of descriptors, say: the peer fails and stages; try again shortly.
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+impl Server {
+    fn answer(&self, mut conn: UnixStream) -> Result<()> {
+        let io = |e: std::io::Error| Error::system(format!("descriptor server: {e}"));
+        conn.set_read_timeout(Some(PATIENCE)).map_err(io)?;
+        conn.set_write_timeout(Some(PATIENCE)).map_err(io)?;
+        if !same_user(&conn) {
+            return Ok(());
+        }
+        let mut token = [0u8; 8];
+        conn.read_exact(&mut token).map_err(io)?;
+        if u64::from_le_bytes(token) != self.address.token {
+            return Ok(());
+        }
+        let mut want = [0u8; 4];
+        while conn.read_exact(&mut want).is_ok() {
+            let fd = RawFd::from_le_bytes(want);
+            // Held while sent, so the descriptor cannot close (and its number be reused) meanwhile.
+            let live = {
+                let offered = self.offered.lock().unwrap_or_else(|p| p.into_inner());
+                offered.iter().filter(|(n, _)| *n == fd).find_map(|(_, w)| w.upgrade())
+            };
+            send_fd(&conn, live.as_ref().map(|l| l.as_fd().as_raw_fd())).map_err(io)?;
+        }
+        Ok(())
+    }
+}
+
+/// The peer runs as this process's user, or as root.
+fn same_user(conn: &UnixStream) -> bool {
+    let mut cred = libc::ucred { pid: 0, uid: u32::MAX, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid out-pointers of the sizes given; the socket is ours.
+    let r = unsafe {
+        libc::getsockopt(conn.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED,
+                         (&mut cred as *mut libc::ucred).cast(), &mut len)
+    };
+    // SAFETY: geteuid has no preconditions.
+    r == 0 && (cred.uid == unsafe { libc::geteuid() } || cred.uid == 0)
+}
+
+/// One byte (1: here it is, 0: refused) and, with 1, the descriptor.
+fn send_fd(conn: &UnixStream, fd: Option<RawFd>) -> std::io::Result<()> {
+    let mut status = [fd.is_some() as u8];
+    let mut iov = libc::iovec { iov_base: status.as_mut_ptr().cast(), iov_len: 1 };
+    let mut control = [0u64; 4]; // CMSG_SPACE(4) is 24 bytes; u64s keep it aligned
+    // SAFETY: a zeroed msghdr is valid; the pointers set below outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        // SAFETY: `control` has room for one header with one descriptor (CMSG_SPACE(4) <= 32);
+        // CMSG_FIRSTHDR of a msghdr with that buffer points into it.
+        unsafe {
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(4) as _;
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(4) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
+        }
+    }
+    // SAFETY: `msg` describes valid buffers; the socket is ours.
+    let n = unsafe { libc::sendmsg(conn.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n == 1 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+}
+
+/// The answer to one request: the descriptor, or None if refused.
+fn recv_fd(conn: &UnixStream) -> std::io::Result<Option<OwnedFd>> {
+    let mut status = [0u8];
+    let mut iov = libc::iovec { iov_base: status.as_mut_ptr().cast(), iov_len: 1 };
+    let mut control = [0u64; 4];
+    // SAFETY: a zeroed msghdr is valid; the pointers set below outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control) as _;
+    // SAFETY: `msg` describes valid buffers; received descriptors are close-on-exec.
+    let n = unsafe { libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if n == 0 {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the server closed the connection"));
+    }
+    // Every descriptor that arrived is owned here (and closed unless it is the one asked for).
+    let mut got = Vec::new();
+    // SAFETY: walks the control messages recvmsg wrote into `control`, within msg_controllen.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
+                for k in 0..count {
+                    let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>().add(k));
+                    got.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok(if status[0] == 1 && got.len() == 1 { got.pop() } else { None })
+}
+
+/// The descriptors `fds` of the process serving at `at`, as new descriptors of this one.
+pub fn fetch(at: Address, fds: &[RawFd]) -> Result<Vec<OwnedFd>> {
+    let name = socket_name(at.name);
+    let io = |e: std::io::Error| Error::system(format!("descriptors from {name}: {e}"));
+    let addr = SocketAddr::from_abstract_name(&name).map_err(io)?;
+    let mut conn = UnixStream::connect_addr(&addr).map_err(io)?;
+    conn.set_read_timeout(Some(PATIENCE)).map_err(io)?;
+    conn.set_write_timeout(Some(PATIENCE)).map_err(io)?;
+    conn.write_all(&at.token.to_le_bytes()).map_err(io)?;
+    fds.iter()
+        .map(|&fd| {
+            conn.write_all(&fd.to_le_bytes()).map_err(io)?;
+            recv_fd(&conn).map_err(io)?
+                .ok_or_else(|| Error::system(format!("descriptors from {name}: descriptor {fd} refused")))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    struct Held(std::fs::File);
+
+    impl AsFd for Held {
+        fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+            self.0.as_fd()
+        }
+    }
+
+    fn inode(fd: impl AsFd) -> (u64, u64) {
+        let f = std::fs::File::from(fd.as_fd().try_clone_to_owned().unwrap());
+        let m = f.metadata().unwrap();
+        (m.dev(), m.ino())
+    }
+
+    #[test]
+    fn descriptors_are_served_while_held_and_to_the_secret_only() {
+        let dir = std::env::temp_dir().join(format!("nccl-rs-fdpass-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |n: &str| Arc::new(Held(std::fs::File::create(dir.join(n)).unwrap()));
+        let (a, b) = (file("a"), file("b"));
+        let at = offer(&a).unwrap();
+        assert_eq!(offer(&b).unwrap(), at, "one server per process");
+        let (fa, fb) = (a.0.as_raw_fd(), b.0.as_raw_fd());
+        let got = fetch(at, &[fb, fa, fb]).unwrap();
+        assert_eq!(got.iter().map(inode).collect::<Vec<_>>(), vec![inode(&b.0), inode(&a.0), inode(&b.0)]);
+        assert!(got.iter().all(|f| f.as_raw_fd() != fa && f.as_raw_fd() != fb), "new descriptors of this process");
+        // A wrong secret gets nothing; neither does a descriptor not on offer, or no longer.
+        assert!(fetch(Address { token: at.token ^ 1, ..at }, &[fa]).is_err());
+        let stdin = std::io::stdin().as_raw_fd();
+        assert!(fetch(at, &[stdin]).unwrap_err().msg.contains("refused"));
+        drop(b);
+        assert!(fetch(at, &[fb]).unwrap_err().msg.contains("refused"));
+        assert_eq!(inode(&fetch(at, &[fa]).unwrap()[0]), inode(&a.0));
+        assert!(fetch(Address { name: at.name ^ 1, ..at }, &[fa]).is_err(), "no server there");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
