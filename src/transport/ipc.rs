@@ -34,17 +34,19 @@
 //! receiver copies from the mapped buffer and answers "done" (the sender's buffer is free) or
 //! "stage it" (both ends then stage that message).
 
+mod share;
+
 use std::sync::Arc;
 
-use crate::bootstrap::PeerInfo;
+use share::{decode_segment, encode_segment, Maps, Published, Record, Shared, MAX_TABLE, RECORD_BYTES, SEG_BYTES};
+
 use crate::comm::Comm;
-use crate::device::cuda::{self, Desc, Export, Indirect, IpcHandle, IpcMapping, Segment, Stream, VmmMapping};
+use crate::device::cuda::{self, Desc, Export, Indirect, Segment, Stream};
 use crate::device::host::{ElemOp, Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
 use crate::streamed::board::{Board, Ticket};
 use crate::transport::fdpass::{self, Address};
-use crate::transport::{Stamp, STAMP_BYTES};
 use crate::types::{BuiltinOp, DataType, RedOp};
 
 /// Operations at least this large go direct (`NCCL_RS_DIRECT_MIN`, 64 KiB by default); smaller
@@ -54,178 +56,18 @@ fn direct_min() -> usize {
     crate::params::direct_min()
 }
 
-/// What a rank publishes about one buffer: a CUDA IPC handle of its allocation, or (`segs` >
-/// 0) the allocations of the virtual memory API behind it, entries `first..first + segs` of
-/// the rank's segment table; or neither, when every peer is in the publishing process.
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Published {
-    handle: [u8; 64],
-    /// Offset of the buffer in the allocation the handle names (in the first segment).
-    off: u64,
-    /// Its address in the publishing process (ranks of the same process use it directly).
-    addr: u64,
-    len: u64,
-    segs: u32,
-    first: u32,
-}
-
-impl Default for Published {
-    fn default() -> Published {
-        Published { handle: [0; 64], off: 0, addr: 0, len: 0, segs: 0, first: 0 }
-    }
-}
-
-const PUB_BYTES: usize = 64 + 8 + 8 + 8 + 4 + 4;
-/// A record's flag, table length and descriptor server before its buffers.
-const HEAD_BYTES: usize = 8 + 16;
-const RECORD_BYTES: usize = HEAD_BYTES + 2 * PUB_BYTES + STAMP_BYTES;
-const SEG_BYTES: usize = 8 + 8 + 8 + 8;
-/// The longest segment table a record may announce (input and output).
-const MAX_TABLE: usize = 2 * cuda::MAX_SEGMENTS;
-
-/// One rank's record: whether it could publish its buffers, input and output, the length of
-/// its segment table (exchanged next, when some rank has one) and where its process serves
-/// the table's descriptors, and the stamp of its operation (ranks that issued different
-/// calls must not read each other's buffers: they stage, and the host transports report the
-/// mismatch). Its process is in the peer table (`PeerInfo`). Byte 0 is the flag, bytes 4..8
-/// the table's length, 8..24 the server; the buffers follow.
-#[derive(Clone, Copy, Debug, Default)]
-struct Record {
-    ok: bool,
-    input: Published,
-    output: Published,
-    table: u32,
-    server: Address,
-    stamp: Stamp,
-}
-
-impl Record {
-    fn encode(&self) -> [u8; RECORD_BYTES] {
-        let mut b = [0u8; RECORD_BYTES];
-        b[0] = self.ok as u8;
-        b[4..8].copy_from_slice(&self.table.to_le_bytes());
-        b[8..16].copy_from_slice(&self.server.name.to_le_bytes());
-        b[16..24].copy_from_slice(&self.server.token.to_le_bytes());
-        for (i, p) in [self.input, self.output].iter().enumerate() {
-            let o = HEAD_BYTES + i * PUB_BYTES;
-            b[o..o + 64].copy_from_slice(&p.handle);
-            b[o + 64..o + 72].copy_from_slice(&p.off.to_le_bytes());
-            b[o + 72..o + 80].copy_from_slice(&p.addr.to_le_bytes());
-            b[o + 80..o + 88].copy_from_slice(&p.len.to_le_bytes());
-            b[o + 88..o + 92].copy_from_slice(&p.segs.to_le_bytes());
-            b[o + 92..o + 96].copy_from_slice(&p.first.to_le_bytes());
-        }
-        b[HEAD_BYTES + 2 * PUB_BYTES..].copy_from_slice(&self.stamp);
-        b
-    }
-
-    fn decode(b: &[u8]) -> Record {
-        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
-        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap_or([0; 4]));
-        let published = |o: usize| {
-            let mut handle = [0u8; 64];
-            handle.copy_from_slice(&b[o..o + 64]);
-            Published { handle, off: u64_at(o + 64), addr: u64_at(o + 72), len: u64_at(o + 80), segs: u32_at(o + 88),
-                        first: u32_at(o + 92) }
-        };
-        let mut stamp = [0u8; STAMP_BYTES];
-        stamp.copy_from_slice(&b[HEAD_BYTES + 2 * PUB_BYTES..RECORD_BYTES]);
-        Record {
-            ok: b[0] != 0,
-            input: published(HEAD_BYTES),
-            output: published(HEAD_BYTES + PUB_BYTES),
-            table: u32_at(4),
-            server: Address { name: u64_at(8), token: u64_at(16) },
-            stamp,
-        }
-    }
-}
-
-fn encode_segment(s: &Segment, b: &mut [u8]) {
-    b[0..8].copy_from_slice(&s.addr.to_le_bytes());
-    b[8..16].copy_from_slice(&s.size.to_le_bytes());
-    b[16..24].copy_from_slice(&s.id.to_le_bytes());
-    b[24..28].copy_from_slice(&s.fd.to_le_bytes());
-}
-
-fn decode_segment(b: &[u8]) -> Segment {
-    let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
-    let fd = i32::from_le_bytes(b[24..28].try_into().unwrap_or([0; 4]));
-    Segment { addr: u64_at(0), size: u64_at(8), id: u64_at(16), fd }
-}
-
 /// A stream worker's state for direct operations: the peer mappings it keeps.
 #[derive(Default)]
 pub struct Direct {
     /// The ranks agreed that collectives never go direct again on this communicator (some
     /// rank cannot, ever: see [`agree`]); every rank stages them from the next one on.
     pub off: bool,
-    maps: Vec<Mapped>,
+    maps: Maps,
     /// Receiving a peer's descriptors failed (said once, at WARN).
     refused: bool,
-    /// Operations so far (a mapping used by the current one is never closed).
-    epoch: u64,
     /// Operations run direct so far (the first is logged).
     ran: u64,
 }
-
-/// One peer allocation mapped into this process (closed on drop), or a run of them.
-struct Mapped {
-    key: Key,
-    mapping: Mapping,
-    size: usize,
-    /// Its owner and its address there: a new handle at the same place means this one is gone.
-    owner: (u32, u64),
-    used: u64,
-}
-
-/// What a mapping is of: the allocation an IPC handle names, or allocations of the virtual
-/// memory API (told apart by their buffer IDs, never reused in their process).
-enum Key {
-    Ipc(IpcHandle),
-    Vmm(Vec<Segment>),
-}
-
-impl Key {
-    fn same(&self, other: &Key) -> bool {
-        match (self, other) {
-            (Key::Ipc(a), Key::Ipc(b)) => a == b,
-            (Key::Vmm(a), Key::Vmm(b)) => a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.same_memory(y)),
-            _ => false,
-        }
-    }
-
-}
-
-/// The memory of a mapping of `old` (published by process and address `at`) is gone if its
-/// owner now publishes `new` (at `new_at`): a new IPC handle for an allocation at the same
-/// address, or other allocations of the virtual memory API where some of the old ones were.
-fn replaced(old: &Key, at: (u32, u64), new: &Key, new_at: (u32, u64)) -> bool {
-    let end = |x: &Segment| x.addr.saturating_add(x.size);
-    let overlap = |x: &Segment, y: &Segment| x.addr < end(y) && y.addr < end(x);
-    at.0 == new_at.0 && match (old, new) {
-        (Key::Ipc(a), Key::Ipc(b)) => at == new_at && a != b,
-        (Key::Vmm(a), Key::Vmm(b)) => a.iter().any(|x| b.iter().any(|y| overlap(x, y) && !x.same_memory(y))),
-        _ => false,
-    }
-}
-
-enum Mapping {
-    Ipc(IpcMapping),
-    Vmm(VmmMapping),
-}
-
-impl Mapping {
-    fn addr(&self) -> usize {
-        match self {
-            Mapping::Ipc(m) => m.addr(),
-            Mapping::Vmm(m) => m.addr(),
-        }
-    }
-}
-
-/// Peer allocations a worker keeps mapped at most.
-const MAPS_KEPT: usize = 256;
 
 /// Which operations of a communicator may go direct, decided once (when its stream worker
 /// starts) from the parameters and where the ranks run: the same answers on every rank.
@@ -272,120 +114,6 @@ impl Routes {
         let premul = matches!(op.op, RedOp::PreMulSum(_)) || op.scalar_at.is_some();
         self.collectives && big && !premul
     }
-}
-
-/// A rank's allocations of the virtual memory API, as its record and table publish them.
-#[derive(Clone, Copy, Default)]
-struct Shared<'a> {
-    table: &'a [Segment],
-    server: Address,
-}
-
-impl Direct {
-    /// Where the buffer `p` that rank `theirs` published (with its allocations `shared`) is
-    /// in this process (rank `mine`'s, on `device`).
-    fn map(&mut self, mine: &PeerInfo, theirs: &PeerInfo, p: &Published, shared: Shared, device: i32)
-           -> Result<Region> {
-        if p.len == 0 {
-            return Ok(Region::EMPTY);
-        }
-        let len = p.len as usize;
-        let their_pid = theirs.pid;
-        if theirs.same_process(mine) {
-            // SAFETY: a rank of this process published the address of its own buffer (valid
-            // for `len` bytes by its caller's contract) and keeps it until the final barrier.
-            return Ok(Region::user(unsafe { UserPtr::new(p.addr as usize as *const u8) }, 0, len));
-        }
-        let key = if p.segs == 0 {
-            Key::Ipc(IpcHandle { bytes: p.handle })
-        } else {
-            let (first, segs) = (p.first as usize, p.segs as usize);
-            match shared.table.get(first..first.saturating_add(segs)) {
-                Some(run) => Key::Vmm(run.to_vec()),
-                None => {
-                    let n = shared.table.len();
-                    return Err(Error::internal(format!("segments {first}+{segs} outside a table of {n}")));
-                }
-            }
-        };
-        let owner = (their_pid, p.addr.wrapping_sub(p.off));
-        let i = match self.maps.iter().position(|m| m.owner.0 == their_pid && m.key.same(&key)) {
-            Some(i) => i,
-            None => {
-                // The allocation that was at this address is gone; too many open: the least
-                // recently used one goes (never one this operation uses).
-                let before = self.maps.len();
-                let epoch = self.epoch;
-                self.maps.retain(|m| m.used == epoch || !replaced(&m.key, m.owner, &key, owner));
-                if self.maps.len() < before {
-                    crate::trace!(P2P, "closed the mapping of pid {their_pid}'s allocation at {:#x}: a new one is there",
-                                  owner.1);
-                }
-                if self.maps.len() >= MAPS_KEPT {
-                    let oldest = self.maps.iter().enumerate().filter(|(_, m)| m.used != self.epoch).min_by_key(|(_, m)| m.used);
-                    if let Some((k, _)) = oldest {
-                        self.maps.swap_remove(k);
-                        crate::trace!(P2P, "closed the least recently used of {MAPS_KEPT} peer mappings");
-                    }
-                }
-                let (mapping, size) = match &key {
-                    Key::Ipc(handle) => {
-                        let m = IpcMapping::open(handle)?;
-                        let (_, size) = cuda::allocation_of(m.addr())?;
-                        (Mapping::Ipc(m), size)
-                    }
-                    Key::Vmm(segments) => {
-                        let fds = fdpass::fetch(shared.server, &segments.iter().map(|s| s.fd).collect::<Vec<_>>())?;
-                        let m = VmmMapping::import(&fds, segments, device)?;
-                        let size = m.size();
-                        (Mapping::Vmm(m), size)
-                    }
-                };
-                self.maps.push(Mapped { key, mapping, size, owner, used: self.epoch });
-                self.maps.len() - 1
-            }
-        };
-        let m = &mut self.maps[i];
-        m.used = self.epoch;
-        if (p.off as usize).checked_add(len).is_none_or(|e| e > m.size) {
-            return Err(Error::internal(format!("peer buffer {}+{len} outside its allocation of {}", p.off, m.size)));
-        }
-        // SAFETY: inside the peer allocation this mapping holds open (checked just above); the
-        // peer keeps the buffer until the final barrier, and a mapping used by the current
-        // operation is not closed before the next one.
-        Ok(Region::user(unsafe { UserPtr::new((m.mapping.addr() + p.off as usize) as *const u8) }, 0, len))
-    }
-}
-
-/// Publish one of our buffers: handle of its allocation and offset, or the exports of the
-/// allocations of the virtual memory API behind it (added to `table` unless there already);
-/// only its address where `handles` is false (every peer is in this process). None if it has
-/// neither kind of handle.
-fn publish(r: Region, handles: bool, table: &mut Vec<Arc<Export>>) -> Option<Published> {
-    if r.is_empty() {
-        return Some(Published::default());
-    }
-    let (addr, len) = (r.addr() as u64, r.len() as u64);
-    if !handles {
-        return Some(Published { addr, len, ..Published::default() });
-    }
-    let (base, _) = cuda::allocation_of(r.addr()).ok()?;
-    if let Ok(handle) = IpcHandle::of(base as *mut std::ffi::c_void) {
-        let off = (r.addr() - base) as u64;
-        return Some(Published { handle: handle.bytes, off, addr, len, ..Published::default() });
-    }
-    let run = cuda::vmm_export(r.addr(), r.len()).ok()?;
-    let same = |at: usize| run.iter().enumerate().all(|(k, e)| table.get(at + k).is_some_and(|t| Arc::ptr_eq(t, e)));
-    let first = match (0..table.len()).find(|&at| same(at)) {
-        Some(at) => at,
-        None => {
-            table.extend(run.iter().cloned());
-            table.len() - run.len()
-        }
-    };
-    let start = run.first()?.segment.addr;
-    let (segs, first) = (run.len() as u32, first as u32);
-    Some(Published { off: addr - start, addr, len, segs, first, ..Published::default() })
 }
 
 /// The steps of the exchanges, as the control operations' stamps name them.
@@ -436,8 +164,8 @@ pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
         return None;
     }
     let mut table = Vec::new();
-    let input = publish(op.send, !routes.one_process, &mut table)?;
-    let output = publish(op.recv, !routes.one_process, &mut table)?;
+    let input = share::publish(op.send, !routes.one_process, &mut table)?;
+    let output = share::publish(op.recv, !routes.one_process, &mut table)?;
     let mut server = Address::default();
     for e in &table {
         server = fdpass::offer(e).ok()?;
@@ -491,7 +219,7 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
          -> Result<Option<(Vec<Region>, Vec<Region>)>> {
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
-    direct.epoch += 1;
+    direct.maps.next_operation();
     let input = op.send;
     let mine = match offer {
         Offer::Buffers(o) => Record { ok: true, input: o.input, output: o.output, table: o.table.len() as u32,
@@ -538,8 +266,8 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
             break;
         }
         let shared = Shared { table: &tables[p], server: rec.server };
-        let mapped = direct.map(ours, theirs, &rec.input, shared, comm.cuda_dev)
-            .and_then(|i| Ok((i, direct.map(ours, theirs, &rec.output, shared, comm.cuda_dev)?)));
+        let mapped = direct.maps.map(ours, theirs, &rec.input, shared, comm.cuda_dev)
+            .and_then(|i| Ok((i, direct.maps.map(ours, theirs, &rec.output, shared, comm.cuda_dev)?)));
         match mapped {
             Ok((i, o)) => {
                 ins.push(i);
@@ -882,14 +610,14 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut 
         return Ok(done);
     }
     let ready = comm.ready()?;
-    direct.epoch += 1;
+    direct.maps.next_operation();
     // 1. Senders publish their buffers to their receivers.
     let mut records = vec![[0u8; RECORD_BYTES]; picked.len()];
     for (slot, &i) in records.iter_mut().zip(&picked) {
         if ops[i].kind == OpKind::Send {
             // (Memory of the virtual memory API is staged here: a record holds no segment table.)
             let mut table = Vec::new();
-            let p = publish(ops[i].send, true, &mut table).filter(|_| table.is_empty());
+            let p = share::publish(ops[i].send, true, &mut table).filter(|_| table.is_empty());
             *slot = Record { ok: p.is_some(), input: p.unwrap_or_default(), stamp: ops[i].stamp(), ..Record::default() }
                 .encode();
         }
@@ -913,7 +641,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut 
         if !theirs.ok || other_device || theirs.stamp != op.stamp() || theirs.input.len as usize != op.recv.len() {
             continue;
         }
-        match direct.map(ours, sender, &theirs.input, Shared::default(), comm.cuda_dev) {
+        match direct.maps.map(ours, sender, &theirs.input, Shared::default(), comm.cuda_dev) {
             Ok(src) => {
                 stream.copy(op.recv, src)?;
                 answer[0] = 1;
@@ -939,51 +667,4 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut 
     }
     direct.ran += done.iter().filter(|&&d| d).count() as u64;
     Ok(done)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn seg(addr: u64, size: u64, id: u64) -> Segment {
-        Segment { addr, size, id, fd: 7 }
-    }
-
-    #[test]
-    fn records_and_segments_round_trip() {
-        let input = Published { handle: [3; 64], off: 17, addr: 0x7000_0011, len: 1 << 20, segs: 0, first: 0 };
-        let output = Published { handle: [0; 64], off: 256, addr: 0x7f00_0100, len: 5 << 20, segs: 3, first: 1 };
-        let server = Address { name: 0x0123_4567_89ab_cdef, token: u64::MAX };
-        let r = Record { ok: true, input, output, table: 4, server, stamp: [9; STAMP_BYTES] };
-        let d = Record::decode(&r.encode());
-        assert_eq!((d.ok, d.input, d.output, d.table, d.server, d.stamp), (true, input, output, 4, server, [9; STAMP_BYTES]));
-        let s = Segment { addr: 0x7f00_0000, size: 2 << 20, id: u64::MAX - 1, fd: -3 };
-        let mut b = [0u8; SEG_BYTES];
-        encode_segment(&s, &mut b);
-        assert_eq!(decode_segment(&b), s);
-    }
-
-    #[test]
-    fn vmm_mappings_are_told_apart_by_buffer_id() {
-        let two = Key::Vmm(vec![seg(0x20_0000, 0x20_0000, 1), seg(0x40_0000, 0x20_0000, 2)]);
-        // The same allocations, published with other descriptors by a later operation.
-        let again = Key::Vmm(vec![Segment { fd: 11, ..seg(0x20_0000, 0x20_0000, 1) }, seg(0x40_0000, 0x20_0000, 2)]);
-        assert!(two.same(&again));
-        // A buffer within one of them is another run (another mapping), and does not replace it.
-        let inner = Key::Vmm(vec![seg(0x40_0000, 0x20_0000, 2)]);
-        assert!(!two.same(&inner));
-        let at = (5, 0x20_0000);
-        assert!(!replaced(&two, at, &inner, (5, 0x40_0000)));
-        // New allocations where one of them was: that one was freed.
-        let reused = Key::Vmm(vec![seg(0x40_0000, 0x20_0000, 3)]);
-        assert!(replaced(&two, at, &reused, (5, 0x40_0000)));
-        // ... unless they belong to another process, or lie elsewhere.
-        assert!(!replaced(&two, at, &reused, (6, 0x40_0000)));
-        assert!(!replaced(&two, at, &Key::Vmm(vec![seg(0x60_0000, 0x20_0000, 4)]), (5, 0x60_0000)));
-        // An IPC handle is replaced by another one at the same address only.
-        let (h1, h2) = (Key::Ipc(IpcHandle { bytes: [1; 64] }), Key::Ipc(IpcHandle { bytes: [2; 64] }));
-        assert!(replaced(&h1, at, &h2, at));
-        assert!(!replaced(&h1, at, &h2, (5, 0x40_0000)));
-        assert!(!replaced(&h1, at, &h1, at));
-    }
 }
