@@ -17,7 +17,9 @@
 #   3. (b) PyTorch, two processes on cuda:0, backend='nccl', LD_PRELOAD of our library:
 #      all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast, all_to_all_single,
 #      send/recv, barrier on fp32 and bf16 with exact checks, and five DDP steps whose losses
-#      must equal those of the gloo backend;
+#      must equal those of the gloo backend; then (3b) the same with expandable segments
+#      (memory of the virtual memory API, shared through file descriptors), and whether the
+#      collectives went direct;
 #   4. (c) nccl-rs-perf: allreduce and allgather on 2 ranks with device buffers (--device 1)
 #      next to the device-to-device copy bandwidth measured in the same run, and 1-rank
 #      allreduce latency next to NVIDIA's NCCL (PyTorch's) in the same run, both through
@@ -29,8 +31,6 @@
 #      queue (CUDA_DEVICE_MAX_CONNECTIONS=1) deadlocks without host-wait: direct on the callers'
 #      streams, everything staged by the callers' streams, direct on the worker's stream;
 #   7. PyTorch: direct all-reduces while another thread calls torch.cuda.empty_cache();
-#   8. PyTorch with expandable segments (memory of the virtual memory API, shared through file
-#      descriptors): the checks of step 3 again, and whether the collectives went direct.
 # A step that passes its cap leaves hang-<step>.txt: every thread's stack of its processes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -116,6 +116,8 @@ say "# env: CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset} CU
 export LD_LIBRARY_PATH=$PWD/$PREP/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # The test binaries were built elsewhere: point them at this tree and the carried tool.
 export NCCL_TEST_REPO=$PWD NCCL_RS_PERF=$PWD/$PREP/run/bin/nccl-rs-perf
+# Tests that make network namespaces need root and iproute2; where they are missing, they skip.
+{ [ "$(id -u)" = 0 ] && command -v ip >/dev/null; } || export NCCL_TEST_SKIP_NETNS=1
 
 # 1. The device layer against the real driver (the test binary also builds and uses the stub
 #    where cc exists; both must pass).
@@ -141,6 +143,20 @@ if python3 -c 'import torch' 2>/dev/null; then
   python3 -c 'import torch; print("# torch", torch.__version__, "nccl", torch.cuda.nccl.version())' 2>&1 | tee -a "$R"
 else
   say "torch-nccl-rs                skipped: no torch"
+fi
+
+# 3b. The same with PyTorch's expandable segments: every tensor in cuMemCreate allocations,
+#    which CUDA IPC cannot share; their descriptors pass over a Unix socket and are mapped
+#    side by side.
+if python3 -c 'import torch' 2>/dev/null; then
+  step torch-expandable-segments 60 bash -c "
+    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29537 WORLD_SIZE=2 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=P2P
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
+    python3 $OUT/torch_check.py compare"
+  say "# torch expandable segments: $(grep -c 'are read directly' "$OUT/torch-expandable-segments.log") ranks read \
+directly, $(grep -c 'cannot map\|cannot receive' "$OUT/torch-expandable-segments.log") refusals; \
+$(grep -m1 -o 'cannot [a-z]* rank.*' "$OUT/torch-expandable-segments.log" | cut -c1-160)"
 fi
 
 # 4. (c) The benchmark with device buffers, beside the device copy bandwidth and NVIDIA's NCCL.
@@ -213,18 +229,6 @@ if python3 -c 'import torch' 2>/dev/null; then
     RANK=1 LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py stress & b=\$!
     wait \$a && wait \$b"
   grep -E 'stress' "$OUT/torch-empty-cache.log" | sed 's/^/# torch: /' >> "$R"
-fi
-# 8. PyTorch's expandable segments: every tensor in cuMemCreate allocations, which CUDA IPC
-#    cannot share; their descriptors pass over a Unix socket and are mapped side by side.
-if python3 -c 'import torch' 2>/dev/null; then
-  step torch-expandable-segments 60 bash -c "
-    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29537 WORLD_SIZE=2 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=P2P
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
-    python3 $OUT/torch_check.py compare"
-  say "# torch expandable segments: $(grep -c 'are read directly' "$OUT/torch-expandable-segments.log") ranks read \
-directly, $(grep -c 'cannot map\|cannot receive' "$OUT/torch-expandable-segments.log") refusals; \
-$(grep -m1 -o 'cannot [a-z]* rank.*' "$OUT/torch-expandable-segments.log" | cut -c1-160)"
 fi
 step one-queue-worker-direct 25 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_RS_DIRECT_ON_STREAM=0 \
   NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
