@@ -508,68 +508,6 @@ fn check_ipc() {
     assert!(got[IPC_LEN / 2..].iter().all(|&b| b == 0xee), "the owner sees the peer's write");
 }
 
-/// Allocations of the virtual memory API mapped side by side, as PyTorch's expandable segments
-/// map them (unmapped and released on drop).
-struct VmmBuf {
-    base: u64,
-    gran: usize,
-    count: usize,
-}
-
-impl VmmBuf {
-    /// `count` allocations of the granularity, each its own cuMemCreate, exportable as POSIX
-    /// descriptors if `shareable`.
-    fn new(count: usize, shareable: bool) -> VmmBuf {
-        use cudarc::driver::sys;
-        let ok = sys::CUresult::CUDA_SUCCESS;
-        let location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 0 };
-        let handles = if shareable {
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        } else {
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
-        };
-        let prop = sys::CUmemAllocationProp {
-            type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-            requestedHandleTypes: handles,
-            location,
-            win32HandleMetaData: std::ptr::null_mut(),
-            allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 { compressionType: 0, gpuDirectRDMACapable: 0, usage: 0,
-                                                                     reserved: [0; 4] },
-        };
-        let mut gran = 0usize;
-        let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
-        // SAFETY (this block): valid out-pointers and descriptors; every address passed is one
-        // reserved or mapped just before.
-        unsafe {
-            assert_eq!(sys::cuMemGetAllocationGranularity(&mut gran, &prop, min), ok);
-            let mut base = 0;
-            assert_eq!(sys::cuMemAddressReserve(&mut base, gran * count, gran, 0, 0), ok);
-            for k in 0..count {
-                let mut h = 0;
-                assert_eq!(sys::cuMemCreate(&mut h, gran, &prop, 0), ok);
-                assert_eq!(sys::cuMemMap(base + (k * gran) as u64, gran, 0, h, 0), ok);
-                assert_eq!(sys::cuMemRelease(h), ok);
-            }
-            let rw = sys::CUmemAccessDesc { location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
-            assert_eq!(sys::cuMemSetAccess(base, gran * count, &rw, 1), ok);
-            VmmBuf { base, gran, count }
-        }
-    }
-}
-
-impl Drop for VmmBuf {
-    fn drop(&mut self) {
-        use cudarc::driver::sys;
-        // SAFETY: the mappings and the reservation `new` made.
-        unsafe {
-            for k in 0..self.count {
-                sys::cuMemUnmap(self.base + (k * self.gran) as u64, self.gran);
-            }
-            sys::cuMemAddressFree(self.base, self.gran * self.count);
-        }
-    }
-}
-
 #[test]
 fn vmm_allocations_map_side_by_side_in_another_process() {
     if in_child("vmm_allocations_map_side_by_side_in_another_process", check_vmm) {
@@ -608,16 +546,17 @@ fn check_vmm() {
     }
     // The owner: three allocations side by side; a buffer from 100 bytes into the first to 100
     // bytes before the end of the last.
-    let buf = VmmBuf::new(3, true);
-    let gran = buf.gran;
-    let (start, len) = (buf.base as usize + 100, 3 * gran - 200);
+    let gran = 2 << 20; // a GPU's granularity, the smallest allocation
+    let buf = cuda::VmmAllocation::new(3 * gran, gran, true).unwrap();
+    let base = buf.ptr() as usize;
+    let (start, len) = (base + 100, 3 * gran - 200);
     assert!(matches!(cuda::classify(start).unwrap(), PtrKind::Device { ordinal: 0 }));
-    assert!(IpcHandle::of(buf.base as *mut c_void).is_err(), "CUDA IPC handles do not cover this memory");
-    assert_eq!(cuda::allocation_of(start + gran).unwrap(), (buf.base as usize + gran, gran), "one mapping");
+    assert!(IpcHandle::of(buf.ptr()).is_err(), "CUDA IPC handles do not cover this memory");
+    assert_eq!(cuda::allocation_of(start + gran).unwrap(), (base + gran, gran), "one mapping");
     let exports = cuda::vmm_export(start, len).unwrap();
     let segs: Vec<Segment> = exports.iter().map(|e| e.segment).collect();
     assert_eq!(segs.iter().map(|s| (s.addr, s.size as usize)).collect::<Vec<_>>(),
-               (0..3).map(|k| (buf.base + (k * gran) as u64, gran)).collect::<Vec<_>>());
+               (0..3).map(|k| ((base + k * gran) as u64, gran)).collect::<Vec<_>>());
     assert!(segs[0].id != segs[1].id && segs[1].id != segs[2].id, "buffer IDs tell the allocations apart: {segs:?}");
     // While held, a second export of the same memory shares the descriptors.
     let again = cuda::vmm_export(start + gran, 10).unwrap();
@@ -639,8 +578,8 @@ fn check_vmm() {
     assert!(got[..len / 2].iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)));
     assert!(got[len / 2..].iter().all(|&b| b == 0xee), "the owner sees the peer's write");
     // Memory created without the POSIX descriptor handle type cannot be exported.
-    let private = VmmBuf::new(1, false);
-    assert!(cuda::vmm_export(private.base as usize, 4096).is_err());
+    let private = cuda::VmmAllocation::new(gran, gran, false).unwrap();
+    assert!(cuda::vmm_export(private.ptr() as usize, 4096).is_err());
 }
 
 // ---- kernels ---------------------------------------------------------------------------------

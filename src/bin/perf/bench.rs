@@ -84,7 +84,12 @@ fn library_version() -> String {
 /// The library's mode and where the buffers live.
 fn buffers(o: &Opts) -> String {
     let mode = nccl::device::mode::current().name();
-    format!("{mode} mode, {} buffers", if o.device { "device" } else { "host" })
+    let place = match (o.device, o.vmm) {
+        (false, _) => "host",
+        (true, false) => "device",
+        (true, true) => "device (virtual memory API, 20 MiB allocations)",
+    };
+    format!("{mode} mode, {place} buffers")
 }
 
 fn redop_name(o: &Opts) -> &'static str {

@@ -77,30 +77,48 @@ impl Drop for Buf {
     }
 }
 
-/// A rank's buffers in device memory (`--device 1`), and the stream its calls go to.
+/// A rank's buffers in device memory (`--device 1|2`), and the stream its calls go to.
 pub struct DeviceBufs {
     send: *mut c_void,
     recv: *mut c_void,
     stream: cuda::Stream,
+    /// `--device 2`: where both buffers are carved from.
+    vmm: Option<cuda::VmmAllocation>,
 }
 
+/// The allocations PyTorch's expandable segments map for large tensors.
+const VMM_CHUNK: usize = 20 << 20;
+
 impl DeviceBufs {
-    fn new(send_bytes: usize, recv_bytes: usize) -> Result<DeviceBufs, String> {
-        let ctx = cuda::Context::primary(0).map_err(|e| format!("--device 1: {}", e.msg))?;
-        let stream = cuda::Stream::new(ctx).map_err(|e| format!("--device 1: {}", e.msg))?;
+    /// From `cuMemAlloc`, or (`vmm`) one after the other in memory of the virtual memory API,
+    /// the first 512 bytes in, as a caching allocator places tensors in an expandable segment.
+    fn new(send_bytes: usize, recv_bytes: usize, vmm: bool) -> Result<DeviceBufs, String> {
+        let flag = if vmm { "--device 2" } else { "--device 1" };
+        let ctx = cuda::Context::primary(0).map_err(|e| format!("{flag}: {}", e.msg))?;
+        let stream = cuda::Stream::new(ctx).map_err(|e| format!("{flag}: {}", e.msg))?;
+        if vmm {
+            let recv_at = (512 + send_bytes).div_ceil(256) * 256;
+            let a = cuda::VmmAllocation::new(recv_at + recv_bytes.max(1), VMM_CHUNK, true)
+                .map_err(|e| format!("{flag}: {}", e.msg))?;
+            // SAFETY: both offsets lie inside the allocation of recv_at + recv_bytes bytes.
+            let (send, recv) = unsafe { (a.ptr().cast::<u8>().add(512).cast(), a.ptr().cast::<u8>().add(recv_at).cast()) };
+            return Ok(DeviceBufs { send, recv, stream, vmm: Some(a) });
+        }
         let send = cuda::alloc(send_bytes.max(1)).map_err(|e| e.msg)?;
         let recv = cuda::alloc(recv_bytes.max(1)).map_err(|e| {
             let _ = cuda::free(send);
             e.msg
         })?;
-        Ok(DeviceBufs { send, recv, stream })
+        Ok(DeviceBufs { send, recv, stream, vmm: None })
     }
 }
 
 impl Drop for DeviceBufs {
     fn drop(&mut self) {
-        let _ = cuda::free(self.send);
-        let _ = cuda::free(self.recv);
+        if self.vmm.is_none() {
+            let _ = cuda::free(self.send);
+            let _ = cuda::free(self.recv);
+        }
     }
 }
 
@@ -164,7 +182,7 @@ pub fn init_ranks(o: &Opts, proc_index: usize, nprocs: usize, send_bytes: usize,
         rank: proc_index * local + l,
         send: Buf::new(send_bytes, 1),
         recv: Buf::new(recv_bytes, 0),
-        dev: if o.device { Some(DeviceBufs::new(send_bytes, recv_bytes)?) } else { None },
+        dev: if o.device { Some(DeviceBufs::new(send_bytes, recv_bytes, o.vmm)?) } else { None },
     })).collect()
 }
 

@@ -130,6 +130,8 @@ pub struct Opts {
     pub bind: bool,
     /// CUDA mode: buffers in device memory, each rank on a stream of its own (`--device 1`).
     pub device: bool,
+    /// ... of the virtual memory API, as PyTorch's expandable segments allocate it (`--device 2`).
+    pub vmm: bool,
     pub table: Table,
     /// The baselines' table measures the in-place call instead (`--in-place 1`).
     pub in_place: bool,
@@ -153,8 +155,9 @@ as the baselines (../shared/scripts/baselines/mpi_allreduce_bench.c):
   -x LIST        extra sizes merged into the sweep (e.g. 64M,256M)
   --min-iters M  sizes over 1 MiB run max(M, N*1MiB/size) iterations, warmup likewise (min 2)
   --bind 0|1     pin process p to the p-th allowed CPU, like mpirun --bind-to core (0)
-  --device 0|1   CUDA mode: buffers on the current device (0), a stream per rank; each timed
-                 call ends with cuStreamSynchronize
+  --device 0|1|2 CUDA mode: buffers on the current device (0), a stream per rank; each timed
+                 call ends with cuStreamSynchronize; 2: the buffers in 20 MiB allocations of the
+                 virtual memory API, as PyTorch's expandable segments place tensors
   --table nccl-tests|baselines   output format (nccl-tests); baselines: out-of-place only
   --in-place 0|1 the baselines' table measures the in-place call (0); MPI_Bcast and Gloo's
                  broadcast have one buffer, so their equivalent is an in-place ncclBroadcast
@@ -228,6 +231,7 @@ fn defaults() -> Opts {
         root: 0,
         bind: false,
         device: false,
+        vmm: false,
         table: Table::NcclTests,
         in_place: false,
         json: None,
@@ -275,7 +279,10 @@ pub fn parse_args(args: &[String]) -> Result<Opts, String> {
             "-o" => o.op = redop(v).ok_or_else(bad)?,
             "-r" => o.root = v.parse().map_err(|_| bad())?,
             "--bind" => o.bind = num()? != 0,
-            "--device" => o.device = num()? != 0,
+            "--device" => {
+                let d = num()?;
+                (o.device, o.vmm) = (d != 0, d == 2);
+            }
             "--table" => o.table = match v.as_str() {
                 "nccl-tests" => Table::NcclTests,
                 "baselines" => Table::Baselines,

@@ -149,6 +149,18 @@ fn location(device: i32) -> sys::CUmemLocation {
     sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device }
 }
 
+/// Device memory of `device`, exportable as POSIX descriptors.
+fn allocation_prop(device: i32) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        location: location(device),
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 { compressionType: 0, gpuDirectRDMACapable: 0, usage: 0,
+                                                                 reserved: [0; 4] },
+    }
+}
+
 impl VmmMapping {
     /// Maps another process's `segments` (one buffer's allocations, in address order), whose
     /// descriptors this process received as `fds`, for `device` of this process, in the
@@ -160,14 +172,7 @@ impl VmmMapping {
         let size = segments.iter().try_fold(0usize, |a, s| a.checked_add(s.size as usize))
             .ok_or_else(|| Error::internal("peer allocations past the address space"))?;
         driver("cuMemMap", || {
-            let prop = sys::CUmemAllocationProp {
-                type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-                requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                location: location(device),
-                win32HandleMetaData: std::ptr::null_mut(),
-                allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 { compressionType: 0, gpuDirectRDMACapable: 0,
-                                                                         usage: 0, reserved: [0; 4] },
-            };
+            let prop = allocation_prop(device);
             let mut gran = 0usize;
             let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
             // SAFETY: valid out-pointer and property struct.
@@ -225,6 +230,89 @@ impl Drop for VmmMapping {
             }
             // SAFETY: the reservation this value made, now unmapped.
             check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(self.addr, self.size) })
+        });
+    }
+}
+
+/// Device memory of the virtual memory API as PyTorch's expandable segments allocate it:
+/// allocations of `chunk` bytes (a multiple of the granularity), each its own `cuMemCreate`
+/// (exportable as a POSIX descriptor, as PyTorch's are, unless told otherwise), mapped side by
+/// side for the current context's device (benchmarks and tests; nccl-rs's own memory comes
+/// from `alloc`). Freed on drop.
+pub struct VmmAllocation {
+    base: CUdeviceptr,
+    size: usize,
+    chunk: usize,
+    mapped: usize,
+}
+
+// SAFETY: device memory owned by this value; the driver is thread-safe.
+unsafe impl Send for VmmAllocation {}
+
+impl VmmAllocation {
+    /// At least `bytes`, in allocations of `chunk` bytes rounded up to the granularity.
+    pub fn new(bytes: usize, chunk: usize, exportable: bool) -> Result<VmmAllocation> {
+        let device = super::current_device()?.ok_or_else(|| Error::internal("no current CUDA context"))?;
+        driver("cuMemCreate", || {
+            let mut prop = allocation_prop(device);
+            if !exportable {
+                prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+            }
+            let mut gran = 0usize;
+            let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+            // SAFETY: valid out-pointer and property struct.
+            check("cuMemGetAllocationGranularity", unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, minimum) })?;
+            let gran = gran.max(1);
+            let chunk = chunk.max(1).div_ceil(gran) * gran;
+            let size = bytes.max(1).div_ceil(chunk) * chunk;
+            let mut base: CUdeviceptr = 0;
+            // SAFETY: `base` is a valid out-pointer; the driver checks size and alignment.
+            check(format_args!("cuMemAddressReserve({size} bytes)"), unsafe {
+                sys::cuMemAddressReserve(&mut base, size, gran, 0, 0)
+            })?;
+            // From here on, drop undoes what was done.
+            let mut a = VmmAllocation { base, size, chunk, mapped: 0 };
+            while a.mapped < size {
+                let mut h: CUmemGenericAllocationHandle = 0;
+                // SAFETY: `h` is a valid out-pointer; `prop` describes device memory.
+                check(format_args!("cuMemCreate({chunk} bytes)"), unsafe { sys::cuMemCreate(&mut h, chunk, &prop, 0) })?;
+                // SAFETY: maps the new allocation at the next place of the reservation.
+                let r = unsafe { sys::cuMemMap(base + a.mapped as u64, chunk, 0, h, 0) };
+                // SAFETY: the mapping, if made, holds its own reference to the allocation.
+                unsafe { sys::cuMemRelease(h) };
+                check("cuMemMap", r)?;
+                a.mapped += chunk;
+            }
+            let access = sys::CUmemAccessDesc {
+                location: location(device),
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the whole reservation is mapped; one access descriptor.
+            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(base, size, &access, 1) })?;
+            Ok(a)
+        })
+    }
+
+    /// Where the memory starts.
+    pub fn ptr(&self) -> *mut c_void {
+        self.base as usize as *mut c_void
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl Drop for VmmAllocation {
+    fn drop(&mut self) {
+        // A failure cannot be reported from drop.
+        let _ = driver("cuMemUnmap", || {
+            for off in (0..self.mapped).step_by(self.chunk) {
+                // SAFETY: a mapping `new` made, no longer used once this value is dropped.
+                let _ = unsafe { sys::cuMemUnmap(self.base + off as u64, self.chunk) };
+            }
+            // SAFETY: the reservation `new` made, now unmapped.
+            check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(self.base, self.size) })
         });
     }
 }
