@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
@@ -556,6 +556,7 @@ static void mixed(void) {
     for (size_t j = 0; j < count; j++) bad += hr[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 5);
     EXPECT(bad == 0, "mixed device/pinned allreduce rank %d: %zu wrong values", g_env.first_rank + l, bad);
   }
+
   /* A send from pinned host memory to a device buffer: the sender cannot publish it, the
    * receiver answers so, and both stage it. */
   CHECK(ncclGroupStart());
@@ -575,6 +576,37 @@ static void mixed(void) {
     dev_free(ds[l]);
     CU(cu.MemFreeHost(hin[l]));
     CU(cu.MemFreeHost(hr[l]));
+  }
+}
+
+/* A device send buffer with a pageable (malloc) receive buffer, large enough for the direct
+ * path, which must not take it (its kernels cannot reach pageable memory), also between ranks
+ * of one process, which publish buffers by address. Only when asked (--only Pageable): the
+ * stream worker stages such a mix on its own stream, which the one-queue tests rule out. */
+static void pageable(void) {
+  test_step("pageable");
+  const size_t count = 50000;
+  CUdeviceptr ds[MAX_LOCAL];
+  float *hin[MAX_LOCAL], *out[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    ds[l] = dev_alloc(count * sizeof(float));
+    hin[l] = host_alloc(count * sizeof(float));
+    out[l] = calloc(count, sizeof(float));
+    for (size_t j = 0; j < count; j++) hin[l][j] = in_value(g_env.first_rank + l, j, 5);
+    CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], count * sizeof(float), g_streams[l]));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAllReduce((const void*)(uintptr_t)ds[l], out[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += out[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 5);
+    EXPECT(bad == 0, "device/pageable allreduce rank %d: %zu wrong values", g_env.first_rank + l, bad);
+    dev_free(ds[l]);
+    CU(cu.MemFreeHost(hin[l]));
+    free(out[l]);
   }
 }
 
@@ -1432,6 +1464,7 @@ int main(int argc, char** argv) {
   if (wanted("Churn")) churn();
   if (wanted("Recycle")) recycle();
   if (g_env.only && !strcasecmp(g_env.only, "Backlog")) backlog(); /* only when asked: 600 calls */
+  if (g_env.only && !strcasecmp(g_env.only, "Pageable")) pageable();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

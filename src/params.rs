@@ -33,6 +33,7 @@ pub const ALL: &[Param] = &[
     p("NCCL_RS_STREAM_GATE", "memop", "CUDA mode: how a caller's stream waits for its operation: memop (cuStreamWaitValue32) or kernel (a one-thread polling kernel, which stalls no hardware queue other streams share)"),
     p("NCCL_RS_CALLER_STAGING", "1", "CUDA mode: 0 makes the stream worker stage every operation on its own stream, instead of the caller's stream copying small operations through a pinned pool at call time"),
     p("NCCL_RS_DIRECT_MIN", "65536", "CUDA mode: bytes (count x datatype size) from which collectives between ranks of one host read each other's device buffers directly; smaller ones are staged through host memory (must be alike on every rank)"),
+    p("NCCL_RS_PEER_MAPS", "256", "CUDA mode: peer allocations a stream worker keeps mapped for the direct path (least recently used closed first); a mapping keeps the peer's allocation alive after the peer frees it, so 0 closes them after each operation (for jobs close to their GPU memory limit)"),
     p("NCCL_RS_POOL_MAX", "67108864", "CUDA mode: bytes a communicator's pinned staging pool may grow to (at least 4 MiB); a staged operation whose input and output need more is staged by the stream worker on its own stream"),
     p("NCCL_RS_DIRECT_ON_STREAM", "1", "CUDA mode: 0 runs the direct path's device work on the stream worker's stream, instead of kernels the caller's stream queues at call time"),
     p("NCCL_P2P_LEVEL", "", "LOC or 0: CUDA mode never reads peers' device memory directly; other levels allow it where CUDA IPC works"),
@@ -153,6 +154,10 @@ pub fn caller_staging() -> bool {
 /// `NCCL_RS_DIRECT_MIN` (default 64 KiB): the smallest collective that goes direct.
 pub fn direct_min() -> usize {
     usize::try_from(int("NCCL_RS_DIRECT_MIN")).unwrap_or(0)
+}
+/// `NCCL_RS_PEER_MAPS` (default 256): peer allocations a stream worker keeps mapped.
+pub fn peer_maps() -> usize {
+    usize::try_from(int("NCCL_RS_PEER_MAPS")).unwrap_or(0)
 }
 /// `NCCL_RS_POOL_MAX` (default 64 MiB): what a communicator's pinned staging pool may grow to.
 pub fn pool_max() -> usize {

@@ -532,8 +532,8 @@ fn check_vmm() {
             let v: Vec<u64> = f.split(':').map(|x| x.parse().unwrap()).collect();
             Segment { addr: v[0], size: v[1], id: v[2], fd: v[3] as i32 }
         }).collect();
-        let fds = fdpass::fetch(at, &segments.iter().map(|s| s.fd).collect::<Vec<_>>()).unwrap();
-        let mapping = VmmMapping::import(&fds, &segments, 0).unwrap();
+        let mut source = fdpass::Source::connect(at).unwrap();
+        let mapping = VmmMapping::import(&segments, 0, &mut |s| source.get(s.fd)).unwrap();
         assert_eq!(mapping.size() as u64, segments.iter().map(|s| s.size).sum::<u64>());
         assert!(matches!(cuda::classify(mapping.addr()).unwrap(), PtrKind::Device { .. }));
         let region = device_region(mapping.addr() + 100, len);
@@ -541,7 +541,10 @@ fn check_vmm() {
         assert!(got.iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)), "the peer sees the owner's bytes");
         stream.memset(region.sub(len / 2, len - len / 2), 0xee).unwrap();
         stream.synchronize().unwrap();
-        assert!(fdpass::fetch(at, &[1 << 20]).is_err(), "a descriptor the owner does not offer");
+        let refused = source.get(1 << 20).expect_err("a descriptor the owner does not offer");
+        assert!(refused.msg.contains("refused"), "{refused}");
+        let gone = VmmMapping::import(&segments[..1], 0, &mut |_| source.get(1 << 20)).err().expect("no descriptor");
+        assert_eq!(gone.code, Code::SystemError, "a descriptor not received may pass: {gone}");
         return;
     }
     // The owner: three allocations side by side; a buffer from 100 bytes into the first to 100

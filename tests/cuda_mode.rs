@@ -263,6 +263,15 @@ fn cuda_mode_no_peer_access() {
     }
 }
 
+/// A device buffer with a pageable receive buffer is staged, exact, by one rank and by ranks of
+/// one process (which publish buffers by address, and must still leave host memory out).
+#[test]
+fn cuda_mode_pageable_output_is_staged() {
+    for job in [cuda_job(), cuda_job().local(2), cuda_job().procs(2)] {
+        run_expecting_direct(job.arg("--only").arg("Pageable"), false);
+    }
+}
+
 /// Device buffers of the virtual memory API, placed as PyTorch's expandable segments place
 /// them (CUDA_TEST_VMM=1: 2 MiB allocations mapped side by side, buffers inside and across
 /// them, all unmapped and replaced at the same addresses whenever a part has freed its
@@ -303,8 +312,9 @@ fn cuda_mode_vmm_across_network_namespaces_is_staged() {
     assert!(o.ok(), "{}", o.report);
     for (i, p) in o.procs.iter().enumerate() {
         assert!(!p.log.contains("are read directly"), "process {i} took the direct path:\n{}", p.log);
-        assert_eq!(p.log.matches("one network namespace").count(), 1, "process {i}:\n{}", p.log);
-        assert!(p.log.contains("Connection refused"), "process {i}:\n{}", p.log);
+        assert_eq!(p.log.matches("collectives on it are staged").count(), 1, "said once, process {i}:\n{}", p.log);
+        assert!(p.log.contains("Connection refused") && p.log.contains("must share a network namespace"),
+                "process {i}:\n{}", p.log);
     }
 }
 

@@ -3,10 +3,11 @@
 //!
 //! A process that publishes such memory serves the descriptors of its exports, while they
 //! are open, on an abstract Unix socket of a random name, from one thread; a peer asks for
-//! them by number over one connection, first proving a secret that only the communicator's
-//! ranks learnt (it travels in the operation's records). Unlike `pidfd_getfd`, which PyTorch
-//! uses for the same memory, this needs no ptrace access between the processes (Yama's
-//! `ptrace_scope`, containers without `CAP_SYS_PTRACE`), only one network namespace.
+//! them by number over one connection ([`Source`]), first proving the process's secret, which
+//! only ranks of communicators it belongs to learn (it travels in the direct path's records),
+//! and runs as the same user (or root). Unlike `pidfd_getfd`, which PyTorch uses for the same
+//! memory, this needs no ptrace access between the processes (Yama's `ptrace_scope`,
+//! containers without `CAP_SYS_PTRACE`), only one network namespace.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -154,9 +155,20 @@ fn send_fd(conn: &UnixStream, fd: Option<RawFd>) -> std::io::Result<()> {
             std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
         }
     }
-    // SAFETY: `msg` describes valid buffers; the socket is ours.
-    let n = unsafe { libc::sendmsg(conn.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if n == 1 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+    loop {
+        // SAFETY: `msg` describes valid buffers; the socket is ours.
+        let n = unsafe { libc::sendmsg(conn.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+        match n {
+            1 => return Ok(()),
+            _ if interrupted() => continue,
+            _ => return Err(std::io::Error::last_os_error()),
+        }
+    }
+}
+
+/// The last call failed with EINTR (a signal arrived): try it again.
+fn interrupted() -> bool {
+    std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
 }
 
 /// The answer to one request: the descriptor, or None if refused.
@@ -170,11 +182,15 @@ fn recv_fd(conn: &UnixStream) -> std::io::Result<Option<OwnedFd>> {
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = std::mem::size_of_val(&control) as _;
-    // SAFETY: `msg` describes valid buffers; received descriptors are close-on-exec.
-    let n = unsafe { libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    let n = loop {
+        // SAFETY: `msg` describes valid buffers; received descriptors are close-on-exec.
+        let n = unsafe { libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        match n {
+            _ if n >= 0 => break n,
+            _ if interrupted() => continue,
+            _ => return Err(std::io::Error::last_os_error()),
+        }
+    };
     if n == 0 {
         return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the server closed the connection"));
     }
@@ -194,25 +210,72 @@ fn recv_fd(conn: &UnixStream) -> std::io::Result<Option<OwnedFd>> {
             c = libc::CMSG_NXTHDR(&msg, c);
         }
     }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        let why = "a descriptor was dropped on the way (out of descriptors?)";
+        return Err(std::io::Error::other(why));
+    }
     Ok(if status[0] == 1 && got.len() == 1 { got.pop() } else { None })
 }
 
-/// The descriptors `fds` of the process serving at `at`, as new descriptors of this one.
-pub fn fetch(at: Address, fds: &[RawFd]) -> Result<Vec<OwnedFd>> {
-    let name = socket_name(at.name);
-    let io = |e: std::io::Error| Error::system(format!("descriptors from {name}: {e}"));
-    let addr = SocketAddr::from_abstract_name(&name).map_err(io)?;
-    let mut conn = UnixStream::connect_addr(&addr).map_err(io)?;
-    conn.set_read_timeout(Some(PATIENCE)).map_err(io)?;
-    conn.set_write_timeout(Some(PATIENCE)).map_err(io)?;
-    conn.write_all(&at.token.to_le_bytes()).map_err(io)?;
-    fds.iter()
-        .map(|&fd| {
-            conn.write_all(&fd.to_le_bytes()).map_err(io)?;
-            recv_fd(&conn).map_err(io)?
-                .ok_or_else(|| Error::system(format!("descriptors from {name}: descriptor {fd} refused")))
-        })
-        .collect()
+/// A connection to the process serving at an [`Address`], to ask for descriptors one by one.
+pub struct Source {
+    conn: UnixStream,
+    name: String,
+}
+
+impl Source {
+    pub fn connect(at: Address) -> Result<Source> {
+        let name = socket_name(at.name);
+        let io = |e: std::io::Error| Error::system(format!("descriptors from {name}: {e}"));
+        let mut conn = connect(&name).map_err(|e| {
+            Error::system(format!("descriptors from {name}: {e} (the ranks' processes must share a network namespace)"))
+        })?;
+        conn.write_all(&at.token.to_le_bytes()).map_err(io)?;
+        Ok(Source { conn, name })
+    }
+
+    /// The served process's descriptor `fd`, as a new descriptor of this one.
+    pub fn get(&mut self, fd: RawFd) -> Result<OwnedFd> {
+        let name = &self.name;
+        let io = |e: std::io::Error| Error::system(format!("descriptors from {name}: {e}"));
+        self.conn.write_all(&fd.to_le_bytes()).map_err(io)?;
+        recv_fd(&self.conn).map_err(io)?
+            .ok_or_else(|| Error::system(format!("descriptors from {name}: descriptor {fd} refused")))
+    }
+}
+
+/// A connection to the abstract socket `name`, within [`PATIENCE`] for every step (a server
+/// whose queue of connections is full makes connect wait: the send timeout bounds that too).
+fn connect(name: &str) -> std::io::Result<UnixStream> {
+    // SAFETY: socket takes no pointers; the descriptor it returns is owned right below.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor that nothing else owns.
+    let conn = unsafe { UnixStream::from_raw_fd(fd) };
+    conn.set_read_timeout(Some(PATIENCE))?;
+    conn.set_write_timeout(Some(PATIENCE))?;
+    // SAFETY: a zeroed sockaddr_un is valid; the abstract name goes after a leading NUL.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = name.as_bytes();
+    if bytes.len() + 1 > addr.sun_path.len() {
+        return Err(std::io::Error::other("socket name too long"));
+    }
+    for (d, &b) in addr.sun_path[1..].iter_mut().zip(bytes) {
+        *d = b as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + bytes.len();
+    loop {
+        // SAFETY: `addr` is a valid sockaddr_un of which `len` bytes are used.
+        let r = unsafe { libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), len as libc::socklen_t) };
+        match r {
+            0 => return Ok(conn),
+            _ if interrupted() => continue,
+            _ => return Err(std::io::Error::last_os_error()),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -226,6 +289,11 @@ mod tests {
         fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
             self.0.as_fd()
         }
+    }
+
+    fn fetch(at: Address, fds: &[RawFd]) -> Result<Vec<OwnedFd>> {
+        let mut source = Source::connect(at)?;
+        fds.iter().map(|&fd| source.get(fd)).collect()
     }
 
     fn inode(fd: impl AsFd) -> (u64, u64) {

@@ -23,10 +23,12 @@
 //! them per operation costs time, and unmapping while a caller's stream waits for the worker
 //! could stall in the driver. A peer's handle names one allocation, so a mapping is only used
 //! while its owner publishes that allocation again. One is closed when its owner publishes a
-//! new allocation at the same address (the old one is gone), when more than [`MAPS_KEPT`] are
-//! open (the least recently used), and when the worker stops. The driver documents freeing an
-//! exported allocation before its importers close it as undefined; in practice the importer's
-//! mapping keeps it alive until closed — this is the trade-off the first GPU runs must confirm.
+//! new allocation at the same address (the old one is gone), when more than `NCCL_RS_PEER_MAPS`
+//! (256) are open (the least recently used), and when the worker stops. The driver documents
+//! freeing an exported allocation before its importers close it as undefined; in practice the
+//! importer's mapping keeps it alive until closed (for the virtual memory API it is documented
+//! so) — the trade-off the first GPU runs must confirm; `NCCL_RS_PEER_MAPS=0` closes mappings
+//! after each operation instead.
 //! PreMulSum is staged (its scaled input would need device scratch memory, allocated while
 //! streams wait).
 //!
@@ -63,7 +65,7 @@ pub struct Direct {
     /// rank cannot, ever: see [`agree`]); every rank stages them from the next one on.
     pub off: bool,
     maps: Maps,
-    /// Receiving a peer's descriptors failed (said once, at WARN).
+    /// Mapping a peer's memory failed in a way that may pass (said once, at WARN).
     refused: bool,
     /// Operations run direct so far (the first is logged).
     ran: u64,
@@ -265,7 +267,9 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
             verdict = NEVER;
             break;
         }
-        let shared = Shared { table: &tables[p], server: rec.server };
+        // Only the entries its record announced (the exchange pads every table alike).
+        let table = tables[p].get(..rec.table as usize).unwrap_or_default();
+        let shared = Shared { table, server: rec.server };
         let mapped = direct.maps.map(ours, theirs, &rec.input, shared, comm.cuda_dev)
             .and_then(|i| Ok((i, direct.maps.map(ours, theirs, &rec.output, shared, comm.cuda_dev)?)));
         match mapped {
@@ -276,10 +280,8 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
             Err(e) => {
                 if e.code == crate::Code::SystemError && !direct.refused {
                     direct.refused = true;
-                    crate::warn!("rank {me}: cannot receive rank {p}'s device memory ({}): memory of the CUDA \
-                                  virtual memory API (e.g. PyTorch's expandable_segments) is staged through host \
-                                  memory, which is slower; its descriptors pass over a Unix socket, which needs the \
-                                  ranks' processes in one network namespace", e.msg);
+                    crate::warn!("rank {me}: cannot map rank {p}'s device memory ({}): collectives on it are staged \
+                                  through host memory, which is slower", e.msg);
                 }
                 crate::info!(P2P, "rank {me}: cannot map rank {p}'s buffers ({}); staging through host memory", e.msg);
                 // The driver refused (no peer access between the devices, no IPC): it will
@@ -341,6 +343,7 @@ pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, d
     let Some((ins, outs)) = agree(comm, offer, direct, op, started)? else { return Ok(false) };
     let Some(k) = kernels else { return Ok(false) };
     compute(comm, op, &ins, &outs, &mut Immediate { comm, op, stream, k })?;
+    direct.maps.close_unkept();
     log_first(comm, direct, op, false);
     Ok(true)
 }
@@ -384,6 +387,7 @@ pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, offered: &O
                                            shape.len())));
     }
     board.open(t, t.final_gate());
+    direct.maps.close_unkept();
     log_first(comm, direct, op, true);
     Ok(true)
 }

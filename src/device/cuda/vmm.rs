@@ -20,8 +20,9 @@ use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
 use super::{check, driver};
 use crate::error::{Error, Result};
 
-/// More allocations than this behind one operation's buffers are not exported (the operation is
-/// staged): each takes a descriptor while the operation is in flight.
+/// More allocations than this behind one operation's buffers, or exported by this process at
+/// once, are not exported (the operation is staged): each takes a descriptor while an
+/// operation that publishes it is in flight.
 pub const MAX_SEGMENTS: usize = 256;
 
 /// One physical allocation behind a buffer, as its owner publishes it: where it is mapped in
@@ -122,10 +123,13 @@ fn shared(base: usize, size: usize, id: u64) -> Result<Arc<Export>> {
     if let Some(e) = exports.iter().find(|(i, _)| *i == id).and_then(|(_, w)| w.upgrade()) {
         return Ok(e);
     }
-    let e = Arc::new(export_one(base, size, id)?);
     if exports.len() >= 64 {
         exports.retain(|(_, w)| w.strong_count() > 0);
     }
+    if exports.len() >= MAX_SEGMENTS {
+        return Err(Error::system(format!("{MAX_SEGMENTS} allocations exported at once already")));
+    }
+    let e = Arc::new(export_one(base, size, id)?);
     exports.retain(|(i, _)| *i != id);
     exports.push((id, Arc::downgrade(&e)));
     Ok(e)
@@ -162,15 +166,16 @@ fn allocation_prop(device: i32) -> sys::CUmemAllocationProp {
 }
 
 impl VmmMapping {
-    /// Maps another process's `segments` (one buffer's allocations, in address order), whose
-    /// descriptors this process received as `fds`, for `device` of this process, in the
-    /// current context.
-    pub fn import(fds: &[OwnedFd], segments: &[Segment], device: i32) -> Result<VmmMapping> {
-        if fds.len() != segments.len() {
-            return Err(Error::internal(format!("{} descriptors for {} allocations", fds.len(), segments.len())));
-        }
+    /// Maps another process's `segments` (one buffer's allocations, in address order) for
+    /// `device` of this process, in the current context, receiving each one's descriptor from
+    /// `fd_of` just before it is imported. Only a refused access (devices without peer access)
+    /// is a CUDA error: anything else — a descriptor not received, addresses or memory short —
+    /// may pass, and is a system error.
+    pub fn import(segments: &[Segment], device: i32, fd_of: &mut dyn FnMut(&Segment) -> Result<OwnedFd>)
+                  -> Result<VmmMapping> {
         let size = segments.iter().try_fold(0usize, |a, s| a.checked_add(s.size as usize))
             .ok_or_else(|| Error::internal("peer allocations past the address space"))?;
+        let passing = |e: Error| Error::system(e.msg);
         driver("cuMemMap", || {
             let prop = allocation_prop(device);
             let mut gran = 0usize;
@@ -181,22 +186,25 @@ impl VmmMapping {
             // SAFETY: `addr` is a valid out-pointer; the driver checks size and alignment.
             check(format_args!("cuMemAddressReserve({size} bytes)"), unsafe {
                 sys::cuMemAddressReserve(&mut addr, size, gran.max(1), 0, 0)
-            })?;
+            }).map_err(passing)?;
             // From here on, drop undoes what was done.
             let mut m = VmmMapping { addr, size, mapped: Vec::with_capacity(segments.len()) };
             let mut off = 0usize;
-            for (s, fd) in segments.iter().zip(fds) {
+            for s in segments {
+                let fd = fd_of(s).map_err(passing)?;
                 let mut h: CUmemGenericAllocationHandle = 0;
                 let ty = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
                 let os = fd.as_raw_fd() as isize as *mut c_void;
                 // SAFETY: `h` is a valid out-pointer; a POSIX handle is passed as the descriptor's value.
-                check("cuMemImportFromShareableHandle", unsafe { sys::cuMemImportFromShareableHandle(&mut h, os, ty) })?;
+                let r = unsafe { sys::cuMemImportFromShareableHandle(&mut h, os, ty) };
+                drop(fd);
+                check("cuMemImportFromShareableHandle", r).map_err(passing)?;
                 let len = s.size as usize;
                 // SAFETY: maps the imported allocation at its place in our reservation.
                 let r = unsafe { sys::cuMemMap(addr + off as u64, len, 0, h, 0) };
                 // SAFETY: the mapping, if made, holds its own reference to the allocation.
                 unsafe { sys::cuMemRelease(h) };
-                check(format_args!("cuMemMap({len} bytes)"), r)?;
+                check(format_args!("cuMemMap({len} bytes)"), r).map_err(passing)?;
                 m.mapped.push((off, len));
                 off += len;
             }

@@ -7,7 +7,8 @@
 //!
 //! Mappings of peers' allocations are kept (see the module notes of `ipc`), told apart by the
 //! IPC handle or by the allocations' buffer IDs, and closed when their owner publishes other
-//! memory at their place or when more than [`MAPS_KEPT`] are open.
+//! memory at their place or when more than `NCCL_RS_PEER_MAPS` are open (with 0, after each
+//! operation: a mapping keeps its allocation alive after its owner freed it).
 
 use std::sync::Arc;
 
@@ -173,9 +174,6 @@ impl Mapping {
     }
 }
 
-/// Peer allocations a worker keeps mapped at most.
-const MAPS_KEPT: usize = 256;
-
 /// A rank's allocations of the virtual memory API, as its record and table publish them.
 #[derive(Clone, Copy, Default)]
 pub(super) struct Shared<'a> {
@@ -195,6 +193,16 @@ impl Maps {
     /// A new operation begins: mappings the last one used may be closed from now on.
     pub(super) fn next_operation(&mut self) {
         self.epoch += 1;
+        self.close_unkept();
+    }
+
+    /// With none to be kept (`NCCL_RS_PEER_MAPS=0`), every mapping closes once its operation
+    /// is done (the peers' allocations are then never held past it).
+    pub(super) fn close_unkept(&mut self) {
+        if crate::params::peer_maps() == 0 && !self.maps.is_empty() {
+            self.maps.clear();
+            crate::trace!(P2P, "closed the peer mappings of the operation (NCCL_RS_PEER_MAPS=0)");
+        }
     }
 
     /// Where the buffer `p` that rank `theirs` published (with its allocations `shared`) is
@@ -236,11 +244,12 @@ impl Maps {
                     crate::trace!(P2P, "closed the mapping of pid {their_pid}'s allocation at {:#x}: a new one is there",
                                   owner.1);
                 }
-                if self.maps.len() >= MAPS_KEPT {
+                let kept = crate::params::peer_maps();
+                if kept > 0 && self.maps.len() >= kept {
                     let oldest = self.maps.iter().enumerate().filter(|(_, m)| m.used != self.epoch).min_by_key(|(_, m)| m.used);
                     if let Some((k, _)) = oldest {
                         self.maps.swap_remove(k);
-                        crate::trace!(P2P, "closed the least recently used of {MAPS_KEPT} peer mappings");
+                        crate::trace!(P2P, "closed the least recently used of {kept} peer mappings");
                     }
                 }
                 let (mapping, size) = match &key {
@@ -250,8 +259,8 @@ impl Maps {
                         (Mapping::Ipc(m), size)
                     }
                     Key::Vmm(segments) => {
-                        let fds = fdpass::fetch(shared.server, &segments.iter().map(|s| s.fd).collect::<Vec<_>>())?;
-                        let m = VmmMapping::import(&fds, segments, device)?;
+                        let mut source = fdpass::Source::connect(shared.server)?;
+                        let m = VmmMapping::import(segments, device, &mut |s| source.get(s.fd))?;
                         let size = m.size();
                         (Mapping::Vmm(m), size)
                     }
@@ -282,7 +291,9 @@ pub(super) fn publish(r: Region, handles: bool, table: &mut Vec<Arc<Export>>) ->
     }
     let (addr, len) = (r.addr() as u64, r.len() as u64);
     if !handles {
-        return Some(Published { addr, len, ..Published::default() });
+        // Peers read it by address: device memory only (host memory is staged).
+        let device = matches!(cuda::classify(r.addr()), Ok(cuda::PtrKind::Device { .. }));
+        return device.then_some(Published { addr, len, ..Published::default() });
     }
     let (base, _) = cuda::allocation_of(r.addr()).ok()?;
     if let Ok(handle) = IpcHandle::of(base as *mut std::ffi::c_void) {
