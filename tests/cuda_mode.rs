@@ -263,6 +263,24 @@ fn cuda_mode_no_peer_access() {
     }
 }
 
+/// NCCL_RS_PEER_MAPS=0: peers' allocations (CUDA IPC and the virtual memory API) are mapped
+/// for each operation and closed after it, never held past it; results exact, still direct.
+#[test]
+fn cuda_mode_peer_mappings_closed_after_each_operation() {
+    for vmm in ["0", "1"] {
+        let job = cuda_job().procs(2).arg("--only").arg("Collectives").env("NCCL_RS_PEER_MAPS", "0");
+        let job = if vmm == "1" { job.env("CUDA_TEST_VMM", "1") } else { job };
+        let o = job.env("NCCL_DEBUG", "TRACE").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+        assert!(o.ok(), "CUDA_TEST_VMM={vmm}: {}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            let direct = p.log.matches("are read directly").count();
+            let closed = p.log.matches("closed the peer mappings of the operation").count();
+            assert!(direct == 1 && closed >= 10, "CUDA_TEST_VMM={vmm}, process {i}: {closed} closed:\n{}", p.log);
+            assert!(!p.log.contains("a new one is there"), "nothing left to replace, process {i}:\n{}", p.log);
+        }
+    }
+}
+
 /// A device buffer with a pageable receive buffer is staged, exact, by one rank and by ranks of
 /// one process (which publish buffers by address, and must still leave host memory out).
 #[test]
