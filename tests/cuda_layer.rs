@@ -518,22 +518,38 @@ fn vmm_allocations_map_side_by_side_in_another_process() {
     }
 }
 
+/// The test's descriptor server: a request is a segment (address, size, buffer ID, device).
+fn export_for_test(request: &[u8; fdpass::REQUEST_BYTES]) -> nccl::Result<std::os::fd::OwnedFd> {
+    let u = |k: usize| u64::from_le_bytes(request[8 * k..8 * k + 8].try_into().unwrap());
+    let seg = Segment { addr: u(0), size: u(1), id: u(2), device: u(3) as i32 };
+    Context::primary(seg.device)?.make_current()?;
+    cuda::vmm_export(&seg)
+}
+
+fn segment_request(s: &Segment) -> [u8; fdpass::REQUEST_BYTES] {
+    let mut r = [0u8; fdpass::REQUEST_BYTES];
+    for (k, v) in [s.addr, s.size, s.id, s.device as u64].into_iter().enumerate() {
+        r[8 * k..8 * k + 8].copy_from_slice(&v.to_le_bytes());
+    }
+    r
+}
+
 fn check_vmm() {
     let ctx = Context::primary(0).unwrap();
     let stream = Stream::new(ctx).unwrap();
     if let Ok(spec) = std::env::var(VMM_SEGMENTS) {
-        // The peer: receive the owner's descriptors, map its allocations side by side, read
-        // what the owner wrote (from 100 bytes into the first), write the second half.
+        // The peer: ask the owner for its allocations' descriptors, map them side by side,
+        // read what the owner wrote (from 100 bytes into the first), write the second half.
         let mut fields = spec.split(',');
         let mut next = || fields.next().unwrap().parse::<u64>().unwrap();
         let at = Address { name: next(), token: next() };
         let len = next() as usize;
         let segments: Vec<Segment> = fields.map(|f| {
             let v: Vec<u64> = f.split(':').map(|x| x.parse().unwrap()).collect();
-            Segment { addr: v[0], size: v[1], id: v[2], fd: v[3] as i32 }
+            Segment { addr: v[0], size: v[1], id: v[2], device: v[3] as i32 }
         }).collect();
         let mut source = fdpass::Source::connect(at).unwrap();
-        let mapping = VmmMapping::import(&segments, 0, &mut |s| source.get(s.fd)).unwrap();
+        let mapping = VmmMapping::import(&segments, 0, &mut |s| source.get(&segment_request(s))).unwrap();
         assert_eq!(mapping.size() as u64, segments.iter().map(|s| s.size).sum::<u64>());
         assert!(matches!(cuda::classify(mapping.addr()).unwrap(), PtrKind::Device { .. }));
         let region = device_region(mapping.addr() + 100, len);
@@ -541,9 +557,15 @@ fn check_vmm() {
         assert!(got.iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)), "the peer sees the owner's bytes");
         stream.memset(region.sub(len / 2, len - len / 2), 0xee).unwrap();
         stream.synchronize().unwrap();
-        let refused = source.get(1 << 20).expect_err("a descriptor the owner does not offer");
-        assert!(refused.msg.contains("refused"), "{refused}");
-        let gone = VmmMapping::import(&segments[..1], 0, &mut |_| source.get(1 << 20)).err().expect("no descriptor");
+        // An allocation described with another buffer ID (freed, and another mapped there) is
+        // refused; so is a mapping that does not start where the request says.
+        let first = segments[0];
+        for stale in [Segment { id: first.id + 1000, ..first }, Segment { addr: first.addr + 4096, ..first }] {
+            let refused = source.get(&segment_request(&stale)).expect_err("a stale description");
+            assert!(refused.msg.contains("refused"), "{refused}");
+        }
+        let mut stale = |s: &Segment| source.get(&segment_request(&Segment { id: 0, ..*s }));
+        let gone = VmmMapping::import(&segments[..1], 0, &mut stale).err().expect("no descriptor");
         assert_eq!(gone.code, Code::SystemError, "a descriptor not received may pass: {gone}");
         return;
     }
@@ -556,21 +578,15 @@ fn check_vmm() {
     assert!(matches!(cuda::classify(start).unwrap(), PtrKind::Device { ordinal: 0 }));
     assert!(IpcHandle::of(buf.ptr()).is_err(), "CUDA IPC handles do not cover this memory");
     assert_eq!(cuda::allocation_of(start + gran).unwrap(), (base + gran, gran), "one mapping");
-    let exports = cuda::vmm_export(start, len).unwrap();
-    let segs: Vec<Segment> = exports.iter().map(|e| e.segment).collect();
-    assert_eq!(segs.iter().map(|s| (s.addr, s.size as usize)).collect::<Vec<_>>(),
-               (0..3).map(|k| ((base + k * gran) as u64, gran)).collect::<Vec<_>>());
+    let segs = cuda::vmm_segments(start, len).unwrap();
+    assert_eq!(segs.iter().map(|s| (s.addr, s.size as usize, s.device)).collect::<Vec<_>>(),
+               (0..3).map(|k| ((base + k * gran) as u64, gran, 0)).collect::<Vec<_>>());
     assert!(segs[0].id != segs[1].id && segs[1].id != segs[2].id, "buffer IDs tell the allocations apart: {segs:?}");
-    // While held, a second export of the same memory shares the descriptors.
-    let again = cuda::vmm_export(start + gran, 10).unwrap();
-    assert!(again.len() == 1 && std::sync::Arc::ptr_eq(&again[0], &exports[1]));
+    assert_eq!(cuda::vmm_segments(start + gran, 10).unwrap(), vec![segs[1]], "the same description again");
     upload(&stream, device_region(start, len), (0..len).map(ipc_pattern).collect());
-    let mut at = Address::default();
-    for e in &exports {
-        at = fdpass::offer(e).unwrap();
-    }
+    let at = fdpass::serve(export_for_test).unwrap();
     let spec: Vec<String> = [at.name.to_string(), at.token.to_string(), len.to_string()].into_iter()
-        .chain(segs.iter().map(|s| format!("{}:{}:{}:{}", s.addr, s.size, s.id, s.fd)))
+        .chain(segs.iter().map(|s| format!("{}:{}:{}:{}", s.addr, s.size, s.id, s.device)))
         .collect();
     let name = "vmm_allocations_map_side_by_side_in_another_process";
     let mut cmd = Command::new(std::env::current_exe().unwrap());
@@ -580,9 +596,9 @@ fn check_vmm() {
     let got = download(&stream, device_region(start, len));
     assert!(got[..len / 2].iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)));
     assert!(got[len / 2..].iter().all(|&b| b == 0xee), "the owner sees the peer's write");
-    // Memory created without the POSIX descriptor handle type cannot be exported.
+    // Memory created without the POSIX descriptor handle type is not described for sharing.
     let private = cuda::VmmAllocation::new(gran, gran, false).unwrap();
-    assert!(cuda::vmm_export(private.ptr() as usize, 4096).is_err());
+    assert!(cuda::vmm_segments(private.ptr() as usize, 4096).is_err());
 }
 
 // ---- kernels ---------------------------------------------------------------------------------

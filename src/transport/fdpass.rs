@@ -1,20 +1,20 @@
 //! File descriptors passed between processes of one host (`SCM_RIGHTS` over a Unix socket),
 //! for the allocations of the virtual memory API that the direct path shares (`ipc`).
 //!
-//! A process that publishes such memory serves the descriptors of its exports, while they
-//! are open, on an abstract Unix socket of a random name, from one thread; a peer asks for
-//! them by number over one connection ([`Source`]), first proving the process's secret, which
-//! only ranks of communicators it belongs to learn (it travels in the direct path's records),
-//! and runs as the same user (or root). Unlike `pidfd_getfd`, which PyTorch uses for the same
-//! memory, this needs no ptrace access between the processes (Yama's `ptrace_scope`,
-//! containers without `CAP_SYS_PTRACE`), only one network namespace.
+//! A process serves descriptors on an abstract Unix socket of a random name, from one thread
+//! per [`Handler`], which makes each descriptor for a request (of [`REQUEST_BYTES`]) when it
+//! comes and closes it once sent. A peer asks over one connection ([`Source`]), first proving
+//! the process's secret, which only ranks of communicators it belongs to learn (it travels in
+//! the direct path's records), and runs as the same user (or root). Unlike `pidfd_getfd`,
+//! which PyTorch uses for the same memory, this needs no ptrace access between the processes
+//! (Yama's `ptrace_scope`, containers without `CAP_SYS_PTRACE`), only one network namespace.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -29,55 +29,45 @@ pub struct Address {
     pub token: u64,
 }
 
-type Served = Weak<dyn AsFd + Send + Sync>;
+/// The size of one request.
+pub const REQUEST_BYTES: usize = 32;
+
+/// Makes the descriptor a request asks for (on the server's thread), or says why not.
+pub type Handler = fn(&[u8; REQUEST_BYTES]) -> Result<OwnedFd>;
 
 struct Server {
     pid: u32,
+    handler: Handler,
     address: Address,
-    /// Descriptors on offer, by number, while their owners live.
-    offered: Mutex<Vec<(RawFd, Served)>>,
 }
 
-/// This process's server (a forked child starts its own).
-static SERVER: Mutex<Option<Arc<Server>>> = Mutex::new(None);
+/// This process's servers, one per handler (a forked child starts its own).
+static SERVERS: Mutex<Vec<Arc<Server>>> = Mutex::new(Vec::new());
 
 fn socket_name(name: u64) -> String {
     format!("nccl-rs-fds-{name:016x}")
 }
 
-fn server() -> Result<Arc<Server>> {
-    let mut slot = SERVER.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(s) = slot.as_ref().filter(|s| s.pid == std::process::id()) {
-        return Ok(s.clone());
+/// Where this process serves the descriptors `handler` makes (the server starts on first use).
+pub fn serve(handler: Handler) -> Result<Address> {
+    let mut servers = SERVERS.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    servers.retain(|s| s.pid == pid);
+    if let Some(s) = servers.iter().find(|s| std::ptr::fn_addr_eq(s.handler, handler)) {
+        return Ok(s.address);
     }
     let address = Address { name: crate::bootstrap::id::random_u64(), token: crate::bootstrap::id::random_u64() };
     let sys = |what: &str, e: std::io::Error| Error::system(format!("descriptor server: {what}: {e}"));
     let addr = SocketAddr::from_abstract_name(socket_name(address.name)).map_err(|e| sys("address", e))?;
     let listener = UnixListener::bind_addr(&addr).map_err(|e| sys("bind", e))?;
-    let s = Arc::new(Server { pid: std::process::id(), address, offered: Mutex::new(Vec::new()) });
+    let s = Arc::new(Server { pid, handler, address });
     let serving = s.clone();
     std::thread::Builder::new()
         .name("nccl-rs-fds".into())
         .spawn(move || serve_forever(&serving, &listener))
         .map_err(|e| sys("thread", e))?;
-    *slot = Some(s.clone());
-    Ok(s)
-}
-
-/// Offers `what`'s descriptor to the peers that ask for it by number, for as long as `what`
-/// lives; where to ask.
-pub fn offer<T: AsFd + Send + Sync + 'static>(what: &Arc<T>) -> Result<Address> {
-    let s = server()?;
-    let fd = what.as_fd().as_raw_fd();
-    let mut offered = s.offered.lock().unwrap_or_else(|p| p.into_inner());
-    let weak: Served = Arc::downgrade(what) as Served;
-    if !offered.iter().any(|(n, w)| *n == fd && w.ptr_eq(&weak)) {
-        if offered.len() >= 64 {
-            offered.retain(|(_, w)| w.strong_count() > 0);
-        }
-        offered.push((fd, weak));
-    }
-    Ok(s.address)
+    servers.push(s);
+    Ok(address)
 }
 
 fn serve_forever(s: &Server, listener: &UnixListener) {
@@ -106,15 +96,14 @@ impl Server {
         if u64::from_le_bytes(token) != self.address.token {
             return Ok(());
         }
-        let mut want = [0u8; 4];
-        while conn.read_exact(&mut want).is_ok() {
-            let fd = RawFd::from_le_bytes(want);
-            // Held while sent, so the descriptor cannot close (and its number be reused) meanwhile.
-            let live = {
-                let offered = self.offered.lock().unwrap_or_else(|p| p.into_inner());
-                offered.iter().filter(|(n, _)| *n == fd).find_map(|(_, w)| w.upgrade())
-            };
-            send_fd(&conn, live.as_ref().map(|l| l.as_fd().as_raw_fd())).map_err(io)?;
+        let mut request = [0u8; REQUEST_BYTES];
+        while conn.read_exact(&mut request).is_ok() {
+            // Closed once sent: the peer has its own descriptor then.
+            let made = (self.handler)(&request);
+            if let Err(e) = &made {
+                crate::info!(P2P, "a peer's request for a descriptor refused: {}", e.msg);
+            }
+            send_fd(&conn, made.as_ref().ok().map(|fd| fd.as_raw_fd())).map_err(io)?;
         }
         Ok(())
     }
@@ -234,13 +223,13 @@ impl Source {
         Ok(Source { conn, name })
     }
 
-    /// The served process's descriptor `fd`, as a new descriptor of this one.
-    pub fn get(&mut self, fd: RawFd) -> Result<OwnedFd> {
+    /// The descriptor the served process makes for `request`, as a descriptor of this one.
+    pub fn get(&mut self, request: &[u8; REQUEST_BYTES]) -> Result<OwnedFd> {
         let name = &self.name;
         let io = |e: std::io::Error| Error::system(format!("descriptors from {name}: {e}"));
-        self.conn.write_all(&fd.to_le_bytes()).map_err(io)?;
+        self.conn.write_all(request).map_err(io)?;
         recv_fd(&self.conn).map_err(io)?
-            .ok_or_else(|| Error::system(format!("descriptors from {name}: descriptor {fd} refused")))
+            .ok_or_else(|| Error::system(format!("descriptors from {name}: the request was refused")))
     }
 }
 
@@ -283,45 +272,55 @@ mod tests {
     use super::*;
     use std::os::unix::fs::MetadataExt;
 
-    struct Held(std::fs::File);
-
-    impl AsFd for Held {
-        fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-            self.0.as_fd()
-        }
+    /// Serves the files of the test's folder by the name a request holds (NUL-padded).
+    fn open_named(request: &[u8; REQUEST_BYTES]) -> Result<OwnedFd> {
+        let name: Vec<u8> = request.iter().copied().take_while(|&b| b != 0).collect();
+        let path = folder().join(String::from_utf8_lossy(&name).as_ref());
+        std::fs::File::open(&path).map(OwnedFd::from).map_err(|e| Error::system(format!("{}: {e}", path.display())))
     }
 
-    fn fetch(at: Address, fds: &[RawFd]) -> Result<Vec<OwnedFd>> {
-        let mut source = Source::connect(at)?;
-        fds.iter().map(|&fd| source.get(fd)).collect()
+    fn folder() -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("nccl-rs-fdpass-{}", std::process::id()))
     }
 
-    fn inode(fd: impl AsFd) -> (u64, u64) {
-        let f = std::fs::File::from(fd.as_fd().try_clone_to_owned().unwrap());
-        let m = f.metadata().unwrap();
+    fn request(name: &str) -> [u8; REQUEST_BYTES] {
+        let mut r = [0u8; REQUEST_BYTES];
+        r[..name.len()].copy_from_slice(name.as_bytes());
+        r
+    }
+
+    fn inode(fd: &OwnedFd) -> (u64, u64) {
+        let m = std::fs::File::from(fd.try_clone().unwrap()).metadata().unwrap();
         (m.dev(), m.ino())
     }
 
+    fn other(_: &[u8; REQUEST_BYTES]) -> Result<OwnedFd> {
+        Err(Error::system("nothing here"))
+    }
+
     #[test]
-    fn descriptors_are_served_while_held_and_to_the_secret_only() {
-        let dir = std::env::temp_dir().join(format!("nccl-rs-fdpass-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = |n: &str| Arc::new(Held(std::fs::File::create(dir.join(n)).unwrap()));
-        let (a, b) = (file("a"), file("b"));
-        let at = offer(&a).unwrap();
-        assert_eq!(offer(&b).unwrap(), at, "one server per process");
-        let (fa, fb) = (a.0.as_raw_fd(), b.0.as_raw_fd());
-        let got = fetch(at, &[fb, fa, fb]).unwrap();
-        assert_eq!(got.iter().map(inode).collect::<Vec<_>>(), vec![inode(&b.0), inode(&a.0), inode(&b.0)]);
-        assert!(got.iter().all(|f| f.as_raw_fd() != fa && f.as_raw_fd() != fb), "new descriptors of this process");
-        // A wrong secret gets nothing; neither does a descriptor not on offer, or no longer.
-        assert!(fetch(Address { token: at.token ^ 1, ..at }, &[fa]).is_err());
-        let stdin = std::io::stdin().as_raw_fd();
-        assert!(fetch(at, &[stdin]).unwrap_err().msg.contains("refused"));
-        drop(b);
-        assert!(fetch(at, &[fb]).unwrap_err().msg.contains("refused"));
-        assert_eq!(inode(&fetch(at, &[fa]).unwrap()[0]), inode(&a.0));
-        assert!(fetch(Address { name: at.name ^ 1, ..at }, &[fa]).is_err(), "no server there");
-        std::fs::remove_dir_all(&dir).unwrap();
+    fn descriptors_are_made_on_request_for_the_secret_only() {
+        std::fs::create_dir_all(folder()).unwrap();
+        for n in ["a", "b"] {
+            std::fs::write(folder().join(n), n).unwrap();
+        }
+        let at = serve(open_named).unwrap();
+        assert_eq!(serve(open_named).unwrap(), at, "one server per handler");
+        assert_ne!(serve(other).unwrap(), at, "another handler, another server");
+        let mut source = Source::connect(at).unwrap();
+        let (a, b) = (source.get(&request("b")).unwrap(), source.get(&request("a")).unwrap());
+        let want = |n: &str| {
+            let m = std::fs::metadata(folder().join(n)).unwrap();
+            (m.dev(), m.ino())
+        };
+        assert_eq!((inode(&a), inode(&b)), (want("b"), want("a")));
+        // What the handler refuses is refused; the connection goes on.
+        assert!(source.get(&request("missing")).unwrap_err().msg.contains("refused"));
+        assert_eq!(inode(&source.get(&request("a")).unwrap()), want("a"));
+        // A wrong secret gets nothing, and where no server is, nothing answers.
+        let mut wrong = Source::connect(Address { token: at.token ^ 1, ..at }).unwrap();
+        assert!(wrong.get(&request("a")).is_err());
+        assert!(Source::connect(Address { name: at.name ^ 1, ..at }).is_err(), "no server there");
+        std::fs::remove_dir_all(folder()).unwrap();
     }
 }

@@ -43,7 +43,7 @@ use std::sync::Arc;
 use share::{decode_segment, encode_segment, Maps, Published, Record, Shared, MAX_TABLE, RECORD_BYTES, SEG_BYTES};
 
 use crate::comm::Comm;
-use crate::device::cuda::{self, Desc, Export, Indirect, Segment, Stream};
+use crate::device::cuda::{self, Desc, Indirect, Segment, Stream};
 use crate::device::host::{ElemOp, Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
@@ -144,13 +144,13 @@ fn barrier(comm: &Arc<Comm>, user: &Op, step: u8) -> Result<()> {
 }
 
 /// This rank's buffers of a direct operation, published at call time (the worker then makes
-/// no driver call for them while a caller's stream may be waiting), and the exports of the
-/// virtual memory API's allocations behind them, open until the operation is done.
+/// no driver call for them while a caller's stream may be waiting), with the allocations of
+/// the virtual memory API behind them.
 #[derive(Clone, Debug)]
 pub struct Offered {
     input: Published,
     output: Published,
-    table: Vec<Arc<Export>>,
+    table: Vec<Segment>,
     /// Where this process serves the table's descriptors (none without a table).
     server: Address,
 }
@@ -168,10 +168,7 @@ pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
     let mut table = Vec::new();
     let input = share::publish(op.send, !routes.one_process, &mut table)?;
     let output = share::publish(op.recv, !routes.one_process, &mut table)?;
-    let mut server = Address::default();
-    for e in &table {
-        server = fdpass::offer(e).ok()?;
-    }
+    let server = if table.is_empty() { Address::default() } else { fdpass::serve(share::export_request).ok()? };
     Some(Offered { input, output, table, server })
 }
 
@@ -312,10 +309,10 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
 
 /// Every rank's segment table (`mine` is this rank's), each entry padded to `longest` (the
 /// longest any record announced, at most [`MAX_TABLE`]).
-fn exchange_tables(comm: &Arc<Comm>, op: &Op, mine: &[Arc<Export>], longest: usize) -> Result<Vec<Vec<Segment>>> {
+fn exchange_tables(comm: &Arc<Comm>, op: &Op, mine: &[Segment], longest: usize) -> Result<Vec<Vec<Segment>>> {
     let mut enc = vec![0u8; longest * SEG_BYTES];
-    for (e, b) in mine.iter().zip(enc.chunks_mut(SEG_BYTES)) {
-        encode_segment(&e.segment, b);
+    for (s, b) in mine.iter().zip(enc.chunks_mut(SEG_BYTES)) {
+        encode_segment(s, b);
     }
     let mut all = vec![0u8; enc.len() * comm.nranks];
     control(comm, OpKind::AllGather, DataType::Int8, BuiltinOp::Sum, enc.len(), Region::owned(&mut enc),

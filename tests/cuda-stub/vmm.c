@@ -101,6 +101,8 @@ static void phys_put(struct phys *p) {
   free(p);
 }
 
+int vmm_handle_types(const struct phys *p) { return p->handle_types; }
+
 static int prop_ok(const CUmemAllocationProp *prop) {
   return prop && prop->type == ALLOCATION_TYPE_PINNED && prop->location.type == LOCATION_TYPE_DEVICE &&
          prop->location.id >= 0 && prop->location.id < g_ndev;

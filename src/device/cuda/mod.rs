@@ -35,7 +35,7 @@ pub use ipc::{IpcHandle, IpcMapping};
 pub use kernels::{Desc, Indirect, Kernels};
 pub use memory::{alloc, allocation_of, classify, free, MappedHost, PtrKind};
 pub use stream::{Event, MemOp, Stream, UserStream, WaitCond};
-pub use vmm::{export as vmm_export, Export, Segment, VmmAllocation, VmmMapping, MAX_SEGMENTS};
+pub use vmm::{export as vmm_export, segments as vmm_segments, Segment, VmmAllocation, VmmMapping, MAX_SEGMENTS};
 
 /// Runs `f`, whose driver calls may panic inside cudarc (library or symbol missing), and turns
 /// such a panic into an error naming `what`.

@@ -2,81 +2,106 @@
 //! segments, NVIDIA's `ncclMemAlloc`) shared with other processes of the host. CUDA IPC
 //! handles do not cover it, and one buffer may span several physical allocations mapped side
 //! by side (PyTorch maps every 20 MiB on its own; `cuMemGetAddressRange` names one of them).
-//! So each allocation behind a buffer is exported as a POSIX file descriptor ([`export`]); a
-//! peer that has received the descriptors (how is the transports' business) maps them again
-//! side by side ([`VmmMapping`]).
 //!
-//! An export is shared by every operation in flight that publishes the same allocation and
-//! closed when the last of them is done: an open descriptor keeps the memory alive, so none is
-//! kept once the owner could have freed it. Allocations are told apart by their buffer ID,
-//! which the driver never gives twice in a process.
+//! An owner describes the allocations behind a buffer ([`segments`]: where each is mapped, its
+//! size, its buffer ID — which the driver never gives twice in a process — and its device), a
+//! cheap query made at every call. A peer that has not mapped them yet asks the owner for
+//! their POSIX file descriptors (how is the transports' business); the owner exports one only
+//! then ([`export`]), after checking that the allocation is still the one described, and does
+//! not keep it: an open descriptor would keep the memory alive after its user freed it. The
+//! peer maps the allocations again side by side ([`VmmMapping`]).
 
 use std::ffi::c_void;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex, Weak};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
+use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle, CUpointer_attribute};
 
 use super::{check, driver};
 use crate::error::{Error, Result};
 
-/// More allocations than this behind one operation's buffers, or exported by this process at
-/// once, are not exported (the operation is staged): each takes a descriptor while an
-/// operation that publishes it is in flight.
+/// More allocations than this behind one buffer are not shared (the operation is staged).
 pub const MAX_SEGMENTS: usize = 256;
 
-/// One physical allocation behind a buffer, as its owner publishes it: where it is mapped in
-/// the owner's process, its size, its buffer ID and the owner's descriptor of it.
+/// One physical allocation behind a buffer, as its owner describes it: where it is mapped in
+/// the owner's process, its size, its buffer ID and its device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Segment {
     pub addr: u64,
     pub size: u64,
     pub id: u64,
-    pub fd: i32,
+    pub device: i32,
 }
 
 impl Segment {
-    /// The same allocation at the same place (the descriptor may differ between operations).
+    /// The same allocation at the same place.
     pub fn same_memory(&self, other: &Segment) -> bool {
         (self.addr, self.size, self.id) == (other.addr, other.size, other.id)
     }
 }
 
-/// An exported allocation; the descriptor closes when the last operation holding it is done.
-#[derive(Debug)]
-pub struct Export {
-    pub segment: Segment,
-    fd: OwnedFd,
-}
-
-impl AsFd for Export {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-}
-
-/// Exports of this process still held by some operation, by buffer ID.
-static EXPORTS: Mutex<Vec<(u64, Weak<Export>)>> = Mutex::new(Vec::new());
-
-/// The buffer ID of the allocation mapped at `addr`.
-fn buffer_id(addr: usize) -> Result<u64> {
-    driver("cuPointerGetAttribute(BUFFER_ID)", || {
-        let mut id: u64 = 0;
-        let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID;
-        // SAFETY: the attribute is an unsigned long long, written to `id`; the driver checks `addr`.
-        check("cuPointerGetAttribute(BUFFER_ID)", unsafe {
-            sys::cuPointerGetAttribute((&mut id as *mut u64).cast::<c_void>(), attr, addr as CUdeviceptr)
-        })?;
-        Ok(id)
+/// The buffer ID, device and shareable handle types of the allocation mapped at `addr`.
+fn attributes(addr: usize) -> Result<(u64, i32, u32)> {
+    driver("cuPointerGetAttributes", || {
+        let mut attrs = [
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
+        ];
+        // Zeroed 8-byte slots: an unsigned long long, an int and a bitmask, read from the low
+        // bytes (little-endian).
+        let mut slots = [0u64; 3];
+        let mut data = slots.each_mut().map(|s| (s as *mut u64).cast::<c_void>());
+        // SAFETY: three attributes and three valid, large enough out-pointers.
+        let r = unsafe { sys::cuPointerGetAttributes(3, attrs.as_mut_ptr(), data.as_mut_ptr(), addr as CUdeviceptr) };
+        check("cuPointerGetAttributes(BUFFER_ID, DEVICE_ORDINAL, ALLOWED_HANDLE_TYPES)", r)?;
+        let [id, device, types] = slots;
+        Ok((id, device as u32 as i32, types as u32))
     })
 }
 
-/// A new POSIX descriptor for the allocation mapped at `base` (`size` bytes, buffer ID `id`).
-fn export_one(base: usize, size: usize, id: u64) -> Result<Export> {
-    driver("cuMemExportToShareableHandle", || {
+/// The allocations that hold `[addr, addr + len)`, in address order. An error where some of
+/// the memory is not of the virtual memory API, was created without the POSIX descriptor
+/// handle type, or spans more than [`MAX_SEGMENTS`] allocations.
+pub fn segments(addr: usize, len: usize) -> Result<Vec<Segment>> {
+    let end = addr.checked_add(len).ok_or_else(|| Error::internal("buffer past the address space"))?;
+    let posix = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0;
+    let mut out = Vec::new();
+    let mut at = addr;
+    while at < end {
+        if out.len() == MAX_SEGMENTS {
+            return Err(Error::system(format!("a buffer of {len} bytes spans more than {MAX_SEGMENTS} allocations")));
+        }
+        let (base, size) = super::allocation_of(at)?;
+        if size == 0 || base.saturating_add(size) <= at {
+            return Err(Error::internal(format!("cuMemGetAddressRange({at:#x}): {base:#x}+{size}")));
+        }
+        let (id, device, types) = attributes(base)?;
+        if types & posix == 0 {
+            return Err(Error::system(format!("the allocation at {base:#x} cannot be exported as a descriptor")));
+        }
+        out.push(Segment { addr: base as u64, size: size as u64, id, device });
+        at = base + size;
+    }
+    Ok(out)
+}
+
+/// A new POSIX descriptor of the allocation `seg` describes, if it is still mapped there (its
+/// place, size and buffer ID unchanged). The caller owns it.
+pub fn export(seg: &Segment) -> Result<OwnedFd> {
+    let gone = || Error::system(format!("the allocation at {:#x} is no longer the one published", seg.addr));
+    let still = || -> Result<bool> {
+        let range = super::allocation_of(seg.addr as usize)?;
+        Ok(range == (seg.addr as usize, seg.size as usize) && attributes(seg.addr as usize)?.0 == seg.id)
+    };
+    if !still()? {
+        return Err(gone());
+    }
+    let fd = driver("cuMemExportToShareableHandle", || {
         let mut h: CUmemGenericAllocationHandle = 0;
-        // SAFETY: `h` is a valid out-pointer; the driver checks that `base` is mapped memory.
-        check("cuMemRetainAllocationHandle", unsafe { sys::cuMemRetainAllocationHandle(&mut h, base as *mut c_void) })?;
+        // SAFETY: `h` is a valid out-pointer; the driver checks that the address is mapped memory.
+        check("cuMemRetainAllocationHandle", unsafe {
+            sys::cuMemRetainAllocationHandle(&mut h, seg.addr as usize as *mut c_void)
+        })?;
         let mut fd: i32 = -1;
         let ty = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
         // SAFETY: a POSIX handle is an int, written to `fd`; `h` is the handle just retained.
@@ -90,49 +115,10 @@ fn export_one(base: usize, size: usize, id: u64) -> Result<Export> {
         // SAFETY: the driver just opened `fd` for us; nothing else owns it.
         let owned = unsafe { OwnedFd::from_raw_fd(fd) };
         check("cuMemRelease", released)?;
-        Ok(Export { segment: Segment { addr: base as u64, size: size as u64, id, fd }, fd: owned })
-    })
-}
-
-/// The exports of the allocations that hold `[addr, addr + len)`, in address order: shared
-/// with operations in flight that publish the same allocations, else new. An error where some
-/// of the memory is not from the virtual memory API, was created without the POSIX descriptor
-/// handle type, or spans more than [`MAX_SEGMENTS`] allocations.
-pub fn export(addr: usize, len: usize) -> Result<Vec<Arc<Export>>> {
-    let end = addr.checked_add(len).ok_or_else(|| Error::internal("buffer past the address space"))?;
-    let mut out = Vec::new();
-    let mut at = addr;
-    while at < end {
-        if out.len() == MAX_SEGMENTS {
-            return Err(Error::system(format!("a buffer of {len} bytes spans more than {MAX_SEGMENTS} allocations")));
-        }
-        let (base, size) = super::allocation_of(at)?;
-        if size == 0 || base.saturating_add(size) <= at {
-            return Err(Error::internal(format!("cuMemGetAddressRange({at:#x}): {base:#x}+{size}")));
-        }
-        let id = buffer_id(base)?;
-        out.push(shared(base, size, id)?);
-        at = base + size;
-    }
-    Ok(out)
-}
-
-/// The export of one allocation, shared while some operation holds it.
-fn shared(base: usize, size: usize, id: u64) -> Result<Arc<Export>> {
-    let mut exports = EXPORTS.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(e) = exports.iter().find(|(i, _)| *i == id).and_then(|(_, w)| w.upgrade()) {
-        return Ok(e);
-    }
-    if exports.len() >= 64 {
-        exports.retain(|(_, w)| w.strong_count() > 0);
-    }
-    if exports.len() >= MAX_SEGMENTS {
-        return Err(Error::system(format!("{MAX_SEGMENTS} allocations exported at once already")));
-    }
-    let e = Arc::new(export_one(base, size, id)?);
-    exports.retain(|(i, _)| *i != id);
-    exports.push((id, Arc::downgrade(&e)));
-    Ok(e)
+        Ok(owned)
+    })?;
+    // Unmapped and mapped again meanwhile (only if its user freed a buffer in use): refused.
+    if still()? { Ok(fd) } else { Err(gone()) }
 }
 
 /// Another process's allocations mapped side by side into this one, readable and writable by

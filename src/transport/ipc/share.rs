@@ -10,10 +10,10 @@
 //! memory at their place or when more than `NCCL_RS_PEER_MAPS` are open (with 0, after each
 //! operation: a mapping keeps its allocation alive after its owner freed it).
 
-use std::sync::Arc;
+use std::os::fd::OwnedFd;
 
 use crate::bootstrap::PeerInfo;
-use crate::device::cuda::{self, Export, IpcHandle, IpcMapping, Segment, VmmMapping};
+use crate::device::cuda::{self, IpcHandle, IpcMapping, Segment, VmmMapping};
 use crate::device::host::{Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::transport::fdpass::{self, Address};
@@ -110,13 +110,27 @@ pub(super) fn encode_segment(s: &Segment, b: &mut [u8]) {
     b[0..8].copy_from_slice(&s.addr.to_le_bytes());
     b[8..16].copy_from_slice(&s.size.to_le_bytes());
     b[16..24].copy_from_slice(&s.id.to_le_bytes());
-    b[24..28].copy_from_slice(&s.fd.to_le_bytes());
+    b[24..28].copy_from_slice(&s.device.to_le_bytes());
 }
 
 pub(super) fn decode_segment(b: &[u8]) -> Segment {
     let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
-    let fd = i32::from_le_bytes(b[24..28].try_into().unwrap_or([0; 4]));
-    Segment { addr: u64_at(0), size: u64_at(8), id: u64_at(16), fd }
+    let device = i32::from_le_bytes(b[24..28].try_into().unwrap_or([0; 4]));
+    Segment { addr: u64_at(0), size: u64_at(8), id: u64_at(16), device }
+}
+
+/// A peer's request for the descriptor of one of this process's allocations (a segment it
+/// published): exported now, on the descriptor server's thread, in its device's context.
+pub(super) fn export_request(request: &[u8; fdpass::REQUEST_BYTES]) -> Result<OwnedFd> {
+    let seg = decode_segment(request);
+    cuda::Context::primary(seg.device)?.make_current()?;
+    cuda::vmm_export(&seg)
+}
+
+fn segment_request(s: &Segment) -> [u8; fdpass::REQUEST_BYTES] {
+    let mut r = [0u8; fdpass::REQUEST_BYTES];
+    encode_segment(s, &mut r);
+    r
 }
 
 /// One peer allocation mapped into this process (closed on drop), or a run of them.
@@ -260,7 +274,7 @@ impl Maps {
                     }
                     Key::Vmm(segments) => {
                         let mut source = fdpass::Source::connect(shared.server)?;
-                        let m = VmmMapping::import(segments, device, &mut |s| source.get(s.fd))?;
+                        let m = VmmMapping::import(segments, device, &mut |s| source.get(&segment_request(s)))?;
                         let size = m.size();
                         (Mapping::Vmm(m), size)
                     }
@@ -281,11 +295,11 @@ impl Maps {
     }
 }
 
-/// Publish one of our buffers: handle of its allocation and offset, or the exports of the
-/// allocations of the virtual memory API behind it (added to `table` unless there already);
-/// only its address where `handles` is false (every peer is in this process). None if it has
-/// neither kind of handle.
-pub(super) fn publish(r: Region, handles: bool, table: &mut Vec<Arc<Export>>) -> Option<Published> {
+/// Publish one of our buffers: handle of its allocation and offset, or the allocations of the
+/// virtual memory API behind it (added to `table` unless there already); only its address
+/// where `handles` is false (every peer is in this process). None if it has neither kind of
+/// handle.
+pub(super) fn publish(r: Region, handles: bool, table: &mut Vec<Segment>) -> Option<Published> {
     if r.is_empty() {
         return Some(Published::default());
     }
@@ -300,16 +314,16 @@ pub(super) fn publish(r: Region, handles: bool, table: &mut Vec<Arc<Export>>) ->
         let off = (r.addr() - base) as u64;
         return Some(Published { handle: handle.bytes, off, addr, len, ..Published::default() });
     }
-    let run = cuda::vmm_export(r.addr(), r.len()).ok()?;
-    let same = |at: usize| run.iter().enumerate().all(|(k, e)| table.get(at + k).is_some_and(|t| Arc::ptr_eq(t, e)));
+    let run = cuda::vmm_segments(r.addr(), r.len()).ok()?;
+    let same = |at: usize| run.iter().enumerate().all(|(k, s)| table.get(at + k).is_some_and(|t| t.same_memory(s)));
     let first = match (0..table.len()).find(|&at| same(at)) {
         Some(at) => at,
         None => {
-            table.extend(run.iter().cloned());
+            table.extend_from_slice(&run);
             table.len() - run.len()
         }
     };
-    let start = run.first()?.segment.addr;
+    let start = run.first()?.addr;
     let (segs, first) = (run.len() as u32, first as u32);
     Some(Published { off: addr - start, addr, len, segs, first, ..Published::default() })
 }
@@ -319,7 +333,7 @@ mod tests {
     use super::*;
 
     fn seg(addr: u64, size: u64, id: u64) -> Segment {
-        Segment { addr, size, id, fd: 7 }
+        Segment { addr, size, id, device: 0 }
     }
 
     #[test]
@@ -330,7 +344,7 @@ mod tests {
         let r = Record { ok: true, input, output, table: 4, server, stamp: [9; STAMP_BYTES] };
         let d = Record::decode(&r.encode());
         assert_eq!((d.ok, d.input, d.output, d.table, d.server, d.stamp), (true, input, output, 4, server, [9; STAMP_BYTES]));
-        let s = Segment { addr: 0x7f00_0000, size: 2 << 20, id: u64::MAX - 1, fd: -3 };
+        let s = Segment { addr: 0x7f00_0000, size: 2 << 20, id: u64::MAX - 1, device: 7 };
         let mut b = [0u8; SEG_BYTES];
         encode_segment(&s, &mut b);
         assert_eq!(decode_segment(&b), s);
@@ -339,8 +353,8 @@ mod tests {
     #[test]
     fn vmm_mappings_are_told_apart_by_buffer_id() {
         let two = Key::Vmm(vec![seg(0x20_0000, 0x20_0000, 1), seg(0x40_0000, 0x20_0000, 2)]);
-        // The same allocations, published with other descriptors by a later operation.
-        let again = Key::Vmm(vec![Segment { fd: 11, ..seg(0x20_0000, 0x20_0000, 1) }, seg(0x40_0000, 0x20_0000, 2)]);
+        // The same allocations, published again by a later operation.
+        let again = Key::Vmm(vec![seg(0x20_0000, 0x20_0000, 1), seg(0x40_0000, 0x20_0000, 2)]);
         assert!(two.same(&again));
         // A buffer within one of them is another run (another mapping), and does not replace it.
         let inner = Key::Vmm(vec![seg(0x40_0000, 0x20_0000, 2)]);
