@@ -163,7 +163,8 @@ fi
 # 4. (c) The benchmark with device buffers, beside the device copy bandwidth and NVIDIA's NCCL.
 step perf-cuda-allreduce-2 50 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 # The same all-reduces on memory of the virtual memory API (PyTorch's expandable segments):
-# bandwidth, and the time in the call, which now exports the allocations' descriptors.
+# bandwidth, and the time in the call (which describes the allocations; a peer fetches their
+# descriptors at its first use of them).
 step perf-cuda-allreduce-2-vmm 40 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 2 -b 64K -e 256M -f 8 -n 5 -w 1
 step perf-cuda-allgather-2 50 "$PREP/run/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 step perf-cuda-latency-1 20 "$PREP/run/bin/nccl-rs-perf" allreduce -np 1 --device 1 -b 8 -e 8 -n 2000 -w 50
