@@ -7,6 +7,8 @@
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
  *                                all-reduce of N floats, 1 meaning 1024)
  *   CUDA_TEST_LAUNCH_FAIL=1 cuda (2 processes; process 1 with NCCL_RS_STUB_LAUNCH_FAILS=1)
+ *   CUDA_TEST_STREAM_HELD=FILE cuda (2 processes: process 1 holds its stream before an
+ *                                all-reduce until FILE exists; both check the result)
  *   CUDA_TEST_VMM=1 cuda        (device buffers from the virtual memory API, placed as PyTorch's
  *                                expandable segments place them: see vmm_alloc)
  *   CUDA_TEST_NO_PTRACE=1 cuda  (the process refuses ptrace access by others, as under Yama:
@@ -1157,6 +1159,42 @@ static int abort_held(void) {
   return test_finish();
 }
 
+/* Process 1's stream is held (a wait on host memory queued before the call, as a kernel that
+ * does not finish would hold it) while both processes all-reduce (after a first all-reduce
+ * that connects them); it is released once the file CUDA_TEST_STREAM_HELD names exists (the
+ * harness makes it when the ranks have said what they wait for), within 60 s. */
+static int stream_held(void) {
+  test_step("stream-held");
+  const char* release = getenv("CUDA_TEST_STREAM_HELD");
+  const size_t count = 1024;
+  int rank = g_env.first_rank, held = rank == 1;
+  CUdeviceptr d = dev_alloc(count * sizeof(float)), dflag = 0;
+  float* h = host_alloc(count * sizeof(float));
+  for (size_t j = 0; j < count; j++) h[j] = in_value(rank, j, 3);
+  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
+  CU(cu.MemcpyAsync(d, (CUdeviceptr)(uintptr_t)h, count * sizeof(float), g_streams[0]));
+  uint32_t* flag = gate_word(&dflag);
+  if (held) CU(cu.StreamWaitValue32(g_streams[0], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
+  if (held) {
+    tlog("HELD");
+    double until = now_s() + 60;
+    while (access(release, F_OK) != 0 && now_s() < until) usleep(10000);
+    EXPECT(access(release, F_OK) == 0, "the stream was never released (%s)", release);
+    __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+  }
+  CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h, d, count * sizeof(float), g_streams[0]));
+  CU(cu.StreamSynchronize(g_streams[0]));
+  size_t bad = 0;
+  for (size_t j = 0; j < count; j++) bad += h[j] != expected(C_ALLREDUCE, count, g_env.nranks, rank, j, 3);
+  EXPECT(bad == 0, "all-reduce behind a held stream, rank %d: %zu wrong values", rank, bad);
+  dev_free(d);
+  CU(cu.MemFreeHost(h));
+  CU(cu.MemFreeHost(flag));
+  destroy_comms(g_comms);
+  return test_finish();
+}
+
 /* ---- Torch: communicators driven the way PyTorch's ProcessGroupNCCL drives them ----------
  * A nonblocking communicator (ncclCommInitRankConfig, blocking = 0) split into a sub-group
  * (with three or more ranks the last stays out with NCCL_SPLIT_NOCOLOR; keys reverse the
@@ -1444,6 +1482,7 @@ int main(int argc, char** argv) {
   if (getenv("CUDA_TEST_MISMATCH")) return mismatch();
   if (getenv("CUDA_TEST_LAUNCH_FAIL")) return launch_fail();
   if (getenv("CUDA_TEST_ABORT_HELD")) return abort_held();
+  if (getenv("CUDA_TEST_STREAM_HELD")) return stream_held();
   if (host_wait_mode()) {
     host_wait();
   } else if (wanted("Gated")) {

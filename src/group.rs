@@ -419,11 +419,11 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
         match transport::accept(&attempt, conns, peer) {
             Err(e) if e.code == crate::Code::Timeout && Instant::now() < ctx.deadline => {
                 if let Some(mine) = mine {
-                    if c.peer_runs(peer, &mine, &crate::plan::ops::describe_stamp)? == crate::comm::PeerRuns::Nothing
-                        && started.elapsed() >= std::time::Duration::from_secs(5)
-                    {
-                        crate::warn!("rank {}: waited {} s in {} for {}, which has not issued that call",
-                                     c.rank, started.elapsed().as_secs(), crate::plan::ops::describe_stamp(&mine), c.describe_peer(peer));
+                    let describe = &crate::plan::ops::describe_stamp;
+                    let why = c.peer_runs(peer, &mine, describe)?.why_waiting(describe);
+                    if let Some(why) = why.filter(|_| started.elapsed() >= std::time::Duration::from_secs(5)) {
+                        crate::warn!("rank {}: waited {} s in {} for {}, {why}",
+                                     c.rank, started.elapsed().as_secs(), describe(&mine), c.describe_peer(peer));
                     }
                 }
             }

@@ -63,7 +63,7 @@ pub(crate) mod board;
 mod pool;
 mod steps;
 mod worker;
-pub(crate) use worker::poll;
+pub(crate) use worker::wait_for_stream;
 use board::{Board, Ticket};
 use pool::{plan_caller_staging, Pool};
 use steps::on_stream_shape;

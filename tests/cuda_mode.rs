@@ -281,6 +281,39 @@ fn cuda_mode_peer_mappings_closed_after_each_operation() {
     }
 }
 
+/// A rank whose CUDA stream has not reached a call (held by earlier work) is named as such:
+/// the rank waiting on it says it issued the call but its stream has not reached it (not that
+/// it never made the call), and the held rank says so of itself; released, both are exact.
+#[test]
+fn cuda_mode_a_stream_behind_its_call_is_named() {
+    let mut job = cuda_job().procs(2).env("NCCL_DEBUG", "WARN");
+    let dir = job.dir();
+    let release = dir.join("release");
+    let (held_log, file) = (dir.join("proc1.log"), release.clone());
+    let job = job.env("CUDA_TEST_STREAM_HELD", release.to_str().expect("a path")).on(
+        When::marker(0, "waits for its CUDA stream"),
+        move || {
+            // The held rank's own line too, then release its stream.
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while !std::fs::read_to_string(&held_log).unwrap_or_default().contains("its CUDA stream has not reached")
+                && std::time::Instant::now() < until
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            std::fs::write(&file, b"go").expect("the release file");
+            "released process 1's stream".to_string()
+        },
+    );
+    let o = job.run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let (waiting, held) = (&o.procs[0].log, &o.procs[1].log);
+    assert!(waiting.contains("for rank 1") && waiting.contains("which issued AllReduce #1 (count 1024, float, sum) and \
+                              waits for its CUDA stream to get through it"), "rank 0:\n{waiting}");
+    assert!(!waiting.contains("has not issued that call"), "rank 0 blamed a missing call:\n{waiting}");
+    assert!(held.contains("rank 1: AllReduce #1 (count 1024, float, sum): its CUDA stream has not reached the call"),
+            "rank 1:\n{held}");
+}
+
 /// A device buffer with a pageable receive buffer is staged, exact, by one rank and by ranks of
 /// one process (which publish buffers by address, and must still leave host memory out).
 #[test]

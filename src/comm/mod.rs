@@ -42,6 +42,15 @@ impl Ready {
         stamps.iter().for_each(|s| bytes.extend_from_slice(s));
     }
 
+    /// Publish that this rank issued these operations (CUDA mode) and waits for their streams
+    /// to reach them: peers waiting on it are told so, not that it has not made the call.
+    pub fn set_waiting_for_stream(&self, stamps: &[crate::transport::Stamp]) {
+        let mut bytes = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        bytes.clear();
+        bytes.push(STATUS_STREAM);
+        stamps.iter().for_each(|s| bytes.extend_from_slice(s));
+    }
+
     /// Publish why this rank stopped, for peers that only saw its connections close.
     pub fn set_failed(&self, e: &Error) {
         let mut bytes = vec![STATUS_FAILED, e.code as u8];
@@ -59,11 +68,30 @@ pub enum PeerRuns {
     Same,
     Nothing,
     Unknown,
+    /// It issued this operation (its stamp), or the one named, and waits for its CUDA stream
+    /// to reach it: work queued on that stream before the call has not finished.
+    Stream(Stamp),
 }
 
-/// Status bytes a rank publishes: a tag, then stamps (running) or code + message (failed).
+impl PeerRuns {
+    /// What a rank that waited on the peer says of it, if anything: the peer has not issued
+    /// the call, or its CUDA stream has not reached it.
+    pub fn why_waiting(&self, describe: &dyn Fn(&Stamp) -> String) -> Option<String> {
+        match self {
+            PeerRuns::Nothing => Some("which has not issued that call".to_string()),
+            PeerRuns::Stream(theirs) => Some(format!(
+                "which issued {} and waits for its CUDA stream to get through it: work queued on that stream has not \
+                 finished", describe(theirs))),
+            PeerRuns::Same | PeerRuns::Unknown => None,
+        }
+    }
+}
+
+/// Status bytes a rank publishes: a tag, then stamps (running, or waiting for their streams)
+/// or code + message (failed).
 const STATUS_RUNNING: u8 = 0;
 const STATUS_FAILED: u8 = 1;
+const STATUS_STREAM: u8 = 2;
 
 /// A PreMulSum operator made by `ncclRedOpCreatePreMulSum`.
 #[derive(Clone, Copy, Debug)]
@@ -255,6 +283,16 @@ impl Comm {
             Some((&STATUS_FAILED, rest)) if !rest.is_empty() => {
                 let code = Code::from_raw(rest[0] as i32).unwrap_or(Code::RemoteError);
                 return Err(Error::new(code, format!("{} failed: {}", self.describe_peer(peer), String::from_utf8_lossy(&rest[1..]))));
+            }
+            Some((&STATUS_STREAM, rest)) => {
+                // Ours, if it waits for its stream to reach this very call; else the first.
+                let theirs = rest.chunks_exact(STAMP_BYTES).find(|s| *s == mine.as_slice()).or(rest.chunks_exact(STAMP_BYTES).next());
+                let mut first = [0u8; STAMP_BYTES];
+                match theirs {
+                    Some(t) => first.copy_from_slice(t),
+                    None => return Ok(PeerRuns::Unknown),
+                }
+                return Ok(PeerRuns::Stream(first));
             }
             Some((&STATUS_RUNNING, _)) | None => {}
             Some(_) => return Ok(PeerRuns::Unknown),

@@ -7,7 +7,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::comm::{Comm, PeerRuns};
+use crate::comm::Comm;
 use crate::device::host;
 use crate::error::{Error, Result};
 use crate::plan::{Step, Unit, NO_DEP};
@@ -297,8 +297,8 @@ impl<'a> Job<'a> {
             }
             asked.push(peer);
             let mine = self.stamps[self.units[unit as usize].op as usize];
-            if self.comm.peer_runs(peer, &mine, self.describe)? == PeerRuns::Nothing {
-                crate::warn!("rank {}: waited {:.1} s in {} for {}, which has not issued that call",
+            if let Some(why) = self.comm.peer_runs(peer, &mine, self.describe)?.why_waiting(self.describe) {
+                crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}",
                              self.comm.rank, waited.as_secs_f64(), (self.describe)(&mine), self.comm.describe_peer(peer));
             }
         }

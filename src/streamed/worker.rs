@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use super::{publish_failure, Batch, Path, Start, Streamed};
 use crate::comm::Comm;
-use crate::device::cuda::{Event, Stream};
+use crate::device::cuda::Stream;
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::Op;
@@ -73,21 +73,9 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
     }
 }
 
-/// Wait until the caller's stream has reached the call (its event), but not past an abort:
-/// a stream that never gets there (held by the caller, a hung kernel) must not make
-/// ncclCommAbort wait forever for this worker.
-fn wait_started(comm: &Comm, e: &Event) -> Result<()> {
-    let mut failed = None;
-    poll(comm, "the caller's stream", || e.query().unwrap_or_else(|err| {
-        failed = Some(err);
-        true
-    }))?;
-    failed.map_or(Ok(()), Err)
-}
-
 /// Polls `done` until it holds (spinning, then yielding, then napping 50 us), or fails once
 /// the communicator is aborted or revoked.
-pub(crate) fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
+fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
     let mut spins = 0u32;
     while !done() {
         if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {
@@ -131,17 +119,61 @@ impl Staging {
 /// An operation of a batch and whether the caller's stream staged it.
 type Flagged = (Op, bool);
 
-/// Waits until every caller's stream of `batch` has reached it.
-fn wait_starts(comm: &Comm, s: &Streamed, batch: &Batch) -> Result<()> {
-    for start in &batch.starts {
-        match (start, &s.board) {
-            (Start::Word(t), Some(b)) => poll(comm, "the caller's stream", || b.flag_reached(t, t.step_value(1)))?,
-            (Start::Event(e), _) => wait_started(comm, e)?,
-            (Start::Word(_), None) => return Err(Error::internal("a start signal without a board")),
-        }
+/// Has the caller's stream reached the point `start` marks?
+fn reached(s: &Streamed, start: &Start) -> Result<bool> {
+    match (start, &s.board) {
+        (Start::Word(t), Some(b)) => Ok(b.flag_reached(t, t.step_value(1))),
+        (Start::Event(e), _) => e.query(),
+        (Start::Word(_), None) => Err(Error::internal("a start signal without a board")),
     }
-    Ok(())
 }
+
+/// Waits until every caller's stream of `batch` has reached it, but not past an abort: a
+/// stream that never gets there (held by the caller, a hung kernel) must not make
+/// ncclCommAbort wait forever for this worker.
+fn wait_starts(comm: &Comm, s: &Streamed, batch: &Batch) -> Result<()> {
+    wait_for_stream(comm, &batch.ops, "its CUDA stream has not reached the call",
+                    || batch.starts.iter().try_fold(true, |all, st| Ok(all && reached(s, st)?)))
+}
+
+/// Polls `done` while this rank waits for a caller's CUDA stream to get through `ops` (to
+/// reach them, or to run their device work), failing once the communicator is aborted or
+/// revoked. Meanwhile peers that wait on this rank learn that it issued them and waits for its
+/// stream (not that it has not made the call); after a second, this rank says `late` too.
+pub(crate) fn wait_for_stream(comm: &Comm, ops: &[Op], late: &str, mut done: impl FnMut() -> Result<bool>)
+                              -> Result<()> {
+    if done()? {
+        return Ok(());
+    }
+    let ready = comm.ready()?;
+    let stamps: Vec<crate::transport::Stamp> = ops.iter().map(Op::stamp).collect();
+    ready.set_waiting_for_stream(&stamps);
+    let since = std::time::Instant::now();
+    let (mut warned, mut failed) = (false, None);
+    let waited = poll(comm, "the caller's stream", || match done() {
+        Ok(done) => {
+            if !done && !warned && since.elapsed() >= STREAM_LATE {
+                warned = true;
+                let first = ops.first().map_or_else(String::new, Op::describe);
+                let more = ops.len().saturating_sub(1);
+                let more = if more > 0 { format!(" (and {more} more of its group)") } else { String::new() };
+                crate::warn!("rank {}: {first}{more}: {late} in {:.1} s: work queued on that stream has not \
+                              finished, and the other ranks wait for this one", comm.rank, since.elapsed().as_secs_f64());
+            }
+            done
+        }
+        Err(e) => {
+            failed = Some(e);
+            true
+        }
+    });
+    ready.set_running(&[]);
+    waited?;
+    failed.map_or(Ok(()), Err)
+}
+
+/// How long a caller's stream may take to reach a call before this rank says so.
+const STREAM_LATE: Duration = Duration::from_secs(1);
 
 fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
              batch: &Batch) -> Result<()> {

@@ -515,8 +515,9 @@ impl Exec for Filler<'_> {
         let value = self.t.step_value(self.phase);
         self.board.open(self.t, value);
         // The caller's stream runs the phase when it gets there; the host waits for its flag.
-        crate::streamed::poll(self.comm, "the caller's stream to finish a direct operation's phase",
-                              || self.board.flag_reached(self.t, value))?;
+        crate::streamed::wait_for_stream(self.comm, std::slice::from_ref(self.op),
+                                         "its CUDA stream has not finished a phase of the call's device work",
+                                         || Ok(self.board.flag_reached(self.t, value)))?;
         barrier(self.comm, self.op, step)
     }
 }
