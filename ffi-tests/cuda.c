@@ -533,6 +533,27 @@ static void p2p(void) {
   }
 }
 
+/* Every local rank's input uploaded (through hin, pinned) to new device memory ds, then
+ * all-reduced from there into `out`, host memory of the kind `what` names, and checked. */
+static void allreduce_to_host(size_t count, CUdeviceptr* ds, float** hin, float** out, const char* what) {
+  for (int l = 0; l < g_env.local; l++) {
+    ds[l] = dev_alloc(count * sizeof(float));
+    hin[l] = host_alloc(count * sizeof(float));
+    for (size_t j = 0; j < count; j++) hin[l][j] = in_value(g_env.first_rank + l, j, 5);
+    CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], count * sizeof(float), g_streams[l]));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAllReduce((const void*)(uintptr_t)ds[l], out[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += out[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 5);
+    EXPECT(bad == 0, "device/%s allreduce rank %d: %zu wrong values", what, g_env.first_rank + l, bad);
+  }
+}
+
 /* A device send buffer with a pinned host receive buffer: the ranks agree that the direct path
  * cannot take it, and stage both alike. */
 static void mixed(void) {
@@ -540,24 +561,8 @@ static void mixed(void) {
   const size_t count = 50000; /* large enough to try the direct path, which pinned memory refuses */
   CUdeviceptr ds[MAX_LOCAL];
   float *hin[MAX_LOCAL], *hr[MAX_LOCAL];
-  for (int l = 0; l < g_env.local; l++) {
-    int rank = g_env.first_rank + l;
-    ds[l] = dev_alloc(count * sizeof(float));
-    hin[l] = host_alloc(count * sizeof(float));
-    hr[l] = host_alloc(count * sizeof(float));
-    for (size_t j = 0; j < count; j++) hin[l][j] = in_value(rank, j, 5);
-    CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], count * sizeof(float), g_streams[l]));
-  }
-  CHECK(ncclGroupStart());
-  for (int l = 0; l < g_env.local; l++)
-    CHECK(ncclAllReduce((const void*)(uintptr_t)ds[l], hr[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
-  CHECK(ncclGroupEnd());
-  for (int l = 0; l < g_env.local; l++) {
-    CU(cu.StreamSynchronize(g_streams[l]));
-    size_t bad = 0;
-    for (size_t j = 0; j < count; j++) bad += hr[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 5);
-    EXPECT(bad == 0, "mixed device/pinned allreduce rank %d: %zu wrong values", g_env.first_rank + l, bad);
-  }
+  for (int l = 0; l < g_env.local; l++) hr[l] = host_alloc(count * sizeof(float));
+  allreduce_to_host(count, ds, hin, hr, "pinned");
 
   /* A send from pinned host memory to a device buffer: the sender cannot publish it, the
    * receiver answers so, and both stage it. */
@@ -590,22 +595,9 @@ static void pageable(void) {
   const size_t count = 50000;
   CUdeviceptr ds[MAX_LOCAL];
   float *hin[MAX_LOCAL], *out[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) out[l] = calloc(count, sizeof(float));
+  allreduce_to_host(count, ds, hin, out, "pageable");
   for (int l = 0; l < g_env.local; l++) {
-    ds[l] = dev_alloc(count * sizeof(float));
-    hin[l] = host_alloc(count * sizeof(float));
-    out[l] = calloc(count, sizeof(float));
-    for (size_t j = 0; j < count; j++) hin[l][j] = in_value(g_env.first_rank + l, j, 5);
-    CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], count * sizeof(float), g_streams[l]));
-  }
-  CHECK(ncclGroupStart());
-  for (int l = 0; l < g_env.local; l++)
-    CHECK(ncclAllReduce((const void*)(uintptr_t)ds[l], out[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
-  CHECK(ncclGroupEnd());
-  for (int l = 0; l < g_env.local; l++) {
-    CU(cu.StreamSynchronize(g_streams[l]));
-    size_t bad = 0;
-    for (size_t j = 0; j < count; j++) bad += out[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 5);
-    EXPECT(bad == 0, "device/pageable allreduce rank %d: %zu wrong values", g_env.first_rank + l, bad);
     dev_free(ds[l]);
     CU(cu.MemFreeHost(hin[l]));
     free(out[l]);

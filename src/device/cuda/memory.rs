@@ -42,20 +42,26 @@ pub enum PtrKind {
     Host,
 }
 
+/// `attrs` of `addr` in one `cuPointerGetAttributes` call: its result, and each value in a
+/// zeroed 8-byte slot (every attribute asked for fits), read back from the low bytes
+/// (little-endian) whatever width the driver writes, a boolean's included.
+pub(super) fn pointer_attributes<const N: usize>(addr: usize, mut attrs: [CUpointer_attribute; N])
+                                                  -> (CUresult, [u64; N]) {
+    let mut slots = [0u64; N];
+    let mut data = slots.each_mut().map(|s| (s as *mut u64).cast::<c_void>());
+    // SAFETY: N attributes and N valid out-pointers of 8 bytes each.
+    let r = unsafe { sys::cuPointerGetAttributes(N as c_uint, attrs.as_mut_ptr(), data.as_mut_ptr(), addr as CUdeviceptr) };
+    (r, slots)
+}
+
 /// Classifies `addr` with one `cuPointerGetAttributes` call.
 pub fn classify(addr: usize) -> Result<PtrKind> {
     driver("cuPointerGetAttributes", || {
-        let mut attrs = [
+        let (r, slots) = pointer_attributes(addr, [
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-        ];
-        // Zeroed 8-byte slots: the driver writes a 4-byte CUmemorytype, a boolean and an int,
-        // read back from the low bytes (little-endian) whatever width it uses for the boolean.
-        let mut slots = [0u64; 3];
-        let mut data = slots.each_mut().map(|s| (s as *mut u64).cast::<c_void>());
-        // SAFETY: three attributes and three valid, large enough out-pointers.
-        let r = unsafe { sys::cuPointerGetAttributes(3, attrs.as_mut_ptr(), data.as_mut_ptr(), addr as CUdeviceptr) };
+        ]);
         // The driver answers memory it does not know with memory type 0 (the plural call) or
         // CUDA_ERROR_INVALID_VALUE (the singular one, and some drivers for the plural too).
         if r == CUresult::CUDA_ERROR_INVALID_VALUE {

@@ -42,17 +42,11 @@ impl Segment {
 /// The buffer ID, device and shareable handle types of the allocation mapped at `addr`.
 fn attributes(addr: usize) -> Result<(u64, i32, u32)> {
     driver("cuPointerGetAttributes", || {
-        let mut attrs = [
+        let (r, slots) = super::memory::pointer_attributes(addr, [
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
-        ];
-        // Zeroed 8-byte slots: an unsigned long long, an int and a bitmask, read from the low
-        // bytes (little-endian).
-        let mut slots = [0u64; 3];
-        let mut data = slots.each_mut().map(|s| (s as *mut u64).cast::<c_void>());
-        // SAFETY: three attributes and three valid, large enough out-pointers.
-        let r = unsafe { sys::cuPointerGetAttributes(3, attrs.as_mut_ptr(), data.as_mut_ptr(), addr as CUdeviceptr) };
+        ]);
         check("cuPointerGetAttributes(BUFFER_ID, DEVICE_ORDINAL, ALLOWED_HANDLE_TYPES)", r)?;
         let [id, device, types] = slots;
         Ok((id, device as u32 as i32, types as u32))
