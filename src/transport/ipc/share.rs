@@ -158,7 +158,6 @@ impl Key {
             _ => false,
         }
     }
-
 }
 
 /// The memory of a mapping of `old` (published by process and address `at`) is gone if its
