@@ -273,9 +273,18 @@ fn cuda_mode_peer_mappings_closed_after_each_operation() {
         let o = job.env("NCCL_DEBUG", "TRACE").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
         assert!(o.ok(), "CUDA_TEST_VMM={vmm}: {}", o.report);
         for (i, p) in o.procs.iter().enumerate() {
-            let direct = p.log.matches("are read directly").count();
-            let closed = p.log.matches("closed the peer mappings of the operation").count();
-            assert!(direct == 1 && closed >= 10, "CUDA_TEST_VMM={vmm}, process {i}: {closed} closed:\n{}", p.log);
+            assert_eq!(p.log.matches("are read directly").count(), 1, "CUDA_TEST_VMM={vmm}, process {i}:\n{}", p.log);
+            // Every operation's mappings are closed before the next maps anything, the last's too.
+            let (mut open, mut maps) = (false, 0);
+            for line in p.log.lines() {
+                if line.contains("bytes of pid") {
+                    (open, maps) = (true, maps + 1);
+                } else if line.contains("closed the peer mappings of the operation") {
+                    assert!(open, "closed with nothing mapped, process {i}:\n{}", p.log);
+                    open = false;
+                }
+            }
+            assert!(maps >= 10 && !open, "CUDA_TEST_VMM={vmm}, process {i}: {maps} mapped, open {open}:\n{}", p.log);
             assert!(!p.log.contains("a new one is there"), "nothing left to replace, process {i}:\n{}", p.log);
         }
     }
@@ -293,8 +302,8 @@ fn cuda_mode_a_stream_behind_its_call_is_named() {
     let job = job.env("CUDA_TEST_STREAM_HELD", release.to_str().expect("a path")).on(
         When::marker(0, "waits for its CUDA stream"),
         move || {
-            // The held rank's own line too, then release its stream.
-            let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            // The held rank's own line too (after 10 s), then release its stream.
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(40);
             while !std::fs::read_to_string(&held_log).unwrap_or_default().contains("its CUDA stream has not reached")
                 && std::time::Instant::now() < until
             {
@@ -310,7 +319,7 @@ fn cuda_mode_a_stream_behind_its_call_is_named() {
     assert!(waiting.contains("for rank 1") && waiting.contains("which issued AllReduce #1 (count 1024, float, sum) and \
                               waits for its CUDA stream to get through it"), "rank 0:\n{waiting}");
     assert!(!waiting.contains("has not issued that call"), "rank 0 blamed a missing call:\n{waiting}");
-    assert!(held.contains("rank 1: AllReduce #1 (count 1024, float, sum): its CUDA stream has not reached the call"),
+    assert!(held.contains("rank 1: AllReduce #1 (count 1024, float, sum): its CUDA stream has not reached the call in 10"),
             "rank 1:\n{held}");
 }
 

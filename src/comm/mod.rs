@@ -36,19 +36,13 @@ impl Ready {
 
     /// Publish what this rank runs (empty: nothing).
     pub fn set_running(&self, stamps: &[crate::transport::Stamp]) {
-        let mut bytes = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        bytes.clear();
-        bytes.push(STATUS_RUNNING);
-        stamps.iter().for_each(|s| bytes.extend_from_slice(s));
+        set_status(&mut self.running.lock().unwrap_or_else(|p| p.into_inner()), STATUS_RUNNING, stamps.iter().copied());
     }
 
     /// Publish that this rank issued these operations (CUDA mode) and waits for their streams
     /// to reach them: peers waiting on it are told so, not that it has not made the call.
-    pub fn set_waiting_for_stream(&self, stamps: &[crate::transport::Stamp]) {
-        let mut bytes = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        bytes.clear();
-        bytes.push(STATUS_STREAM);
-        stamps.iter().for_each(|s| bytes.extend_from_slice(s));
+    pub fn set_waiting_for_stream(&self, stamps: impl Iterator<Item = crate::transport::Stamp>) {
+        set_status(&mut self.running.lock().unwrap_or_else(|p| p.into_inner()), STATUS_STREAM, stamps);
     }
 
     /// Publish why this rank stopped, for peers that only saw its connections close.
@@ -92,6 +86,17 @@ impl PeerRuns {
 const STATUS_RUNNING: u8 = 0;
 const STATUS_FAILED: u8 = 1;
 const STATUS_STREAM: u8 = 2;
+
+/// `tag` and `stamps` as the status, unless it says the rank failed: that stays, for peers
+/// that ask why its connections closed (another thread may have failed it meanwhile).
+fn set_status(bytes: &mut Vec<u8>, tag: u8, stamps: impl Iterator<Item = Stamp>) {
+    if bytes.first() == Some(&STATUS_FAILED) {
+        return;
+    }
+    bytes.clear();
+    bytes.push(tag);
+    stamps.for_each(|s| bytes.extend_from_slice(&s));
+}
 
 /// A PreMulSum operator made by `ncclRedOpCreatePreMulSum`.
 #[derive(Clone, Copy, Debug)]
@@ -365,4 +370,22 @@ pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<(RedOp, Option<
         }
     };
     Ok((RedOp::PreMulSum(scalar), None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_status_stays() {
+        let mut bytes = Vec::new();
+        set_status(&mut bytes, STATUS_STREAM, [[7u8; STAMP_BYTES]].into_iter());
+        assert_eq!((bytes[0], bytes.len()), (STATUS_STREAM, 1 + STAMP_BYTES));
+        set_status(&mut bytes, STATUS_RUNNING, std::iter::empty());
+        assert_eq!(bytes, vec![STATUS_RUNNING]);
+        bytes = vec![STATUS_FAILED, Code::UnhandledCudaError as u8, b'x'];
+        set_status(&mut bytes, STATUS_RUNNING, std::iter::empty());
+        set_status(&mut bytes, STATUS_STREAM, [[1u8; STAMP_BYTES]].into_iter());
+        assert_eq!(bytes, vec![STATUS_FAILED, Code::UnhandledCudaError as u8, b'x'], "the failure is what peers hear");
+    }
 }

@@ -132,22 +132,30 @@ fn reached(s: &Streamed, start: &Start) -> Result<bool> {
 /// stream that never gets there (held by the caller, a hung kernel) must not make
 /// ncclCommAbort wait forever for this worker.
 fn wait_starts(comm: &Comm, s: &Streamed, batch: &Batch) -> Result<()> {
-    wait_for_stream(comm, &batch.ops, "its CUDA stream has not reached the call",
-                    || batch.starts.iter().try_fold(true, |all, st| Ok(all && reached(s, st)?)))
+    // The streams that have arrived are not asked again.
+    let mut arrived = 0;
+    wait_for_stream(comm, &batch.ops, "its CUDA stream has not reached the call", || {
+        while let Some(st) = batch.starts.get(arrived) {
+            if !reached(s, st)? {
+                return Ok(false);
+            }
+            arrived += 1;
+        }
+        Ok(true)
+    })
 }
 
 /// Polls `done` while this rank waits for a caller's CUDA stream to get through `ops` (to
 /// reach them, or to run their device work), failing once the communicator is aborted or
 /// revoked. Meanwhile peers that wait on this rank learn that it issued them and waits for its
-/// stream (not that it has not made the call); after a second, this rank says `late` too.
+/// stream (not that it has not made the call); after [`STREAM_LATE`], this rank says `late`.
 pub(crate) fn wait_for_stream(comm: &Comm, ops: &[Op], late: &str, mut done: impl FnMut() -> Result<bool>)
                               -> Result<()> {
     if done()? {
         return Ok(());
     }
-    let ready = comm.ready()?;
-    let stamps: Vec<crate::transport::Stamp> = ops.iter().map(Op::stamp).collect();
-    ready.set_waiting_for_stream(&stamps);
+    let Some(ready) = comm.ready_if_any() else { return Err(Error::internal("a stream worker before init")) };
+    ready.set_waiting_for_stream(ops.iter().map(Op::stamp));
     let since = std::time::Instant::now();
     let (mut warned, mut failed) = (false, None);
     let waited = poll(comm, "the caller's stream", || match done() {
@@ -172,8 +180,10 @@ pub(crate) fn wait_for_stream(comm: &Comm, ops: &[Op], late: &str, mut done: imp
     failed.map_or(Ok(()), Err)
 }
 
-/// How long a caller's stream may take to reach a call before this rank says so.
-const STREAM_LATE: Duration = Duration::from_secs(1);
+/// How long a caller's stream may take to get through a call before this rank says so: long
+/// enough that a host running ahead of its GPU, or a large phase of device work, says nothing.
+/// (Peers waiting on this rank hear why after a second, from their own watch.)
+const STREAM_LATE: Duration = Duration::from_secs(10);
 
 fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
              batch: &Batch) -> Result<()> {

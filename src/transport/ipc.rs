@@ -151,8 +151,10 @@ pub struct Offered {
     input: Published,
     output: Published,
     table: Vec<Segment>,
-    /// Where this process serves the table's descriptors (none without a table).
+    /// Where this process serves the table's descriptors (none without a table), and what
+    /// keeps them on offer while the operation is in flight.
     server: Address,
+    _in_flight: Option<share::InFlight>,
 }
 
 /// What this rank offers for `op` on the direct path, known at call time; None when it
@@ -168,8 +170,12 @@ pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
     let mut table = Vec::new();
     let input = share::publish(op.send, !routes.one_process, &mut table)?;
     let output = share::publish(op.recv, !routes.one_process, &mut table)?;
-    let server = if table.is_empty() { Address::default() } else { fdpass::serve(share::export_request).ok()? };
-    Some(Offered { input, output, table, server })
+    let (server, in_flight) = if table.is_empty() {
+        (Address::default(), None)
+    } else {
+        (fdpass::serve(share::export_request).ok()?, Some(share::in_flight(&table)))
+    };
+    Some(Offered { input, output, table, server, _in_flight: in_flight })
 }
 
 /// This rank's part of the agreement for an operation it declines ([`offer`]): every rank
@@ -293,7 +299,12 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
     let mut flag = [verdict.to_le_bytes()];
     let f = Region::owned(flag[0].as_mut_slice());
     control(comm, OpKind::AllReduce, DataType::Int32, BuiltinOp::Min, 1, f, f, op, STEP_AGREE)?;
-    match i32::from_le_bytes(flag[0]) {
+    let verdict = i32::from_le_bytes(flag[0]);
+    if verdict != GO {
+        // Staged: what this operation mapped is not read.
+        direct.maps.close_unkept();
+    }
+    match verdict {
         GO if matches!(offer, Offer::Buffers(_)) => Ok(Some((ins, outs))),
         NEVER => {
             if !direct.off {
@@ -668,5 +679,6 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut 
                            from point-to-point calls", comm.rank);
     }
     direct.ran += done.iter().filter(|&&d| d).count() as u64;
+    direct.maps.close_unkept();
     Ok(done)
 }

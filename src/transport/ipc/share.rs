@@ -11,6 +11,7 @@
 //! operation: a mapping keeps its allocation alive after its owner freed it).
 
 use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex, Weak};
 
 use crate::bootstrap::PeerInfo;
 use crate::device::cuda::{self, IpcHandle, IpcMapping, Segment, VmmMapping};
@@ -119,10 +120,39 @@ pub(super) fn decode_segment(b: &[u8]) -> Segment {
     Segment { addr: u64_at(0), size: u64_at(8), id: u64_at(16), device }
 }
 
-/// A peer's request for the descriptor of one of this process's allocations (a segment it
-/// published): exported now, on the descriptor server's thread, in its device's context.
+/// Allocations of the virtual memory API that operations in flight published, with their
+/// devices: the only ones the descriptor server exports. Each is held by its operation's
+/// offer ([`InFlight`]).
+static PUBLISHED: Mutex<Vec<(Segment, Weak<()>)>> = Mutex::new(Vec::new());
+
+/// Held by an operation's offer while it is in flight: the allocations it published may be
+/// exported to peers until it is dropped.
+#[derive(Clone, Debug)]
+pub(super) struct InFlight {
+    _held: Arc<()>,
+}
+
+/// Registers `table` (this operation's allocations) as published until the result is dropped.
+pub(super) fn in_flight(table: &[Segment]) -> InFlight {
+    let held = Arc::new(());
+    let mut published = PUBLISHED.lock().unwrap_or_else(|p| p.into_inner());
+    if published.len() >= 64 {
+        published.retain(|(_, w)| w.strong_count() > 0);
+    }
+    published.extend(table.iter().map(|s| (*s, Arc::downgrade(&held))));
+    InFlight { _held: held }
+}
+
+/// A peer's request for the descriptor of one of this process's allocations: exported now,
+/// on the descriptor server's thread, in its device's context, if an operation in flight
+/// published it (a request for anything else is refused).
 pub(super) fn export_request(request: &[u8; fdpass::REQUEST_BYTES]) -> Result<OwnedFd> {
     let seg = decode_segment(request);
+    let published = PUBLISHED.lock().unwrap_or_else(|p| p.into_inner())
+        .iter().any(|(s, held)| *s == seg && held.strong_count() > 0);
+    if !published {
+        return Err(Error::system(format!("no operation in flight published the allocation at {:#x}", seg.addr)));
+    }
     cuda::Context::primary(seg.device)?.make_current()?;
     cuda::vmm_export(&seg)
 }
@@ -206,11 +236,10 @@ impl Maps {
     /// A new operation begins: mappings the last one used may be closed from now on.
     pub(super) fn next_operation(&mut self) {
         self.epoch += 1;
-        self.close_unkept();
     }
 
     /// With none to be kept (`NCCL_RS_PEER_MAPS=0`), every mapping closes once its operation
-    /// is done (the peers' allocations are then never held past it).
+    /// is done, or staged (the peers' allocations are then never held past it).
     pub(super) fn close_unkept(&mut self) {
         if crate::params::peer_maps() == 0 && !self.maps.is_empty() {
             self.maps.clear();
@@ -278,6 +307,7 @@ impl Maps {
                         (Mapping::Vmm(m), size)
                     }
                 };
+                crate::trace!(P2P, "mapped {size} bytes of pid {their_pid}'s device memory at {:#x}", owner.1);
                 self.maps.push(Mapped { key, mapping, size, owner, used: self.epoch });
                 self.maps.len() - 1
             }
@@ -347,6 +377,19 @@ mod tests {
         let mut b = [0u8; SEG_BYTES];
         encode_segment(&s, &mut b);
         assert_eq!(decode_segment(&b), s);
+    }
+
+    #[test]
+    fn only_allocations_of_operations_in_flight_are_exported() {
+        let seg = Segment { addr: 0x7e00_0000, size: 2 << 20, id: 4242, device: 0 };
+        let refused = |s: &Segment| export_request(&segment_request(s)).is_err_and(|e| e.msg.contains("no operation in flight"));
+        assert!(refused(&seg), "never published");
+        let held = in_flight(&[seg]);
+        // Past the check (the export itself then needs a driver, which unit tests lack).
+        assert!(!refused(&seg), "published by an operation in flight");
+        assert!(refused(&Segment { device: 1, ..seg }) && refused(&Segment { id: 4243, ..seg }), "not as published");
+        drop(held);
+        assert!(refused(&seg), "its operation is done");
     }
 
     #[test]
