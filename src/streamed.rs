@@ -512,7 +512,8 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
             match (s.routes.eligible(&o.op) && (p2p || !off), p2p) {
                 (false, _) => Path::Staged,
                 (true, true) => Path::Direct(None),
-                (true, false) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes).map_or(Path::Declined, |o| Path::Direct(Some(o))),
+                (true, false) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes)
+                    .map_or(Path::Declined, |o| Path::Direct(Some(o))),
             }
         })
         .collect()

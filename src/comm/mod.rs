@@ -291,13 +291,9 @@ impl Comm {
             }
             Some((&STATUS_STREAM, rest)) => {
                 // Ours, if it waits for its stream to reach this very call; else the first.
-                let theirs = rest.chunks_exact(STAMP_BYTES).find(|s| *s == mine.as_slice()).or(rest.chunks_exact(STAMP_BYTES).next());
-                let mut first = [0u8; STAMP_BYTES];
-                match theirs {
-                    Some(t) => first.copy_from_slice(t),
-                    None => return Ok(PeerRuns::Unknown),
-                }
-                return Ok(PeerRuns::Stream(first));
+                let mut stamps = rest.chunks_exact(STAMP_BYTES);
+                let theirs = stamps.clone().find(|s| *s == mine.as_slice()).or_else(|| stamps.next());
+                return Ok(theirs.and_then(|t| t.try_into().ok()).map_or(PeerRuns::Unknown, PeerRuns::Stream));
             }
             Some((&STATUS_RUNNING, _)) | None => {}
             Some(_) => return Ok(PeerRuns::Unknown),

@@ -190,7 +190,7 @@ fn recv_fd(conn: &UnixStream) -> std::io::Result<Option<OwnedFd>> {
         let mut c = libc::CMSG_FIRSTHDR(&msg);
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
+                let count = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize) / 4;
                 for k in 0..count {
                     let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>().add(k));
                     got.push(OwnedFd::from_raw_fd(fd));

@@ -2,11 +2,11 @@
 //!
 //! Every rank publishes where its input and output are (a CUDA IPC handle of the allocation
 //! and the offset; for memory of the virtual memory API — PyTorch's expandable segments — the
-//! file descriptors of the allocations behind the buffer, which peers receive over a Unix
-//! socket (`fdpass`) and map side by side; or the raw address for ranks of the same process) with a small
-//! all-gather over the host transports; each rank maps the others' buffers (NVLink or PCIe
-//! peer access, or the same GPU) and computes its own part with copies and the reduction kernels of
-//! `kernels/reduce.ptx`, reading peers and writing only its own output. Small host-transport
+//! allocations behind the buffer, whose file descriptors peers receive over a Unix socket
+//! (`fdpass`) and map side by side; or the raw address for ranks of the same process) with a
+//! small all-gather over the host transports; each rank maps the others' buffers (NVLink or
+//! PCIe peer access, or the same GPU) and computes its own part with copies and the reduction
+//! kernels of `kernels/reduce.ptx`, reading peers and writing only its own output. Small host-transport
 //! all-reduces are the barriers: after the last one every peer has finished reading this
 //! rank's buffers, so the caller's stream may move on. [`compute`] says what runs, once, for
 //! three executors: the kernels queued on the caller's stream at call time ([`shape`] counts
@@ -242,13 +242,14 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
         _ if records.iter().all(|r| r.ok && r.stamp == mine.stamp && r.table as usize <= MAX_TABLE) => GO,
         _ => STAGE,
     };
-    // The segment tables, when some rank has one (every rank knows it from the records alike).
+    // The segment tables, when some rank has one (every rank knows it from the records alike);
+    // none (no allocation) otherwise.
     let longest = records.iter().map(|r| r.table as usize).max().unwrap_or(0);
     let tables = if longest > 0 && longest <= MAX_TABLE {
         let own = match offer { Offer::Buffers(o) => &o.table[..], _ => &[] };
         exchange_tables(comm, op, own, longest)?
     } else {
-        vec![Vec::new(); n]
+        Vec::new()
     };
     // Map every peer's buffers; then agree that everyone could.
     let mut ins = Vec::with_capacity(n);
@@ -271,7 +272,7 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
             break;
         }
         // Only the entries its record announced (the exchange pads every table alike).
-        let table = tables[p].get(..rec.table as usize).unwrap_or_default();
+        let table = tables.get(p).and_then(|t| t.get(..rec.table as usize)).unwrap_or_default();
         let shared = Shared { table, server: rec.server };
         let mapped = direct.maps.map(ours, theirs, &rec.input, shared, comm.cuda_dev)
             .and_then(|i| Ok((i, direct.maps.map(ours, theirs, &rec.output, shared, comm.cuda_dev)?)));

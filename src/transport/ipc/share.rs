@@ -174,18 +174,29 @@ struct Mapped {
 }
 
 /// What a mapping is of: the allocation an IPC handle names, or allocations of the virtual
-/// memory API (told apart by their buffer IDs, never reused in their process).
-enum Key {
+/// memory API (told apart by their buffer IDs, never reused in their process). Kept with the
+/// segments owned; what a peer publishes is looked up with them borrowed from its table.
+enum Key<S = Vec<Segment>> {
     Ipc(IpcHandle),
-    Vmm(Vec<Segment>),
+    Vmm(S),
 }
 
-impl Key {
-    fn same(&self, other: &Key) -> bool {
+impl<S: AsRef<[Segment]>> Key<S> {
+    fn same<T: AsRef<[Segment]>>(&self, other: &Key<T>) -> bool {
         match (self, other) {
             (Key::Ipc(a), Key::Ipc(b)) => a == b,
-            (Key::Vmm(a), Key::Vmm(b)) => a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.same_memory(y)),
+            (Key::Vmm(a), Key::Vmm(b)) => {
+                let (a, b) = (a.as_ref(), b.as_ref());
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.same_memory(y))
+            }
             _ => false,
+        }
+    }
+
+    fn to_owned(&self) -> Key {
+        match self {
+            Key::Ipc(h) => Key::Ipc(*h),
+            Key::Vmm(s) => Key::Vmm(s.as_ref().to_vec()),
         }
     }
 }
@@ -193,12 +204,15 @@ impl Key {
 /// The memory of a mapping of `old` (published by process and address `at`) is gone if its
 /// owner now publishes `new` (at `new_at`): a new IPC handle for an allocation at the same
 /// address, or other allocations of the virtual memory API where some of the old ones were.
-fn replaced(old: &Key, at: (u32, u64), new: &Key, new_at: (u32, u64)) -> bool {
+fn replaced<S: AsRef<[Segment]>, T: AsRef<[Segment]>>(old: &Key<S>, at: (u32, u64), new: &Key<T>, new_at: (u32, u64))
+                                                        -> bool {
     let end = |x: &Segment| x.addr.saturating_add(x.size);
     let overlap = |x: &Segment, y: &Segment| x.addr < end(y) && y.addr < end(x);
     at.0 == new_at.0 && match (old, new) {
         (Key::Ipc(a), Key::Ipc(b)) => at == new_at && a != b,
-        (Key::Vmm(a), Key::Vmm(b)) => a.iter().any(|x| b.iter().any(|y| overlap(x, y) && !x.same_memory(y))),
+        (Key::Vmm(a), Key::Vmm(b)) => {
+            a.as_ref().iter().any(|x| b.as_ref().iter().any(|y| overlap(x, y) && !x.same_memory(y)))
+        }
         _ => false,
     }
 }
@@ -261,12 +275,12 @@ impl Maps {
             // for `len` bytes by its caller's contract) and keeps it until the final barrier.
             return Ok(Region::user(unsafe { UserPtr::new(p.addr as usize as *const u8) }, 0, len));
         }
-        let key = if p.segs == 0 {
+        let key: Key<&[Segment]> = if p.segs == 0 {
             Key::Ipc(IpcHandle { bytes: p.handle })
         } else {
             let (first, segs) = (p.first as usize, p.segs as usize);
             match shared.table.get(first..first.saturating_add(segs)) {
-                Some(run) => Key::Vmm(run.to_vec()),
+                Some(run) => Key::Vmm(run),
                 None => {
                     let n = shared.table.len();
                     return Err(Error::internal(format!("segments {first}+{segs} outside a table of {n}")));
@@ -308,7 +322,7 @@ impl Maps {
                     }
                 };
                 crate::trace!(P2P, "mapped {size} bytes of pid {their_pid}'s device memory at {:#x}", owner.1);
-                self.maps.push(Mapped { key, mapping, size, owner, used: self.epoch });
+                self.maps.push(Mapped { key: key.to_owned(), mapping, size, owner, used: self.epoch });
                 self.maps.len() - 1
             }
         };
@@ -410,7 +424,7 @@ mod tests {
         assert!(!replaced(&two, at, &reused, (6, 0x40_0000)));
         assert!(!replaced(&two, at, &Key::Vmm(vec![seg(0x60_0000, 0x20_0000, 4)]), (5, 0x60_0000)));
         // An IPC handle is replaced by another one at the same address only.
-        let (h1, h2) = (Key::Ipc(IpcHandle { bytes: [1; 64] }), Key::Ipc(IpcHandle { bytes: [2; 64] }));
+        let (h1, h2): (Key, Key) = (Key::Ipc(IpcHandle { bytes: [1; 64] }), Key::Ipc(IpcHandle { bytes: [2; 64] }));
         assert!(replaced(&h1, at, &h2, at));
         assert!(!replaced(&h1, at, &h2, (5, 0x40_0000)));
         assert!(!replaced(&h1, at, &h1, at));
