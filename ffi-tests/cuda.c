@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
@@ -63,6 +63,7 @@ static struct {
   CUresult (*StreamBeginCapture)(CUstream, int);
   CUresult (*StreamEndCapture)(CUstream, void**);
   CUresult (*GraphDestroy)(void*);
+  CUresult (*ThreadExchangeStreamCaptureMode)(int*);
   CUresult (*PointerGetAttribute)(void*, int, CUdeviceptr);
   CUresult (*EventCreate)(void**, unsigned);
   CUresult (*EventDestroy)(void*);
@@ -121,6 +122,7 @@ static void load_driver(void) {
   *(void**)&cu.StreamBeginCapture = sym(lib, "cuStreamBeginCapture_v2");
   *(void**)&cu.StreamEndCapture = sym(lib, "cuStreamEndCapture");
   *(void**)&cu.GraphDestroy = sym(lib, "cuGraphDestroy");
+  *(void**)&cu.ThreadExchangeStreamCaptureMode = sym(lib, "cuThreadExchangeStreamCaptureMode");
   *(void**)&cu.PointerGetAttribute = sym(lib, "cuPointerGetAttribute");
   *(void**)&cu.EventCreate = sym(lib, "cuEventCreate");
   *(void**)&cu.EventDestroy = sym(lib, "cuEventDestroy_v2");
@@ -140,6 +142,7 @@ static void load_driver(void) {
 #define CU_STREAM_NON_BLOCKING 1
 #define CU_MEMHOSTALLOC_DEVICEMAP 2
 #define CU_STREAM_WAIT_VALUE_GEQ 0
+#define CU_STREAM_CAPTURE_MODE_GLOBAL 0
 #define CU_STREAM_CAPTURE_MODE_RELAXED 2
 #define CUDA_ERROR_NOT_READY 600
 #define CU_EVENT_DISABLE_TIMING 2
@@ -786,6 +789,88 @@ static void capture(void) {
   }
   dev_free(d);
   run_coll(C_ALLREDUCE, 100, 0, 0, 9); /* still works */
+}
+
+/* While this thread captures a graph on another stream in global mode (torch.cuda.graph's
+ * default), collectives outside the capture run and the capture survives: nccl-rs's calls and
+ * its threads' (starting a communicator's worker, mapping peers' buffers, staging on the
+ * worker's stream, ncclMemAlloc and ncclMemFree) must not be the "potentially unsafe" calls a
+ * global capture forbids, which would fail and invalidate it. The communicators are split off
+ * after the capture began, so that everything they set up happens during it. Only when asked
+ * (--only CaptureElsewhere): its pageable output is staged by the worker on its own stream. */
+static void capture_elsewhere(void) {
+  test_step("capture elsewhere");
+  const size_t small = 1000, large = 200000;
+  CUdeviceptr ds[MAX_LOCAL], dp[MAX_LOCAL], dl[MAX_LOCAL];
+  float *hs[MAX_LOCAL], *hl[MAX_LOCAL], *out[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) { /* the application allocates before it captures */
+    ds[l] = dev_alloc(small * sizeof(float));
+    dp[l] = dev_alloc(small * sizeof(float));
+    dl[l] = dev_alloc(large * sizeof(float));
+    hs[l] = host_alloc(small * sizeof(float));
+    hl[l] = host_alloc(large * sizeof(float));
+    out[l] = calloc(small, sizeof(float));
+    for (size_t j = 0; j < small; j++) hs[l][j] = in_value(g_env.first_rank + l, j, 1);
+    for (size_t j = 0; j < large; j++) hl[l][j] = in_value(g_env.first_rank + l, j, 2);
+  }
+  CUstream cap;
+  CU(cu.StreamCreate(&cap, CU_STREAM_NON_BLOCKING));
+  CU(cu.StreamBeginCapture(cap, CU_STREAM_CAPTURE_MODE_GLOBAL));
+  ncclComm_t sub[MAX_LOCAL];
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSplit(g_comms[l], 0, g_env.first_rank + l, &sub[l], NULL));
+  CHECK(ncclGroupEnd());
+  void* pooled = NULL;
+  CHECK(ncclMemAlloc(&pooled, 1 << 20));
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hs[l], small * sizeof(float), g_streams[l]));
+    CU(cu.MemcpyAsync(dp[l], (CUdeviceptr)(uintptr_t)hs[l], small * sizeof(float), g_streams[l]));
+    CU(cu.MemcpyAsync(dl[l], (CUdeviceptr)(uintptr_t)hl[l], large * sizeof(float), g_streams[l]));
+  }
+  CHECK(ncclGroupStart()); /* a small all-reduce (staged), a large one (direct, on buffers new to
+                            * the peers, which map them), and one to pageable memory (staged by
+                            * the worker on its own stream) */
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclAllReduce((void*)(uintptr_t)ds[l], (void*)(uintptr_t)ds[l], small, ncclFloat32, ncclSum, sub[l], g_streams[l]));
+    CHECK(ncclAllReduce((void*)(uintptr_t)dl[l], (void*)(uintptr_t)dl[l], large, ncclFloat32, ncclSum, sub[l], g_streams[l]));
+    CHECK(ncclAllReduce((const void*)(uintptr_t)dp[l], out[l], small, ncclFloat32, ncclSum, sub[l], g_streams[l]));
+  }
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hs[l], ds[l], small * sizeof(float), g_streams[l]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hl[l], dl[l], large * sizeof(float), g_streams[l]));
+  }
+  /* Waiting is the application's unsafe call: this thread makes it relaxed. nccl-rs's threads
+   * run while it waits, the capture still open. */
+  int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+  CU(cu.ThreadExchangeStreamCaptureMode(&mode));
+  for (int l = 0; l < g_env.local; l++) CU(cu.StreamSynchronize(g_streams[l]));
+  CU(cu.ThreadExchangeStreamCaptureMode(&mode));
+  CHECK(ncclMemFree(pooled));
+  void* graph = NULL;
+  CUresult ended = cu.StreamEndCapture(cap, &graph);
+  EXPECT(ended == 0, "the graph captured meanwhile was invalidated (cuStreamEndCapture: CUDA error %d)", ended);
+  if (graph) CU(cu.GraphDestroy(graph));
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    ncclResult_t async = ncclInProgress;
+    CHECK(ncclCommGetAsyncError(sub[l], &async));
+    EXPECT(async == ncclSuccess, "rank %d: collectives during another stream's capture failed: %s (%s)", rank,
+           result_name(async), ncclGetLastError(sub[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < small; j++) bad += hs[l][j] != expected(C_ALLREDUCE, small, g_env.nranks, 0, j, 1);
+    for (size_t j = 0; j < small; j++) bad += out[l][j] != expected(C_ALLREDUCE, small, g_env.nranks, 0, j, 1);
+    for (size_t j = 0; j < large; j++) bad += hl[l][j] != expected(C_ALLREDUCE, large, g_env.nranks, 0, j, 2);
+    EXPECT(bad == 0, "rank %d: collectives during another stream's capture: %zu wrong values", rank, bad);
+    dev_free(ds[l]);
+    dev_free(dp[l]);
+    dev_free(dl[l]);
+    CU(cu.MemFreeHost(hs[l]));
+    CU(cu.MemFreeHost(hl[l]));
+    free(out[l]);
+  }
+  destroy_comms(sub);
+  CU(cu.StreamDestroy(cap));
 }
 
 /* ncclMemAlloc gives device memory in CUDA mode; registered, it works in collectives like any
@@ -1496,6 +1581,7 @@ int main(int argc, char** argv) {
   if (wanted("Recycle")) recycle();
   if (g_env.only && !strcasecmp(g_env.only, "Backlog")) backlog(); /* only when asked: 600 calls */
   if (g_env.only && !strcasecmp(g_env.only, "Pageable")) pageable();
+  if (g_env.only && !strcasecmp(g_env.only, "CaptureElsewhere")) capture_elsewhere();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

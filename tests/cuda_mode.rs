@@ -323,6 +323,23 @@ fn cuda_mode_a_stream_behind_its_call_is_named() {
             "rank 1:\n{held}");
 }
 
+/// While the application captures a graph on another stream in global mode (torch.cuda.graph's
+/// default), collectives outside the capture run, exact, and the capture survives: neither
+/// nccl-rs's calls nor its threads make the calls such a capture forbids (the stand-in enforces
+/// CUDA's rules). Processes, whose workers map each other's buffers; ranks of one process; and
+/// host-wait mode, where the worker waits on events.
+#[test]
+fn cuda_mode_collectives_beside_a_graph_capture() {
+    let jobs = [cuda_job().procs(2), cuda_job().local(2), cuda_job().procs(2).env("NCCL_RS_HOST_WAIT", "1")];
+    for job in jobs {
+        let o = job.arg("--only").arg("CaptureElsewhere").run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert!(!p.log.contains("during a graph capture"), "process {i} made a call the capture forbids:\n{}", p.log);
+        }
+    }
+}
+
 /// A device buffer with a pageable receive buffer is staged, exact, by one rank and by ranks of
 /// one process (which publish buffers by address, and must still leave host memory out).
 #[test]

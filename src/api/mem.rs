@@ -24,6 +24,7 @@ pub fn free(ptr: *mut c_void) -> Result<()> {
     if matches!(mode::current(), Mode::Cuda { .. })
         && matches!(cuda::classify(ptr as usize), Ok(cuda::PtrKind::Device { .. }))
     {
+        let _keep = cuda::KeepCurrent::new();
         return cuda::free(ptr);
     }
     crate::device::host::free(ptr)

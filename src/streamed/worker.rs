@@ -22,6 +22,8 @@ use crate::transport::ipc::{self, Direct};
 pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
     let mut staging = Staging::default();
     let mut direct = Direct::default();
+    // Its queries, copies and mappings must not break a graph the application captures.
+    crate::device::cuda::relax_capture_mode();
     let stream = s.ctx.make_current().map(|()| stream);
     loop {
         let batch = {

@@ -18,6 +18,10 @@
  *   the kernels of kernels/reduce.ptx (the name must be an .entry of the module) and binds them
  *   to C implementations with the semantics of src/device/host/reduce.rs (kernels.c);
  *   cuLaunchKernel enqueues the call. The grid does not matter: the kernels are grid-stride.
+ * - Graph capture records nothing, but what it prohibits is CUDA's: a potentially unsafe call
+ *   (allocating or freeing memory, IPC mappings, loading modules, querying or synchronising
+ *   streams, events, contexts) made while a capture forbids it fails and invalidates that
+ *   capture, following each thread's capture interaction mode (streams.c).
  *
  * This file: initialisation, devices, primary contexts, error names.
  * Built by tests/cuda_layer.rs: cc -Wall -Wextra -Werror -O2 -pthread -shared -fPIC
@@ -103,6 +107,8 @@ static const char *error_name(CUresult r) {
     NAME(CUDA_ERROR_NOT_READY)
     NAME(CUDA_ERROR_ILLEGAL_ADDRESS)
     NAME(CUDA_ERROR_NOT_SUPPORTED)
+    NAME(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+    NAME(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
 #undef NAME
     default:
       return NULL;

@@ -130,11 +130,13 @@ static CUresult alloc_shared(CUdeviceptr *dptr, size_t size, enum mem_kind kind)
 }
 
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
+  REFUSE_DURING_CAPTURE("cuMemAlloc_v2");
   note_worker_call("cuMemAlloc_v2");
   return alloc_shared(dptr, size, MEM_DEVICE);
 }
 
 EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned flags) {
+  REFUSE_DURING_CAPTURE("cuMemAllocManaged");
   if (flags != MEM_ATTACH_GLOBAL && flags != MEM_ATTACH_HOST) return CUDA_ERROR_INVALID_VALUE;
   return alloc_shared(dptr, size, MEM_MANAGED);
 }
@@ -146,6 +148,7 @@ static void unmap(struct range *r) {
 }
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+  REFUSE_DURING_CAPTURE("cuMemFree_v2");
   note_worker_call("cuMemFree_v2");
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
@@ -157,6 +160,7 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
 }
 
 EXPORT CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
+  REFUSE_DURING_CAPTURE("cuMemHostAlloc");
   note_worker_call("cuMemHostAlloc");
   REQUIRE_CTX();
   if (!pp || size == 0 || (flags & ~(unsigned)MEMHOSTALLOC_ALL)) return CUDA_ERROR_INVALID_VALUE;
@@ -178,6 +182,7 @@ EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsign
 }
 
 EXPORT CUresult cuMemFreeHost(void *p) {
+  REFUSE_DURING_CAPTURE("cuMemFreeHost");
   note_worker_call("cuMemFreeHost");
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
@@ -285,6 +290,7 @@ EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr p) {
 /* Maps the peer's memfd through /proc/<pid>/fd, checking it is the allocation the handle
  * names (the fd number may have been reused since). */
 EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned flags) {
+  REFUSE_DURING_CAPTURE("cuIpcOpenMemHandle_v2");
   REQUIRE_CTX();
   struct ipc h;
   memcpy(&h, &handle, sizeof h);
@@ -316,6 +322,7 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
 }
 
 EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+  REFUSE_DURING_CAPTURE("cuIpcCloseMemHandle");
   REQUIRE_CTX();
   pthread_mutex_lock(&g_mem_lock);
   struct range *r = mem_take((uintptr_t)p, 1u << MEM_IPC);

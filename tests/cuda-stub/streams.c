@@ -328,6 +328,7 @@ EXPORT CUresult cuStreamDestroy_v2(struct stream *h) {
 }
 
 EXPORT CUresult cuStreamSynchronize(struct stream *h) {
+  REFUSE_DURING_CAPTURE("cuStreamSynchronize");
   note_worker_call("cuStreamSynchronize");
   struct stream *s;
   CUresult r = resolve(h, &s);
@@ -339,17 +340,76 @@ EXPORT CUresult cuStreamSynchronize(struct stream *h) {
   return CUDA_SUCCESS;
 }
 
-/* Graph capture, as far as callers can observe it: a stream is "capturing" between begin and
- * end; the stub records nothing and ends with an empty graph (NULL). */
+/* ---- graph capture -------------------------------------------------------------------------
+ * As far as callers can observe it: a stream is "capturing" between begin and end, and the
+ * capture records nothing (cuStreamEndCapture gives an empty graph, NULL). What a capture
+ * prohibits meanwhile is CUDA's (cuThreadExchangeStreamCaptureMode): a thread in mode GLOBAL
+ * (every thread's default) may not make a potentially unsafe call while another thread
+ * captures in mode GLOBAL, nor while it captures itself in a mode other than RELAXED; in
+ * THREAD_LOCAL only its own captures count; in RELAXED none do. A prohibited call fails with
+ * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the captures that prohibited it: their
+ * cuStreamEndCapture fails with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. The real driver does
+ * not list its unsafe calls; the stub counts allocating and freeing memory, opening and closing
+ * IPC and VMM mappings, loading modules, and queries and synchronisations (REFUSE_DURING_CAPTURE
+ * at each). */
+enum { CAPTURE_GLOBAL = 0, CAPTURE_THREAD_LOCAL = 1, CAPTURE_RELAXED = 2 };
+#define MAX_CAPTURES 64
+
+static __thread int t_capture_mode = CAPTURE_GLOBAL;
+static struct capture {
+  struct stream *s;
+  pthread_t thread;
+  int mode;
+  int invalidated;
+} g_captures[MAX_CAPTURES];
+static int g_ncaptures;
+static pthread_mutex_t g_capture_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int capture_refuses(const char *call) {
+  if (t_capture_mode == CAPTURE_RELAXED) return 0;
+  int refused = 0;
+  pthread_mutex_lock(&g_capture_lock);
+  for (int i = 0; i < g_ncaptures; i++) {
+    struct capture *c = &g_captures[i];
+    int mine = pthread_equal(c->thread, pthread_self());
+    if ((mine && c->mode != CAPTURE_RELAXED) || (!mine && t_capture_mode == CAPTURE_GLOBAL && c->mode == CAPTURE_GLOBAL)) {
+      c->invalidated = 1;
+      refused = 1;
+    }
+  }
+  pthread_mutex_unlock(&g_capture_lock);
+  if (refused) {
+    char thread[32] = "?";
+    pthread_getname_np(pthread_self(), thread, sizeof thread);
+    fprintf(stderr, "cuda-stub: %s from thread %s during a graph capture: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "
+                    "the capture is invalidated\n", call, thread);
+  }
+  return refused;
+}
+
+EXPORT CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+  if (!mode || *mode < CAPTURE_GLOBAL || *mode > CAPTURE_RELAXED) return CUDA_ERROR_INVALID_VALUE;
+  int old = t_capture_mode;
+  t_capture_mode = *mode;
+  *mode = old;
+  return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuStreamBeginCapture_v2(struct stream *h, int mode) {
-  (void)mode;
+  if (mode < CAPTURE_GLOBAL || mode > CAPTURE_RELAXED) return CUDA_ERROR_INVALID_VALUE;
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&g_capture_lock);
   pthread_mutex_lock(&s->mu);
-  s->capturing = 1;
+  int busy = s->capturing || g_ncaptures == MAX_CAPTURES;
+  if (!busy) {
+    s->capturing = 1;
+    g_captures[g_ncaptures++] = (struct capture){s, pthread_self(), mode, 0};
+  }
   pthread_mutex_unlock(&s->mu);
-  return CUDA_SUCCESS;
+  pthread_mutex_unlock(&g_capture_lock);
+  return busy ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuStreamEndCapture(struct stream *h, void **graph) {
@@ -357,12 +417,22 @@ EXPORT CUresult cuStreamEndCapture(struct stream *h, void **graph) {
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
   if (!graph) return CUDA_ERROR_INVALID_VALUE;
+  *graph = NULL;
+  int was = 0, invalidated = 0;
+  pthread_mutex_lock(&g_capture_lock);
+  for (int i = 0; i < g_ncaptures; i++) {
+    if (g_captures[i].s != s) continue;
+    was = 1;
+    invalidated = g_captures[i].invalidated;
+    g_captures[i] = g_captures[--g_ncaptures];
+    break;
+  }
   pthread_mutex_lock(&s->mu);
-  int was = s->capturing;
   s->capturing = 0;
   pthread_mutex_unlock(&s->mu);
-  *graph = NULL;
-  return was ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_unlock(&g_capture_lock);
+  if (!was) return CUDA_ERROR_INVALID_VALUE;
+  return invalidated ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuStreamIsCapturing(struct stream *h, int *status) {
@@ -382,6 +452,7 @@ EXPORT CUresult cuGraphDestroy(void *graph) {
 }
 
 EXPORT CUresult cuStreamQuery(struct stream *h) {
+  REFUSE_DURING_CAPTURE("cuStreamQuery");
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
@@ -491,6 +562,7 @@ EXPORT CUresult cuEventRecord(struct event *e, struct stream *h) {
 }
 
 EXPORT CUresult cuEventQuery(struct event *e) {
+  REFUSE_DURING_CAPTURE("cuEventQuery");
   note_worker_call("cuEventQuery");
   REQUIRE_INIT();
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
@@ -501,6 +573,7 @@ EXPORT CUresult cuEventQuery(struct event *e) {
 }
 
 EXPORT CUresult cuEventSynchronize(struct event *e) {
+  REFUSE_DURING_CAPTURE("cuEventSynchronize");
   note_worker_call("cuEventSynchronize");
   REQUIRE_INIT();
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
@@ -537,6 +610,7 @@ struct module {
 };
 
 EXPORT CUresult cuModuleLoadData(struct module **pm, const void *image) {
+  REFUSE_DURING_CAPTURE("cuModuleLoadData");
   REQUIRE_CTX();
   if (!pm || !image) return CUDA_ERROR_INVALID_VALUE;
   if (!strstr(image, ".version")) return CUDA_ERROR_INVALID_IMAGE; /* not PTX text */
@@ -553,6 +627,7 @@ EXPORT CUresult cuModuleLoadData(struct module **pm, const void *image) {
 }
 
 EXPORT CUresult cuModuleUnload(struct module *m) {
+  REFUSE_DURING_CAPTURE("cuModuleUnload");
   REQUIRE_INIT();
   if (!m || m->magic != MODULE_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   m->magic = 0;

@@ -34,6 +34,8 @@ enum {
   CUDA_ERROR_NOT_READY = 600,
   CUDA_ERROR_ILLEGAL_ADDRESS = 700,
   CUDA_ERROR_NOT_SUPPORTED = 801,
+  CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+  CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
 };
 
 #define MAX_DEVICES 64
@@ -62,6 +64,14 @@ int env_int(const char *name, int dflt);
  * workers (named nccl-rs-stream-*) makes device call `name` (work, waits, memory), so tests can
  * check that the workers need no driver while callers' streams may wait for them. */
 void note_worker_call(const char *name);
+
+/* streams.c: whether a graph capture prohibits the calling thread from making potentially
+ * unsafe call `call` now (see cuThreadExchangeStreamCaptureMode there). If so, the captures
+ * that prohibit it are invalidated and the call must fail with
+ * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED. */
+int capture_refuses(const char *call);
+#define REFUSE_DURING_CAPTURE(call) \
+  do { if (capture_refuses(call)) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; } while (0)
 
 /* memory.c: what the driver knows of an address range. */
 enum mem_kind {

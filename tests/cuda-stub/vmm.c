@@ -117,6 +117,7 @@ EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAl
 
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                             unsigned long long flags) {
+  REFUSE_DURING_CAPTURE("cuMemCreate");
   note_worker_call("cuMemCreate");
   REQUIRE_INIT();
   if (!handle || !prop_ok(prop) || flags || size == 0 || size % GRANULARITY) return CUDA_ERROR_INVALID_VALUE;
@@ -136,6 +137,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
 }
 
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+  REFUSE_DURING_CAPTURE("cuMemRelease");
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
   struct phys *p = phys_of(handle);
@@ -146,6 +148,7 @@ EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                     unsigned long long flags) {
+  REFUSE_DURING_CAPTURE("cuMemAddressReserve");
   (void)addr; /* a hint */
   REQUIRE_INIT();
   if (!ptr || size == 0 || size % 4096 || flags || (alignment & (alignment - 1))) return CUDA_ERROR_INVALID_VALUE;
@@ -167,6 +170,7 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
 }
 
 EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  REFUSE_DURING_CAPTURE("cuMemAddressFree");
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
   struct resv **pr = &g_resv;
@@ -191,6 +195,7 @@ static int reserved(uintptr_t p, size_t n) {
 
 EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                          unsigned long long flags) {
+  REFUSE_DURING_CAPTURE("cuMemMap");
   REQUIRE_INIT();
   uintptr_t p = (uintptr_t)ptr;
   if (offset || flags || size == 0 || size % GRANULARITY || p % GRANULARITY) return CUDA_ERROR_INVALID_VALUE;
@@ -232,6 +237,7 @@ static int covered(uintptr_t p, size_t n) {
 }
 
 EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  REFUSE_DURING_CAPTURE("cuMemUnmap");
   REQUIRE_INIT();
   uintptr_t p = (uintptr_t)ptr;
   pthread_mutex_lock(&g_mem_lock);
@@ -303,6 +309,7 @@ EXPORT CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAlloca
 /* A descriptor from cuMemExportToShareableHandle (of this process or another): the memfd of
  * an allocation of this stub, whose name says its device. The caller keeps its descriptor. */
 EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *os_handle, int type) {
+  REFUSE_DURING_CAPTURE("cuMemImportFromShareableHandle");
   REQUIRE_INIT();
   if (!handle || type != HANDLE_TYPE_POSIX_FD) return CUDA_ERROR_INVALID_VALUE;
   int fd = (int)(intptr_t)os_handle;

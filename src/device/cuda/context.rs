@@ -4,7 +4,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdevice_attribute};
+use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdevice_attribute, CUstreamCaptureMode};
 
 use super::kernels::Kernels;
 use super::{check, driver, ensure_init};
@@ -40,10 +40,12 @@ pub fn current_device() -> Result<Option<i32>> {
     })
 }
 
-/// The calling thread's current context, put back when this value is dropped: an NCCL call
-/// that makes its communicator's context current must not change the caller's.
+/// The calling thread's CUDA state, put back when this value is dropped: its current context
+/// (an NCCL call that makes its communicator's context current must not change the caller's)
+/// and its stream-capture interaction mode, relaxed meanwhile ([`relax_capture_mode`]).
 pub struct KeepCurrent {
     saved: Option<CUcontext>,
+    mode: Option<CUstreamCaptureMode>,
 }
 
 impl KeepCurrent {
@@ -55,7 +57,7 @@ impl KeepCurrent {
             Ok(ctx)
         })
         .ok();
-        KeepCurrent { saved }
+        KeepCurrent { saved, mode: exchange_capture_mode(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) }
     }
 }
 
@@ -73,7 +75,37 @@ impl Drop for KeepCurrent {
             // across its NCCL call.
             let _ = driver("cuCtxSetCurrent", || check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) }));
         }
+        if let Some(mode) = self.mode {
+            exchange_capture_mode(mode);
+        }
     }
+}
+
+/// Makes the calling thread's driver calls independent of graph captures other threads make
+/// (for nccl-rs's own threads, for good; callers' threads get it for the length of a call from
+/// [`KeepCurrent`]).
+///
+/// While some thread captures a CUDA graph in global mode (`torch.cuda.graph`'s default), the
+/// driver refuses "potentially unsafe" calls — allocating, freeing, mapping, querying or
+/// synchronising — from every thread whose mode is global, the default, and the refusal
+/// invalidates that capture. nccl-rs's calls are never part of a graph (a collective on a
+/// capturing stream is refused before anything is queued on it), so they run relaxed, as NVIDIA's
+/// NCCL runs its allocations: a stream worker that stages an operation, or a call that starts
+/// one, while the application captures something else neither fails nor breaks the capture.
+pub fn relax_capture_mode() {
+    exchange_capture_mode(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
+}
+
+/// Sets the calling thread's capture interaction mode to `mode`; the one it had, if the
+/// driver has the call.
+fn exchange_capture_mode(mode: CUstreamCaptureMode) -> Option<CUstreamCaptureMode> {
+    driver("cuThreadExchangeStreamCaptureMode", || {
+        let mut m = mode;
+        // SAFETY: `m` is a valid in/out pointer for the call.
+        check("cuThreadExchangeStreamCaptureMode", unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut m) })?;
+        Ok(m)
+    })
+    .ok()
 }
 
 /// The primary context of one device, retained for the life of the process.

@@ -29,7 +29,7 @@ use cudarc::driver::sys::CUresult;
 
 use crate::error::{Code, Error, Result};
 
-pub use context::{current_device, device_count, Context, KeepCurrent};
+pub use context::{current_device, device_count, relax_capture_mode, Context, KeepCurrent};
 pub use cudarc::driver::sys::CUstream;
 pub use ipc::{IpcHandle, IpcMapping};
 pub use kernels::{Desc, Indirect, Kernels};

@@ -145,7 +145,8 @@ pub(super) fn in_flight(table: &[Segment]) -> InFlight {
 
 /// A peer's request for the descriptor of one of this process's allocations: exported now,
 /// on the descriptor server's thread, in its device's context, if an operation in flight
-/// published it (a request for anything else is refused).
+/// published it (a request for anything else is refused). The thread is the server's own: its
+/// context stays current, and its calls never break an application's graph capture.
 pub(super) fn export_request(request: &[u8; fdpass::REQUEST_BYTES]) -> Result<OwnedFd> {
     let seg = decode_segment(request);
     let published = PUBLISHED.lock().unwrap_or_else(|p| p.into_inner())
@@ -153,6 +154,7 @@ pub(super) fn export_request(request: &[u8; fdpass::REQUEST_BYTES]) -> Result<Ow
     if !published {
         return Err(Error::system(format!("no operation in flight published the allocation at {:#x}", seg.addr)));
     }
+    cuda::relax_capture_mode();
     cuda::Context::primary(seg.device)?.make_current()?;
     cuda::vmm_export(&seg)
 }
