@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph]
  *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
@@ -11,6 +11,8 @@
  *                                all-reduce until FILE exists; both check the result)
  *   CUDA_TEST_VMM=1 cuda        (device buffers from the virtual memory API, placed as PyTorch's
  *                                expandable segments place them: see vmm_alloc)
+ *   NCCL_RS_GRAPH_CAPTURE=1 cuda --only Graph (collectives captured into CUDA graphs, launched
+ *                                three times with new inputs, behind held streams)
  *   CUDA_TEST_NO_PTRACE=1 cuda  (the process refuses ptrace access by others, as under Yama:
  *                                no peer can take its descriptors with pidfd_getfd, nor read
  *                                it with CMA)
@@ -64,6 +66,9 @@ static struct {
   CUresult (*StreamEndCapture)(CUstream, void**);
   CUresult (*GraphDestroy)(void*);
   CUresult (*ThreadExchangeStreamCaptureMode)(int*);
+  CUresult (*GraphInstantiate)(void**, void*, unsigned long long);
+  CUresult (*GraphLaunch)(void*, CUstream);
+  CUresult (*GraphExecDestroy)(void*);
   CUresult (*PointerGetAttribute)(void*, int, CUdeviceptr);
   CUresult (*EventCreate)(void**, unsigned);
   CUresult (*EventDestroy)(void*);
@@ -123,6 +128,9 @@ static void load_driver(void) {
   *(void**)&cu.StreamEndCapture = sym(lib, "cuStreamEndCapture");
   *(void**)&cu.GraphDestroy = sym(lib, "cuGraphDestroy");
   *(void**)&cu.ThreadExchangeStreamCaptureMode = sym(lib, "cuThreadExchangeStreamCaptureMode");
+  *(void**)&cu.GraphInstantiate = sym(lib, "cuGraphInstantiateWithFlags");
+  *(void**)&cu.GraphLaunch = sym(lib, "cuGraphLaunch");
+  *(void**)&cu.GraphExecDestroy = sym(lib, "cuGraphExecDestroy");
   *(void**)&cu.PointerGetAttribute = sym(lib, "cuPointerGetAttribute");
   *(void**)&cu.EventCreate = sym(lib, "cuEventCreate");
   *(void**)&cu.EventDestroy = sym(lib, "cuEventDestroy_v2");
@@ -873,6 +881,156 @@ static void capture_elsewhere(void) {
   CU(cu.StreamDestroy(cap));
 }
 
+/* ---- Graph: collectives captured into CUDA graphs (NCCL_RS_GRAPH_CAPTURE=1) ----------------
+ * One group per rank captured on its stream in global mode (torch.cuda.graph's): an in-place
+ * all-reduce, a large out-of-place one, an all-gather, a PreMulSum all-reduce with its scalar
+ * in device memory, and a send to the next rank with a receive from the previous. The graph is
+ * destroyed once instantiated (the executable copy keeps what it needs) and launched three
+ * times, each time with new inputs and scalars uploaded on the stream before the launch, while
+ * the stream is held on a host word and an ordinary all-reduce (large: direct between ranks of
+ * a host) is issued behind the launch on the same stream: the launch must run first, and every
+ * result be exact. Then a graph of a
+ * communicator destroyed before its launch: the stream must go on (a warning says why). */
+enum { G_SMALL = 1000, G_LARGE = 100000, G_GATHER = 3000 };
+
+static void graph_inputs(int l, float* h, CUdeviceptr* d, int salt) {
+  int rank = g_env.first_rank + l;
+  const size_t counts[5] = {G_SMALL, G_LARGE, G_GATHER, G_SMALL, G_SMALL};
+  for (int b = 0; b < 5; b++) {
+    for (size_t j = 0; j < counts[b]; j++) h[j] = in_value(rank, j, salt + b);
+    CU(cu.MemcpyAsync(d[b], (CUdeviceptr)(uintptr_t)h, counts[b] * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l])); /* h is reused for the next buffer */
+  }
+}
+
+static void graph(void) {
+  test_step("graph: capture");
+  const int n = g_env.nranks;
+  /* Per rank: inputs [0] small in place, [1] large, [2] gather, [3] premul in place, [4] send;
+   * outputs [5] large, [6] gather (n x), [7] receive; [8] the scalar; [9] an eager all-reduce. */
+  CUdeviceptr d[MAX_LOCAL][10];
+  float* h[MAX_LOCAL];
+  ncclRedOp_t pre[MAX_LOCAL];
+  void *graphs[MAX_LOCAL], *execs[MAX_LOCAL];
+  const size_t bytes[10] = {G_SMALL, G_LARGE, G_GATHER, G_SMALL, G_SMALL, G_LARGE, (size_t)G_GATHER * n, G_SMALL, 1, G_LARGE};
+  for (int l = 0; l < g_env.local; l++) {
+    for (int b = 0; b < 10; b++) d[l][b] = dev_alloc(bytes[b] * sizeof(float));
+    h[l] = host_alloc((size_t)G_LARGE * (n > 8 ? n : 8) * sizeof(float));
+    CHECK(ncclRedOpCreatePreMulSum(&pre[l], (void*)(uintptr_t)d[l][8], ncclFloat32, ncclScalarDevice, g_comms[l]));
+  }
+  for (int l = 0; l < g_env.local; l++) CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_GLOBAL));
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    ncclComm_t c = g_comms[l];
+    CUstream st = g_streams[l];
+    CHECK(ncclAllReduce((void*)(uintptr_t)d[l][0], (void*)(uintptr_t)d[l][0], G_SMALL, ncclFloat32, ncclSum, c, st));
+    CHECK(ncclAllReduce((void*)(uintptr_t)d[l][1], (void*)(uintptr_t)d[l][5], G_LARGE, ncclFloat32, ncclSum, c, st));
+    CHECK(ncclAllGather((void*)(uintptr_t)d[l][2], (void*)(uintptr_t)d[l][6], G_GATHER, ncclFloat32, c, st));
+    CHECK(ncclAllReduce((void*)(uintptr_t)d[l][3], (void*)(uintptr_t)d[l][3], G_SMALL, ncclFloat32, pre[l], c, st));
+    CHECK(ncclSend((void*)(uintptr_t)d[l][4], G_SMALL, ncclFloat32, (rank + 1) % n, c, st));
+    CHECK(ncclRecv((void*)(uintptr_t)d[l][7], G_SMALL, ncclFloat32, (rank + n - 1) % n, c, st));
+  }
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamEndCapture(g_streams[l], &graphs[l]));
+    EXPECT(graphs[l] != NULL, "rank %d: the capture gave no graph", g_env.first_rank + l);
+    CU(cu.GraphInstantiate(&execs[l], graphs[l], 0));
+    CU(cu.GraphDestroy(graphs[l]));
+  }
+  for (int launch = 0; launch < 3; launch++) {
+    test_step("graph: launch");
+    int salt = 10 * (launch + 1);
+    CUdeviceptr dflag = 0;
+    uint32_t* flag = gate_word(&dflag);
+    for (int l = 0; l < g_env.local; l++) {
+      int rank = g_env.first_rank + l;
+      graph_inputs(l, h[l], d[l], salt);
+      h[l][0] = (float)(rank + 1 + launch);
+      CU(cu.MemcpyAsync(d[l][8], (CUdeviceptr)(uintptr_t)h[l], sizeof(float), g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l]));
+      for (size_t j = 0; j < G_LARGE; j++) h[l][j] = in_value(rank, j, salt + 7);
+      CU(cu.MemcpyAsync(d[l][9], (CUdeviceptr)(uintptr_t)h[l], G_LARGE * sizeof(float), g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l]));
+      CU(cu.StreamWaitValue32(g_streams[l], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
+      CU(cu.GraphLaunch(execs[l], g_streams[l]));
+    }
+    CHECK(ncclGroupStart()); /* behind the launch on the same streams, issued while they are held */
+    for (int l = 0; l < g_env.local; l++)
+      CHECK(ncclAllReduce((void*)(uintptr_t)d[l][9], (void*)(uintptr_t)d[l][9], G_LARGE, ncclFloat32, ncclSum,
+                          g_comms[l], g_streams[l]));
+    CHECK(ncclGroupEnd());
+    __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+    for (int l = 0; l < g_env.local; l++) {
+      int rank = g_env.first_rank + l, prev = (rank + n - 1) % n;
+      CU(cu.StreamSynchronize(g_streams[l]));
+      float* out = h[l];
+      size_t bad[6] = {0};
+      const int what[6] = {0, 5, 6, 3, 7, 9};
+      const size_t counts[6] = {G_SMALL, G_LARGE, (size_t)G_GATHER * n, G_SMALL, G_SMALL, G_LARGE};
+      for (int k = 0; k < 6; k++) {
+        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)out, d[l][what[k]], counts[k] * sizeof(float), g_streams[l]));
+        CU(cu.StreamSynchronize(g_streams[l]));
+        for (size_t j = 0; j < counts[k]; j++) {
+          float want;
+          switch (k) {
+            case 0: want = expected(C_ALLREDUCE, G_SMALL, n, rank, j, salt); break;
+            case 1: want = expected(C_ALLREDUCE, G_LARGE, n, rank, j, salt + 1); break;
+            case 2: want = expected(C_ALLGATHER, G_GATHER, n, rank, j, salt + 2); break;
+            case 3:
+              want = 0;
+              for (int r = 0; r < n; r++) want += (float)(r + 1 + launch) * in_value(r, j, salt + 3);
+              break;
+            case 4: want = in_value(prev, j, salt + 4); break;
+            default: want = expected(C_ALLREDUCE, G_LARGE, n, rank, j, salt + 7); break;
+          }
+          bad[k] += out[j] != want;
+        }
+      }
+      EXPECT(bad[0] + bad[1] + bad[2] + bad[3] + bad[4] + bad[5] == 0,
+             "graph launch %d, rank %d: wrong values: all-reduce in place %zu, large %zu, all-gather %zu, "
+             "PreMulSum %zu, receive %zu, the all-reduce behind the launch %zu",
+             launch + 1, rank, bad[0], bad[1], bad[2], bad[3], bad[4], bad[5]);
+      ncclResult_t async = ncclInProgress;
+      CHECK(ncclCommGetAsyncError(g_comms[l], &async));
+      EXPECT(async == ncclSuccess, "rank %d after graph launch %d: %s (%s)", rank, launch + 1, result_name(async),
+             ncclGetLastError(g_comms[l]));
+    }
+    CU(cu.MemFreeHost(flag));
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.GraphExecDestroy(execs[l]));
+    CHECK(ncclRedOpDestroy(pre[l], g_comms[l]));
+    for (int b = 0; b < 10; b++) dev_free(d[l][b]);
+    CU(cu.MemFreeHost(h[l]));
+  }
+
+  test_step("graph: launched after its communicator is gone");
+  ncclComm_t sub[MAX_LOCAL];
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSplit(g_comms[l], 0, g_env.first_rank + l, &sub[l], NULL));
+  CHECK(ncclGroupEnd());
+  CUdeviceptr x[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) x[l] = dev_alloc(G_SMALL * sizeof(float));
+  for (int l = 0; l < g_env.local; l++) CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_GLOBAL));
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAllReduce((void*)(uintptr_t)x[l], (void*)(uintptr_t)x[l], G_SMALL, ncclFloat32, ncclSum, sub[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamEndCapture(g_streams[l], &graphs[l]));
+    CU(cu.GraphInstantiate(&execs[l], graphs[l], 0));
+  }
+  destroy_comms(sub);
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.GraphLaunch(execs[l], g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l])); /* released at once: never a hang */
+    CU(cu.GraphExecDestroy(execs[l]));
+    CU(cu.GraphDestroy(graphs[l]));
+    dev_free(x[l]);
+  }
+}
+
 /* ncclMemAlloc gives device memory in CUDA mode; registered, it works in collectives like any
  * device buffer; deregistered and freed, nothing is left. */
 static void memalloc(void) {
@@ -1582,6 +1740,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "Backlog")) backlog(); /* only when asked: 600 calls */
   if (g_env.only && !strcasecmp(g_env.only, "Pageable")) pageable();
   if (g_env.only && !strcasecmp(g_env.only, "CaptureElsewhere")) capture_elsewhere();
+  if (g_env.only && !strcasecmp(g_env.only, "Graph")) graph();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

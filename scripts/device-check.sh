@@ -12,14 +12,16 @@
 #      memory operations, pointer classification, IPC across processes, and every reduction
 #      kernel of kernels/reduce.ptx JIT-loaded by the real driver, bit-compared with host mode;
 #   2. (a) ffi-tests/cuda.c in CUDA mode (device buffers, the caller's streams, gated streams,
-#      in-place, p2p, graph capture refused) on 1, 2 and 4 ranks sharing the GPU, and the host-mode
-#      C programs on the GPU machine;
+#      in-place, p2p, graph capture refused by default and recorded with NCCL_RS_GRAPH_CAPTURE=1,
+#      collectives beside another stream's global capture) on 1, 2 and 4 ranks sharing the GPU,
+#      and the host-mode C programs on the GPU machine;
 #   3. (b) PyTorch, two processes on cuda:0, backend='nccl', LD_PRELOAD of our library:
 #      all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast, all_to_all_single,
 #      send/recv, barrier on fp32 and bf16 with exact checks, and five DDP steps whose losses
 #      must equal those of the gloo backend; then (3b) the same with expandable segments
 #      (memory of the virtual memory API, shared through file descriptors), and whether the
-#      collectives went direct;
+#      collectives went direct; (3c) collectives captured by torch.cuda.graph and replayed
+#      (NCCL_RS_GRAPH_CAPTURE=1, experimental);
 #   4. (c) nccl-rs-perf: allreduce and allgather on 2 ranks with device buffers (--device 1;
 #      allreduce also on virtual-memory buffers, --device 2)
 #      next to the device-to-device copy bandwidth measured in the same run, and 1-rank
@@ -158,6 +160,17 @@ if python3 -c 'import torch' 2>/dev/null; then
   say "# torch expandable segments: $(grep -c 'are read directly' "$OUT/torch-expandable-segments.log") ranks read \
 directly, $(grep -c 'cannot map\|cannot receive' "$OUT/torch-expandable-segments.log") refusals; \
 $(grep -m1 -o 'cannot [a-z]* rank.*' "$OUT/torch-expandable-segments.log" | cut -c1-160)"
+fi
+
+# 3c. CUDA graphs (NCCL_RS_GRAPH_CAPTURE=1, experimental): collectives captured by
+#    torch.cuda.graph and replayed with new inputs, exact (ffi-cuda-mode ran the C version).
+if python3 -c 'import torch' 2>/dev/null; then
+  step torch-graph-capture 60 bash -c "
+    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29538 WORLD_SIZE=2 NCCL_DEBUG=WARN NCCL_RS_GRAPH_CAPTURE=1
+    RANK=0 LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py graph & a=\$!
+    RANK=1 LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py graph & b=\$!
+    wait \$a && wait \$b"
+  grep -E 'graph' "$OUT/torch-graph-capture.log" | sed 's/^/# torch: /' >> "$R"
 fi
 
 # 4. (c) The benchmark with device buffers, beside the device copy bandwidth and NVIDIA's NCCL.

@@ -7,6 +7,8 @@
                                                    # (what gloo supports), before a GPU run
     RANK=r ... LD_PRELOAD=... python3 torch_check.py stress   # direct all-reduces while another
                                                    # thread calls torch.cuda.empty_cache()
+    RANK=r ... NCCL_RS_GRAPH_CAPTURE=1 LD_PRELOAD=... python3 torch_check.py graph   # collectives
+                                                   # captured by torch.cuda.graph, replayed
 
 Collectives are checked exactly (inputs are small integers, exact in fp32 and bf16 sums).
 """
@@ -142,6 +144,42 @@ def stress(rank, world, dev, seconds=10.0):
     return ok
 
 
+def graph(rank, world, dev):
+    """An all-reduce, an all-gather and a broadcast captured by torch.cuda.graph (on PyTorch's
+    own NCCL stream, joined to the capture by events), replayed three times with new inputs,
+    each result exact; then an all-reduce outside the graph, after the replays."""
+    ok = True
+    n = 5000
+    base = torch.arange(n, device=dev) % 17
+    x = torch.zeros(n, device=dev)
+    gathered = torch.zeros(n * world, device=dev)
+    b = torch.zeros(n, device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as PyTorch's docs do
+        dist.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(gathered, x)
+        dist.broadcast(b, src=world - 1)
+    for k in range(3):
+        x.copy_(base + rank + k)
+        b.copy_(base * (rank + 1) + k)
+        g.replay()
+        torch.cuda.synchronize()
+        want = sum(base + r + k for r in range(world)).float()
+        ok &= check(f"graph replay {k}: all_reduce", x, want)
+        ok &= check(f"graph replay {k}: all_gather_into_tensor", gathered, torch.cat([want] * world))
+        ok &= check(f"graph replay {k}: broadcast", b, (base * world + k).float())
+    y = base.float() + rank
+    dist.all_reduce(y)
+    ok &= check("all_reduce after the replays", y, sum(base + r for r in range(world)).float())
+    del g
+    return ok
+
+
 def init_nccl(rank, world):
     """The process group on cuda:0 with backend 'nccl' (ours under LD_PRELOAD)."""
     dev = torch.device("cuda:0")
@@ -163,6 +201,12 @@ def main():
               f"(largest difference {diff:.3g})")
         sys.exit(0 if same else 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if mode == "graph":
+        dev = init_nccl(rank, world)
+        ok = graph(rank, world, dev)
+        print(f"rank {rank}: graph: RESULT {'ok' if ok else 'FAILED'}", flush=True)
+        dist.destroy_process_group()
+        sys.exit(0 if ok else 1)
     if mode == "stress":
         dev = init_nccl(rank, world)
         ok = stress(rank, world, dev)

@@ -35,6 +35,7 @@ pub const ALL: &[Param] = &[
     p("NCCL_RS_DIRECT_MIN", "65536", "CUDA mode: bytes (count x datatype size) from which collectives between ranks of one host read each other's device buffers directly; smaller ones are staged through host memory (must be alike on every rank)"),
     p("NCCL_RS_PEER_MAPS", "256", "CUDA mode: peer allocations a stream worker keeps mapped for the direct path (least recently used closed first); a mapping keeps the peer's allocation alive after the peer frees it, so 0 closes them after each operation (for jobs close to their GPU memory limit)"),
     p("NCCL_RS_POOL_MAX", "67108864", "CUDA mode: bytes a communicator's pinned staging pool may grow to (at least 4 MiB); a staged operation whose input and output need more is staged by the stream worker on its own stream"),
+    p("NCCL_RS_GRAPH_CAPTURE", "0", "CUDA mode: 1 records collectives issued on a capturing stream into the CUDA graph, staged through pinned memory of their own (experimental: not yet run on a GPU); 0 refuses them with ncclInvalidUsage"),
     p("NCCL_RS_DIRECT_ON_STREAM", "1", "CUDA mode: 0 runs the direct path's device work on the stream worker's stream, instead of kernels the caller's stream queues at call time"),
     p("NCCL_P2P_LEVEL", "", "LOC or 0: CUDA mode never reads peers' device memory directly; other levels allow it where CUDA IPC works"),
     p("NCCL_ALGO", "", "force an algorithm: Ring or Tree (case-insensitive); unset chooses by size"),
@@ -167,6 +168,11 @@ pub fn pool_max() -> usize {
 /// caller's stream at call time (`streamed::board`).
 pub fn direct_on_stream() -> bool {
     int("NCCL_RS_DIRECT_ON_STREAM") != 0
+}
+/// `NCCL_RS_GRAPH_CAPTURE=1`: collectives on a capturing stream are recorded into its graph
+/// (`streamed::capture`).
+pub fn graph_capture() -> bool {
+    int("NCCL_RS_GRAPH_CAPTURE") != 0
 }
 /// `NCCL_RS_DIRECT_P2P=1`: the experimental direct path for sends and receives (CUDA mode).
 pub fn direct_p2p() -> bool {

@@ -60,6 +60,7 @@ use crate::plan::Op;
 use crate::transport::ipc::{self, Routes};
 
 pub(crate) mod board;
+mod capture;
 mod pool;
 mod steps;
 mod worker;
@@ -127,14 +128,13 @@ pub struct Streamed {
     gate_kernel: Option<&'static Kernels>,
     /// Which operations go direct (decided once, alike on every rank).
     routes: Routes,
-    state: Mutex<State>,
+    /// The batches queued for the worker, and the graph launches that reached it.
+    queue: Arc<Queue>,
     /// True through a whole submit, both halves (driver calls included, which may block while
     /// the device's launch queue is full), and while closing; never set by the worker, which
     /// needs `state` to drain that queue. A flag, not a guard: the halves are separate calls.
     submit_busy: Mutex<bool>,
     submit_done: Condvar,
-    /// Signalled when a batch is queued, when one finishes, and on close.
-    changed: Condvar,
     worker: Mutex<Option<JoinHandle<()>>>,
     /// Events of finished batches, recorded again by later calls (no create/destroy per call).
     events: Mutex<Vec<Event>>,
@@ -154,6 +154,9 @@ pub struct Streamed {
     direct_off: std::sync::atomic::AtomicBool,
     /// Whether the board ever had no free slot (logged the first time).
     slots_ran_out: std::sync::atomic::AtomicBool,
+    /// Whether any operation was captured into a CUDA graph (`capture`): from then on the
+    /// worker takes batches in stream order.
+    captured: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Streamed {
@@ -172,9 +175,28 @@ fn release_carve(s: &Streamed, id: u64, events: Vec<Event>) {
     }
 }
 
+/// What the worker takes work from: shared with the operations captured into CUDA graphs,
+/// which may outlive the communicator (`capture`), so it holds nothing of the driver's once
+/// the worker has stopped.
+#[derive(Default)]
+struct Queue {
+    state: Mutex<State>,
+    /// Signalled when a batch is queued, when one finishes, when a graph launch reaches the
+    /// worker, and on close.
+    changed: Condvar,
+}
+
+impl Queue {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 #[derive(Default)]
 struct State {
     queue: VecDeque<Batch>,
+    /// Operations of CUDA graphs whose launches have reached them on their streams.
+    replays: VecDeque<capture::Replay>,
     issued: u32,
     finished: u32,
     closing: bool,
@@ -280,12 +302,13 @@ impl Streamed {
         let direct_on_stream =
             board.is_some() && kernels.is_some() && routes.collectives() && crate::params::direct_on_stream();
         let s = Arc::new(Streamed { ctx, done, word, kernels, host_wait, gate_kernel, routes,
-                                    state: Mutex::new(State::default()),
-                                    submit_busy: Mutex::new(false), submit_done: Condvar::new(), changed: Condvar::new(),
+                                    queue: Arc::new(Queue::default()),
+                                    submit_busy: Mutex::new(false), submit_done: Condvar::new(),
                                     worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
                                     caller_staged: std::sync::atomic::AtomicBool::new(false), board, direct_on_stream,
                                     direct_off: std::sync::atomic::AtomicBool::new(false),
-                                    slots_ran_out: std::sync::atomic::AtomicBool::new(false) });
+                                    slots_ran_out: std::sync::atomic::AtomicBool::new(false),
+                                    captured: std::sync::atomic::AtomicBool::new(false) });
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
@@ -322,7 +345,7 @@ impl Streamed {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.queue.state()
     }
 
     fn lock_submits(&self) {
@@ -349,7 +372,7 @@ impl Streamed {
     pub fn drain(&self) {
         let mut st = self.state();
         while st.finished != st.issued && !st.closing {
-            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = self.queue.changed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
     }
 
@@ -360,7 +383,7 @@ impl Streamed {
         self.lock_submits();
         self.state().closing = true;
         self.unlock_submits();
-        self.changed.notify_all();
+        self.queue.changed.notify_all();
         let handle = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
             if h.thread().id() != std::thread::current().id() {
@@ -426,12 +449,13 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         }
     }
     let callers: Vec<Stream> = streams.iter().map(|u| Stream::caller(s.ctx, *u)).collect();
-    for st in &callers {
-        if st.is_capturing()? {
-            return Err(Error::invalid_usage(
-                "the stream is capturing a CUDA graph: nccl-rs cannot record collectives into graphs yet; \
-                 issue them outside the capture"));
-        }
+    let capturing = callers.iter().map(Stream::is_capturing).collect::<Result<Vec<bool>>>()?;
+    match (&callers[..], capturing.iter().any(|&c| c)) {
+        (_, false) => {}
+        ([one], true) => return capture::record(comm, s, &ops, one).map(|()| None),
+        _ => return Err(Error::invalid_usage(
+            "a group's operations on one communicator are captured into a CUDA graph only if they are all on \
+             one stream")),
     }
     let lock = SubmitLock::acquire(s);
     let seq = {
@@ -712,7 +736,7 @@ impl Prepared {
                     state.issued = seq;
                     state.queue.push_back(Batch { seq, ..Batch::default() });
                     drop(state);
-                    s.changed.notify_all();
+                    s.queue.changed.notify_all();
                     return Err(e);
                 }
             }
@@ -729,7 +753,7 @@ impl Prepared {
         state.issued = seq;
         state.queue.push_back(batch);
         drop(state);
-        s.changed.notify_all();
+        s.queue.changed.notify_all();
         let stage_out = self.carve_id.map(|carve| StageOut {
             callers: std::mem::take(&mut self.callers),
             copies: std::mem::take(&mut self.outs),
@@ -766,7 +790,7 @@ impl HostWait {
         {
             let mut st = self.s.state();
             while !board::reached(st.finished, self.seq) {
-                st = self.s.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                st = self.s.queue.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         }
         if let Some(out) = self.stage_out {

@@ -980,3 +980,88 @@ fn check_device_collective() {
     assert_eq!(host[0], 1.0);
     assert_eq!(ncclCommDestroy(comm).0, 0);
 }
+
+// ---- graphs ----------------------------------------------------------------------------------
+
+/// What `streamed::capture` records into a graph, launched twice: a copy, a host call (run by
+/// each launch, not by the capture), a wait on mapped host memory and the write that resets
+/// it, a memset after them. The value the host call holds lives as long as the executable
+/// graph (not the graph, destroyed first) and is dropped after it. A stream that is not
+/// capturing has no capture.
+#[test]
+fn graphs_run_host_calls_and_memory_operations_per_launch() {
+    if in_child("graphs_run_host_calls_and_memory_operations_per_launch", check_graphs) {
+        return;
+    }
+    for driver in drivers() {
+        run_child("graphs_run_host_calls_and_memory_operations_per_launch", driver, &[]);
+    }
+}
+
+static GRAPH_VALUE_DROPPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static GRAPH_CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+struct Calls;
+
+impl Drop for Calls {
+    fn drop(&mut self) {
+        GRAPH_VALUE_DROPPED.store(true, Ordering::Release);
+    }
+}
+
+fn check_graphs() {
+    use cudarc::driver::sys::{self, CUgraph, CUgraphExec, CUresult, CUstreamCaptureMode};
+    let ctx = Context::primary(0).unwrap();
+    let (s, other) = (Stream::new(ctx).unwrap(), Stream::new(ctx).unwrap());
+    assert!(s.capture().unwrap().is_none());
+    const LEN: usize = 4096;
+    let (a, b) = (DeviceBuf::new(LEN), DeviceBuf::new(LEN));
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i * 13 + 1) as u8).collect();
+    upload(&s, a.region(), pattern.clone());
+    upload(&s, b.region(), vec![0; LEN]);
+    let gate = MappedHost::new(64).unwrap();
+    let calls = std::sync::Arc::new(Calls);
+
+    let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    // SAFETY: a live stream of the current context.
+    assert_eq!(unsafe { sys::cuStreamBeginCapture_v2(s.raw(), mode) }, CUresult::CUDA_SUCCESS);
+    let capture = s.capture().unwrap().expect("the stream captures");
+    s.copy(b.region(), a.region()).unwrap();
+    capture.host_call(&s, calls.clone(), |_| {
+        GRAPH_CALLS.fetch_add(1, Ordering::AcqRel);
+    }).unwrap();
+    assert_eq!(s.wait_value32(&gate, 0, 1, WaitCond::Eq).unwrap(), MemOp::Enqueued);
+    assert_eq!(s.write_value32(&gate, 0, 0).unwrap(), MemOp::Enqueued);
+    s.memset(b.region().sub(0, 16), 0x33).unwrap();
+    let mut graph: CUgraph = std::ptr::null_mut();
+    // SAFETY: the stream is capturing; `graph` is a valid out-pointer.
+    assert_eq!(unsafe { sys::cuStreamEndCapture(s.raw(), &mut graph) }, CUresult::CUDA_SUCCESS);
+    let mut exec: CUgraphExec = std::ptr::null_mut();
+    // SAFETY: `graph` is the captured graph; `exec` a valid out-pointer.
+    assert_eq!(unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }, CUresult::CUDA_SUCCESS);
+    // SAFETY: the executable copy does not need the graph.
+    assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, CUresult::CUDA_SUCCESS);
+    drop(calls);
+    assert_eq!(GRAPH_CALLS.load(Ordering::Acquire), 0, "the capture ran the host call");
+    assert_eq!(download(&s, b.region()), vec![0; LEN], "the capture ran the copy");
+
+    let mut want = pattern.clone();
+    want[..16].fill(0x33);
+    for launch in 1..=2u32 {
+        // SAFETY: `exec` is live; `other` a live stream.
+        assert_eq!(unsafe { sys::cuGraphLaunch(exec, other.raw()) }, CUresult::CUDA_SUCCESS);
+        wait_until("the launch's host call", || GRAPH_CALLS.load(Ordering::Acquire) == launch);
+        // Alive: the executable graph holds it.
+        assert!(!GRAPH_VALUE_DROPPED.load(Ordering::Acquire));
+        assert!(stays_busy(&other, Duration::from_millis(20)), "launch {launch} went past its wait");
+        gate.word(0).store(1, Ordering::Release);
+        wait_until("the launch after its wait", || other.query().unwrap());
+        assert_eq!(gate.word(0).load(Ordering::Acquire), 0, "launch {launch} did not reset its word");
+        assert_eq!(download(&other, b.region()), want, "launch {launch}");
+        upload(&other, b.region(), vec![0; LEN]);
+    }
+    assert!(!GRAPH_VALUE_DROPPED.load(Ordering::Acquire));
+    // SAFETY: nothing of `exec` is pending (its stream is idle).
+    assert_eq!(unsafe { sys::cuGraphExecDestroy(exec) }, CUresult::CUDA_SUCCESS);
+    wait_until("the value dropped with the executable graph", || GRAPH_VALUE_DROPPED.load(Ordering::Acquire));
+}

@@ -340,6 +340,23 @@ fn cuda_mode_collectives_beside_a_graph_capture() {
     }
 }
 
+/// With NCCL_RS_GRAPH_CAPTURE=1, collectives and sends/receives issued on capturing streams
+/// are recorded into the graphs: each of three launches, with new inputs and device scalars,
+/// behind a held stream and ahead of an ordinary all-reduce issued after it on the same stream,
+/// gives exact results (part Graph); a graph launched after its communicator was destroyed lets
+/// its stream go on, with a warning. One rank, processes, ranks of one process.
+#[test]
+fn cuda_mode_graph_capture() {
+    for job in [cuda_job(), cuda_job().procs(2), cuda_job().local(2), cuda_job().procs(3)] {
+        let o = job.arg("--only").arg("Graph").env("NCCL_RS_GRAPH_CAPTURE", "1").env("NCCL_DEBUG", "WARN").run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert!(p.log.contains("after its communicator was destroyed"),
+                    "process {i}: no warning for the graph launched after its communicator:\n{}", p.log);
+        }
+    }
+}
+
 /// A device buffer with a pageable receive buffer is staged, exact, by one rank and by ranks of
 /// one process (which publish buffers by address, and must still leave host memory out).
 #[test]

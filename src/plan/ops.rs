@@ -104,7 +104,7 @@ impl Op {
         if let Some(s) = self.of {
             return describe_stamp(&s);
         }
-        let mut s = format!("{} #{} (count {}, {}", self.kind.name(), self.seq, self.count, self.dt.name());
+        let mut s = format!("{} {} (count {}, {}", self.kind.name(), seq_text(self.seq), self.count, self.dt.name());
         if self.kind.reduces() {
             s.push_str(&format!(", {}", self.op.name()));
         }
@@ -136,6 +136,27 @@ const KINDS: [OpKind; 8] = [OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce
                             OpKind::ReduceScatter, OpKind::AlltoAll, OpKind::Gather, OpKind::Scatter];
 
 /// Read a stamp back into words: "AllGather #12 (count 2048, float)".
+/// Marks the sequence numbers of operations a CUDA graph runs: the top bit, then the launch
+/// (24 bits), then the number the operation got when it was captured (39 bits). Every rank
+/// that captured the same operations and launches its graphs alike computes the same.
+const REPLAY_BIT: u64 = 1 << 63;
+const REPLAY_SEQ_BITS: u32 = 39;
+
+/// The sequence number of launch `launch` (counted from 0) of a captured operation numbered
+/// `seq` when it was captured.
+pub fn replay_seq(seq: u64, launch: u32) -> u64 {
+    REPLAY_BIT | (u64::from(launch & 0xff_ffff) << REPLAY_SEQ_BITS) | (seq & ((1 << REPLAY_SEQ_BITS) - 1))
+}
+
+/// "#12", or "#12 (CUDA graph launch 3)" for an operation a graph runs.
+fn seq_text(seq: u64) -> String {
+    if seq & REPLAY_BIT == 0 {
+        return format!("#{seq}");
+    }
+    let launch = (seq & !REPLAY_BIT) >> REPLAY_SEQ_BITS;
+    format!("#{} (CUDA graph launch {})", seq & ((1 << REPLAY_SEQ_BITS) - 1), launch + 1)
+}
+
 pub fn describe_stamp(s: &Stamp) -> String {
     if s[CONTROL_STEP] != 0 {
         let mut user = *s;
@@ -150,7 +171,7 @@ pub fn describe_stamp(s: &Stamp) -> String {
         return format!("an unknown operation (stamp {s:02x?})");
     };
     let dt = DataType::from_raw(s[1] as i32).map_or("?", |d| d.name());
-    let mut out = format!("{} #{} (count {}, {}", kind.name(), u64_at(16), u64_at(8), dt);
+    let mut out = format!("{} {} (count {}, {}", kind.name(), seq_text(u64_at(16)), u64_at(8), dt);
     match s[2] {
         NO_REDOP => {}
         PREMULSUM => out.push_str(", premulsum"),
@@ -240,4 +261,22 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
         b.copy(r.recv, s.send, &[]);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Launches of one captured operation differ from each other and from every operation
+    /// called outside a graph, and say which they are.
+    #[test]
+    fn graph_launches_number_their_operations_apart() {
+        let (a, b) = (replay_seq(12, 0), replay_seq(12, 1));
+        assert_ne!(a, b);
+        assert_ne!(a, 12);
+        assert_ne!(replay_seq(13, 0), a);
+        assert_eq!(seq_text(12), "#12");
+        assert_eq!(seq_text(b), "#12 (CUDA graph launch 2)");
+        assert_eq!(seq_text(replay_seq(7, 0xff_ffff)), "#7 (CUDA graph launch 16777216)");
+    }
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{publish_failure, Batch, Path, Start, Streamed};
+use super::{capture, publish_failure, Batch, Path, Start, Streamed};
 use crate::comm::Comm;
 use crate::device::cuda::Stream;
 use crate::device::host::Region;
@@ -26,19 +26,37 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
     crate::device::cuda::relax_capture_mode();
     let stream = s.ctx.make_current().map(|()| stream);
     loop {
-        let batch = {
+        let next = {
             let mut st = s.state();
             loop {
+                if let Some(r) = st.replays.pop_front() {
+                    break Next::Replay(r);
+                }
                 if let Some(b) = st.queue.pop_front() {
-                    break Some(b);
+                    break Next::Batch(b);
                 }
                 if st.closing {
-                    break None;
+                    break Next::Stop;
                 }
-                st = s.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                st = s.queue.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         };
-        let Some(mut batch) = batch else { break };
+        let mut batch = match next {
+            Next::Batch(b) => b,
+            Next::Replay(r) => {
+                capture::run(&comm, r);
+                continue;
+            }
+            Next::Stop => break,
+        };
+        // Stream order, once graphs run this communicator's operations (`capture`): a launch
+        // its stream reaches before this batch runs first.
+        while capture::captured_any(&s) {
+            match replay_first(&comm, &s, &batch) {
+                Some(r) => capture::run(&comm, r),
+                None => break,
+            }
+        }
         let result = match &stream {
             // A panic must not strand the callers' streams: it becomes this batch's error (the
             // worker keeps its staging and mappings: closing mappings while streams wait is
@@ -71,8 +89,40 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
         }
         s.done.word(s.word).store(batch.seq, Ordering::Release);
         s.state().finished = batch.seq;
-        s.changed.notify_all();
+        s.queue.changed.notify_all();
     }
+    // Closing: no launch is queued after this (`capture::hand_over`).
+    let left = std::mem::take(&mut s.state().replays);
+    capture::abandon_all(left);
+}
+
+/// What the worker takes next.
+enum Next {
+    Batch(Batch),
+    Replay(capture::Replay),
+    Stop,
+}
+
+/// Waits until the callers' streams reach `batch`, unless a graph launch reaches the worker
+/// first: that launch, to run before the batch. (A failed wait, on abort, is the batch's to
+/// report.)
+fn replay_first(comm: &Comm, s: &Streamed, batch: &Batch) -> Option<capture::Replay> {
+    let mut first = None;
+    let mut arrived = 0;
+    let _ = wait_for_stream(comm, &batch.ops, "its CUDA stream has not reached the call", || {
+        if let Some(r) = s.state().replays.pop_front() {
+            first = Some(r);
+            return Ok(true);
+        }
+        while let Some(st) = batch.starts.get(arrived) {
+            if !reached(s, st)? {
+                return Ok(false);
+            }
+            arrived += 1;
+        }
+        Ok(true)
+    });
+    first
 }
 
 /// Polls `done` until it holds (spinning, then yielding, then napping 50 us), or fails once

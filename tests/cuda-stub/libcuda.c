@@ -18,10 +18,13 @@
  *   the kernels of kernels/reduce.ptx (the name must be an .entry of the module) and binds them
  *   to C implementations with the semantics of src/device/host/reduce.rs (kernels.c);
  *   cuLaunchKernel enqueues the call. The grid does not matter: the kernels are grid-stride.
- * - Graph capture records nothing, but what it prohibits is CUDA's: a potentially unsafe call
- *   (allocating or freeing memory, IPC mappings, loading modules, querying or synchronising
- *   streams, events, contexts) made while a capture forbids it fails and invalidates that
- *   capture, following each thread's capture interaction mode (streams.c).
+ * - Graph capture records a stream's copies, memsets, memory operations, kernels and host
+ *   functions into a graph, which cuGraphInstantiateWithFlags and cuGraphLaunch run again;
+ *   user objects are reference counted and destroyed on a thread of their own. What a capture
+ *   prohibits is CUDA's: a potentially unsafe call (allocating or freeing memory, IPC
+ *   mappings, loading modules, querying or synchronising streams, events, contexts) made while
+ *   a capture forbids it fails and invalidates that capture, following each thread's capture
+ *   interaction mode (streams.c).
  *
  * This file: initialisation, devices, primary contexts, error names.
  * Built by tests/cuda_layer.rs: cc -Wall -Wextra -Werror -O2 -pthread -shared -fPIC

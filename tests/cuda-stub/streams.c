@@ -37,7 +37,7 @@ struct event {
   int refs;           /* the handle, plus each pending operation that names the event */
 };
 
-enum op_kind { OP_COPY, OP_SET, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE_VALUE, OP_KERNEL };
+enum op_kind { OP_COPY, OP_SET, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE_VALUE, OP_KERNEL, OP_HOST };
 
 struct op {
   struct op *next;
@@ -53,6 +53,8 @@ struct op {
   unsigned cond;
   const struct kernel *kernel;
   uint64_t params[4];
+  void (*fn)(void *); /* OP_HOST: cuLaunchHostFunc's function and its argument */
+  void *data;
   struct stream *owner; /* shared hardware queues: the stream it was issued on */
 };
 
@@ -65,7 +67,6 @@ struct stream {
   struct op *head, *tail;
   uint64_t enqueued, done;
   int destroying;
-  int capturing; /* between cuStreamBeginCapture_v2 and cuStreamEndCapture (nothing is recorded) */
   struct queue *q;      /* shared hardware queues: the one this stream's commands go to */
   int kernels_running;  /* shared hardware queues: its launched kernels still running */
 };
@@ -109,6 +110,7 @@ static void run(struct op *op) {
     }
     case OP_WRITE_VALUE: __atomic_store_n(op->word, op->value, __ATOMIC_SEQ_CST); break;
     case OP_KERNEL: kernel_run(op->kernel, op->params); break;
+    case OP_HOST: op->fn(op->data); break;
   }
 }
 
@@ -276,11 +278,19 @@ static CUresult resolve(struct stream *h, struct stream **out) {
   return CUDA_SUCCESS;
 }
 
-/* Appends a copy of `op` to the stream `h`. */
+static int capture_append(struct stream *s, const struct op *op);
+
+/* Appends a copy of `op` to the stream `h`, or to the graph it captures. */
 static CUresult enqueue(struct stream *h, const struct op *op) {
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
+  switch (capture_append(s, op)) {
+    case 1: return CUDA_SUCCESS;
+    case -1: return CUDA_ERROR_OUT_OF_MEMORY;
+    case -2: return CUDA_ERROR_NOT_SUPPORTED;
+    default: break;
+  }
   struct op *o = malloc(sizeof *o);
   if (!o) return CUDA_ERROR_OUT_OF_MEMORY;
   *o = *op;
@@ -340,20 +350,54 @@ EXPORT CUresult cuStreamSynchronize(struct stream *h) {
   return CUDA_SUCCESS;
 }
 
-/* ---- graph capture -------------------------------------------------------------------------
- * As far as callers can observe it: a stream is "capturing" between begin and end, and the
- * capture records nothing (cuStreamEndCapture gives an empty graph, NULL). What a capture
- * prohibits meanwhile is CUDA's (cuThreadExchangeStreamCaptureMode): a thread in mode GLOBAL
- * (every thread's default) may not make a potentially unsafe call while another thread
- * captures in mode GLOBAL, nor while it captures itself in a mode other than RELAXED; in
+/* ---- graph capture and graphs ----------------------------------------------------------------
+ * Work enqueued on a stream between cuStreamBeginCapture_v2 and cuStreamEndCapture is recorded
+ * into a graph instead of run: copies, memsets, stream memory operations, kernels and host
+ * functions, in issue order (a capture is one stream: the stub does not fork or join captures
+ * through events, and refuses event records and waits on a capturing stream, and copies to or
+ * from pageable memory). cuGraphInstantiateWithFlags copies a graph into an executable graph;
+ * cuGraphLaunch enqueues its work on a stream, then the release of the references that launch
+ * holds. User objects (cuUserObjectCreate) are reference counted; graphs hold references
+ * (cuGraphRetainUserObject), executable graphs and launches in flight hold their graph's; the
+ * last release calls the destructor on a thread of its own, as the driver calls it from one of
+ * its own.
+ *
+ * What a capture prohibits meanwhile is CUDA's (cuThreadExchangeStreamCaptureMode): a thread in
+ * mode GLOBAL (every thread's default) may not make a potentially unsafe call while another
+ * thread captures in mode GLOBAL, nor while it captures itself in a mode other than RELAXED; in
  * THREAD_LOCAL only its own captures count; in RELAXED none do. A prohibited call fails with
  * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the captures that prohibited it: their
- * cuStreamEndCapture fails with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. The real driver does
- * not list its unsafe calls; the stub counts allocating and freeing memory, opening and closing
- * IPC and VMM mappings, loading modules, and queries and synchronisations (REFUSE_DURING_CAPTURE
- * at each). */
+ * cuStreamEndCapture fails with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. The real driver does not
+ * list its unsafe calls; the stub counts allocating and freeing memory, opening and closing IPC
+ * and VMM mappings, loading modules, and queries and synchronisations (REFUSE_DURING_CAPTURE at
+ * each). */
 enum { CAPTURE_GLOBAL = 0, CAPTURE_THREAD_LOCAL = 1, CAPTURE_RELAXED = 2 };
+enum { USER_OBJECT_NO_DESTRUCTOR_SYNC = 1, GRAPH_USER_OBJECT_MOVE = 1 };
 #define MAX_CAPTURES 64
+#define MAX_HELD 16
+#define GRAPH_MAGIC 0x47524150u
+#define EXEC_MAGIC 0x47455845u
+#define UOBJ_MAGIC 0x554f424au
+
+struct uobj {
+  uint32_t magic;
+  void *ptr;
+  void (*destroy)(void *);
+  unsigned refs; /* under g_capture_lock */
+};
+
+/* References to user objects, held by a graph, an executable graph or a launch. */
+struct held {
+  int n;
+  struct uobj *obj[MAX_HELD];
+  unsigned count[MAX_HELD];
+};
+
+struct graph {
+  uint32_t magic; /* GRAPH_MAGIC or EXEC_MAGIC */
+  struct op *head, *tail;
+  struct held held;
+};
 
 static __thread int t_capture_mode = CAPTURE_GLOBAL;
 static struct capture {
@@ -361,8 +405,11 @@ static struct capture {
   pthread_t thread;
   int mode;
   int invalidated;
+  uint64_t id;
+  struct graph *g;
 } g_captures[MAX_CAPTURES];
 static int g_ncaptures;
+static uint64_t g_capture_ids;
 static pthread_mutex_t g_capture_lock = PTHREAD_MUTEX_INITIALIZER;
 
 int capture_refuses(const char *call) {
@@ -387,6 +434,91 @@ int capture_refuses(const char *call) {
   return refused;
 }
 
+/* The capture of stream s, if any (g_capture_lock held). */
+static struct capture *capture_of(const struct stream *s) {
+  for (int i = 0; i < g_ncaptures; i++)
+    if (g_captures[i].s == s) return &g_captures[i];
+  return NULL;
+}
+
+/* 1: `op` was recorded into the graph s captures; 0: s is not capturing; -1: out of memory;
+ * -2: the stub cannot record it. */
+static int capture_append(struct stream *s, const struct op *op) {
+  pthread_mutex_lock(&g_capture_lock);
+  struct capture *c = capture_of(s);
+  int r = 0;
+  if (c && (op->kind == OP_RECORD || op->kind == OP_WAIT_EVENT)) {
+    c->invalidated = 1;
+    r = -2;
+  } else if (c) {
+    struct op *o = malloc(sizeof *o);
+    if (o) {
+      *o = *op;
+      o->next = NULL;
+      if (c->g->tail) c->g->tail->next = o;
+      else c->g->head = o;
+      c->g->tail = o;
+    }
+    r = o ? 1 : -1;
+  }
+  pthread_mutex_unlock(&g_capture_lock);
+  return r;
+}
+
+/* Is stream h capturing? (Its validity is checked by the caller.) */
+static int stream_capturing(struct stream *h) {
+  struct stream *s;
+  if (resolve(h, &s) != CUDA_SUCCESS) return 0;
+  pthread_mutex_lock(&g_capture_lock);
+  int yes = capture_of(s) != NULL;
+  pthread_mutex_unlock(&g_capture_lock);
+  return yes;
+}
+
+static void *destroy_thread(void *arg) {
+  struct uobj *o = arg;
+  o->destroy(o->ptr);
+  free(o);
+  return NULL;
+}
+
+/* Takes `count` references of o (g_capture_lock held); the last one runs its destructor. */
+static void uobj_release_locked(struct uobj *o, unsigned count) {
+  if (count > o->refs) count = o->refs;
+  o->refs -= count;
+  if (o->refs) return;
+  o->magic = 0;
+  pthread_t t;
+  if (pthread_create(&t, NULL, destroy_thread, o) == 0) {
+    pthread_detach(t);
+  } else {
+    destroy_thread(o);
+  }
+}
+
+static void held_release(struct held *h) {
+  pthread_mutex_lock(&g_capture_lock);
+  for (int i = 0; i < h->n; i++) uobj_release_locked(h->obj[i], h->count[i]);
+  h->n = 0;
+  pthread_mutex_unlock(&g_capture_lock);
+}
+
+/* A copy of h whose references are new ones (g_capture_lock held). */
+static void held_copy_locked(struct held *to, const struct held *from) {
+  *to = *from;
+  for (int i = 0; i < from->n; i++) from->obj[i]->refs += from->count[i];
+}
+
+static void graph_free(struct graph *g) {
+  held_release(&g->held);
+  for (struct op *o = g->head, *next; o; o = next) {
+    next = o->next;
+    free(o);
+  }
+  g->magic = 0;
+  free(g);
+}
+
 EXPORT CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
   if (!mode || *mode < CAPTURE_GLOBAL || *mode > CAPTURE_RELAXED) return CUDA_ERROR_INVALID_VALUE;
   int old = t_capture_mode;
@@ -400,39 +532,162 @@ EXPORT CUresult cuStreamBeginCapture_v2(struct stream *h, int mode) {
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
+  struct graph *g = calloc(1, sizeof *g);
+  if (!g) return CUDA_ERROR_OUT_OF_MEMORY;
+  g->magic = GRAPH_MAGIC;
   pthread_mutex_lock(&g_capture_lock);
-  pthread_mutex_lock(&s->mu);
-  int busy = s->capturing || g_ncaptures == MAX_CAPTURES;
+  int busy = capture_of(s) || g_ncaptures == MAX_CAPTURES;
   if (!busy) {
-    s->capturing = 1;
-    g_captures[g_ncaptures++] = (struct capture){s, pthread_self(), mode, 0};
+    g_captures[g_ncaptures++] = (struct capture){s, pthread_self(), mode, 0, ++g_capture_ids, g};
   }
-  pthread_mutex_unlock(&s->mu);
   pthread_mutex_unlock(&g_capture_lock);
+  if (busy) free(g);
   return busy ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuStreamEndCapture(struct stream *h, void **graph) {
+EXPORT CUresult cuStreamEndCapture(struct stream *h, struct graph **graph) {
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
   if (!graph) return CUDA_ERROR_INVALID_VALUE;
   *graph = NULL;
-  int was = 0, invalidated = 0;
   pthread_mutex_lock(&g_capture_lock);
-  for (int i = 0; i < g_ncaptures; i++) {
-    if (g_captures[i].s != s) continue;
-    was = 1;
-    invalidated = g_captures[i].invalidated;
-    g_captures[i] = g_captures[--g_ncaptures];
-    break;
+  struct capture *c = capture_of(s), done = {0};
+  if (c) {
+    done = *c;
+    *c = g_captures[--g_ncaptures];
   }
-  pthread_mutex_lock(&s->mu);
-  s->capturing = 0;
-  pthread_mutex_unlock(&s->mu);
   pthread_mutex_unlock(&g_capture_lock);
-  if (!was) return CUDA_ERROR_INVALID_VALUE;
-  return invalidated ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_SUCCESS;
+  if (!done.g) return CUDA_ERROR_INVALID_VALUE;
+  if (done.invalidated) {
+    graph_free(done.g);
+    return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+  }
+  *graph = done.g;
+  return CUDA_SUCCESS;
+}
+
+/* CU_STREAM_CAPTURE_STATUS_NONE 0, _ACTIVE 1, _INVALIDATED 2. */
+EXPORT CUresult cuStreamGetCaptureInfo_v2(struct stream *h, int *status, uint64_t *id, struct graph **graph,
+                                          const void **deps, size_t *ndeps) {
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  if (!status) return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&g_capture_lock);
+  struct capture *c = capture_of(s);
+  *status = !c ? 0 : c->invalidated ? 2 : 1;
+  if (id) *id = c ? c->id : 0;
+  if (graph) *graph = c ? c->g : NULL;
+  pthread_mutex_unlock(&g_capture_lock);
+  if (deps) *deps = NULL;
+  if (ndeps) *ndeps = 0;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphDestroy(struct graph *g) {
+  if (!g || g->magic != GRAPH_MAGIC) return CUDA_ERROR_INVALID_VALUE;
+  graph_free(g);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphInstantiateWithFlags(struct graph **exec, struct graph *g, unsigned long long flags) {
+  if (!exec || !g || g->magic != GRAPH_MAGIC || flags) return CUDA_ERROR_INVALID_VALUE;
+  struct graph *e = calloc(1, sizeof *e);
+  if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
+  e->magic = EXEC_MAGIC;
+  for (struct op *o = g->head; o; o = o->next) {
+    struct op *c = malloc(sizeof *c);
+    if (!c) {
+      graph_free(e);
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *c = *o;
+    c->next = NULL;
+    if (e->tail) e->tail->next = c;
+    else e->head = c;
+    e->tail = c;
+  }
+  pthread_mutex_lock(&g_capture_lock);
+  held_copy_locked(&e->held, &g->held);
+  pthread_mutex_unlock(&g_capture_lock);
+  *exec = e;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphExecDestroy(struct graph *e) {
+  if (!e || e->magic != EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
+  graph_free(e);
+  return CUDA_SUCCESS;
+}
+
+static void release_launch(void *arg) {
+  held_release(arg);
+  free(arg);
+}
+
+EXPORT CUresult cuGraphLaunch(struct graph *e, struct stream *h) {
+  if (!e || e->magic != EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  if (stream_capturing(s)) return CUDA_ERROR_NOT_SUPPORTED; /* no child graphs */
+  struct held *launch = malloc(sizeof *launch);
+  if (!launch) return CUDA_ERROR_OUT_OF_MEMORY;
+  pthread_mutex_lock(&g_capture_lock);
+  held_copy_locked(launch, &e->held);
+  pthread_mutex_unlock(&g_capture_lock);
+  for (struct op *o = e->head; o; o = o->next) {
+    if ((r = enqueue(s, o)) != CUDA_SUCCESS) break;
+  }
+  struct op done = {.kind = OP_HOST, .fn = release_launch, .data = launch};
+  if (r != CUDA_SUCCESS || enqueue(s, &done) != CUDA_SUCCESS) release_launch(launch);
+  return r;
+}
+
+EXPORT CUresult cuLaunchHostFunc(struct stream *h, void (*fn)(void *), void *data) {
+  if (!fn) return CUDA_ERROR_INVALID_VALUE;
+  struct op op = {.kind = OP_HOST, .fn = fn, .data = data};
+  return enqueue(h, &op);
+}
+
+EXPORT CUresult cuUserObjectCreate(struct uobj **out, void *ptr, void (*destroy)(void *), unsigned initial,
+                                   unsigned flags) {
+  if (!out || !destroy || !initial || flags != USER_OBJECT_NO_DESTRUCTOR_SYNC) return CUDA_ERROR_INVALID_VALUE;
+  struct uobj *o = calloc(1, sizeof *o);
+  if (!o) return CUDA_ERROR_OUT_OF_MEMORY;
+  *o = (struct uobj){UOBJ_MAGIC, ptr, destroy, initial};
+  *out = o;
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuUserObjectRelease(struct uobj *o, unsigned count) {
+  if (!o || o->magic != UOBJ_MAGIC || !count) return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&g_capture_lock);
+  uobj_release_locked(o, count);
+  pthread_mutex_unlock(&g_capture_lock);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphRetainUserObject(struct graph *g, struct uobj *o, unsigned count, unsigned flags) {
+  if (!g || g->magic != GRAPH_MAGIC || !o || o->magic != UOBJ_MAGIC || !count || (flags & ~GRAPH_USER_OBJECT_MOVE))
+    return CUDA_ERROR_INVALID_VALUE;
+  pthread_mutex_lock(&g_capture_lock);
+  int i = 0;
+  while (i < g->held.n && g->held.obj[i] != o) i++;
+  CUresult r = CUDA_SUCCESS;
+  if (i == MAX_HELD) {
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+  } else {
+    if (i == g->held.n) {
+      g->held.obj[g->held.n] = o;
+      g->held.count[g->held.n++] = 0;
+    }
+    g->held.count[i] += count;
+    if (!(flags & GRAPH_USER_OBJECT_MOVE)) o->refs += count;
+  }
+  pthread_mutex_unlock(&g_capture_lock);
+  return r;
 }
 
 EXPORT CUresult cuStreamIsCapturing(struct stream *h, int *status) {
@@ -440,15 +695,7 @@ EXPORT CUresult cuStreamIsCapturing(struct stream *h, int *status) {
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
   if (!status) return CUDA_ERROR_INVALID_VALUE;
-  pthread_mutex_lock(&s->mu);
-  *status = s->capturing; /* CU_STREAM_CAPTURE_STATUS_NONE 0, _ACTIVE 1 */
-  pthread_mutex_unlock(&s->mu);
-  return CUDA_SUCCESS;
-}
-
-EXPORT CUresult cuGraphDestroy(void *graph) {
-  (void)graph;
-  return CUDA_SUCCESS;
+  return cuStreamGetCaptureInfo_v2(s, status, NULL, NULL, NULL, NULL);
 }
 
 EXPORT CUresult cuStreamQuery(struct stream *h) {
@@ -472,6 +719,7 @@ EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct
   if (n == 0) return resolve(h, &(struct stream *){NULL});
   if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
   int from_pageable = mem_lookup(src, n) == MEM_PAGEABLE, to_pageable = mem_lookup(dst, n) == MEM_PAGEABLE;
+  if ((from_pageable || to_pageable) && stream_capturing(h)) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   CUresult r;
   if (from_pageable) {
     if ((r = cuStreamSynchronize(h)) != CUDA_SUCCESS) return r;
@@ -553,6 +801,7 @@ EXPORT CUresult cuEventRecord(struct event *e, struct stream *h) {
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
+  if (stream_capturing(s)) return CUDA_ERROR_NOT_SUPPORTED; /* the stub's graphs hold no events */
   pthread_mutex_lock(&e->mu);
   struct op op = {.kind = OP_RECORD, .ev = e, .seq = ++e->recorded};
   e->refs++;
@@ -593,6 +842,7 @@ EXPORT CUresult cuStreamWaitEvent(struct stream *h, struct event *e, unsigned fl
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
+  if (stream_capturing(s)) return CUDA_ERROR_NOT_SUPPORTED;
   pthread_mutex_lock(&e->mu);
   struct op op = {.kind = OP_WAIT_EVENT, .ev = e, .seq = e->recorded};
   if (op.seq) e->refs++;

@@ -17,6 +17,7 @@
 //! a thread where [`Context::make_current`] was called.
 
 mod context;
+mod graph;
 mod ipc;
 mod kernels;
 mod memory;
@@ -31,6 +32,7 @@ use crate::error::{Code, Error, Result};
 
 pub use context::{current_device, device_count, relax_capture_mode, Context, KeepCurrent};
 pub use cudarc::driver::sys::CUstream;
+pub use graph::Capture;
 pub use ipc::{IpcHandle, IpcMapping};
 pub use kernels::{Desc, Indirect, Kernels};
 pub use memory::{alloc, allocation_of, classify, free, MappedHost, PtrKind};

@@ -1,0 +1,103 @@
+//! What recording into a CUDA graph needs beyond ordinary stream work: the graph a stream is
+//! capturing into, host functions (a graph's host nodes), and user objects, through which a
+//! graph owns what its work refers to until the graph and every launch of it are gone.
+
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUgraph, CUuserObject, CUuserObjectRetain_flags, CUuserObject_flags};
+
+use super::stream::Stream;
+use super::{check, driver};
+use crate::error::{Error, Result};
+
+/// The graph a stream is capturing into: valid while the capture lasts.
+#[derive(Clone, Copy, Debug)]
+pub struct Capture {
+    graph: CUgraph,
+}
+
+impl Stream {
+    /// The graph this stream is capturing into, or None if it is not capturing.
+    pub fn capture(&self) -> Result<Option<Capture>> {
+        driver("cuStreamGetCaptureInfo_v2", || {
+            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            let mut graph: CUgraph = std::ptr::null_mut();
+            // SAFETY: `status` and `graph` are valid out-pointers; the others may be NULL; `raw`
+            // is a live stream.
+            check("cuStreamGetCaptureInfo_v2", unsafe {
+                sys::cuStreamGetCaptureInfo_v2(self.raw(), &mut status, std::ptr::null_mut(), &mut graph,
+                                               std::ptr::null_mut(), std::ptr::null_mut())
+            })?;
+            match status {
+                sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE if !graph.is_null() => {
+                    Ok(Some(Capture { graph }))
+                }
+                sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => Ok(None),
+                _ => Err(Error::invalid_usage("the stream's graph capture was invalidated")),
+            }
+        })
+    }
+}
+
+/// What a graph's host node calls: `f(value)`, every time a launch of the graph reaches it.
+struct HostCall<T> {
+    value: Arc<T>,
+    f: fn(Arc<T>),
+}
+
+impl Capture {
+    /// Records a host node into the graph at this point of `stream`'s capture: each launch
+    /// that reaches it calls `f` with a clone of `value` on a thread of the driver's,
+    /// once the work captured before it has completed, and work captured after it waits for
+    /// `f` to return. `f` must return promptly and make no driver call (CUDA forbids it there).
+    /// The graph owns `value` (see [`Capture::keep`]).
+    pub fn host_call<T: Send + Sync + 'static>(&self, stream: &Stream, value: Arc<T>, f: fn(Arc<T>)) -> Result<()> {
+        unsafe extern "C" fn call<T>(data: *mut c_void) {
+            // SAFETY: `data` is the HostCall the graph keeps while any launch of it can run.
+            let hc = unsafe { &*data.cast_const().cast::<HostCall<T>>() };
+            let _ = catch_unwind(AssertUnwindSafe(|| (hc.f)(hc.value.clone())));
+        }
+        let data = self.keep(Box::new(HostCall { value, f }))?;
+        driver("cuLaunchHostFunc", || {
+            // SAFETY: `raw` is a live stream; `call` never unwinds into the driver, and `data`
+            // lives as long as the graph's launches (the graph owns it).
+            check("cuLaunchHostFunc", unsafe { sys::cuLaunchHostFunc(stream.raw(), Some(call::<T>), data) })
+        })
+    }
+
+    /// Hands `value` to the graph: it is dropped once the graph, its executable copies and
+    /// their launches are all gone, on a thread of the driver's, which must make no driver
+    /// call (so `T`'s drop must not). On failure it is dropped at once. Returns where it lives.
+    fn keep<T: Send + 'static>(&self, value: Box<T>) -> Result<*mut c_void> {
+        unsafe extern "C" fn drop_box<T>(p: *mut c_void) {
+            // SAFETY: `p` is the Box::into_raw below, handed to the driver once, dropped once.
+            let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(p.cast::<T>()) })));
+        }
+        let raw = Box::into_raw(value).cast::<c_void>();
+        driver("cuUserObjectCreate", || {
+            let mut object: CUuserObject = std::ptr::null_mut();
+            let flags = CUuserObject_flags::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC as u32;
+            // SAFETY: `object` is a valid out-pointer; the destructor owns `raw` from here on.
+            let created = check("cuUserObjectCreate", unsafe {
+                sys::cuUserObjectCreate(&mut object, raw, Some(drop_box::<T>), 1, flags)
+            });
+            if let Err(e) = created {
+                // SAFETY: the driver did not take `raw`: it is still ours, dropped once.
+                drop(unsafe { Box::from_raw(raw.cast::<T>()) });
+                return Err(e);
+            }
+            let flags = CUuserObjectRetain_flags::CU_GRAPH_USER_OBJECT_MOVE as u32;
+            // SAFETY: both handles are live; MOVE hands our one reference to the graph.
+            let moved = check("cuGraphRetainUserObject", unsafe {
+                sys::cuGraphRetainUserObject(self.graph, object, 1, flags)
+            });
+            if moved.is_err() {
+                // SAFETY: our reference is still ours: its release drops `raw`.
+                let _ = unsafe { sys::cuUserObjectRelease(object, 1) };
+            }
+            moved.map(|()| raw)
+        })
+    }
+}
