@@ -201,16 +201,10 @@ def main():
               f"(largest difference {diff:.3g})")
         sys.exit(0 if same else 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if mode == "graph":
+    if mode in ("graph", "stress"):
         dev = init_nccl(rank, world)
-        ok = graph(rank, world, dev)
-        print(f"rank {rank}: graph: RESULT {'ok' if ok else 'FAILED'}", flush=True)
-        dist.destroy_process_group()
-        sys.exit(0 if ok else 1)
-    if mode == "stress":
-        dev = init_nccl(rank, world)
-        ok = stress(rank, world, dev)
-        print(f"rank {rank}: stress: RESULT {'ok' if ok else 'FAILED'}", flush=True)
+        ok = {"graph": graph, "stress": stress}[mode](rank, world, dev)
+        print(f"rank {rank}: {mode}: RESULT {'ok' if ok else 'FAILED'}", flush=True)
         dist.destroy_process_group()
         sys.exit(0 if ok else 1)
     if mode == "nccl":
