@@ -2,7 +2,8 @@
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
  *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph]
- *   CUDA_TEST_FAULT=1 cuda      (2 processes; the harness kills process 1 once it prints LOOPING)
+ *   CUDA_TEST_FAULT=1|graph cuda (2 processes; the harness kills process 1 once it prints LOOPING;
+ *                                graph: the all-reduces are launches of a captured graph)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
  *                                all-reduce of N floats, 1 meaning 1024)
@@ -1081,11 +1082,20 @@ static int fault(void) {
   CUdeviceptr d = dev_alloc(count * sizeof(float));
   ncclComm_t comm = g_comms[0];
   CUstream st = g_streams[0];
+  /* CUDA_TEST_FAULT=graph: the all-reduce captured into a graph once, the graph launched. */
+  void *graph = NULL, *exec = NULL;
+  if (!strcmp(getenv("CUDA_TEST_FAULT"), "graph")) {
+    CU(cu.StreamBeginCapture(st, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, st));
+    CU(cu.StreamEndCapture(st, &graph));
+    CU(cu.GraphInstantiate(&exec, graph, 0));
+  }
   double start = now_s(), failed_at = 0;
   ncclResult_t seen = ncclSuccess;
   const char* why = "";
   for (long i = 0; now_s() - start < bound + 5; i++) {
-    ncclResult_t r = ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, st);
+    ncclResult_t r = exec ? (cu.GraphLaunch(exec, st) == 0 ? ncclSuccess : ncclUnhandledCudaError)
+                          : ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, st);
     if (r == ncclSuccess) {
       CU(cu.StreamSynchronize(st)); /* must return: a failed operation still releases it */
       CHECK(ncclCommGetAsyncError(comm, &r));
@@ -1107,6 +1117,12 @@ static int fault(void) {
   double t = now_s();
   CHECK(ncclCommAbort(comm));
   EXPECT(now_s() - t < 5.0, "ncclCommAbort took %.1f s", now_s() - t);
+  if (exec) {
+    CU(cu.GraphLaunch(exec, st)); /* after the abort: released at once */
+    CU(cu.StreamSynchronize(st));
+    CU(cu.GraphExecDestroy(exec));
+    CU(cu.GraphDestroy(graph));
+  }
   dev_free(d);
   return test_finish();
 }

@@ -551,9 +551,20 @@ fn perf_tool_runs_and_checks_device_buffers() {
 /// bound, and ncclCommAbort returns (ffi-tests/cuda.c checks all of it).
 #[test]
 fn cuda_mode_peer_killed_during_stream_operations() {
-    let o = cuda_job()
+    peer_killed(cuda_job().env("CUDA_TEST_FAULT", "1"));
+}
+
+/// The same with the all-reduces launched as a captured CUDA graph (NCCL_RS_GRAPH_CAPTURE=1):
+/// the survivor's launch is released with the peer's loss as the communicator's error, and a
+/// launch after ncclCommAbort goes straight through.
+#[test]
+fn cuda_mode_peer_killed_during_graph_launches() {
+    peer_killed(cuda_job().env("CUDA_TEST_FAULT", "graph").env("NCCL_RS_GRAPH_CAPTURE", "1"));
+}
+
+fn peer_killed(job: Job) {
+    let o = job
         .procs(2)
-        .env("CUDA_TEST_FAULT", "1")
         .env("CUDA_FAULT_BOUND_S", "20")
         .kill(1, When::marker(1, "LOOPING").then_ms(50))
         .timeout_s(60)
