@@ -883,15 +883,18 @@ static void capture_elsewhere(void) {
 }
 
 /* ---- Graph: collectives captured into CUDA graphs (NCCL_RS_GRAPH_CAPTURE=1) ----------------
- * One group per rank captured on its stream in global mode (torch.cuda.graph's): an in-place
- * all-reduce, a large out-of-place one, an all-gather, a PreMulSum all-reduce with its scalar
- * in device memory, and a send to the next rank with a receive from the previous. The graph is
- * destroyed once instantiated (the executable copy keeps what it needs) and launched three
- * times, each time with new inputs and scalars uploaded on the stream before the launch, while
- * the stream is held on a host word and an ordinary all-reduce (large: direct between ranks of
- * a host) is issued behind the launch on the same stream: the launch must run first, and every
- * result be exact. Then a graph of a
- * communicator destroyed before its launch: the stream must go on (a warning says why). */
+ * Captured as PyTorch captures them: in global mode (torch.cuda.graph's) on a stream of the
+ * process's own, which each rank's stream (PyTorch's NCCL stream) joins through an event, and
+ * which waits for them through events before the capture ends: one graph for the process's
+ * ranks. Per rank, one group: an in-place all-reduce, a large out-of-place one, an all-gather,
+ * a PreMulSum all-reduce with its scalar in device memory, and a send to the next rank with a
+ * receive from the previous. The graph is destroyed once instantiated (the executable copy
+ * keeps what it needs) and launched three times, each time with new inputs and scalars
+ * uploaded before, while the launch's stream is held on a host word and an ordinary all-reduce
+ * (large: direct between ranks of a host) is issued on each rank's stream behind the launch
+ * (an event): the launch must run first, and every result be exact. Then a graph captured on
+ * each rank's stream alone, of a communicator destroyed before its launch: the stream must go
+ * on (a warning says why). */
 enum { G_SMALL = 1000, G_LARGE = 100000, G_GATHER = 3000 };
 
 static void graph_inputs(int l, float* h, CUdeviceptr* d, int salt) {
@@ -919,7 +922,15 @@ static void graph(void) {
     h[l] = host_alloc((size_t)G_LARGE * (n > 8 ? n : 8) * sizeof(float));
     CHECK(ncclRedOpCreatePreMulSum(&pre[l], (void*)(uintptr_t)d[l][8], ncclFloat32, ncclScalarDevice, g_comms[l]));
   }
-  for (int l = 0; l < g_env.local; l++) CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_GLOBAL));
+  CUstream cap;
+  void *fork, *joined[MAX_LOCAL], *after;
+  CU(cu.StreamCreate(&cap, CU_STREAM_NON_BLOCKING));
+  CU(cu.EventCreate(&fork, CU_EVENT_DISABLE_TIMING));
+  CU(cu.EventCreate(&after, CU_EVENT_DISABLE_TIMING));
+  for (int l = 0; l < g_env.local; l++) CU(cu.EventCreate(&joined[l], CU_EVENT_DISABLE_TIMING));
+  CU(cu.StreamBeginCapture(cap, CU_STREAM_CAPTURE_MODE_GLOBAL));
+  CU(cu.EventRecord(fork, cap));
+  for (int l = 0; l < g_env.local; l++) CU(cu.StreamWaitEvent(g_streams[l], fork, 0));
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) {
     int rank = g_env.first_rank + l;
@@ -934,11 +945,14 @@ static void graph(void) {
   }
   CHECK(ncclGroupEnd());
   for (int l = 0; l < g_env.local; l++) {
-    CU(cu.StreamEndCapture(g_streams[l], &graphs[l]));
-    EXPECT(graphs[l] != NULL, "rank %d: the capture gave no graph", g_env.first_rank + l);
-    CU(cu.GraphInstantiate(&execs[l], graphs[l], 0));
-    CU(cu.GraphDestroy(graphs[l]));
+    CU(cu.EventRecord(joined[l], g_streams[l]));
+    CU(cu.StreamWaitEvent(cap, joined[l], 0));
   }
+  void *graph_all = NULL, *exec_all = NULL;
+  CU(cu.StreamEndCapture(cap, &graph_all));
+  EXPECT(graph_all != NULL, "the capture gave no graph");
+  CU(cu.GraphInstantiate(&exec_all, graph_all, 0));
+  CU(cu.GraphDestroy(graph_all));
   for (int launch = 0; launch < 3; launch++) {
     test_step("graph: launch");
     int salt = 10 * (launch + 1);
@@ -953,10 +967,12 @@ static void graph(void) {
       for (size_t j = 0; j < G_LARGE; j++) h[l][j] = in_value(rank, j, salt + 7);
       CU(cu.MemcpyAsync(d[l][9], (CUdeviceptr)(uintptr_t)h[l], G_LARGE * sizeof(float), g_streams[l]));
       CU(cu.StreamSynchronize(g_streams[l]));
-      CU(cu.StreamWaitValue32(g_streams[l], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
-      CU(cu.GraphLaunch(execs[l], g_streams[l]));
     }
-    CHECK(ncclGroupStart()); /* behind the launch on the same streams, issued while they are held */
+    CU(cu.StreamWaitValue32(cap, dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
+    CU(cu.GraphLaunch(exec_all, cap));
+    CU(cu.EventRecord(after, cap));
+    for (int l = 0; l < g_env.local; l++) CU(cu.StreamWaitEvent(g_streams[l], after, 0));
+    CHECK(ncclGroupStart()); /* behind the launch, issued while it is held */
     for (int l = 0; l < g_env.local; l++)
       CHECK(ncclAllReduce((void*)(uintptr_t)d[l][9], (void*)(uintptr_t)d[l][9], G_LARGE, ncclFloat32, ncclSum,
                           g_comms[l], g_streams[l]));
@@ -999,8 +1015,12 @@ static void graph(void) {
     }
     CU(cu.MemFreeHost(flag));
   }
+  CU(cu.GraphExecDestroy(exec_all));
+  CU(cu.StreamDestroy(cap));
+  CU(cu.EventDestroy(fork));
+  CU(cu.EventDestroy(after));
   for (int l = 0; l < g_env.local; l++) {
-    CU(cu.GraphExecDestroy(execs[l]));
+    CU(cu.EventDestroy(joined[l]));
     CHECK(ncclRedOpDestroy(pre[l], g_comms[l]));
     for (int b = 0; b < 10; b++) dev_free(d[l][b]);
     CU(cu.MemFreeHost(h[l]));

@@ -19,7 +19,7 @@
  *   to C implementations with the semantics of src/device/host/reduce.rs (kernels.c);
  *   cuLaunchKernel enqueues the call. The grid does not matter: the kernels are grid-stride.
  * - Graph capture records a stream's copies, memsets, memory operations, kernels and host
- *   functions into a graph, which cuGraphInstantiateWithFlags and cuGraphLaunch run again;
+ *   functions into a graph (streams join a capture through events, as in CUDA), which cuGraphInstantiateWithFlags and cuGraphLaunch run again;
  *   user objects are reference counted and destroyed on a thread of their own. What a capture
  *   prohibits is CUDA's: a potentially unsafe call (allocating or freeing memory, IPC
  *   mappings, loading modules, querying or synchronising streams, events, contexts) made while
@@ -112,6 +112,9 @@ static const char *error_name(CUresult r) {
     NAME(CUDA_ERROR_NOT_SUPPORTED)
     NAME(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
     NAME(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+    NAME(CUDA_ERROR_STREAM_CAPTURE_UNMATCHED)
+    NAME(CUDA_ERROR_STREAM_CAPTURE_ISOLATION)
+    NAME(CUDA_ERROR_CAPTURED_EVENT)
 #undef NAME
     default:
       return NULL;

@@ -35,6 +35,9 @@ struct event {
   uint64_t recorded;  /* records issued */
   uint64_t completed; /* the highest record its stream has reached */
   int refs;           /* the handle, plus each pending operation that names the event */
+  uint64_t captured;  /* the capture its latest record went into (an id), 0 if none */
+  int cap_branch;     /* ... its branch there, and how many of the branch's ops came before, + 1 */
+  uint32_t cap_pos;
 };
 
 enum op_kind { OP_COPY, OP_SET, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE_VALUE, OP_KERNEL, OP_HOST };
@@ -55,6 +58,7 @@ struct op {
   uint64_t params[4];
   void (*fn)(void *); /* OP_HOST: cuLaunchHostFunc's function and its argument */
   void *data;
+  int branch; /* in a graph, OP_WAIT_VALUE without a word: wait until branch `branch` has done `value` ops */
   struct stream *owner; /* shared hardware queues: the stream it was issued on */
 };
 
@@ -288,7 +292,6 @@ static CUresult enqueue(struct stream *h, const struct op *op) {
   switch (capture_append(s, op)) {
     case 1: return CUDA_SUCCESS;
     case -1: return CUDA_ERROR_OUT_OF_MEMORY;
-    case -2: return CUDA_ERROR_NOT_SUPPORTED;
     default: break;
   }
   struct op *o = malloc(sizeof *o);
@@ -353,9 +356,12 @@ EXPORT CUresult cuStreamSynchronize(struct stream *h) {
 /* ---- graph capture and graphs ----------------------------------------------------------------
  * Work enqueued on a stream between cuStreamBeginCapture_v2 and cuStreamEndCapture is recorded
  * into a graph instead of run: copies, memsets, stream memory operations, kernels and host
- * functions, in issue order (a capture is one stream: the stub does not fork or join captures
- * through events, and refuses event records and waits on a capturing stream, and copies to or
- * from pageable memory). cuGraphInstantiateWithFlags copies a graph into an executable graph;
+ * functions. Another stream joins the capture by waiting for an event recorded in it (as
+ * PyTorch's NCCL stream does), and its work goes into the same graph: the stub's graphs are one
+ * sequence, in issue order, which respects every dependency a capture can express. An event
+ * recorded in a capture cannot be queried or waited for on the host (CUDA_ERROR_CAPTURED_EVENT);
+ * the stub refuses waits for events recorded outside the capture, and copies to or from
+ * pageable memory. cuGraphInstantiateWithFlags copies a graph into an executable graph;
  * cuGraphLaunch enqueues its work on a stream, then the release of the references that launch
  * holds. User objects (cuUserObjectCreate) are reference counted; graphs hold references
  * (cuGraphRetainUserObject), executable graphs and launches in flight hold their graph's; the
@@ -374,6 +380,7 @@ EXPORT CUresult cuStreamSynchronize(struct stream *h) {
 enum { CAPTURE_GLOBAL = 0, CAPTURE_THREAD_LOCAL = 1, CAPTURE_RELAXED = 2 };
 enum { USER_OBJECT_NO_DESTRUCTOR_SYNC = 1, GRAPH_USER_OBJECT_MOVE = 1 };
 #define MAX_CAPTURES 64
+#define MAX_JOINED 16
 #define MAX_HELD 16
 #define GRAPH_MAGIC 0x47524150u
 #define EXEC_MAGIC 0x47455845u
@@ -393,9 +400,16 @@ struct held {
   unsigned count[MAX_HELD];
 };
 
+/* The work one stream (the capture's origin, or one that joined it) recorded. */
+struct branch {
+  struct op *head, *tail;
+  uint32_t n;
+};
+
 struct graph {
   uint32_t magic; /* GRAPH_MAGIC or EXEC_MAGIC */
-  struct op *head, *tail;
+  struct branch branch[1 + MAX_JOINED]; /* 0: the origin's; j + 1: that of joined stream j */
+  int nbranches;
   struct held held;
 };
 
@@ -407,6 +421,8 @@ static struct capture {
   int invalidated;
   uint64_t id;
   struct graph *g;
+  struct stream *joined[MAX_JOINED]; /* streams that joined it through an event */
+  int njoined;
 } g_captures[MAX_CAPTURES];
 static int g_ncaptures;
 static uint64_t g_capture_ids;
@@ -434,33 +450,88 @@ int capture_refuses(const char *call) {
   return refused;
 }
 
-/* The capture of stream s, if any (g_capture_lock held). */
-static struct capture *capture_of(const struct stream *s) {
-  for (int i = 0; i < g_ncaptures; i++)
-    if (g_captures[i].s == s) return &g_captures[i];
+/* The capture stream s began or joined, if any, and its branch there (g_capture_lock held). */
+static struct capture *capture_branch(const struct stream *s, int *branch) {
+  for (int i = 0; i < g_ncaptures; i++) {
+    if (g_captures[i].s == s) {
+      if (branch) *branch = 0;
+      return &g_captures[i];
+    }
+    for (int j = 0; j < g_captures[i].njoined; j++) {
+      if (g_captures[i].joined[j] == s) {
+        if (branch) *branch = j + 1;
+        return &g_captures[i];
+      }
+    }
+  }
   return NULL;
 }
 
-/* 1: `op` was recorded into the graph s captures; 0: s is not capturing; -1: out of memory;
- * -2: the stub cannot record it. */
+static struct capture *capture_of(const struct stream *s) {
+  return capture_branch(s, NULL);
+}
+
+static int branch_append(struct branch *b, const struct op *op) {
+  struct op *o = malloc(sizeof *o);
+  if (!o) return -1;
+  *o = *op;
+  o->next = NULL;
+  if (b->tail) b->tail->next = o;
+  else b->head = o;
+  b->tail = o;
+  b->n++;
+  return 1;
+}
+
+/* Stream s waits for the point of capture `id` an event marks (op `at_pos` of branch
+ * `at_branch`): it joins that capture (a branch of its own, from that point). */
+static CUresult capture_join(struct stream *s, uint64_t id, int at_branch, uint32_t at_pos) {
+  pthread_mutex_lock(&g_capture_lock);
+  int b = 0;
+  struct capture *c = NULL, *mine = capture_branch(s, &b);
+  for (int i = 0; i < g_ncaptures; i++)
+    if (g_captures[i].id == id) c = &g_captures[i];
+  CUresult r = CUDA_SUCCESS;
+  if (!c) {
+    r = CUDA_ERROR_NOT_SUPPORTED; /* that capture ended: the stub does not model it */
+  } else if (mine && mine != c) {
+    r = CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
+  } else if (!mine && c->njoined == MAX_JOINED) {
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+  } else {
+    if (!mine) {
+      c->joined[c->njoined++] = s;
+      b = c->g->nbranches++;
+    }
+    struct op wait = {.kind = OP_WAIT_VALUE, .value = at_pos, .cond = 0 /* GEQ */, .branch = at_branch};
+    if (b != at_branch && branch_append(&c->g->branch[b], &wait) < 0) r = CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  pthread_mutex_unlock(&g_capture_lock);
+  return r;
+}
+
+/* Event e is recorded on stream s: if s captures, e marks the point its branch has reached. */
+static int capture_mark(struct stream *s, struct event *e) {
+  pthread_mutex_lock(&g_capture_lock);
+  int b = 0;
+  struct capture *c = capture_branch(s, &b);
+  if (c) {
+    e->captured = c->id;
+    e->cap_branch = b;
+    e->cap_pos = c->g->branch[b].n + 1;
+  } else {
+    e->captured = 0;
+  }
+  pthread_mutex_unlock(&g_capture_lock);
+  return c != NULL;
+}
+
+/* 1: `op` was recorded into the graph s captures; 0: s is not capturing; -1: out of memory. */
 static int capture_append(struct stream *s, const struct op *op) {
   pthread_mutex_lock(&g_capture_lock);
-  struct capture *c = capture_of(s);
-  int r = 0;
-  if (c && (op->kind == OP_RECORD || op->kind == OP_WAIT_EVENT)) {
-    c->invalidated = 1;
-    r = -2;
-  } else if (c) {
-    struct op *o = malloc(sizeof *o);
-    if (o) {
-      *o = *op;
-      o->next = NULL;
-      if (c->g->tail) c->g->tail->next = o;
-      else c->g->head = o;
-      c->g->tail = o;
-    }
-    r = o ? 1 : -1;
-  }
+  int b = 0;
+  struct capture *c = capture_branch(s, &b);
+  int r = c ? branch_append(&c->g->branch[b], op) : 0;
   pthread_mutex_unlock(&g_capture_lock);
   return r;
 }
@@ -511,9 +582,11 @@ static void held_copy_locked(struct held *to, const struct held *from) {
 
 static void graph_free(struct graph *g) {
   held_release(&g->held);
-  for (struct op *o = g->head, *next; o; o = next) {
-    next = o->next;
-    free(o);
+  for (int b = 0; b < g->nbranches; b++) {
+    for (struct op *o = g->branch[b].head, *next; o; o = next) {
+      next = o->next;
+      free(o);
+    }
   }
   g->magic = 0;
   free(g);
@@ -535,10 +608,11 @@ EXPORT CUresult cuStreamBeginCapture_v2(struct stream *h, int mode) {
   struct graph *g = calloc(1, sizeof *g);
   if (!g) return CUDA_ERROR_OUT_OF_MEMORY;
   g->magic = GRAPH_MAGIC;
+  g->nbranches = 1;
   pthread_mutex_lock(&g_capture_lock);
   int busy = capture_of(s) || g_ncaptures == MAX_CAPTURES;
   if (!busy) {
-    g_captures[g_ncaptures++] = (struct capture){s, pthread_self(), mode, 0, ++g_capture_ids, g};
+    g_captures[g_ncaptures++] = (struct capture){.s = s, .thread = pthread_self(), .mode = mode, .id = ++g_capture_ids, .g = g};
   }
   pthread_mutex_unlock(&g_capture_lock);
   if (busy) free(g);
@@ -553,11 +627,13 @@ EXPORT CUresult cuStreamEndCapture(struct stream *h, struct graph **graph) {
   *graph = NULL;
   pthread_mutex_lock(&g_capture_lock);
   struct capture *c = capture_of(s), done = {0};
-  if (c) {
+  int joined = c && c->s != s;
+  if (c && !joined) {
     done = *c;
     *c = g_captures[--g_ncaptures];
   }
   pthread_mutex_unlock(&g_capture_lock);
+  if (joined) return CUDA_ERROR_STREAM_CAPTURE_UNMATCHED; /* ended where it began, only */
   if (!done.g) return CUDA_ERROR_INVALID_VALUE;
   if (done.invalidated) {
     graph_free(done.g);
@@ -596,17 +672,14 @@ EXPORT CUresult cuGraphInstantiateWithFlags(struct graph **exec, struct graph *g
   struct graph *e = calloc(1, sizeof *e);
   if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
   e->magic = EXEC_MAGIC;
-  for (struct op *o = g->head; o; o = o->next) {
-    struct op *c = malloc(sizeof *c);
-    if (!c) {
-      graph_free(e);
-      return CUDA_ERROR_OUT_OF_MEMORY;
+  e->nbranches = g->nbranches;
+  for (int b = 0; b < g->nbranches; b++) {
+    for (struct op *o = g->branch[b].head; o; o = o->next) {
+      if (branch_append(&e->branch[b], o) < 0) {
+        graph_free(e);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+      }
     }
-    *c = *o;
-    c->next = NULL;
-    if (e->tail) e->tail->next = c;
-    else e->head = c;
-    e->tail = c;
   }
   pthread_mutex_lock(&g_capture_lock);
   held_copy_locked(&e->held, &g->held);
@@ -621,27 +694,62 @@ EXPORT CUresult cuGraphExecDestroy(struct graph *e) {
   return CUDA_SUCCESS;
 }
 
+/* One launch in flight: the references it holds, and how far each branch got (its ops done,
+ * + 1 once it started). */
+struct launch {
+  struct held held;
+  uint32_t done[1 + MAX_JOINED];
+};
+
 static void release_launch(void *arg) {
-  held_release(arg);
-  free(arg);
+  struct launch *l = arg;
+  held_release(&l->held);
+  free(l);
 }
 
+static void bump(void *word) {
+  __atomic_fetch_add((uint32_t *)word, 1, __ATOMIC_SEQ_CST);
+}
+
+/* Branch 0 runs on the stream of the launch; the others on streams of their own, each from the
+ * point of another branch it joined at. The launch ends (and releases what it holds) once
+ * every branch is done. */
 EXPORT CUresult cuGraphLaunch(struct graph *e, struct stream *h) {
   if (!e || e->magic != EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
   if (stream_capturing(s)) return CUDA_ERROR_NOT_SUPPORTED; /* no child graphs */
-  struct held *launch = malloc(sizeof *launch);
-  if (!launch) return CUDA_ERROR_OUT_OF_MEMORY;
-  pthread_mutex_lock(&g_capture_lock);
-  held_copy_locked(launch, &e->held);
-  pthread_mutex_unlock(&g_capture_lock);
-  for (struct op *o = e->head; o; o = o->next) {
-    if ((r = enqueue(s, o)) != CUDA_SUCCESS) break;
+  struct launch *l = calloc(1, sizeof *l);
+  if (!l) return CUDA_ERROR_OUT_OF_MEMORY;
+  struct stream *on[1 + MAX_JOINED] = {s};
+  for (int b = 1; b < e->nbranches; b++) {
+    if (!(on[b] = stream_new())) {
+      for (int k = 1; k < b; k++) cuStreamDestroy_v2(on[k]);
+      free(l);
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    }
   }
-  struct op done = {.kind = OP_HOST, .fn = release_launch, .data = launch};
-  if (r != CUDA_SUCCESS || enqueue(s, &done) != CUDA_SUCCESS) release_launch(launch);
+  pthread_mutex_lock(&g_capture_lock);
+  held_copy_locked(&l->held, &e->held);
+  pthread_mutex_unlock(&g_capture_lock);
+  for (int b = 0; b < e->nbranches && r == CUDA_SUCCESS; b++) {
+    struct op step = {.kind = OP_HOST, .fn = bump, .data = &l->done[b]};
+    r = enqueue(on[b], &step);
+    for (struct op *o = e->branch[b].head; o && r == CUDA_SUCCESS; o = o->next) {
+      struct op op = *o;
+      if (op.kind == OP_WAIT_VALUE && !op.word) op.word = &l->done[op.branch];
+      if ((r = enqueue(on[b], &op)) == CUDA_SUCCESS) r = enqueue(on[b], &step);
+    }
+  }
+  for (int b = 1; b < e->nbranches && r == CUDA_SUCCESS; b++) {
+    struct op joined = {.kind = OP_WAIT_VALUE, .word = &l->done[b], .value = e->branch[b].n + 1, .cond = 0};
+    r = enqueue(s, &joined);
+  }
+  struct op done = {.kind = OP_HOST, .fn = release_launch, .data = l};
+  /* A launch half enqueued cannot be taken back: its memory stays (a test double). */
+  if (r == CUDA_SUCCESS) r = enqueue(s, &done);
+  for (int b = 1; b < e->nbranches; b++) cuStreamDestroy_v2(on[b]);
   return r;
 }
 
@@ -801,8 +909,11 @@ EXPORT CUresult cuEventRecord(struct event *e, struct stream *h) {
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
-  if (stream_capturing(s)) return CUDA_ERROR_NOT_SUPPORTED; /* the stub's graphs hold no events */
   pthread_mutex_lock(&e->mu);
+  if (capture_mark(s, e)) { /* a point of the graph, for other streams to join at */
+    pthread_mutex_unlock(&e->mu);
+    return CUDA_SUCCESS;
+  }
   struct op op = {.kind = OP_RECORD, .ev = e, .seq = ++e->recorded};
   e->refs++;
   pthread_mutex_unlock(&e->mu);
@@ -816,6 +927,10 @@ EXPORT CUresult cuEventQuery(struct event *e) {
   REQUIRE_INIT();
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   pthread_mutex_lock(&e->mu);
+  if (e->captured) {
+    pthread_mutex_unlock(&e->mu);
+    return CUDA_ERROR_CAPTURED_EVENT;
+  }
   int ready = e->completed >= e->recorded;
   pthread_mutex_unlock(&e->mu);
   return ready ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
@@ -827,6 +942,10 @@ EXPORT CUresult cuEventSynchronize(struct event *e) {
   REQUIRE_INIT();
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   pthread_mutex_lock(&e->mu);
+  if (e->captured) {
+    pthread_mutex_unlock(&e->mu);
+    return CUDA_ERROR_CAPTURED_EVENT;
+  }
   uint64_t target = e->recorded;
   while (e->completed < target) pthread_cond_wait(&e->cv, &e->mu);
   pthread_mutex_unlock(&e->mu);
@@ -842,6 +961,12 @@ EXPORT CUresult cuStreamWaitEvent(struct stream *h, struct event *e, unsigned fl
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&e->mu);
+  uint64_t in_capture = e->captured;
+  int at_branch = e->cap_branch;
+  uint32_t at_pos = e->cap_pos;
+  pthread_mutex_unlock(&e->mu);
+  if (in_capture) return capture_join(s, in_capture, at_branch, at_pos);
   if (stream_capturing(s)) return CUDA_ERROR_NOT_SUPPORTED;
   pthread_mutex_lock(&e->mu);
   struct op op = {.kind = OP_WAIT_EVENT, .ev = e, .seq = e->recorded};
