@@ -10,6 +10,8 @@
  *   CUDA_TEST_LAUNCH_FAIL=1 cuda (2 processes; process 1 with NCCL_RS_STUB_LAUNCH_FAILS=1)
  *   CUDA_TEST_STREAM_HELD=FILE cuda (2 processes: process 1 holds its stream before an
  *                                all-reduce until FILE exists; both check the result)
+ *   CUDA_TEST_GRAPH_HELD=FILE cuda (2 processes, NCCL_RS_GRAPH_CAPTURE=1: process 1 launches its
+ *                                graph's second time once FILE exists)
  *   CUDA_TEST_VMM=1 cuda        (device buffers from the virtual memory API, placed as PyTorch's
  *                                expandable segments place them: see vmm_alloc)
  *   NCCL_RS_GRAPH_CAPTURE=1 cuda --only Graph (collectives captured into CUDA graphs, launched
@@ -1466,6 +1468,47 @@ static int stream_held(void) {
   return test_finish();
 }
 
+/* A rank that has not launched its graph yet is named as such by the rank whose launch waits
+ * for it (CUDA_TEST_GRAPH_HELD=FILE, NCCL_RS_GRAPH_CAPTURE=1, 2 processes): both capture an
+ * all-reduce and launch it once; for the second launch process 1 waits until FILE exists (the
+ * harness makes it once process 0 has said why it waits). Both results exact. */
+static int graph_held(void) {
+  test_step("graph-held");
+  const char* release = getenv("CUDA_TEST_GRAPH_HELD");
+  const size_t count = 1024;
+  int rank = g_env.first_rank;
+  CUdeviceptr d = dev_alloc(count * sizeof(float));
+  float* h = host_alloc(count * sizeof(float));
+  void *graph = NULL, *exec = NULL;
+  CU(cu.StreamBeginCapture(g_streams[0], CU_STREAM_CAPTURE_MODE_GLOBAL));
+  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
+  CU(cu.StreamEndCapture(g_streams[0], &graph));
+  CU(cu.GraphInstantiate(&exec, graph, 0));
+  for (int launch = 0; launch < 2; launch++) {
+    for (size_t j = 0; j < count; j++) h[j] = in_value(rank, j, launch);
+    CU(cu.MemcpyAsync(d, (CUdeviceptr)(uintptr_t)h, count * sizeof(float), g_streams[0]));
+    CU(cu.StreamSynchronize(g_streams[0]));
+    if (launch == 1 && rank == 1) {
+      tlog("HOLDING the launch");
+      double until = now_s() + 60;
+      while (access(release, F_OK) != 0 && now_s() < until) usleep(10000);
+      EXPECT(access(release, F_OK) == 0, "never released (%s)", release);
+    }
+    CU(cu.GraphLaunch(exec, g_streams[0]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h, d, count * sizeof(float), g_streams[0]));
+    CU(cu.StreamSynchronize(g_streams[0]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[j] != expected(C_ALLREDUCE, count, g_env.nranks, rank, j, launch);
+    EXPECT(bad == 0, "graph launch %d, rank %d: %zu wrong values", launch + 1, rank, bad);
+  }
+  CU(cu.GraphExecDestroy(exec));
+  CU(cu.GraphDestroy(graph));
+  dev_free(d);
+  CU(cu.MemFreeHost(h));
+  destroy_comms(g_comms);
+  return test_finish();
+}
+
 /* ---- Torch: communicators driven the way PyTorch's ProcessGroupNCCL drives them ----------
  * A nonblocking communicator (ncclCommInitRankConfig, blocking = 0) split into a sub-group
  * (with three or more ranks the last stays out with NCCL_SPLIT_NOCOLOR; keys reverse the
@@ -1754,6 +1797,7 @@ int main(int argc, char** argv) {
   if (getenv("CUDA_TEST_LAUNCH_FAIL")) return launch_fail();
   if (getenv("CUDA_TEST_ABORT_HELD")) return abort_held();
   if (getenv("CUDA_TEST_STREAM_HELD")) return stream_held();
+  if (getenv("CUDA_TEST_GRAPH_HELD")) return graph_held();
   if (host_wait_mode()) {
     host_wait();
   } else if (wanted("Gated")) {

@@ -420,7 +420,7 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
             Err(e) if e.code == crate::Code::Timeout && Instant::now() < ctx.deadline => {
                 if let Some(mine) = mine {
                     let describe = &crate::plan::ops::describe_stamp;
-                    let why = c.peer_runs(peer, &mine, describe)?.why_waiting(describe);
+                    let why = c.peer_runs(peer, &mine, describe)?.why_waiting(&mine, describe);
                     if let Some(why) = why.filter(|_| started.elapsed() >= std::time::Duration::from_secs(5)) {
                         crate::warn!("rank {}: waited {} s in {} for {}, {why}",
                                      c.rank, started.elapsed().as_secs(), describe(&mine), c.describe_peer(peer));

@@ -323,6 +323,28 @@ fn cuda_mode_a_stream_behind_its_call_is_named() {
             "rank 1:\n{held}");
 }
 
+/// A graph launch that waits for a rank which has not launched its graph yet names that rank
+/// and says so (not that its stream is behind, nor that the call is missing); released, both
+/// launches are exact.
+#[test]
+fn cuda_mode_a_rank_behind_its_graph_launch_is_named() {
+    let mut job = cuda_job().procs(2).env("NCCL_DEBUG", "WARN").env("NCCL_RS_GRAPH_CAPTURE", "1");
+    let release = job.dir().join("release");
+    let file = release.clone();
+    let job = job.env("CUDA_TEST_GRAPH_HELD", release.to_str().expect("a path")).on(
+        When::marker(0, "has not got to that launch"),
+        move || {
+            std::fs::write(&file, b"go").expect("the release file");
+            "released process 1's launch".to_string()
+        },
+    );
+    let o = job.run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let waiting = &o.procs[0].log;
+    assert!(waiting.contains("AllReduce #0 (CUDA graph launch 2)") && waiting.contains("for rank 1")
+            && waiting.contains("which has not got to that launch of its CUDA graph"), "rank 0:\n{waiting}");
+}
+
 /// While the application captures a graph on another stream in global mode (torch.cuda.graph's
 /// default), collectives outside the capture run, exact, and the capture survives: neither
 /// nccl-rs's calls nor its threads make the calls such a capture forbids (the stand-in enforces

@@ -68,10 +68,14 @@ pub enum PeerRuns {
 }
 
 impl PeerRuns {
-    /// What a rank that waited on the peer says of it, if anything: the peer has not issued
-    /// the call, or its CUDA stream has not reached it.
-    pub fn why_waiting(&self, describe: &dyn Fn(&Stamp) -> String) -> Option<String> {
+    /// What a rank that waited on the peer in `mine` says of it, if anything: the peer has not
+    /// issued the call (or not got to that launch of its CUDA graph), or its CUDA stream has not
+    /// reached it.
+    pub fn why_waiting(&self, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String) -> Option<String> {
         match self {
+            PeerRuns::Nothing if crate::plan::ops::launched_by_graph(mine) => Some(
+                "which has not got to that launch of its CUDA graph (it has not launched the graph, or its stream has \
+                 not reached the launch)".to_string()),
             PeerRuns::Nothing => Some("which has not issued that call".to_string()),
             PeerRuns::Stream(theirs) => Some(format!(
                 "which issued {} and waits for its CUDA stream to get through it: work queued on that stream has not \

@@ -148,6 +148,11 @@ pub fn replay_seq(seq: u64, launch: u32) -> u64 {
     REPLAY_BIT | (u64::from(launch & 0xff_ffff) << REPLAY_SEQ_BITS) | (seq & ((1 << REPLAY_SEQ_BITS) - 1))
 }
 
+/// Whether `s` is the stamp of an operation a CUDA graph runs (or of a step of one).
+pub fn launched_by_graph(s: &Stamp) -> bool {
+    s[0] != P2P_KIND && u64::from_le_bytes([s[16], s[17], s[18], s[19], s[20], s[21], s[22], s[23]]) & REPLAY_BIT != 0
+}
+
 /// "#12", or "#12 (CUDA graph launch 3)" for an operation a graph runs.
 fn seq_text(seq: u64) -> String {
     if seq & REPLAY_BIT == 0 {
@@ -278,5 +283,10 @@ mod tests {
         assert_eq!(seq_text(12), "#12");
         assert_eq!(seq_text(b), "#12 (CUDA graph launch 2)");
         assert_eq!(seq_text(replay_seq(7, 0xff_ffff)), "#7 (CUDA graph launch 16777216)");
+        let op = |seq| Op { kind: OpKind::AllReduce, dt: DataType::Float32, op: RedOp::Builtin(BuiltinOp::Sum), count: 4,
+                            root: 0, send: Region::EMPTY, recv: Region::EMPTY, seq, scalar_at: None, of: None };
+        assert!(launched_by_graph(&op(b).stamp()));
+        assert!(launched_by_graph(&control_stamp(&op(b).stamp(), 2)));
+        assert!(!launched_by_graph(&op(12).stamp()));
     }
 }

@@ -297,7 +297,7 @@ impl<'a> Job<'a> {
             }
             asked.push(peer);
             let mine = self.stamps[self.units[unit as usize].op as usize];
-            if let Some(why) = self.comm.peer_runs(peer, &mine, self.describe)?.why_waiting(self.describe) {
+            if let Some(why) = self.comm.peer_runs(peer, &mine, self.describe)?.why_waiting(&mine, self.describe) {
                 crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}",
                              self.comm.rank, waited.as_secs_f64(), (self.describe)(&mine), self.comm.describe_peer(peer));
             }
