@@ -974,6 +974,8 @@ static void graph(void) {
     CU(cu.GraphLaunch(exec_all, cap));
     CU(cu.EventRecord(after, cap));
     for (int l = 0; l < g_env.local; l++) CU(cu.StreamWaitEvent(g_streams[l], after, 0));
+    /* In host-wait mode a call returns once done: the launch is released first. */
+    if (host_wait_mode()) __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
     CHECK(ncclGroupStart()); /* behind the launch, issued while it is held */
     for (int l = 0; l < g_env.local; l++)
       CHECK(ncclAllReduce((void*)(uintptr_t)d[l][9], (void*)(uintptr_t)d[l][9], G_LARGE, ncclFloat32, ncclSum,

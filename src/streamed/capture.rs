@@ -127,10 +127,11 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
             "the stream is capturing a CUDA graph: nccl-rs records collectives into graphs only with \
              NCCL_RS_GRAPH_CAPTURE=1 (experimental); issue them outside the capture"));
     }
-    if s.host_wait || !s.ctx.can_wait_on_memory()? {
+    // Host-wait mode is no obstacle: a launch waits on the device for host work only.
+    if !s.ctx.can_wait_on_memory()? {
         return Err(Error::invalid_usage(
-            "a collective captured into a CUDA graph needs stream memory operations, which host-wait mode \
-             (NCCL_RS_HOST_WAIT, CUDA_DEVICE_MAX_CONNECTIONS below 8) or this driver does not use"));
+            "a collective captured into a CUDA graph needs stream memory operations, which this driver does not \
+             offer"));
     }
     if ops.iter().any(|o| !o.copyable) {
         return Err(Error::invalid_usage(

@@ -59,6 +59,7 @@ struct op {
   void (*fn)(void *); /* OP_HOST: cuLaunchHostFunc's function and its argument */
   void *data;
   int branch; /* in a graph, OP_WAIT_VALUE without a word: wait until branch `branch` has done `value` ops */
+  uint64_t order; /* in a graph, its place in the capture's issue order (from 1) */
   struct stream *owner; /* shared hardware queues: the stream it was issued on */
 };
 
@@ -410,6 +411,7 @@ struct graph {
   uint32_t magic; /* GRAPH_MAGIC or EXEC_MAGIC */
   struct branch branch[1 + MAX_JOINED]; /* 0: the origin's; j + 1: that of joined stream j */
   int nbranches;
+  uint64_t ops; /* recorded so far: the last op's order */
   struct held held;
 };
 
@@ -471,11 +473,14 @@ static struct capture *capture_of(const struct stream *s) {
   return capture_branch(s, NULL);
 }
 
-static int branch_append(struct branch *b, const struct op *op) {
+/* Appends op to branch `i` of g (a new op gets the next place in g's issue order). */
+static int branch_append(struct graph *g, int i, const struct op *op) {
+  struct branch *b = &g->branch[i];
   struct op *o = malloc(sizeof *o);
   if (!o) return -1;
   *o = *op;
   o->next = NULL;
+  if (!o->order) o->order = ++g->ops;
   if (b->tail) b->tail->next = o;
   else b->head = o;
   b->tail = o;
@@ -504,7 +509,7 @@ static CUresult capture_join(struct stream *s, uint64_t id, int at_branch, uint3
       b = c->g->nbranches++;
     }
     struct op wait = {.kind = OP_WAIT_VALUE, .value = at_pos, .cond = 0 /* GEQ */, .branch = at_branch};
-    if (b != at_branch && branch_append(&c->g->branch[b], &wait) < 0) r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (b != at_branch && branch_append(c->g, b, &wait) < 0) r = CUDA_ERROR_OUT_OF_MEMORY;
   }
   pthread_mutex_unlock(&g_capture_lock);
   return r;
@@ -531,7 +536,7 @@ static int capture_append(struct stream *s, const struct op *op) {
   pthread_mutex_lock(&g_capture_lock);
   int b = 0;
   struct capture *c = capture_branch(s, &b);
-  int r = c ? branch_append(&c->g->branch[b], op) : 0;
+  int r = c ? branch_append(c->g, b, op) : 0;
   pthread_mutex_unlock(&g_capture_lock);
   return r;
 }
@@ -675,7 +680,7 @@ EXPORT CUresult cuGraphInstantiateWithFlags(struct graph **exec, struct graph *g
   e->nbranches = g->nbranches;
   for (int b = 0; b < g->nbranches; b++) {
     for (struct op *o = g->branch[b].head; o; o = o->next) {
-      if (branch_append(&e->branch[b], o) < 0) {
+      if (branch_append(e, b, o) < 0) {
         graph_free(e);
         return CUDA_ERROR_OUT_OF_MEMORY;
       }
@@ -733,14 +738,23 @@ EXPORT CUresult cuGraphLaunch(struct graph *e, struct stream *h) {
   pthread_mutex_lock(&g_capture_lock);
   held_copy_locked(&l->held, &e->held);
   pthread_mutex_unlock(&g_capture_lock);
+  /* Issued in the capture's order, which respects every dependency it recorded: where streams
+   * share hardware queues, no branch's wait sits ahead of the work it waits for. */
+  struct op *next[1 + MAX_JOINED];
   for (int b = 0; b < e->nbranches && r == CUDA_SUCCESS; b++) {
     struct op step = {.kind = OP_HOST, .fn = bump, .data = &l->done[b]};
     r = enqueue(on[b], &step);
-    for (struct op *o = e->branch[b].head; o && r == CUDA_SUCCESS; o = o->next) {
-      struct op op = *o;
-      if (op.kind == OP_WAIT_VALUE && !op.word) op.word = &l->done[op.branch];
-      if ((r = enqueue(on[b], &op)) == CUDA_SUCCESS) r = enqueue(on[b], &step);
-    }
+    next[b] = e->branch[b].head;
+  }
+  while (r == CUDA_SUCCESS) {
+    int b = -1;
+    for (int k = 0; k < e->nbranches; k++)
+      if (next[k] && (b < 0 || next[k]->order < next[b]->order)) b = k;
+    if (b < 0) break;
+    struct op op = *next[b], step = {.kind = OP_HOST, .fn = bump, .data = &l->done[b]};
+    next[b] = next[b]->next;
+    if (op.kind == OP_WAIT_VALUE && !op.word) op.word = &l->done[op.branch];
+    if ((r = enqueue(on[b], &op)) == CUDA_SUCCESS) r = enqueue(on[b], &step);
   }
   for (int b = 1; b < e->nbranches && r == CUDA_SUCCESS; b++) {
     struct op joined = {.kind = OP_WAIT_VALUE, .word = &l->done[b], .value = e->branch[b].n + 1, .cond = 0};
