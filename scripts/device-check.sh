@@ -12,9 +12,10 @@
 #      memory operations, pointer classification, IPC across processes, and every reduction
 #      kernel of kernels/reduce.ptx JIT-loaded by the real driver, bit-compared with host mode;
 #   2. (a) ffi-tests/cuda.c in CUDA mode (device buffers, the caller's streams, gated streams,
-#      in-place, p2p, graph capture refused by default and recorded with NCCL_RS_GRAPH_CAPTURE=1,
-#      collectives beside another stream's global capture) on 1, 2 and 4 ranks sharing the GPU,
-#      and the host-mode C programs on the GPU machine;
+#      in-place, p2p, graph capture refused by default) on 1, 2 and 4 ranks sharing the GPU,
+#      and the host-mode C programs on the GPU machine; (2b) CUDA graphs on their own: the
+#      device layer's graph primitives, collectives recorded with NCCL_RS_GRAPH_CAPTURE=1, and
+#      collectives beside another stream's global capture;
 #   3. (b) PyTorch, two processes on cuda:0, backend='nccl', LD_PRELOAD of our library:
 #      all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast, all_to_all_single,
 #      send/recv, barrier on fp32 and bf16 with exact checks, and five DDP steps whose losses
@@ -124,12 +125,19 @@ export NCCL_TEST_REPO=$PWD NCCL_RS_PERF=$PWD/$PREP/run/bin/nccl-rs-perf
 
 # 1. The device layer against the real driver (the test binary also builds and uses the stub
 #    where cc exists; both must pass).
-step cuda-layer 60 "$PREP/run/bin/cuda_layer" --test-threads=1
+step cuda-layer 60 "$PREP/run/bin/cuda_layer" --test-threads=1 --skip graphs
 
 # 2. (a) CUDA mode: ffi-tests/cuda.c against the real driver on 1, 2 and 4 ranks sharing the
 #    GPU (the harness compiles it with cc; NCCL_TEST_REAL_DRIVER drops the stub from the path).
 step ffi-cuda-mode 150 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" \
-  --test-threads=1
+  --test-threads=1 --skip graph
+# 2b. CUDA graphs, on their own (a hang here must not hide step 2's results): the device
+#    layer's graph primitives (host nodes, memory operations and user objects in a captured
+#    graph), collectives recorded into graphs (NCCL_RS_GRAPH_CAPTURE=1: launched with new
+#    inputs, a peer killed during launches, a rank behind its launch named) and collectives
+#    beside another stream's global capture.
+step cuda-graphs 75 bash -c "\"$PREP/run/bin/cuda_layer\" --test-threads=1 graphs && \
+  NCCL_FFI_LIB=\"$PWD/$PREP/lib/libnccl.so.2\" NCCL_TEST_REAL_DRIVER=1 \"$PREP/run/bin/cuda_mode\" --test-threads=1 graph"
 step ffi-host-mode 45 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" "$PREP/run/bin/ffi" \
   --test-threads=2 collectives_2_processes p2p_4_processes errors_1_process
 
