@@ -38,6 +38,10 @@
 //! between gates it opens (`board`). Only what cannot go that way (no slot free, too many
 //! kernels, `NCCL_RS_DIRECT_ON_STREAM=0`, host-wait mode) runs on the worker's stream.
 //!
+//! A call on a stream that is capturing a CUDA graph is recorded into the graph instead (with
+//! `NCCL_RS_GRAPH_CAPTURE=1`; refused otherwise), and every launch hands its operations to the
+//! worker in stream order (`capture`).
+//!
 //! While a caller's stream waits on a completion word, only the worker can release it, so the
 //! worker must not make driver calls that may wait for the whole context to go idle: freeing
 //! or pinning memory, loading kernels (cuMemFree, cuMemFreeHost and lazy module loading are

@@ -88,10 +88,11 @@ impl Drop for KeepCurrent {
 /// While some thread captures a CUDA graph in global mode (`torch.cuda.graph`'s default), the
 /// driver refuses "potentially unsafe" calls — allocating, freeing, mapping, querying or
 /// synchronising — from every thread whose mode is global, the default, and the refusal
-/// invalidates that capture. nccl-rs's calls are never part of a graph (a collective on a
-/// capturing stream is refused before anything is queued on it), so they run relaxed, as NVIDIA's
-/// NCCL runs its allocations: a stream worker that stages an operation, or a call that starts
-/// one, while the application captures something else neither fails nor breaks the capture.
+/// invalidates that capture. Those calls of nccl-rs are never meant to be part of a graph (what
+/// a collective records into one on a capturing stream is stream work, `streamed::capture`), so
+/// they run relaxed, as NVIDIA's NCCL runs its allocations: a stream worker that stages an
+/// operation, or a call that starts one, while the application captures something else neither
+/// fails nor breaks the capture.
 pub fn relax_capture_mode() {
     exchange_capture_mode(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
 }

@@ -52,7 +52,8 @@ impl Capture {
     /// that reaches it calls `f` with a clone of `value` on a thread of the driver's,
     /// once the work captured before it has completed, and work captured after it waits for
     /// `f` to return. `f` must return promptly and make no driver call (CUDA forbids it there).
-    /// The graph owns `value` (see [`Capture::keep`]).
+    /// The graph owns `value`: it is dropped once the graph, its executable copies and their
+    /// launches are all gone, on a driver thread, so its drop must make no driver call either.
     pub fn host_call<T: Send + Sync + 'static>(&self, stream: &Stream, value: Arc<T>, f: fn(Arc<T>)) -> Result<()> {
         unsafe extern "C" fn call<T>(data: *mut c_void) {
             // SAFETY: `data` is the HostCall the graph keeps while any launch of it can run.
