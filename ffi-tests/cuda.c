@@ -1030,6 +1030,53 @@ static void graph(void) {
     CU(cu.MemFreeHost(h[l]));
   }
 
+  /* What a graph cannot hold is refused alike on every rank, with a message, and the
+   * communicators stay usable: pageable host memory (a graph cannot copy it), a group whose
+   * operations on one communicator are on two capturing streams. */
+  test_step("graph: refused");
+  {
+    CUstream other;
+    CU(cu.StreamCreate(&other, CU_STREAM_NON_BLOCKING));
+    CUdeviceptr x[MAX_LOCAL];
+    float* pageable[MAX_LOCAL];
+    for (int l = 0; l < g_env.local; l++) {
+      x[l] = dev_alloc(G_SMALL * sizeof(float));
+      pageable[l] = calloc(G_SMALL, sizeof(float));
+    }
+    for (int l = 0; l < g_env.local; l++) {
+      CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_GLOBAL));
+      ncclResult_t r = ncclAllReduce((void*)(uintptr_t)x[l], pageable[l], G_SMALL, ncclFloat32, ncclSum, g_comms[l],
+                                     g_streams[l]);
+      const char* why = ncclGetLastError(g_comms[l]);
+      EXPECT(r == ncclInvalidUsage && strstr(why, "pageable"), "captured all-reduce into pageable memory: %s (%s)",
+             result_name(r), why);
+      void* g = NULL;
+      CU(cu.StreamEndCapture(g_streams[l], &g));
+      if (g) CU(cu.GraphDestroy(g));
+    }
+    for (int l = 0; l < g_env.local; l++) {
+      CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_GLOBAL));
+      CHECK(ncclGroupStart());
+      CHECK(ncclAllReduce((void*)(uintptr_t)x[l], (void*)(uintptr_t)x[l], G_SMALL, ncclFloat32, ncclSum, g_comms[l],
+                          g_streams[l]));
+      CHECK(ncclAllReduce((void*)(uintptr_t)x[l], (void*)(uintptr_t)x[l], G_SMALL, ncclFloat32, ncclSum, g_comms[l],
+                          other));
+      ncclResult_t r = ncclGroupEnd();
+      const char* why = ncclGetLastError(g_comms[l]);
+      EXPECT(r == ncclInvalidUsage && strstr(why, "one stream"), "a captured group on two streams: %s (%s)",
+             result_name(r), why);
+      void* g = NULL;
+      CU(cu.StreamEndCapture(g_streams[l], &g));
+      if (g) CU(cu.GraphDestroy(g));
+    }
+    for (int l = 0; l < g_env.local; l++) {
+      dev_free(x[l]);
+      free(pageable[l]);
+    }
+    CU(cu.StreamDestroy(other));
+  }
+  run_coll(C_ALLREDUCE, 100, 0, 0, 9); /* still works */
+
   test_step("graph: launched after its communicator is gone");
   ncclComm_t sub[MAX_LOCAL];
   CHECK(ncclGroupStart());
