@@ -365,8 +365,10 @@ fn cuda_mode_collectives_beside_a_graph_capture() {
 /// With NCCL_RS_GRAPH_CAPTURE=1, collectives and sends/receives issued on capturing streams
 /// are recorded into the graphs: each of three launches, with new inputs and device scalars,
 /// behind a held stream and ahead of an ordinary all-reduce issued after it on the same stream,
-/// gives exact results (part Graph); a graph launched after its communicator was destroyed lets
-/// its stream go on, with a warning. One rank, processes, ranks of one process.
+/// gives exact results (part Graph); what a graph cannot hold is refused with a message; a graph
+/// launched after its communicator was destroyed lets its stream go on, with a warning; no
+/// driver call is made from a host node or a user object's destructor. One rank, processes,
+/// ranks of one process.
 ///
 /// (Ranks of one process in one graph with one hardware queue are left out: a launch's wait
 /// for one rank's operations can hold the queue ahead of the other rank's host node.)
@@ -384,6 +386,9 @@ fn cuda_mode_graph_capture() {
         for (i, p) in o.procs.iter().enumerate() {
             assert!(p.log.contains("after its communicator was destroyed"),
                     "process {i}: no warning for the graph launched after its communicator:\n{}", p.log);
+            // The stand-in refuses, and says so, any driver call from a host node or a user
+            // object's destructor (CUDA forbids them there).
+            assert!(!p.log.contains("from a host function"), "process {i} called the driver from a graph:\n{}", p.log);
         }
     }
 }

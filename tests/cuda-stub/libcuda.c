@@ -24,7 +24,8 @@
  *   prohibits is CUDA's: a potentially unsafe call (allocating or freeing memory, IPC
  *   mappings, loading modules, querying or synchronising streams, events, contexts) made while
  *   a capture forbids it fails and invalidates that capture, following each thread's capture
- *   interaction mode (streams.c).
+ *   interaction mode (streams.c). Host functions and user objects' destructors may make no
+ *   driver call (stub.h: callback_refuses).
  *
  * This file: initialisation, devices, primary contexts, error names.
  * Built by tests/cuda_layer.rs: cc -Wall -Wextra -Werror -O2 -pthread -shared -fPIC
@@ -41,6 +42,13 @@ int g_initialized;
 int g_ndev;
 pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 __thread struct ctx *t_current;
+__thread int t_in_callback;
+
+int callback_refuses(const char *call) {
+  if (!t_in_callback) return 0;
+  fprintf(stderr, "cuda-stub: %s from a host function or a user object's destructor: CUDA_ERROR_NOT_PERMITTED\n", call);
+  return 1;
+}
 static struct ctx g_ctx[MAX_DEVICES];
 
 /* Device attributes (cuda.h's CUdevice_attribute values). */
@@ -109,6 +117,7 @@ static const char *error_name(CUresult r) {
     NAME(CUDA_ERROR_NOT_FOUND)
     NAME(CUDA_ERROR_NOT_READY)
     NAME(CUDA_ERROR_ILLEGAL_ADDRESS)
+    NAME(CUDA_ERROR_NOT_PERMITTED)
     NAME(CUDA_ERROR_NOT_SUPPORTED)
     NAME(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
     NAME(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)

@@ -115,7 +115,11 @@ static void run(struct op *op) {
     }
     case OP_WRITE_VALUE: __atomic_store_n(op->word, op->value, __ATOMIC_SEQ_CST); break;
     case OP_KERNEL: kernel_run(op->kernel, op->params); break;
-    case OP_HOST: op->fn(op->data); break;
+    case OP_HOST:
+      t_in_callback = 1;
+      op->fn(op->data);
+      t_in_callback = 0;
+      break;
   }
 }
 
@@ -553,7 +557,10 @@ static int stream_capturing(struct stream *h) {
 
 static void *destroy_thread(void *arg) {
   struct uobj *o = arg;
+  int was = t_in_callback;
+  t_in_callback = 1;
   o->destroy(o->ptr);
+  t_in_callback = was;
   free(o);
   return NULL;
 }

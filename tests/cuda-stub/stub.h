@@ -33,6 +33,7 @@ enum {
   CUDA_ERROR_NOT_FOUND = 500,
   CUDA_ERROR_NOT_READY = 600,
   CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+  CUDA_ERROR_NOT_PERMITTED = 800,
   CUDA_ERROR_NOT_SUPPORTED = 801,
   CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
   CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
@@ -57,8 +58,16 @@ extern int g_ndev;
 extern pthread_mutex_t g_lock;
 extern __thread struct ctx *t_current;
 
+/* Set while the calling thread runs a host function of a stream or graph, or a user object's
+ * destructor, where CUDA forbids driver calls: the stub refuses them (CUDA_ERROR_NOT_PERMITTED),
+ * saying so, wherever it checks initialisation. */
+extern __thread int t_in_callback;
+int callback_refuses(const char *call);
 #define REQUIRE_INIT() \
-  do { if (!g_initialized) return CUDA_ERROR_NOT_INITIALIZED; } while (0)
+  do { \
+    if (callback_refuses(__func__)) return CUDA_ERROR_NOT_PERMITTED; \
+    if (!g_initialized) return CUDA_ERROR_NOT_INITIALIZED; \
+  } while (0)
 #define REQUIRE_CTX() \
   do { REQUIRE_INIT(); if (!t_current) return CUDA_ERROR_INVALID_CONTEXT; } while (0)
 
@@ -74,7 +83,10 @@ void note_worker_call(const char *name);
  * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED. */
 int capture_refuses(const char *call);
 #define REFUSE_DURING_CAPTURE(call) \
-  do { if (capture_refuses(call)) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; } while (0)
+  do { \
+    if (callback_refuses(call)) return CUDA_ERROR_NOT_PERMITTED; \
+    if (capture_refuses(call)) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; \
+  } while (0)
 
 /* memory.c: what the driver knows of an address range. */
 enum mem_kind {

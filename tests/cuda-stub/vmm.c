@@ -28,7 +28,6 @@ enum {
   ACCESS_NONE = 0,
   ACCESS_READ = 1,
   ACCESS_READWRITE = 3,
-  CUDA_ERROR_NOT_PERMITTED = 800,
 };
 
 typedef unsigned long long CUmemGenericAllocationHandle;
