@@ -909,6 +909,16 @@ static void graph_inputs(int l, float* h, CUdeviceptr* d, int salt) {
   }
 }
 
+/* Rank l's call `r` in a capture was refused with ncclInvalidUsage and a message saying `want`;
+ * the capture of its stream ends (the graph, if any, destroyed). */
+static void end_refused_capture(int l, ncclResult_t r, const char* want, const char* what) {
+  const char* why = ncclGetLastError(g_comms[l]);
+  EXPECT(r == ncclInvalidUsage && strstr(why, want), "%s: %s (%s)", what, result_name(r), why);
+  void* g = NULL;
+  CU(cu.StreamEndCapture(g_streams[l], &g));
+  if (g) CU(cu.GraphDestroy(g));
+}
+
 static void graph(void) {
   test_step("graph: capture");
   const int n = g_env.nranks;
@@ -1047,12 +1057,7 @@ static void graph(void) {
       CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_GLOBAL));
       ncclResult_t r = ncclAllReduce((void*)(uintptr_t)x[l], pageable[l], G_SMALL, ncclFloat32, ncclSum, g_comms[l],
                                      g_streams[l]);
-      const char* why = ncclGetLastError(g_comms[l]);
-      EXPECT(r == ncclInvalidUsage && strstr(why, "pageable"), "captured all-reduce into pageable memory: %s (%s)",
-             result_name(r), why);
-      void* g = NULL;
-      CU(cu.StreamEndCapture(g_streams[l], &g));
-      if (g) CU(cu.GraphDestroy(g));
+      end_refused_capture(l, r, "pageable", "a captured all-reduce into pageable memory");
     }
     for (int l = 0; l < g_env.local; l++) {
       CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_GLOBAL));
@@ -1061,13 +1066,7 @@ static void graph(void) {
                           g_streams[l]));
       CHECK(ncclAllReduce((void*)(uintptr_t)x[l], (void*)(uintptr_t)x[l], G_SMALL, ncclFloat32, ncclSum, g_comms[l],
                           other));
-      ncclResult_t r = ncclGroupEnd();
-      const char* why = ncclGetLastError(g_comms[l]);
-      EXPECT(r == ncclInvalidUsage && strstr(why, "one stream"), "a captured group on two streams: %s (%s)",
-             result_name(r), why);
-      void* g = NULL;
-      CU(cu.StreamEndCapture(g_streams[l], &g));
-      if (g) CU(cu.GraphDestroy(g));
+      end_refused_capture(l, ncclGroupEnd(), "one stream", "a captured group on two streams");
     }
     for (int l = 0; l < g_env.local; l++) {
       dev_free(x[l]);
