@@ -889,8 +889,9 @@ static void capture_elsewhere(void) {
  * process's own, which each rank's stream (PyTorch's NCCL stream) joins through an event, and
  * which waits for them through events before the capture ends: one graph for the process's
  * ranks. Per rank, one group: an in-place all-reduce, a large out-of-place one, an all-gather,
- * a PreMulSum all-reduce with its scalar in device memory, and a send to the next rank with a
- * receive from the previous. The graph is destroyed once instantiated (the executable copy
+ * a PreMulSum all-reduce with its scalar in device memory, an in-place all-gather and an
+ * in-place reduce-scatter (staged once: one buffer holds the other), and a send to the next
+ * rank with a receive from the previous. The graph is destroyed once instantiated (the executable copy
  * keeps what it needs) and launched three times, each time with new inputs and scalars
  * uploaded before, while the launch's stream is held on a host word and an ordinary all-reduce
  * (large: direct between ranks of a host) is issued on each rank's stream behind the launch
@@ -901,10 +902,14 @@ enum { G_SMALL = 1000, G_LARGE = 100000, G_GATHER = 3000 };
 
 static void graph_inputs(int l, float* h, CUdeviceptr* d, int salt) {
   int rank = g_env.first_rank + l;
-  const size_t counts[5] = {G_SMALL, G_LARGE, G_GATHER, G_SMALL, G_SMALL};
-  for (int b = 0; b < 5; b++) {
+  const size_t n = (size_t)g_env.nranks;
+  /* Buffers 0-4, then this rank's part of the in-place all-gather's buffer (10) and the whole
+   * of the in-place reduce-scatter's (11). */
+  const size_t counts[7] = {G_SMALL, G_LARGE, G_GATHER, G_SMALL, G_SMALL, G_GATHER, G_GATHER * n};
+  const CUdeviceptr to[7] = {d[0], d[1], d[2], d[3], d[4], d[10] + rank * G_GATHER * sizeof(float), d[11]};
+  for (int b = 0; b < 7; b++) {
     for (size_t j = 0; j < counts[b]; j++) h[j] = in_value(rank, j, salt + b);
-    CU(cu.MemcpyAsync(d[b], (CUdeviceptr)(uintptr_t)h, counts[b] * sizeof(float), g_streams[l]));
+    CU(cu.MemcpyAsync(to[b], (CUdeviceptr)(uintptr_t)h, counts[b] * sizeof(float), g_streams[l]));
     CU(cu.StreamSynchronize(g_streams[l])); /* h is reused for the next buffer */
   }
 }
@@ -923,14 +928,16 @@ static void graph(void) {
   test_step("graph: capture");
   const int n = g_env.nranks;
   /* Per rank: inputs [0] small in place, [1] large, [2] gather, [3] premul in place, [4] send;
-   * outputs [5] large, [6] gather (n x), [7] receive; [8] the scalar; [9] an eager all-reduce. */
-  CUdeviceptr d[MAX_LOCAL][10];
+   * outputs [5] large, [6] gather (n x), [7] receive; [8] the scalar; [9] an eager all-reduce;
+   * in place, [10] an all-gather (n x) and [11] a reduce-scatter (n x). */
+  CUdeviceptr d[MAX_LOCAL][12];
   float* h[MAX_LOCAL];
   ncclRedOp_t pre[MAX_LOCAL];
   void *graphs[MAX_LOCAL], *execs[MAX_LOCAL];
-  const size_t bytes[10] = {G_SMALL, G_LARGE, G_GATHER, G_SMALL, G_SMALL, G_LARGE, (size_t)G_GATHER * n, G_SMALL, 1, G_LARGE};
+  const size_t bytes[12] = {G_SMALL, G_LARGE, G_GATHER, G_SMALL, G_SMALL, G_LARGE, (size_t)G_GATHER * n, G_SMALL, 1,
+                            G_LARGE, (size_t)G_GATHER * n, (size_t)G_GATHER * n};
   for (int l = 0; l < g_env.local; l++) {
-    for (int b = 0; b < 10; b++) d[l][b] = dev_alloc(bytes[b] * sizeof(float));
+    for (int b = 0; b < 12; b++) d[l][b] = dev_alloc(bytes[b] * sizeof(float));
     h[l] = host_alloc((size_t)G_LARGE * (n > 8 ? n : 8) * sizeof(float));
     CHECK(ncclRedOpCreatePreMulSum(&pre[l], (void*)(uintptr_t)d[l][8], ncclFloat32, ncclScalarDevice, g_comms[l]));
   }
@@ -952,6 +959,10 @@ static void graph(void) {
     CHECK(ncclAllReduce((void*)(uintptr_t)d[l][1], (void*)(uintptr_t)d[l][5], G_LARGE, ncclFloat32, ncclSum, c, st));
     CHECK(ncclAllGather((void*)(uintptr_t)d[l][2], (void*)(uintptr_t)d[l][6], G_GATHER, ncclFloat32, c, st));
     CHECK(ncclAllReduce((void*)(uintptr_t)d[l][3], (void*)(uintptr_t)d[l][3], G_SMALL, ncclFloat32, pre[l], c, st));
+    CHECK(ncclAllGather((void*)(uintptr_t)(d[l][10] + (size_t)rank * G_GATHER * sizeof(float)), (void*)(uintptr_t)d[l][10],
+                        G_GATHER, ncclFloat32, c, st));
+    CHECK(ncclReduceScatter((void*)(uintptr_t)d[l][11], (void*)(uintptr_t)(d[l][11] + (size_t)rank * G_GATHER * sizeof(float)),
+                            G_GATHER, ncclFloat32, ncclSum, c, st));
     CHECK(ncclSend((void*)(uintptr_t)d[l][4], G_SMALL, ncclFloat32, (rank + 1) % n, c, st));
     CHECK(ncclRecv((void*)(uintptr_t)d[l][7], G_SMALL, ncclFloat32, (rank + n - 1) % n, c, st));
   }
@@ -996,11 +1007,13 @@ static void graph(void) {
       int rank = g_env.first_rank + l, prev = (rank + n - 1) % n;
       CU(cu.StreamSynchronize(g_streams[l]));
       float* out = h[l];
-      size_t bad[6] = {0};
-      const int what[6] = {0, 5, 6, 3, 7, 9};
-      const size_t counts[6] = {G_SMALL, G_LARGE, (size_t)G_GATHER * n, G_SMALL, G_SMALL, G_LARGE};
-      for (int k = 0; k < 6; k++) {
-        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)out, d[l][what[k]], counts[k] * sizeof(float), g_streams[l]));
+      size_t bad[8] = {0};
+      const CUdeviceptr what[8] = {d[l][0], d[l][5], d[l][6], d[l][3], d[l][7], d[l][9], d[l][10],
+                                   d[l][11] + (size_t)rank * G_GATHER * sizeof(float)};
+      const size_t counts[8] = {G_SMALL, G_LARGE, (size_t)G_GATHER * n, G_SMALL, G_SMALL, G_LARGE, (size_t)G_GATHER * n,
+                                G_GATHER};
+      for (int k = 0; k < 8; k++) {
+        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)out, what[k], counts[k] * sizeof(float), g_streams[l]));
         CU(cu.StreamSynchronize(g_streams[l]));
         for (size_t j = 0; j < counts[k]; j++) {
           float want;
@@ -1013,15 +1026,18 @@ static void graph(void) {
               for (int r = 0; r < n; r++) want += (float)(r + 1 + launch) * in_value(r, j, salt + 3);
               break;
             case 4: want = in_value(prev, j, salt + 4); break;
-            default: want = expected(C_ALLREDUCE, G_LARGE, n, rank, j, salt + 7); break;
+            case 5: want = expected(C_ALLREDUCE, G_LARGE, n, rank, j, salt + 7); break;
+            case 6: want = expected(C_ALLGATHER, G_GATHER, n, rank, j, salt + 5); break;
+            default: want = expected(C_REDUCESCATTER, G_GATHER, n, rank, j, salt + 6); break;
           }
           bad[k] += out[j] != want;
         }
       }
-      EXPECT(bad[0] + bad[1] + bad[2] + bad[3] + bad[4] + bad[5] == 0,
+      EXPECT(bad[0] + bad[1] + bad[2] + bad[3] + bad[4] + bad[5] + bad[6] + bad[7] == 0,
              "graph launch %d, rank %d: wrong values: all-reduce in place %zu, large %zu, all-gather %zu, "
-             "PreMulSum %zu, receive %zu, the all-reduce behind the launch %zu",
-             launch + 1, rank, bad[0], bad[1], bad[2], bad[3], bad[4], bad[5]);
+             "PreMulSum %zu, receive %zu, the all-reduce behind the launch %zu, all-gather in place %zu, "
+             "reduce-scatter in place %zu",
+             launch + 1, rank, bad[0], bad[1], bad[2], bad[3], bad[4], bad[5], bad[6], bad[7]);
       ncclResult_t async = ncclInProgress;
       CHECK(ncclCommGetAsyncError(g_comms[l], &async));
       EXPECT(async == ncclSuccess, "rank %d after graph launch %d: %s (%s)", rank, launch + 1, result_name(async),
@@ -1036,7 +1052,7 @@ static void graph(void) {
   for (int l = 0; l < g_env.local; l++) {
     CU(cu.EventDestroy(joined[l]));
     CHECK(ncclRedOpDestroy(pre[l], g_comms[l]));
-    for (int b = 0; b < 10; b++) dev_free(d[l][b]);
+    for (int b = 0; b < 12; b++) dev_free(d[l][b]);
     CU(cu.MemFreeHost(h[l]));
   }
 

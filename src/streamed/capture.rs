@@ -142,12 +142,15 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
         return Err(Error::invalid_usage(
             "the legacy default stream cannot take a collective while another stream captures a CUDA graph"));
     };
-    // The block: the word, then per operation its input, its output and its scalar.
+    // The block: the word, then per operation its input, its output (once, in place) and its
+    // scalar.
     let round = |n: usize| n.div_ceil(ALIGN) * ALIGN;
     let scalar_bytes = |o: &Op| if o.scalar_at.is_some() { ALIGN } else { 0 };
-    let total = ops.iter().try_fold(HEAD, |sum: usize, o| {
-        sum.checked_add(round(o.op.send.len()))?.checked_add(round(o.op.recv.len()))?.checked_add(scalar_bytes(&o.op))
-    });
+    let buffers = |o: &Op| match inside(o.send, o.recv).is_some() || inside(o.recv, o.send).is_some() {
+        true => Some(round(o.send.len().max(o.recv.len()))),
+        false => round(o.send.len()).checked_add(round(o.recv.len())),
+    };
+    let total = ops.iter().try_fold(HEAD, |sum: usize, o| sum.checked_add(buffers(&o.op)?)?.checked_add(scalar_bytes(&o.op)));
     let total = total.ok_or_else(|| Error::invalid_arg("a captured call's buffers are too large"))?;
     let block = Block::take(total)?;
     let whole = block.mem()?.region();
@@ -160,7 +163,19 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
     let mut staged = Vec::with_capacity(ops.len());
     let mut scalars = Vec::with_capacity(ops.len());
     for o in ops {
-        let (send, recv) = (take(o.op.send.len()), take(o.op.recv.len()));
+        // In place (one buffer holds the other, as NCCL's in-place calls have it), the block
+        // holds the larger once.
+        let (send, recv) = match (inside(o.op.send, o.op.recv), inside(o.op.recv, o.op.send)) {
+            (Some(at), _) => {
+                let recv = take(o.op.recv.len());
+                (recv.sub(at, o.op.send.len()), recv)
+            }
+            (None, Some(at)) => {
+                let send = take(o.op.send.len());
+                (send, send.sub(at, o.op.recv.len()))
+            }
+            (None, None) => (take(o.op.send.len()), take(o.op.recv.len())),
+        };
         scalars.push(o.op.scalar_at.map(|_| take(o.op.dt.size())));
         staged.push(Op { send, recv, scalar_at: None, ..o.op });
     }
@@ -173,6 +188,12 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
                            operations in stream order", comm.rank, total);
     }
     Ok(())
+}
+
+/// Where `a` lies in `b`, if it lies wholly in it (and neither is empty).
+fn inside(a: Region, b: Region) -> Option<usize> {
+    let within = !a.is_empty() && !b.is_empty() && a.addr() >= b.addr() && a.addr() + a.len() <= b.addr() + b.len();
+    within.then(|| a.addr() - b.addr())
 }
 
 /// The graph's work for `call`, on the capturing stream.
