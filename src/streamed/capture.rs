@@ -33,6 +33,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::pool::{stage_pair, staged_bytes};
 use super::{publish_failure, Queue, StreamOp, Streamed};
 use crate::comm::Comm;
 use crate::device::cuda::{Capture, MappedHost, MemOp, Stream, WaitCond};
@@ -146,11 +147,9 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
     // scalar.
     let round = |n: usize| n.div_ceil(ALIGN) * ALIGN;
     let scalar_bytes = |o: &Op| if o.scalar_at.is_some() { ALIGN } else { 0 };
-    let buffers = |o: &Op| match inside(o.send, o.recv).is_some() || inside(o.recv, o.send).is_some() {
-        true => Some(round(o.send.len().max(o.recv.len()))),
-        false => round(o.send.len()).checked_add(round(o.recv.len())),
-    };
-    let total = ops.iter().try_fold(HEAD, |sum: usize, o| sum.checked_add(buffers(&o.op)?)?.checked_add(scalar_bytes(&o.op)));
+    let total = ops.iter().try_fold(HEAD, |sum: usize, o| {
+        sum.checked_add(staged_bytes(&o.op, round)?)?.checked_add(scalar_bytes(&o.op))
+    });
     let total = total.ok_or_else(|| Error::invalid_arg("a captured call's buffers are too large"))?;
     let block = Block::take(total)?;
     let whole = block.mem()?.region();
@@ -163,19 +162,7 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
     let mut staged = Vec::with_capacity(ops.len());
     let mut scalars = Vec::with_capacity(ops.len());
     for o in ops {
-        // In place (one buffer holds the other, as NCCL's in-place calls have it), the block
-        // holds the larger once.
-        let (send, recv) = match (inside(o.op.send, o.op.recv), inside(o.op.recv, o.op.send)) {
-            (Some(at), _) => {
-                let recv = take(o.op.recv.len());
-                (recv.sub(at, o.op.send.len()), recv)
-            }
-            (None, Some(at)) => {
-                let send = take(o.op.send.len());
-                (send, send.sub(at, o.op.recv.len()))
-            }
-            (None, None) => (take(o.op.send.len()), take(o.op.recv.len())),
-        };
+        let (send, recv) = stage_pair(&o.op, &mut take);
         scalars.push(o.op.scalar_at.map(|_| take(o.op.dt.size())));
         staged.push(Op { send, recv, scalar_at: None, ..o.op });
     }
@@ -188,12 +175,6 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
                            operations in stream order", comm.rank, total);
     }
     Ok(())
-}
-
-/// Where `a` lies in `b`, if it lies wholly in it (and neither is empty).
-fn inside(a: Region, b: Region) -> Option<usize> {
-    let within = !a.is_empty() && !b.is_empty() && a.addr() >= b.addr() && a.addr() + a.len() <= b.addr() + b.len();
-    within.then(|| a.addr() - b.addr())
 }
 
 /// The graph's work for `call`, on the capturing stream.

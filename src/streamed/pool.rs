@@ -141,11 +141,11 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[su
     // The direct path moves its own data; an operation larger than the pool can ever be never
     // fits (and its size must not overflow the sum).
     let max = pool_max();
-    let fits = |op: &Op| op.send.len().saturating_add(op.recv.len()) <= max;
+    let fits = |op: &Op| staged_bytes(op, round).is_some_and(|n| n <= max);
     let staged = |i: usize| !paths.get(i).is_some_and(|p| p.goes_direct());
     let picked: Vec<usize> = (0..ops.len()).filter(|&i| ops[i].copyable && staged(i) && fits(&ops[i].op)).collect();
     let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
-    let total: usize = picked.iter().map(|&i| round(ops[i].op.send.len()) + round(ops[i].op.recv.len()) + scalar(i)).sum();
+    let total: usize = picked.iter().map(|&i| staged_bytes(&ops[i].op, round).unwrap_or(0) + scalar(i)).sum();
     if total == 0 {
         return None;
     }
@@ -170,11 +170,47 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[su
     let mut planned = Vec::with_capacity(picked.len());
     for i in picked {
         let op = &ops[i].op;
-        let (send, recv) = (take(op.send.len()), take(op.recv.len()));
+        let (send, recv) = stage_pair(op, &mut take);
         let scalar = op.scalar_at.map(|_| take(op.dt.size()));
         planned.push(Staged { i, send, recv, scalar });
     }
     Some((start, planned))
+}
+
+/// How `op` is in place, if it is and its plans run it in place (the kinds `algo::sim` checks
+/// in place; an all-to-all has no in-place form in NCCL, and its plan needs both buffers):
+/// the input inside the output (true) or the output inside the input, at that offset.
+fn in_place(op: &Op) -> Option<(bool, usize)> {
+    use crate::plan::OpKind::*;
+    if !matches!(op.kind, AllReduce | Broadcast | Reduce | AllGather | ReduceScatter | Gather | Scatter) {
+        return None;
+    }
+    op.send.offset_in(op.recv).map(|at| (true, at)).or_else(|| op.recv.offset_in(op.send).map(|at| (false, at)))
+}
+
+/// Bytes `op`'s input and output take in staging memory, each rounded up by `round`: the larger
+/// once for a call in place ([`in_place`]). None on overflow.
+pub(super) fn staged_bytes(op: &Op, round: impl Fn(usize) -> usize) -> Option<usize> {
+    match in_place(op) {
+        Some(_) => Some(round(op.send.len().max(op.recv.len()))),
+        None => round(op.send.len()).checked_add(round(op.recv.len())),
+    }
+}
+
+/// Where `op`'s input and output go in staging memory `take` hands out: in place, the smaller
+/// lies inside the larger at the same offset as in the user's buffers.
+pub(super) fn stage_pair(op: &Op, mut take: impl FnMut(usize) -> Region) -> (Region, Region) {
+    match in_place(op) {
+        Some((true, at)) => {
+            let recv = take(op.recv.len());
+            (recv.sub(at, op.send.len()), recv)
+        }
+        Some((false, at)) => {
+            let send = take(op.send.len());
+            (send, send.sub(at, op.recv.len()))
+        }
+        None => (take(op.send.len()), take(op.recv.len())),
+    }
 }
 
 /// Operation `i` of a batch, staged by its caller's stream into these pool regions (and its
@@ -191,9 +227,50 @@ pub(super) struct Staged {
 
 #[cfg(test)]
 mod tests {
-    use super::ring_alloc;
+    use super::{ring_alloc, stage_pair, staged_bytes};
+    use crate::device::host::Region;
+    use crate::plan::{Op, OpKind};
     use crate::testing::Rng;
+    use crate::types::{BuiltinOp, DataType, RedOp};
     use std::collections::VecDeque;
+
+    /// In place (NCCL's layouts: all-gather's input inside its output, reduce-scatter's output
+    /// inside its input, the others one buffer), staging takes the larger buffer once, with the
+    /// other at the same offset inside it; out of place, and for an all-to-all (no in-place
+    /// form, and its plan needs both), two buffers.
+    #[test]
+    fn in_place_calls_stage_one_buffer() {
+        let mut user = vec![0u8; 4096];
+        let whole = Region::owned(&mut user);
+        let op = |kind, send: Region, recv: Region| Op { kind, dt: DataType::Float32, op: RedOp::Builtin(BuiltinOp::Sum),
+                                                          count: 0, root: 0, send, recv, seq: 0, scalar_at: None, of: None };
+        let round = |n: usize| n.div_ceil(256) * 256;
+        let mut staging = vec![0u8; 8192];
+        let pool = Region::owned(&mut staging);
+        let cases = [
+            (op(OpKind::AllReduce, whole.sub(0, 1000), whole.sub(0, 1000)), 1024, Some(0)),
+            (op(OpKind::AllGather, whole.sub(1000, 500), whole.sub(0, 2000)), 2048, Some(1000)),
+            (op(OpKind::ReduceScatter, whole.sub(0, 2000), whole.sub(500, 500)), 2048, Some(500)),
+            (op(OpKind::AllReduce, whole.sub(0, 1000), whole.sub(1000, 1000)), 2048, None),
+            (op(OpKind::AlltoAll, whole.sub(0, 1000), whole.sub(0, 1000)), 2048, None),
+        ];
+        for (o, bytes, offset) in cases {
+            assert_eq!(staged_bytes(&o, round), Some(bytes), "{:?}", o.kind);
+            let mut at = 0;
+            let (send, recv) = stage_pair(&o, |n| {
+                let r = pool.sub(at, n);
+                at += round(n);
+                r
+            });
+            assert_eq!((send.len(), recv.len()), (o.send.len(), o.recv.len()));
+            assert_eq!(at, bytes, "{:?}: staging taken", o.kind);
+            match offset {
+                Some(off) if o.send.len() <= o.recv.len() => assert_eq!(send.addr(), recv.addr() + off),
+                Some(off) => assert_eq!(recv.addr(), send.addr() + off),
+                None => assert!(!send.overlaps(recv), "{:?}: staged buffers overlap", o.kind),
+            }
+        }
+    }
 
     /// Random carves taken and given back in order: live carves never overlap, stay inside
     /// the ring, and a request that fits an empty ring always succeeds.

@@ -63,6 +63,12 @@ impl Region {
     pub fn overlaps(self, other: Region) -> bool {
         self.len > 0 && other.len > 0 && self.addr < other.addr + other.len && other.addr < self.addr + self.len
     }
+    /// Where this region starts in `outer`, if it lies wholly inside it (neither empty).
+    pub fn offset_in(self, outer: Region) -> Option<usize> {
+        let inside = self.len > 0 && outer.len > 0 && self.addr >= outer.addr
+            && self.addr + self.len <= outer.addr + outer.len;
+        inside.then(|| self.addr - outer.addr)
+    }
     /// A sub-range; `off + len` must lie inside (checked: schedules are generated, not trusted).
     pub fn sub(self, off: usize, len: usize) -> Region {
         assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "sub-region out of range");
