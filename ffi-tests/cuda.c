@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused]
  *   CUDA_TEST_FAULT=1|graph cuda (2 processes; the harness kills process 1 once it prints LOOPING;
  *                                graph: the all-reduces are launches of a captured graph)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
@@ -882,6 +882,56 @@ static void capture_elsewhere(void) {
   }
   destroy_comms(sub);
   CU(cu.StreamDestroy(cap));
+}
+
+/* A driver that cannot record what a captured call needs (the harness sets the stand-in's
+ * NCCL_RS_STUB_CAPTURE_REFUSES; CUDA_TEST_EXPECT_CALL names the driver call that fails): the
+ * call fails with ncclUnhandledCudaError naming it, alike on every rank; whatever graph the
+ * capture still gives launches without a hang and leaves the user's buffer as it was; the
+ * communicators stay usable. (NCCL_RS_GRAPH_CAPTURE=1, --only GraphRefused.) */
+static void graph_refused(void) {
+  test_step("graph: the driver refuses");
+  const char* call = getenv("CUDA_TEST_EXPECT_CALL");
+  const size_t count = 5000;
+  CUdeviceptr x[MAX_LOCAL];
+  float* h[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    x[l] = dev_alloc(count * sizeof(float));
+    h[l] = host_alloc(count * sizeof(float));
+    for (size_t j = 0; j < count; j++) h[l][j] = in_value(g_env.first_rank + l, j, 4);
+    CU(cu.MemcpyAsync(x[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_GLOBAL));
+    ncclResult_t r = ncclAllReduce((void*)(uintptr_t)x[l], (void*)(uintptr_t)x[l], count, ncclFloat32, ncclSum,
+                                   g_comms[l], g_streams[l]);
+    const char* why = ncclGetLastError(g_comms[l]);
+    EXPECT(r == ncclUnhandledCudaError && call && strstr(why, call), "rank %d: captured all-reduce: %s (%s), expected %s",
+           rank, result_name(r), why, call ? call : "(CUDA_TEST_EXPECT_CALL unset)");
+    void* graph = NULL;
+    CUresult ended = cu.StreamEndCapture(g_streams[l], &graph);
+    tlog("rank %d: cuStreamEndCapture returned %d", rank, ended);
+    if (graph) {
+      void* exec = NULL;
+      CU(cu.GraphInstantiate(&exec, graph, 0));
+      CU(cu.GraphLaunch(exec, g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l])); /* never a hang */
+      CU(cu.GraphExecDestroy(exec));
+      CU(cu.GraphDestroy(graph));
+    }
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], x[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t changed = 0;
+    for (size_t j = 0; j < count; j++) changed += h[l][j] != in_value(rank, j, 4);
+    EXPECT(changed == 0, "rank %d: the refused capture changed %zu values of the user's buffer", rank, changed);
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    dev_free(x[l]);
+    CU(cu.MemFreeHost(h[l]));
+  }
+  run_coll(C_ALLREDUCE, 100, 0, 0, 9); /* still works */
 }
 
 /* ---- Graph: collectives captured into CUDA graphs (NCCL_RS_GRAPH_CAPTURE=1) ----------------
@@ -1885,6 +1935,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "Pageable")) pageable();
   if (g_env.only && !strcasecmp(g_env.only, "CaptureElsewhere")) capture_elsewhere();
   if (g_env.only && !strcasecmp(g_env.only, "Graph")) graph();
+  if (g_env.only && !strcasecmp(g_env.only, "GraphRefused")) graph_refused();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

@@ -323,6 +323,25 @@ fn cuda_mode_a_stream_behind_its_call_is_named() {
             "rank 1:\n{held}");
 }
 
+/// A driver that cannot capture stream memory operations or host functions, or cannot create
+/// user objects: the captured call fails with ncclUnhandledCudaError naming the driver call,
+/// alike on every rank; what the capture still gives launches without a hang and leaves the
+/// user's buffer alone; the communicators stay usable (part GraphRefused).
+#[test]
+fn cuda_mode_graph_capture_refused_by_the_driver() {
+    if !stand_in_only("cuda_mode_graph_capture_refused_by_the_driver") {
+        return;
+    }
+    for (refuses, call) in [("memops", "cuStreamWriteValue32_v2"), ("hostfunc", "cuLaunchHostFunc"),
+                            ("userobject", "cuUserObjectCreate")] {
+        for job in [cuda_job().procs(2), cuda_job().local(2)] {
+            let o = job.arg("--only").arg("GraphRefused").env("NCCL_RS_GRAPH_CAPTURE", "1")
+                .env("NCCL_RS_STUB_CAPTURE_REFUSES", refuses).env("CUDA_TEST_EXPECT_CALL", call).run_outcome();
+            assert!(o.ok(), "{refuses}: {}", o.report);
+        }
+    }
+}
+
 /// A graph launch that waits for a rank which has not launched its graph yet names that rank
 /// and says so (not that its stream is behind, nor that the call is missing); released, both
 /// launches are exact.

@@ -2,7 +2,8 @@
 //! on a stream that is capturing are recorded into its graph, and every launch of the graph
 //! runs them, in stream order, with the buffers they were captured with.
 //!
-//! What the capture records on the stream, per call:
+//! What the capture records on the stream, per call (after a write of the completion word's
+//! idle value, which fails first where the driver cannot capture stream memory operations):
 //! 1. copies of the inputs (and a PreMulSum scalar in device memory) into pinned host memory
 //!    of the call's own (a block, reused once its graph is gone);
 //! 2. a host function, which hands the operations to the communicator's stream worker (it
@@ -168,7 +169,7 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
     }
     let call = Arc::new(Captured { queue: s.queue.clone(), rank: comm.rank, ops: staged, scalars,
                                    launches: AtomicU32::new(0), block });
-    queue_work(stream, &capture, ops, &call)?;
+    queue_work(stream, &capture, ops, &call).map_err(|e| e.context("recording the call into a CUDA graph"))?;
     if !s.captured.swap(true, Ordering::AcqRel) {
         crate::info!(P2P, "rank {}: operations captured into CUDA graphs are staged through pinned memory of their \
                            own ({} bytes for the first call); from now on the worker runs this communicator's \
@@ -180,6 +181,14 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
 /// The graph's work for `call`, on the capturing stream.
 fn queue_work(stream: &Stream, capture: &Capture, ops: &[StreamOp], call: &Arc<Captured>) -> Result<()> {
     let mem = call.block.mem()?;
+    let refused = || Error::invalid_usage("the driver refused a stream memory operation in a CUDA graph capture");
+    // First the word's idle value: a driver that refuses stream memory operations in a capture
+    // refuses this one, before the graph holds anything that touches the user's buffers or
+    // hands a launch to the worker. (A later failure leaves a graph whose launches change no
+    // user buffer of this rank: the results are copied out last.)
+    if stream.write_value32(mem, 0, 0)? == MemOp::Unsupported {
+        return Err(refused());
+    }
     for ((o, staged), scalar) in ops.iter().zip(&call.ops).zip(&call.scalars) {
         if let (Some(at), Some(to)) = (o.op.scalar_at, scalar) {
             stream.copy(*to, Region::user(at, 0, to.len()))?;
@@ -193,7 +202,7 @@ fn queue_work(stream: &Stream, capture: &Capture, ops: &[StreamOp], call: &Arc<C
         MemOp::Unsupported => MemOp::Unsupported,
     };
     if reset == MemOp::Unsupported {
-        return Err(Error::invalid_usage("the driver refused a stream memory operation in a CUDA graph capture"));
+        return Err(refused());
     }
     for (o, staged) in ops.iter().zip(&call.ops) {
         stream.copy(o.op.recv, staged.recv)?;

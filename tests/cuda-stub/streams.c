@@ -604,6 +604,27 @@ static void graph_free(struct graph *g) {
   free(g);
 }
 
+/* NCCL_RS_STUB_CAPTURE_REFUSES=memops|hostfunc|userobject, for tests: a driver that cannot
+ * capture stream memory operations or host functions (the call fails with
+ * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the capture, as an unsupported
+ * operation does), or cannot create user objects (CUDA_ERROR_OUT_OF_MEMORY). */
+static int capture_refuses_kind(const char *kind) {
+  const char *v = getenv("NCCL_RS_STUB_CAPTURE_REFUSES");
+  return v && !strcmp(v, kind);
+}
+
+/* Stream h captures and the stub is told to refuse `kind` there: the capture is invalidated. */
+static int capture_refuses_op(struct stream *h, const char *kind) {
+  if (!capture_refuses_kind(kind)) return 0;
+  struct stream *s;
+  if (resolve(h, &s) != CUDA_SUCCESS) return 0;
+  pthread_mutex_lock(&g_capture_lock);
+  struct capture *c = capture_of(s);
+  if (c) c->invalidated = 1;
+  pthread_mutex_unlock(&g_capture_lock);
+  return c != NULL;
+}
+
 EXPORT CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
   if (!mode || *mode < CAPTURE_GLOBAL || *mode > CAPTURE_RELAXED) return CUDA_ERROR_INVALID_VALUE;
   int old = t_capture_mode;
@@ -776,6 +797,7 @@ EXPORT CUresult cuGraphLaunch(struct graph *e, struct stream *h) {
 
 EXPORT CUresult cuLaunchHostFunc(struct stream *h, void (*fn)(void *), void *data) {
   if (!fn) return CUDA_ERROR_INVALID_VALUE;
+  if (capture_refuses_op(h, "hostfunc")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   struct op op = {.kind = OP_HOST, .fn = fn, .data = data};
   return enqueue(h, &op);
 }
@@ -783,6 +805,7 @@ EXPORT CUresult cuLaunchHostFunc(struct stream *h, void (*fn)(void *), void *dat
 EXPORT CUresult cuUserObjectCreate(struct uobj **out, void *ptr, void (*destroy)(void *), unsigned initial,
                                    unsigned flags) {
   if (!out || !destroy || !initial || flags != USER_OBJECT_NO_DESTRUCTOR_SYNC) return CUDA_ERROR_INVALID_VALUE;
+  if (capture_refuses_kind("userobject")) return CUDA_ERROR_OUT_OF_MEMORY;
   struct uobj *o = calloc(1, sizeof *o);
   if (!o) return CUDA_ERROR_OUT_OF_MEMORY;
   *o = (struct uobj){UOBJ_MAGIC, ptr, destroy, initial};
@@ -887,6 +910,7 @@ EXPORT CUresult cuStreamWaitValue32_v2(struct stream *h, CUdeviceptr addr, uint3
   if (cond == WAIT_NOR && !env_int("NCCL_RS_STUB_WAIT_VALUE_NOR", 1)) return CUDA_ERROR_NOT_SUPPORTED;
   /* A driver that reports stream memory operations but refuses a wait when asked. */
   if (env_int("NCCL_RS_STUB_WAIT_VALUE_REFUSED", 0)) return CUDA_ERROR_NOT_SUPPORTED;
+  if (capture_refuses_op(h, "memops")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   struct op op = {.kind = OP_WAIT_VALUE, .word = (uint32_t *)(uintptr_t)addr, .value = value, .cond = cond};
   return enqueue(h, &op);
 }
@@ -896,6 +920,7 @@ EXPORT CUresult cuStreamWriteValue32_v2(struct stream *h, CUdeviceptr addr, uint
   CUresult r = mem_op_target(addr);
   if (r != CUDA_SUCCESS) return r;
   if (flags & ~(unsigned)WRITE_NO_MEMORY_BARRIER) return CUDA_ERROR_INVALID_VALUE;
+  if (capture_refuses_op(h, "memops")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   struct op op = {.kind = OP_WRITE_VALUE, .word = (uint32_t *)(uintptr_t)addr, .value = value};
   return enqueue(h, &op);
 }
