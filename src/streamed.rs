@@ -158,8 +158,7 @@ pub struct Streamed {
     direct_off: std::sync::atomic::AtomicBool,
     /// Whether the board ever had no free slot (logged the first time).
     slots_ran_out: std::sync::atomic::AtomicBool,
-    /// Whether any operation was captured into a CUDA graph (`capture`): from then on the
-    /// worker takes batches in stream order.
+    /// Whether any operation was captured into a CUDA graph yet (logged the first time).
     captured: std::sync::atomic::AtomicBool,
 }
 
@@ -188,6 +187,9 @@ struct Queue {
     /// Signalled when a batch is queued, when one finishes, when a graph launch reaches the
     /// worker, and on close.
     changed: Condvar,
+    /// Calls captured into CUDA graphs that still exist (a launch may still hand them over):
+    /// while there are any, the worker takes batches in stream order (`capture`).
+    graphs: std::sync::atomic::AtomicUsize,
 }
 
 impl Queue {

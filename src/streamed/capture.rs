@@ -17,10 +17,11 @@
 //! failure becoming the communicator's asynchronous error, so a launch never waits forever.
 //!
 //! Ranks must run the same operations in the same order. A launch reaches the worker when its
-//! stream gets to it, so once a communicator has captured anything the worker also takes the
-//! operations called outside graphs in stream order: it waits for a batch's streams to reach
-//! it before exchanging anything for it, and runs a graph's operations that reach it first
-//! (a batch called after a graph launch on the same stream comes after the launch's work).
+//! stream gets to it, so while a graph holds any of a communicator's calls the worker also
+//! takes the operations called outside graphs in stream order: it waits for a batch's streams
+//! to reach it before exchanging anything for it, and runs a graph's operations that reach it
+//! first (a batch called after a graph launch on the same stream comes after the launch's
+//! work). Once the graphs are gone, it takes batches as before.
 //! Each launch numbers its operations by the capture's number and the launch's, alike on every
 //! rank that launches its graphs alike, and a rank that does otherwise is told which call
 //! differs. Two executable copies of one graph must not run at once (their blocks are one).
@@ -100,6 +101,12 @@ pub(super) struct Replay {
     launch: u32,
 }
 
+impl Drop for Captured {
+    fn drop(&mut self) {
+        self.queue.graphs.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl Captured {
     fn word(&self) -> Option<&AtomicU32> {
         self.block.0.as_ref().map(|m| m.word(0))
@@ -167,13 +174,14 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
         scalars.push(o.op.scalar_at.map(|_| take(o.op.dt.size())));
         staged.push(Op { send, recv, scalar_at: None, ..o.op });
     }
+    s.queue.graphs.fetch_add(1, Ordering::AcqRel);
     let call = Arc::new(Captured { queue: s.queue.clone(), rank: comm.rank, ops: staged, scalars,
                                    launches: AtomicU32::new(0), block });
     queue_work(stream, &capture, ops, &call).map_err(|e| e.context("recording the call into a CUDA graph"))?;
     if !s.captured.swap(true, Ordering::AcqRel) {
         crate::info!(P2P, "rank {}: operations captured into CUDA graphs are staged through pinned memory of their \
-                           own ({} bytes for the first call); from now on the worker runs this communicator's \
-                           operations in stream order", comm.rank, total);
+                           own ({} bytes for the first call); while such graphs exist, the worker runs this \
+                           communicator's operations in stream order", comm.rank, total);
     }
     Ok(())
 }
@@ -266,8 +274,8 @@ pub(super) fn run(comm: &Arc<Comm>, r: Replay) {
     r.call.release();
 }
 
-/// Whether the worker takes this communicator's batches in stream order: once it captured
-/// anything, a batch may come after a graph launch.
+/// Whether the worker takes this communicator's batches in stream order: while a graph holds
+/// any of its calls, a batch may come after a launch.
 pub(super) fn captured_any(s: &Streamed) -> bool {
-    s.captured.load(Ordering::Acquire)
+    s.queue.graphs.load(Ordering::Acquire) > 0
 }
