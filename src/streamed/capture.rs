@@ -95,12 +95,6 @@ pub(super) struct Captured {
     block: Block,
 }
 
-/// One launch of a captured call that has reached the worker: launch number `launch`.
-pub(super) struct Replay {
-    call: Arc<Captured>,
-    launch: u32,
-}
-
 impl Drop for Captured {
     fn drop(&mut self) {
         self.queue.graphs.fetch_sub(1, Ordering::AcqRel);
@@ -126,6 +120,12 @@ impl Captured {
             n => format!("{first} and {} more of its group", n - 1),
         }
     }
+}
+
+/// One launch of a captured call that has reached the worker: launch number `launch`.
+pub(super) struct Replay {
+    call: Arc<Captured>,
+    launch: u32,
 }
 
 /// Records the operations `ops` of one group on `comm` into the graph `stream` captures (see
