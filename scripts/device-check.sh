@@ -22,7 +22,7 @@
 #      must equal those of the gloo backend; then (3b) the same with expandable segments
 #      (memory of the virtual memory API, shared through file descriptors), and whether the
 #      collectives went direct; (3c) collectives captured by torch.cuda.graph and replayed
-#      (NCCL_RS_GRAPH_CAPTURE=1, experimental);
+#      (NCCL_RS_GRAPH_CAPTURE=1, experimental), and the benchmark's -G rows;
 #   4. (c) nccl-rs-perf: allreduce and allgather on 2 ranks with device buffers (--device 1;
 #      allreduce also on virtual-memory buffers, --device 2)
 #      next to the device-to-device copy bandwidth measured in the same run, and 1-rank
@@ -180,6 +180,12 @@ if python3 -c 'import torch' 2>/dev/null; then
     wait \$a && wait \$b"
   grep -E 'graph' "$OUT/torch-graph-capture.log" | sed 's/^/# torch: /' >> "$R"
 fi
+# The same calls through the benchmark's -G (a launch of a captured call per iteration), 2 ranks
+# and the 1-rank latency, beside steps 4's rows for ordinary calls.
+step perf-cuda-allreduce-2-graph 30 env NCCL_RS_GRAPH_CAPTURE=1 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 \
+  --device 1 -G 5 -b 8 -e 64M -f 8 -n 5 -w 1
+step perf-cuda-latency-1-graph 15 env NCCL_RS_GRAPH_CAPTURE=1 "$PREP/run/bin/nccl-rs-perf" allreduce -np 1 \
+  --device 1 -G 10 -b 8 -e 8 -n 200 -w 5
 
 # 4. (c) The benchmark with device buffers, beside the device copy bandwidth and NVIDIA's NCCL.
 step perf-cuda-allreduce-2 50 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1

@@ -573,24 +573,33 @@ fn cuda_mode_2_processes_of_2_ranks() {
 }
 
 /// The benchmark tool with device buffers (`--device 1`; `--device 2`: of the virtual memory
-/// API, as PyTorch's expandable segments place them): every size checked exactly, as
-/// processes and as ranks of one process sharing the device.
+/// API, as PyTorch's expandable segments place them; `-G 2`: calls captured into CUDA graphs,
+/// with NCCL_RS_GRAPH_CAPTURE=1): every size checked exactly, as processes and as ranks of one
+/// process sharing the device.
 #[test]
 fn perf_tool_runs_and_checks_device_buffers() {
     // NCCL_RS_PERF: the binary beside this test when both were copied to another machine.
     let perf = std::env::var("NCCL_RS_PERF").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nccl-rs-perf").to_string());
-    let runs = [("allreduce", ["-np", "2"], "1"), ("allgather", ["-t", "2"], "1"), ("reducescatter", ["-np", "2"], "1"),
-                ("allreduce", ["-np", "2"], "2")];
-    for (op, layout, device) in runs {
+    // The last two: calls captured into CUDA graphs (nccl-tests' -G), each launched twice an
+    // iteration, once for the check.
+    let runs = [("allreduce", ["-np", "2"], "1", "0"), ("allgather", ["-t", "2"], "1", "0"),
+                ("reducescatter", ["-np", "2"], "1", "0"), ("allreduce", ["-np", "2"], "2", "0"),
+                ("allreduce", ["-np", "2"], "1", "2"), ("reducescatter", ["-t", "2"], "2", "2")];
+    for (op, layout, device, graph) in runs {
         let mut cmd = std::process::Command::new(&perf);
         cmd.arg(op).args(layout).args(["--device", device, "-b", "8", "-e", "1M", "-f", "32", "-n", "2", "-w", "1", "-d", "bfloat16"]);
+        cmd.args(["-G", graph]).env("NCCL_RS_GRAPH_CAPTURE", "1");
         if std::env::var_os("NCCL_TEST_REAL_DRIVER").is_none() {
             cmd.env("LD_LIBRARY_PATH", cuda_stub_dir());
         }
         let out = cmd.env_remove("NCCL_COMM_ID").output().expect("run nccl-rs-perf");
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success(), "{op} {layout:?} failed:\n{text}");
-        let place = if device == "2" { "device (virtual memory API" } else { "device buffers)" };
+        let place = match (device, graph) {
+            ("2", _) => "device (virtual memory API",
+            (_, "0") => "device buffers)",
+            _ => "device buffers, each call captured into a CUDA graph launched 2 time(s)",
+        };
         assert!(text.contains(&format!("(cuda mode, {place}")), "{op}: not in CUDA mode with {place}:\n{text}");
         assert!(text.contains("Out of bounds values : 0 OK"), "{op}: wrong results:\n{text}");
         assert_eq!(text.lines().filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())).count(), 4,

@@ -38,6 +38,19 @@ fn median_sorted(t: &[f64]) -> f64 {
 }
 
 fn measure(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, bytes: usize, in_place: bool) -> Result<Cell, String> {
+    if o.graph == 0 {
+        return measure_steps(o, ranks, n, count, bytes, in_place);
+    }
+    ffi::capture(o, ranks, n, count, in_place)?;
+    let cell = measure_steps(o, ranks, n, count, bytes, in_place);
+    ffi::release_graphs(ranks);
+    cell
+}
+
+/// With `-G N` each step is N launches of the captured call: the times are per launch.
+fn measure_steps(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, bytes: usize, in_place: bool)
+                 -> Result<Cell, String> {
+    let per_step = o.graph.max(1) as f64;
     let wrong = if o.check {
         let local = validate(o, ranks, n, count, in_place)?;
         Some(sum_over_ranks(ranks, &local)?)
@@ -54,7 +67,7 @@ fn measure(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, bytes: usize, i
         barrier(ranks)?;
         let t0 = Instant::now();
         *ci = step(o, ranks, n, count, in_place)?;
-        *ti = t0.elapsed().as_secs_f64();
+        *ti = t0.elapsed().as_secs_f64() / per_step;
     }
     calls.sort_by(|a, b| a.total_cmp(b));
     let mut t = max_over_ranks(ranks, &t)?;
@@ -89,7 +102,10 @@ fn buffers(o: &Opts) -> String {
         (true, false) => "device",
         (true, true) => "device (virtual memory API, 20 MiB allocations)",
     };
-    format!("{mode} mode, {place} buffers")
+    match o.graph {
+        0 => format!("{mode} mode, {place} buffers"),
+        g => format!("{mode} mode, {place} buffers, each call captured into a CUDA graph launched {g} time(s) per iteration"),
+    }
 }
 
 fn redop_name(o: &Opts) -> &'static str {

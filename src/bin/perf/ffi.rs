@@ -135,6 +135,8 @@ pub struct Rank {
     pub send: Buf,
     pub recv: Buf,
     pub dev: Option<DeviceBufs>,
+    /// `-G`: the call of the size and mode being measured, captured on the rank's stream.
+    pub graph: Option<cuda::GraphExec>,
 }
 
 impl Rank {
@@ -183,6 +185,7 @@ pub fn init_ranks(o: &Opts, proc_index: usize, nprocs: usize, send_bytes: usize,
         send: Buf::new(send_bytes, 1),
         recv: Buf::new(recv_bytes, 0),
         dev: if o.device { Some(DeviceBufs::new(send_bytes, recv_bytes, o.vmm)?) } else { None },
+        graph: None,
     })).collect()
 }
 
@@ -248,7 +251,18 @@ fn issue(o: &Opts, r: &mut Rank, n: usize, count: usize, in_place: bool) -> nccl
 /// Returns the seconds the calling thread spent in the calls (with device buffers, the calls
 /// only queue the work: what an application's thread pays before it can go on).
 pub fn step(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool) -> Result<f64, String> {
+    if ranks.iter().any(|r| r.graph.is_some()) {
+        return launch(o, ranks, o.graph);
+    }
     let t0 = std::time::Instant::now();
+    issue_all(o, ranks, n, count, in_place)?;
+    let in_calls = t0.elapsed().as_secs_f64();
+    sync_all(o, ranks)?;
+    Ok(in_calls)
+}
+
+/// One call per local rank, in one group when there are several (as nccl-tests does).
+fn issue_all(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool) -> Result<(), String> {
     let grouped = ranks.len() > 1;
     if grouped {
         check(ncclGroupStart(), "ncclGroupStart")?;
@@ -259,11 +273,65 @@ pub fn step(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool
     if grouped {
         check(ncclGroupEnd(), "ncclGroupEnd")?;
     }
-    let in_calls = t0.elapsed().as_secs_f64();
-    // Device mode: a call has finished when its stream has.
+    Ok(())
+}
+
+/// Device mode: a call has finished when its stream has.
+fn sync_all(o: &Opts, ranks: &[Rank]) -> Result<(), String> {
     for d in ranks.iter().filter_map(|r| r.dev.as_ref()) {
         d.stream.synchronize().map_err(|e| format!("{}: cuStreamSynchronize: {}", o.coll.name(), e.msg))?;
     }
+    Ok(())
+}
+
+/// `-G`: every local rank's call captured into a graph on its stream (as `torch.cuda.graph`
+/// captures: the whole group, each rank's stream its own capture). Dropped with the ranks'
+/// `graph` (see [`release_graphs`]).
+pub fn capture(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool) -> Result<(), String> {
+    let what = |e: nccl::error::Error| format!("-G: {}", e.msg);
+    for d in ranks.iter().filter_map(|r| r.dev.as_ref()) {
+        d.stream.begin_capture().map_err(what)?;
+    }
+    let issued = issue_all(o, ranks, n, count, in_place);
+    // Every capture ends, whatever happened: a stream left capturing would break the rest.
+    let mut ended = Ok(());
+    for r in ranks.iter_mut() {
+        if let Some(d) = &r.dev {
+            match d.stream.end_capture() {
+                Ok(g) => r.graph = Some(g),
+                Err(e) => ended = ended.and(Err(what(e))),
+            }
+        }
+    }
+    issued.and(ended).inspect_err(|_| release_graphs(ranks))
+}
+
+pub fn release_graphs(ranks: &mut [Rank]) {
+    ranks.iter_mut().for_each(|r| r.graph = None);
+}
+
+/// The call whose results are checked: one call, or (`-G`) one launch of its graph (an in-place
+/// call run twice would not give what one gives).
+pub fn checked_step(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool) -> Result<f64, String> {
+    if ranks.iter().any(|r| r.graph.is_some()) {
+        return launch(o, ranks, 1);
+    }
+    step(o, ranks, n, count, in_place)
+}
+
+/// `times` launches of every rank's graph, then their streams synchronised; the seconds the
+/// calling thread spent launching, per launch.
+fn launch(o: &Opts, ranks: &mut [Rank], times: usize) -> Result<f64, String> {
+    let t0 = std::time::Instant::now();
+    for _ in 0..times {
+        for r in ranks.iter() {
+            if let (Some(g), Some(d)) = (&r.graph, &r.dev) {
+                g.launch(&d.stream).map_err(|e| format!("-G: {}", e.msg))?;
+            }
+        }
+    }
+    let in_calls = t0.elapsed().as_secs_f64() / times.max(1) as f64;
+    sync_all(o, ranks)?;
     Ok(in_calls)
 }
 

@@ -132,6 +132,9 @@ pub struct Opts {
     pub device: bool,
     /// ... of the virtual memory API, as PyTorch's expandable segments allocate it (`--device 2`).
     pub vmm: bool,
+    /// `-G N` (nccl-tests' flag): each rank's call captured into a CUDA graph once per size and
+    /// mode, each iteration N launches of it; 0: calls.
+    pub graph: usize,
     pub table: Table,
     /// The baselines' table measures the in-place call instead (`--in-place 1`).
     pub in_place: bool,
@@ -158,6 +161,9 @@ as the baselines (../shared/scripts/baselines/mpi_allreduce_bench.c):
   --device 0|1|2 CUDA mode: buffers on the current device (0), a stream per rank; each timed
                  call ends with cuStreamSynchronize; 2: the buffers in 20 MiB allocations of the
                  virtual memory API, as PyTorch's expandable segments place tensors
+  -G N           with --device: each rank's call captured into a CUDA graph (once per size and
+                 mode), each timed iteration N launches of it, the time shown per launch
+                 (nccl-tests' flag; nccl-rs records calls into graphs with NCCL_RS_GRAPH_CAPTURE=1)
   --table nccl-tests|baselines   output format (nccl-tests); baselines: out-of-place only
   --in-place 0|1 the baselines' table measures the in-place call (0); MPI_Bcast and Gloo's
                  broadcast have one buffer, so their equivalent is an in-place ncclBroadcast
@@ -232,6 +238,7 @@ fn defaults() -> Opts {
         bind: false,
         device: false,
         vmm: false,
+        graph: 0,
         table: Table::NcclTests,
         in_place: false,
         json: None,
@@ -283,6 +290,7 @@ pub fn parse_args(args: &[String]) -> Result<Opts, String> {
                 let d = num()?;
                 (o.device, o.vmm) = (d != 0, d == 2);
             }
+            "-G" => o.graph = num()?,
             "--table" => o.table = match v.as_str() {
                 "nccl-tests" => Table::NcclTests,
                 "baselines" => Table::Baselines,
@@ -299,6 +307,9 @@ pub fn parse_args(args: &[String]) -> Result<Opts, String> {
     }
     if o.min > o.max {
         return Err(format!("-b {} is larger than -e {}", o.min, o.max));
+    }
+    if o.graph > 0 && !o.device {
+        return Err(format!("-G {} captures calls on device buffers: it needs --device 1 or 2", o.graph));
     }
     Ok(o)
 }

@@ -8,7 +8,7 @@
 
 use half::{bf16, f16};
 
-use crate::ffi::{regions, step, Rank};
+use crate::ffi::{checked_step, regions, Rank};
 use crate::opts::{Coll, Dtype, Opts, RedOp};
 
 /// Write `v` (an integer the type holds exactly, or for avg any value) as element `i`.
@@ -205,7 +205,7 @@ pub fn validate(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: 
     for r in ranks.iter() {
         r.upload()?;
     }
-    step(o, ranks, n, count, in_place)?;
+    checked_step(o, ranks, n, count, in_place)?;
     for r in ranks.iter() {
         r.download()?;
     }

@@ -102,3 +102,64 @@ impl Capture {
         })
     }
 }
+
+/// An executable CUDA graph captured from one stream's work (what an application does with
+/// `torch.cuda.graph`; nccl-rs-perf's `-G`): the graph and its executable copy, destroyed on
+/// drop.
+pub struct GraphExec {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+// SAFETY: graph handles are driver objects usable from any thread; the driver synchronises.
+unsafe impl Send for GraphExec {}
+
+impl Stream {
+    /// Starts capturing this stream's work into a graph (global mode, `torch.cuda.graph`'s).
+    pub fn begin_capture(&self) -> Result<()> {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+        // SAFETY: `raw` is a live stream.
+        driver("cuStreamBeginCapture_v2", || check("cuStreamBeginCapture_v2", unsafe {
+            sys::cuStreamBeginCapture_v2(self.raw(), mode)
+        }))
+    }
+
+    /// Ends the capture begun by [`Stream::begin_capture`]: the graph, instantiated.
+    pub fn end_capture(&self) -> Result<GraphExec> {
+        driver("cuStreamEndCapture", || {
+            let mut graph: CUgraph = std::ptr::null_mut();
+            // SAFETY: `graph` is a valid out-pointer; `raw` is a live stream.
+            check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(self.raw(), &mut graph) })?;
+            let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+            // SAFETY: `graph` is the graph just captured; `exec` a valid out-pointer.
+            let made = check("cuGraphInstantiateWithFlags", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) });
+            if let Err(e) = made {
+                // SAFETY: the graph is ours and nothing else holds it.
+                unsafe { sys::cuGraphDestroy(graph) };
+                return Err(e);
+            }
+            Ok(GraphExec { graph, exec })
+        })
+    }
+}
+
+impl GraphExec {
+    /// Runs the graph's work on `stream`, after what the stream holds.
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: `exec` is live (owned); `raw` is a live stream.
+        driver("cuGraphLaunch", || check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(self.exec, stream.raw()) }))
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        // SAFETY: both are ours; the driver keeps what a pending launch needs until it is done.
+        let _ = driver("cuGraphExecDestroy", || {
+            unsafe {
+                sys::cuGraphExecDestroy(self.exec);
+                sys::cuGraphDestroy(self.graph);
+            }
+            Ok(())
+        });
+    }
+}

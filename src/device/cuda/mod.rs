@@ -32,7 +32,7 @@ use crate::error::{Code, Error, Result};
 
 pub use context::{current_device, device_count, relax_capture_mode, Context, KeepCurrent};
 pub use cudarc::driver::sys::CUstream;
-pub use graph::Capture;
+pub use graph::{Capture, GraphExec};
 pub use ipc::{IpcHandle, IpcMapping};
 pub use kernels::{Desc, Indirect, Kernels};
 pub use memory::{alloc, allocation_of, classify, free, MappedHost, PtrKind};
