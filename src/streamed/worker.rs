@@ -1,5 +1,6 @@
 //! The stream worker of a communicator in CUDA mode (see `streamed`): a thread that takes the
-//! batches its callers queued, in order, waits until their streams have reached them, runs
+//! batches its callers queued, in order (and the launches of CUDA graphs that reach it:
+//! `capture`), waits until their streams have reached them, runs
 //! them (host transports, the direct path's exchanges and descriptors, staging where the
 //! callers' streams did not) and releases the streams. It must never make a driver call that
 //! may wait for the device while a caller's stream waits for it (the module docs of
@@ -49,8 +50,8 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
             }
             Next::Stop => break,
         };
-        // Stream order, once graphs run this communicator's operations (`capture`): a launch
-        // its stream reaches before this batch runs first.
+        // Stream order while graphs hold this communicator's calls (`capture`): a launch its
+        // stream reaches before this batch runs first.
         while capture::captured_any(&s) {
             match replay_first(&comm, &s, &batch) {
                 Some(r) => capture::run(&comm, r),
