@@ -14,7 +14,7 @@
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle, CUpointer_attribute};
+use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle, CUpointer_attribute, CUresult};
 
 use super::{check, driver};
 use crate::error::{Error, Result};
@@ -115,19 +115,67 @@ pub fn export(seg: &Segment) -> Result<OwnedFd> {
     if still()? { Ok(fd) } else { Err(gone()) }
 }
 
-/// Another process's allocations mapped side by side into this one, readable and writable by
-/// one device; unmapped on drop.
-pub struct VmmMapping {
+/// A reservation of device addresses and the allocations mapped into it, one after the other;
+/// unmapped and freed on drop.
+struct Reservation {
     addr: CUdeviceptr,
     size: usize,
     /// Offset and size of each mapping made in the reservation.
     mapped: Vec<(usize, usize)>,
 }
 
-// SAFETY: the mapping is a device address range owned by this value; the driver is thread-safe.
-unsafe impl Send for VmmMapping {}
-// SAFETY: as for Send.
-unsafe impl Sync for VmmMapping {}
+impl Reservation {
+    /// `size` bytes of addresses, aligned to `align` (the allocations' granularity).
+    fn new(size: usize, align: usize, maps: usize) -> Result<Reservation> {
+        let mut addr: CUdeviceptr = 0;
+        // SAFETY: `addr` is a valid out-pointer; the driver checks size and alignment.
+        check(format_args!("cuMemAddressReserve({size} bytes)"), unsafe {
+            sys::cuMemAddressReserve(&mut addr, size, align.max(1), 0, 0)
+        })?;
+        Ok(Reservation { addr, size, mapped: Vec::with_capacity(maps) })
+    }
+
+    /// Maps allocation `h` of `len` bytes after those mapped so far; `h` is released either way
+    /// (a mapping holds its own reference).
+    fn map_next(&mut self, h: CUmemGenericAllocationHandle, len: usize) -> Result<()> {
+        let off = self.mapped.last().map_or(0, |&(o, l)| o + l);
+        let fits = off.checked_add(len).is_some_and(|end| end <= self.size);
+        let r = match fits {
+            // SAFETY: maps the allocation at its place inside our reservation (checked: it fits).
+            true => unsafe { sys::cuMemMap(self.addr + off as u64, len, 0, h, 0) },
+            false => CUresult::CUDA_ERROR_INVALID_VALUE,
+        };
+        // SAFETY: releases the reference the caller's handle holds; the mapping, if made, has its own.
+        unsafe { sys::cuMemRelease(h) };
+        check(format_args!("cuMemMap({len} bytes)"), r)?;
+        self.mapped.push((off, len));
+        Ok(())
+    }
+
+    /// Makes the whole reservation readable and writable by `device`.
+    fn allow(&self, device: i32) -> Result<()> {
+        let access = sys::CUmemAccessDesc {
+            location: location(device),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the whole reservation is mapped; one access descriptor.
+        check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(self.addr, self.size, &access, 1) })
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // A failure cannot be reported from drop.
+        let _ = driver("cuMemUnmap", || {
+            for &(off, len) in &self.mapped {
+                // SAFETY: a mapping this value made, no longer used once it is dropped.
+                let _ = unsafe { sys::cuMemUnmap(self.addr + off as u64, len) };
+            }
+            // SAFETY: the reservation this value made, now unmapped.
+            check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(self.addr, self.size) })
+        });
+    }
+}
 
 fn location(device: i32) -> sys::CUmemLocation {
     sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device }
@@ -145,6 +193,26 @@ fn allocation_prop(device: i32) -> sys::CUmemAllocationProp {
     }
 }
 
+/// The granularity allocations of `prop` are sized and mapped in.
+fn granularity(prop: &sys::CUmemAllocationProp) -> Result<usize> {
+    let mut gran = 0usize;
+    let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+    // SAFETY: valid out-pointer and property struct.
+    check("cuMemGetAllocationGranularity", unsafe { sys::cuMemGetAllocationGranularity(&mut gran, prop, minimum) })?;
+    Ok(gran.max(1))
+}
+
+/// Another process's allocations mapped side by side into this one, readable and writable by
+/// one device; unmapped on drop.
+pub struct VmmMapping {
+    r: Reservation,
+}
+
+// SAFETY: the mapping is a device address range owned by this value; the driver is thread-safe.
+unsafe impl Send for VmmMapping {}
+// SAFETY: as for Send.
+unsafe impl Sync for VmmMapping {}
+
 impl VmmMapping {
     /// Maps another process's `segments` (one buffer's allocations, in address order) for
     /// `device` of this process, in the current context, receiving each one's descriptor from
@@ -157,68 +225,32 @@ impl VmmMapping {
             .ok_or_else(|| Error::internal("peer allocations past the address space"))?;
         let passing = |e: Error| Error::system(e.msg);
         driver("cuMemMap", || {
-            let prop = allocation_prop(device);
-            let mut gran = 0usize;
-            let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
-            // SAFETY: valid out-pointer and property struct.
-            check("cuMemGetAllocationGranularity", unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, minimum) })?;
-            let mut addr: CUdeviceptr = 0;
-            // SAFETY: `addr` is a valid out-pointer; the driver checks size and alignment.
-            check(format_args!("cuMemAddressReserve({size} bytes)"), unsafe {
-                sys::cuMemAddressReserve(&mut addr, size, gran.max(1), 0, 0)
-            }).map_err(passing)?;
+            let gran = granularity(&allocation_prop(device))?;
             // From here on, drop undoes what was done.
-            let mut m = VmmMapping { addr, size, mapped: Vec::with_capacity(segments.len()) };
-            let mut off = 0usize;
+            let mut r = Reservation::new(size, gran, segments.len()).map_err(passing)?;
             for s in segments {
                 let fd = fd_of(s).map_err(passing)?;
                 let mut h: CUmemGenericAllocationHandle = 0;
                 let ty = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
                 let os = fd.as_raw_fd() as isize as *mut c_void;
                 // SAFETY: `h` is a valid out-pointer; a POSIX handle is passed as the descriptor's value.
-                let r = unsafe { sys::cuMemImportFromShareableHandle(&mut h, os, ty) };
+                let imported = unsafe { sys::cuMemImportFromShareableHandle(&mut h, os, ty) };
                 drop(fd);
-                check("cuMemImportFromShareableHandle", r).map_err(passing)?;
-                let len = s.size as usize;
-                // SAFETY: maps the imported allocation at its place in our reservation.
-                let r = unsafe { sys::cuMemMap(addr + off as u64, len, 0, h, 0) };
-                // SAFETY: the mapping, if made, holds its own reference to the allocation.
-                unsafe { sys::cuMemRelease(h) };
-                check(format_args!("cuMemMap({len} bytes)"), r).map_err(passing)?;
-                m.mapped.push((off, len));
-                off += len;
+                check("cuMemImportFromShareableHandle", imported).map_err(passing)?;
+                r.map_next(h, s.size as usize).map_err(passing)?;
             }
-            let access = sys::CUmemAccessDesc {
-                location: location(device),
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            // SAFETY: the whole reservation is mapped; one access descriptor.
-            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(addr, size, &access, 1) })?;
-            Ok(m)
+            r.allow(device)?;
+            Ok(VmmMapping { r })
         })
     }
 
     /// Where the first allocation starts in this process.
     pub fn addr(&self) -> usize {
-        self.addr as usize
+        self.r.addr as usize
     }
 
     pub fn size(&self) -> usize {
-        self.size
-    }
-}
-
-impl Drop for VmmMapping {
-    fn drop(&mut self) {
-        // A failure cannot be reported from drop.
-        let _ = driver("cuMemUnmap", || {
-            for &(off, len) in &self.mapped {
-                // SAFETY: a mapping this value made, no longer used once it is dropped.
-                let _ = unsafe { sys::cuMemUnmap(self.addr + off as u64, len) };
-            }
-            // SAFETY: the reservation this value made, now unmapped.
-            check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(self.addr, self.size) })
-        });
+        self.r.size
     }
 }
 
@@ -228,10 +260,7 @@ impl Drop for VmmMapping {
 /// side for the current context's device (benchmarks and tests; nccl-rs's own memory comes
 /// from `alloc`). Freed on drop.
 pub struct VmmAllocation {
-    base: CUdeviceptr,
-    size: usize,
-    chunk: usize,
-    mapped: usize,
+    r: Reservation,
 }
 
 // SAFETY: device memory owned by this value; the driver is thread-safe.
@@ -246,61 +275,28 @@ impl VmmAllocation {
             if !exportable {
                 prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
             }
-            let mut gran = 0usize;
-            let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
-            // SAFETY: valid out-pointer and property struct.
-            check("cuMemGetAllocationGranularity", unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, minimum) })?;
-            let gran = gran.max(1);
+            let gran = granularity(&prop)?;
             let chunk = chunk.max(1).div_ceil(gran) * gran;
             let size = bytes.max(1).div_ceil(chunk) * chunk;
-            let mut base: CUdeviceptr = 0;
-            // SAFETY: `base` is a valid out-pointer; the driver checks size and alignment.
-            check(format_args!("cuMemAddressReserve({size} bytes)"), unsafe {
-                sys::cuMemAddressReserve(&mut base, size, gran, 0, 0)
-            })?;
             // From here on, drop undoes what was done.
-            let mut a = VmmAllocation { base, size, chunk, mapped: 0 };
-            while a.mapped < size {
+            let mut r = Reservation::new(size, gran, size / chunk)?;
+            for _ in 0..size / chunk {
                 let mut h: CUmemGenericAllocationHandle = 0;
                 // SAFETY: `h` is a valid out-pointer; `prop` describes device memory.
                 check(format_args!("cuMemCreate({chunk} bytes)"), unsafe { sys::cuMemCreate(&mut h, chunk, &prop, 0) })?;
-                // SAFETY: maps the new allocation at the next place of the reservation.
-                let r = unsafe { sys::cuMemMap(base + a.mapped as u64, chunk, 0, h, 0) };
-                // SAFETY: the mapping, if made, holds its own reference to the allocation.
-                unsafe { sys::cuMemRelease(h) };
-                check("cuMemMap", r)?;
-                a.mapped += chunk;
+                r.map_next(h, chunk)?;
             }
-            let access = sys::CUmemAccessDesc {
-                location: location(device),
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            // SAFETY: the whole reservation is mapped; one access descriptor.
-            check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(base, size, &access, 1) })?;
-            Ok(a)
+            r.allow(device)?;
+            Ok(VmmAllocation { r })
         })
     }
 
     /// Where the memory starts.
     pub fn ptr(&self) -> *mut c_void {
-        self.base as usize as *mut c_void
+        self.r.addr as usize as *mut c_void
     }
 
     pub fn size(&self) -> usize {
-        self.size
-    }
-}
-
-impl Drop for VmmAllocation {
-    fn drop(&mut self) {
-        // A failure cannot be reported from drop.
-        let _ = driver("cuMemUnmap", || {
-            for off in (0..self.mapped).step_by(self.chunk) {
-                // SAFETY: a mapping `new` made, no longer used once this value is dropped.
-                let _ = unsafe { sys::cuMemUnmap(self.base + off as u64, self.chunk) };
-            }
-            // SAFETY: the reservation `new` made, now unmapped.
-            check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(self.base, self.size) })
-        });
+        self.r.size
     }
 }
