@@ -115,13 +115,7 @@ fn replay_first(comm: &Comm, s: &Streamed, batch: &Batch) -> Option<capture::Rep
             first = Some(r);
             return Ok(true);
         }
-        while let Some(st) = batch.starts.get(arrived) {
-            if !reached(s, st)? {
-                return Ok(false);
-            }
-            arrived += 1;
-        }
-        Ok(true)
+        all_reached(s, batch, &mut arrived)
     });
     first
 }
@@ -185,17 +179,20 @@ fn reached(s: &Streamed, start: &Start) -> Result<bool> {
 /// stream that never gets there (held by the caller, a hung kernel) must not make
 /// ncclCommAbort wait forever for this worker.
 fn wait_starts(comm: &Comm, s: &Streamed, batch: &Batch) -> Result<()> {
-    // The streams that have arrived are not asked again.
     let mut arrived = 0;
-    wait_for_stream(comm, &batch.ops, "its CUDA stream has not reached the call", || {
-        while let Some(st) = batch.starts.get(arrived) {
-            if !reached(s, st)? {
-                return Ok(false);
-            }
-            arrived += 1;
+    wait_for_stream(comm, &batch.ops, "its CUDA stream has not reached the call", || all_reached(s, batch, &mut arrived))
+}
+
+/// Have all the callers' streams of `batch` reached it? The first `arrived` have (and are not
+/// asked again); `arrived` counts those found since.
+fn all_reached(s: &Streamed, batch: &Batch, arrived: &mut usize) -> Result<bool> {
+    while let Some(st) = batch.starts.get(*arrived) {
+        if !reached(s, st)? {
+            return Ok(false);
         }
-        Ok(true)
-    })
+        *arrived += 1;
+    }
+    Ok(true)
 }
 
 /// Polls `done` while this rank waits for a caller's CUDA stream to get through `ops` (to
