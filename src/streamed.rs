@@ -455,8 +455,8 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         }
     }
     let callers: Vec<Stream> = streams.iter().map(|u| Stream::caller(s.ctx, *u)).collect();
-    let capturing = callers.iter().map(Stream::is_capturing).collect::<Result<Vec<bool>>>()?;
-    match (&callers[..], capturing.iter().any(|&c| c)) {
+    let capturing = callers.iter().try_fold(false, |any, st| Ok::<_, Error>(st.is_capturing()? || any))?;
+    match (&callers[..], capturing) {
         (_, false) => {}
         ([one], true) => return capture::record(comm, s, &ops, one).map(|()| None),
         _ => return Err(Error::invalid_usage(
