@@ -76,19 +76,18 @@ impl Capture {
             // SAFETY: `p` is the Box::into_raw below, handed to the driver once, dropped once.
             let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(p.cast::<T>()) })));
         }
-        let raw = Box::into_raw(value).cast::<c_void>();
+        // Ours until the driver takes it: dropped here if it does not (an error, or a driver
+        // without the call, which cudarc reports by panicking).
+        let mut unclaimed = Unclaimed(Box::into_raw(value));
+        let raw = unclaimed.0.cast::<c_void>();
         driver("cuUserObjectCreate", || {
             let mut object: CUuserObject = std::ptr::null_mut();
             let flags = CUuserObject_flags::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC as u32;
-            // SAFETY: `object` is a valid out-pointer; the destructor owns `raw` from here on.
-            let created = check("cuUserObjectCreate", unsafe {
+            // SAFETY: `object` is a valid out-pointer; on success the destructor owns `raw`.
+            check("cuUserObjectCreate", unsafe {
                 sys::cuUserObjectCreate(&mut object, raw, Some(drop_box::<T>), 1, flags)
-            });
-            if let Err(e) = created {
-                // SAFETY: the driver did not take `raw`: it is still ours, dropped once.
-                drop(unsafe { Box::from_raw(raw.cast::<T>()) });
-                return Err(e);
-            }
+            })?;
+            unclaimed.0 = std::ptr::null_mut();
             let flags = CUuserObjectRetain_flags::CU_GRAPH_USER_OBJECT_MOVE as u32;
             // SAFETY: both handles are live; MOVE hands our one reference to the graph.
             let moved = check("cuGraphRetainUserObject", unsafe {
@@ -100,6 +99,19 @@ impl Capture {
             }
             moved.map(|()| raw)
         })
+    }
+}
+
+/// A box handed to the driver as a raw pointer, dropped on drop unless the driver took it
+/// (the pointer is then null).
+struct Unclaimed<T>(*mut T);
+
+impl<T> Drop for Unclaimed<T> {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: a Box::into_raw the driver did not take: still ours, dropped once.
+            drop(unsafe { Box::from_raw(self.0) });
+        }
     }
 }
 
