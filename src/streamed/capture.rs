@@ -35,7 +35,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::pool::{stage_pair, staged_bytes};
+use super::pool::{aligned, stage_pair, staged_bytes, POOL_ALIGN};
 use super::{publish_failure, Queue, StreamOp, Streamed};
 use crate::comm::Comm;
 use crate::device::cuda::{Capture, MappedHost, MemOp, Stream, WaitCond};
@@ -45,8 +45,6 @@ use crate::plan::Op;
 
 /// Bytes before the first staged buffer of a block: its completion word, on a line of its own.
 const HEAD: usize = 256;
-/// Staged buffers start on this boundary.
-const ALIGN: usize = 256;
 
 /// Blocks of graphs that are gone, for later captures. Never freed: they come back on the
 /// driver's thread, where freeing is not allowed.
@@ -153,10 +151,9 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
     };
     // The block: the word, then per operation its input, its output (once, in place) and its
     // scalar.
-    let round = |n: usize| n.div_ceil(ALIGN) * ALIGN;
-    let scalar_bytes = |o: &Op| if o.scalar_at.is_some() { ALIGN } else { 0 };
+    let scalar_bytes = |o: &Op| if o.scalar_at.is_some() { POOL_ALIGN } else { 0 };
     let total = ops.iter().try_fold(HEAD, |sum: usize, o| {
-        sum.checked_add(staged_bytes(&o.op, round)?)?.checked_add(scalar_bytes(&o.op))
+        sum.checked_add(staged_bytes(&o.op)?)?.checked_add(scalar_bytes(&o.op))
     });
     let total = total.ok_or_else(|| Error::invalid_arg("a captured call's buffers are too large"))?;
     let block = Block::take(total)?;
@@ -164,7 +161,7 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
     let mut at = HEAD;
     let mut take = |n: usize| {
         let r = if n == 0 { Region::EMPTY } else { whole.sub(at, n) };
-        at += round(n);
+        at += aligned(n);
         r
     };
     let mut staged = Vec::with_capacity(ops.len());

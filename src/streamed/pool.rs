@@ -21,7 +21,12 @@ fn pool_max() -> usize {
     crate::params::pool_max().max(POOL_BYTES)
 }
 /// Alignment of each buffer carved from it.
-const POOL_ALIGN: usize = 256;
+pub(super) const POOL_ALIGN: usize = 256;
+
+/// `n` rounded up to [`POOL_ALIGN`]: where the next staged buffer may start.
+pub(super) fn aligned(n: usize) -> usize {
+    n.div_ceil(POOL_ALIGN) * POOL_ALIGN
+}
 
 /// A ring of pinned memory, carved per batch and given back once every stream of the batch
 /// has finished copying out of it (its release events have completed).
@@ -137,15 +142,14 @@ fn ring_alloc(cap: usize, head: usize, oldest: Option<usize>, len: usize) -> Opt
 /// it. None when no operation qualifies or they do not fit.
 pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[super::Path])
                                   -> Option<(usize, Vec<Staged>)> {
-    let round = |n: usize| n.div_ceil(POOL_ALIGN) * POOL_ALIGN;
     // The direct path moves its own data; an operation larger than the pool can ever be never
     // fits (and its size must not overflow the sum).
     let max = pool_max();
-    let fits = |op: &Op| staged_bytes(op, round).is_some_and(|n| n <= max);
+    let fits = |op: &Op| staged_bytes(op).is_some_and(|n| n <= max);
     let staged = |i: usize| !paths.get(i).is_some_and(|p| p.goes_direct());
     let picked: Vec<usize> = (0..ops.len()).filter(|&i| ops[i].copyable && staged(i) && fits(&ops[i].op)).collect();
     let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
-    let total: usize = picked.iter().map(|&i| staged_bytes(&ops[i].op, round).unwrap_or(0) + scalar(i)).sum();
+    let total: usize = picked.iter().map(|&i| staged_bytes(&ops[i].op).unwrap_or(0) + scalar(i)).sum();
     if total == 0 {
         return None;
     }
@@ -164,7 +168,7 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[su
     let mut at = start;
     let mut take = |n: usize| {
         let r = if n == 0 { Region::EMPTY } else { whole.sub(at, n) };
-        at += round(n);
+        at += aligned(n);
         r
     };
     let mut planned = Vec::with_capacity(picked.len());
@@ -188,12 +192,12 @@ fn in_place(op: &Op) -> Option<(bool, usize)> {
     op.send.offset_in(op.recv).map(|at| (true, at)).or_else(|| op.recv.offset_in(op.send).map(|at| (false, at)))
 }
 
-/// Bytes `op`'s input and output take in staging memory, each rounded up by `round`: the larger
-/// once for a call in place ([`in_place`]). None on overflow.
-pub(super) fn staged_bytes(op: &Op, round: impl Fn(usize) -> usize) -> Option<usize> {
+/// Bytes `op`'s input and output take in staging memory, each [`aligned`]: the larger once for
+/// a call in place ([`in_place`]). None on overflow.
+pub(super) fn staged_bytes(op: &Op) -> Option<usize> {
     match in_place(op) {
-        Some(_) => Some(round(op.send.len().max(op.recv.len()))),
-        None => round(op.send.len()).checked_add(round(op.recv.len())),
+        Some(_) => Some(aligned(op.send.len().max(op.recv.len()))),
+        None => aligned(op.send.len()).checked_add(aligned(op.recv.len())),
     }
 }
 
@@ -227,7 +231,7 @@ pub(super) struct Staged {
 
 #[cfg(test)]
 mod tests {
-    use super::{ring_alloc, stage_pair, staged_bytes};
+    use super::{aligned, ring_alloc, stage_pair, staged_bytes};
     use crate::device::host::Region;
     use crate::plan::{Op, OpKind};
     use crate::testing::Rng;
@@ -244,7 +248,6 @@ mod tests {
         let whole = Region::owned(&mut user);
         let op = |kind, send: Region, recv: Region| Op { kind, dt: DataType::Float32, op: RedOp::Builtin(BuiltinOp::Sum),
                                                           count: 0, root: 0, send, recv, seq: 0, scalar_at: None, of: None };
-        let round = |n: usize| n.div_ceil(256) * 256;
         let mut staging = vec![0u8; 8192];
         let pool = Region::owned(&mut staging);
         let cases = [
@@ -255,11 +258,11 @@ mod tests {
             (op(OpKind::AlltoAll, whole.sub(0, 1000), whole.sub(0, 1000)), 2048, None),
         ];
         for (o, bytes, offset) in cases {
-            assert_eq!(staged_bytes(&o, round), Some(bytes), "{:?}", o.kind);
+            assert_eq!(staged_bytes(&o), Some(bytes), "{:?}", o.kind);
             let mut at = 0;
             let (send, recv) = stage_pair(&o, |n| {
                 let r = pool.sub(at, n);
-                at += round(n);
+                at += aligned(n);
                 r
             });
             assert_eq!((send.len(), recv.len()), (o.send.len(), o.recv.len()));
