@@ -289,13 +289,23 @@ fn sync_all(o: &Opts, ranks: &[Rank]) -> Result<(), String> {
 /// `graph` (see [`release_graphs`]).
 pub fn capture(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool) -> Result<(), String> {
     let what = |e: nccl::error::Error| format!("-G: {}", e.msg);
+    let mut begun = 0;
+    let mut issued = Ok(());
     for d in ranks.iter().filter_map(|r| r.dev.as_ref()) {
-        d.stream.begin_capture().map_err(what)?;
+        match d.stream.begin_capture() {
+            Ok(()) => begun += 1,
+            Err(e) => {
+                issued = Err(what(e));
+                break;
+            }
+        }
     }
-    let issued = issue_all(o, ranks, n, count, in_place);
-    // Every capture ends, whatever happened: a stream left capturing would break the rest.
+    if issued.is_ok() {
+        issued = issue_all(o, ranks, n, count, in_place);
+    }
+    // Every capture begun ends, whatever happened: a stream left capturing would break the rest.
     let mut ended = Ok(());
-    for r in ranks.iter_mut() {
+    for r in ranks.iter_mut().filter(|r| r.dev.is_some()).take(begun) {
         if let Some(d) = &r.dev {
             match d.stream.end_capture() {
                 Ok(g) => r.graph = Some(g),
