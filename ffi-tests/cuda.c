@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused]
+ *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
  *   CUDA_TEST_FAULT=1|graph cuda (2 processes; the harness kills process 1 once it prints LOOPING;
  *                                graph: the all-reduces are launches of a captured graph)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
@@ -16,6 +16,8 @@
  *                                expandable segments place them: see vmm_alloc)
  *   NCCL_RS_GRAPH_CAPTURE=1 cuda --only Graph (collectives captured into CUDA graphs, launched
  *                                three times with new inputs, behind held streams)
+ *   cuda --only Suspend         (several processes: ncclCommSuspend(NCCL_SUSPEND_MEM) closes the
+ *                                peer mappings that keep freed device memory alive)
  *   CUDA_TEST_NO_PTRACE=1 cuda  (the process refuses ptrace access by others, as under Yama:
  *                                no peer can take its descriptors with pidfd_getfd, nor read
  *                                it with CMA)
@@ -77,6 +79,9 @@ static struct {
   CUresult (*EventDestroy)(void*);
   CUresult (*EventRecord)(void*, CUstream);
   CUresult (*StreamWaitEvent)(CUstream, void*, unsigned);
+  CUresult (*MemGetInfo)(size_t*, size_t*);
+  /* The stand-in's own (NULL on a GPU): the peers' device memory this process holds open. */
+  int (*StubPeerMemory)(size_t*);
   /* The virtual memory API, loaded with CUDA_TEST_VMM=1. */
   CUresult (*MemGetAllocationGranularity)(size_t*, const void*, int);
   CUresult (*MemCreate)(unsigned long long*, size_t, const void*, unsigned long long);
@@ -139,6 +144,8 @@ static void load_driver(void) {
   *(void**)&cu.EventDestroy = sym(lib, "cuEventDestroy_v2");
   *(void**)&cu.EventRecord = sym(lib, "cuEventRecord");
   *(void**)&cu.StreamWaitEvent = sym(lib, "cuStreamWaitEvent");
+  *(void**)&cu.MemGetInfo = dlsym(lib, "cuMemGetInfo_v2");
+  *(void**)&cu.StubPeerMemory = dlsym(lib, "nccl_rs_stub_peer_memory");
   if (getenv("CUDA_TEST_VMM")) {
     *(void**)&cu.MemGetAllocationGranularity = sym(lib, "cuMemGetAllocationGranularity");
     *(void**)&cu.MemCreate = sym(lib, "cuMemCreate");
@@ -1428,6 +1435,113 @@ static void churn(void) {
     for (int l = 0; l < g_env.local; l++) dev_free(live[i][l]);
 }
 
+/* Direct all-reduces on fresh buffers of `count` floats (salt `salt`), checked; the buffers
+ * are left allocated, in d. */
+static void checked_allreduce(CUdeviceptr* d, size_t count, int salt, const char* what) {
+  float* h[MAX_LOCAL];
+  fresh_allreduce(d, h, count, salt);
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, salt);
+    EXPECT(bad == 0, "%s, rank %d: %zu wrong values", what, g_env.first_rank + l, bad);
+    CU(cu.MemFreeHost(h[l]));
+  }
+}
+
+static uint64_t mem_stat(ncclComm_t c, ncclCommMemStat_t stat) {
+  uint64_t v = 0;
+  CHECK(ncclCommMemStats(c, stat, &v));
+  return v;
+}
+
+static size_t device_free(void) {
+  size_t free_b = 0, total = 0;
+  if (cu.MemGetInfo) CU(cu.MemGetInfo(&free_b, &total));
+  return free_b;
+}
+
+/* ncclCommSuspend(NCCL_SUSPEND_MEM) gives back the peers' device memory the direct path keeps
+ * mapped (--only Suspend, several processes). After direct all-reduces every rank frees its
+ * buffers; the peers' mappings still hold that memory (ncclStatGpuMemSuspend counts it) until
+ * they suspend. Suspended, a call is refused; resumed, direct all-reduces are exact again.
+ * Against the stand-in, its count of open peer memory must fall to 0; on a GPU, how much the
+ * device's free memory rose is reported (whether a mapping keeps freed memory alive there is
+ * what the line tells). */
+static void suspend_mem(void) {
+  test_step("suspend");
+  const size_t count = (size_t)1 << 20; /* 4 MiB: direct */
+  const char* p2p_off = getenv("NCCL_P2P_DISABLE");
+  const int mapped = g_env.nprocs > 1 && !(p2p_off && atoi(p2p_off) == 1);
+  CUdeviceptr d[MAX_LOCAL];
+  checked_allreduce(d, count, 70, "before ncclCommSuspend");
+  for (int l = 0; l < g_env.local; l++) {
+    uint64_t susp = mem_stat(g_comms[l], ncclStatGpuMemSuspend), persist = mem_stat(g_comms[l], ncclStatGpuMemPersist);
+    uint64_t total = mem_stat(g_comms[l], ncclStatGpuMemTotal);
+    EXPECT(mapped ? susp >= count * sizeof(float) : susp == 0, "rank %d: ncclStatGpuMemSuspend %llu after direct all-reduces "
+           "of %zu bytes (peers mapped: %d)", g_env.first_rank + l, (unsigned long long)susp, count * sizeof(float), mapped);
+    EXPECT(total == persist + susp, "rank %d: total %llu is not persistent %llu + suspendable %llu", g_env.first_rank + l,
+           (unsigned long long)total, (unsigned long long)persist, (unsigned long long)susp);
+    dev_free(d[l]);
+  }
+  size_t held = 0;
+  int open = cu.StubPeerMemory ? cu.StubPeerMemory(&held) : -1;
+  if (cu.StubPeerMemory)
+    EXPECT(mapped ? open > 0 && held >= count * sizeof(float) : open == 0,
+           "%d peer allocations (%zu bytes) held open after the peers freed them (peers mapped: %d)", open, held, mapped);
+  allreduce_sum_int(g_comms, 0); /* every rank has freed its buffers */
+  const size_t free_before = device_free();
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclCommSuspend(g_comms[l], NCCL_SUSPEND_MEM));
+    EXPECT(mem_stat(g_comms[l], ncclStatGpuMemSuspended) == 1, "rank %d: not reported suspended", g_env.first_rank + l);
+    EXPECT(mem_stat(g_comms[l], ncclStatGpuMemSuspend) == 0, "rank %d: suspendable memory left after ncclCommSuspend",
+           g_env.first_rank + l);
+  }
+  if (cu.StubPeerMemory) {
+    size_t after = 0;
+    int left = cu.StubPeerMemory(&after);
+    EXPECT(left == 0, "%d peer allocations (%zu bytes) still held open after ncclCommSuspend", left, after);
+    tlog("suspend: %d peer allocation(s) of %zu bytes held open before ncclCommSuspend, %d after", open, held, left);
+  }
+  CUdeviceptr x = dev_alloc(sizeof(float));
+  ncclResult_t r = ncclAllReduce((void*)(uintptr_t)x, (void*)(uintptr_t)x, 1, ncclFloat32, ncclSum, g_comms[0], g_streams[0]);
+  EXPECT(r == ncclInvalidUsage, "an all-reduce on a suspended communicator returned %d, not ncclInvalidUsage", (int)r);
+  dev_free(x);
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommResume(g_comms[l]));
+  allreduce_sum_int(g_comms, 0); /* every rank has suspended */
+  if (cu.MemGetInfo && !cu.StubPeerMemory) {
+    const double mib = 1024.0 * 1024.0;
+    tlog("suspend: device free memory %.0f MiB before every rank suspended, %.0f MiB after (the processes freed %.0f "
+         "MiB in all)", free_before / mib, device_free() / mib, (double)count * sizeof(float) * g_env.nranks / mib);
+  }
+  for (int l = 0; l < g_env.local; l++)
+    EXPECT(mem_stat(g_comms[l], ncclStatGpuMemSuspended) == 0, "rank %d: reported suspended after ncclCommResume",
+           g_env.first_rank + l);
+  checked_allreduce(d, count, 71, "after ncclCommResume");
+  for (int l = 0; l < g_env.local; l++) {
+    uint64_t susp = mem_stat(g_comms[l], ncclStatGpuMemSuspend);
+    EXPECT(mapped ? susp >= count * sizeof(float) : susp == 0, "rank %d: ncclStatGpuMemSuspend %llu after resuming",
+           g_env.first_rank + l, (unsigned long long)susp);
+    dev_free(d[l]);
+  }
+  /* Suspended with an all-reduce still on the streams (NCCL asks that none be): the mappings
+   * close only once it is done, so it stays exact. */
+  float* h[MAX_LOCAL];
+  fresh_allreduce(d, h, count, 72);
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSuspend(g_comms[l], NCCL_SUSPEND_MEM));
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 72);
+    EXPECT(bad == 0, "suspended behind an all-reduce, rank %d: %zu wrong values", g_env.first_rank + l, bad);
+    CU(cu.MemFreeHost(h[l]));
+    CHECK(ncclCommResume(g_comms[l]));
+    dev_free(d[l]);
+  }
+}
+
 /* A call leaves the caller's current context alone (here: none), as NCCL does. */
 static void context(void) {
   test_step("context");
@@ -1936,6 +2050,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "CaptureElsewhere")) capture_elsewhere();
   if (g_env.only && !strcasecmp(g_env.only, "Graph")) graph();
   if (g_env.only && !strcasecmp(g_env.only, "GraphRefused")) graph_refused();
+  if (g_env.only && !strcasecmp(g_env.only, "Suspend")) suspend_mem();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

@@ -13,7 +13,9 @@
 #      kernel of kernels/reduce.ptx JIT-loaded by the real driver, bit-compared with host mode;
 #   2. (a) ffi-tests/cuda.c in CUDA mode (device buffers, the caller's streams, gated streams,
 #      in-place, p2p, graph capture refused by default) on 1, 2 and 4 ranks sharing the GPU,
-#      and the host-mode C programs on the GPU machine; (2b) CUDA graphs on their own: the
+#      and the host-mode C programs on the GPU machine; (2a') how much device memory comes
+#      back when every rank's ncclCommSuspend closes the peer mappings that kept the ranks'
+#      freed buffers alive; (2b) CUDA graphs on their own: the
 #      device layer's graph primitives, collectives recorded with NCCL_RS_GRAPH_CAPTURE=1, and
 #      collectives beside another stream's global capture;
 #   3. (b) PyTorch, two processes on cuda:0, backend='nccl', LD_PRELOAD of our library:
@@ -130,7 +132,12 @@ step cuda-layer 60 "$PREP/run/bin/cuda_layer" --test-threads=1 --skip graphs
 # 2. (a) CUDA mode: ffi-tests/cuda.c against the real driver on 1, 2 and 4 ranks sharing the
 #    GPU (the harness compiles it with cc; NCCL_TEST_REAL_DRIVER drops the stub from the path).
 step ffi-cuda-mode 150 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" \
-  --test-threads=1 --skip graph
+  --test-threads=1 --skip graph --skip suspend
+# 2a'. ncclCommSuspend(NCCL_SUSPEND_MEM) closing the peer mappings: the device's free memory
+#    before and after every rank suspended (does a mapping keep freed memory alive here?).
+step suspend-memory 40 env NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" \
+  --test-threads=1 --exact cuda_mode_suspend_releases_peer_memory --nocapture
+grep -E 'device free memory' "$OUT/suspend-memory.log" | sed 's/^/# suspend: /' >> "$R"
 # 2b. CUDA graphs, on their own (a hang here must not hide step 2's results): the device
 #    layer's graph primitives (host nodes, memory operations and user objects in a captured
 #    graph), collectives recorded into graphs (NCCL_RS_GRAPH_CAPTURE=1: launched with new

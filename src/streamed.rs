@@ -160,6 +160,9 @@ pub struct Streamed {
     slots_ran_out: std::sync::atomic::AtomicBool,
     /// Whether any operation was captured into a CUDA graph yet (logged the first time).
     captured: std::sync::atomic::AtomicBool,
+    /// Bytes of peers' device memory the worker keeps mapped (the direct path's), as of its
+    /// last batch: what ncclCommSuspend releases.
+    peer_bytes: std::sync::atomic::AtomicU64,
 }
 
 impl Drop for Streamed {
@@ -206,6 +209,9 @@ struct State {
     issued: u32,
     finished: u32,
     closing: bool,
+    /// ncclCommSuspend asks the worker to release its memory once the batches queued before
+    /// are done; the worker clears it when it has.
+    release: bool,
 }
 
 /// The operations one group issued on this communicator, run together (their sends and
@@ -314,7 +320,8 @@ impl Streamed {
                                     caller_staged: std::sync::atomic::AtomicBool::new(false), board, direct_on_stream,
                                     direct_off: std::sync::atomic::AtomicBool::new(false),
                                     slots_ran_out: std::sync::atomic::AtomicBool::new(false),
-                                    captured: std::sync::atomic::AtomicBool::new(false) });
+                                    captured: std::sync::atomic::AtomicBool::new(false),
+                                    peer_bytes: std::sync::atomic::AtomicU64::new(0) });
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
@@ -372,6 +379,40 @@ impl Streamed {
     pub fn pool_bytes(&self) -> u64 {
         let pool = self.pool.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |p| p.capacity() as u64);
         pool + self.board.as_ref().map_or(0, |b| b.mem().len() as u64)
+    }
+
+    /// Bytes of peers' device memory the worker keeps mapped (ncclCommMemStats).
+    pub fn peer_bytes(&self) -> u64 {
+        self.peer_bytes.load(Ordering::Relaxed)
+    }
+
+    /// ncclCommSuspend with NCCL_SUSPEND_MEM: once the batches issued so far are done, the
+    /// worker closes its peer mappings (the peers' allocations they keep alive are freed if
+    /// their owners freed them) and frees its host staging. NCCL asks that nothing be in
+    /// flight: this waits for what is (saying so after a second), but not past an abort.
+    pub fn release_memory(&self, comm: &Comm) -> Result<()> {
+        let since = std::time::Instant::now();
+        let mut warned = false;
+        let mut st = self.state();
+        st.release = true;
+        self.queue.changed.notify_all();
+        while st.release && !st.closing {
+            if comm.abort.load(Ordering::Acquire) {
+                st.release = false;
+                return Err(Error::invalid_usage("communicator aborted while ncclCommSuspend waited for its operations"));
+            }
+            if !warned && since.elapsed() >= std::time::Duration::from_secs(1) {
+                warned = true;
+                crate::warn!("rank {}: ncclCommSuspend waits for {} operation(s) still queued on its CUDA streams \
+                              (synchronize them before suspending)", comm.rank, st.issued.wrapping_sub(st.finished));
+            }
+            st = self.queue.changed.wait_timeout(st, std::time::Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner()).0;
+        }
+        match st.closing && st.release {
+            true => Err(Error::invalid_usage("communicator closed while ncclCommSuspend waited for its operations")),
+            false => Ok(()),
+        }
     }
 
     /// Wait until every batch issued so far has finished.

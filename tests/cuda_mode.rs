@@ -290,6 +290,32 @@ fn cuda_mode_peer_mappings_closed_after_each_operation() {
     }
 }
 
+/// ncclCommSuspend(NCCL_SUSPEND_MEM) closes the peer mappings the direct path keeps, which
+/// hold the peers' device memory alive after they free it (CUDA IPC, and allocations of the
+/// virtual memory API; processes of 2 ranks each too): ncclCommMemStats counts that memory as
+/// suspendable, the stand-in's count of open peer memory falls to 0, a call while suspended is
+/// refused, and after ncclCommResume the direct path maps anew, exact. Staged (no peer access
+/// asked for), nothing is mapped and suspending still works. Against the real driver the
+/// program reports how much device memory came back.
+#[test]
+fn cuda_mode_suspend_releases_peer_memory() {
+    let jobs = [("IPC", cuda_job().procs(2)), ("VMM", cuda_job().procs(2).env("CUDA_TEST_VMM", "1")),
+                ("2 processes of 2 ranks", cuda_job().procs(2).local(2)),
+                ("staged", cuda_job().procs(2).env("NCCL_P2P_DISABLE", "1"))];
+    for (what, job) in jobs {
+        let o = job.arg("--only").arg("Suspend").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT").run_outcome();
+        assert!(o.ok(), "{what}: {}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            let closed = p.log.lines().filter(|l| l.contains("ncclCommSuspend: closed")).count();
+            assert!(closed >= 1, "{what}, process {i}: the worker did not release its memory:\n{}", p.log);
+            if what != "staged" && std::env::var_os("NCCL_TEST_REAL_DRIVER").is_none() {
+                assert!(p.log.contains("suspend: ") && p.log.contains(", 0 after"), "{what}, process {i}:\n{}", p.log);
+            }
+            println!("{what}, process {i}: {}", p.log.lines().filter(|l| l.contains("suspend: ")).collect::<Vec<_>>().join(" | "));
+        }
+    }
+}
+
 /// A rank whose CUDA stream has not reached a call (held by earlier work) is named as such:
 /// the rank waiting on it says it issued the call but its stream has not reached it (not that
 /// it never made the call), and the held rank says so of itself; released, both are exact.

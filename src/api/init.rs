@@ -189,6 +189,13 @@ pub fn suspend(comm: &Comm, flags: i32) -> Result<()> {
         return Err(Error::invalid_arg(format!("unknown suspend flags {flags:#x}")));
     }
     comm.ready()?;
+    // CUDA mode: the device memory the communicator holds is its peers', mapped for the direct
+    // path; host-mode rings and the pinned staging pool stay (they are persistent).
+    if flags & SUSPEND_MEM != 0 {
+        if let Some(s) = comm.streamed.get() {
+            s.release_memory(comm)?;
+        }
+    }
     comm.suspended.store(true, Ordering::Release);
     Ok(())
 }
@@ -200,15 +207,18 @@ pub fn resume(comm: &Comm) -> Result<()> {
     Ok(())
 }
 
-/// ncclCommMemStats. The buffers a communicator holds are its connections' rings and staging
-/// areas, and in CUDA mode its pinned staging pool (host memory all: data is staged through
-/// the host): reported as persistent and total. Suspending frees nothing yet.
+/// ncclCommMemStats. What a communicator holds: its connections' rings and staging areas, and
+/// in CUDA mode its pinned staging pool (host memory: data is staged through the host),
+/// reported as persistent; and in CUDA mode the peers' device memory its direct path keeps
+/// mapped, which ncclCommSuspend(NCCL_SUSPEND_MEM) releases. Total is the two together.
 pub fn mem_stat(comm: &Comm, stat: i32) -> Result<u64> {
     let pool = || comm.streamed.get().map_or(0, |s| s.pool_bytes());
-    let held = || comm.ready_if_any().map_or(0, |r| r.conns().mem_bytes()) + pool();
+    let persist = || comm.ready_if_any().map_or(0, |r| r.conns().mem_bytes()) + pool();
+    let suspendable = || comm.streamed.get().map_or(0, |s| s.peer_bytes());
     match stat {
-        0 => Ok(0),
-        2 | 3 => Ok(held()),
+        0 => Ok(suspendable()),
+        2 => Ok(persist()),
+        3 => Ok(persist() + suspendable()),
         1 => Ok(comm.suspended.load(Ordering::Acquire) as u64),
         _ => Err(Error::invalid_arg(format!("invalid memory statistic {stat}"))),
     }

@@ -36,6 +36,9 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
                 if let Some(b) = st.queue.pop_front() {
                     break Next::Batch(b);
                 }
+                if st.release {
+                    break Next::Release;
+                }
                 if st.closing {
                     break Next::Stop;
                 }
@@ -46,6 +49,17 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
             Next::Batch(b) => b,
             Next::Replay(r) => {
                 capture::run(&comm, r);
+                continue;
+            }
+            Next::Release => {
+                // Every batch queued before ncclCommSuspend has finished: nothing reads them.
+                let (n, bytes) = direct.close_mappings();
+                staging = Staging::default();
+                s.peer_bytes.store(0, Ordering::Relaxed);
+                crate::info!(INIT, "rank {}: ncclCommSuspend: closed {n} peer mapping(s) of {bytes} bytes and freed the \
+                                    worker's staging", comm.rank);
+                s.state().release = false;
+                s.queue.changed.notify_all();
                 continue;
             }
             Next::Stop => break,
@@ -88,6 +102,7 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
         if let Some(b) = &s.board {
             batch.direct.iter().flatten().for_each(|d| b.close(&d.ticket));
         }
+        s.peer_bytes.store(direct.mapped_bytes(), Ordering::Relaxed);
         s.done.word(s.word).store(batch.seq, Ordering::Release);
         s.state().finished = batch.seq;
         s.queue.changed.notify_all();
@@ -101,6 +116,8 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
 enum Next {
     Batch(Batch),
     Replay(capture::Replay),
+    /// ncclCommSuspend asked for the worker's memory (`Streamed::release_memory`).
+    Release,
     Stop,
 }
 

@@ -71,6 +71,20 @@ pub struct Direct {
     ran: u64,
 }
 
+impl Direct {
+    /// Bytes of peers' device memory this worker keeps mapped.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.maps.bytes()
+    }
+
+    /// Closes every peer mapping (ncclCommSuspend with NCCL_SUSPEND_MEM): the peers'
+    /// allocations this worker held alive are freed once their owners have freed them. The
+    /// direct path maps them again on next use. Returns how many were closed, and their bytes.
+    pub fn close_mappings(&mut self) -> (usize, u64) {
+        self.maps.close_all()
+    }
+}
+
 /// Which operations of a communicator may go direct, decided once (when its stream worker
 /// starts) from the parameters and where the ranks run: the same answers on every rank.
 #[derive(Clone, Debug, Default)]

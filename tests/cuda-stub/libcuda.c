@@ -14,6 +14,8 @@
  * - "Device memory" is a memfd mapping, so an IPC handle (pid, fd, id) opens in another process
  *   as the same bytes (through /proc/<pid>/fd). Addresses are host addresses (UVA): nothing
  *   stops the host from touching device memory, which a real driver would fault on (memory.c).
+ *   A mapping of a peer's memory (IPC, or an imported allocation) keeps it alive after the
+ *   peer frees it; nccl_rs_stub_peer_memory, not a driver call, counts what a process holds.
  * - cuModuleLoadData accepts PTX text (it must contain ".version"); cuModuleGetFunction finds
  *   the kernels of kernels/reduce.ptx (the name must be an .entry of the module) and binds them
  *   to C implementations with the semantics of src/device/host/reduce.rs (kernels.c);

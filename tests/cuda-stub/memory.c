@@ -331,3 +331,21 @@ EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
   unmap(r);
   return CUDA_SUCCESS;
 }
+
+/* Not the driver's: for tests, the peers' device memory this process holds open (IPC
+ * mappings, and allocations imported from descriptors, held by a handle or a mapping): how
+ * many, their bytes in *bytes. Memory another process freed stays alive while held here. */
+EXPORT int nccl_rs_stub_peer_memory(size_t *bytes) {
+  size_t total = 0;
+  int n = 0;
+  pthread_mutex_lock(&g_mem_lock);
+  for (struct range *r = g_ranges; r; r = r->next) {
+    if (r->kind != MEM_IPC) continue;
+    n++;
+    total += r->size;
+  }
+  n += vmm_imported(&total);
+  pthread_mutex_unlock(&g_mem_lock);
+  if (bytes) *bytes = total;
+  return n;
+}

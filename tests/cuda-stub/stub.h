@@ -122,6 +122,9 @@ struct range *mem_add(uintptr_t base, size_t size, enum mem_kind kind, int dev, 
 struct range *mem_take(uintptr_t p, unsigned kinds);
 /* Some range overlaps [p, p + n). */
 int mem_overlaps(uintptr_t p, size_t n);
+/* vmm.c: allocations imported from descriptors and still held, their bytes added to *bytes
+ * (g_mem_lock held). */
+int vmm_imported(size_t *bytes);
 /* vmm.c: the handle types a physical allocation was created with (g_mem_lock held). */
 int vmm_handle_types(const struct phys *p);
 

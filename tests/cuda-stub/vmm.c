@@ -60,6 +60,7 @@ struct phys {
   int dev;
   int handle_types;
   int refs;
+  int imported; /* from a descriptor (cuMemImportFromShareableHandle), not created here */
 };
 
 /* A range of addresses from cuMemAddressReserve. */
@@ -79,10 +80,10 @@ static struct phys *phys_of(CUmemGenericAllocationHandle h) {
   return NULL;
 }
 
-static CUmemGenericAllocationHandle phys_new(int fd, size_t size, int dev, int handle_types) {
+static CUmemGenericAllocationHandle phys_new(int fd, size_t size, int dev, int handle_types, int imported) {
   struct phys *p = calloc(1, sizeof *p);
   if (!p) abort();
-  *p = (struct phys){g_phys, fd, size, dev, handle_types, 1};
+  *p = (struct phys){g_phys, fd, size, dev, handle_types, 1, imported};
   g_phys = p;
   return (CUmemGenericAllocationHandle)(uintptr_t)p;
 }
@@ -101,6 +102,16 @@ static void phys_put(struct phys *p) {
 }
 
 int vmm_handle_types(const struct phys *p) { return p->handle_types; }
+
+int vmm_imported(size_t *bytes) {
+  int n = 0;
+  for (struct phys *p = g_phys; p; p = p->next) {
+    if (!p->imported) continue;
+    n++;
+    *bytes += p->size;
+  }
+  return n;
+}
 
 static int prop_ok(const CUmemAllocationProp *prop) {
   return prop && prop->type == ALLOCATION_TYPE_PINNED && prop->location.type == LOCATION_TYPE_DEVICE &&
@@ -130,7 +141,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   pthread_mutex_lock(&g_mem_lock);
-  *handle = phys_new(fd, size, prop->location.id, prop->requestedHandleTypes);
+  *handle = phys_new(fd, size, prop->location.id, prop->requestedHandleTypes, 0);
   pthread_mutex_unlock(&g_mem_lock);
   return CUDA_SUCCESS;
 }
@@ -325,7 +336,7 @@ EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *han
   int mine = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (mine < 0) return CUDA_ERROR_OUT_OF_MEMORY;
   pthread_mutex_lock(&g_mem_lock);
-  *handle = phys_new(mine, (size_t)st.st_size, dev, HANDLE_TYPE_POSIX_FD);
+  *handle = phys_new(mine, (size_t)st.st_size, dev, HANDLE_TYPE_POSIX_FD, 1);
   pthread_mutex_unlock(&g_mem_lock);
   return CUDA_SUCCESS;
 }

@@ -254,6 +254,18 @@ impl Maps {
         self.epoch += 1;
     }
 
+    /// Bytes of peer allocations mapped now (ncclCommMemStats).
+    pub(super) fn bytes(&self) -> u64 {
+        self.maps.iter().map(|m| m.size as u64).sum()
+    }
+
+    /// Closes every mapping (ncclCommSuspend): how many there were, and their bytes.
+    pub(super) fn close_all(&mut self) -> (usize, u64) {
+        let closed = (self.maps.len(), self.bytes());
+        self.maps.clear();
+        closed
+    }
+
     /// With none to be kept (`NCCL_RS_PEER_MAPS=0`), every mapping closes once its operation
     /// is done, or staged (the peers' allocations are then never held past it).
     pub(super) fn close_unkept(&mut self) {
