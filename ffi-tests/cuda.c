@@ -2,8 +2,9 @@
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
  *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
- *   CUDA_TEST_FAULT=1|graph cuda (2 processes; the harness kills process 1 once it prints LOOPING;
- *                                graph: the all-reduces are launches of a captured graph)
+ *   CUDA_TEST_FAULT=1|graph|shrink cuda (2 processes; the harness kills process 1 once it prints
+ *                                LOOPING; graph: the all-reduces are launches of a captured graph;
+ *                                shrink: 3 processes, the survivors shrink and go on)
  *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
  *                                all-reduce of N floats, 1 meaning 1024)
@@ -1215,6 +1216,37 @@ static void memalloc(void) {
   }
 }
 
+/* CUDA_TEST_FAULT=shrink (3 processes, process 1 killed): the survivors shrink the failed
+ * communicator (NCCL_SHRINK_ABORT) to the two of them and go on with direct all-reduces on
+ * device memory, exact; then the parent is aborted and the child destroyed. */
+static void shrink_survivors(ncclComm_t comm, CUdeviceptr d, size_t count) {
+  test_step("shrink");
+  int dead = 1;
+  ncclComm_t child = NULL;
+  double t = now_s();
+  CHECK(ncclCommShrink(comm, &dead, 1, &child, NULL, NCCL_SHRINK_ABORT));
+  EXPECT(now_s() - t < 10.0, "ncclCommShrink took %.1f s", now_s() - t);
+  int n = 0, me = -1;
+  CHECK(ncclCommCount(child, &n));
+  CHECK(ncclCommUserRank(child, &me));
+  EXPECT(n == 2 && me == (g_env.first_rank == 0 ? 0 : 1), "shrunk to rank %d of %d", me, n);
+  float* h = host_alloc(count * sizeof(float));
+  for (int round = 0; round < 3; round++) {
+    for (size_t j = 0; j < count; j++) h[j] = in_value(me, j, 80 + round);
+    CU(cu.MemcpyAsync(d, (CUdeviceptr)(uintptr_t)h, count * sizeof(float), g_streams[0]));
+    CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, child, g_streams[0]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h, d, count * sizeof(float), g_streams[0]));
+    CU(cu.StreamSynchronize(g_streams[0]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[j] != expected(C_ALLREDUCE, count, 2, me, j, 80 + round);
+    EXPECT(bad == 0, "all-reduce %d on the shrunk communicator, rank %d: %zu wrong values", round, me, bad);
+  }
+  tlog("SHRUNK: rank %d of %d, 3 all-reduces of %zu floats", me, n, count);
+  CU(cu.MemFreeHost(h));
+  CHECK(ncclCommAbort(comm));
+  CHECK(ncclCommDestroy(child));
+}
+
 /* A peer dies while operations run on streams: the survivor's stream must be released, the
  * communicator must report ncclRemoteError naming the lost rank within CUDA_FAULT_BOUND_S, and
  * abort must return. Rank 1 loops until it is killed. */
@@ -1256,6 +1288,11 @@ static int fault(void) {
     EXPECT(why && strstr(why, "rank 1"), "the error does not name the lost rank: '%s'", why ? why : "(null)");
     EXPECT(failed_at > 0 && failed_at - start <= bound + 5, "no error within %.0f s of the loop's start", bound + 5);
     tlog("TIMING error_after_start=%.3f", failed_at - start);
+  }
+  if (!strcmp(getenv("CUDA_TEST_FAULT"), "shrink")) {
+    shrink_survivors(comm, d, count);
+    dev_free(d);
+    return test_finish();
   }
   double t = now_s();
   CHECK(ncclCommAbort(comm));

@@ -652,6 +652,30 @@ fn cuda_mode_peer_killed_during_graph_launches() {
     peer_killed(cuda_job().env("CUDA_TEST_FAULT", "graph").env("NCCL_RS_GRAPH_CAPTURE", "1"));
 }
 
+/// A peer killed mid-stream in a job of 3 processes: the survivors get the error, shrink the
+/// failed communicator to the two of them (NCCL_SHRINK_ABORT) and run direct all-reduces on
+/// device memory there, exact (what fault-tolerant training does instead of restarting).
+#[test]
+fn cuda_mode_survivors_shrink_and_go_on() {
+    let o = cuda_job()
+        .procs(3)
+        .env("CUDA_TEST_FAULT", "shrink")
+        .env("CUDA_FAULT_BOUND_S", "20")
+        .env("NCCL_DEBUG", "INFO")
+        .env("NCCL_DEBUG_SUBSYS", "P2P")
+        .kill(1, When::marker(1, "LOOPING").then_ms(50))
+        .timeout_s(90)
+        .run_outcome();
+    assert!(o.fired[0].is_some(), "process 1 was never killed:\n{}", o.report);
+    assert!(o.procs[1].died_of_sigkill(), "process 1 did not die of SIGKILL:\n{}", o.report);
+    for i in [0, 2] {
+        let p = &o.procs[i];
+        assert!(p.exited_0() && p.log.contains("SHRUNK"), "survivor {i} did not pass:\n{}", o.report);
+        assert!(p.log.contains("of the 2 ranks of this host are read directly"),
+                "survivor {i}: the shrunk communicator staged:\n{}", p.log);
+    }
+}
+
 fn peer_killed(job: Job) {
     let o = job
         .procs(2)
