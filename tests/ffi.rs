@@ -188,6 +188,26 @@ fn lifecycle_2_processes_nvidia_header() {
 }
 
 #[test]
+fn comms_1_process() {
+    Job::new("comms").run();
+}
+
+#[test]
+fn comms_3_processes() {
+    Job::new("comms").procs(3).run();
+}
+
+#[test]
+fn comms_2_processes_of_2_ranks() {
+    Job::new("comms").procs(2).local(2).run();
+}
+
+#[test]
+fn comms_1_process_of_3_ranks() {
+    Job::new("comms").local(3).run();
+}
+
+#[test]
 fn leaks_2_processes() {
     Job::new("leaks").procs(2).exclusive().timeout_s(300).run();
 }

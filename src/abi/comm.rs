@@ -1,6 +1,6 @@
 //! Communicator lifecycle and queries.
 
-use std::ffi::c_int;
+use std::ffi::{c_char, c_int};
 
 use super::types::*;
 use super::write_out;
@@ -133,13 +133,26 @@ export! {
         split::shrink(parent, exclude, config, shrinkFlags, sink(newcomm))
     }
     fn ncclCommGetUniqueId(comm: ncclComm_t, uniqueId: *mut ncclUniqueId) {
-        let _ = (handle::get(comm)?, uniqueId);
-        Err(Error::not_implemented("ncclCommGetUniqueId"))
+        let comm = handle::get(comm)?;
+        ensure!(!uniqueId.is_null(), Error::invalid_arg("uniqueId is NULL"));
+        let id = split::grow_id(&comm)?;
+        write_out(uniqueId, "uniqueId", ncclUniqueId { internal: id.map(|b| b as c_char) })
     }
     fn ncclCommGrow(comm: ncclComm_t, nRanks: c_int, uniqueId: *const ncclUniqueId, rank: c_int,
                     newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) {
-        let _ = (comm, nRanks, uniqueId, rank, newcomm, config);
-        Err(Error::not_implemented("ncclCommGrow"))
+        ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+        // SAFETY: a non-NULL uniqueId points to an ncclUniqueId by the API contract.
+        let id = (!uniqueId.is_null()).then(|| id_bytes(unsafe { &*uniqueId }));
+        let who = if comm.is_null() {
+            let id = id.ok_or_else(|| Error::invalid_arg("a new rank (comm NULL) must pass the coordinator's uniqueId"))?;
+            split::Grower::Joining(rank, id)
+        } else {
+            ensure!(rank == -1, Error::invalid_arg(format!(
+                "rank {rank}: a rank of the communicator passes -1 (it keeps its number)")));
+            split::Grower::Existing(handle::get(comm)?, id)
+        };
+        let config = if config.is_null() { None } else { Some(read_config(config)?) };
+        split::grow(who, nRanks, config, sink(newcomm))
     }
     fn ncclCommGetAsyncError(comm: ncclComm_t, asyncError: *mut ncclResult_t) {
         let code = handle::get(comm)?.async_code();

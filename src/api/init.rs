@@ -31,7 +31,7 @@ fn check_rank(nranks: i32, rank: i32) -> Result<(usize, usize)> {
 
 /// The device of the caller's current context (CUDA mode), as NCCL takes it for a new
 /// communicator; 0 in host mode.
-fn caller_device() -> i32 {
+pub(crate) fn caller_device() -> i32 {
     match crate::device::mode::current() {
         crate::device::mode::Mode::Cuda { .. } => crate::device::cuda::current_device().ok().flatten().unwrap_or(0),
         crate::device::mode::Mode::Host => 0,

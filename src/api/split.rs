@@ -1,13 +1,15 @@
 //! Communicators made from communicators: `ncclCommSplit` (colors and keys) and
 //! `ncclCommShrink` (drop ranks, dead ones included). The members exchange, over the parent's
 //! bootstrap service, the address of a fresh service for the child, so no root is needed and
-//! a dead excluded rank is never waited for.
+//! a dead excluded rank is never waited for. `ncclCommGrow` (add ranks) does need one, since
+//! the new ranks know nothing of the parent: its coordinator's `ncclCommGetUniqueId` starts
+//! it, the parent's service hands its id to the other existing ranks, and every member joins
+//! it as an init does, the existing ranks keeping their numbers.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::bootstrap::{self, wire::{Reader, Writer}, PeerInfo, Service};
+use crate::bootstrap::{self, wire::{Reader, Writer}, PeerInfo, Service, UniqueId};
 use crate::comm::handle::{self, Handle};
 use crate::comm::{Comm, Ready};
 use crate::error::{Error, Result};
@@ -18,6 +20,7 @@ use super::config::Config;
 pub const NOCOLOR: i32 = -1;
 const TAG_SPLIT: u32 = 0x5350_0000;
 const TAG_SHRINK: u32 = 0x5348_0000;
+const TAG_GROW: u32 = 0x4752_0000;
 
 /// Where the new communicator's handle goes once it exists (NULL for "not a member").
 pub type Sink = Box<dyn FnOnce(Option<Handle>) + Send>;
@@ -28,6 +31,12 @@ fn child_hash(parent: u64, seq: u64, what: u64) -> u64 {
 
 fn me_info(comm: &Comm, parent: &Ready, addr: std::net::SocketAddr) -> PeerInfo {
     PeerInfo { addr, ..parent.peers[comm.rank].clone() }
+}
+
+/// What the members of a split, shrink or grow are known by: a hash of which ranks are left
+/// out (none for a split or a grow), alike on every member.
+fn set_key(excluded: &[bool]) -> u64 {
+    bootstrap::id::magic_of(&format!("{excluded:?}"))
 }
 
 /// Finish a child: its peers (renumbered), its service, its communicator, its handle.
@@ -67,7 +76,7 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
         return Err(Error::invalid_arg(format!("color {color} must be non-negative or NCCL_SPLIT_NOCOLOR")));
     }
     comm.ready()?;
-    let seq = comm.splits.fetch_add(1, Ordering::Relaxed);
+    let (seq, tag) = comm.next_split(set_key(&vec![false; comm.nranks]));
     let run = move || -> Result<()> {
         let parent = comm.ready()?;
         let hash = child_hash(comm.hash, seq, color as u64);
@@ -75,7 +84,7 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
         let mine = encode(color, key, service.as_ref().map(|s| me_info(&comm, parent, s.addr)).as_ref());
         let members: Vec<usize> = (0..comm.nranks).collect();
         let deadline = Instant::now() + params::init_timeout();
-        let all = parent.service.allgather(&members, comm.rank, TAG_SPLIT ^ (seq as u32 & 0xffff), mine, deadline, &comm.abort)
+        let all = parent.service.allgather(&members, comm.rank, TAG_SPLIT ^ tag, mine, deadline, &comm.abort)
             .map_err(|e| e.context(format!("rank {}: ncclCommSplit", comm.rank)))?;
         let Some(service) = service else {
             sink(None);
@@ -115,17 +124,17 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
         return Err(Error::invalid_arg(format!("rank {} calls ncclCommShrink but is in its exclude list", comm.rank)));
     }
     comm.ready_for_management()?;
-    let seq = comm.splits.fetch_add(1, Ordering::Relaxed);
+    let list_hash = set_key(&excluded);
+    let (seq, tag) = comm.next_split(list_hash);
     let run = move || -> Result<()> {
         let parent = comm.ready_for_management()?;
         let members: Vec<usize> = (0..n).filter(|r| !excluded[*r]).collect();
         let me = members.iter().position(|r| *r == comm.rank).unwrap_or(0);
-        let list_hash = bootstrap::id::magic_of(&format!("{:?}", excluded));
         let hash = child_hash(comm.hash, seq, list_hash);
         let service = Service::start(bootstrap::local_ip(), hash, me as u32)?;
         let mine = encode(list_hash as i32, 0, Some(&me_info(&comm, parent, service.addr)));
         let deadline = Instant::now() + params::init_timeout();
-        let all = parent.service.allgather(&members, me, TAG_SHRINK ^ (seq as u32 & 0xffff), mine, deadline, &comm.abort)
+        let all = parent.service.allgather(&members, me, TAG_SHRINK ^ tag, mine, deadline, &comm.abort)
             .map_err(|e| e.context(format!("rank {}: ncclCommShrink", comm.rank)))?;
         let mut peers = Vec::with_capacity(members.len());
         for (i, b) in all.iter().enumerate() {
@@ -140,4 +149,98 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
         Ok(())
     };
     crate::group::run_or_defer(Box::new(run))
+}
+
+/// `ncclCommGetUniqueId`: the id of one grow of `comm`, asked for by the rank that coordinates
+/// it (a new root, listening from now on for the grown communicator's ranks).
+pub fn grow_id(comm: &Comm) -> Result<[u8; bootstrap::id::ID_BYTES]> {
+    comm.ready()?;
+    bootstrap::new_root_id()
+}
+
+/// Who calls `ncclCommGrow`.
+pub enum Grower {
+    /// A rank of the communicator, which keeps its number; the coordinator passes the id.
+    Existing(Arc<Comm>, Option<[u8; bootstrap::id::ID_BYTES]>),
+    /// A new rank: its number in the grown communicator, and the coordinator's id.
+    Joining(i32, [u8; bootstrap::id::ID_BYTES]),
+}
+
+/// `ncclCommGrow`, run now or (inside a group) at the outermost ncclGroupEnd: a communicator
+/// of `nranks`, the parent's ranks and the new ones.
+pub fn grow(who: Grower, nranks: i32, config: Option<Config>, sink: Sink) -> Result<()> {
+    let n = usize::try_from(nranks).map_err(|_| Error::invalid_arg(format!("nRanks {nranks} is negative")))?;
+    match who {
+        Grower::Existing(comm, id) => {
+            if n <= comm.nranks {
+                return Err(Error::invalid_arg(format!(
+                    "nRanks {nranks} must be larger than the communicator's {} ranks", comm.nranks)));
+            }
+            if let Some(id) = &id {
+                UniqueId::decode(id)?;
+            }
+            comm.ready()?;
+            let (_, tag) = comm.next_split(set_key(&vec![false; comm.nranks]));
+            let run = move || -> Result<()> {
+                let parent = comm.ready()?;
+                let mut w = Writer::default();
+                w.u8(id.is_some() as u8).bytes(&id.unwrap_or([0; bootstrap::id::ID_BYTES]));
+                let members: Vec<usize> = (0..comm.nranks).collect();
+                let deadline = Instant::now() + params::init_timeout();
+                let all = parent.service.allgather(&members, comm.rank, TAG_GROW ^ tag, w.buf, deadline,
+                                                   &comm.abort)
+                    .map_err(|e| e.context(format!("rank {}: ncclCommGrow", comm.rank)))?;
+                let id = coordinators_id(&all)?;
+                let config = config.unwrap_or_else(|| comm.config.clone());
+                join_grown(comm.rank, n, comm.cuda_dev, config, &id, sink)
+            };
+            crate::group::run_or_defer(Box::new(run))
+        }
+        Grower::Joining(rank, id) => {
+            if rank < 0 || rank >= nranks {
+                return Err(Error::invalid_arg(format!("rank {rank} is out of range for {nranks} ranks")));
+            }
+            let id = UniqueId::decode(&id)?;
+            let dev = super::init::caller_device();
+            let config = config.unwrap_or_default();
+            crate::group::run_or_defer(Box::new(move || join_grown(rank as usize, n, dev, config, &id, sink)))
+        }
+    }
+}
+
+/// The id that exactly one existing rank (the coordinator) passed, from everyone's part of
+/// the exchange: a flag byte and the id.
+fn coordinators_id(all: &[Vec<u8>]) -> Result<UniqueId> {
+    let mut found: Option<(usize, Vec<u8>)> = None;
+    for (r, b) in all.iter().enumerate() {
+        let mut rd = Reader::new(b);
+        let (has, id) = (rd.u8()?, rd.bytes()?);
+        if has == 0 {
+            continue;
+        }
+        match &found {
+            Some((first, theirs)) if theirs.as_slice() != id => {
+                return Err(Error::invalid_usage(format!(
+                    "ncclCommGrow: ranks {first} and {r} passed different ids (only the coordinator passes one)")));
+            }
+            Some(_) => {}
+            None => found = Some((r, id.to_vec())),
+        }
+    }
+    let (_, id) = found.ok_or_else(|| Error::invalid_usage(
+        "ncclCommGrow: no rank of the communicator passed the id (the rank that called ncclCommGetUniqueId must)"))?;
+    let id: [u8; bootstrap::id::ID_BYTES] = id.try_into().map_err(|_| Error::internal("grow: an id of the wrong size"))?;
+    UniqueId::decode(&id)
+}
+
+/// Joins the grown communicator as rank `rank` of `nranks`, as an init does.
+fn join_grown(rank: usize, nranks: usize, dev: i32, config: Config, id: &UniqueId, sink: Sink) -> Result<()> {
+    let comm = Arc::new(Comm::new(rank, nranks, dev, config, id.magic));
+    if let Err(e) = super::init::run_init(&comm, id) {
+        comm.shutdown();
+        return Err(e.context(format!("rank {rank}: ncclCommGrow")));
+    }
+    crate::info!(INIT, "comm {:#x} rank {} nranks {} - grown", comm.hash, rank, nranks);
+    sink(Some(handle::register(comm)));
+    Ok(())
 }

@@ -88,6 +88,12 @@ pub fn new_unique_id() -> Result<[u8; id::ID_BYTES]> {
         let root = id::parse_comm_id(&v)?;
         return Ok(UniqueId { magic: id::magic_of(&v), root, rank0_hosts_root: true }.encode());
     }
+    new_root_id()
+}
+
+/// A new root, listening now, and a random magic: the id of one job (`ncclCommGetUniqueId`
+/// uses it whatever NCCL_COMM_ID says, since the grown communicator is a job of its own).
+pub fn new_root_id() -> Result<[u8; id::ID_BYTES]> {
     let ip = local_ip();
     let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
     let root = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;

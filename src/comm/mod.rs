@@ -132,8 +132,10 @@ pub struct Comm {
     pub suspended: AtomicBool,
     /// ncclCommRevoke: operations fail, management calls (destroy, split, shrink) still work.
     pub revoked: AtomicBool,
-    /// Splits and shrinks made from this communicator (numbers them alike on every rank).
-    pub splits: AtomicU64,
+    /// Splits, shrinks and grows made from this communicator, counted per set of ranks taking
+    /// part (keyed by a hash of the set): numbers them alike on every member, even after a
+    /// shrink that some rank, excluded, never called.
+    splits: Mutex<HashMap<u64, u64>>,
     pub finalized: AtomicBool,
     user_ops: Mutex<HashMap<i32, UserOp>>,
     next_user_op: AtomicI32,
@@ -157,7 +159,7 @@ impl Comm {
             abort: AtomicBool::new(false),
             suspended: AtomicBool::new(false),
             revoked: AtomicBool::new(false),
-            splits: AtomicU64::new(0),
+            splits: Mutex::new(HashMap::new()),
             finalized: AtomicBool::new(false),
             user_ops: Mutex::new(HashMap::new()),
             next_user_op: AtomicI32::new(crate::types::BuiltinOp::ALL.len() as i32),
@@ -225,6 +227,18 @@ impl Comm {
         self.ready
             .get()
             .ok_or_else(|| Error::invalid_usage(format!("rank {}: communicator is still initialising", self.rank)))
+    }
+
+    /// The number of the next split, shrink or grow among the ranks `members` (hashed by the
+    /// caller), and a 16-bit tag for its messages on the parent's service that tells it apart
+    /// from others with the same number among other members.
+    pub fn next_split(&self, members: u64) -> (u64, u32) {
+        let mut splits = self.splits.lock().unwrap_or_else(|p| p.into_inner());
+        let n = splits.entry(members).or_insert(0);
+        let seq = *n;
+        *n += 1;
+        let tag = crate::bootstrap::id::magic_of(&format!("{members:x}/{seq}")) as u32 & 0xffff;
+        (seq, tag)
     }
 
     pub fn ready_if_any(&self) -> Option<&Ready> {

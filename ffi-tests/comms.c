@@ -1,0 +1,242 @@
+/*
+ * comms.c - communicators made from communicators: ncclCommSplit (colors, keys, NOCOLOR),
+ * ncclCommShrink (the last rank left out), ncclCommRevoke (calls refused, shrink still works)
+ * and ncclCommGrow with ncclCommGetUniqueId (the last rank joins a communicator of the
+ * others), with their bad arguments. Each new communicator is checked by its size, its ranks
+ * and an exact all-reduce.
+ *
+ *   comms [--only split|shrink|revoke|grow]
+ *
+ * Every process runs the same steps in the same order; a local rank that a step leaves out
+ * simply does not call (as NCCL asks of an excluded rank).
+ */
+#include "common.h"
+
+#include <string.h>
+#include <strings.h>
+
+static int begin(const char* name) {
+  if (g_env.only && strcasecmp(g_env.only, name)) return 0;
+  test_step(name);
+  tlog("step: %s", name);
+  return 1;
+}
+
+/* Local rank l's communicator's size and rank must be n[l] and r[l] (skipped where comms[l]
+ * is NULL). */
+static void expect_shape(ncclComm_t* comms, const int* n, const int* r, const char* what) {
+  for (int l = 0; l < g_env.local; l++) {
+    if (!comms[l]) continue;
+    int count = -1, rank = -1;
+    CHECK(ncclCommCount(comms[l], &count));
+    CHECK(ncclCommUserRank(comms[l], &rank));
+    EXPECT(count == n[l] && rank == r[l], "%s, world rank %d: rank %d of %d, expected %d of %d", what,
+           g_env.first_rank + l, rank, count, r[l], n[l]);
+  }
+}
+
+/* One sum all-reduce of COUNT int32 on every local communicator that is not NULL (grouped):
+ * local rank l gives v[l] * (j + 1) at j and must get want[l] * (j + 1). */
+enum { COUNT = 4099 };
+static void sum_check(ncclComm_t* comms, const int* v, const int* want, const char* what) {
+  static int32_t send[MAX_LOCAL][COUNT], recv[MAX_LOCAL][COUNT];
+  for (int l = 0; l < g_env.local; l++)
+    for (int j = 0; j < COUNT; j++) send[l][j] = v[l] * (j + 1), recv[l][j] = -1;
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    if (comms[l]) CHECK(ncclAllReduce(send[l], recv[l], COUNT, ncclInt32, ncclSum, comms[l], TEST_STREAM));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    if (!comms[l]) continue;
+    int bad = 0;
+    for (int j = 0; j < COUNT; j++) bad += recv[l][j] != want[l] * (j + 1);
+    EXPECT(bad == 0, "%s, world rank %d: %d of %d values wrong (first %d, expected %d)", what, g_env.first_rank + l,
+           bad, COUNT, recv[l][0], want[l]);
+  }
+}
+
+static void destroy_all(ncclComm_t* comms) {
+  for (int l = 0; l < g_env.local; l++)
+    if (comms[l]) CHECK(ncclCommDestroy(comms[l]));
+}
+
+/* A barrier on the world communicator: every rank, excluded ones too, gets here. */
+static void world_barrier(ncclComm_t* world) {
+  int n = g_env.nranks;
+  EXPECT(allreduce_sum_int(world, 1) == n, "world barrier: not %d ranks", n);
+}
+
+/* Colors by parity, keys reversing the order; then NOCOLOR for rank 0. */
+static void step_split(ncclComm_t* world) {
+  const int n = g_env.nranks;
+  ncclComm_t sub[MAX_LOCAL];
+  int cn[MAX_LOCAL], cr[MAX_LOCAL], v[MAX_LOCAL], want[MAX_LOCAL];
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    CHECK(ncclCommSplit(world[l], rank % 2, n - rank, &sub[l], NULL));
+  }
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    cn[l] = 0, cr[l] = 0, v[l] = rank + 1, want[l] = 0;
+    for (int r = 0; r < n; r++) {
+      if (r % 2 != rank % 2) continue;
+      cn[l]++;
+      cr[l] += r > rank; /* larger old ranks have smaller keys: they come first */
+      want[l] += r + 1;
+    }
+  }
+  expect_shape(sub, cn, cr, "split by parity, keys reversed");
+  sum_check(sub, v, want, "all-reduce on a split by parity");
+  destroy_all(sub);
+
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    sub[l] = (ncclComm_t)(uintptr_t)1; /* must become NULL */
+    CHECK(ncclCommSplit(world[l], rank == 0 ? NCCL_SPLIT_NOCOLOR : 7, rank, &sub[l], NULL));
+  }
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    if (rank == 0) EXPECT(sub[l] == NULL, "NCCL_SPLIT_NOCOLOR: newcomm %p, not NULL", (void*)sub[l]);
+    cn[l] = n - 1, cr[l] = rank - 1, v[l] = rank, want[l] = n * (n - 1) / 2;
+  }
+  expect_shape(sub, cn, cr, "split with rank 0 NOCOLOR");
+  if (n > 1) sum_check(sub, v, want, "all-reduce on a split without rank 0");
+  destroy_all(sub);
+}
+
+/* The last rank is left out (it does not call); the others keep their order. */
+static void step_shrink(ncclComm_t* world) {
+  const int n = g_env.nranks;
+  if (n < 2) return;
+  ncclComm_t sub[MAX_LOCAL] = {0};
+  int cn[MAX_LOCAL], cr[MAX_LOCAL], v[MAX_LOCAL], want[MAX_LOCAL];
+  int last = n - 1;
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    cn[l] = n - 1, cr[l] = rank, v[l] = rank + 1, want[l] = n * (n - 1) / 2;
+    if (rank != last) CHECK(ncclCommShrink(world[l], &last, 1, &sub[l], NULL, NCCL_SHRINK_DEFAULT));
+  }
+  CHECK(ncclGroupEnd());
+  expect_shape(sub, cn, cr, "shrink without the last rank");
+  sum_check(sub, v, want, "all-reduce on the shrunk communicator");
+  destroy_all(sub);
+  int me = 0, out_of_range = n;
+  EXPECT(ncclCommShrink(world[0], &out_of_range, 1, &sub[0], NULL, 0) == ncclInvalidArgument,
+         "shrink excluding rank %d of %d was not ncclInvalidArgument", n, n);
+  me = g_env.first_rank;
+  EXPECT(ncclCommShrink(world[0], &me, 1, &sub[0], NULL, 0) == ncclInvalidArgument,
+         "shrink excluding the calling rank was not ncclInvalidArgument");
+  world_barrier(world);
+}
+
+/* A revoked communicator refuses calls; shrinking it (nothing excluded) still works. */
+static void step_revoke(ncclComm_t* world) {
+  const int n = g_env.nranks;
+  ncclComm_t dup[MAX_LOCAL], sub[MAX_LOCAL];
+  int cn[MAX_LOCAL], cr[MAX_LOCAL], v[MAX_LOCAL], want[MAX_LOCAL];
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSplit(world[l], 0, g_env.first_rank + l, &dup[l], NULL));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclCommRevoke(dup[l], NCCL_REVOKE_DEFAULT));
+    int32_t x = 1;
+    ncclResult_t r = ncclAllReduce(&x, &x, 1, ncclInt32, ncclSum, dup[l], TEST_STREAM);
+    EXPECT(r == ncclInvalidUsage, "all-reduce on a revoked communicator: %s, not ncclInvalidUsage", result_name(r));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommShrink(dup[l], NULL, 0, &sub[l], NULL, NCCL_SHRINK_DEFAULT));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    cn[l] = n, cr[l] = rank, v[l] = 2 * rank, want[l] = n * (n - 1);
+  }
+  expect_shape(sub, cn, cr, "shrink of a revoked communicator");
+  sum_check(sub, v, want, "all-reduce on the shrink of a revoked communicator");
+  destroy_all(sub);
+  destroy_all(dup);
+}
+
+/* The last rank joins a communicator of the others: rank 0 (the coordinator) asks for the id
+ * and hands it to the new rank over the world communicator; the existing ranks keep their
+ * numbers, the new one takes the last. */
+static void step_grow(ncclComm_t* world) {
+  const int n = g_env.nranks, last = n - 1;
+  if (n < 2) return;
+  ncclComm_t small[MAX_LOCAL], grown[MAX_LOCAL] = {0}, bad = NULL;
+  int cn[MAX_LOCAL], cr[MAX_LOCAL], v[MAX_LOCAL], want[MAX_LOCAL];
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    CHECK(ncclCommSplit(world[l], rank == last ? NCCL_SPLIT_NOCOLOR : 0, rank, &small[l], NULL));
+  }
+  CHECK(ncclGroupEnd());
+  ncclUniqueId id, ids[MAX_LOCAL];
+  memset(&id, 0, sizeof id);
+  EXPECT(ncclCommGetUniqueId(NULL, &id) == ncclInvalidArgument, "ncclCommGetUniqueId(NULL) not ncclInvalidArgument");
+  if (small[0]) EXPECT(ncclCommGetUniqueId(small[0], NULL) == ncclInvalidArgument, "uniqueId NULL accepted");
+  if (g_env.first_rank == 0) CHECK(ncclCommGetUniqueId(small[0], &id));
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    ids[l] = id;
+    CHECK(ncclBroadcast(&ids[l], &ids[l], sizeof id, ncclUint8, 0, world[l], TEST_STREAM));
+  }
+  CHECK(ncclGroupEnd());
+
+  /* Bad arguments, each refused where it is made (no rank waits for another). */
+  for (int l = 0; l < g_env.local; l++) {
+    if (small[l]) {
+      EXPECT(ncclCommGrow(small[l], n - 1, NULL, -1, &bad, NULL) == ncclInvalidArgument,
+             "growing %d ranks to %d was not ncclInvalidArgument", n - 1, n - 1);
+      EXPECT(ncclCommGrow(small[l], n, NULL, 0, &bad, NULL) == ncclInvalidArgument,
+             "an existing rank passing rank 0, not -1, was not ncclInvalidArgument");
+      EXPECT(ncclCommGrow(small[l], n, NULL, -1, NULL, NULL) == ncclInvalidArgument, "newcomm NULL accepted");
+    } else {
+      EXPECT(ncclCommGrow(NULL, n, NULL, last, &bad, NULL) == ncclInvalidArgument,
+             "a new rank without the id was not ncclInvalidArgument");
+      EXPECT(ncclCommGrow(NULL, n, &ids[l], n, &bad, NULL) == ncclInvalidArgument,
+             "a new rank %d of %d was not ncclInvalidArgument", n, n);
+    }
+  }
+  /* No existing rank passes the id: every one of them is told, none hangs. */
+  ncclResult_t r = ncclSuccess;
+  int existing = 0;
+  for (int l = 0; l < g_env.local; l++) existing += small[l] != NULL;
+  if (existing) {
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      if (small[l]) CHECK(ncclCommGrow(small[l], n, NULL, -1, &bad, NULL));
+    r = ncclGroupEnd();
+    EXPECT(r == ncclInvalidUsage, "a grow without the coordinator's id: %s, not ncclInvalidUsage (%s)",
+           result_name(r), ncclGetLastError(NULL));
+  }
+
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    if (small[l]) CHECK(ncclCommGrow(small[l], n, rank == 0 ? &id : NULL, -1, &grown[l], NULL));
+    else CHECK(ncclCommGrow(NULL, n, &ids[l], last, &grown[l], NULL));
+    cn[l] = n, cr[l] = rank, v[l] = rank + 1, want[l] = n * (n + 1) / 2;
+  }
+  CHECK(ncclGroupEnd());
+  expect_shape(grown, cn, cr, "grown by the last rank");
+  sum_check(grown, v, want, "all-reduce on the grown communicator");
+  destroy_all(grown);
+  destroy_all(small);
+}
+
+int main(int argc, char** argv) {
+  test_init(argc, argv);
+  ncclComm_t world[MAX_LOCAL];
+  make_comms("", world);
+  if (begin("split")) step_split(world);
+  if (begin("shrink")) step_shrink(world);
+  if (begin("revoke")) step_revoke(world);
+  if (begin("grow")) step_grow(world);
+  destroy_comms(world);
+  return test_finish();
+}
