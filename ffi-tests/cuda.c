@@ -13,6 +13,8 @@
  *                                all-reduce until FILE exists; both check the result)
  *   CUDA_TEST_GRAPH_HELD=FILE cuda (2 processes, NCCL_RS_GRAPH_CAPTURE=1: process 1 launches its
  *                                graph's second time once FILE exists)
+ *   CUDA_TEST_SHRINK_STUCK=FILE cuda (3 processes: process 2 issues nothing until FILE exists;
+ *                                the others shrink it away with NCCL_SHRINK_ABORT and go on)
  *   CUDA_TEST_VMM=1 cuda        (device buffers from the virtual memory API, placed as PyTorch's
  *                                expandable segments place them: see vmm_alloc)
  *   NCCL_RS_GRAPH_CAPTURE=1 cuda --only Graph (collectives captured into CUDA graphs, launched
@@ -1219,9 +1221,8 @@ static void memalloc(void) {
 /* CUDA_TEST_FAULT=shrink (3 processes, process 1 killed): the survivors shrink the failed
  * communicator (NCCL_SHRINK_ABORT) to the two of them and go on with direct all-reduces on
  * device memory, exact; then the parent is aborted and the child destroyed. */
-static void shrink_survivors(ncclComm_t comm, CUdeviceptr d, size_t count) {
+static void shrink_survivors(ncclComm_t comm, CUdeviceptr d, size_t count, int dead) {
   test_step("shrink");
-  int dead = 1;
   ncclComm_t child = NULL;
   double t = now_s();
   CHECK(ncclCommShrink(comm, &dead, 1, &child, NULL, NCCL_SHRINK_ABORT));
@@ -1229,7 +1230,8 @@ static void shrink_survivors(ncclComm_t comm, CUdeviceptr d, size_t count) {
   int n = 0, me = -1;
   CHECK(ncclCommCount(child, &n));
   CHECK(ncclCommUserRank(child, &me));
-  EXPECT(n == 2 && me == (g_env.first_rank == 0 ? 0 : 1), "shrunk to rank %d of %d", me, n);
+  EXPECT(n == 2 && me == (g_env.first_rank < dead ? g_env.first_rank : g_env.first_rank - 1), "shrunk to rank %d of %d",
+         me, n);
   float* h = host_alloc(count * sizeof(float));
   for (int round = 0; round < 3; round++) {
     for (size_t j = 0; j < count; j++) h[j] = in_value(me, j, 80 + round);
@@ -1245,6 +1247,32 @@ static void shrink_survivors(ncclComm_t comm, CUdeviceptr d, size_t count) {
   CU(cu.MemFreeHost(h));
   CHECK(ncclCommAbort(comm));
   CHECK(ncclCommDestroy(child));
+}
+
+/* A rank that stays alive but never issues the call (CUDA_TEST_SHRINK_STUCK=FILE, 3 processes:
+ * process 2 issues nothing until FILE exists, which the harness makes once the others are
+ * done): ranks 0 and 1 issue an all-reduce on their streams, then shrink rank 2 away with
+ * NCCL_SHRINK_ABORT, which must abort that all-reduce so their streams get past it (its result
+ * is undefined); the child's all-reduces behind it on the same streams are exact. */
+static int shrink_stuck(void) {
+  test_step("shrink-stuck");
+  const char* release = getenv("CUDA_TEST_SHRINK_STUCK");
+  const size_t count = 1 << 20;
+  CUdeviceptr d = dev_alloc(count * sizeof(float));
+  if (g_env.first_rank == 2) {
+    tlog("STUCK: issuing nothing");
+    double until = now_s() + 60;
+    while (access(release, F_OK) != 0 && now_s() < until) usleep(10000);
+    EXPECT(access(release, F_OK) == 0, "never released (%s)", release);
+  } else {
+    CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
+    test_deadline(30); /* a stream left waiting for the stuck call would hang here */
+    shrink_survivors(g_comms[0], d, count, 2);
+    test_deadline(0);
+  }
+  if (g_env.first_rank == 2) CHECK(ncclCommAbort(g_comms[0]));
+  dev_free(d);
+  return test_finish();
 }
 
 /* A peer dies while operations run on streams: the survivor's stream must be released, the
@@ -1290,7 +1318,7 @@ static int fault(void) {
     tlog("TIMING error_after_start=%.3f", failed_at - start);
   }
   if (!strcmp(getenv("CUDA_TEST_FAULT"), "shrink")) {
-    shrink_survivors(comm, d, count);
+    shrink_survivors(comm, d, count, 1);
     dev_free(d);
     return test_finish();
   }
@@ -2063,6 +2091,7 @@ int main(int argc, char** argv) {
   if (getenv("CUDA_TEST_ABORT_HELD")) return abort_held();
   if (getenv("CUDA_TEST_STREAM_HELD")) return stream_held();
   if (getenv("CUDA_TEST_GRAPH_HELD")) return graph_held();
+  if (getenv("CUDA_TEST_SHRINK_STUCK")) return shrink_stuck();
   if (host_wait_mode()) {
     host_wait();
   } else if (wanted("Gated")) {

@@ -676,6 +676,31 @@ fn cuda_mode_survivors_shrink_and_go_on() {
     }
 }
 
+/// A rank alive but stuck (it never issues the call): the two others, whose all-reduce waits
+/// for it on their streams, shrink it away with NCCL_SHRINK_ABORT, which aborts that
+/// all-reduce as NCCL documents (their streams get past it), and go on with direct
+/// all-reduces behind it on the same streams, exact.
+#[test]
+fn cuda_mode_shrink_abort_releases_a_stuck_call() {
+    let mut job = cuda_job().procs(3).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").timeout_s(90);
+    let dir = job.dir();
+    let (release, other) = (dir.join("release"), dir.join("proc1.log"));
+    let job = job.env("CUDA_TEST_SHRINK_STUCK", release.to_str().expect("a path")).on(When::marker(0, "SHRUNK"), move || {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !std::fs::read_to_string(&other).unwrap_or_default().contains("SHRUNK") && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        std::fs::write(&release, b"go").expect("the release file");
+        "released process 2".to_string()
+    });
+    let o = job.run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for i in [0, 1] {
+        assert!(o.procs[i].log.contains("of the 2 ranks of this host are read directly"),
+                "process {i}: the shrunk communicator staged:\n{}", o.procs[i].log);
+    }
+}
+
 fn peer_killed(job: Job) {
     let o = job
         .procs(2)

@@ -6,6 +6,7 @@
 //! it, the parent's service hands its id to the other existing ranks, and every member joins
 //! it as an init does, the existing ranks keeping their numbers.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,6 +22,8 @@ pub const NOCOLOR: i32 = -1;
 const TAG_SPLIT: u32 = 0x5350_0000;
 const TAG_SHRINK: u32 = 0x5348_0000;
 const TAG_GROW: u32 = 0x4752_0000;
+/// NCCL_SHRINK_ABORT.
+const SHRINK_ABORT: i32 = 1;
 
 /// Where the new communicator's handle goes once it exists (NULL for "not a member").
 pub type Sink = Box<dyn FnOnce(Option<Handle>) + Send>;
@@ -109,7 +112,7 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
 
 /// `ncclCommShrink`: the ranks not in `exclude` make a new communicator, in their old order.
 pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags: i32, sink: Sink) -> Result<()> {
-    if flags & !1 != 0 {
+    if flags & !SHRINK_ABORT != 0 {
         return Err(Error::invalid_arg(format!("unknown shrink flags {flags:#x}")));
     }
     let n = comm.nranks;
@@ -124,6 +127,12 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
         return Err(Error::invalid_arg(format!("rank {} calls ncclCommShrink but is in its exclude list", comm.rank)));
     }
     comm.ready_for_management()?;
+    if flags & SHRINK_ABORT != 0 {
+        // NCCL: the parent's outstanding operations are aborted (a call waiting on an
+        // excluded, stuck rank returns, and the callers' streams get past it); its bootstrap
+        // service, which the shrink uses, stays up, as after ncclCommRevoke.
+        comm.revoked.store(true, Ordering::Release);
+    }
     let list_hash = set_key(&excluded);
     let (seq, tag) = comm.next_split(list_hash);
     let run = move || -> Result<()> {
