@@ -1,5 +1,5 @@
 /*
- * lifecycle.c - communicator life cycle: version, queries, configs (current, older headers,
+ * lifecycle.c - communicator life cycle: version, the parameter API, queries, configs (current, older headers,
  * wrong magic), blocking and nonblocking init, finalize, destroy, abort, scalable init,
  * group nesting, group simulation, group errors, the async-error watchdog thread of
  * PyTorch, and a stale unique id.
@@ -125,6 +125,48 @@ static void step_version(void) {
   EXPECT(NCCL_VERSION_CODE == 23203, "NCCL_VERSION_CODE = %d", NCCL_VERSION_CODE);
   EXPECT(NCCL_VERSION(2, 32, 3) == 23203, "NCCL_VERSION(2,32,3) = %d", NCCL_VERSION(2, 32, 3));
   EXPECT(v >= NCCL_VERSION(2, 19, 0), "version %d older than 2.19", v);
+}
+
+/* The parameter API: NCCL_BUFFSIZE (from the environment, else its default of 4 MiB) read
+ * through a handle as integers and text, by key, and among all keys; unknown keys refused. */
+static void step_params(void) {
+  if (!begin("params")) return;
+  const char* env = getenv("NCCL_BUFFSIZE");
+  const long long want = env && *env ? strtoll(env, NULL, 0) : 4194304;
+  char want_text[32];
+  snprintf(want_text, sizeof want_text, "%s", env && *env ? env : "4194304");
+  ncclParamHandle_t h = NULL, h2 = NULL;
+  CHECK(ncclParamBind(&h, "NCCL_BUFFSIZE"));
+  CHECK(ncclParamBind(&h2, "BUFFSIZE"));
+  EXPECT(h && h == h2, "NCCL_BUFFSIZE and BUFFSIZE bound to different handles (%p, %p)", (void*)h, (void*)h2);
+  int64_t i64 = -1;
+  uint64_t u64 = 0;
+  int32_t i32 = -1;
+  CHECK(ncclParamGetI64(h, &i64));
+  CHECK(ncclParamGetU64(h, &u64));
+  CHECK(ncclParamGetI32(h, &i32));
+  EXPECT(i64 == want && u64 == (uint64_t)want && i32 == want, "NCCL_BUFFSIZE read as %lld, %llu, %d; expected %lld",
+         (long long)i64, (unsigned long long)u64, (int)i32, want);
+  const char* str = NULL;
+  CHECK(ncclParamGetStr(h, &str));
+  EXPECT(str && !strcmp(str, want_text), "NCCL_BUFFSIZE as text: '%s', expected '%s'", str ? str : "(null)", want_text);
+  char raw[64];
+  int len = -1;
+  CHECK(ncclParamGet(h, raw, (int)sizeof raw, &len));
+  EXPECT(len == (int)strlen(want_text) + 1 && !strcmp(raw, want_text), "ncclParamGet: '%s', %d bytes", raw, len);
+  EXPECT(ncclParamGet(h, raw, 2, &len) == ncclInvalidArgument, "ncclParamGet into 2 bytes was not ncclInvalidArgument");
+  const char* value = NULL;
+  CHECK(ncclParamGetParameter("NCCL_BUFFSIZE", &value, &len));
+  EXPECT(value && !strcmp(value, want_text) && len == (int)strlen(want_text), "ncclParamGetParameter: '%s', %d",
+         value ? value : "(null)", len);
+  const char** keys = NULL;
+  int nkeys = 0, found = 0;
+  CHECK(ncclParamGetAllParameterKeys(&keys, &nkeys));
+  for (int i = 0; i < nkeys; i++) found += keys[i] && (!strcmp(keys[i], "NCCL_BUFFSIZE") || !strcmp(keys[i], "NCCL_DEBUG"));
+  EXPECT(nkeys > 10 && found == 2, "%d keys, NCCL_BUFFSIZE and NCCL_DEBUG among them: %d of 2", nkeys, found);
+  EXPECT(ncclParamBind(&h, "NCCL_NO_SUCH_PARAMETER") == ncclInvalidArgument, "an unknown key was bound");
+  EXPECT(ncclParamGetParameter("NO_SUCH_PARAMETER", &value, &len) == ncclInvalidArgument, "an unknown key was read");
+  ncclParamDumpAll(); /* prints at NCCL_DEBUG=INFO; must not crash */
 }
 
 static void step_queries(ncclComm_t* comms) {
@@ -484,6 +526,7 @@ static void step_stale_id(void) {
 int main(int argc, char** argv) {
   test_init(argc, argv);
   step_version();
+  step_params();
 
   ncclComm_t comms[MAX_LOCAL];
   make_comms("", comms);

@@ -16,8 +16,9 @@ const fn p(name: &'static str, default: &'static str, doc: &'static str) -> Para
     Param { name, default, doc }
 }
 
-/// The table. Order is the order `ncclParamDumpAll` prints.
-pub const ALL: &[Param] = &[
+/// The table. Order is the order `ncclParamDumpAll` prints. A static, not a const: the
+/// parameter API hands out addresses of its entries as handles, which a const need not keep.
+pub static ALL: &[Param] = &[
     p("NCCL_DEBUG", "", "log level: VERSION, WARN, INFO or TRACE; unset is silent"),
     p("NCCL_DEBUG_SUBSYS", "INIT,BOOTSTRAP,ENV", "comma list of subsystems logged at INFO; ^ excludes; ALL"),
     p("NCCL_DEBUG_FILE", "", "write logs to this file instead of stdout; %h is the host, %p the pid"),

@@ -207,6 +207,12 @@ fn comms_1_process_of_3_ranks() {
     Job::new("comms").local(3).run();
 }
 
+/// The parameter API reads what the environment set (in NCCL's hex form here).
+#[test]
+fn lifecycle_param_api_reads_the_environment() {
+    Job::new("lifecycle").arg("--only").arg("params").env("NCCL_BUFFSIZE", "0x30000").run();
+}
+
 #[test]
 fn leaks_2_processes() {
     Job::new("leaks").procs(2).exclusive().timeout_s(300).run();
