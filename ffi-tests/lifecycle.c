@@ -1,8 +1,9 @@
 /*
- * lifecycle.c - communicator life cycle: version, the parameter API, queries, configs (current, older headers,
- * wrong magic), blocking and nonblocking init, finalize, destroy, abort, scalable init,
- * group nesting, group simulation, group errors, the async-error watchdog thread of
- * PyTorch, and a stale unique id.
+ * lifecycle.c - communicator life cycle: version, the parameter API, queries, host-mode
+ * ncclMemAlloc and registration, suspend and resume, configs (current, older headers, wrong
+ * magic), blocking and nonblocking init, finalize, destroy, abort, scalable init, group
+ * nesting, group simulation, group errors, the async-error watchdog thread of PyTorch, and a
+ * stale unique id.
  *
  *   lifecycle [--only STEP]     STEP: one of the names printed as "step: NAME"
  *
@@ -167,6 +168,67 @@ static void step_params(void) {
   EXPECT(ncclParamBind(&h, "NCCL_NO_SUCH_PARAMETER") == ncclInvalidArgument, "an unknown key was bound");
   EXPECT(ncclParamGetParameter("NO_SUCH_PARAMETER", &value, &len) == ncclInvalidArgument, "an unknown key was read");
   ncclParamDumpAll(); /* prints at NCCL_DEBUG=INFO; must not crash */
+}
+
+/* ncclMemAlloc'd host memory (host mode): page-aligned and zeroed, registered, an exact
+ * all-reduce in it, deregistered, freed; pointers it did not return are refused. */
+static void step_memory(ncclComm_t* comms) {
+  if (!begin("memory")) return;
+  const size_t count = 100000, bytes = count * sizeof(float);
+  void *s[MAX_LOCAL], *r[MAX_LOCAL], *h[MAX_LOCAL][2];
+  const uint32_t salt = 0x7100u;
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclMemAlloc(&s[l], bytes));
+    CHECK(ncclMemAlloc(&r[l], bytes));
+    EXPECT(((uintptr_t)s[l] | (uintptr_t)r[l]) % 4096 == 0, "ncclMemAlloc returned %p and %p: not page-aligned", s[l], r[l]);
+    size_t nonzero = 0;
+    for (size_t j = 0; j < bytes; j++) nonzero += ((unsigned char*)r[l])[j] != 0;
+    EXPECT(nonzero == 0, "ncclMemAlloc memory has %zu non-zero bytes", nonzero);
+    CHECK(ncclCommRegister(comms[l], s[l], bytes, &h[l][0]));
+    CHECK(ncclCommRegister(comms[l], r[l], bytes, &h[l][1]));
+    EXPECT(h[l][0] && h[l][1], "ncclCommRegister handed back a NULL handle");
+    fill_values(ncclFloat32, ncclSum, g_env.nranks, g_env.first_rank + l, s[l], 0, count, salt);
+  }
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclAllReduce(s[l], r[l], count, ncclFloat32, ncclSum, comms[l], TEST_STREAM));
+  if (g_env.local > 1) CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    check_values("all-reduce in ncclMemAlloc'd, registered memory", ncclFloat32, ncclSum, g_env.nranks, r[l], 0, count,
+                 salt, 0);
+    CHECK(ncclCommDeregister(comms[l], h[l][0]));
+    CHECK(ncclCommDeregister(comms[l], h[l][1]));
+    CHECK(ncclMemFree(s[l]));
+    CHECK(ncclMemFree(r[l]));
+    EXPECT(ncclMemFree(s[l]) == ncclInvalidArgument, "a second ncclMemFree of %p was not ncclInvalidArgument", s[l]);
+  }
+  CHECK(ncclMemFree(NULL));
+  void* foreign = NULL;
+  EXPECT(posix_memalign(&foreign, 4096, 8192) == 0, "posix_memalign failed");
+  EXPECT(ncclMemFree(foreign) == ncclInvalidArgument, "ncclMemFree of memory it did not allocate was accepted");
+  free(foreign);
+}
+
+/* Suspend (with and without NCCL_SUSPEND_MEM, which frees nothing in host mode) refuses
+ * calls until resumed; resuming twice, and unknown flags, are refused. */
+static void step_suspend(ncclComm_t* comms) {
+  if (!begin("suspend")) return;
+  for (int flags = 0; flags <= NCCL_SUSPEND_MEM; flags++) {
+    for (int l = 0; l < g_env.local; l++) {
+      uint64_t v = 99;
+      CHECK(ncclCommSuspend(comms[l], flags));
+      CHECK(ncclCommMemStats(comms[l], ncclStatGpuMemSuspended, &v));
+      EXPECT(v == 1, "ncclStatGpuMemSuspended %llu while suspended", (unsigned long long)v);
+      CHECK(ncclCommMemStats(comms[l], ncclStatGpuMemSuspend, &v));
+      EXPECT(v == 0, "host mode: %llu suspendable bytes", (unsigned long long)v);
+      int32_t x = 1;
+      ncclResult_t r = ncclAllReduce(&x, &x, 1, ncclInt32, ncclSum, comms[l], TEST_STREAM);
+      EXPECT(r == ncclInvalidUsage, "an all-reduce on a suspended communicator: %s", result_name(r));
+      CHECK(ncclCommResume(comms[l]));
+      EXPECT(ncclCommResume(comms[l]) == ncclInvalidUsage, "resuming a communicator that is not suspended was accepted");
+    }
+    allreduce_check(comms, 0, "all-reduce after ncclCommResume");
+  }
+  EXPECT(ncclCommSuspend(comms[0], 0x40) == ncclInvalidArgument, "ncclCommSuspend flags 0x40 accepted");
 }
 
 static void step_queries(ncclComm_t* comms) {
@@ -535,6 +597,8 @@ int main(int argc, char** argv) {
   step_nested_groups(comms);
   step_simulate(comms);
   step_group_error(comms);
+  step_memory(comms);
+  step_suspend(comms);
   destroy_comms(comms);
 
   step_config_blocking();

@@ -203,40 +203,35 @@ pub fn read_scalar(dt: DataType, p: UserPtr) -> Result<Scalar> {
     reduce::scalar_from_bytes(dt, &bytes).ok_or_else(|| Error::internal("scalar conversion"))
 }
 
-/// `ncclMemAlloc` in host mode: page-aligned host memory (a size header precedes the block).
+/// Blocks of `ncclMemAlloc` in host mode that are not freed yet: address -> layout. A pointer
+/// not in it (never allocated here, or freed already) is refused, never handed to the
+/// allocator.
+static HOST_BLOCKS: std::sync::Mutex<Option<std::collections::HashMap<usize, std::alloc::Layout>>> =
+    std::sync::Mutex::new(None);
+
+/// `ncclMemAlloc` in host mode: page-aligned, zeroed host memory.
 pub fn alloc(size: usize) -> Result<*mut c_void> {
     const ALIGN: usize = 4096;
-    let total = size.checked_add(ALIGN).ok_or_else(|| Error::invalid_arg(format!("size {size} too large")))?;
-    let layout = std::alloc::Layout::from_size_align(total, ALIGN)
+    let layout = std::alloc::Layout::from_size_align(size.max(1), ALIGN)
         .map_err(|_| Error::invalid_arg(format!("size {size} too large")))?;
-    // SAFETY: layout has non-zero size (>= ALIGN).
-    let base = unsafe { std::alloc::alloc_zeroed(layout) };
-    if base.is_null() {
+    // SAFETY: layout has non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
         return Err(Error::system(format!("ncclMemAlloc: out of host memory allocating {size} bytes")));
     }
-    // SAFETY: base is valid for `total` bytes and ALIGN-aligned; the header fits in the first page.
-    unsafe {
-        base.cast::<usize>().write(total);
-        Ok(base.add(ALIGN).cast())
-    }
+    HOST_BLOCKS.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(Default::default).insert(p as usize, layout);
+    Ok(p.cast())
 }
 
-/// `ncclMemFree` of a block from [`alloc`]; NULL is a no-op.
+/// `ncclMemFree` of a block from [`alloc`]; NULL is a no-op, anything else is refused.
 pub fn free(p: *mut c_void) -> Result<()> {
-    const ALIGN: usize = 4096;
     if p.is_null() {
         return Ok(());
     }
-    if !(p as usize).is_multiple_of(ALIGN) {
-        return Err(Error::invalid_arg("pointer was not returned by ncclMemAlloc"));
-    }
-    // SAFETY: p came from alloc (alignment checked as a sanity test): the header precedes it.
-    unsafe {
-        let base = p.cast::<u8>().sub(ALIGN);
-        let total = base.cast::<usize>().read();
-        let layout = std::alloc::Layout::from_size_align(total, ALIGN).map_err(|_| Error::invalid_arg("corrupt block"))?;
-        std::alloc::dealloc(base, layout);
-    }
+    let layout = HOST_BLOCKS.lock().unwrap_or_else(|e| e.into_inner()).as_mut().and_then(|m| m.remove(&(p as usize)))
+        .ok_or_else(|| Error::invalid_arg(format!("{p:p} was not returned by ncclMemAlloc, or was freed already")))?;
+    // SAFETY: p was returned by alloc with this layout and is freed once (just taken out of the table).
+    unsafe { std::alloc::dealloc(p.cast(), layout) };
     Ok(())
 }
 
