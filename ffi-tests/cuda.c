@@ -1216,6 +1216,11 @@ static void memalloc(void) {
     CU(cu.MemFreeHost(hs[l]));
     CU(cu.MemFreeHost(hr[l]));
   }
+  /* Device memory it did not allocate (a framework's) is refused and left alone. */
+  CUdeviceptr theirs = 0;
+  CU(cu.MemAlloc(&theirs, 4096));
+  EXPECT(ncclMemFree((void*)(uintptr_t)theirs) == ncclInvalidArgument, "ncclMemFree freed memory it did not allocate");
+  CU(cu.MemFree(theirs)); /* still the caller's to free */
 }
 
 /* CUDA_TEST_FAULT=shrink (3 processes, process 1 killed): the survivors shrink the failed
