@@ -213,6 +213,32 @@ fn lifecycle_param_api_reads_the_environment() {
     Job::new("lifecycle").arg("--only").arg("params").env("NCCL_BUFFSIZE", "0x30000").run();
 }
 
+/// NCCL_DEBUG_FILE: each process writes its log lines, in NCCL's format, to its own file
+/// (`%h` the host, `%p` the pid), not to its output.
+#[test]
+fn debug_file_gets_each_process_log() {
+    let mut job = Job::new("lifecycle").procs(2).arg("--only").arg("version");
+    let dir = job.dir().join("logs");
+    std::fs::create_dir_all(&dir).expect("the log folder");
+    let pattern = dir.join("nccl.%h.%p.log");
+    let o = job.env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_FILE", pattern.to_str().expect("a path")).run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let mut files: Vec<_> = std::fs::read_dir(&dir).expect("the log folder").flatten().map(|e| e.path()).collect();
+    files.sort();
+    assert_eq!(files.len(), 2, "one log file per process: {files:?}");
+    for f in &files {
+        let text = std::fs::read_to_string(f).expect("a log file");
+        let name = f.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        let pid = name.trim_end_matches(".log").rsplit('.').next().unwrap_or_default().to_string();
+        assert!(pid.parse::<u32>().is_ok(), "{name}: no pid in the name");
+        assert!(text.lines().any(|l| l.contains(&format!(":{pid}:")) && l.contains("NCCL INFO")),
+                "{name}: no INFO line of pid {pid} in NCCL's format:\n{text}");
+    }
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(!p.log.contains("NCCL INFO"), "process {i} logged to its output too:\n{}", p.log);
+    }
+}
+
 #[test]
 fn leaks_2_processes() {
     Job::new("leaks").procs(2).exclusive().timeout_s(300).run();
