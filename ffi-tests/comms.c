@@ -3,15 +3,17 @@
  * ncclCommShrink (the last rank left out), ncclCommRevoke (calls refused, shrink still works)
  * and ncclCommGrow with ncclCommGetUniqueId (the last rank joins a communicator of the
  * others), with their bad arguments. Each new communicator is checked by its size, its ranks
- * and an exact all-reduce.
+ * and an exact all-reduce. Then two communicators driven at once by two threads.
  *
- *   comms [--only split|shrink|revoke|grow]
+ *   comms [--only split|shrink|revoke|grow|threads]
  *
  * Every process runs the same steps in the same order; a local rank that a step leaves out
  * simply does not call (as NCCL asks of an excluded rank).
  */
 #include "common.h"
 
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 
@@ -229,6 +231,61 @@ static void step_grow(ncclComm_t* world) {
   destroy_all(small);
 }
 
+/* Two communicators driven at once by two threads of every process, as frameworks run a
+ * data-parallel and a tensor-parallel group: one thread all-reduces on the world, the other
+ * all-gathers on a copy of it (a split), each checked every time. */
+enum { ROUNDS = 40, GATHER = 1000 };
+typedef struct {
+  ncclComm_t* comms;
+  int gather;
+  int bad;
+} driver_t;
+
+static void* drive(void* arg) {
+  driver_t* d = arg;
+  const int n = g_env.nranks;
+  static int32_t ar_send[2][MAX_LOCAL][COUNT], ar_recv[2][MAX_LOCAL][COUNT];
+  int32_t (*send)[COUNT] = ar_send[d->gather], (*recv)[COUNT] = ar_recv[d->gather];
+  int32_t* gathered[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) gathered[l] = malloc(sizeof(int32_t) * GATHER * (size_t)n);
+  for (int round = 0; round < ROUNDS; round++) {
+    for (int l = 0; l < g_env.local; l++)
+      for (int j = 0; j < COUNT; j++) send[l][j] = (g_env.first_rank + l + 1) * (j + round + 1);
+    if (ncclGroupStart() != ncclSuccess) d->bad++;
+    for (int l = 0; l < g_env.local; l++) {
+      ncclResult_t r = d->gather ? ncclAllGather(send[l], gathered[l], GATHER, ncclInt32, d->comms[l], TEST_STREAM)
+                                 : ncclAllReduce(send[l], recv[l], COUNT, ncclInt32, ncclSum, d->comms[l], TEST_STREAM);
+      d->bad += r != ncclSuccess;
+    }
+    if (ncclGroupEnd() != ncclSuccess) d->bad++;
+    for (int l = 0; l < g_env.local; l++) {
+      if (d->gather) {
+        for (int r = 0; r < n; r++)
+          for (int j = 0; j < GATHER; j++) d->bad += gathered[l][r * GATHER + j] != (r + 1) * (j + round + 1);
+      } else {
+        for (int j = 0; j < COUNT; j++) d->bad += recv[l][j] != n * (n + 1) / 2 * (j + round + 1);
+      }
+    }
+  }
+  for (int l = 0; l < g_env.local; l++) free(gathered[l]);
+  return NULL;
+}
+
+static void step_threads(ncclComm_t* world) {
+  ncclComm_t dup[MAX_LOCAL];
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSplit(world[l], 0, g_env.first_rank + l, &dup[l], NULL));
+  CHECK(ncclGroupEnd());
+  driver_t a = {world, 0, 0}, b = {dup, 1, 0};
+  pthread_t ta, tb;
+  EXPECT(pthread_create(&ta, NULL, drive, &a) == 0 && pthread_create(&tb, NULL, drive, &b) == 0, "pthread_create");
+  pthread_join(ta, NULL);
+  pthread_join(tb, NULL);
+  EXPECT(a.bad == 0, "%d failed calls or wrong values in the all-reduce thread", a.bad);
+  EXPECT(b.bad == 0, "%d failed calls or wrong values in the all-gather thread", b.bad);
+  destroy_all(dup);
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   ncclComm_t world[MAX_LOCAL];
@@ -237,6 +294,7 @@ int main(int argc, char** argv) {
   if (begin("shrink")) step_shrink(world);
   if (begin("revoke")) step_revoke(world);
   if (begin("grow")) step_grow(world);
+  if (begin("threads")) step_threads(world);
   destroy_comms(world);
   return test_finish();
 }
