@@ -6,6 +6,7 @@
  * and an exact all-reduce. Then two communicators driven at once by two threads.
  *
  *   comms [--only split|shrink|revoke|grow|threads]
+ *   COMMS_TEST_ABSENT=split|grow comms   (the last rank never makes the call; see absent())
  *
  * Every process runs the same steps in the same order; a local rank that a step leaves out
  * simply does not call (as NCCL asks of an excluded rank).
@@ -286,10 +287,43 @@ static void step_threads(ncclComm_t* world) {
   destroy_all(dup);
 }
 
+/* COMMS_TEST_ABSENT=split|grow (one rank per process): the last rank never makes the call
+ * (it waits for the others on the world communicator). The others must name it: at WARN once
+ * half of NCCL_INIT_TIMEOUT_S has gone, and in the ncclTimeout they get at the end. */
+static int absent(ncclComm_t* world) {
+  const char* what = getenv("COMMS_TEST_ABSENT");
+  const int n = g_env.nranks, last = n - 1, rank = g_env.first_rank;
+  ncclComm_t sub = NULL;
+  ncclResult_t r = ncclSuccess;
+  world_barrier(world); /* connected now: the last barrier must not connect under a short timeout */
+  if (!strcmp(what, "split")) {
+    if (rank != last) r = ncclCommSplit(world[0], 0, rank, &sub, NULL);
+  } else {
+    ncclComm_t small = NULL;
+    CHECK(ncclCommSplit(world[0], rank == last ? NCCL_SPLIT_NOCOLOR : 0, rank, &small, NULL));
+    ncclUniqueId id;
+    if (rank == 0) CHECK(ncclCommGetUniqueId(small, &id));
+    if (rank != last) r = ncclCommGrow(small, n, rank == 0 ? &id : NULL, -1, &sub, NULL);
+    if (small) CHECK(ncclCommDestroy(small));
+  }
+  if (rank != last) {
+    const char* why = ncclGetLastError(NULL);
+    char want[32];
+    snprintf(want, sizeof want, "rank %d", last);
+    tlog("ABSENT: %s returned %s: %s", what, result_name(r), why);
+    EXPECT(r == ncclTimeout, "%s without rank %d: %s, not ncclTimeout", what, last, result_name(r));
+    EXPECT(why && strstr(why, want), "the error does not name rank %d: %s", last, why ? why : "(null)");
+  }
+  world_barrier(world);
+  destroy_comms(world);
+  return test_finish();
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   ncclComm_t world[MAX_LOCAL];
   make_comms("", world);
+  if (getenv("COMMS_TEST_ABSENT")) return absent(world);
   if (begin("split")) step_split(world);
   if (begin("shrink")) step_shrink(world);
   if (begin("revoke")) step_revoke(world);

@@ -202,6 +202,25 @@ fn comms_2_processes_of_2_ranks() {
     Job::new("comms").procs(2).local(2).run();
 }
 
+/// A rank that never makes a management call is named by the others, at WARN after half of
+/// NCCL_INIT_TIMEOUT_S (not only when it runs out), and in the error they get: a split whose
+/// ring exchange lacks its part (rank 1 waits on rank 0, which is there, for rank 2's), and a
+/// grow whose new rank never joins (the coordinator's root says which rank it waits for).
+#[test]
+fn comms_a_rank_that_never_calls_is_named() {
+    for (what, warned) in [("split", "ncclCommSplit waits for rank 2, which has not made the call"),
+                           ("grow", "waiting for rank 2 (up to NCCL_INIT_TIMEOUT_S")] {
+        let o = Job::new("comms").procs(3).env("COMMS_TEST_ABSENT", what).env("NCCL_INIT_TIMEOUT_S", "4")
+            .env("NCCL_DEBUG", "WARN").timeout_s(60).run_outcome();
+        assert!(o.ok(), "{what}: {}", o.report);
+        let logs: String = o.procs.iter().map(|p| p.log.as_str()).collect();
+        assert!(logs.contains(warned), "{what}: no early warning '{warned}':\n{}", o.report);
+        for i in [0, 1] {
+            assert!(o.procs[i].log.contains("ABSENT"), "{what}, process {i}:\n{}", o.procs[i].log);
+        }
+    }
+}
+
 #[test]
 fn comms_1_process_of_3_ranks() {
     Job::new("comms").local(3).run();

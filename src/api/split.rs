@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::bootstrap::{self, wire::{Reader, Writer}, PeerInfo, Service, UniqueId};
+use crate::bootstrap::{self, service::Exchange, wire::{Reader, Writer}, PeerInfo, Service, UniqueId};
 use crate::comm::handle::{self, Handle};
 use crate::comm::{Comm, Ready};
 use crate::error::{Error, Result};
@@ -87,7 +87,8 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
         let mine = encode(color, key, service.as_ref().map(|s| me_info(&comm, parent, s.addr)).as_ref());
         let members: Vec<usize> = (0..comm.nranks).collect();
         let deadline = Instant::now() + params::init_timeout();
-        let all = parent.service.allgather(&members, comm.rank, TAG_SPLIT ^ tag, mine, deadline, &comm.abort)
+        let ex = Exchange { call: "ncclCommSplit", tag: TAG_SPLIT ^ tag, deadline, abort: &comm.abort };
+        let all = parent.service.allgather(&ex, &members, comm.rank, mine)
             .map_err(|e| e.context(format!("rank {}: ncclCommSplit", comm.rank)))?;
         let Some(service) = service else {
             sink(None);
@@ -143,7 +144,8 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
         let service = Service::start(bootstrap::local_ip(), hash, me as u32)?;
         let mine = encode(list_hash as i32, 0, Some(&me_info(&comm, parent, service.addr)));
         let deadline = Instant::now() + params::init_timeout();
-        let all = parent.service.allgather(&members, me, TAG_SHRINK ^ tag, mine, deadline, &comm.abort)
+        let ex = Exchange { call: "ncclCommShrink", tag: TAG_SHRINK ^ tag, deadline, abort: &comm.abort };
+        let all = parent.service.allgather(&ex, &members, me, mine)
             .map_err(|e| e.context(format!("rank {}: ncclCommShrink", comm.rank)))?;
         let mut peers = Vec::with_capacity(members.len());
         for (i, b) in all.iter().enumerate() {
@@ -196,8 +198,8 @@ pub fn grow(who: Grower, nranks: i32, config: Option<Config>, sink: Sink) -> Res
                 w.u8(id.is_some() as u8).bytes(&id.unwrap_or([0; bootstrap::id::ID_BYTES]));
                 let members: Vec<usize> = (0..comm.nranks).collect();
                 let deadline = Instant::now() + params::init_timeout();
-                let all = parent.service.allgather(&members, comm.rank, TAG_GROW ^ tag, w.buf, deadline,
-                                                   &comm.abort)
+                let ex = Exchange { call: "ncclCommGrow", tag: TAG_GROW ^ tag, deadline, abort: &comm.abort };
+                let all = parent.service.allgather(&ex, &members, comm.rank, w.buf)
                     .map_err(|e| e.context(format!("rank {}: ncclCommGrow", comm.rank)))?;
                 let id = coordinators_id(&all)?;
                 let config = config.unwrap_or_else(|| comm.config.clone());
@@ -238,7 +240,8 @@ fn coordinators_id(all: &[Vec<u8>]) -> Result<UniqueId> {
     }
     let (_, id) = found.ok_or_else(|| Error::invalid_usage(
         "ncclCommGrow: no rank of the communicator passed the id (the rank that called ncclCommGetUniqueId must)"))?;
-    let id: [u8; bootstrap::id::ID_BYTES] = id.try_into().map_err(|_| Error::internal("grow: an id of the wrong size"))?;
+    let id: [u8; bootstrap::id::ID_BYTES] =
+        id.try_into().map_err(|_| Error::internal("grow: an id of the wrong size"))?;
     UniqueId::decode(&id)
 }
 

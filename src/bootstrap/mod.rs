@@ -153,6 +153,7 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     match r.u8()? {
         root::TABLE => {}
         root::FAILED => return Err(Error::invalid_arg(r.str()?)),
+        root::TIMED_OUT => return Err(Error::timeout(r.str()?)),
         k => return Err(Error::system(format!("bootstrap: unexpected reply {k} from the root"))),
     }
     let n = r.u32()? as usize;

@@ -13,6 +13,8 @@ use crate::error::{Error, Result};
 pub const HELLO: u8 = 1;
 pub const TABLE: u8 = 2;
 pub const FAILED: u8 = 3;
+/// Like FAILED, for a job some ranks never joined in time (ncclTimeout, not a bad argument).
+pub const TIMED_OUT: u8 = 4;
 
 /// Run the root for one job on `listener` in a detached thread.
 pub fn spawn(listener: TcpListener, magic: u64, timeout: Duration) -> Result<()> {
@@ -91,18 +93,29 @@ fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -
 }
 
 fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
+    let started = Instant::now();
+    let deadline = started + timeout;
+    let mut warn_at = Some(started + super::service::warn_after(deadline));
     let _ = listener.set_nonblocking(true);
     let mut joined: Vec<Joined> = Vec::new();
     let mut expected: Option<usize> = None;
     let mut unheard: Vec<Unheard> = Vec::new();
     loop {
+        // An init that hangs names the ranks it waits for long before it gives up.
+        if let (Some(at), Some(n)) = (warn_at, expected) {
+            if Instant::now() >= at {
+                warn_at = None;
+                crate::warn!("bootstrap: {} of {n} ranks have joined after {} s; waiting for {} (up to \
+                              NCCL_INIT_TIMEOUT_S, {} s)", joined.len(), started.elapsed().as_secs(),
+                             missing_ranks(&joined, n), timeout.as_secs());
+            }
+        }
         if Instant::now() >= deadline {
             let missing = missing_ranks(&joined, expected.unwrap_or(0));
             let msg = format!(
-                "bootstrap: only {} of {} ranks joined within {} s; missing ranks: {}",
+                "bootstrap: only {} of {} ranks joined within {} s; missing: {}",
                 joined.len(), expected.map_or("?".to_string(), |n| n.to_string()), timeout.as_secs(), missing);
-            fail(&mut joined, None, &msg);
+            fail(&mut joined, None, TIMED_OUT, &msg);
             return;
         }
         let (busy, hello) = poll_hellos(&listener, &mut unheard, magic);
@@ -124,7 +137,7 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
             None
         };
         if let Some(msg) = problem {
-            fail(&mut joined, Some(&mut stream), &msg);
+            fail(&mut joined, Some(&mut stream), FAILED, &msg);
             return;
         }
         joined.push(Joined { stream, info });
@@ -159,13 +172,17 @@ pub fn parse_hello(frame: &[u8], magic: u64) -> Option<(usize, usize, PeerInfo)>
 
 fn missing_ranks(joined: &[Joined], n: usize) -> String {
     let missing: Vec<String> = (0..n).filter(|r| !joined.iter().any(|j| j.info.rank == *r)).map(|r| r.to_string()).collect();
-    if missing.is_empty() { "unknown (no rank arrived)".into() } else { missing.join(", ") }
+    match missing.len() {
+        0 => "unknown (no rank arrived)".into(),
+        1 => format!("rank {}", missing[0]),
+        _ => format!("ranks {}", missing.join(", ")),
+    }
 }
 
-fn fail(joined: &mut [Joined], extra: Option<&mut TcpStream>, msg: &str) {
+fn fail(joined: &mut [Joined], extra: Option<&mut TcpStream>, kind: u8, msg: &str) {
     crate::warn!("{msg}");
     let mut w = Writer::default();
-    w.u8(FAILED).str(msg);
+    w.u8(kind).str(msg);
     for j in joined.iter_mut() {
         let _ = write_frame(&mut j.stream, &w.buf);
     }

@@ -162,23 +162,51 @@ impl Service {
         })
     }
 
-    /// Stop accepting and join the thread (idempotent).
     /// Every member's `mine`, by a ring over the members (ranks of this service's job, in
-    /// order; `me` indexes this rank in it). `tag` must be unique to this exchange.
-    pub fn allgather(&self, members: &[usize], me: usize, tag: u32, mine: Vec<u8>, deadline: Instant,
-                     abort: &AtomicBool) -> Result<Vec<Vec<u8>>> {
+    /// order; `me` indexes this rank in it), for the exchange `ex` of a management call. Each step waits for one member's part, passed on by the
+    /// previous member: the part that does not come is that of a rank that has not made the
+    /// call (every rank sends its own part first), so that rank is named, at WARN once half
+    /// the time allowed (at most 10 s) has gone, and in the error at the deadline.
+    pub fn allgather(&self, ex: &Exchange, members: &[usize], me: usize, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let Exchange { call, tag, deadline, abort } = *ex;
         let n = members.len();
         let mut out = vec![Vec::new(); n];
         out[me] = mine;
         let (next, prev) = (members[(me + 1) % n], members[(me + n - 1) % n]);
+        let warn_at = Instant::now() + warn_after(deadline);
+        let mut warned = false;
         for s in 0..n.saturating_sub(1) {
             let step_tag = tag ^ ((s as u32) << 20);
             self.send(next, step_tag, &out[(me + n - s) % n])?;
-            out[(me + 2 * n - s - 1) % n] = self.recv(prev, step_tag, deadline, abort)?;
+            let from = (me + 2 * n - s - 1) % n;
+            let origin = members[from];
+            let by = if origin == prev { String::new() } else { format!(", passed on by rank {prev},") };
+            if !warned && Instant::now() < warn_at {
+                match self.recv(prev, step_tag, warn_at.min(deadline), abort) {
+                    Ok(part) => {
+                        out[from] = part;
+                        continue;
+                    }
+                    Err(e) if e.code != crate::error::Code::Timeout || Instant::now() >= deadline => return Err(e),
+                    Err(_) => {}
+                }
+            }
+            if !warned && Instant::now() >= warn_at {
+                warned = true;
+                crate::warn!("rank {}: {call} waits for rank {origin}, which has not made the call (its part{by} \
+                              has not come); waiting up to NCCL_INIT_TIMEOUT_S", members[me]);
+            }
+            let never = |e: Error| match e.code {
+                crate::error::Code::Timeout => Error::timeout(format!(
+                    "rank {origin} never made the call (its part{by} did not come within NCCL_INIT_TIMEOUT_S)")),
+                _ => e,
+            };
+            out[from] = self.recv(prev, step_tag, deadline, abort).map_err(never)?;
         }
         Ok(out)
     }
 
+    /// Stop accepting and join the thread (idempotent).
     pub fn stop(&self) {
         self.shared.stop.store(true, Ordering::Release);
         let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -268,6 +296,22 @@ pub fn parse_hello(frame: &[u8], magic: u64) -> Result<Option<Incoming>> {
     Ok(Some((kind, from, tag, payload)))
 }
 
+/// One exchange of a management call over a parent's service: the call (for messages), a tag
+/// unique to the exchange, until when it may wait, and the flag that aborts it.
+#[derive(Clone, Copy)]
+pub struct Exchange<'a> {
+    pub call: &'a str,
+    pub tag: u32,
+    pub deadline: Instant,
+    pub abort: &'a AtomicBool,
+}
+
+/// How long a management exchange or an init waits before it names, at WARN, the ranks it
+/// waits for: half the time it is allowed (`deadline` from now), at most 10 s.
+pub fn warn_after(deadline: Instant) -> Duration {
+    (deadline.saturating_duration_since(Instant::now()) / 2).min(Duration::from_secs(10))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -322,3 +366,4 @@ mod tests {
         attacker.join().unwrap();
     }
 }
+
