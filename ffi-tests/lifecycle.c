@@ -170,8 +170,9 @@ static void step_params(void) {
   ncclParamDumpAll(); /* prints at NCCL_DEBUG=INFO; must not crash */
 }
 
-/* ncclMemAlloc'd host memory (host mode): page-aligned and zeroed, registered, an exact
- * all-reduce in it, deregistered, freed; pointers it did not return are refused. */
+/* ncclMemAlloc'd host memory (host mode): page-aligned and zeroed, registered (and as a
+ * window), an exact all-reduce in it, deregistered, freed; pointers it did not return are
+ * refused. */
 static void step_memory(ncclComm_t* comms) {
   if (!begin("memory")) return;
   const size_t count = 100000, bytes = count * sizeof(float);
@@ -189,12 +190,30 @@ static void step_memory(ncclComm_t* comms) {
     EXPECT(h[l][0] && h[l][1], "ncclCommRegister handed back a NULL handle");
     fill_values(ncclFloat32, ncclSum, g_env.nranks, g_env.first_rank + l, s[l], 0, count, salt);
   }
+  /* Windows (collective registration, in a group): each knows its buffer; collectives on
+   * window buffers run as on any other; one-sided operations on them are not implemented. */
+  ncclWindow_t win[MAX_LOCAL];
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowRegister(comms[l], r[l], bytes, &win[l], NCCL_WIN_COLL_SYMMETRIC));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    void* user = NULL;
+    CHECK(ncclWinGetUserPtr(comms[l], win[l], &user));
+    EXPECT(user == r[l], "ncclWinGetUserPtr: %p, not the registered buffer %p", user, r[l]);
+    EXPECT(ncclCommWindowRegister(comms[l], r[l], bytes, &win[l], 0x100) == ncclInvalidArgument, "window flags 0x100 accepted");
+    ncclResult_t rma = ncclPutSignal(s[l], 1, ncclFloat32, 0, win[l], 0, 0, 0, 0, comms[l], TEST_STREAM);
+    EXPECT(rma == ncclInvalidUsage, "ncclPutSignal on a window: %s, not ncclInvalidUsage", result_name(rma));
+  }
   if (g_env.local > 1) CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) CHECK(ncclAllReduce(s[l], r[l], count, ncclFloat32, ncclSum, comms[l], TEST_STREAM));
   if (g_env.local > 1) CHECK(ncclGroupEnd());
   for (int l = 0; l < g_env.local; l++) {
     check_values("all-reduce in ncclMemAlloc'd, registered memory", ncclFloat32, ncclSum, g_env.nranks, r[l], 0, count,
                  salt, 0);
+    CHECK(ncclCommWindowDeregister(comms[l], win[l]));
+    EXPECT(ncclCommWindowDeregister(comms[l], win[l]) == ncclInvalidArgument, "a window deregistered twice");
+    void* user = NULL;
+    EXPECT(ncclWinGetUserPtr(comms[l], win[l], &user) == ncclInvalidArgument, "a deregistered window's buffer was given");
     CHECK(ncclCommDeregister(comms[l], h[l][0]));
     CHECK(ncclCommDeregister(comms[l], h[l][1]));
     CHECK(ncclMemFree(s[l]));

@@ -29,15 +29,18 @@ export! {
     }
     fn ncclCommWindowRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, win: *mut ncclWindow_t,
                               winFlags: c_int) {
-        let _ = (handle::get(comm)?, buff, size, win, winFlags);
-        Err(Error::not_implemented("ncclCommWindowRegister (symmetric memory windows)"))
+        let comm = handle::get(comm)?;
+        ensure!(!win.is_null(), Error::invalid_arg("win is NULL"));
+        let token = crate::api::mem::window_register(&comm, buff as usize, size, winFlags)?;
+        write_out(win, "win", token as ncclWindow_t)
     }
     fn ncclCommWindowDeregister(comm: ncclComm_t, win: ncclWindow_t) {
-        let _ = (handle::get(comm)?, win);
-        Err(Error::not_implemented("ncclCommWindowDeregister (symmetric memory windows)"))
+        crate::api::mem::window_deregister(&*handle::get(comm)?, win as usize)
     }
     fn ncclWinGetUserPtr(comm: ncclComm_t, win: ncclWindow_t, outUserPtr: *mut *mut c_void) {
-        let _ = (handle::get(comm)?, win, outUserPtr);
-        Err(Error::not_implemented("ncclWinGetUserPtr (symmetric memory windows)"))
+        let comm = handle::get(comm)?;
+        ensure!(!outUserPtr.is_null(), Error::invalid_arg("outUserPtr is NULL"));
+        let p = crate::api::mem::window_user_ptr(&comm, win as usize)?;
+        write_out(outUserPtr, "outUserPtr", p as *mut c_void)
     }
 }
