@@ -20,7 +20,9 @@ pub const TIMED_OUT: u8 = 4;
 pub fn spawn(listener: TcpListener, magic: u64, timeout: Duration) -> Result<()> {
     std::thread::Builder::new()
         .name("nccl-rs-root".into())
-        .spawn(move || serve(listener, magic, timeout))
+        .spawn(move || {
+            serve(listener, magic, timeout);
+        })
         .map(|_| ())
         .map_err(|e| Error::os("bootstrap: spawn root thread", e))
 }
@@ -92,7 +94,18 @@ fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -
     (busy, None)
 }
 
-fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
+/// How a root's job ended.
+#[derive(Debug, PartialEq)]
+enum Served {
+    /// Every rank came and has the peer table.
+    Table,
+    /// Nobody used the id.
+    Unused,
+    /// The ranks that came were told why not (this message).
+    Failed(String),
+}
+
+fn serve(listener: TcpListener, magic: u64, timeout: Duration) -> Served {
     let started = Instant::now();
     let deadline = started + timeout;
     let mut warn_at = Some(started + super::service::warn_after(deadline));
@@ -111,12 +124,19 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
             }
         }
         if Instant::now() >= deadline {
+            if joined.is_empty() {
+                // An id nobody used (one of ncclCommInitRankScalable's spares, or one never
+                // handed out): nobody waits, so nothing to report but at INFO.
+                crate::info!(BOOTSTRAP, "bootstrap: no rank used this unique id within {} s; its root stops",
+                             timeout.as_secs());
+                return Served::Unused;
+            }
             let missing = missing_ranks(&joined, expected.unwrap_or(0));
             let msg = format!(
                 "bootstrap: only {} of {} ranks joined within {} s; missing: {}",
                 joined.len(), expected.map_or("?".to_string(), |n| n.to_string()), timeout.as_secs(), missing);
             fail(&mut joined, None, TIMED_OUT, &msg);
-            return;
+            return Served::Failed(msg);
         }
         let (busy, hello) = poll_hellos(&listener, &mut unheard, magic);
         let Some((mut stream, rank, nranks, info)) = hello else {
@@ -138,7 +158,7 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
         };
         if let Some(msg) = problem {
             fail(&mut joined, Some(&mut stream), FAILED, &msg);
-            return;
+            return Served::Failed(msg);
         }
         joined.push(Joined { stream, info });
         if joined.len() == n {
@@ -151,7 +171,7 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) {
             for j in &mut joined {
                 let _ = write_frame(&mut j.stream, &w.buf);
             }
-            return;
+            return Served::Table;
         }
     }
 }
@@ -188,5 +208,33 @@ fn fail(joined: &mut [Joined], extra: Option<&mut TcpStream>, kind: u8, msg: &st
     }
     if let Some(s) = extra {
         let _ = write_frame(s, &w.buf);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An id nobody uses ends quietly (nothing at WARN: ncclCommInitRankScalable's spare ids
+    /// are such); a job some rank never joins fails, naming it.
+    #[test]
+    fn an_unused_id_ends_quietly_and_a_missing_rank_is_named() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a listener");
+        assert_eq!(serve(listener, 7, Duration::from_millis(50)), Served::Unused);
+
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a listener");
+        let addr = listener.local_addr().expect("its address");
+        let root = std::thread::spawn(move || serve(listener, 7, Duration::from_millis(500)));
+        let mut s = TcpStream::connect(addr).expect("a connection");
+        let me = PeerInfo { rank: 0, pid: 1, cuda_dev: 0, host_hash: 1, hostname: "h".into(),
+                            addr: "127.0.0.1:1".parse().expect("an address"), slice: 4096, nsocks: 1 };
+        let mut w = Writer::default();
+        w.u8(HELLO).u64(7).u32(0).u32(2);
+        me.encode(&mut w);
+        write_frame(&mut s, &w.buf).expect("the hello");
+        match root.join().expect("the root") {
+            Served::Failed(msg) => assert!(msg.contains("only 1 of 2") && msg.contains("missing: rank 1"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
     }
 }
