@@ -7,6 +7,7 @@
  *
  *   comms [--only split|shrink|revoke|grow|threads]
  *   COMMS_TEST_ABSENT=split|grow comms   (the last rank never makes the call; see absent())
+ *   COMMS_TEST_SUSPENDED=FILE comms      (the last rank is suspended until FILE exists)
  *
  * Every process runs the same steps in the same order; a local rank that a step leaves out
  * simply does not call (as NCCL asks of an excluded rank).
@@ -17,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 static int begin(const char* name) {
   if (g_env.only && strcasecmp(g_env.only, name)) return 0;
@@ -319,11 +321,33 @@ static int absent(ncclComm_t* world) {
   return test_finish();
 }
 
+/* COMMS_TEST_SUSPENDED=FILE (one rank per process): the last rank suspends the world
+ * communicator until FILE exists (the harness makes it once rank 0 has said, at WARN, that it
+ * waits on a suspended rank), then resumes and joins the all-reduce the others issued. */
+static int suspended(ncclComm_t* world) {
+  const char* release = getenv("COMMS_TEST_SUSPENDED");
+  const int n = g_env.nranks, rank = g_env.first_rank;
+  world_barrier(world); /* connected before anyone waits */
+  if (rank == n - 1) {
+    CHECK(ncclCommSuspend(world[0], 0));
+    tlog("SUSPENDED");
+    double until = now_s() + 60;
+    while (access(release, F_OK) != 0 && now_s() < until) usleep(10000);
+    EXPECT(access(release, F_OK) == 0, "never released (%s)", release);
+    CHECK(ncclCommResume(world[0]));
+  }
+  int v[MAX_LOCAL] = {rank + 1}, want[MAX_LOCAL] = {n * (n + 1) / 2};
+  sum_check(world, v, want, "all-reduce with a rank suspended until it is released");
+  destroy_comms(world);
+  return test_finish();
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   ncclComm_t world[MAX_LOCAL];
   make_comms("", world);
   if (getenv("COMMS_TEST_ABSENT")) return absent(world);
+  if (getenv("COMMS_TEST_SUSPENDED")) return suspended(world);
   if (begin("split")) step_split(world);
   if (begin("shrink")) step_shrink(world);
   if (begin("revoke")) step_revoke(world);

@@ -221,6 +221,24 @@ fn comms_a_rank_that_never_calls_is_named() {
     }
 }
 
+/// A rank waiting on a peer whose communicator is suspended says so (not only that the peer
+/// has not made the call); resumed, the peer joins and the all-reduce is exact.
+#[test]
+fn comms_a_suspended_peer_is_named() {
+    let mut job = Job::new("comms").procs(2).env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let release = job.dir().join("release");
+    let file = release.clone();
+    let o = job.env("COMMS_TEST_SUSPENDED", release.to_str().expect("a path"))
+        .on(When::marker(0, "its communicator is suspended"), move || {
+            std::fs::write(&file, b"go").expect("the release file");
+            "released rank 1".to_string()
+        })
+        .run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    assert!(o.procs[0].log.contains("for rank 1") && o.procs[0].log.contains("its communicator is suspended"),
+            "rank 0:\n{}", o.procs[0].log);
+}
+
 #[test]
 fn comms_1_process_of_3_ranks() {
     Job::new("comms").local(3).run();

@@ -197,12 +197,18 @@ pub fn suspend(comm: &Comm, flags: i32) -> Result<()> {
         }
     }
     comm.suspended.store(true, Ordering::Release);
+    if let Some(r) = comm.ready_if_any() {
+        r.set_suspended();
+    }
     Ok(())
 }
 
 pub fn resume(comm: &Comm) -> Result<()> {
     if !comm.suspended.swap(false, Ordering::AcqRel) {
         return Err(Error::invalid_usage("communicator is not suspended"));
+    }
+    if let Some(r) = comm.ready_if_any() {
+        r.set_running(&[]);
     }
     Ok(())
 }

@@ -45,6 +45,11 @@ impl Ready {
         set_status(&mut self.running.lock().unwrap_or_else(|p| p.into_inner()), STATUS_STREAM, stamps);
     }
 
+    /// Publish that this rank is suspended (ncclCommSuspend): peers waiting on it are told so.
+    pub fn set_suspended(&self) {
+        set_status(&mut self.running.lock().unwrap_or_else(|p| p.into_inner()), STATUS_SUSPENDED, std::iter::empty());
+    }
+
     /// Publish why this rank stopped, for peers that only saw its connections close.
     pub fn set_failed(&self, e: &Error) {
         let mut bytes = vec![STATUS_FAILED, e.code as u8];
@@ -65,6 +70,8 @@ pub enum PeerRuns {
     /// It issued this operation (its stamp), or the one named, and waits for its CUDA stream
     /// to reach it: work queued on that stream before the call has not finished.
     Stream(Stamp),
+    /// Its communicator is suspended (ncclCommSuspend): it cannot issue the call until resumed.
+    Suspended,
 }
 
 impl PeerRuns {
@@ -77,6 +84,8 @@ impl PeerRuns {
                 "which has not got to that launch of its CUDA graph (it has not launched the graph, or its stream has \
                  not reached the launch)".to_string()),
             PeerRuns::Nothing => Some("which has not issued that call".to_string()),
+            PeerRuns::Suspended => Some("which has not issued that call: its communicator is suspended (ncclCommSuspend \
+                                         without ncclCommResume)".to_string()),
             PeerRuns::Stream(theirs) => Some(format!(
                 "which issued {} and waits for its CUDA stream to get through it: work queued on that stream has not \
                  finished", describe(theirs))),
@@ -90,6 +99,7 @@ impl PeerRuns {
 const STATUS_RUNNING: u8 = 0;
 const STATUS_FAILED: u8 = 1;
 const STATUS_STREAM: u8 = 2;
+const STATUS_SUSPENDED: u8 = 3;
 
 /// `tag` and `stamps` as the status, unless it says the rank failed: that stays, for peers
 /// that ask why its connections closed (another thread may have failed it meanwhile).
@@ -313,6 +323,7 @@ impl Comm {
                 let theirs = stamps.clone().find(|s| *s == mine.as_slice()).or_else(|| stamps.next());
                 return Ok(theirs.and_then(|t| t.try_into().ok()).map_or(PeerRuns::Unknown, PeerRuns::Stream));
             }
+            Some((&STATUS_SUSPENDED, _)) => return Ok(PeerRuns::Suspended),
             Some((&STATUS_RUNNING, _)) | None => {}
             Some(_) => return Ok(PeerRuns::Unknown),
         }
