@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{cuda_stub_dir, skip_netns, Hosts, Job, When};
+use common::{cuda_stub_dir, skip_netns, Hosts, Job, Outcome, When};
 
 /// Against the stub; with `NCCL_TEST_REAL_DRIVER=1` (scripts/device-check.sh on a GPU
 /// machine), against the machine's own driver.
@@ -657,17 +657,8 @@ fn cuda_mode_peer_killed_during_graph_launches() {
 /// device memory there, exact (what fault-tolerant training does instead of restarting).
 #[test]
 fn cuda_mode_survivors_shrink_and_go_on() {
-    let o = cuda_job()
-        .procs(3)
-        .env("CUDA_TEST_FAULT", "shrink")
-        .env("CUDA_FAULT_BOUND_S", "20")
-        .env("NCCL_DEBUG", "INFO")
-        .env("NCCL_DEBUG_SUBSYS", "P2P")
-        .kill(1, When::marker(1, "LOOPING").then_ms(50))
-        .timeout_s(90)
-        .run_outcome();
-    assert!(o.fired[0].is_some(), "process 1 was never killed:\n{}", o.report);
-    assert!(o.procs[1].died_of_sigkill(), "process 1 did not die of SIGKILL:\n{}", o.report);
+    let job = cuda_job().procs(3).env("CUDA_TEST_FAULT", "shrink").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P");
+    let o = with_process_1_killed(job, 90);
     for i in [0, 2] {
         let p = &o.procs[i];
         assert!(p.exited_0() && p.log.contains("SHRUNK"), "survivor {i} did not pass:\n{}", o.report);
@@ -701,16 +692,18 @@ fn cuda_mode_shrink_abort_releases_a_stuck_call() {
     }
 }
 
-fn peer_killed(job: Job) {
-    let o = job
-        .procs(2)
-        .env("CUDA_FAULT_BOUND_S", "20")
-        .kill(1, When::marker(1, "LOOPING").then_ms(50))
-        .timeout_s(60)
+/// Runs `job` (CUDA_TEST_FAULT set) with process 1 killed once it loops, as it must be.
+fn with_process_1_killed(job: Job, timeout_s: u64) -> Outcome {
+    let o = job.env("CUDA_FAULT_BOUND_S", "20").kill(1, When::marker(1, "LOOPING").then_ms(50)).timeout_s(timeout_s)
         .run_outcome();
     assert!(o.fired[0].is_some(), "process 1 was never killed:\n{}", o.report);
-    assert!(o.procs[0].exited_0(), "the survivor did not pass:\n{}", o.report);
     assert!(o.procs[1].died_of_sigkill(), "process 1 did not die of SIGKILL:\n{}", o.report);
+    o
+}
+
+fn peer_killed(job: Job) {
+    let o = with_process_1_killed(job.procs(2), 60);
+    assert!(o.procs[0].exited_0(), "the survivor did not pass:\n{}", o.report);
     println!("{}", o.report);
 }
 
