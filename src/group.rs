@@ -417,6 +417,12 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
         let slice_end = (Instant::now() + std::time::Duration::from_secs(1)).min(ctx.deadline);
         let attempt = Ctx { deadline: slice_end, ..*ctx };
         match transport::accept(&attempt, conns, peer) {
+            // Revoked (ncclCommRevoke, or a shrink with NCCL_SHRINK_ABORT) while waiting for a
+            // peer that never connects: stop, as every other wait of an operation does.
+            Err(e) if e.code == crate::Code::Timeout && c.revoked.load(std::sync::atomic::Ordering::Acquire) => {
+                return Err(crate::Error::invalid_usage(format!(
+                    "communicator revoked while waiting for {} to connect", c.describe_peer(peer))));
+            }
             Err(e) if e.code == crate::Code::Timeout && Instant::now() < ctx.deadline => {
                 if let Some(mine) = mine {
                     let describe = &crate::plan::ops::describe_stamp;
