@@ -87,6 +87,18 @@ fn collectives_2_processes_x_2_local_ranks() {
     Job::new("collectives").procs(2).local(2).run();
 }
 
+/// NCCL_CMA_DISABLE=1: large messages between processes are copied through the ring instead
+/// of read in one copy from the sender's memory; the results are as exact.
+#[test]
+fn collectives_2_processes_without_single_copy_reads() {
+    let o = Job::new("collectives").procs(2).arg("--only").arg("Large").env("NCCL_CMA_DISABLE", "1")
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(p.log.contains("NCCL_CMA_DISABLE=1: no single-copy reads"), "process {i}:\n{}", p.log);
+    }
+}
+
 /// NCCL_ALGO forces either algorithm; both must give the exact results (3 ranks: not a
 /// power of two, so recursive doubling folds a rank in and out).
 #[test]
