@@ -146,9 +146,17 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     } else {
         Error::remote(format!("bootstrap: lost the connection to the root at {}: {}", id.root, e.msg))
     };
-    wait_readable(&mut s, deadline, abort).map_err(|e| if e.code == crate::error::Code::InvalidUsage { e } else { no_answer(e) })?;
-    let reply = read_frame(&mut s, deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)))
-        .map_err(no_answer)?;
+    let reply = loop {
+        wait_readable(&mut s, deadline, abort)
+            .map_err(|e| if e.code == crate::error::Code::InvalidUsage { e } else { no_answer(e) })?;
+        let frame = read_frame(&mut s, deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)))
+            .map_err(no_answer)?;
+        let mut r = Reader::new(&frame);
+        if r.u8()? != root::WAITING {
+            break frame;
+        }
+        crate::warn!("rank {rank}: {}", r.str()?);
+    };
     let mut r = Reader::new(&reply);
     match r.u8()? {
         root::TABLE => {}

@@ -15,6 +15,9 @@ pub const TABLE: u8 = 2;
 pub const FAILED: u8 = 3;
 /// Like FAILED, for a job some ranks never joined in time (ncclTimeout, not a bad argument).
 pub const TIMED_OUT: u8 = 4;
+/// Not an answer yet: the ranks that joined are told which ones the root still waits for
+/// (once, after half the time allowed), and keep waiting.
+pub const WAITING: u8 = 5;
 
 /// Run the root for one job on `listener` in a detached thread.
 pub fn spawn(listener: TcpListener, magic: u64, timeout: Duration) -> Result<()> {
@@ -118,9 +121,15 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) -> Served {
         if let (Some(at), Some(n)) = (warn_at, expected) {
             if Instant::now() >= at {
                 warn_at = None;
-                crate::warn!("bootstrap: {} of {n} ranks have joined after {} s; waiting for {} (up to \
-                              NCCL_INIT_TIMEOUT_S, {} s)", joined.len(), started.elapsed().as_secs(),
-                             missing_ranks(&joined, n), timeout.as_secs());
+                let msg = format!("bootstrap: {} of {n} ranks have joined after {} s; waiting for {} (up to \
+                                   NCCL_INIT_TIMEOUT_S, {} s)", joined.len(), started.elapsed().as_secs(),
+                                  missing_ranks(&joined, n), timeout.as_secs());
+                // Every rank that waits says it (at WARN), not only the process of the root.
+                let mut w = Writer::default();
+                w.u8(WAITING).str(&msg);
+                for j in &mut joined {
+                    let _ = write_frame(&mut j.stream, &w.buf);
+                }
             }
         }
         if Instant::now() >= deadline {
