@@ -1,11 +1,11 @@
 /*
  * comms.c - communicators made from communicators: ncclCommSplit (colors, keys, NOCOLOR),
- * ncclCommShrink (the last rank left out), ncclCommRevoke (calls refused, shrink still works)
+ * ncclCommShrink (the last rank left out, blocking and not), ncclCommRevoke (calls refused, shrink still works)
  * and ncclCommGrow with ncclCommGetUniqueId (the last rank joins a communicator of the
  * others), with their bad arguments. Each new communicator is checked by its size, its ranks
  * and an exact all-reduce. Then two communicators driven at once by two threads.
  *
- *   comms [--only split|shrink|revoke|grow|threads]
+ *   comms [--only split|shrink|shrink-nonblocking|revoke|grow|threads]
  *   COMMS_TEST_ABSENT=split|grow comms   (the last rank never makes the call; see absent())
  *   COMMS_TEST_SUSPENDED=FILE comms      (the last rank is suspended until FILE exists)
  *
@@ -136,6 +136,40 @@ static void step_shrink(ncclComm_t* world) {
   me = g_env.first_rank;
   EXPECT(ncclCommShrink(world[0], &me, 1, &sub[0], NULL, 0) == ncclInvalidArgument,
          "shrink excluding the calling rank was not ncclInvalidArgument");
+  world_barrier(world);
+}
+
+/* A shrink with a nonblocking config: one rank per thread gets ncclInProgress and a
+ * communicator that becomes ready (polled with ncclCommGetAsyncError); a thread driving
+ * several ranks shrinks them in a group. The last rank is left out. */
+static void step_shrink_nonblocking(ncclComm_t* world) {
+  const int n = g_env.nranks;
+  if (n < 2) return;
+  ncclComm_t sub[MAX_LOCAL] = {0};
+  int cn[MAX_LOCAL], cr[MAX_LOCAL], v[MAX_LOCAL], want[MAX_LOCAL];
+  int last = n - 1;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    cn[l] = n - 1, cr[l] = rank, v[l] = 3 * rank, want[l] = 3 * (n - 1) * (n - 2) / 2;
+    if (rank == last) continue;
+    ncclResult_t r = ncclCommShrink(world[l], &last, 1, &sub[l], &cfg, NCCL_SHRINK_DEFAULT);
+    if (g_env.local == 1)
+      EXPECT(r == ncclInProgress, "a nonblocking shrink returned %s, not ncclInProgress", result_name(r));
+    else
+      CHECK(r);
+  }
+  if (g_env.local > 1) CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    if (!sub[l]) continue;
+    ncclResult_t state = wait_comm(sub[l]);
+    EXPECT(state == ncclSuccess, "the nonblocking shrink ended in %s", result_name(state));
+  }
+  expect_shape(sub, cn, cr, "nonblocking shrink without the last rank");
+  sum_check(sub, v, want, "all-reduce on the nonblocking shrink");
+  destroy_all(sub);
   world_barrier(world);
 }
 
@@ -350,6 +384,7 @@ int main(int argc, char** argv) {
   if (getenv("COMMS_TEST_SUSPENDED")) return suspended(world);
   if (begin("split")) step_split(world);
   if (begin("shrink")) step_shrink(world);
+  if (begin("shrink-nonblocking")) step_shrink_nonblocking(world);
   if (begin("revoke")) step_revoke(world);
   if (begin("grow")) step_grow(world);
   if (begin("threads")) step_threads(world);

@@ -43,17 +43,23 @@ fn set_key(excluded: &[bool]) -> u64 {
 }
 
 /// Finish a child: its peers (renumbered), its service, its communicator, its handle.
-fn make_child(comm: &Comm, rank: usize, mut peers: Vec<PeerInfo>, service: Service, hash: u64, config: Config) -> Handle {
+fn make_child(comm: &Comm, rank: usize, peers: Vec<PeerInfo>, service: Service, hash: u64, config: Config) -> Handle {
+    let child = Arc::new(Comm::new(rank, peers.len(), comm.cuda_dev, config, hash));
+    finish_child(comm, &child, peers, service);
+    handle::register(child)
+}
+
+/// Make `child` (made from `comm`) ready: its peers, renumbered, and its service.
+fn finish_child(comm: &Comm, child: &Comm, mut peers: Vec<PeerInfo>, service: Service) {
     for (i, p) in peers.iter_mut().enumerate() {
         p.rank = i;
     }
-    service.set_rank(rank as u32);
+    service.set_rank(child.rank as u32);
     service.set_peers(peers.iter().map(|p| p.addr).collect());
     let slice = peers.iter().map(|p| p.slice as usize).min().unwrap_or(1 << 16).max(4096);
-    let child = Arc::new(Comm::new(rank, peers.len(), comm.cuda_dev, config, hash));
     child.set_ready(Ready::new(peers, service, slice));
-    crate::info!(INIT, "comm {:#x} rank {} nranks {} - made from comm {:#x} rank {}", hash, rank, child.nranks, comm.hash, comm.rank);
-    handle::register(child)
+    crate::info!(INIT, "comm {:#x} rank {} nranks {} - made from comm {:#x} rank {}", child.hash, child.rank, child.nranks,
+                 comm.hash, comm.rank);
 }
 
 pub(crate) fn encode(color: i32, key: i32, info: Option<&PeerInfo>) -> Vec<u8> {
@@ -136,11 +142,17 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
     }
     let list_hash = set_key(&excluded);
     let (seq, tag) = comm.next_split(list_hash);
+    // Unlike a split's, the child's rank and size are known now: a nonblocking one is handed
+    // back at once, in progress, and made ready in the background.
+    let members: Vec<usize> = (0..n).filter(|r| !excluded[*r]).collect();
+    let me = members.iter().position(|r| *r == comm.rank).unwrap_or(0);
+    let hash = child_hash(comm.hash, seq, list_hash);
+    let config = config.unwrap_or_else(|| comm.config.clone());
+    let background = !config.blocking && crate::group::depth() == 0;
+    let child = Arc::new(Comm::new(me, members.len(), comm.cuda_dev, config, hash));
+    let made = child.clone();
     let run = move || -> Result<()> {
         let parent = comm.ready_for_management()?;
-        let members: Vec<usize> = (0..n).filter(|r| !excluded[*r]).collect();
-        let me = members.iter().position(|r| *r == comm.rank).unwrap_or(0);
-        let hash = child_hash(comm.hash, seq, list_hash);
         let service = Service::start(bootstrap::local_ip(), hash, me as u32)?;
         let mine = encode(list_hash as i32, 0, Some(&me_info(&comm, parent, service.addr)));
         let deadline = Instant::now() + params::init_timeout();
@@ -156,10 +168,28 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
             }
             peers.push(info.ok_or_else(|| Error::internal("shrink: a member sent no address"))?);
         }
-        sink(Some(make_child(&comm, me, peers, service, hash, config.unwrap_or_else(|| comm.config.clone()))));
+        finish_child(&comm, &made, peers, service);
         Ok(())
     };
-    crate::group::run_or_defer(Box::new(run))
+    if background {
+        sink(Some(handle::register(child.clone())));
+        std::thread::Builder::new()
+            .name("nccl-rs-shrink".into())
+            .spawn(move || {
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
+                    .unwrap_or_else(|_| Err(Error::internal("ncclCommShrink panicked")));
+                if let Err(e) = result {
+                    child.set_async_error(&e);
+                }
+            })
+            .map_err(|e| Error::os("spawn the shrink thread", e))?;
+        return Err(Error::in_progress());
+    }
+    crate::group::run_or_defer(Box::new(move || {
+        run()?;
+        sink(Some(handle::register(child)));
+        Ok(())
+    }))
 }
 
 /// `ncclCommGetUniqueId`: the id of one grow of `comm`, asked for by the rank that coordinates
