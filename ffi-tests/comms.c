@@ -1,9 +1,10 @@
 /*
  * comms.c - communicators made from communicators: ncclCommSplit (colors, keys, NOCOLOR),
- * ncclCommShrink (the last rank left out, blocking and not), ncclCommRevoke (calls refused, shrink still works)
- * and ncclCommGrow with ncclCommGetUniqueId (the last rank joins a communicator of the
- * others), with their bad arguments. Each new communicator is checked by its size, its ranks
- * and an exact all-reduce. Then two communicators driven at once by two threads.
+ * ncclCommShrink (the last rank left out, blocking and not), ncclCommRevoke (calls refused,
+ * shrink still works) and ncclCommGrow with ncclCommGetUniqueId (the last rank joins a
+ * communicator of the others), with their bad arguments. Each new communicator is checked by
+ * its size, its ranks and an exact all-reduce. Then two communicators driven at once by two
+ * threads.
  *
  *   comms [--only split|shrink|shrink-nonblocking|revoke|grow|threads]
  *   COMMS_TEST_ABSENT=split|grow comms   (the last rank never makes the call; see absent())
