@@ -114,36 +114,11 @@ static void step_split(ncclComm_t* world) {
   destroy_all(sub);
 }
 
-/* The last rank is left out (it does not call); the others keep their order. */
-static void step_shrink(ncclComm_t* world) {
-  const int n = g_env.nranks;
-  if (n < 2) return;
-  ncclComm_t sub[MAX_LOCAL] = {0};
-  int cn[MAX_LOCAL], cr[MAX_LOCAL], v[MAX_LOCAL], want[MAX_LOCAL];
-  int last = n - 1;
-  CHECK(ncclGroupStart());
-  for (int l = 0; l < g_env.local; l++) {
-    int rank = g_env.first_rank + l;
-    cn[l] = n - 1, cr[l] = rank, v[l] = rank + 1, want[l] = n * (n - 1) / 2;
-    if (rank != last) CHECK(ncclCommShrink(world[l], &last, 1, &sub[l], NULL, NCCL_SHRINK_DEFAULT));
-  }
-  CHECK(ncclGroupEnd());
-  expect_shape(sub, cn, cr, "shrink without the last rank");
-  sum_check(sub, v, want, "all-reduce on the shrunk communicator");
-  destroy_all(sub);
-  int me = 0, out_of_range = n;
-  EXPECT(ncclCommShrink(world[0], &out_of_range, 1, &sub[0], NULL, 0) == ncclInvalidArgument,
-         "shrink excluding rank %d of %d was not ncclInvalidArgument", n, n);
-  me = g_env.first_rank;
-  EXPECT(ncclCommShrink(world[0], &me, 1, &sub[0], NULL, 0) == ncclInvalidArgument,
-         "shrink excluding the calling rank was not ncclInvalidArgument");
-  world_barrier(world);
-}
-
-/* A shrink with a nonblocking config: one rank per thread gets ncclInProgress and a
- * communicator that becomes ready (polled with ncclCommGetAsyncError); a thread driving
- * several ranks shrinks them in a group. The last rank is left out. */
-static void step_shrink_nonblocking(ncclComm_t* world) {
+/* The last rank is left out (it does not call); the others keep their order. Nonblocking
+ * (a config with blocking 0): one rank per thread gets ncclInProgress and a communicator that
+ * becomes ready (polled with ncclCommGetAsyncError); a thread driving several ranks shrinks
+ * them in a group. */
+static void step_shrink(ncclComm_t* world, int nonblocking) {
   const int n = g_env.nranks;
   if (n < 2) return;
   ncclComm_t sub[MAX_LOCAL] = {0};
@@ -151,26 +126,31 @@ static void step_shrink_nonblocking(ncclComm_t* world) {
   int last = n - 1;
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
-  if (g_env.local > 1) CHECK(ncclGroupStart());
+  const int grouped = !nonblocking || g_env.local > 1;
+  if (grouped) CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) {
     int rank = g_env.first_rank + l;
-    cn[l] = n - 1, cr[l] = rank, v[l] = 3 * rank, want[l] = 3 * (n - 1) * (n - 2) / 2;
+    cn[l] = n - 1, cr[l] = rank, v[l] = rank + 1, want[l] = n * (n - 1) / 2;
     if (rank == last) continue;
-    ncclResult_t r = ncclCommShrink(world[l], &last, 1, &sub[l], &cfg, NCCL_SHRINK_DEFAULT);
-    if (g_env.local == 1)
-      EXPECT(r == ncclInProgress, "a nonblocking shrink returned %s, not ncclInProgress", result_name(r));
-    else
-      CHECK(r);
+    ncclResult_t r = ncclCommShrink(world[l], &last, 1, &sub[l], nonblocking ? &cfg : NULL, NCCL_SHRINK_DEFAULT);
+    if (!grouped) EXPECT(r == ncclInProgress, "a nonblocking shrink returned %s, not ncclInProgress", result_name(r));
+    else CHECK(r);
   }
-  if (g_env.local > 1) CHECK(ncclGroupEnd());
-  for (int l = 0; l < g_env.local; l++) {
-    if (!sub[l]) continue;
-    ncclResult_t state = wait_comm(sub[l]);
+  if (grouped) CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local && nonblocking; l++) {
+    ncclResult_t state = sub[l] ? wait_comm(sub[l]) : ncclSuccess;
     EXPECT(state == ncclSuccess, "the nonblocking shrink ended in %s", result_name(state));
   }
-  expect_shape(sub, cn, cr, "nonblocking shrink without the last rank");
-  sum_check(sub, v, want, "all-reduce on the nonblocking shrink");
+  expect_shape(sub, cn, cr, nonblocking ? "nonblocking shrink without the last rank" : "shrink without the last rank");
+  sum_check(sub, v, want, "all-reduce on the shrunk communicator");
   destroy_all(sub);
+  if (!nonblocking) {
+    int me = g_env.first_rank, out_of_range = n;
+    EXPECT(ncclCommShrink(world[0], &out_of_range, 1, &sub[0], NULL, 0) == ncclInvalidArgument,
+           "shrink excluding rank %d of %d was not ncclInvalidArgument", n, n);
+    EXPECT(ncclCommShrink(world[0], &me, 1, &sub[0], NULL, 0) == ncclInvalidArgument,
+           "shrink excluding the calling rank was not ncclInvalidArgument");
+  }
   world_barrier(world);
 }
 
@@ -384,8 +364,8 @@ int main(int argc, char** argv) {
   if (getenv("COMMS_TEST_ABSENT")) return absent(world);
   if (getenv("COMMS_TEST_SUSPENDED")) return suspended(world);
   if (begin("split")) step_split(world);
-  if (begin("shrink")) step_shrink(world);
-  if (begin("shrink-nonblocking")) step_shrink_nonblocking(world);
+  if (begin("shrink")) step_shrink(world, 0);
+  if (begin("shrink-nonblocking")) step_shrink(world, 1);
   if (begin("revoke")) step_revoke(world);
   if (begin("grow")) step_grow(world);
   if (begin("threads")) step_threads(world);
