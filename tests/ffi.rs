@@ -287,6 +287,27 @@ fn debug_file_gets_each_process_log() {
     }
 }
 
+/// Logging levels end to end: silent by default (not a line from the library through init, a
+/// split, collectives from two threads and teardown), the version banner alone at
+/// NCCL_DEBUG=VERSION, and nothing at WARN in a job that goes well.
+#[test]
+fn log_levels_end_to_end() {
+    for (level, banner) in [(None, false), (Some("VERSION"), true), (Some("WARN"), false)] {
+        let job = Job::new("comms").procs(2).arg("--only").arg("threads");
+        let o = match level {
+            Some(l) => job.env("NCCL_DEBUG", l),
+            None => job,
+        }.run_outcome();
+        assert!(o.ok(), "NCCL_DEBUG={level:?}: {}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            let ours: Vec<&str> = p.log.lines().filter(|l| l.contains(" NCCL ")).collect();
+            let banners = ours.iter().filter(|l| l.contains("NCCL INFO NCCL version 2.32.3+nccl-rs")).count();
+            assert_eq!(banners, banner as usize, "NCCL_DEBUG={level:?}, process {i}:\n{}", p.log);
+            assert_eq!(ours.len(), banners, "NCCL_DEBUG={level:?}, process {i}: other lines:\n{}", p.log);
+        }
+    }
+}
+
 #[test]
 fn leaks_2_processes() {
     Job::new("leaks").procs(2).exclusive().timeout_s(300).run();
