@@ -244,6 +244,8 @@ pub(super) struct Shared<'a> {
 #[derive(Default)]
 pub(super) struct Maps {
     maps: Vec<Mapped>,
+    /// Their bytes, summed whenever the set changes (the worker reads it after every batch).
+    bytes: u64,
     /// Operations so far (a mapping used by the current one is never closed).
     epoch: u64,
 }
@@ -256,13 +258,14 @@ impl Maps {
 
     /// Bytes of peer allocations mapped now (ncclCommMemStats).
     pub(super) fn bytes(&self) -> u64 {
-        self.maps.iter().map(|m| m.size as u64).sum()
+        self.bytes
     }
 
     /// Closes every mapping (ncclCommSuspend): how many there were, and their bytes.
     pub(super) fn close_all(&mut self) -> (usize, u64) {
-        let closed = (self.maps.len(), self.bytes());
+        let closed = (self.maps.len(), self.bytes);
         self.maps.clear();
+        self.bytes = 0;
         closed
     }
 
@@ -271,6 +274,7 @@ impl Maps {
     pub(super) fn close_unkept(&mut self) {
         if crate::params::peer_maps() == 0 && !self.maps.is_empty() {
             self.maps.clear();
+            self.bytes = 0;
             crate::trace!(P2P, "closed the peer mappings of the operation (NCCL_RS_PEER_MAPS=0)");
         }
     }
@@ -337,6 +341,7 @@ impl Maps {
                 };
                 crate::trace!(P2P, "mapped {size} bytes of pid {their_pid}'s device memory at {:#x}", owner.1);
                 self.maps.push(Mapped { key: key.to_owned(), mapping, size, owner, used: self.epoch });
+                self.bytes = self.maps.iter().map(|m| m.size as u64).sum();
                 self.maps.len() - 1
             }
         };
