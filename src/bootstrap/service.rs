@@ -163,45 +163,38 @@ impl Service {
     }
 
     /// Every member's `mine`, by a ring over the members (ranks of this service's job, in
-    /// order; `me` indexes this rank in it), for the exchange `ex` of a management call. Each step waits for one member's part, passed on by the
-    /// previous member: the part that does not come is that of a rank that has not made the
-    /// call (every rank sends its own part first), so that rank is named, at WARN once half
-    /// the time allowed (at most 10 s) has gone, and in the error at the deadline.
+    /// order; `me` indexes this rank in it), for the exchange `ex` of a management call. Each
+    /// step waits for one member's part, passed on by the previous member: the part that does
+    /// not come is that of a rank that has not made the call (every rank sends its own part
+    /// first), so that rank is named, at WARN once half the time allowed (at most 10 s) has
+    /// gone, and in the error at the deadline.
     pub fn allgather(&self, ex: &Exchange, members: &[usize], me: usize, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         let Exchange { call, tag, deadline, abort } = *ex;
         let n = members.len();
         let mut out = vec![Vec::new(); n];
         out[me] = mine;
         let (next, prev) = (members[(me + 1) % n], members[(me + n - 1) % n]);
-        let warn_at = Instant::now() + warn_after(deadline);
-        let mut warned = false;
+        let mut warn_at = Some(Instant::now() + warn_after(deadline));
         for s in 0..n.saturating_sub(1) {
             let step_tag = tag ^ ((s as u32) << 20);
             self.send(next, step_tag, &out[(me + n - s) % n])?;
             let from = (me + 2 * n - s - 1) % n;
             let origin = members[from];
             let by = if origin == prev { String::new() } else { format!(", passed on by rank {prev},") };
-            if !warned && Instant::now() < warn_at {
-                match self.recv(prev, step_tag, warn_at.min(deadline), abort) {
-                    Ok(part) => {
-                        out[from] = part;
-                        continue;
+            out[from] = loop {
+                match self.recv(prev, step_tag, warn_at.map_or(deadline, |w| w.min(deadline)), abort) {
+                    Err(e) if e.code == crate::error::Code::Timeout && Instant::now() < deadline => {
+                        warn_at = None;
+                        crate::warn!("rank {}: {call} waits for rank {origin}, which has not made the call (its \
+                                      part{by} has not come); waiting up to NCCL_INIT_TIMEOUT_S", members[me]);
                     }
-                    Err(e) if e.code != crate::error::Code::Timeout || Instant::now() >= deadline => return Err(e),
-                    Err(_) => {}
+                    Err(e) if e.code == crate::error::Code::Timeout => {
+                        return Err(Error::timeout(format!("rank {origin} never made the call (its part{by} did \
+                                                           not come within NCCL_INIT_TIMEOUT_S)")));
+                    }
+                    other => break other?,
                 }
-            }
-            if !warned && Instant::now() >= warn_at {
-                warned = true;
-                crate::warn!("rank {}: {call} waits for rank {origin}, which has not made the call (its part{by} \
-                              has not come); waiting up to NCCL_INIT_TIMEOUT_S", members[me]);
-            }
-            let never = |e: Error| match e.code {
-                crate::error::Code::Timeout => Error::timeout(format!(
-                    "rank {origin} never made the call (its part{by} did not come within NCCL_INIT_TIMEOUT_S)")),
-                _ => e,
             };
-            out[from] = self.recv(prev, step_tag, deadline, abort).map_err(never)?;
         }
         Ok(out)
     }
@@ -366,4 +359,3 @@ mod tests {
         attacker.join().unwrap();
     }
 }
-
