@@ -172,17 +172,19 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
         Ok(())
     };
     if background {
-        sink(Some(handle::register(child.clone())));
+        // Handed back only once the thread runs: a failed spawn leaves no handle behind.
+        let failed = child.clone();
         std::thread::Builder::new()
             .name("nccl-rs-shrink".into())
             .spawn(move || {
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
                     .unwrap_or_else(|_| Err(Error::internal("ncclCommShrink panicked")));
                 if let Err(e) = result {
-                    child.set_async_error(&e);
+                    failed.set_async_error(&e);
                 }
             })
             .map_err(|e| Error::os("spawn the shrink thread", e))?;
+        sink(Some(handle::register(child)));
         return Err(Error::in_progress());
     }
     crate::group::run_or_defer(Box::new(move || {
