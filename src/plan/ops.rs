@@ -135,7 +135,6 @@ const PREMULSUM: u8 = 99;
 const KINDS: [OpKind; 8] = [OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce, OpKind::AllGather,
                             OpKind::ReduceScatter, OpKind::AlltoAll, OpKind::Gather, OpKind::Scatter];
 
-/// Read a stamp back into words: "AllGather #12 (count 2048, float)".
 /// Marks the sequence numbers of operations a CUDA graph runs: the top bit, then the launch
 /// (24 bits), then the number the operation got when it was captured (39 bits). Every rank
 /// that captured the same operations and launches its graphs alike computes the same.
@@ -162,6 +161,7 @@ fn seq_text(seq: u64) -> String {
     format!("#{} (CUDA graph launch {})", seq & ((1 << REPLAY_SEQ_BITS) - 1), launch + 1)
 }
 
+/// Read a stamp back into words: "AllGather #12 (count 2048, float)".
 pub fn describe_stamp(s: &Stamp) -> String {
     if s[CONTROL_STEP] != 0 {
         let mut user = *s;
