@@ -362,20 +362,30 @@ static void step_simulate(ncclComm_t* comms) {
  * communicator stays usable. */
 static void step_group_error(ncclComm_t* comms) {
   if (!begin("group-error")) return;
-  ar_bufs_t b;
-  ar_setup(&b, 64);
-  float junk[4] = {0};
-  CHECK(ncclGroupStart());
-  for (int l = 0; l < g_env.local; l++) CHECK(ar_issue(&b, comms[l], l));
-  ncclResult_t r = ncclAllReduce(junk, junk, 1, (ncclDataType_t)99, ncclSum, comms[0], TEST_STREAM);
-  EXPECT(r == ncclInvalidArgument, "ncclAllReduce with datatype 99 inside a group -> %s", result_name(r));
-  r = ncclGroupEnd();
-  EXPECT(r == ncclInvalidArgument, "ncclGroupEnd after a failed call in the group -> %s (NCCL: ncclInvalidArgument)",
-         result_name(r));
-  EXPECT(ar_untouched(&b), "the valid operations of a failed group were run");
-  for (int l = 0; l < g_env.local; l++) {
-    gbuf_free(&b.sb[l]);
-    gbuf_free(&b.rb[l]);
+  /* The failed call: a bad datatype, a NULL communicator, a per-collective config with a
+   * wrong magic. */
+  for (int bad = 0; bad < 3; bad++) {
+    static const char* const what[3] = {"datatype 99", "a NULL communicator", "a config with a wrong magic"};
+    ar_bufs_t b;
+    ar_setup(&b, 64);
+    float junk[4] = {0};
+    ncclCollConfig_t cfg = NCCL_COLLCONFIG_INITIALIZER;
+    cfg.magic ^= 1;
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++) CHECK(ar_issue(&b, comms[l], l));
+    ncclResult_t r = bad == 0   ? ncclAllReduce(junk, junk, 1, (ncclDataType_t)99, ncclSum, comms[0], TEST_STREAM)
+                     : bad == 1 ? ncclAllReduce(junk, junk, 1, ncclFloat32, ncclSum, NULL, TEST_STREAM)
+                                : ncclAllReduceConfig(junk, junk, 1, ncclFloat32, ncclSum, comms[0], TEST_STREAM, &cfg);
+    EXPECT(r == ncclInvalidArgument, "ncclAllReduce with %s inside a group -> %s", what[bad], result_name(r));
+    r = ncclGroupEnd();
+    EXPECT(r == ncclInvalidArgument,
+           "ncclGroupEnd after a call with %s failed in the group -> %s (NCCL: ncclInvalidArgument)", what[bad],
+           result_name(r));
+    EXPECT(ar_untouched(&b), "the valid operations of a group whose call with %s failed were run", what[bad]);
+    for (int l = 0; l < g_env.local; l++) {
+      gbuf_free(&b.sb[l]);
+      gbuf_free(&b.rb[l]);
+    }
   }
   allreduce_check(comms, 0, "allreduce after a failed group");
 }
@@ -413,6 +423,40 @@ static void finalize_destroy(ncclComm_t* comms, int nonblocking, const char* wha
   }
 }
 
+/* A nonblocking init in one group with operations on other (nonblocking, ready)
+ * communicators: ncclGroupEnd may return ncclInProgress for the init, and the operations run
+ * all the same; the new communicator then works. */
+static void group_with_init(ncclComm_t* comms, ncclConfig_t* cfg) {
+  ncclUniqueId id;
+  get_unique_id("group-with-init", &id);
+  ncclComm_t fresh[MAX_LOCAL];
+  ar_bufs_t b;
+  ar_setup(&b, 300);
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t r = ncclCommInitRankConfig(&fresh[l], g_env.nranks, id, g_env.first_rank + l, cfg);
+    EXPECT(r == ncclSuccess || r == ncclInProgress, "nonblocking init in a group -> %s", result_name(r));
+    r = ar_issue(&b, comms[l], l);
+    EXPECT(r == ncclSuccess || r == ncclInProgress, "allreduce in a group with an init -> %s", result_name(r));
+  }
+  ncclResult_t r = ncclGroupEnd();
+  EXPECT(r == ncclSuccess || r == ncclInProgress, "ncclGroupEnd of an init and an allreduce -> %s: %s",
+         result_name(r), ncclGetLastError(NULL));
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t s = wait_comm(comms[l]);
+    EXPECT(s == ncclSuccess, "the allreduce beside an init -> %s", result_name(s));
+  }
+  ar_verify_free(&b, "allreduce in a group with a nonblocking init");
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t s = wait_comm(fresh[l]);
+    if (!EXPECT(s == ncclSuccess, "init in a group with an allreduce -> %s: %s", result_name(s),
+                ncclGetLastError(fresh[l])))
+      return;
+  }
+  allreduce_check(fresh, 1, "allreduce on the communicator made beside an allreduce");
+  finalize_destroy(fresh, 1, "group-with-init");
+}
+
 static void step_config_nonblocking(void) {
   if (!begin("config-nonblocking")) return;
   ncclComm_t comms[MAX_LOCAL];
@@ -424,6 +468,7 @@ static void step_config_nonblocking(void) {
     return;
   query_check(comms, "config-nonblocking");
   for (int i = 0; i < 3; i++) allreduce_check(comms, 1, "nonblocking allreduce");
+  group_with_init(comms, &cfg);
   finalize_destroy(comms, 1, "config-nonblocking");
 }
 

@@ -75,6 +75,10 @@ pub fn end() -> Result<()> {
         }
         return Err(e);
     }
+    // A nonblocking init finishes in the background (ncclInProgress); the group's other work is
+    // on communicators that are ready (an operation on one being initialised fails at its call)
+    // and runs now, as in a group without the init.
+    let mut init_pending = false;
     if !group.inits.is_empty() {
         let nonblocking = group.inits.iter().any(|(c, _)| !c.config.blocking);
         if nonblocking {
@@ -85,24 +89,34 @@ pub fn end() -> Result<()> {
                     let _ = run_init_list(&inits);
                 })
                 .map_err(|e| Error::os("spawn init thread", e))?;
-            return Err(Error::in_progress());
+            init_pending = true;
+        } else {
+            run_init_list(&group.inits)?;
         }
-        run_init_list(&group.inits)?;
     }
     run_parallel(group.deferred)?;
-    if !group.ops.iter().any(|q| q.placement.device) {
+    run_ops(group.ops)?;
+    if init_pending {
+        return Err(Error::in_progress());
+    }
+    Ok(())
+}
+
+/// Run the operations of a closed group.
+fn run_ops(ops: Vec<Queued>) -> Result<()> {
+    if !ops.iter().any(|q| q.placement.device) {
         // Host buffers only (no allocation): after what the communicators' streams already hold.
-        for q in &group.ops {
+        for q in &ops {
             crate::streamed::drain(&q.comm);
         }
-        return execute(group.ops.into_iter().map(|q| (q.comm, q.op)));
+        return execute(ops.into_iter().map(|q| (q.comm, q.op)));
     }
     // A communicator with any operation on device memory runs all of its operations of the
     // group on its stream worker (its sends and receives may pair up with each other). Those
     // are queued first: the worker runs them while this thread runs the others.
-    let device_comms: Vec<*const Comm> = group.ops.iter().filter(|q| q.placement.device).map(|q| Arc::as_ptr(&q.comm)).collect();
+    let device_comms: Vec<*const Comm> = ops.iter().filter(|q| q.placement.device).map(|q| Arc::as_ptr(&q.comm)).collect();
     let (on_stream, host): (Vec<Queued>, Vec<Queued>) =
-        group.ops.into_iter().partition(|q| device_comms.contains(&Arc::as_ptr(&q.comm)));
+        ops.into_iter().partition(|q| device_comms.contains(&Arc::as_ptr(&q.comm)));
     let mut per_comm: Vec<(Arc<Comm>, Vec<StreamOp>)> = Vec::new();
     for q in on_stream {
         let o = StreamOp { op: q.op, stream: q.stream, copyable: q.placement.copyable };
