@@ -30,90 +30,82 @@ const NO_OP: ncclRedOp_t = ncclRedOp_t(0);
 export! {
     fn ncclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                      op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::AllReduce, sendbuff, recvbuff, count, datatype, op, 0, stream))
+        issue(comm, std::ptr::null(), args(Kind::AllReduce, sendbuff, recvbuff, count, datatype, op, 0, stream))
     }
     fn ncclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                      root: c_int, comm: ncclComm_t, stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::Broadcast, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
+        issue(comm, std::ptr::null(), args(Kind::Broadcast, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
     }
     fn ncclBcast(buff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t,
                  stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::Broadcast, buff, buff, count, datatype, NO_OP, root, stream))
+        issue(comm, std::ptr::null(), args(Kind::Broadcast, buff, buff, count, datatype, NO_OP, root, stream))
     }
     fn ncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                   op: ncclRedOp_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::Reduce, sendbuff, recvbuff, count, datatype, op, root, stream))
+        issue(comm, std::ptr::null(), args(Kind::Reduce, sendbuff, recvbuff, count, datatype, op, root, stream))
     }
     fn ncclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize, datatype: ncclDataType_t,
                      comm: ncclComm_t, stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::AllGather, sendbuff, recvbuff, sendcount, datatype, NO_OP, 0, stream))
+        issue(comm, std::ptr::null(), args(Kind::AllGather, sendbuff, recvbuff, sendcount, datatype, NO_OP, 0, stream))
     }
     fn ncclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize, datatype: ncclDataType_t,
                          op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::ReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, 0, stream))
+        issue(comm, std::ptr::null(), args(Kind::ReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, 0, stream))
     }
     fn ncclAlltoAll(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                     comm: ncclComm_t, stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::AlltoAll, sendbuff, recvbuff, count, datatype, NO_OP, 0, stream))
+        issue(comm, std::ptr::null(), args(Kind::AlltoAll, sendbuff, recvbuff, count, datatype, NO_OP, 0, stream))
     }
     fn ncclGather(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                   root: c_int, comm: ncclComm_t, stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::Gather, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
+        issue(comm, std::ptr::null(), args(Kind::Gather, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
     }
     fn ncclScatter(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                    root: c_int, comm: ncclComm_t, stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::Scatter, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
+        issue(comm, std::ptr::null(), args(Kind::Scatter, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
     }
     fn ncclSend(sendbuff: *const c_void, count: usize, datatype: ncclDataType_t, peer: c_int, comm: ncclComm_t,
                 stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::Send, sendbuff, std::ptr::null(), count, datatype, NO_OP, peer, stream))
+        issue(comm, std::ptr::null(), args(Kind::Send, sendbuff, std::ptr::null(), count, datatype, NO_OP, peer, stream))
     }
     fn ncclRecv(recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, peer: c_int, comm: ncclComm_t,
                 stream: cudaStream_t) {
-        coll::enqueue(handle::get(comm)?, args(Kind::Recv, std::ptr::null(), recvbuff, count, datatype, NO_OP, peer, stream))
+        issue(comm, std::ptr::null(), args(Kind::Recv, std::ptr::null(), recvbuff, count, datatype, NO_OP, peer, stream))
     }
 
     fn ncclAllReduceConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                            op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) {
-        check_coll_config(config)?;
-        coll::enqueue(handle::get(comm)?, args(Kind::AllReduce, sendbuff, recvbuff, count, datatype, op, 0, stream))
+        issue(comm, config, args(Kind::AllReduce, sendbuff, recvbuff, count, datatype, op, 0, stream))
     }
     fn ncclBroadcastConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                            root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) {
-        check_coll_config(config)?;
-        coll::enqueue(handle::get(comm)?, args(Kind::Broadcast, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
+        issue(comm, config, args(Kind::Broadcast, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
     }
     fn ncclReduceConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                         op: ncclRedOp_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t,
                         config: *const ncclCollConfig_t) {
-        check_coll_config(config)?;
-        coll::enqueue(handle::get(comm)?, args(Kind::Reduce, sendbuff, recvbuff, count, datatype, op, root, stream))
+        issue(comm, config, args(Kind::Reduce, sendbuff, recvbuff, count, datatype, op, root, stream))
     }
     fn ncclAllGatherConfig(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize, datatype: ncclDataType_t,
                            comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) {
-        check_coll_config(config)?;
-        coll::enqueue(handle::get(comm)?, args(Kind::AllGather, sendbuff, recvbuff, sendcount, datatype, NO_OP, 0, stream))
+        issue(comm, config, args(Kind::AllGather, sendbuff, recvbuff, sendcount, datatype, NO_OP, 0, stream))
     }
     fn ncclReduceScatterConfig(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize,
                                datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t,
                                config: *const ncclCollConfig_t) {
-        check_coll_config(config)?;
-        coll::enqueue(handle::get(comm)?, args(Kind::ReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, 0, stream))
+        issue(comm, config, args(Kind::ReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, 0, stream))
     }
     fn ncclAlltoAllConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                           comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) {
-        check_coll_config(config)?;
-        coll::enqueue(handle::get(comm)?, args(Kind::AlltoAll, sendbuff, recvbuff, count, datatype, NO_OP, 0, stream))
+        issue(comm, config, args(Kind::AlltoAll, sendbuff, recvbuff, count, datatype, NO_OP, 0, stream))
     }
     fn ncclGatherConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                         root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) {
-        check_coll_config(config)?;
-        coll::enqueue(handle::get(comm)?, args(Kind::Gather, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
+        issue(comm, config, args(Kind::Gather, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
     }
     fn ncclScatterConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t,
                          root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) {
-        check_coll_config(config)?;
-        coll::enqueue(handle::get(comm)?, args(Kind::Scatter, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
+        issue(comm, config, args(Kind::Scatter, sendbuff, recvbuff, count, datatype, NO_OP, root, stream))
     }
 
     fn ncclRedOpCreatePreMulSum(op: *mut ncclRedOp_t, scalar: *mut c_void, datatype: ncclDataType_t,
@@ -125,6 +117,17 @@ export! {
     fn ncclRedOpDestroy(op: ncclRedOp_t, comm: ncclComm_t) {
         coll::destroy_redop(&*handle::get(comm)?, op.0)
     }
+}
+
+/// Issue one collective or point-to-point call. Any error, a bad communicator or config
+/// included, is also kept for the enclosing group: NCCL's ncclGroupEnd then returns it and
+/// runs none of the group.
+fn issue(comm: ncclComm_t, config: *const ncclCollConfig_t, a: Args) -> crate::Result<()> {
+    let issued = check_coll_config(config).and_then(|()| coll::enqueue(handle::get(comm)?, a));
+    if let Err(e) = &issued {
+        crate::group::record_error(e);
+    }
+    issued
 }
 
 /// A per-collective config: NULL means defaults; otherwise the header must be one we know.

@@ -84,14 +84,8 @@ fn placement(regions: &[Region]) -> Placement {
 
 /// Validate and issue one call.
 pub fn enqueue(comm: Arc<Comm>, a: Args) -> Result<()> {
-    let result = validate(&comm, &a);
-    match result {
-        Ok((op, placement)) => crate::group::add_op(comm, op, a.stream, placement),
-        Err(e) => {
-            crate::group::record_error(&e);
-            Err(e)
-        }
-    }
+    let (op, placement) = validate(&comm, &a)?;
+    crate::group::add_op(comm, op, a.stream, placement)
 }
 
 fn validate(comm: &Comm, a: &Args) -> Result<(Op, Placement)> {
