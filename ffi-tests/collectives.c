@@ -2,7 +2,7 @@
  * collectives.c - every collective x datatype x op x count x in-place/out-of-place x root,
  * checked bit for bit, with guard bytes around every buffer the library is given.
  *
- *   collectives [--quick] [--full] [--only AllReduce|Broadcast|...|PreMulSum|Fused|Large]
+ *   collectives [--quick] [--full] [--only AllReduce|Broadcast|...|PreMulSum|AvgRange|Fused|Large]
  *
  * --quick: counts {0, 1, 7} and no large cases (used for 8 ranks).
  * --full:  every call form (plain, *Config(NULL), *Config(&config)) for every case instead
@@ -15,6 +15,8 @@
  */
 #include "common.h"
 
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 
@@ -467,6 +469,53 @@ static void premulsum(void) {
   tlog("PreMulSum: done in %.2f s", now_s() - t0);
 }
 
+/* ncclAvg on fp16 inputs near the top of its range (every rank 40000, the largest fp16 is
+ * 65504): NCCL scales each input by 1/nranks before the sum, so no partial sum overflows
+ * where a sum and then a division would give infinity. Exact for 2^k ranks. */
+static void avg_range(void) {
+  if (!wanted("AvgRange")) return;
+  static const coll_t colls[] = {C_ALLREDUCE, C_REDUCESCATTER, C_REDUCE};
+  const size_t count = 1023;
+  const int n = g_env.nranks, root = n - 1;
+  const int exact = (n & (n - 1)) == 0;
+  for (int c = 0; c < 3; c++) {
+    const size_t in_count = colls[c] == C_REDUCESCATTER ? count * (size_t)n : count;
+    uint16_t* sb[MAX_LOCAL];
+    uint16_t* rb[MAX_LOCAL];
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++) {
+      sb[l] = malloc(in_count * 2);
+      rb[l] = malloc(count * 2);
+      if (!sb[l] || !rb[l]) exit(1);
+      for (size_t i = 0; i < in_count; i++) dt_store(ncclFloat16, sb[l], i, 40000.0);
+      memset(rb[l], 0, count * 2);
+      if (colls[c] == C_ALLREDUCE)
+        CHECK(ncclAllReduce(sb[l], rb[l], count, ncclFloat16, ncclAvg, g_comms[l], TEST_STREAM));
+      else if (colls[c] == C_REDUCESCATTER)
+        CHECK(ncclReduceScatter(sb[l], rb[l], count, ncclFloat16, ncclAvg, g_comms[l], TEST_STREAM));
+      else
+        CHECK(ncclReduce(sb[l], rb[l], count, ncclFloat16, ncclAvg, root, g_comms[l], TEST_STREAM));
+    }
+    CHECK(ncclGroupEnd());
+    for (int l = 0; l < g_env.local; l++) {
+      if (colls[c] != C_REDUCE || g_env.first_rank + l == root) {
+        size_t bad = 0;
+        double first = 0;
+        for (size_t i = 0; i < count; i++) {
+          double v = dt_load(ncclFloat16, rb[l], i);
+          int ok = exact ? v == 40000.0 : isfinite(v) && fabs(v - 40000.0) <= 40000.0 * (n + 2) / 1024.0;
+          if (!ok && !bad++) first = v;
+        }
+        EXPECT(bad == 0, "%s fp16 avg of 40000 on %d ranks: %zu of %zu elements wrong, first %g (expected 40000%s)",
+               COLL_NAME[colls[c]], n, bad, count, first, exact ? "" : " within rounding");
+      }
+      free(sb[l]);
+      free(rb[l]);
+    }
+  }
+  tlog("AvgRange: done");
+}
+
 /* Several different collectives in one group, as frameworks issue them. */
 static void fused(void) {
   if (!wanted("Fused")) return;
@@ -520,6 +569,7 @@ int main(int argc, char** argv) {
   tlog("communicators ready in %.2f s", now_s() - t0);
   matrix();
   premulsum();
+  avg_range();
   fused();
   large();
   destroy_comms(g_comms);

@@ -5,7 +5,7 @@ use crate::algo::{self, Algo};
 use crate::device::host::{ElemOp, Region};
 use crate::error::{Error, Result};
 use crate::transport::{Stamp, STAMP_BYTES};
-use crate::types::{BuiltinOp, DataType, RedOp};
+use crate::types::{BuiltinOp, DataType, RedOp, Scalar};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum OpKind {
@@ -189,9 +189,32 @@ pub fn describe_stamp(s: &Stamp) -> String {
     out
 }
 
-/// How the reduction runs: PreMulSum becomes a local scaling and a sum, Avg a sum and a
-/// division of the result.
+/// How the reduction runs after [`scaling`]: a sum where the inputs were scaled (PreMulSum,
+/// and Avg on the types NCCL averages that way); Avg on the others a sum and a division of
+/// the result.
 pub(crate) fn reduction(op: RedOp, dt: DataType, nranks: usize) -> Reduction {
+    let mut red = summed_reduction(op, dt, nranks);
+    if scaling(op, dt, nranks).is_some() {
+        red.divide = None;
+    }
+    red
+}
+
+/// The factor every rank's input is multiplied by before the sum: PreMulSum's, or ncclAvg's
+/// `1/nranks` on Float16, Bfloat16, Float32 and Float64, rounded to the type. NCCL's own Avg
+/// on those is this PreMulSum: no partial sum overflows where NCCL's does not (eight fp16
+/// inputs of 10000 average to 10000, not infinity), and where the sums are exact the bits agree.
+pub(crate) fn scaling(op: RedOp, dt: DataType, nranks: usize) -> Option<Scalar> {
+    match op {
+        RedOp::PreMulSum(scalar) => Some(scalar),
+        RedOp::Builtin(BuiltinOp::Avg) => crate::device::host::avg_scalar(dt, nranks),
+        RedOp::Builtin(_) => None,
+    }
+}
+
+/// The reduction with every Avg a sum and a division of the result, for a path with no
+/// scaling step of its own (the direct path reduces peers' inputs where they are).
+pub(crate) fn summed_reduction(op: RedOp, dt: DataType, nranks: usize) -> Reduction {
     let elem = match op {
         RedOp::Builtin(BuiltinOp::Sum) | RedOp::Builtin(BuiltinOp::Avg) | RedOp::PreMulSum(_) => ElemOp::Sum,
         RedOp::Builtin(BuiltinOp::Prod) => ElemOp::Prod,
@@ -220,7 +243,7 @@ pub fn plan_into(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops:
     for op in ops.iter().filter(|o| !o.kind.is_p2p() && o.count > 0) {
         b.begin(op.stamp());
         let mut send = op.send;
-        if let RedOp::PreMulSum(scalar) = op.op {
+        if let Some(scalar) = scaling(op.op, op.dt, nranks) {
             if op.kind.reduces() && !send.is_empty() {
                 let scaled = b.scratch(send.len());
                 let done = b.premul(scaled, send, op.dt, scalar, &[]);

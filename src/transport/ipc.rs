@@ -127,8 +127,13 @@ impl Routes {
         if op.kind.is_p2p() {
             return big && op.scalar_at.is_none() && self.p2p.get(op.root).copied().unwrap_or(false);
         }
+        // The direct path has no scaling step: PreMulSum is staged, and so is Avg on fp16, whose
+        // sum before the division could overflow where NCCL's scaled inputs do not (its Avg on
+        // the other floating types is a sum and a division, close to NCCL's bits; see
+        // `plan::ops::scaling`).
         let premul = matches!(op.op, RedOp::PreMulSum(_)) || op.scalar_at.is_some();
-        self.collectives && big && !premul
+        let fp16_avg = op.op == RedOp::Builtin(BuiltinOp::Avg) && op.dt == DataType::Float16;
+        self.collectives && big && !premul && !fp16_avg
     }
 }
 
@@ -556,7 +561,7 @@ fn compute(comm: &Arc<Comm>, op: &Op, ins: &[Region], outs: &[Region], x: &mut d
 fn compute_steps(me: usize, n: usize, op: &Op, ins: &[Region], outs: &[Region], x: &mut dyn Exec) -> Result<()> {
     let es = op.dt.size();
     let block = op.count * es;
-    let crate::plan::Reduction { dt, op: elem, divide } = crate::plan::ops::reduction(op.op, op.dt, n);
+    let crate::plan::Reduction { dt, op: elem, divide } = crate::plan::ops::summed_reduction(op.op, op.dt, n);
     let out = op.recv;
     // dst <- op over every rank's `part` of its input, then the Avg division. Our own input
     // comes first: in place, `dst` is our own input, and the first step overwrites it. (Each

@@ -185,6 +185,8 @@ pub fn premul(dt: DataType, dst: Region, src: Region, scalar: Scalar) {
     unsafe { reduce::premul(dt, dst.addr as *mut u8, src.addr as *const u8, scalar, n) };
 }
 
+pub use reduce::avg_scalar;
+
 /// dst[i] <- dst[i] / divisor (ncclAvg's last step).
 pub fn divide(dt: DataType, dst: Region, divisor: u64) {
     let n = dst.len / dt.size();

@@ -148,8 +148,9 @@ pub unsafe fn premul(dt: DataType, dst: *mut u8, src: *const u8, scalar: Scalar,
 /// minimum). Floats: computed in f32 (f64 for Float64) and rounded once. A divisor of 0, which
 /// NCCL never passes (it divides by the rank count), is taken as 1 for every type.
 ///
-/// NCCL itself implements ncclAvg on floats as PreMulSum by `1/nranks` rounded to the type,
-/// before the sum; `premul` with that scalar reproduces NCCL's bits where this may differ.
+/// The planner averages Float16, Bfloat16, Float32 and Float64 as NCCL does, with `premul`
+/// by [`avg_scalar`] before the sum; this division is the other types' Avg, and the direct
+/// path's (see `transport::ipc`).
 ///
 /// # Safety
 /// As `premul`.
@@ -179,6 +180,23 @@ pub unsafe fn divide(dt: DataType, dst: *mut u8, src: *const u8, divisor: u64, n
             )
         },
     )
+}
+
+/// ncclAvg's factor on the types NCCL averages by scaling every input before the sum (a
+/// PreMulSum): `1/nranks` rounded to the type as NCCL rounds it (through f32 for the 16-bit
+/// types). None for the types it sums and then divides: the integers (NCCL's SumPostDiv) and,
+/// here, fp8, whose `1/nranks` would be off by up to 6%.
+pub fn avg_scalar(dt: DataType, nranks: usize) -> Option<Scalar> {
+    let r = 1.0 / nranks.max(1) as f64;
+    let mut scalar = Scalar { bytes: [0; 8] };
+    match dt {
+        DataType::Float64 => scalar.bytes = r.to_le_bytes(),
+        DataType::Float32 => scalar.bytes[..4].copy_from_slice(&(r as f32).to_le_bytes()),
+        DataType::Float16 => scalar.bytes[..2].copy_from_slice(&f16::from_f32(r as f32).to_bits().to_le_bytes()),
+        DataType::Bfloat16 => scalar.bytes[..2].copy_from_slice(&f32_to_bf16(r as f32).to_le_bytes()),
+        _ => return None,
+    }
+    Some(scalar)
 }
 
 /// Build a Scalar (8 bytes, little-endian, the datatype's own encoding, unused bytes zero) from

@@ -455,3 +455,20 @@ fn throughput() {
         }
     }
 }
+
+#[test]
+fn avg_scalar_is_the_reciprocal_nccl_uses() {
+    let bits = |dt, n| avg_scalar(dt, n).map(|s| u64::from_le_bytes(s.bytes));
+    // 1/3 through f32: fp16 0.33325195 (0x3555), bf16 0.333984375 (0x3eab).
+    assert_eq!(bits(DataType::Float16, 3), Some(0x3555));
+    assert_eq!(bits(DataType::Bfloat16, 3), Some(0x3eab));
+    assert_eq!(bits(DataType::Float32, 3), Some(u64::from((1.0f32 / 3.0).to_bits())));
+    assert_eq!(bits(DataType::Float64, 3), Some((1.0f64 / 3.0).to_bits()));
+    assert_eq!(bits(DataType::Float16, 4), Some(0x3400));
+    assert_eq!(bits(DataType::Float32, 1), Some(u64::from(1.0f32.to_bits())));
+    // Summed, then divided.
+    for dt in [DataType::Int8, DataType::Uint8, DataType::Int32, DataType::Uint32, DataType::Int64,
+               DataType::Uint64, DataType::Float8e4m3, DataType::Float8e5m2] {
+        assert_eq!(bits(dt, 3), None, "{dt:?}");
+    }
+}
