@@ -155,6 +155,14 @@ fn collectives_2_processes_nccl_comm_id() {
         .run();
 }
 
+/// Every communicator of the life-cycle steps (about fifteen, made one after another, some
+/// nonblocking, one from a stale id) has its root at the one NCCL_COMM_ID address.
+#[test]
+fn lifecycle_2_processes_nccl_comm_id() {
+    let addr = format!("127.0.0.1:{}", free_tcp_port());
+    Job::new("lifecycle").procs(2).timeout_s(180).env("NCCL_COMM_ID", &addr).run();
+}
+
 #[test]
 fn p2p_2_processes() {
     Job::new("p2p").procs(2).run();
