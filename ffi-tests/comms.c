@@ -9,6 +9,8 @@
  *   comms [--only split|shrink|shrink-nonblocking|revoke|grow|threads]
  *   COMMS_TEST_ABSENT=split|grow comms   (the last rank never makes the call; see absent())
  *   COMMS_TEST_SUSPENDED=FILE comms      (the last rank is suspended until FILE exists)
+ *   COMMS_TEST_LATE=FILE comms           (the last rank issues its all-reduce once FILE exists;
+ *                                         COMMS_TEST_CONNECTED=1: after a first all-reduce)
  *
  * Every process runs the same steps in the same order; a local rank that a step leaves out
  * simply does not call (as NCCL asks of an excluded rank).
@@ -336,6 +338,13 @@ static int absent(ncclComm_t* world) {
   return test_finish();
 }
 
+/* Wait (60 s at most) until the harness makes FILE. */
+static void wait_for_release(const char* file) {
+  double until = now_s() + 60;
+  while (access(file, F_OK) != 0 && now_s() < until) usleep(10000);
+  EXPECT(access(file, F_OK) == 0, "never released (%s)", file);
+}
+
 /* COMMS_TEST_SUSPENDED=FILE (one rank per process): the last rank suspends the world
  * communicator until FILE exists (the harness makes it once rank 0 has said, at WARN, that it
  * waits on a suspended rank), then resumes and joins the all-reduce the others issued. */
@@ -346,13 +355,26 @@ static int suspended(ncclComm_t* world) {
   if (rank == n - 1) {
     CHECK(ncclCommSuspend(world[0], 0));
     tlog("SUSPENDED");
-    double until = now_s() + 60;
-    while (access(release, F_OK) != 0 && now_s() < until) usleep(10000);
-    EXPECT(access(release, F_OK) == 0, "never released (%s)", release);
+    wait_for_release(release);
     CHECK(ncclCommResume(world[0]));
   }
   int v[MAX_LOCAL] = {rank + 1}, want[MAX_LOCAL] = {n * (n + 1) / 2};
   sum_check(world, v, want, "all-reduce with a rank suspended until it is released");
+  destroy_comms(world);
+  return test_finish();
+}
+
+/* COMMS_TEST_LATE=FILE (one rank per process): the last rank issues the all-reduce the others
+ * issued only once FILE exists (the harness makes it once rank 0 has said, at WARN, that it
+ * waits on a rank that has not issued the call). With COMMS_TEST_CONNECTED=1 the ranks are
+ * connected first; otherwise the all-reduce is the communicator's first and waits for the late
+ * rank's connection. */
+static int late(ncclComm_t* world) {
+  const int n = g_env.nranks, rank = g_env.first_rank;
+  if (getenv("COMMS_TEST_CONNECTED")) world_barrier(world);
+  if (rank == n - 1) wait_for_release(getenv("COMMS_TEST_LATE"));
+  int v[MAX_LOCAL] = {rank + 1}, want[MAX_LOCAL] = {n * (n + 1) / 2};
+  sum_check(world, v, want, "all-reduce with a rank that issues it late");
   destroy_comms(world);
   return test_finish();
 }
@@ -363,6 +385,7 @@ int main(int argc, char** argv) {
   make_comms("", world);
   if (getenv("COMMS_TEST_ABSENT")) return absent(world);
   if (getenv("COMMS_TEST_SUSPENDED")) return suspended(world);
+  if (getenv("COMMS_TEST_LATE")) return late(world);
   if (begin("split")) step_split(world);
   if (begin("shrink")) step_shrink(world, 0);
   if (begin("shrink-nonblocking")) step_shrink(world, 1);

@@ -427,6 +427,7 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
         _ => None,
     });
     let started = Instant::now();
+    let mut warned = false;
     loop {
         let slice_end = (Instant::now() + std::time::Duration::from_secs(1)).min(ctx.deadline);
         let attempt = Ctx { deadline: slice_end, ..*ctx };
@@ -440,8 +441,11 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
             Err(e) if e.code == crate::Code::Timeout && Instant::now() < ctx.deadline => {
                 if let Some(mine) = mine {
                     let describe = &crate::plan::ops::describe_stamp;
+                    // Asked every slice (a mismatch is an error whenever it shows); said once, as the
+                    // progress engine's watch does for a peer already connected.
                     let why = c.peer_runs(peer, &mine, describe)?.why_waiting(&mine, describe);
-                    if let Some(why) = why.filter(|_| started.elapsed() >= std::time::Duration::from_secs(5)) {
+                    if let Some(why) = why.filter(|_| !warned) {
+                        warned = true;
                         crate::warn!("rank {}: waited {} s in {} for {}, {why}",
                                      c.rank, started.elapsed().as_secs(), describe(&mine), c.describe_peer(peer));
                     }

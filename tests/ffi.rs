@@ -258,6 +258,44 @@ fn comms_a_suspended_peer_is_named() {
             "rank 0:\n{}", o.procs[0].log);
 }
 
+/// A rank that has not issued a call is named at WARN by the rank waiting on it, once, whether
+/// they were connected already (the progress engine's watch) or the call is their first
+/// (waiting for the late rank's connection).
+fn late_peer_is_named(connected: bool) {
+    let mut job = Job::new("comms").procs(2).env("NCCL_DEBUG", "WARN").timeout_s(60);
+    if connected {
+        job = job.env("COMMS_TEST_CONNECTED", "1");
+    }
+    let release = job.dir().join("release");
+    let file = release.clone();
+    let o = job.env("COMMS_TEST_LATE", release.to_str().expect("a path"))
+        .on(When::marker(0, "which has not issued that call"), move || {
+            std::fs::write(&file, b"go").expect("the release file");
+            "released rank 1".to_string()
+        })
+        .run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let log = &o.procs[0].log;
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("NCCL WARN") && l.contains("for rank 1 (")).collect();
+    assert!(lines.len() == 1 && lines[0].contains("which has not issued that call"),
+            "rank 0 should name rank 1 once:\n{log}");
+    // Said after about 1 s of waiting (the README's promise), not the 5 s it once took before
+    // a first connection.
+    let waited: f64 = lines[0].split("waited ").nth(1).and_then(|t| t.split(' ').next()).and_then(|t| t.parse().ok())
+        .unwrap_or(f64::MAX);
+    assert!(waited < 5.0, "named only after {waited} s:\n{log}");
+}
+
+#[test]
+fn comms_a_late_peer_is_named() {
+    late_peer_is_named(true);
+}
+
+#[test]
+fn comms_a_late_peer_is_named_before_its_first_connection() {
+    late_peer_is_named(false);
+}
+
 #[test]
 fn comms_1_process_of_3_ranks() {
     Job::new("comms").local(3).run();

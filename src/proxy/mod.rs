@@ -285,24 +285,28 @@ impl<'a> Job<'a> {
     /// operations than the one we wait on it for issued different calls: that is an error
     /// naming both. A peer running nothing has not made the call yet: say so once (a slow
     /// rank is not an error; NCCL waits for it, and so do we).
-    fn watch(&mut self, waited: Duration) -> Result<()> {
+    /// Whether every peer asked answered (none was `Unknown`: its status did not come in time).
+    fn watch(&mut self, waited: Duration) -> Result<bool> {
         let heads: Vec<(usize, u32)> = self.b.sends.active().chain(self.b.recvs.active())
             .filter_map(|q| q.front().map(|i| (q.peer, i)))
             .chain(self.b.posted.active().filter_map(|q| q.front().map(|(i, _)| (q.peer, i))))
             .collect();
         let mut asked = Vec::new();
+        let mut answered = true;
         for (peer, unit) in heads {
             if asked.contains(&peer) || peer == self.comm.rank {
                 continue;
             }
             asked.push(peer);
             let mine = self.stamps[self.units[unit as usize].op as usize];
-            if let Some(why) = self.comm.peer_runs(peer, &mine, self.describe)?.why_waiting(&mine, self.describe) {
+            let runs = self.comm.peer_runs(peer, &mine, self.describe)?;
+            answered &= runs != crate::comm::PeerRuns::Unknown;
+            if let Some(why) = runs.why_waiting(&mine, self.describe) {
                 crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}",
                              self.comm.rank, waited.as_secs_f64(), (self.describe)(&mine), self.comm.describe_peer(peer));
             }
         }
-        Ok(())
+        Ok(answered)
     }
 
 }
@@ -329,7 +333,9 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
     let mut idle_since: Option<Instant> = None;
     let mut spins = 0u32;
     let mut last_check: Option<Instant> = None;
-    let mut watched = false;
+    // The idle time at which to ask the peers waited on what they run: once, or again a second
+    // later while some peer's answer did not come.
+    let mut watch_at = WATCH_AFTER;
     loop {
         let mut progressed = false;
         let mut all_done = true;
@@ -346,7 +352,7 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
         if progressed {
             idle_since = None;
             spins = 0;
-            watched = false;
+            watch_at = WATCH_AFTER;
             continue;
         }
         if spins < SPIN {
@@ -363,13 +369,15 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
                     job.check().map_err(|e| (j, e))?;
                 }
             }
-            if !watched && now.duration_since(since) >= WATCH_AFTER {
-                watched = true;
+            let waited = now.duration_since(since);
+            if waited >= watch_at {
+                let mut answered = true;
                 for (j, job) in jobs.iter_mut().enumerate() {
                     if !job.finished() {
-                        job.watch(now.duration_since(since)).map_err(|e| (j, e))?;
+                        answered &= job.watch(waited).map_err(|e| (j, e))?;
                     }
                 }
+                watch_at = if answered { Duration::MAX } else { waited + WATCH_AFTER };
             }
         }
         if now.duration_since(since) < YIELD_FOR {
