@@ -95,7 +95,22 @@ fn collectives_2_processes_without_single_copy_reads() {
         .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
     assert!(o.ok(), "{}", o.report);
     for (i, p) in o.procs.iter().enumerate() {
-        assert!(p.log.contains("NCCL_CMA_DISABLE=1: no single-copy reads"), "process {i}:\n{}", p.log);
+        assert!(p.log.contains("NCCL_CMA_DISABLE=1: no single-copy reads")
+                && p.log.contains("single-copy reads from process") && !p.log.contains(": on ("),
+                "process {i}:\n{}", p.log);
+    }
+}
+
+/// Without NCCL_CMA_DISABLE, each process of a host reads large messages from the other's
+/// memory (the probe at connection succeeds, and says so at INFO).
+#[test]
+fn collectives_2_processes_single_copy_reads() {
+    let o = Job::new("collectives").procs(2).arg("--only").arg("Large").env("NCCL_DEBUG", "INFO")
+        .env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(p.log.contains("single-copy reads from process") && p.log.contains(": on (")
+                && !p.log.contains(": off ("), "process {i}:\n{}", p.log);
     }
 }
 

@@ -259,10 +259,17 @@ impl RingRecv {
                                                  through the shared-memory ring"));
         }
         if let Some(pid) = peer_pid {
-            let addr = map.atomic_u64(CMA_PROBE_ADDR).load(Ordering::Acquire);
-            let mut got = [0u8; 8];
-            let ok = !crate::params::cma_disable() && addr != 0 && cma_read(pid, addr, &mut got).is_ok()
-                && u64::from_ne_bytes(got) == PROBE;
+            let ok = match probe_single_copy(&map, pid) {
+                Ok(()) => {
+                    crate::info!(P2P, "single-copy reads from process {pid}: on (large messages are read from its memory)");
+                    true
+                }
+                Err(why) => {
+                    crate::info!(P2P, "single-copy reads from process {pid}: off ({why}); large messages are copied \
+                                       through the shared-memory ring");
+                    false
+                }
+            };
             map.atomic_u32(CMA_OK).store(ok as u32, Ordering::Release);
         } else if !crate::params::cma_disable() {
             // One address space: descriptors are read with a plain copy, or reduced in place.
@@ -428,6 +435,25 @@ unsafe fn cma(dir: Cma, pid: u32, addr: u64, local: *mut u8, len: usize) -> Resu
 fn cma_read(pid: u32, addr: u64, buf: &mut [u8]) -> Result<()> {
     // SAFETY: `buf` is ours and writable for its length.
     unsafe { cma(Cma::Read, pid, addr, buf.as_mut_ptr(), buf.len()) }
+}
+
+/// Can this process read the sending process `pid`'s memory (process_vm_readv)? It reads the
+/// probe word the sender published. The error says why not: disabled, or the kernel refused
+/// (e.g. Yama's ptrace_scope, or a container without the permission).
+fn probe_single_copy(map: &Mapping, pid: u32) -> std::result::Result<(), String> {
+    if crate::params::cma_disable() {
+        return Err("NCCL_CMA_DISABLE=1".into());
+    }
+    let addr = map.atomic_u64(CMA_PROBE_ADDR).load(Ordering::Acquire);
+    if addr == 0 {
+        return Err("the sender published no probe".into());
+    }
+    let mut got = [0u8; 8];
+    cma_read(pid, addr, &mut got).map_err(|e| format!("{}; see /proc/sys/kernel/yama/ptrace_scope", e.msg))?;
+    if u64::from_ne_bytes(got) != PROBE {
+        return Err("the probe read back other bytes".into());
+    }
+    Ok(())
 }
 
 /// Write `buf` at `addr` in process `pid`.
