@@ -69,8 +69,14 @@ fn judge(name: &str, o: &Outcome, ok: bool, summary: String) {
 /// says the loop runs. Rank 0 must return ncclRemoteError naming rank 1 within 30 s, then
 /// abort and exit 0 (the C program checks all of that and exits 1 otherwise).
 fn kill_during_allreduce(name: &str, socket: bool, nonblocking: bool) {
+    kill_one_of(name, 2, socket, nonblocking);
+}
+
+/// The same with `procs` processes: every survivor, whether or not it talks to rank 1
+/// directly, must name rank 1 (the C program of each checks its own error).
+fn kill_one_of(name: &str, procs: usize, socket: bool, nonblocking: bool) {
     let mut job = Job::new("faults")
-        .procs(2)
+        .procs(procs)
         .arg("--only")
         .arg("loop")
         .env("NCCL_SOCKET_IFNAME", "lo")
@@ -120,6 +126,16 @@ fn kill_rank_during_allreduce_nonblocking_shm() {
 #[test]
 fn kill_rank_during_allreduce_nonblocking_socket() {
     kill_during_allreduce("kill_rank_during_allreduce_nonblocking_socket", true, true);
+}
+
+#[test]
+fn kill_rank_of_4_during_allreduce_every_survivor_names_it_shm() {
+    kill_one_of("kill_rank_of_4_during_allreduce_every_survivor_names_it_shm", 4, false, false);
+}
+
+#[test]
+fn kill_rank_of_4_during_allreduce_every_survivor_names_it_socket() {
+    kill_one_of("kill_rank_of_4_during_allreduce_every_survivor_names_it_socket", 4, true, false);
 }
 
 // ---- ncclCommAbort from another thread ------------------------------------------------
