@@ -21,6 +21,8 @@
  *   FAULTS_BOUND_S     `loop`: the failing call must end within this many seconds after the
  *                      last completed allreduce (default 30)
  *   FAULTS_MAX_S       `loop`: give up (fail) when no call failed after this long (default 45)
+ *   FAULTS_SHRINK      `loop`: after the failure, ncclCommShrink the lost rank out ("default"
+ *                      or "abort": the flag) and check an allreduce on the result
  *   FAULTS_ABORT_AFTER_MS  `abort`: when the second thread aborts (default 1000)
  *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root | reduce_root | gather_root
  *
@@ -178,6 +180,32 @@ static void part_loop(void) {
          t_err - last_ok, bound);
   if (lost >= 0)
     EXPECT(names_rank(text, lost), "ncclGetLastError does not name the lost rank %d: %s", lost, text);
+
+  const char* shrink = getenv("FAULTS_SHRINK");
+  if (shrink && lost >= 0) {
+    /* The survivors leave the lost rank out and go on (NCCL's fault-tolerance recipe). */
+    test_step("ncclCommShrink after the failure");
+    int flags = !strcmp(shrink, "abort") ? NCCL_SHRINK_ABORT : NCCL_SHRINK_DEFAULT;
+    int excluded[1] = {lost};
+    ncclComm_t child = NULL;
+    ncclResult_t rs = ncclCommShrink(comm, excluded, 1, &child, NULL, flags);
+    tlog("ncclCommShrink(%s) -> %s", shrink, result_name(rs));
+    if (EXPECT(rs == ncclSuccess && child, "ncclCommShrink(%s) of the failed communicator -> %s: %s", shrink,
+               result_name(rs), last_error(comm))) {
+      int cn = -1, cr = -1;
+      CHECK(ncclCommCount(child, &cn));
+      CHECK(ncclCommUserRank(child, &cr));
+      EXPECT(cn == n - 1 && cr == (rank < lost ? rank : rank - 1), "shrunk communicator: rank %d of %d, expected %d of %d",
+             cr, cn, rank < lost ? rank : rank - 1, n - 1);
+      for (int i = 0; i < count; i++) recv[i] = -1;
+      ncclResult_t ra2 = ncclAllReduce(send, recv, (size_t)count, ncclFloat32, ncclSum, child, TEST_STREAM);
+      const float survivors = (float)(n * (n + 1) / 2 - (lost + 1));
+      EXPECT(ra2 == ncclSuccess && recv[0] == survivors && recv[count - 1] == survivors,
+             "allreduce on the shrunk communicator -> %s, got %g and %g, expected %g: %s", result_name(ra2), recv[0],
+             recv[count - 1], survivors, last_error(child));
+      CHECK(ncclCommDestroy(child));
+    }
+  }
 
   test_step("ncclCommAbort after the failure");
   double t0 = now_s();

@@ -75,6 +75,12 @@ fn kill_during_allreduce(name: &str, socket: bool, nonblocking: bool) {
 /// The same with `procs` processes: every survivor, whether or not it talks to rank 1
 /// directly, must name rank 1 (the C program of each checks its own error).
 fn kill_one_of(name: &str, procs: usize, socket: bool, nonblocking: bool) {
+    kill_and_then(name, procs, socket, nonblocking, None);
+}
+
+/// `shrink`: the survivors then shrink the lost rank out with that flag ("default" or
+/// "abort") and check an allreduce on the new communicator.
+fn kill_and_then(name: &str, procs: usize, socket: bool, nonblocking: bool, shrink: Option<&str>) {
     let mut job = Job::new("faults")
         .procs(procs)
         .arg("--only")
@@ -90,6 +96,9 @@ fn kill_one_of(name: &str, procs: usize, socket: bool, nonblocking: bool) {
     }
     if nonblocking {
         job = job.env("FAULTS_NONBLOCKING", "1");
+    }
+    if let Some(flag) = shrink {
+        job = job.env("FAULTS_SHRINK", flag);
     }
     let o = job.run_outcome();
     let killed = o.fired[0];
@@ -131,6 +140,18 @@ fn kill_rank_during_allreduce_nonblocking_socket() {
 #[test]
 fn kill_rank_of_4_during_allreduce_every_survivor_names_it_shm() {
     kill_one_of("kill_rank_of_4_during_allreduce_every_survivor_names_it_shm", 4, false, false);
+}
+
+/// Host mode: the survivors of a killed rank shrink it out of the failed communicator (both
+/// flags) and go on with exact results.
+#[test]
+fn kill_rank_of_3_then_survivors_shrink_and_go_on() {
+    kill_and_then("kill_rank_of_3_then_survivors_shrink_and_go_on", 3, false, false, Some("default"));
+}
+
+#[test]
+fn kill_rank_of_3_then_survivors_shrink_with_abort_flag_socket() {
+    kill_and_then("kill_rank_of_3_then_survivors_shrink_with_abort_flag_socket", 3, true, false, Some("abort"));
 }
 
 #[test]
