@@ -5,7 +5,9 @@
 //! different hosts really talk TCP across interfaces. The unique id travels through a file
 //! in a shared temporary folder; the root address inside it is host 0's interface address.
 //!
-//! Needs root and iproute2 (`NCCL_TEST_SKIP_NETNS=1` skips these tests, saying so).
+//! Needs root and iproute2 (`NCCL_TEST_SKIP_NETNS=1` skips these tests, saying so), except the
+//! three `transports_on_one_machine` tests: host identity and `NCCL_SHM_DISABLE` without
+//! namespaces.
 
 mod common;
 
@@ -87,6 +89,57 @@ fn two_hosts_x_two_ranks_collectives() {
     expect_ok(&o);
     check_transports(&o, &host_of, &["Shm", "Socket"]);
     o.clean();
+}
+
+/// The transports a job of 4 processes on this machine (no namespaces) chooses: `host_of`
+/// gives each process a host through NCCL_HOSTID, or None to leave the default (hostname and
+/// boot id, the same for all of them).
+fn transports_on_one_machine(host_of: Option<&[usize]>, env: &[(&str, &str)], want: &[&str]) {
+    let mut job = Job::new("collectives")
+        .procs(4)
+        .arg("--quick")
+        .arg("--only")
+        .arg("AllReduce")
+        .env("NCCL_DEBUG", "INFO")
+        .env("NCCL_DEBUG_SUBSYS", "INIT");
+    for (k, v) in env {
+        job = job.env(k, v);
+    }
+    if let Some(hosts) = host_of {
+        for (p, h) in hosts.iter().enumerate() {
+            job = job.proc_env(p, "NCCL_HOSTID", &format!("testhost-{h}"));
+        }
+    }
+    let o = job.run_outcome();
+    expect_ok(&o);
+    let same = [0, 0, 0, 0];
+    let conns = connections(&o);
+    assert!(!conns.is_empty(), "no connection logged\n{}", o.report);
+    if env.iter().any(|(k, v)| *k == "NCCL_SHM_DISABLE" && *v == "1") {
+        let listed: Vec<String> = conns.iter().map(|(a, b, k)| format!("{a}->{b} {k}")).collect();
+        assert!(conns.iter().all(|(_, _, k)| k == "Socket"), "NCCL_SHM_DISABLE=1, yet: {listed:?}\n{}", o.report);
+    } else {
+        check_transports(&o, host_of.unwrap_or(&same), want);
+    }
+    o.clean();
+}
+
+/// Without NCCL_HOSTID, processes of one machine are one host: shared memory between all.
+#[test]
+fn one_machine_is_one_host_by_default() {
+    transports_on_one_machine(None, &[], &["Shm"]);
+}
+
+/// NCCL_HOSTID alone (no namespaces) splits one machine into hosts: sockets between them.
+#[test]
+fn host_ids_split_one_machine_into_hosts() {
+    transports_on_one_machine(Some(&[0, 0, 1, 1]), &[("NCCL_SOCKET_IFNAME", "lo")], &["Shm", "Socket"]);
+}
+
+/// NCCL_SHM_DISABLE=1: sockets even inside a host.
+#[test]
+fn shm_disable_uses_sockets_inside_a_host() {
+    transports_on_one_machine(None, &[("NCCL_SHM_DISABLE", "1"), ("NCCL_SOCKET_IFNAME", "lo")], &["Socket"]);
 }
 
 /// 4 hosts x 1 rank: every connection crosses an interface; collectives and p2p.
