@@ -356,7 +356,16 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
     let slots = &ws.slots[..ws.live];
     let work = &mut ws.work[..ws.live];
     static FORCED: std::sync::OnceLock<Option<algo::Algo>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| params::raw("NCCL_ALGO").and_then(|v| algo::parse_algo(&v)));
+    let forced = *FORCED.get_or_init(|| {
+        let v = params::raw("NCCL_ALGO")?;
+        let forced = algo::parse_algo(&v);
+        match forced {
+            Some(algo::Algo::Ring) => crate::info!(TUNING, "NCCL_ALGO={v}: every all-reduce by ring"),
+            Some(algo::Algo::Tree) => crate::info!(TUNING, "NCCL_ALGO={v}: every all-reduce by recursive doubling (Tree)"),
+            None => crate::info!(TUNING, "NCCL_ALGO={v}: all-reduce algorithm chosen by size (ring and tree allowed)"),
+        }
+        forced
+    });
 
     let mut comms: Few<&Comm> = Few::collect(slots.iter().filter_map(|s| s.comm.as_deref()));
     let comms = comms.as_mut_slice();

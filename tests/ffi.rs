@@ -114,16 +114,31 @@ fn collectives_2_processes_single_copy_reads() {
     }
 }
 
-/// NCCL_ALGO forces either algorithm; both must give the exact results (3 ranks: not a
-/// power of two, so recursive doubling folds a rank in and out).
+/// NCCL_ALGO forces either algorithm where the other would be chosen: ring for the small
+/// sizes (recursive doubling otherwise), recursive doubling for the large ones (NCCL's
+/// exclusion form `^Ring`); both must give the exact results (3 ranks: not a power of two, so
+/// recursive doubling folds a rank in and out), and each process says what it read.
+fn algo_forced(value: &str, args: &[&str], says: &str) {
+    let mut job = Job::new("collectives").procs(3).env("NCCL_ALGO", value).env("NCCL_DEBUG", "INFO")
+        .env("NCCL_DEBUG_SUBSYS", "TUNING");
+    for a in args {
+        job = job.arg(a);
+    }
+    let o = job.run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(p.log.contains(says), "process {i} should say {says:?}:\n{}", p.log);
+    }
+}
+
 #[test]
 fn collectives_3_processes_ring_forced() {
-    Job::new("collectives").procs(3).arg("--quick").env("NCCL_ALGO", "Ring").run();
+    algo_forced("Ring", &["--quick"], "every all-reduce by ring");
 }
 
 #[test]
 fn collectives_3_processes_tree_forced() {
-    Job::new("collectives").procs(3).arg("--quick").env("NCCL_ALGO", "Tree").run();
+    algo_forced("^Ring", &["--only", "Large"], "every all-reduce by recursive doubling");
 }
 
 /// 64 ranks on one machine: 16 processes of 4 ranks each.

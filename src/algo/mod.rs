@@ -20,13 +20,38 @@ pub enum Algo {
     Tree,
 }
 
-/// `NCCL_ALGO` as NCCL spells it (Ring, Tree; case-insensitive; first known name wins).
+/// The all-reduce algorithm `NCCL_ALGO` forces, read as NCCL reads it: a list of allowed
+/// algorithms (`Ring`, `Tree`, ...; case-insensitive), a list of excluded ones after `^`, and
+/// per-collective lists (`allreduce:tree;broadcast:ring`, where the `allreduce` entry, or else
+/// an entry without a collective, applies). NCCL's latency-oriented algorithms (Tree, CollNet,
+/// NVLS, PAT) all mean our recursive doubling. None when both of ours stay allowed (we choose
+/// by size) or when the value names nothing we know.
 pub fn parse_algo(v: &str) -> Option<Algo> {
-    v.split(',').find_map(|a| match a.trim().to_ascii_lowercase().as_str() {
-        "ring" => Some(Algo::Ring),
-        "tree" | "collnetdirect" | "collnetchain" | "nvls" | "nvlstree" | "pat" => Some(Algo::Tree),
+    let entries: Vec<&str> = v.split(';').map(str::trim).filter(|e| !e.is_empty()).collect();
+    let for_allreduce = entries.iter().find_map(|e| {
+        let (func, list) = e.split_once(':')?;
+        func.trim().eq_ignore_ascii_case("allreduce").then_some(list)
+    });
+    let list = for_allreduce.or_else(|| entries.iter().copied().find(|e| !e.contains(':')))?.trim();
+    let (exclude, list) = match list.strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, list),
+    };
+    let (mut ring, mut tree) = (false, false);
+    for name in list.split(',') {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "ring" => ring = true,
+            "tree" | "collnetdirect" | "collnetchain" | "collnet" | "nvls" | "nvlstree" | "pat" => tree = true,
+            _ => {}
+        }
+    }
+    // The algorithms left allowed.
+    let (ring, tree) = if exclude { (!ring, !tree) } else { (ring, tree) };
+    match (ring, tree) {
+        (true, false) => Some(Algo::Ring),
+        (false, true) => Some(Algo::Tree),
         _ => None,
-    })
+    }
 }
 
 /// Messages up to this size use the latency-optimal all-reduce.
@@ -67,3 +92,39 @@ pub fn chunk(count: usize, es: usize, n: usize, c: usize) -> (usize, usize) {
 
 #[cfg(test)]
 pub mod sim;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nccl_algo_is_read_as_nccl_reads_it() {
+        let cases = [
+            ("Ring", Some(Algo::Ring)),
+            ("tree", Some(Algo::Tree)),
+            ("NVLS,PAT", Some(Algo::Tree)),
+            ("Ring,Tree", None),
+            ("^Ring", Some(Algo::Tree)),
+            ("^tree,collnetdirect", Some(Algo::Ring)),
+            ("^Ring,Tree", None),
+            ("allreduce:tree;broadcast:ring", Some(Algo::Tree)),
+            ("broadcast:tree;ring", Some(Algo::Ring)),
+            ("broadcast:tree", None),
+            ("AllReduce:^ring", Some(Algo::Tree)),
+            ("nonsense", None),
+            ("", None),
+        ];
+        for (v, want) in cases {
+            assert_eq!(parse_algo(v), want, "NCCL_ALGO={v:?}");
+        }
+    }
+
+    #[test]
+    fn allreduce_algorithm_by_size_unless_forced() {
+        assert_eq!(choose_allreduce(4 << 10, 8, None), Algo::Tree);
+        assert_eq!(choose_allreduce(1 << 20, 8, None), Algo::Ring);
+        assert_eq!(choose_allreduce(200 << 10, 2, None), Algo::Tree);
+        assert_eq!(choose_allreduce(4 << 10, 8, Some(Algo::Ring)), Algo::Ring);
+        assert_eq!(choose_allreduce(1 << 20, 8, Some(Algo::Tree)), Algo::Tree);
+    }
+}
