@@ -1,6 +1,7 @@
 /*
- * lifecycle.c - communicator life cycle: version, the parameter API, queries, host-mode
- * ncclMemAlloc and registration, suspend and resume, configs (current, older headers, wrong
+ * lifecycle.c - communicator life cycle: version, the parameter API, ncclSetEncryption,
+ * queries, host-mode ncclMemAlloc and registration (one-sided RMA refused), suspend and
+ * resume, configs (current, older headers, wrong
  * magic), blocking and nonblocking init, finalize, destroy, abort, scalable init, group
  * nesting, group simulation, group errors, the async-error watchdog thread of PyTorch, and a
  * stale unique id.
@@ -167,7 +168,31 @@ static void step_params(void) {
   EXPECT(nkeys > 10 && found == 2, "%d keys, NCCL_BUFFSIZE and NCCL_DEBUG among them: %d of 2", nkeys, found);
   EXPECT(ncclParamBind(&h, "NCCL_NO_SUCH_PARAMETER") == ncclInvalidArgument, "an unknown key was bound");
   EXPECT(ncclParamGetParameter("NO_SUCH_PARAMETER", &value, &len) == ncclInvalidArgument, "an unknown key was read");
-  ncclParamDumpAll(); /* prints at NCCL_DEBUG=INFO; must not crash */
+  /* The narrow getters: a value that fits, or ncclInvalidArgument (defaults: NCCL_BUFFSIZE
+   * 4 MiB, NCCL_RS_PEER_MAPS 256, NCCL_SOCKET_NTHREADS 1). */
+  uint32_t u32 = 0;
+  int16_t i16 = 0;
+  uint16_t u16 = 0;
+  int8_t i8 = 0;
+  uint8_t u8 = 0;
+  CHECK(ncclParamGetU32(h, &u32));
+  EXPECT(u32 == (uint32_t)want, "NCCL_BUFFSIZE as u32: %u", u32);
+  EXPECT(ncclParamGetU16(h, &u16) == ncclInvalidArgument && ncclParamGetI8(h, &i8) == ncclInvalidArgument,
+         "NCCL_BUFFSIZE (%lld) read into 16 or 8 bits", want);
+  if (!getenv("NCCL_RS_PEER_MAPS") && !getenv("NCCL_SOCKET_NTHREADS")) {
+    ncclParamHandle_t maps = NULL, threads = NULL;
+    CHECK(ncclParamBind(&maps, "NCCL_RS_PEER_MAPS"));
+    CHECK(ncclParamBind(&threads, "NCCL_SOCKET_NTHREADS"));
+    CHECK(ncclParamGetI16(maps, &i16));
+    CHECK(ncclParamGetU16(maps, &u16));
+    EXPECT(i16 == 256 && u16 == 256, "NCCL_RS_PEER_MAPS as i16/u16: %d, %u (expected 256)", i16, u16);
+    EXPECT(ncclParamGetI8(maps, &i8) == ncclInvalidArgument && ncclParamGetU8(maps, &u8) == ncclInvalidArgument,
+           "NCCL_RS_PEER_MAPS (256) read into 8 bits");
+    CHECK(ncclParamGetI8(threads, &i8));
+    CHECK(ncclParamGetU8(threads, &u8));
+    EXPECT(i8 == 1 && u8 == 1, "NCCL_SOCKET_NTHREADS as i8/u8: %d, %u (expected 1)", i8, u8);
+  }
+  ncclParamDumpAll(); /* one INFO line per parameter (tests/ffi.rs checks them) */
 }
 
 /* ncclMemAlloc'd host memory (host mode): page-aligned and zeroed, registered (and as a
@@ -201,8 +226,17 @@ static void step_memory(ncclComm_t* comms) {
     CHECK(ncclWinGetUserPtr(comms[l], win[l], &user));
     EXPECT(user == r[l], "ncclWinGetUserPtr: %p, not the registered buffer %p", user, r[l]);
     EXPECT(ncclCommWindowRegister(comms[l], r[l], bytes, &win[l], 0x100) == ncclInvalidArgument, "window flags 0x100 accepted");
-    ncclResult_t rma = ncclPutSignal(s[l], 1, ncclFloat32, 0, win[l], 0, 0, 0, 0, comms[l], TEST_STREAM);
-    EXPECT(rma == ncclInvalidUsage, "ncclPutSignal on a window: %s, not ncclInvalidUsage", result_name(rma));
+    /* One-sided RMA is not implemented: ncclInvalidUsage, and a message that says so. */
+    for (int k = 0; k < 3; k++) {
+      static const char* const name[3] = {"ncclPutSignal", "ncclSignal", "ncclWaitSignal"};
+      ncclResult_t rma = k == 0   ? ncclPutSignal(s[l], 1, ncclFloat32, 0, win[l], 0, 0, 0, 0, comms[l], TEST_STREAM)
+                         : k == 1 ? ncclSignal(0, 0, 0, 0, comms[l], TEST_STREAM)
+                                  : ncclWaitSignal(0, NULL, comms[l], TEST_STREAM);
+      const char* msg = ncclGetLastError(comms[l]);
+      EXPECT(rma == ncclInvalidUsage && msg && strstr(msg, name[k]) && strstr(msg, "not implemented"),
+             "%s on a window: %s (%s), not ncclInvalidUsage saying it is not implemented", name[k], result_name(rma),
+             msg ? msg : "no message");
+    }
   }
   if (g_env.local > 1) CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) CHECK(ncclAllReduce(s[l], r[l], count, ncclFloat32, ncclSum, comms[l], TEST_STREAM));
@@ -229,6 +263,26 @@ static void step_memory(ncclComm_t* comms) {
 
 /* Suspend (with and without NCCL_SUSPEND_MEM, which frees nothing in host mode) refuses
  * calls until resumed; resuming twice, and unknown flags, are refused. */
+/* ncclSetEncryption: plaintext (mode NONE) is what sockets carry anyway; a pre-shared key is
+ * not implemented, and says so; a wrong magic is an invalid argument. */
+static void step_encryption(void) {
+  if (!begin("encryption")) return;
+  ncclEncryptionConfig_t cfg = NCCL_ENCRYPTION_CONFIG_INITIALIZER;
+  ncclResult_t r = ncclSetEncryption(&cfg);
+  EXPECT(r == ncclSuccess, "ncclSetEncryption(mode NONE) -> %s: %s", result_name(r), ncclGetLastError(NULL));
+  cfg.mode = NCCL_ENCRYPTION_MODE_PSK;
+  cfg.psk = "0123456789abcdef0123456789abcdef";
+  r = ncclSetEncryption(&cfg);
+  const char* msg = ncclGetLastError(NULL);
+  EXPECT(r == ncclInvalidUsage && msg && strstr(msg, "not implemented"),
+         "ncclSetEncryption(mode PSK) -> %s (%s), not ncclInvalidUsage saying it is not implemented", result_name(r),
+         msg ? msg : "no message");
+  cfg.mode = NCCL_ENCRYPTION_MODE_NONE;
+  cfg.magic ^= 1;
+  r = ncclSetEncryption(&cfg);
+  EXPECT(r == ncclInvalidArgument, "ncclSetEncryption with a wrong magic -> %s", result_name(r));
+}
+
 static void step_suspend(ncclComm_t* comms) {
   if (!begin("suspend")) return;
   for (int flags = 0; flags <= NCCL_SUSPEND_MEM; flags++) {
@@ -653,6 +707,7 @@ int main(int argc, char** argv) {
   test_init(argc, argv);
   step_version();
   step_params();
+  step_encryption();
 
   ncclComm_t comms[MAX_LOCAL];
   make_comms("", comms);

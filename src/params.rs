@@ -39,7 +39,7 @@ pub static ALL: &[Param] = &[
     p("NCCL_RS_GRAPH_CAPTURE", "0", "CUDA mode: 1 records collectives issued on a capturing stream into the CUDA graph, staged through pinned memory of their own (experimental: not yet run on a GPU); 0 refuses them with ncclInvalidUsage"),
     p("NCCL_RS_DIRECT_ON_STREAM", "1", "CUDA mode: 0 runs the direct path's device work on the stream worker's stream, instead of kernels the caller's stream queues at call time"),
     p("NCCL_P2P_LEVEL", "", "LOC or 0: CUDA mode never reads peers' device memory directly; other levels allow it where CUDA IPC works"),
-    p("NCCL_ALGO", "", "force an algorithm: Ring or Tree (case-insensitive); unset chooses by size"),
+    p("NCCL_ALGO", "", "all-reduce algorithms allowed, as NCCL spells them: Ring, Tree (also NVLS, PAT, CollNet*: our recursive doubling), ^ to exclude, allreduce:LIST;... per collective; unset, or both allowed, chooses by size"),
     p("NCCL_BUFFSIZE", "4194304", "bytes of staging buffer per connection to a peer"),
     p("NCCL_COMM_BLOCKING", "", "0: communicators are nonblocking unless their config says otherwise"),
     p("NCCL_SOCKET_NTHREADS", "1", "socket transport: groups of sockets per peer (nccl-rs drives them all from one thread)"),

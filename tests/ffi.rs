@@ -334,7 +334,13 @@ fn comms_1_process_of_3_ranks() {
 /// The parameter API reads what the environment set (in NCCL's hex form here).
 #[test]
 fn lifecycle_param_api_reads_the_environment() {
-    Job::new("lifecycle").arg("--only").arg("params").env("NCCL_BUFFSIZE", "0x30000").run();
+    let o = Job::new("lifecycle").arg("--only").arg("params").env("NCCL_BUFFSIZE", "0x30000")
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "ENV").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    // ncclParamDumpAll: the value set, and a default.
+    let log = &o.procs[0].log;
+    assert!(log.contains("NCCL_BUFFSIZE = 0x30000 (") && log.contains("NCCL_INIT_TIMEOUT_S = 300 ("),
+            "ncclParamDumpAll's lines are missing:\n{log}");
 }
 
 /// NCCL_DEBUG_FILE: each process writes its log lines, in NCCL's format, to its own file
