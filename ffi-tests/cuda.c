@@ -41,6 +41,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <linux/capability.h>
+#include <math.h>
 #include <pthread.h>
 #include <string.h>
 #include <strings.h>
@@ -2077,6 +2078,102 @@ static void torch_like(void) {
   }
 }
 
+/* Every datatype x reduction on device buffers large enough for the direct path (64 KiB and
+ * more: read from the peers' memory, reduced by the kernels), as AllReduce, ReduceScatter and
+ * Reduce; inputs and checks are collectives.c's (fill_values/check_values: exact, avg on
+ * floats within rounding). fp16 avg is staged (see transport/ipc.rs): it must be as exact. */
+static void reductions(void) {
+  static const ncclDataType_t dts[] = {ncclInt8,    ncclUint8,   ncclInt32,    ncclUint32,
+                                       ncclInt64,   ncclUint64,  ncclFloat16,  ncclFloat32,
+                                       ncclFloat64, ncclBfloat16, ncclFloat8e4m3, ncclFloat8e5m2};
+  static const int ops[] = {ncclSum, ncclProd, ncclMax, ncclMin, ncclAvg};
+  static const coll_t colls[] = {C_ALLREDUCE, C_REDUCESCATTER, C_REDUCE};
+  const int n = g_env.nranks, root = n - 1;
+  uint32_t salt = 7;
+  for (size_t d = 0; d < sizeof dts / sizeof dts[0]; d++) {
+    const size_t es = dt_info(dts[d])->size;
+    const size_t count = (64 << 10) / es + 3; /* above NCCL_RS_DIRECT_MIN, not a round number */
+    for (size_t o = 0; o < sizeof ops / sizeof ops[0]; o++) {
+      for (size_t c = 0; c < 3; c++, salt++) {
+        const size_t nin = colls[c] == C_REDUCESCATTER ? count * (size_t)n : count;
+        CUdeviceptr ds[MAX_LOCAL], dr[MAX_LOCAL];
+        void *hin[MAX_LOCAL], *hout[MAX_LOCAL];
+        for (int l = 0; l < g_env.local; l++) {
+          const int rank = g_env.first_rank + l;
+          ds[l] = dev_alloc(nin * es);
+          dr[l] = dev_alloc(count * es);
+          hin[l] = host_alloc(nin * es);
+          hout[l] = host_alloc(count * es);
+          fill_values(dts[d], ops[o], n, rank, hin[l], 0, nin, salt);
+          memset(hout[l], 0xa5, count * es);
+          CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], nin * es, g_streams[l]));
+        }
+        CHECK(ncclGroupStart());
+        for (int l = 0; l < g_env.local; l++) {
+          void* sb = (void*)(uintptr_t)ds[l];
+          void* rb = (void*)(uintptr_t)dr[l];
+          ncclRedOp_t op = (ncclRedOp_t)ops[o];
+          if (colls[c] == C_ALLREDUCE) CHECK(ncclAllReduce(sb, rb, count, dts[d], op, g_comms[l], g_streams[l]));
+          else if (colls[c] == C_REDUCESCATTER) CHECK(ncclReduceScatter(sb, rb, count, dts[d], op, g_comms[l], g_streams[l]));
+          else CHECK(ncclReduce(sb, rb, count, dts[d], op, root, g_comms[l], g_streams[l]));
+        }
+        CHECK(ncclGroupEnd());
+        for (int l = 0; l < g_env.local; l++) {
+          CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hout[l], dr[l], count * es, g_streams[l]));
+          CU(cu.StreamSynchronize(g_streams[l]));
+          const int rank = g_env.first_rank + l;
+          if (colls[c] != C_REDUCE || rank == root) {
+            char what[96];
+            snprintf(what, sizeof what, "device %s %s %s", COLL_NAME[colls[c]], dt_info(dts[d])->name, op_name(ops[o]));
+            const size_t j0 = colls[c] == C_REDUCESCATTER ? (size_t)rank * count : 0;
+            check_values(what, dts[d], ops[o], n, hout[l], j0, count, salt, 0);
+          }
+          dev_free(ds[l]);
+          dev_free(dr[l]);
+          CU(cu.MemFreeHost(hin[l]));
+          CU(cu.MemFreeHost(hout[l]));
+        }
+      }
+    }
+  }
+  /* fp16 avg high in its range: 32768 on every rank averages to 32768 (within rounding off
+   * 2^k ranks); a sum before the division would overflow to infinity. */
+  const size_t count = (64 << 10) / 2 + 3;
+  const int exact = (n & (n - 1)) == 0;
+  CUdeviceptr dh[MAX_LOCAL];
+  uint16_t* hh[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    dh[l] = dev_alloc(count * 2);
+    hh[l] = host_alloc(count * 2);
+    for (size_t j = 0; j < count; j++) dt_store(ncclFloat16, hh[l], j, 32768.0);
+    CU(cu.MemcpyAsync(dh[l], (CUdeviceptr)(uintptr_t)hh[l], count * 2, g_streams[l]));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAllReduce((void*)(uintptr_t)dh[l], (void*)(uintptr_t)dh[l], count, ncclFloat16, ncclAvg, g_comms[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hh[l], dh[l], count * 2, g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    double first = 0;
+    for (size_t j = 0; j < count; j++) {
+      double v = dt_load(ncclFloat16, hh[l], j);
+      int ok = exact ? v == 32768.0 : v == v && v < 65536.0 && fabs(v - 32768.0) <= 32768.0 * (n + 2) / 1024.0;
+      if (!ok && !bad++) first = v;
+    }
+    EXPECT(bad == 0, "device fp16 avg of 32768 on %d ranks: %zu of %zu wrong, first %g", n, bad, count, first);
+    dev_free(dh[l]);
+    CU(cu.MemFreeHost(hh[l]));
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t async = ncclSuccess;
+    CHECK(ncclCommGetAsyncError(g_comms[l], &async));
+    EXPECT(async == ncclSuccess, "reductions: async error %s: %s", result_name(async), ncclGetLastError(g_comms[l]));
+  }
+  tlog("Reductions: 12 datatypes x 5 reductions x 3 collectives checked, and fp16 avg high in its range");
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
@@ -2122,6 +2219,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "Graph")) graph();
   if (g_env.only && !strcasecmp(g_env.only, "GraphRefused")) graph_refused();
   if (g_env.only && !strcasecmp(g_env.only, "Suspend")) suspend_mem();
+  if (g_env.only && !strcasecmp(g_env.only, "Reductions")) reductions(); /* only when asked: 180 calls */
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

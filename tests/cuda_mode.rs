@@ -72,6 +72,21 @@ fn cuda_mode_2_processes_read_each_other_directly() {
     }
 }
 
+/// Every datatype x reduction (AllReduce, ReduceScatter, Reduce) on the direct path, as
+/// processes and as ranks of one process: the device kernels' results, exact (avg on floats
+/// within rounding). In the stand-in the kernels run as its host copies of them.
+#[test]
+fn cuda_mode_direct_reductions_every_datatype_and_op() {
+    for job in [cuda_job().procs(2), cuda_job().local(3)] {
+        let o = job.arg("--only").arg("Reductions").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
+            .run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert!(p.log.contains("are read directly"), "process {i}: expected the direct path:\n{}", p.log);
+        }
+    }
+}
+
 /// NCCL_RS_DIRECT_MIN moves the size from which collectives go direct: from 1 byte every
 /// collective on device memory reads the peers directly, down to single elements (ranks
 /// with nothing to reduce included), exact; from 1 GiB none does.
