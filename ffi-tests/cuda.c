@@ -61,6 +61,7 @@ static struct {
   CUresult (*CtxSetCurrent)(CUcontext);
   CUresult (*CtxGetCurrent)(CUcontext*);
   CUresult (*MemAlloc)(CUdeviceptr*, size_t);
+  CUresult (*MemAllocManaged)(CUdeviceptr*, size_t, unsigned);
   CUresult (*MemFree)(CUdeviceptr);
   CUresult (*MemHostAlloc)(void**, size_t, unsigned);
   CUresult (*MemFreeHost)(void*);
@@ -127,6 +128,7 @@ static void load_driver(void) {
   *(void**)&cu.CtxGetCurrent = sym(lib, "cuCtxGetCurrent");
   *(void**)&cu.MemAlloc = sym(lib, "cuMemAlloc_v2");
   *(void**)&cu.MemFree = sym(lib, "cuMemFree_v2");
+  *(void**)&cu.MemAllocManaged = sym(lib, "cuMemAllocManaged");
   *(void**)&cu.MemHostAlloc = sym(lib, "cuMemHostAlloc");
   *(void**)&cu.MemFreeHost = sym(lib, "cuMemFreeHost");
   *(void**)&cu.MemHostGetDevicePointer = sym(lib, "cuMemHostGetDevicePointer_v2");
@@ -2078,6 +2080,85 @@ static void torch_like(void) {
   }
 }
 
+/* Pinned and managed buffers alone keep NCCL's stream order, as device buffers do: the
+ * input is written by a copy queued on the call's stream, while that stream is held, just
+ * before the call; the call must not read it earlier, and a copy queued after the call sees
+ * its result. Small (staged through the pool) and large sizes. */
+static void host_buffers_in_order(void) {
+  if (host_wait_mode()) return; /* the call returns once done: a stream held before it cannot be */
+  enum { PINNED, MANAGED };
+  static const size_t counts[] = {1000, 70000};
+  for (int kind = PINNED; kind <= MANAGED; kind++) {
+    for (int ci = 0; ci < 2; ci++) {
+      const size_t count = counts[ci], bytes = count * sizeof(float);
+      const int salt = 40 + 2 * kind + ci;
+      CUdeviceptr src[MAX_LOCAL], in[MAX_LOCAL], out[MAX_LOCAL];
+      float* h[MAX_LOCAL];
+      CUdeviceptr dflag = 0;
+      uint32_t* flag = gate_word(&dflag);
+      for (int l = 0; l < g_env.local; l++) {
+        h[l] = host_alloc(bytes);
+        for (size_t j = 0; j < count; j++) h[l][j] = in_value(g_env.first_rank + l, j, salt);
+        src[l] = dev_alloc(bytes);
+        CU(cu.MemcpyAsync(src[l], (CUdeviceptr)(uintptr_t)h[l], bytes, g_streams[l]));
+        CU(cu.StreamSynchronize(g_streams[l]));
+        if (kind == PINNED) {
+          in[l] = (CUdeviceptr)(uintptr_t)host_alloc(bytes);
+          out[l] = (CUdeviceptr)(uintptr_t)host_alloc(bytes);
+        } else {
+          CU(cu.MemAllocManaged(&in[l], bytes, 1));
+          CU(cu.MemAllocManaged(&out[l], bytes, 1));
+        }
+        memset((void*)(uintptr_t)in[l], 0xff, bytes); /* NaN until the stream's copy lands */
+        memset((void*)(uintptr_t)out[l], 0xff, bytes);
+      }
+      /* Held only once every rank's source is uploaded (streams may share a hardware queue). */
+      for (int l = 0; l < g_env.local; l++) {
+        CU(cu.StreamWaitValue32(g_streams[l], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
+        CU(cu.MemcpyAsync(in[l], src[l], bytes, g_streams[l]));
+      }
+      CHECK(ncclGroupStart());
+      for (int l = 0; l < g_env.local; l++)
+        CHECK(ncclAllReduce((void*)(uintptr_t)in[l], (void*)(uintptr_t)out[l], count, ncclFloat32, ncclSum, g_comms[l],
+                            g_streams[l]));
+      CHECK(ncclGroupEnd());
+      for (int l = 0; l < g_env.local; l++) {
+        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], out[l], bytes, g_streams[l]));
+        EXPECT(cu.StreamQuery(g_streams[l]) == CUDA_ERROR_NOT_READY, "%s count %zu: the held stream finished",
+               kind == PINNED ? "pinned" : "managed", count);
+      }
+      __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+      for (int l = 0; l < g_env.local; l++) {
+        CU(cu.StreamSynchronize(g_streams[l]));
+        size_t bad = 0, first = 0;
+        for (size_t j = 0; j < count; j++) {
+          float want = expected(C_ALLREDUCE, count, g_env.nranks, g_env.first_rank + l, j, salt);
+          if (h[l][j] != want && bad++ == 0) first = j;
+        }
+        EXPECT(bad == 0, "%s buffers, count %zu, rank %d: %zu wrong values in stream order, first at %zu: %g, expected %g",
+               kind == PINNED ? "pinned" : "managed", count, g_env.first_rank + l, bad, first, bad ? h[l][first] : 0.0,
+               bad ? expected(C_ALLREDUCE, count, g_env.nranks, g_env.first_rank + l, first, salt) : 0.0);
+        dev_free(src[l]);
+        if (kind == PINNED) {
+          CU(cu.MemFreeHost((void*)(uintptr_t)in[l]));
+          CU(cu.MemFreeHost((void*)(uintptr_t)out[l]));
+        } else {
+          CU(cu.MemFree(in[l]));
+          CU(cu.MemFree(out[l]));
+        }
+        CU(cu.MemFreeHost(h[l]));
+      }
+      CU(cu.MemFreeHost(flag));
+    }
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t async = ncclSuccess;
+    CHECK(ncclCommGetAsyncError(g_comms[l], &async));
+    EXPECT(async == ncclSuccess, "host buffers in order: async error %s: %s", result_name(async),
+           ncclGetLastError(g_comms[l]));
+  }
+}
+
 /* Every datatype x reduction on device buffers large enough for the direct path (64 KiB and
  * more: read from the peers' memory, reduced by the kernels), as AllReduce, ReduceScatter and
  * Reduce; inputs and checks are collectives.c's (fill_values/check_values: exact, avg on
@@ -2203,6 +2284,7 @@ int main(int argc, char** argv) {
   if (wanted("InPlace")) in_place();
   if (wanted("P2P")) p2p();
   if (wanted("Mixed")) mixed();
+  if (wanted("HostInOrder")) host_buffers_in_order();
   if (wanted("Streams")) two_streams();
   if (wanted("Order")) order();
   if (wanted("PreMul")) premul();

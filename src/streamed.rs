@@ -108,7 +108,8 @@ pub struct StreamOp {
 /// Where a call's buffers live, as CUDA mode needs to know: classified once, at the call.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Placement {
-    /// Some buffer (or the PreMulSum scalar) is device memory: the call runs in stream order.
+    /// Some buffer (or the PreMulSum scalar) is device, pinned or managed memory: the call runs
+    /// in stream order.
     pub device: bool,
     /// Every buffer is memory the device copies asynchronously (device, pinned or managed,
     /// not pageable): the caller's stream can stage it.

@@ -66,10 +66,11 @@ fn regions(a: &Args, es: usize, n: usize, rank: usize, root: usize) -> Result<(R
     Ok((region(a.send, s), region(a.recv, r)))
 }
 
-/// In CUDA mode, where the call's buffers are (one classification each). A call naming
-/// device memory runs on the communicator's stream worker (see `streamed`), ordered with the
-/// call's stream; host, pinned and managed memory alone run at once on the calling thread, as
-/// in host mode.
+/// In CUDA mode, where the call's buffers are (one classification each). A call naming memory
+/// the device reaches in stream order (device, pinned or managed: what the stream's earlier
+/// work may still be writing) runs on the communicator's stream worker (see `streamed`),
+/// ordered with the call's stream; pageable host memory alone runs at once on the calling
+/// thread, as in host mode.
 fn placement(regions: &[Region]) -> Placement {
     use crate::device::cuda::{classify, PtrKind};
     if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
@@ -77,7 +78,7 @@ fn placement(regions: &[Region]) -> Placement {
     }
     let kinds = regions.iter().filter(|r| !r.is_empty()).map(|r| classify(r.addr()));
     kinds.fold(Placement { device: false, copyable: true }, |p, k| Placement {
-        device: p.device || matches!(k, Ok(PtrKind::Device { .. })),
+        device: p.device || matches!(k, Ok(PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed)),
         copyable: p.copyable && matches!(k, Ok(PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed)),
     })
 }
