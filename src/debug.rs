@@ -1,9 +1,10 @@
-//! Logging in NCCL's line format, driven by `NCCL_DEBUG`, `NCCL_DEBUG_SUBSYS` and
-//! `NCCL_DEBUG_FILE`. Silent by default. Lines look like NCCL's so existing log tooling works:
+//! Logging in NCCL's line format, driven by `NCCL_DEBUG`, `NCCL_DEBUG_SUBSYS`,
+//! `NCCL_DEBUG_FILE` and NCCL's timestamp variables. Silent by default. Lines look like NCCL's
+//! so existing log tooling works (WARN lines carry a timestamp by default, as NCCL's do):
 //!
 //! ```text
 //! host:pid:tid [rank] NCCL INFO Bootstrap: using eth0 10.0.0.1
-//! host:pid:tid [rank] comm/mod.rs:42 NCCL WARN rank 3: peer rank 5 closed the connection
+//! [2026-12-02 04:49:00] host:pid:tid [rank] comm/mod.rs:42 NCCL WARN rank 3: peer rank 5 closed the connection
 //! ```
 
 use std::cell::Cell;
@@ -71,6 +72,9 @@ static LEVEL: AtomicU8 = AtomicU8::new(0);
 static MASK: AtomicU32 = AtomicU32::new(0);
 static SINK: Mutex<Option<File>> = Mutex::new(None);
 static VERSION_PRINTED: AtomicBool = AtomicBool::new(false);
+/// Levels (bit `1 << level`) whose lines start with a timestamp, and its strftime format.
+static TS_LEVELS: AtomicU32 = AtomicU32::new(1 << Level::Warn as u8);
+static TS_FORMAT: Mutex<String> = Mutex::new(String::new());
 
 thread_local! {
     /// The rank shown in `[...]` on lines this thread writes (-1: none known yet, shown as 0
@@ -106,6 +110,44 @@ pub fn parse_subsys(v: &str) -> u32 {
     } else {
         mask
     }
+}
+
+/// NCCL_DEBUG_TIMESTAMP_LEVELS: a comma list of levels (VERSION, WARN, INFO, ABORT, TRACE,
+/// ALL); a leading `^` inverts it. Bit `1 << level` per level.
+pub fn parse_timestamp_levels(v: &str) -> u32 {
+    let (invert, list) = match v.trim().strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, v.trim()),
+    };
+    let mut mask = 0u32;
+    for name in list.split(',').map(|s| s.trim().to_ascii_uppercase()) {
+        mask |= match name.as_str() {
+            "VERSION" => 1 << Level::Version as u8,
+            "WARN" => 1 << Level::Warn as u8,
+            "INFO" => 1 << Level::Info as u8,
+            "ABORT" => 1 << 4,
+            "TRACE" => 1 << Level::Trace as u8,
+            "ALL" => !0,
+            _ => 0,
+        };
+    }
+    if invert {
+        !mask
+    } else {
+        mask
+    }
+}
+
+/// The timestamp a line of `level` starts with ("" for none).
+fn timestamp(level: Level) -> String {
+    if TS_LEVELS.load(Ordering::Relaxed) & (1 << level as u8) == 0 {
+        return String::new();
+    }
+    let format = match TS_FORMAT.lock() {
+        Ok(g) => g.clone(),
+        Err(p) => p.into_inner().clone(),
+    };
+    crate::abi::clock::local_strftime(&format, std::time::SystemTime::now())
 }
 
 /// `%h` is replaced by the host name and `%p` by the pid, as in NCCL.
@@ -144,6 +186,13 @@ pub fn configure() {
         .and_then(|pat| File::create(expand_file_name(&pat, &hostname(), std::process::id())).ok());
     if let Ok(mut sink) = SINK.lock() {
         *sink = file;
+    }
+    TS_LEVELS.store(parse_timestamp_levels(&params::text("NCCL_DEBUG_TIMESTAMP_LEVELS")), Ordering::Relaxed);
+    let format = params::raw_even_empty("NCCL_DEBUG_TIMESTAMP_FORMAT")
+        .unwrap_or_else(|| params::find("NCCL_DEBUG_TIMESTAMP_FORMAT").map_or("", |p| p.default).to_string());
+    match TS_FORMAT.lock() {
+        Ok(mut g) => *g = format,
+        Err(p) => *p.into_inner() = format,
     }
     LEVEL.store(level as u8, Ordering::Relaxed);
     MASK.store(mask, Ordering::Relaxed);
@@ -213,13 +262,14 @@ pub fn log(level: Level, sub: u32, file: &str, line: u32, args: fmt::Arguments<'
     if !enabled(level, sub) {
         return;
     }
+    let ts = timestamp(level);
     let text = match level {
         Level::Warn => {
             let short = file.rsplit_once("src/").map(|(_, f)| f).unwrap_or(file);
-            format!("{} {}:{} NCCL WARN {}\n", prefix(), short, line, args)
+            format!("{ts}{} {}:{} NCCL WARN {}\n", prefix(), short, line, args)
         }
-        Level::Trace => format!("{} NCCL TRACE {}\n", prefix(), args),
-        _ => format!("{} NCCL INFO {}\n", prefix(), args),
+        Level::Trace => format!("{ts}{} NCCL TRACE {}\n", prefix(), args),
+        _ => format!("{ts}{} NCCL INFO {}\n", prefix(), args),
     };
     emit(&text);
 }
@@ -232,7 +282,8 @@ pub fn print_version_once() {
     let wanted = level == Level::Version as u8 || level >= Level::Info as u8;
     if wanted && !VERSION_PRINTED.swap(true, Ordering::Relaxed) {
         emit(&format!(
-            "{} NCCL INFO NCCL version {}.{}.{}+nccl-rs-{} ({} mode)\n",
+            "{}{} NCCL INFO NCCL version {}.{}.{}+nccl-rs-{} ({} mode)\n",
+            timestamp(Level::Version),
             prefix(),
             crate::NCCL_MAJOR,
             crate::NCCL_MINOR,
@@ -287,6 +338,17 @@ mod tests {
         assert_eq!(parse_subsys("^INIT"), !subsys::INIT);
         assert_eq!(parse_subsys("ALL"), !0);
         assert_eq!(parse_subsys("coll"), subsys::COLL);
+    }
+
+    #[test]
+    fn timestamp_levels() {
+        let bit = |l: Level| 1u32 << l as u8;
+        assert_eq!(parse_timestamp_levels("WARN"), bit(Level::Warn));
+        assert_eq!(parse_timestamp_levels("warn, info"), bit(Level::Warn) | bit(Level::Info));
+        assert_eq!(parse_timestamp_levels("^WARN") & bit(Level::Warn), 0);
+        assert_ne!(parse_timestamp_levels("^WARN") & bit(Level::Info), 0);
+        assert_eq!(parse_timestamp_levels("ALL"), !0);
+        assert_eq!(parse_timestamp_levels(""), 0);
     }
 
     #[test]

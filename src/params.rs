@@ -22,6 +22,8 @@ pub static ALL: &[Param] = &[
     p("NCCL_DEBUG", "", "log level: VERSION, WARN, INFO or TRACE; unset is silent"),
     p("NCCL_DEBUG_SUBSYS", "INIT,BOOTSTRAP,ENV", "comma list of subsystems logged at INFO; ^ excludes; ALL"),
     p("NCCL_DEBUG_FILE", "", "write logs to this file instead of stdout; %h is the host, %p the pid"),
+    p("NCCL_DEBUG_TIMESTAMP_LEVELS", "WARN", "levels whose lines start with a timestamp: comma list of VERSION, WARN, INFO, ABORT, TRACE, ALL; ^ inverts"),
+    p("NCCL_DEBUG_TIMESTAMP_FORMAT", "[%F %T] ", "strftime format of that timestamp (local time, TZ); %Nf: N digits of the second's fraction; _ is a space; empty: none"),
     p("NCCL_COMM_ID", "", "host:port of the bootstrap root; every rank derives the same unique id from it"),
     p("NCCL_SOCKET_IFNAME", "", "interfaces to use: prefixes, ^ to exclude, = for exact names"),
     p("NCCL_SOCKET_FAMILY", "", "AF_INET or AF_INET6 to force an address family"),
@@ -90,6 +92,13 @@ pub fn find(name: &str) -> Option<&'static Param> {
 pub fn raw(name: &str) -> Option<String> {
     debug_assert!(find(name).is_some(), "{name} missing from params::ALL");
     snapshot().values.get(name).filter(|v| !v.is_empty()).cloned()
+}
+
+/// The value set in the environment, empty included (for the few variables where "set but
+/// empty" means something: an empty NCCL_DEBUG_TIMESTAMP_FORMAT prints no timestamp).
+pub fn raw_even_empty(name: &str) -> Option<String> {
+    debug_assert!(find(name).is_some(), "{name} missing from params::ALL");
+    snapshot().values.get(name).cloned()
 }
 
 /// The effective value as text: the environment's, else the default.

@@ -291,10 +291,17 @@ fn comms_a_suspended_peer_is_named() {
 /// A rank that has not issued a call is named at WARN by the rank waiting on it, once, whether
 /// they were connected already (the progress engine's watch) or the call is their first
 /// (waiting for the late rank's connection).
-fn late_peer_is_named(connected: bool) {
+///
+/// Its WARN line starts with NCCL's timestamp, `[YYYY-MM-DD HH:MM:SS] ` by default; `env` may
+/// change that (`stamp`: the prefix expected before the host name: "default", "millis" for
+/// `<%3f>_`, or "" for none).
+fn late_peer_is_named(connected: bool, env: &[(&str, &str)], stamp: &str) {
     let mut job = Job::new("comms").procs(2).env("NCCL_DEBUG", "WARN").timeout_s(60);
     if connected {
         job = job.env("COMMS_TEST_CONNECTED", "1");
+    }
+    for (k, v) in env {
+        job = job.env(k, v);
     }
     let release = job.dir().join("release");
     let file = release.clone();
@@ -314,16 +321,40 @@ fn late_peer_is_named(connected: bool) {
     let waited: f64 = lines[0].split("waited ").nth(1).and_then(|t| t.split(' ').next()).and_then(|t| t.parse().ok())
         .unwrap_or(f64::MAX);
     assert!(waited < 5.0, "named only after {waited} s:\n{log}");
+    let host = lines[0].find(&format!("{}:", hostname_of_this_machine())).unwrap_or(usize::MAX);
+    let before = lines[0].get(..host).unwrap_or("(no host name)");
+    let ok = match stamp {
+        "default" => {
+            let b = before.as_bytes();
+            b.len() == 22 && b[0] == b'[' && b[5] == b'-' && b[8] == b'-' && b[11] == b' ' && b[14] == b':' && b[20] == b']'
+        }
+        // "<%3f>_": three digits of milliseconds, the underscore a space.
+        "millis" => {
+            let b = before.as_bytes();
+            b.len() == 6 && b[0] == b'<' && b[1..4].iter().all(u8::is_ascii_digit) && &b[4..] == b"> "
+        }
+        want => before == want,
+    };
+    assert!(ok, "the WARN line should start with {stamp:?} before the host name, not {before:?}:\n{log}");
+}
+
+/// The host name as log lines show it (up to the first dot).
+fn hostname_of_this_machine() -> String {
+    let full = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    full.trim().split('.').next().unwrap_or_default().to_string()
 }
 
 #[test]
 fn comms_a_late_peer_is_named() {
-    late_peer_is_named(true);
+    late_peer_is_named(true, &[], "default");
 }
 
+/// With the timestamp in NCCL's other forms: a format of our own (underscores are spaces,
+/// %3f milliseconds), and none for WARN.
 #[test]
 fn comms_a_late_peer_is_named_before_its_first_connection() {
-    late_peer_is_named(false);
+    late_peer_is_named(false, &[("NCCL_DEBUG_TIMESTAMP_FORMAT", "<%3f>_")], "millis");
+    late_peer_is_named(false, &[("NCCL_DEBUG_TIMESTAMP_LEVELS", "^WARN")], "");
 }
 
 #[test]

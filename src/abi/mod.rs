@@ -19,6 +19,7 @@ mod export;
 pub mod ctype;
 pub mod types;
 
+pub(crate) mod clock;
 pub mod coll;
 pub mod comm;
 pub mod device_api;
