@@ -138,6 +138,12 @@ pub fn parse_timestamp_levels(v: &str) -> u32 {
     }
 }
 
+/// When logging was first configured (TRACE lines count from it).
+fn epoch() -> std::time::Instant {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(std::time::Instant::now)
+}
+
 /// The timestamp a line of `level` starts with ("" for none).
 fn timestamp(level: Level) -> String {
     if TS_LEVELS.load(Ordering::Relaxed) & (1 << level as u8) == 0 {
@@ -194,6 +200,7 @@ pub fn configure() {
         Ok(mut g) => *g = format,
         Err(p) => *p.into_inner() = format,
     }
+    epoch();
     LEVEL.store(level as u8, Ordering::Relaxed);
     MASK.store(mask, Ordering::Relaxed);
     INITIALISED.store(true, Ordering::Release);
@@ -268,7 +275,12 @@ pub fn log(level: Level, sub: u32, file: &str, line: u32, args: fmt::Arguments<'
             let short = file.rsplit_once("src/").map(|(_, f)| f).unwrap_or(file);
             format!("{ts}{} {}:{} NCCL WARN {}\n", prefix(), short, line, args)
         }
-        Level::Trace => format!("{ts}{} NCCL TRACE {}\n", prefix(), args),
+        // As NCCL: milliseconds since logging started, then where the line comes from.
+        Level::Trace => {
+            let short = file.rsplit_once("src/").map(|(_, f)| f).unwrap_or(file);
+            let ms = epoch().elapsed().as_secs_f64() * 1e3;
+            format!("{ts}{} {ms:.6} {}:{} NCCL TRACE {}\n", prefix(), short, line, args)
+        }
         _ => format!("{ts}{} NCCL INFO {}\n", prefix(), args),
     };
     emit(&text);

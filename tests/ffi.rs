@@ -421,6 +421,25 @@ fn log_levels_end_to_end() {
     }
 }
 
+/// NCCL_DEBUG=TRACE: TRACE lines as NCCL writes them, milliseconds since logging started
+/// and the source position before "NCCL TRACE" (the window calls trace at INIT).
+#[test]
+fn trace_lines_in_nccls_format() {
+    let o = Job::new("lifecycle").arg("--only").arg("memory").env("NCCL_DEBUG", "TRACE")
+        .env("NCCL_DEBUG_SUBSYS", "INIT").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let log = &o.procs[0].log;
+    let traces: Vec<&str> = log.lines().filter(|l| l.contains(" NCCL TRACE ")).collect();
+    assert!(traces.iter().any(|l| l.contains("window")), "no TRACE line of the window calls:\n{log}");
+    for l in &traces {
+        // host:pid:tid [rank] MS FILE:LINE NCCL TRACE ...
+        let words: Vec<&str> = l.split_whitespace().collect();
+        let ms_ok = words.get(2).is_some_and(|w| w.parse::<f64>().is_ok_and(|v| v >= 0.0));
+        let at_ok = words.get(3).is_some_and(|w| w.rsplit_once(':').is_some_and(|(f, n)| f.ends_with(".rs") && n.parse::<u32>().is_ok()));
+        assert!(words.get(1).is_some_and(|w| w.starts_with('[')) && ms_ok && at_ok, "not NCCL's TRACE format: {l}");
+    }
+}
+
 #[test]
 fn leaks_2_processes() {
     Job::new("leaks").procs(2).exclusive().timeout_s(300).run();
