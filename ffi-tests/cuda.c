@@ -87,6 +87,7 @@ static struct {
   CUresult (*MemGetInfo)(size_t*, size_t*);
   /* The stand-in's own (NULL on a GPU): the peers' device memory this process holds open. */
   int (*StubPeerMemory)(size_t*);
+  void (*StubPointerQueriesFail)(int);
   /* The virtual memory API, loaded with CUDA_TEST_VMM=1. */
   CUresult (*MemGetAllocationGranularity)(size_t*, const void*, int);
   CUresult (*MemCreate)(unsigned long long*, size_t, const void*, unsigned long long);
@@ -152,6 +153,7 @@ static void load_driver(void) {
   *(void**)&cu.StreamWaitEvent = sym(lib, "cuStreamWaitEvent");
   *(void**)&cu.MemGetInfo = dlsym(lib, "cuMemGetInfo_v2");
   *(void**)&cu.StubPeerMemory = dlsym(lib, "nccl_rs_stub_peer_memory");
+  *(void**)&cu.StubPointerQueriesFail = dlsym(lib, "nccl_rs_stub_pointer_queries_fail");
   if (getenv("CUDA_TEST_VMM")) {
     *(void**)&cu.MemGetAllocationGranularity = sym(lib, "cuMemGetAllocationGranularity");
     *(void**)&cu.MemCreate = sym(lib, "cuMemCreate");
@@ -1665,6 +1667,31 @@ static int mismatch(void) {
   return test_finish();
 }
 
+/* CUDA_TEST_POINTER_FAILS (1 rank, the stand-in only): while the driver refuses pointer
+ * queries (as after a sticky error), a call on device buffers fails with
+ * ncclUnhandledCudaError saying why, instead of reading the buffers on the host as if they
+ * were host memory; once queries work again, so does the call. */
+static int pointer_fails(void) {
+  test_step("pointer-fails");
+  const size_t count = 1000;
+  CUdeviceptr d = dev_alloc(count * sizeof(float));
+  if (!EXPECT(cu.StubPointerQueriesFail != NULL, "not the stand-in driver")) return test_finish();
+  cu.StubPointerQueriesFail(1);
+  ncclResult_t r = ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, g_comms[0],
+                                 g_streams[0]);
+  const char* why = ncclGetLastError(g_comms[0]);
+  cu.StubPointerQueriesFail(0);
+  EXPECT(r == ncclUnhandledCudaError && why && strstr(why, "classifying the buffer"),
+         "an all-reduce whose buffer the driver cannot classify -> %s (%s)", result_name(r), why ? why : "(null)");
+  tlog("pointer-fails: %s: %s", result_name(r), why ? why : "(null)");
+  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
+  CU(cu.StreamSynchronize(g_streams[0]));
+  dev_free(d);
+  for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
+  destroy_comms(g_comms);
+  return test_finish();
+}
+
 /* Process 1's reduction kernels fail to launch (the stand-in's NCCL_RS_STUB_LAUNCH_FAILS) in
  * a direct all-reduce: both must end with an error (rank 0's names rank 1's failure) instead
  * of waiting for each other, and the streams get past the call. Where the kernels are queued
@@ -2270,6 +2297,7 @@ int main(int argc, char** argv) {
   make_cuda_comms();
   if (getenv("CUDA_TEST_FAULT")) return fault();
   if (getenv("CUDA_TEST_MISMATCH")) return mismatch();
+  if (getenv("CUDA_TEST_POINTER_FAILS")) return pointer_fails();
   if (getenv("CUDA_TEST_LAUNCH_FAIL")) return launch_fail();
   if (getenv("CUDA_TEST_ABORT_HELD")) return abort_held();
   if (getenv("CUDA_TEST_STREAM_HELD")) return stream_held();

@@ -722,6 +722,18 @@ fn peer_killed(job: Job) {
     println!("{}", o.report);
 }
 
+/// A buffer the driver cannot classify (pointer queries refused, as after a sticky error)
+/// fails the call with ncclUnhandledCudaError and a message, never a host read of device
+/// memory; the next call works (ffi-tests/cuda.c checks it).
+#[test]
+fn cuda_mode_unclassifiable_buffer_fails_the_call() {
+    if !stand_in_only("cuda_mode_unclassifiable_buffer_fails_the_call") {
+        return;
+    }
+    let o = cuda_job().env("CUDA_TEST_POINTER_FAILS", "1").timeout_s(60).run_outcome();
+    assert!(o.ok(), "{}", o.report);
+}
+
 /// Ranks issuing all-reduces of different counts on device memory (direct-path sizes) get
 /// ncclInvalidUsage naming the calls, never each other's data read as the same call.
 #[test]

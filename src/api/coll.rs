@@ -71,16 +71,22 @@ fn regions(a: &Args, es: usize, n: usize, rank: usize, root: usize) -> Result<(R
 /// work may still be writing) runs on the communicator's stream worker (see `streamed`),
 /// ordered with the call's stream; pageable host memory alone runs at once on the calling
 /// thread, as in host mode.
-fn placement(regions: &[Region]) -> Placement {
+///
+/// A buffer the driver cannot classify (an error other than "not CUDA memory") fails the
+/// call: taken for host memory, a device buffer would be read by this thread.
+fn placement(regions: &[Region]) -> Result<Placement> {
     use crate::device::cuda::{classify, PtrKind};
     if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
-        return Placement::default();
+        return Ok(Placement::default());
     }
-    let kinds = regions.iter().filter(|r| !r.is_empty()).map(|r| classify(r.addr()));
-    kinds.fold(Placement { device: false, copyable: true }, |p, k| Placement {
-        device: p.device || matches!(k, Ok(PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed)),
-        copyable: p.copyable && matches!(k, Ok(PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed)),
-    })
+    let mut p = Placement { device: false, copyable: true };
+    for r in regions.iter().filter(|r| !r.is_empty()) {
+        let kind = classify(r.addr()).map_err(|e| e.context(format!("classifying the buffer at {:#x}", r.addr())))?;
+        let stream_ordered = matches!(kind, PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed);
+        p.device |= stream_ordered;
+        p.copyable &= stream_ordered;
+    }
+    Ok(p)
 }
 
 /// Validate and issue one call.
@@ -106,7 +112,7 @@ fn validate(comm: &Comm, a: &Args) -> Result<(Op, Placement)> {
     let (send, recv) = regions(a, dt.size(), n, comm.rank, root)?;
     // A scalar in device memory is read in stream order: the operation goes to the stream too.
     // (resolve_op gives such a scalar only in device memory, which the device copies.)
-    let mut placement = placement(&[send, recv]);
+    let mut placement = placement(&[send, recv])?;
     placement.device |= scalar_at.is_some();
     // Collectives are numbered alike on every rank; point-to-point calls are not.
     let seq = if a.kind.is_p2p() { 0 } else { comm.seq.fetch_add(1, Ordering::Relaxed) };

@@ -229,10 +229,16 @@ EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr ptr) {
   return res;
 }
 
+/* Not the driver's: for tests, make pointer queries fail as they do once a context has hit a
+ * sticky error (CUDA_ERROR_ILLEGAL_ADDRESS), or work again. */
+static int g_pointer_queries_fail;
+EXPORT void nccl_rs_stub_pointer_queries_fail(int on) { __atomic_store_n(&g_pointer_queries_fail, on, __ATOMIC_RELEASE); }
+
 /* The plural call: memory the driver does not know gets null values (memory type 0, device
  * ordinal -2) and CUDA_SUCCESS, as the driver documents. */
 EXPORT CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr ptr) {
   REQUIRE_INIT();
+  if (__atomic_load_n(&g_pointer_queries_fail, __ATOMIC_ACQUIRE)) return CUDA_ERROR_ILLEGAL_ADDRESS;
   if (!attrs || !data) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_mem_lock);
   struct range *r = mem_find((uintptr_t)ptr);
