@@ -560,6 +560,12 @@ static void large(void) {
     run_large(C_BROADCAST, dts[d], -1, d == 0, V_PLAIN);
   }
   run_large(C_ALLREDUCE, ncclFloat32, ncclMax, 0, V_CONFIG);
+  /* The pipelined chain of Reduce, and the direct algorithms, across slices and single-copy reads. */
+  run_large(C_REDUCE, ncclFloat32, ncclSum, 0, V_PLAIN);
+  run_large(C_REDUCE, ncclBfloat16, ncclMin, 1, V_PLAIN);
+  run_large(C_GATHER, ncclInt32, -1, 0, V_PLAIN);
+  run_large(C_SCATTER, ncclFloat32, -1, 1, V_PLAIN);
+  run_large(C_ALLTOALL, ncclInt32, -1, 0, V_PLAIN);
   tlog("Large: done in %.2f s", now_s() - t0);
 }
 
