@@ -759,7 +759,7 @@ static void order(void) {
  * before the call: the operation must use the value the stream left there. */
 static void premul(void) {
   test_step("premul");
-  const size_t count = 20000; /* 80 KB: large enough for the direct path between ranks of a host */
+  const size_t count = 20000; /* 80 KB: a direct-path size, though PreMulSum is always staged */
   CUdeviceptr d[MAX_LOCAL], sc[MAX_LOCAL];
   float *h[MAX_LOCAL], *hs[MAX_LOCAL];
   ncclRedOp_t ops[MAX_LOCAL];

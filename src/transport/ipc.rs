@@ -177,8 +177,9 @@ pub struct Offered {
 }
 
 /// What this rank offers for `op` on the direct path, known at call time; None when it
-/// declines whatever the others say: an in-place all-to-all, a buffer without CUDA IPC
-/// (pinned or pageable host memory, memory from the virtual memory API), or no kernels.
+/// declines whatever the others say: an in-place all-to-all, a buffer it cannot share (pinned
+/// or pageable host memory; memory of the virtual memory API is shared as descriptors), or no
+/// kernels.
 /// Every rank then stages `op`, and this one's caller's stream can stage it at call time (it
 /// still takes part in the agreement, [`decline`]).
 pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
