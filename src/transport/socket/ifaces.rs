@@ -93,19 +93,17 @@ fn family_ok(addr: &IpAddr, family: Option<&str>) -> bool {
 /// Choose interfaces from a list, NCCL's way (pure, for tests).
 pub fn choose(all: &[Iface], ifname: Option<&str>, family: Option<&str>) -> Vec<Iface> {
     let ok = |i: &&Iface| family_ok(&i.addr, family);
-    if let Some(spec) = ifname {
-        let f = IfFilter::parse(spec);
-        return all.iter().filter(ok).filter(|i| f.matches(&i.name)).cloned().collect();
-    }
-    let default = IfFilter::parse("^docker,lo");
-    let mut picked: Vec<Iface> = all.iter().filter(ok).filter(|i| default.matches(&i.name)).cloned().collect();
-    // Prefer IPv4, and avoid IPv6 link-local addresses unless nothing else exists.
+    let filter = IfFilter::parse(ifname.unwrap_or("^docker,lo"));
+    let mut picked: Vec<Iface> = all.iter().filter(ok).filter(|i| filter.matches(&i.name)).cloned().collect();
+    // Prefer IPv4, and avoid IPv6 link-local addresses unless nothing else exists (the
+    // address is used without its scope, which only this host knows): also among the
+    // addresses of interfaces NCCL_SOCKET_IFNAME names.
     picked.sort_by_key(|i| match i.addr {
         IpAddr::V4(_) => 0,
         IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80 => 2,
         IpAddr::V6(_) => 1,
     });
-    if picked.is_empty() {
+    if picked.is_empty() && ifname.is_none() {
         picked = all.iter().filter(ok).filter(|i| i.name.starts_with("lo")).cloned().collect();
     }
     picked
@@ -147,7 +145,23 @@ mod tests {
         let only_lo = vec![v4("lo", [127, 0, 0, 1])];
         assert_eq!(choose(&only_lo, None, None)[0].name, "lo");
         assert_eq!(choose(&all, Some("lo"), None)[0].name, "lo");
-        assert!(choose(&all, None, Some("AF_INET6")).is_empty() || choose(&all, None, Some("AF_INET6"))[0].addr.is_ipv6());
+        // No IPv6 address anywhere: nothing, not an IPv4 one.
+        assert!(choose(&all, None, Some("AF_INET6")).is_empty());
+        assert!(choose(&all, Some("wlan"), None).is_empty());
+    }
+
+    #[test]
+    fn link_local_ipv6_comes_last_also_on_named_interfaces() {
+        let v6 = |name: &str, a: &str| Iface { name: name.into(), addr: IpAddr::V6(a.parse().expect("an address")), scope_id: 2 };
+        let all = vec![v6("eth0", "fe80::1"), v6("eth0", "2001:db8::7"), v6("ib0", "fe80::2"), v4("eth0", [10, 0, 0, 2])];
+        for ifname in [None, Some("eth0")] {
+            let c = choose(&all, ifname, Some("AF_INET6"));
+            assert_eq!(c[0].addr, "2001:db8::7".parse::<IpAddr>().expect("an address"), "NCCL_SOCKET_IFNAME={ifname:?}: {c:?}");
+            let c = choose(&all, ifname, None);
+            assert_eq!(c[0].addr, IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2)), "NCCL_SOCKET_IFNAME={ifname:?}: {c:?}");
+        }
+        // Only link-local left: used, as NCCL would.
+        assert_eq!(choose(&all, Some("ib"), None).len(), 1);
     }
 
     #[test]
