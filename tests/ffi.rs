@@ -228,6 +228,13 @@ fn lifecycle_4_processes() {
     Job::new("lifecycle").procs(4).timeout_s(180).run();
 }
 
+/// Every step with two ranks per process, driven by one thread in groups: grouped
+/// nonblocking and old-config inits, finalize, suspend and windows of several ranks at once.
+#[test]
+fn lifecycle_2_processes_x_2_local_ranks() {
+    Job::new("lifecycle").procs(2).local(2).timeout_s(180).run();
+}
+
 #[test]
 fn lifecycle_2_processes_nvidia_header() {
     Job::new("lifecycle")
