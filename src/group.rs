@@ -384,7 +384,17 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
         c.ready()?.set_running(&w.plan.stamps);
     }
     if let Err(e) = connect(comms, work, guards) {
-        comms.iter().filter_map(|c| c.ready_if_any()).for_each(|r| r.set_running(&[]));
+        // As a failed run below: the communicators are in error, say why to peers that ask
+        // (a peer waiting on an established connection learns it when the connection closes),
+        // and close their connections so nobody waits on them.
+        for (c, g) in comms.iter().zip(guards.iter_mut()) {
+            if let Some(r) = c.ready_if_any() {
+                r.set_running(&[]);
+                r.set_failed(&e);
+            }
+            g.close_all();
+            c.set_async_error(&e);
+        }
         return Err(e);
     }
 

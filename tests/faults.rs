@@ -253,15 +253,41 @@ fn link_down_between_two_hosts() {
 /// Rank 0 and rank 1 make different calls: both must return an error (ncclInvalidUsage)
 /// whose text names both calls; nothing hangs.
 fn mismatch(case: &str) {
+    mismatch_of(case, 2);
+}
+
+/// With `procs` ranks, only rank 1 making the other call: every rank gets ncclInvalidUsage
+/// naming both calls, rank 2 (which matches rank 0) included.
+fn mismatch_of(case: &str, procs: usize) {
     let o = Job::new("faults")
-        .procs(2)
+        .procs(procs)
         .arg("--only")
         .arg("mismatch")
         .env("NCCL_SOCKET_IFNAME", "lo")
         .env("FAULTS_CASE", case)
         .timeout_s(30)
         .run_outcome();
-    judge(&format!("mismatch_{case}"), &o, o.ok(), String::new());
+    judge(&format!("mismatch_{case} on {procs} ranks"), &o, o.ok(), String::new());
+}
+
+#[test]
+fn mismatch_collective_3_ranks() {
+    mismatch_of("coll", 3);
+}
+
+#[test]
+fn mismatch_count_3_ranks() {
+    mismatch_of("count", 3);
+}
+
+#[test]
+fn mismatch_reduce_root_3_ranks() {
+    mismatch_of("reduce_root", 3);
+}
+
+#[test]
+fn mismatch_op_4_ranks() {
+    mismatch_of("op", 4);
 }
 
 /// AllReduce(1024, float, sum) against AllGather(2048, float).
