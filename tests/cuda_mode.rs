@@ -87,6 +87,24 @@ fn cuda_mode_direct_reductions_every_datatype_and_op() {
     }
 }
 
+/// One GPU per process, as most jobs run (the stand-in with two devices, process p on device
+/// p): every part passes, each communicator reports its process's device, and the processes
+/// read each other's buffers directly (peer access between the devices).
+#[test]
+fn cuda_mode_2_processes_on_2_devices() {
+    // The device machine has one GPU; its second device is the stand-in's.
+    if !stand_in_only("cuda_mode_2_processes_on_2_devices") {
+        return;
+    }
+    let job = cuda_job().procs(2).env("NCCL_RS_STUB_DEVICES", "2").proc_env(0, "NCCL_TEST_CUDA_DEVICE", "0")
+        .proc_env(1, "NCCL_TEST_CUDA_DEVICE", "1").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P");
+    let o = job.run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(p.log.contains("are read directly"), "process {i}: expected the direct path:\n{}", p.log);
+    }
+}
+
 /// NCCL_RS_DIRECT_MIN moves the size from which collectives go direct: from 1 byte every
 /// collective on device memory reads the peers directly, down to single elements (ranks
 /// with nothing to reduce included), exact; from 1 GiB none does.
