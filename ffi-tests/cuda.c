@@ -615,6 +615,42 @@ static void mixed(void) {
   }
 }
 
+/* Only the last rank's output is pinned memory (no CUDA IPC handle): that rank declines the
+ * direct path for this one operation while its peers offer device buffers, so every rank
+ * stages it, exact; the next all-device operation goes direct again (tests/cuda_mode.rs checks
+ * that no rank said it "can never" read directly). Only when asked (--only DeclineOne). */
+static void decline_one(void) {
+  test_step("decline-one");
+  const size_t count = 50000; /* a direct-path size */
+  CUdeviceptr ds[MAX_LOCAL], dout[MAX_LOCAL];
+  float *hin[MAX_LOCAL], *out[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    const int last = g_env.first_rank + l == g_env.nranks - 1;
+    dout[l] = last ? 0 : dev_alloc(count * sizeof(float));
+    /* The pinned one is read by the host below; the device ones through host_alloc copies. */
+    out[l] = last ? host_alloc(count * sizeof(float)) : (float*)(uintptr_t)dout[l];
+  }
+  allreduce_to_host(count, ds, hin, out, "one rank's output pinned");
+  for (int l = 0; l < g_env.local; l++) {
+    dev_free(ds[l]);
+    CU(cu.MemFreeHost(hin[l]));
+    if (dout[l]) dev_free(dout[l]);
+    else CU(cu.MemFreeHost(out[l]));
+  }
+  CUdeviceptr d[MAX_LOCAL];
+  float* h[MAX_LOCAL];
+  fresh_allreduce(d, h, count, 9);
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 9);
+    EXPECT(bad == 0, "the all-device allreduce after a declined one, rank %d: %zu wrong values", g_env.first_rank + l, bad);
+    dev_free(d[l]);
+    CU(cu.MemFreeHost(h[l]));
+  }
+}
+
 /* A device send buffer with a pageable (malloc) receive buffer, large enough for the direct
  * path, which must not take it (its kernels cannot reach pageable memory), also between ranks
  * of one process, which publish buffers by address. Only when asked (--only Pageable): the
@@ -2330,6 +2366,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "GraphRefused")) graph_refused();
   if (g_env.only && !strcasecmp(g_env.only, "Suspend")) suspend_mem();
   if (g_env.only && !strcasecmp(g_env.only, "Reductions")) reductions(); /* only when asked: 180 calls */
+  if (g_env.only && !strcasecmp(g_env.only, "DeclineOne")) decline_one();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

@@ -105,6 +105,22 @@ fn cuda_mode_2_processes_on_2_devices() {
     }
 }
 
+/// One rank declines the direct path for one operation (its output is pinned memory) while
+/// its peers offer device buffers: every rank stages that one, exact, and goes direct again on
+/// the next; nobody concludes that some rank can never go direct.
+#[test]
+fn cuda_mode_one_rank_declines_one_operation() {
+    for job in [cuda_job().procs(3), cuda_job().local(2)] {
+        let o = job.arg("--only").arg("DeclineOne").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            // The declined one is AllReduce #0: the first read directly is #1.
+            assert!(p.log.contains("are read directly") && p.log.contains("from AllReduce #1 (") && !p.log.contains("can never"),
+                    "process {i}: expected the direct path after the declined operation, and no 'can never':\n{}", p.log);
+        }
+    }
+}
+
 /// NCCL_RS_DIRECT_MIN moves the size from which collectives go direct: from 1 byte every
 /// collective on device memory reads the peers directly, down to single elements (ranks
 /// with nothing to reduce included), exact; from 1 GiB none does.
