@@ -792,31 +792,40 @@ static void order(void) {
 }
 
 /* PreMulSum with the scalar in device memory (ncclScalarDevice), written on the stream just
- * before the call: the operation must use the value the stream left there. */
-static void premul(void) {
-  test_step("premul");
+ * before the call: the operation must use the value the stream left there. Also with the
+ * scalar in pinned host memory (device-visible too), the stream held while the copy and the
+ * call are queued, so that reading the scalar before the stream got there shows. */
+static void premul_case(int pinned) {
   const size_t count = 20000; /* 80 KB: a direct-path size, though PreMulSum is always staged */
+  const int gate = pinned && !host_wait_mode();
   CUdeviceptr d[MAX_LOCAL], sc[MAX_LOCAL];
   float *h[MAX_LOCAL], *hs[MAX_LOCAL];
   ncclRedOp_t ops[MAX_LOCAL];
+  CUdeviceptr dflag = 0;
+  uint32_t* flag = gate_word(&dflag);
   for (int l = 0; l < g_env.local; l++) {
     int rank = g_env.first_rank + l;
     d[l] = dev_alloc(count * sizeof(float));
-    sc[l] = dev_alloc(sizeof(float));
+    sc[l] = pinned ? (CUdeviceptr)(uintptr_t)host_alloc(sizeof(float)) : dev_alloc(sizeof(float));
+    if (pinned) *(float*)(uintptr_t)sc[l] = -1000.0f; /* what a read before the stream's copy sees */
     h[l] = host_alloc(count * sizeof(float));
     hs[l] = host_alloc(sizeof(float));
     for (size_t j = 0; j < count; j++) h[l][j] = in_value(rank, j, 3);
     hs[l][0] = (float)(rank + 1);
     CHECK(ncclRedOpCreatePreMulSum(&ops[l], (void*)(uintptr_t)sc[l], ncclFloat32, ncclScalarDevice, g_comms[l]));
     CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    if (gate) CU(cu.StreamWaitValue32(g_streams[l], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
     CU(cu.MemcpyAsync(sc[l], (CUdeviceptr)(uintptr_t)hs[l], sizeof(float), g_streams[l]));
   }
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++)
     CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ops[l], g_comms[l], g_streams[l]));
   CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
+  if (gate) __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
   for (int l = 0; l < g_env.local; l++) {
-    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
     CU(cu.StreamSynchronize(g_streams[l]));
     size_t bad = 0;
     for (size_t j = 0; j < count; j++) {
@@ -824,13 +833,22 @@ static void premul(void) {
       for (int r = 0; r < g_env.nranks; r++) want += (float)(r + 1) * in_value(r, j, 3);
       bad += h[l][j] != want;
     }
-    EXPECT(bad == 0, "PreMulSum with device scalars, rank %d: %zu wrong values", g_env.first_rank + l, bad);
+    EXPECT(bad == 0, "PreMulSum with %s scalars, rank %d: %zu wrong values", pinned ? "pinned" : "device",
+           g_env.first_rank + l, bad);
     CHECK(ncclRedOpDestroy(ops[l], g_comms[l]));
     dev_free(d[l]);
-    dev_free(sc[l]);
+    if (pinned) CU(cu.MemFreeHost((void*)(uintptr_t)sc[l]));
+    else dev_free(sc[l]);
     CU(cu.MemFreeHost(h[l]));
     CU(cu.MemFreeHost(hs[l]));
   }
+  CU(cu.MemFreeHost(flag));
+}
+
+static void premul(void) {
+  test_step("premul");
+  premul_case(0);
+  premul_case(1);
 }
 
 /* A collective issued while its stream captures a graph is refused with a clear error, and

@@ -110,8 +110,9 @@ fn validate(comm: &Comm, a: &Args) -> Result<(Op, Placement)> {
     };
     let (op, scalar_at) = if a.kind.reduces() { resolve_op(comm, a.op, dt)? } else { (RedOp::Builtin(BuiltinOp::Sum), None) };
     let (send, recv) = regions(a, dt.size(), n, comm.rank, root)?;
-    // A scalar in device memory is read in stream order: the operation goes to the stream too.
-    // (resolve_op gives such a scalar only in device memory, which the device copies.)
+    // A scalar the stream may still be writing is read in stream order: the operation goes to
+    // the stream too. (resolve_op gives such a scalar only in device, pinned or managed memory,
+    // which the device copies.)
     let mut placement = placement(&[send, recv])?;
     placement.device |= scalar_at.is_some();
     // Collectives are numbered alike on every rank; point-to-point calls are not.

@@ -367,8 +367,9 @@ impl Drop for Comm {
 
 
 /// A reduction resolved for one operation (built-ins, or a PreMulSum with its scalar read).
-/// In CUDA mode a scalar in device memory cannot be read now (the stream may not have written
-/// it yet): its address comes back instead, for the stream worker to read in stream order.
+/// In CUDA mode a scalar in device, pinned or managed memory cannot be read now (the stream
+/// may not have written it yet): its address comes back instead, for the stream worker to read
+/// in stream order.
 pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<(RedOp, Option<crate::device::host::UserPtr>)> {
     if let Some(b) = crate::types::BuiltinOp::from_raw(raw) {
         return Ok((RedOp::Builtin(b), None));
@@ -386,10 +387,15 @@ pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<(RedOp, Option<
     let scalar = match op.scalar {
         ScalarSource::Immediate(s) => s,
         ScalarSource::Pointer(p) => {
-            if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. })
-                && matches!(crate::device::cuda::classify(p.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }))
-            {
-                return Ok((RedOp::PreMulSum(crate::types::Scalar { bytes: [0; 8] }), Some(p)));
+            // Memory the stream may still be writing (device, pinned, managed) is read in
+            // stream order, when the operation starts; pageable memory now, as in host mode.
+            if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+                use crate::device::cuda::PtrKind;
+                let kind = crate::device::cuda::classify(p.addr())
+                    .map_err(|e| e.context(format!("classifying the PreMulSum scalar at {:#x}", p.addr())))?;
+                if matches!(kind, PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed) {
+                    return Ok((RedOp::PreMulSum(crate::types::Scalar { bytes: [0; 8] }), Some(p)));
+                }
             }
             crate::device::host::read_scalar(dt, p)?
         }
