@@ -417,9 +417,10 @@ static void step_simulate(ncclComm_t* comms) {
 static void step_group_error(ncclComm_t* comms) {
   if (!begin("group-error")) return;
   /* The failed call: a bad datatype, a NULL communicator, a per-collective config with a
-   * wrong magic. */
-  for (int bad = 0; bad < 3; bad++) {
-    static const char* const what[3] = {"datatype 99", "a NULL communicator", "a config with a wrong magic"};
+   * wrong magic; an ncclCommSplit with a NULL newcomm (splits take part in groups too). */
+  for (int bad = 0; bad < 4; bad++) {
+    static const char* const what[4] = {"datatype 99", "a NULL communicator", "a config with a wrong magic",
+                                        "a split with a NULL newcomm"};
     ar_bufs_t b;
     ar_setup(&b, 64);
     float junk[4] = {0};
@@ -429,8 +430,9 @@ static void step_group_error(ncclComm_t* comms) {
     for (int l = 0; l < g_env.local; l++) CHECK(ar_issue(&b, comms[l], l));
     ncclResult_t r = bad == 0   ? ncclAllReduce(junk, junk, 1, (ncclDataType_t)99, ncclSum, comms[0], TEST_STREAM)
                      : bad == 1 ? ncclAllReduce(junk, junk, 1, ncclFloat32, ncclSum, NULL, TEST_STREAM)
-                                : ncclAllReduceConfig(junk, junk, 1, ncclFloat32, ncclSum, comms[0], TEST_STREAM, &cfg);
-    EXPECT(r == ncclInvalidArgument, "ncclAllReduce with %s inside a group -> %s", what[bad], result_name(r));
+                     : bad == 2 ? ncclAllReduceConfig(junk, junk, 1, ncclFloat32, ncclSum, comms[0], TEST_STREAM, &cfg)
+                                : ncclCommSplit(comms[0], 0, 0, NULL, NULL);
+    EXPECT(r == ncclInvalidArgument, "a call with %s inside a group -> %s", what[bad], result_name(r));
     r = ncclGroupEnd();
     EXPECT(r == ncclInvalidArgument,
            "ncclGroupEnd after a call with %s failed in the group -> %s (NCCL: ncclInvalidArgument)", what[bad],

@@ -123,11 +123,7 @@ export! {
 /// included, is also kept for the enclosing group: NCCL's ncclGroupEnd then returns it and
 /// runs none of the group.
 fn issue(comm: ncclComm_t, config: *const ncclCollConfig_t, a: Args) -> crate::Result<()> {
-    let issued = check_coll_config(config).and_then(|()| coll::enqueue(handle::get(comm)?, a));
-    if let Err(e) = &issued {
-        crate::group::record_error(e);
-    }
-    issued
+    super::grouped(|| check_coll_config(config).and_then(|()| coll::enqueue(handle::get(comm)?, a)))
 }
 
 /// A per-collective config: NULL means defaults; otherwise the header must be one we know.

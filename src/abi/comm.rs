@@ -55,23 +55,29 @@ fn write_handle(out: *mut ncclComm_t, started: init::Started) -> Result<()> {
 
 export! {
     fn ncclCommInitRank(comm: *mut ncclComm_t, nranks: c_int, commId: ncclUniqueId, rank: c_int) {
-        ensure!(!comm.is_null(), Error::invalid_arg("comm is NULL"));
-        write_handle(comm, init::init_rank(nranks, id_bytes(&commId), rank, Config::default())?)
+        super::grouped(|| {
+            ensure!(!comm.is_null(), Error::invalid_arg("comm is NULL"));
+            write_handle(comm, init::init_rank(nranks, id_bytes(&commId), rank, Config::default())?)
+        })
     }
     fn ncclCommInitRankConfig(comm: *mut ncclComm_t, nranks: c_int, commId: ncclUniqueId, rank: c_int,
                               config: *mut ncclConfig_t) {
-        ensure!(!comm.is_null(), Error::invalid_arg("comm is NULL"));
-        write_handle(comm, init::init_rank(nranks, id_bytes(&commId), rank, read_config(config)?)?)
+        super::grouped(|| {
+            ensure!(!comm.is_null(), Error::invalid_arg("comm is NULL"));
+            write_handle(comm, init::init_rank(nranks, id_bytes(&commId), rank, read_config(config)?)?)
+        })
     }
     fn ncclCommInitRankScalable(newcomm: *mut ncclComm_t, nranks: c_int, myrank: c_int, nId: c_int,
                                 commIds: *mut ncclUniqueId, config: *mut ncclConfig_t) {
-        ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
-        ensure!(!commIds.is_null(), Error::invalid_arg("commIds is NULL"));
-        ensure!(nId > 0, Error::invalid_arg(format!("nId {nId} must be at least 1")));
-        // SAFETY: the caller passes nId ids (nId > 0 checked above).
-        let ids = unsafe { std::slice::from_raw_parts(commIds, nId as usize) };
-        let ids: Vec<_> = ids.iter().map(id_bytes).collect();
-        write_handle(newcomm, init::init_rank_scalable(nranks, myrank, &ids, read_config(config)?)?)
+        super::grouped(|| {
+            ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+            ensure!(!commIds.is_null(), Error::invalid_arg("commIds is NULL"));
+            ensure!(nId > 0, Error::invalid_arg(format!("nId {nId} must be at least 1")));
+            // SAFETY: the caller passes nId ids (nId > 0 checked above).
+            let ids = unsafe { std::slice::from_raw_parts(commIds, nId as usize) };
+            let ids: Vec<_> = ids.iter().map(id_bytes).collect();
+            write_handle(newcomm, init::init_rank_scalable(nranks, myrank, &ids, read_config(config)?)?)
+        })
     }
     fn ncclCommInitAll(comm: *mut ncclComm_t, ndev: c_int, devlist: *const c_int) {
         ensure!(!comm.is_null(), Error::invalid_arg("comm is NULL"));
@@ -114,23 +120,27 @@ export! {
         init::revoke(&*handle::get(comm)?, revokeFlags)
     }
     fn ncclCommSplit(comm: ncclComm_t, color: c_int, key: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) {
-        let parent = handle::get(comm)?;
-        ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
-        let config = if config.is_null() { None } else { Some(read_config(config)?) };
-        split::split(parent, color, key, config, sink(newcomm))
+        super::grouped(|| {
+            let parent = handle::get(comm)?;
+            ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+            let config = if config.is_null() { None } else { Some(read_config(config)?) };
+            split::split(parent, color, key, config, sink(newcomm))
+        })
     }
     fn ncclCommShrink(comm: ncclComm_t, excludeRanksList: *mut c_int, excludeRanksCount: c_int,
                       newcomm: *mut ncclComm_t, config: *mut ncclConfig_t, shrinkFlags: c_int) {
-        let parent = handle::get(comm)?;
-        ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
-        ensure!(excludeRanksCount >= 0, Error::invalid_arg(format!("excludeRanksCount {excludeRanksCount} is negative")));
-        ensure!(excludeRanksCount == 0 || !excludeRanksList.is_null(), Error::invalid_arg("excludeRanksList is NULL"));
-        let exclude = if excludeRanksCount == 0 { Vec::new() } else {
-            // SAFETY: the list holds excludeRanksCount ints by the API contract (checked non-NULL, count > 0).
-            unsafe { std::slice::from_raw_parts(excludeRanksList, excludeRanksCount as usize) }.to_vec()
-        };
-        let config = if config.is_null() { None } else { Some(read_config(config)?) };
-        split::shrink(parent, exclude, config, shrinkFlags, sink(newcomm))
+        super::grouped(|| {
+            let parent = handle::get(comm)?;
+            ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+            ensure!(excludeRanksCount >= 0, Error::invalid_arg(format!("excludeRanksCount {excludeRanksCount} is negative")));
+            ensure!(excludeRanksCount == 0 || !excludeRanksList.is_null(), Error::invalid_arg("excludeRanksList is NULL"));
+            let exclude = if excludeRanksCount == 0 { Vec::new() } else {
+                // SAFETY: the list holds excludeRanksCount ints by the API contract (checked non-NULL, count > 0).
+                unsafe { std::slice::from_raw_parts(excludeRanksList, excludeRanksCount as usize) }.to_vec()
+            };
+            let config = if config.is_null() { None } else { Some(read_config(config)?) };
+            split::shrink(parent, exclude, config, shrinkFlags, sink(newcomm))
+        })
     }
     fn ncclCommGetUniqueId(comm: ncclComm_t, uniqueId: *mut ncclUniqueId) {
         let comm = handle::get(comm)?;
@@ -140,19 +150,21 @@ export! {
     }
     fn ncclCommGrow(comm: ncclComm_t, nRanks: c_int, uniqueId: *const ncclUniqueId, rank: c_int,
                     newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) {
-        ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
-        // SAFETY: a non-NULL uniqueId points to an ncclUniqueId by the API contract.
-        let id = (!uniqueId.is_null()).then(|| id_bytes(unsafe { &*uniqueId }));
-        let who = if comm.is_null() {
-            let id = id.ok_or_else(|| Error::invalid_arg("a new rank (comm NULL) must pass the coordinator's uniqueId"))?;
-            split::Grower::Joining(rank, id)
-        } else {
-            ensure!(rank == -1, Error::invalid_arg(format!(
-                "rank {rank}: a rank of the communicator passes -1 (it keeps its number)")));
-            split::Grower::Existing(handle::get(comm)?, id)
-        };
-        let config = if config.is_null() { None } else { Some(read_config(config)?) };
-        split::grow(who, nRanks, config, sink(newcomm))
+        super::grouped(|| {
+            ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+            // SAFETY: a non-NULL uniqueId points to an ncclUniqueId by the API contract.
+            let id = (!uniqueId.is_null()).then(|| id_bytes(unsafe { &*uniqueId }));
+            let who = if comm.is_null() {
+                let id = id.ok_or_else(|| Error::invalid_arg("a new rank (comm NULL) must pass the coordinator's uniqueId"))?;
+                split::Grower::Joining(rank, id)
+            } else {
+                ensure!(rank == -1, Error::invalid_arg(format!(
+                    "rank {rank}: a rank of the communicator passes -1 (it keeps its number)")));
+                split::Grower::Existing(handle::get(comm)?, id)
+            };
+            let config = if config.is_null() { None } else { Some(read_config(config)?) };
+            split::grow(who, nRanks, config, sink(newcomm))
+        })
     }
     fn ncclCommGetAsyncError(comm: ncclComm_t, asyncError: *mut ncclResult_t) {
         let code = handle::get(comm)?.async_code();

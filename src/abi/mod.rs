@@ -72,6 +72,19 @@ pub(crate) fn boundary(call: &'static str, f: impl FnOnce() -> Result<()>) -> nc
     }
 }
 
+/// The body of a call that takes part in groups (collectives, point-to-point, init, split,
+/// shrink, grow): inside a group, an error of the call itself is also kept for the outermost
+/// ncclGroupEnd, which returns it and runs none of the group, as NCCL's does.
+pub(crate) fn grouped(f: impl FnOnce() -> Result<()>) -> Result<()> {
+    let r = f();
+    if let Err(e) = &r {
+        if e.code != Code::InProgress {
+            crate::group::record_error(e);
+        }
+    }
+    r
+}
+
 /// Run a body that returns a value; on error or panic record it and return `fallback`.
 pub(crate) fn boundary_value<T>(call: &'static str, fallback: T, f: impl FnOnce() -> Result<T>) -> T {
     match catch_unwind(AssertUnwindSafe(f)) {
