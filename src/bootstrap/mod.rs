@@ -124,6 +124,9 @@ fn connect_root(id: &UniqueId, deadline: Instant, abort: &AtomicBool) -> Result<
     }
 }
 
+/// How much longer than NCCL_INIT_TIMEOUT_S a rank waits for the root's answer.
+const ROOT_VERDICT_GRACE: Duration = Duration::from_secs(2);
+
 /// Join the job: start our service, say hello to the root, receive everyone's info.
 pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: &AtomicBool)
             -> Result<(Vec<PeerInfo>, Service)> {
@@ -141,15 +144,19 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     w.u8(root::HELLO).u64(id.magic).u32(rank as u32).u32(nranks as u32);
     me.encode(&mut w);
     write_frame(&mut s, &w.buf).map_err(|e| e.context("bootstrap: hello to root"))?;
-    let no_answer = |e: Error| if Instant::now() >= deadline {
-        Error::remote(format!("bootstrap: no answer from the root within {} s", timeout.as_secs()))
+    // The root gives up NCCL_INIT_TIMEOUT_S after it started and then says which ranks are
+    // missing; its verdict is waited for a little longer than that, so a rank whose own clock
+    // started at the same moment (the root's host, above) gets it rather than a bare timeout.
+    let reply_deadline = deadline + ROOT_VERDICT_GRACE;
+    let no_answer = |e: Error| if Instant::now() >= reply_deadline {
+        Error::remote(format!("bootstrap: no answer from the root within {} s", (timeout + ROOT_VERDICT_GRACE).as_secs()))
     } else {
         Error::remote(format!("bootstrap: lost the connection to the root at {}: {}", id.root, e.msg))
     };
     let reply = loop {
-        wait_readable(&mut s, deadline, abort)
+        wait_readable(&mut s, reply_deadline, abort)
             .map_err(|e| if e.code == crate::error::Code::InvalidUsage { e } else { no_answer(e) })?;
-        let frame = read_frame(&mut s, deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)))
+        let frame = read_frame(&mut s, reply_deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)))
             .map_err(no_answer)?;
         let mut r = Reader::new(&frame);
         if r.u8()? != root::WAITING {
