@@ -332,6 +332,11 @@ static void part_abort_init(void) {
   tlog("after 500 ms: ncclCommGetAsyncError state %s", result_name(state));
   EXPECT(state == ncclInProgress, "init state %s while rank 1 is missing (expected ncclInProgress)",
          result_name(state));
+  /* NCCL: using a communicator before it reports ncclSuccess is ncclInvalidArgument. */
+  int32_t one = 1, out = 0;
+  ncclResult_t rc = ncclAllReduce(&one, &out, 1, ncclInt32, ncclSum, comm, TEST_STREAM);
+  EXPECT(rc == ncclInvalidArgument, "an allreduce on a communicator still initialising -> %s (%s)", result_name(rc),
+         last_error(comm));
   test_step("ncclCommAbort during init");
   double t0 = now_s();
   ncclResult_t ra = ncclCommAbort(comm);

@@ -223,9 +223,7 @@ impl Comm {
         if self.suspended.load(Ordering::Acquire) {
             return Err(Error::invalid_usage(format!("rank {}: communicator is suspended (ncclCommResume it)", self.rank)));
         }
-        self.ready
-            .get()
-            .ok_or_else(|| Error::invalid_usage(format!("rank {}: communicator is still initialising", self.rank)))
+        self.ready.get().ok_or_else(|| self.not_ready())
     }
 
     /// For split and shrink: allowed on a revoked or failed communicator (that is what
@@ -234,9 +232,7 @@ impl Comm {
         if self.abort.load(Ordering::Acquire) {
             return Err(Error::invalid_usage(format!("rank {}: communicator was aborted", self.rank)));
         }
-        self.ready
-            .get()
-            .ok_or_else(|| Error::invalid_usage(format!("rank {}: communicator is still initialising", self.rank)))
+        self.ready.get().ok_or_else(|| self.not_ready())
     }
 
     /// The number of the next split, shrink or grow among the ranks `members` (hashed by the
@@ -249,6 +245,13 @@ impl Comm {
         *n += 1;
         let tag = crate::bootstrap::id::magic_of(&format!("{members:x}/{seq}")) as u32 & 0xffff;
         (seq, tag)
+    }
+
+    /// NCCL's answer to a call on a communicator whose nonblocking init has not finished.
+    fn not_ready(&self) -> Error {
+        Error::invalid_arg(format!(
+            "rank {}: communicator is still initialising (ncclCommGetAsyncError must say ncclSuccess before it is \
+             used)", self.rank))
     }
 
     pub fn ready_if_any(&self) -> Option<&Ready> {
