@@ -447,6 +447,21 @@ fn trace_lines_in_nccls_format() {
     }
 }
 
+/// NCCL_DEBUG_SUBSYS selects and excludes INFO lines by subsystem: the connections are INIT
+/// ("rank A -> rank B via KIND"), the single-copy probe P2P.
+#[test]
+fn debug_subsys_selects_and_excludes() {
+    for (subsys, want, not) in [("P2P", "single-copy reads from", " via Shm"), ("^P2P", " via Shm", "single-copy reads from")] {
+        let o = Job::new("collectives").procs(2).arg("--quick").arg("--only").arg("AllReduce").env("NCCL_DEBUG", "INFO")
+            .env("NCCL_DEBUG_SUBSYS", subsys).run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert!(p.log.contains(want) && !p.log.contains(not),
+                    "NCCL_DEBUG_SUBSYS={subsys}, process {i}: want {want:?}, not {not:?}:\n{}", p.log);
+        }
+    }
+}
+
 #[test]
 fn leaks_2_processes() {
     Job::new("leaks").procs(2).exclusive().timeout_s(300).run();
