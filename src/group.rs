@@ -83,12 +83,22 @@ pub fn end() -> Result<()> {
         let nonblocking = group.inits.iter().any(|(c, _)| !c.config.blocking);
         if nonblocking {
             let inits = group.inits;
-            std::thread::Builder::new()
+            let comms: Vec<Arc<Comm>> = inits.iter().map(|(c, _)| c.clone()).collect();
+            let spawned = std::thread::Builder::new()
                 .name("nccl-rs-init".into())
                 .spawn(move || {
-                    let _ = run_init_list(&inits);
-                })
-                .map_err(|e| Error::os("spawn init thread", e))?;
+                    // Whatever happens, no communicator of the group stays "in progress".
+                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_init_list(&inits)));
+                    if let Err(p) = ran {
+                        let e = Error::internal(format!("init thread panicked: {}", crate::abi::panic_message(&*p)));
+                        inits.iter().for_each(|(c, _)| c.set_async_error(&e));
+                    }
+                });
+            if let Err(e) = spawned {
+                let e = Error::os("spawn init thread", e);
+                comms.iter().for_each(|c| c.set_async_error(&e));
+                return Err(e);
+            }
             init_pending = true;
         } else {
             run_init_list(&group.inits)?;
@@ -169,8 +179,13 @@ pub fn run_parallel(work: Vec<Deferred>) -> Result<()> {
         return work.into_iter().try_for_each(|w| w());
     }
     let results: Vec<Result<()>> = std::thread::scope(|s| {
-        let joins: Vec<_> = work.into_iter().map(|w| s.spawn(w)).collect();
-        joins.into_iter().map(|j| j.join().unwrap_or_else(|_| Err(Error::internal("group thread panicked")))).collect()
+        // A piece whose thread cannot start fails (the others still run, and time out or
+        // fail on their own if they needed it).
+        let joins: Vec<_> = work.into_iter().map(|w| std::thread::Builder::new().name("nccl-rs-group".into()).spawn_scoped(s, w)).collect();
+        joins.into_iter().map(|j| match j {
+            Ok(j) => j.join().unwrap_or_else(|_| Err(Error::internal("group thread panicked"))),
+            Err(e) => Err(Error::os("spawn a group thread", e)),
+        }).collect()
     });
     results.into_iter().collect()
 }

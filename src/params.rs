@@ -203,11 +203,15 @@ pub fn nsocks() -> usize {
     (t * s).clamp(1, 64)
 }
 
+/// The longest timeout honoured (about 31 years): "forever" as a huge number must not
+/// overflow the deadlines computed from it.
+const MAX_TIMEOUT_S: u64 = 1 << 30;
+
 pub fn init_timeout() -> std::time::Duration {
-    std::time::Duration::from_secs(u64::try_from(int("NCCL_INIT_TIMEOUT_S")).unwrap_or(300).max(1))
+    std::time::Duration::from_secs(u64::try_from(int("NCCL_INIT_TIMEOUT_S")).unwrap_or(300).clamp(1, MAX_TIMEOUT_S))
 }
 pub fn peer_timeout() -> std::time::Duration {
-    std::time::Duration::from_secs(u64::try_from(int("NCCL_PEER_TIMEOUT_S")).unwrap_or(30).max(1))
+    std::time::Duration::from_secs(u64::try_from(int("NCCL_PEER_TIMEOUT_S")).unwrap_or(30).clamp(1, MAX_TIMEOUT_S))
 }
 
 #[cfg(test)]

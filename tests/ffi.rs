@@ -462,6 +462,14 @@ fn debug_subsys_selects_and_excludes() {
     }
 }
 
+/// A timeout of "forever" (the largest integer) works as one, instead of overflowing the
+/// deadlines computed from it.
+#[test]
+fn huge_timeouts_mean_forever() {
+    Job::new("collectives").procs(2).arg("--quick").arg("--only").arg("AllReduce")
+        .env("NCCL_INIT_TIMEOUT_S", "9223372036854775807").env("NCCL_PEER_TIMEOUT_S", "9223372036854775807").run();
+}
+
 #[test]
 fn leaks_2_processes() {
     Job::new("leaks").procs(2).exclusive().timeout_s(300).run();

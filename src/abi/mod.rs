@@ -45,7 +45,7 @@ pub(crate) fn last_error_ptr() -> *const c_char {
     crate::error::last_error_ptr().cast()
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = p.downcast_ref::<String>() {

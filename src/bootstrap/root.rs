@@ -200,11 +200,23 @@ pub fn parse_hello(frame: &[u8], magic: u64) -> Option<(usize, usize, PeerInfo)>
 }
 
 fn missing_ranks(joined: &[Joined], n: usize) -> String {
-    let missing: Vec<String> = (0..n).filter(|r| !joined.iter().any(|j| j.info.rank == *r)).map(|r| r.to_string()).collect();
-    match missing.len() {
+    missing_text(joined.iter().map(|j| j.info.rank), n)
+}
+
+/// The ranks below `n` not among `seen`, for a message.
+fn missing_text(seen: impl Iterator<Item = usize>, n: usize) -> String {
+    // At most SHOWN named (n comes from a hello: a wrong nranks may be huge), then a count.
+    const SHOWN: usize = 32;
+    let mut seen: Vec<usize> = seen.collect();
+    seen.sort_unstable();
+    seen.dedup();
+    let absent = n.saturating_sub(seen.iter().filter(|&&r| r < n).count());
+    let named: Vec<String> = (0..n).filter(|r| seen.binary_search(r).is_err()).take(SHOWN).map(|r| r.to_string()).collect();
+    let more = if absent > named.len() { format!(" and {} more", absent - named.len()) } else { String::new() };
+    match named.len() {
         0 => "unknown (no rank arrived)".into(),
-        1 => format!("rank {}", missing[0]),
-        _ => format!("ranks {}", missing.join(", ")),
+        1 => format!("rank {}{more}", named[0]),
+        _ => format!("ranks {}{more}", named.join(", ")),
     }
 }
 
@@ -226,6 +238,15 @@ mod tests {
 
     /// An id nobody uses ends quietly (nothing at WARN: ncclCommInitRankScalable's spare ids
     /// are such); a job some rank never joins fails, naming it.
+    #[test]
+    fn missing_ranks_are_named_up_to_a_limit() {
+        assert_eq!(missing_text([0, 2].into_iter(), 3), "rank 1");
+        assert_eq!(missing_text([1].into_iter(), 4), "ranks 0, 2, 3");
+        assert_eq!(missing_text(std::iter::empty(), 0), "unknown (no rank arrived)");
+        let huge = missing_text([0].into_iter(), usize::MAX / 2);
+        assert!(huge.starts_with("ranks 1, 2, 3,") && huge.ends_with(&format!(" and {} more", usize::MAX / 2 - 1 - 32)), "{huge}");
+    }
+
     #[test]
     fn an_unused_id_ends_quietly_and_a_missing_rank_is_named() {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a listener");

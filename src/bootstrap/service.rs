@@ -204,9 +204,12 @@ impl Service {
         self.shared.stop.store(true, Ordering::Release);
         let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
-            // Wake the blocking accept with a connection of our own.
-            let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
-            let _ = h.join();
+            // Wake the blocking accept with a connection of our own. If that fails (no file
+            // descriptor left, the address gone), the thread is left to end with the process
+            // rather than joined: destroy and abort must return.
+            if TcpStream::connect_timeout(&self.addr, Duration::from_secs(1)).is_ok() {
+                let _ = h.join();
+            }
             // Let connection threads that are mid-message finish (bounded: a silent hostile
             // connection is left to its own read timeout).
             let until = Instant::now() + Duration::from_millis(200);
@@ -231,7 +234,12 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
-        let Ok(s) = conn else { continue };
+        let Ok(s) = conn else {
+            // Out of file descriptors, say: the connection stays queued and accept fails again
+            // at once; do not spin on it.
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
         let Some(ticket) = shared.pending.admit(&s) else { continue };
         // Each connection is read on a thread of its own, so a silent one delays nobody.
         let mine = shared.clone();

@@ -289,17 +289,33 @@ impl Comm {
         let Some(ready) = self.ready.get() else { return Vec::new() };
         let me = &ready.peers[self.rank];
         let timeout = std::time::Duration::from_secs(1);
+        let probe = |p: &crate::bootstrap::PeerInfo| {
+            if p.same_host(me) {
+                (!crate::transport::ring::pid_alive(p.pid)).then(|| (p.rank, "its process exited".to_string()))
+            } else {
+                ready.service.ping(p.rank, timeout).err().map(|e| (p.rank, e.msg))
+            }
+        };
+        let others: Vec<_> = ready.peers.iter().filter(|p| p.rank != self.rank).collect();
+        // At most PROBERS threads, each taking a share of the peers (pings wait up to 1 s); a
+        // thread that cannot start leaves its share to this one.
+        const PROBERS: usize = 32;
+        let share = others.len().div_ceil(PROBERS).max(1);
         std::thread::scope(|s| {
-            let probes: Vec<_> = ready.peers.iter().filter(|p| p.rank != self.rank).map(|p| {
-                s.spawn(move || {
-                    if p.same_host(me) {
-                        (!crate::transport::ring::pid_alive(p.pid)).then(|| (p.rank, "its process exited".to_string()))
-                    } else {
-                        ready.service.ping(p.rank, timeout).err().map(|e| (p.rank, e.msg))
-                    }
-                })
-            }).collect();
-            probes.into_iter().filter_map(|h| h.join().ok().flatten()).collect()
+            let mut lost = Vec::new();
+            let mut probes = Vec::new();
+            for chunk in others.chunks(share) {
+                let spawned = std::thread::Builder::new()
+                    .name("nccl-rs-probe".into())
+                    .spawn_scoped(s, move || chunk.iter().filter_map(|p| probe(p)).collect::<Vec<_>>());
+                match spawned {
+                    Ok(h) => probes.push(h),
+                    Err(_) => lost.extend(chunk.iter().filter_map(|p| probe(p))),
+                }
+            }
+            lost.extend(probes.into_iter().filter_map(|h| h.join().ok()).flatten());
+            lost.sort();
+            lost
         })
     }
 
