@@ -500,7 +500,7 @@ fn connect(comms: &[&Comm], work: &[Work], guards: &mut [std::sync::MutexGuard<'
     if connected {
         return Ok(());
     }
-    let deadline = Instant::now() + params::init_timeout();
+    let deadline = params::init_deadline();
     let peers_of = |p: &crate::plan::Builder, want_send: bool| {
         let mut v: Vec<usize> = p.units.iter().filter_map(|u| match (u.step, want_send) {
             (Step::Send { peer, .. }, true) => Some(peer as usize),

@@ -46,7 +46,7 @@ pub static ALL: &[Param] = &[
     p("NCCL_COMM_BLOCKING", "", "0: communicators are nonblocking unless their config says otherwise"),
     p("NCCL_SOCKET_NTHREADS", "1", "socket transport: groups of sockets per peer (nccl-rs drives them all from one thread)"),
     p("NCCL_NSOCKS_PERTHREAD", "1", "socket transport: sockets per group; messages are spread over all sockets of a peer"),
-    p("NCCL_INIT_TIMEOUT_S", "300", "seconds a rank waits for the others during init before failing"),
+    p("NCCL_INIT_TIMEOUT_S", "", "seconds a rank waits for the others (init, split, shrink, grow, the first connection to a peer) before failing with ncclTimeout; unset: as long as it takes, as NCCL (the ranks waited for are named at WARN after 10 s; ncclCommAbort ends the wait)"),
     p("NCCL_PEER_TIMEOUT_S", "30", "seconds without any sign of life from a peer before it is declared lost"),
     p("NCCL_PARAM_DUMP_ALL", "0", "1: ncclParamGetAllParameterKeys and ncclParamDumpAll list every parameter"),
 ];
@@ -207,8 +207,26 @@ pub fn nsocks() -> usize {
 /// overflow the deadlines computed from it.
 const MAX_TIMEOUT_S: u64 = 1 << 30;
 
-pub fn init_timeout() -> std::time::Duration {
-    std::time::Duration::from_secs(u64::try_from(int("NCCL_INIT_TIMEOUT_S")).unwrap_or(300).clamp(1, MAX_TIMEOUT_S))
+/// NCCL_INIT_TIMEOUT_S, if set: how long a rank waits for the others. Unset (the default), it
+/// waits as NCCL does, as long as it takes: ranks reach a first collective or a split minutes
+/// apart in real jobs (a rank preparing data while the others wait at a barrier).
+pub fn init_timeout() -> Option<std::time::Duration> {
+    let secs = raw("NCCL_INIT_TIMEOUT_S").and_then(|v| parse_int(&v))?;
+    Some(std::time::Duration::from_secs(u64::try_from(secs).unwrap_or(1).clamp(1, MAX_TIMEOUT_S)))
+}
+
+/// The deadline of a wait for the other ranks started now: NCCL_INIT_TIMEOUT_S away, or too far
+/// to come.
+pub fn init_deadline() -> std::time::Instant {
+    std::time::Instant::now() + init_timeout().unwrap_or(std::time::Duration::from_secs(MAX_TIMEOUT_S))
+}
+
+/// How a message names the limit of such a wait.
+pub fn init_limit_text() -> String {
+    match init_timeout() {
+        Some(t) => format!("up to NCCL_INIT_TIMEOUT_S, {} s", t.as_secs()),
+        None => "as long as it takes: NCCL_INIT_TIMEOUT_S is unset".to_string(),
+    }
 }
 pub fn peer_timeout() -> std::time::Duration {
     std::time::Duration::from_secs(u64::try_from(int("NCCL_PEER_TIMEOUT_S")).unwrap_or(30).clamp(1, MAX_TIMEOUT_S))

@@ -277,6 +277,21 @@ fn comms_a_rank_that_never_calls_is_named() {
     }
 }
 
+/// Without NCCL_INIT_TIMEOUT_S, init waits for a late rank as long as it takes, as NCCL does
+/// (here 13 s: a rank preparing data while the others wait is common); after 10 s the waiting
+/// ranks name the late one and say there is no limit; then the job runs.
+#[test]
+fn init_waits_for_a_late_rank_without_a_limit() {
+    let o = Job::new("collectives").procs(3).arg("--quick").arg("--only").arg("AllReduce").env("NCCL_DEBUG", "WARN")
+        .delay_start_ms(2, 13_000).timeout_s(90).run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for i in [0, 1] {
+        let log = &o.procs[i].log;
+        assert!(log.contains("waiting for rank 2 (as long as it takes: NCCL_INIT_TIMEOUT_S is unset)"),
+                "process {i} should name the late rank:\n{log}");
+    }
+}
+
 /// A rank waiting on a peer whose communicator is suspended says so (not only that the peer
 /// has not made the call); resumed, the peer joins and the all-reduce is exact.
 #[test]
@@ -377,7 +392,7 @@ fn lifecycle_param_api_reads_the_environment() {
     assert!(o.ok(), "{}", o.report);
     // ncclParamDumpAll: the value set, and a default.
     let log = &o.procs[0].log;
-    assert!(log.contains("NCCL_BUFFSIZE = 0x30000 (") && log.contains("NCCL_INIT_TIMEOUT_S = 300 ("),
+    assert!(log.contains("NCCL_BUFFSIZE = 0x30000 (") && log.contains("NCCL_PEER_TIMEOUT_S = 30 ("),
             "ncclParamDumpAll's lines are missing:\n{log}");
 }
 

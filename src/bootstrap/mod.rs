@@ -124,6 +124,9 @@ fn connect_root(id: &UniqueId, deadline: Instant, abort: &AtomicBool) -> Result<
     }
 }
 
+/// How long a rank tries to reach the root when NCCL_INIT_TIMEOUT_S is unset.
+const UNLIMITED_CONNECT: Duration = Duration::from_secs(300);
+
 /// How much longer than NCCL_INIT_TIMEOUT_S a rank waits for the root's answer.
 const ROOT_VERDICT_GRACE: Duration = Duration::from_secs(2);
 
@@ -131,14 +134,17 @@ const ROOT_VERDICT_GRACE: Duration = Duration::from_secs(2);
 pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: &AtomicBool)
             -> Result<(Vec<PeerInfo>, Service)> {
     let timeout = params::init_timeout();
-    let deadline = Instant::now() + timeout;
+    // Reaching the root is quick once it listens (with NCCL_COMM_ID, rank 0 may start it
+    // late): bounded even without a limit on the wait that follows.
+    let connect_deadline = Instant::now() + timeout.unwrap_or(UNLIMITED_CONNECT);
+    let deadline = params::init_deadline();
     if id.rank0_hosts_root && rank == 0 {
         let listener = bind_reusable(id.root)?;
         root::spawn(listener, id.magic, timeout)?;
     }
     let service = Service::start(local_ip(), id.magic, rank as u32)?;
     me.addr = service.addr;
-    let mut s = connect_root(id, deadline, abort)?;
+    let mut s = connect_root(id, connect_deadline, abort)?;
     let _ = s.set_nodelay(true);
     let mut w = Writer::default();
     w.u8(root::HELLO).u64(id.magic).u32(rank as u32).u32(nranks as u32);
@@ -149,7 +155,8 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     // started at the same moment (the root's host, above) gets it rather than a bare timeout.
     let reply_deadline = deadline + ROOT_VERDICT_GRACE;
     let no_answer = |e: Error| if Instant::now() >= reply_deadline {
-        Error::remote(format!("bootstrap: no answer from the root within {} s", (timeout + ROOT_VERDICT_GRACE).as_secs()))
+        Error::remote(format!("bootstrap: no answer from the root within {} s",
+                              timeout.map_or(0, |t| (t + ROOT_VERDICT_GRACE).as_secs())))
     } else {
         Error::remote(format!("bootstrap: lost the connection to the root at {}: {}", id.root, e.msg))
     };

@@ -20,7 +20,8 @@ pub const TIMED_OUT: u8 = 4;
 pub const WAITING: u8 = 5;
 
 /// Run the root for one job on `listener` in a detached thread.
-pub fn spawn(listener: TcpListener, magic: u64, timeout: Duration) -> Result<()> {
+/// `timeout`: NCCL_INIT_TIMEOUT_S, or None to wait for the ranks as long as it takes.
+pub fn spawn(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Result<()> {
     std::thread::Builder::new()
         .name("nccl-rs-root".into())
         .spawn(move || {
@@ -108,10 +109,20 @@ enum Served {
     Failed(String),
 }
 
-fn serve(listener: TcpListener, magic: u64, timeout: Duration) -> Served {
+/// A root that no rank has used for this long (NCCL_INIT_TIMEOUT_S unset) stops: one of
+/// ncclCommInitRankScalable's spare ids, or one never handed out.
+const UNUSED_ROOT: Duration = Duration::from_secs(300);
+
+fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served {
     let started = Instant::now();
-    let deadline = started + timeout;
-    let mut warn_at = Some(started + super::service::warn_after(deadline));
+    let deadline = timeout.map(|t| started + t);
+    let unused_after = timeout.unwrap_or(UNUSED_ROOT);
+    let limit = match timeout {
+        Some(t) => format!("up to NCCL_INIT_TIMEOUT_S, {} s", t.as_secs()),
+        None => "as long as it takes: NCCL_INIT_TIMEOUT_S is unset".to_string(),
+    };
+    let mut warn_at = Some(started + deadline.map_or(Duration::from_secs(10), super::service::warn_after));
+    let mut last_activity = started;
     let _ = listener.set_nonblocking(true);
     let mut joined: Vec<Joined> = Vec::new();
     let mut expected: Option<usize> = None;
@@ -121,9 +132,8 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) -> Served {
         if let (Some(at), Some(n)) = (warn_at, expected) {
             if Instant::now() >= at {
                 warn_at = None;
-                let msg = format!("bootstrap: {} of {n} ranks have joined after {} s; waiting for {} (up to \
-                                   NCCL_INIT_TIMEOUT_S, {} s)", joined.len(), started.elapsed().as_secs(),
-                                  missing_ranks(&joined, n), timeout.as_secs());
+                let msg = format!("bootstrap: {} of {n} ranks have joined after {} s; waiting for {} ({limit})",
+                                  joined.len(), started.elapsed().as_secs(), missing_ranks(&joined, n));
                 // Every rank that waits says it (at WARN), not only the process of the root.
                 let mut w = Writer::default();
                 w.u8(WAITING).str(&msg);
@@ -132,28 +142,34 @@ fn serve(listener: TcpListener, magic: u64, timeout: Duration) -> Served {
                 }
             }
         }
-        if Instant::now() >= deadline {
-            if joined.is_empty() {
-                // An id nobody used (one of ncclCommInitRankScalable's spares, or one never
-                // handed out): nobody waits, so nothing to report but at INFO.
-                crate::info!(BOOTSTRAP, "bootstrap: no rank used this unique id within {} s; its root stops",
-                             timeout.as_secs());
-                return Served::Unused;
-            }
+        if joined.is_empty() && unheard.is_empty() && started.elapsed() >= unused_after {
+            // An id nobody used (one of ncclCommInitRankScalable's spares, or one never handed
+            // out): nobody waits, so nothing to report but at INFO.
+            crate::info!(BOOTSTRAP, "bootstrap: no rank used this unique id within {} s; its root stops",
+                         unused_after.as_secs());
+            return Served::Unused;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
             let missing = missing_ranks(&joined, expected.unwrap_or(0));
             let msg = format!(
                 "bootstrap: only {} of {} ranks joined within {} s; missing: {}",
-                joined.len(), expected.map_or("?".to_string(), |n| n.to_string()), timeout.as_secs(), missing);
+                joined.len(), expected.map_or("?".to_string(), |n| n.to_string()), unused_after.as_secs(), missing);
             fail(&mut joined, None, TIMED_OUT, &msg);
             return Served::Failed(msg);
         }
         let (busy, hello) = poll_hellos(&listener, &mut unheard, magic);
         let Some((mut stream, rank, nranks, info)) = hello else {
-            if !busy {
-                std::thread::sleep(Duration::from_millis(1));
+            if busy {
+                last_activity = Instant::now();
+            } else {
+                // Quick while ranks arrive; a root that waits long (for a late rank) polls at
+                // 50 Hz rather than 1 kHz.
+                let idle = last_activity.elapsed() > Duration::from_secs(1);
+                std::thread::sleep(Duration::from_millis(if idle { 20 } else { 1 }));
             }
             continue;
         };
+        last_activity = Instant::now();
         let n = *expected.get_or_insert(nranks);
         let problem = if nranks != n {
             Some(format!("bootstrap: rank {rank} says the job has {nranks} ranks but an earlier rank said {n}"))
@@ -250,11 +266,11 @@ mod tests {
     #[test]
     fn an_unused_id_ends_quietly_and_a_missing_rank_is_named() {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a listener");
-        assert_eq!(serve(listener, 7, Duration::from_millis(50)), Served::Unused);
+        assert_eq!(serve(listener, 7, Some(Duration::from_millis(50))), Served::Unused);
 
         let listener = TcpListener::bind("127.0.0.1:0").expect("a listener");
         let addr = listener.local_addr().expect("its address");
-        let root = std::thread::spawn(move || serve(listener, 7, Duration::from_millis(500)));
+        let root = std::thread::spawn(move || serve(listener, 7, Some(Duration::from_millis(500))));
         let mut s = TcpStream::connect(addr).expect("a connection");
         let me = PeerInfo { rank: 0, pid: 1, cuda_dev: 0, host_hash: 1, hostname: "h".into(),
                             addr: "127.0.0.1:1".parse().expect("an address"), slice: 4096, nsocks: 1 };

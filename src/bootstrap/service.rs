@@ -186,7 +186,7 @@ impl Service {
                     Err(e) if e.code == crate::error::Code::Timeout && Instant::now() < deadline => {
                         warn_at = None;
                         crate::warn!("rank {}: {call} waits for rank {origin}, which has not made the call (its \
-                                      part{by} has not come); waiting up to NCCL_INIT_TIMEOUT_S", members[me]);
+                                      part{by} has not come); waiting {}", members[me], crate::params::init_limit_text());
                     }
                     Err(e) if e.code == crate::error::Code::Timeout => {
                         return Err(Error::timeout(format!("rank {origin} never made the call (its part{by} did \
