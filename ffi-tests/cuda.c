@@ -380,6 +380,15 @@ static ncclResult_t issue(coll_t c, const void* s, void* r, size_t count, ncclCo
 /* One collective on every local rank: upload, call, download on the rank's stream; then
  * synchronise and compare. `gate`: the streams first wait on a host word, released only
  * after every call returned (a call that waited for its stream would never return). */
+/* Every local communicator reports no asynchronous error after `what`. */
+static void expect_no_async_error(const char* what) {
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t async = ncclSuccess;
+    CHECK(ncclCommGetAsyncError(g_comms[l], &async));
+    EXPECT(async == ncclSuccess, "%s: async error %s: %s", what, result_name(async), ncclGetLastError(g_comms[l]));
+  }
+}
+
 static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
   const int n = g_env.nranks;
   size_t ns, nr;
@@ -447,11 +456,7 @@ static void run_coll(coll_t c, size_t count, int in_place, int gate, int salt) {
     CU(cu.MemFreeHost(hout[l]));
   }
   CU(cu.MemFreeHost(flag));
-  for (int l = 0; l < g_env.local; l++) {
-    ncclResult_t async = ncclSuccess;
-    CHECK(ncclCommGetAsyncError(g_comms[l], &async));
-    EXPECT(async == ncclSuccess, "%s: async error %s: %s", COLL_NAME[c], result_name(async), ncclGetLastError(g_comms[l]));
-  }
+  expect_no_async_error(COLL_NAME[c]);
 }
 
 /* Every local rank: fresh device memory d[l] and pinned h[l] of `count` floats, inputs
@@ -619,6 +624,8 @@ static void mixed(void) {
  * direct path for this one operation while its peers offer device buffers, so every rank
  * stages it, exact; the next all-device operation goes direct again (tests/cuda_mode.rs checks
  * that no rank said it "can never" read directly). Only when asked (--only DeclineOne). */
+static void checked_allreduce(CUdeviceptr* d, size_t count, int salt, const char* what);
+
 static void decline_one(void) {
   test_step("decline-one");
   const size_t count = 50000; /* a direct-path size */
@@ -638,17 +645,8 @@ static void decline_one(void) {
     else CU(cu.MemFreeHost(out[l]));
   }
   CUdeviceptr d[MAX_LOCAL];
-  float* h[MAX_LOCAL];
-  fresh_allreduce(d, h, count, 9);
-  for (int l = 0; l < g_env.local; l++) {
-    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
-    CU(cu.StreamSynchronize(g_streams[l]));
-    size_t bad = 0;
-    for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 9);
-    EXPECT(bad == 0, "the all-device allreduce after a declined one, rank %d: %zu wrong values", g_env.first_rank + l, bad);
-    dev_free(d[l]);
-    CU(cu.MemFreeHost(h[l]));
-  }
+  checked_allreduce(d, count, 9, "the all-device allreduce after a declined one");
+  for (int l = 0; l < g_env.local; l++) dev_free(d[l]);
 }
 
 /* A device send buffer with a pageable (malloc) receive buffer, large enough for the direct
@@ -2232,12 +2230,7 @@ static void host_buffers_in_order(void) {
       CU(cu.MemFreeHost(flag));
     }
   }
-  for (int l = 0; l < g_env.local; l++) {
-    ncclResult_t async = ncclSuccess;
-    CHECK(ncclCommGetAsyncError(g_comms[l], &async));
-    EXPECT(async == ncclSuccess, "host buffers in order: async error %s: %s", result_name(async),
-           ncclGetLastError(g_comms[l]));
-  }
+  expect_no_async_error("host buffers in order");
 }
 
 /* Every datatype x reduction on device buffers large enough for the direct path (64 KiB and
@@ -2328,11 +2321,7 @@ static void reductions(void) {
     dev_free(dh[l]);
     CU(cu.MemFreeHost(hh[l]));
   }
-  for (int l = 0; l < g_env.local; l++) {
-    ncclResult_t async = ncclSuccess;
-    CHECK(ncclCommGetAsyncError(g_comms[l], &async));
-    EXPECT(async == ncclSuccess, "reductions: async error %s: %s", result_name(async), ncclGetLastError(g_comms[l]));
-  }
+  expect_no_async_error("reductions");
   tlog("Reductions: 12 datatypes x 5 reductions x 3 collectives checked, and fp16 avg high in its range");
 }
 

@@ -93,18 +93,14 @@ pub fn parse_level(v: &str) -> Level {
     }
 }
 
-/// NCCL_DEBUG_SUBSYS: a comma list; a leading `^` inverts the whole list.
-pub fn parse_subsys(v: &str) -> u32 {
+/// A comma list of names, each `bit` of its upper-case name (0: unknown), OR-ed; a leading
+/// `^` inverts the whole list (NCCL_DEBUG_SUBSYS and NCCL_DEBUG_TIMESTAMP_LEVELS alike).
+fn parse_mask(v: &str, bit: impl Fn(&str) -> u32) -> u32 {
     let (invert, list) = match v.trim().strip_prefix('^') {
         Some(rest) => (true, rest),
         None => (false, v.trim()),
     };
-    let mut mask = 0u32;
-    for name in list.split(',').map(|s| s.trim().to_ascii_uppercase()) {
-        if let Some((_, bit)) = subsys::NAMES.iter().find(|(n, _)| *n == name) {
-            mask |= bit;
-        }
-    }
+    let mask = list.split(',').map(|s| bit(&s.trim().to_ascii_uppercase())).fold(0, |m, b| m | b);
     if invert {
         !mask
     } else {
@@ -112,30 +108,23 @@ pub fn parse_subsys(v: &str) -> u32 {
     }
 }
 
+/// NCCL_DEBUG_SUBSYS: a comma list; a leading `^` inverts the whole list.
+pub fn parse_subsys(v: &str) -> u32 {
+    parse_mask(v, |name| subsys::NAMES.iter().find(|(n, _)| *n == name).map_or(0, |(_, b)| *b))
+}
+
 /// NCCL_DEBUG_TIMESTAMP_LEVELS: a comma list of levels (VERSION, WARN, INFO, ABORT, TRACE,
 /// ALL); a leading `^` inverts it. Bit `1 << level` per level.
 pub fn parse_timestamp_levels(v: &str) -> u32 {
-    let (invert, list) = match v.trim().strip_prefix('^') {
-        Some(rest) => (true, rest),
-        None => (false, v.trim()),
-    };
-    let mut mask = 0u32;
-    for name in list.split(',').map(|s| s.trim().to_ascii_uppercase()) {
-        mask |= match name.as_str() {
-            "VERSION" => 1 << Level::Version as u8,
-            "WARN" => 1 << Level::Warn as u8,
-            "INFO" => 1 << Level::Info as u8,
-            "ABORT" => 1 << 4,
-            "TRACE" => 1 << Level::Trace as u8,
-            "ALL" => !0,
-            _ => 0,
-        };
-    }
-    if invert {
-        !mask
-    } else {
-        mask
-    }
+    parse_mask(v, |name| match name {
+        "VERSION" => 1 << Level::Version as u8,
+        "WARN" => 1 << Level::Warn as u8,
+        "INFO" => 1 << Level::Info as u8,
+        "ABORT" => 1 << 4,
+        "TRACE" => 1 << Level::Trace as u8,
+        "ALL" => !0,
+        _ => 0,
+    })
 }
 
 /// When logging was first configured (TRACE lines count from it).

@@ -292,19 +292,25 @@ fn init_waits_for_a_late_rank_without_a_limit() {
     }
 }
 
+/// Run `job` with `var` naming a release file that comms.c's held rank waits for; the file is
+/// made once process 0 logs `marker`.
+fn released_on(mut job: Job, var: &str, marker: &str) -> Outcome {
+    let release = job.dir().join("release");
+    let file = release.clone();
+    job.env(var, release.to_str().expect("a path"))
+        .on(When::marker(0, marker), move || {
+            std::fs::write(&file, b"go").expect("the release file");
+            "released rank 1".to_string()
+        })
+        .run_outcome()
+}
+
 /// A rank waiting on a peer whose communicator is suspended says so (not only that the peer
 /// has not made the call); resumed, the peer joins and the all-reduce is exact.
 #[test]
 fn comms_a_suspended_peer_is_named() {
-    let mut job = Job::new("comms").procs(2).env("NCCL_DEBUG", "WARN").timeout_s(60);
-    let release = job.dir().join("release");
-    let file = release.clone();
-    let o = job.env("COMMS_TEST_SUSPENDED", release.to_str().expect("a path"))
-        .on(When::marker(0, "its communicator is suspended"), move || {
-            std::fs::write(&file, b"go").expect("the release file");
-            "released rank 1".to_string()
-        })
-        .run_outcome();
+    let job = Job::new("comms").procs(2).env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let o = released_on(job, "COMMS_TEST_SUSPENDED", "its communicator is suspended");
     assert!(o.ok(), "{}", o.report);
     assert!(o.procs[0].log.contains("for rank 1") && o.procs[0].log.contains("its communicator is suspended"),
             "rank 0:\n{}", o.procs[0].log);
@@ -325,14 +331,7 @@ fn late_peer_is_named(connected: bool, env: &[(&str, &str)], stamp: &str) {
     for (k, v) in env {
         job = job.env(k, v);
     }
-    let release = job.dir().join("release");
-    let file = release.clone();
-    let o = job.env("COMMS_TEST_LATE", release.to_str().expect("a path"))
-        .on(When::marker(0, "which has not issued that call"), move || {
-            std::fs::write(&file, b"go").expect("the release file");
-            "released rank 1".to_string()
-        })
-        .run_outcome();
+    let o = released_on(job, "COMMS_TEST_LATE", "which has not issued that call");
     assert!(o.ok(), "{}", o.report);
     let log = &o.procs[0].log;
     let lines: Vec<&str> = log.lines().filter(|l| l.contains("NCCL WARN") && l.contains("for rank 1 (")).collect();
