@@ -12,6 +12,8 @@
  *   faults --only mismatch    rank 0 and rank 1 make different calls (FAULTS_CASE)
  *   faults --only hello       init, one allreduce, destroy (while tests/faults.rs attacks
  *                             the bootstrap root)
+ *   faults --only gone-early  rank 1 exits after init; rank 0's first allreduce must fail
+ *                             naming it
  *
  * Environment (besides common.h's):
  *   FAULTS_COUNT       floats per allreduce in `loop` and `abort` (default 1048576)
@@ -356,6 +358,41 @@ static void part_abort_init(void) {
   CHECK(ncclCommDestroy(c2));
 }
 
+/* ---- gone-early: a rank exits after init, before any collective connected it ------------ */
+
+/* Rank 1 exits (without destroying its communicator) once init is done; rank 0's first
+ * all-reduce waits for rank 1's first connection, which never comes: it must fail with
+ * ncclRemoteError naming rank 1, soon (the wait for a first connection has no limit of its
+ * own unless NCCL_INIT_TIMEOUT_S is set). */
+static void part_gone_early(void) {
+  test_deadline(30);
+  if (g_env.nprocs != 2 || g_env.local != 1) {
+    fprintf(stderr, "gone-early: run as 2 processes of 1 rank\n");
+    exit(2);
+  }
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
+  if (g_env.proc == 1) {
+    tlog("exiting without a collective");
+    exit(test_finish());
+  }
+  test_step("the first all-reduce, rank 1 gone");
+  const size_t count = 1 << 20;
+  float* buf = calloc(count, sizeof(float));
+  if (!buf) exit(2);
+  double t0 = now_s();
+  ncclResult_t r = ncclAllReduce(buf, buf, count, ncclFloat32, ncclSum, comm, TEST_STREAM);
+  double took = now_s() - t0;
+  const char* text = last_error(comm);
+  tlog("ncclAllReduce -> %s after %.3f s: %s", result_name(r), took, text);
+  EXPECT(r == ncclRemoteError, "the all-reduce with rank 1 gone -> %s, expected ncclRemoteError", result_name(r));
+  EXPECT(names_rank(text, 1), "the error does not name rank 1: %s", text);
+  EXPECT(took < 15.0, "the all-reduce noticed rank 1 was gone only after %.3f s", took);
+  CHECK(ncclCommAbort(comm));
+  free(buf);
+}
+
 /* ---- mismatch: rank 0 and rank 1 make different calls ----------------------------------- */
 
 static void part_mismatch(void) {
@@ -482,8 +519,10 @@ int main(int argc, char** argv) {
     part_mismatch();
   } else if (!strcmp(part, "hello")) {
     part_hello();
+  } else if (!strcmp(part, "gone-early")) {
+    part_gone_early();
   } else {
-    fprintf(stderr, "usage: faults --only loop|abort|abort-init|mismatch|hello\n");
+    fprintf(stderr, "usage: faults --only loop|abort|abort-init|mismatch|hello|gone-early\n");
     return 2;
   }
   return test_finish();

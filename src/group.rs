@@ -462,6 +462,7 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
     });
     let started = Instant::now();
     let mut warned = false;
+    let mut unreachable_since: Option<Instant> = None;
     loop {
         let slice_end = (Instant::now() + std::time::Duration::from_secs(1)).min(ctx.deadline);
         let attempt = Ctx { deadline: slice_end, ..*ctx };
@@ -477,7 +478,20 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
                     let describe = &crate::plan::ops::describe_stamp;
                     // Asked every slice (a mismatch is an error whenever it shows); said once, as the
                     // progress engine's watch does for a peer already connected.
-                    let why = c.peer_runs(peer, &mine, describe)?.why_waiting(&mine, describe);
+                    let runs = c.peer_runs(peer, &mine, describe)?;
+                    // No status: a peer that is gone never connects (the wait may have no limit).
+                    if runs == crate::comm::PeerRuns::Unknown {
+                        if let Some((why, certain)) = c.peer_gone(peer) {
+                            let since = *unreachable_since.get_or_insert_with(Instant::now);
+                            if certain || since.elapsed() >= params::peer_timeout() {
+                                return Err(crate::Error::remote(format!(
+                                    "lost {} ({why}) while waiting for its first connection", c.describe_peer(peer))));
+                            }
+                        }
+                    } else {
+                        unreachable_since = None;
+                    }
+                    let why = runs.why_waiting(&mine, describe);
                     if let Some(why) = why.filter(|_| !warned) {
                         warned = true;
                         crate::warn!("rank {}: waited {} s in {} for {}, {why}",

@@ -159,6 +159,21 @@ fn kill_rank_of_4_during_allreduce_every_survivor_names_it_socket() {
     kill_one_of("kill_rank_of_4_during_allreduce_every_survivor_names_it_socket", 4, true, false);
 }
 
+/// A rank that exits after init, before any collective connected it: the survivor's first
+/// all-reduce (whose wait for that connection has no limit by default) fails with
+/// ncclRemoteError naming it within seconds, over shared memory and over sockets.
+#[test]
+fn rank_gone_before_its_first_connection_is_named() {
+    for socket in [false, true] {
+        let mut job = Job::new("faults").procs(2).arg("--only").arg("gone-early").env("NCCL_SOCKET_IFNAME", "lo").timeout_s(45);
+        if socket {
+            job = job.env("NCCL_SHM_DISABLE", "1");
+        }
+        let o = job.run_outcome();
+        judge(&format!("rank_gone_before_its_first_connection_is_named (socket {socket})"), &o, o.ok(), String::new());
+    }
+}
+
 // ---- ncclCommAbort from another thread ------------------------------------------------
 
 /// Rank 0 blocks in an allreduce rank 1 never joins; a second thread aborts after 1 s; the

@@ -288,14 +288,7 @@ impl Comm {
     pub fn lost_peers(&self) -> Vec<(usize, String)> {
         let Some(ready) = self.ready.get() else { return Vec::new() };
         let me = &ready.peers[self.rank];
-        let timeout = std::time::Duration::from_secs(1);
-        let probe = |p: &crate::bootstrap::PeerInfo| {
-            if p.same_host(me) {
-                (!crate::transport::ring::pid_alive(p.pid)).then(|| (p.rank, "its process exited".to_string()))
-            } else {
-                ready.service.ping(p.rank, timeout).err().map(|e| (p.rank, e.msg))
-            }
-        };
+        let probe = |p: &crate::bootstrap::PeerInfo| Self::gone(ready, me, p).map(|(why, _)| (p.rank, why));
         let others: Vec<_> = ready.peers.iter().filter(|p| p.rank != self.rank).collect();
         // At most PROBERS threads, each taking a share of the peers (pings wait up to 1 s); a
         // thread that cannot start leaves its share to this one.
@@ -317,6 +310,22 @@ impl Comm {
             lost.sort();
             lost
         })
+    }
+
+    /// Is `peer` gone, and why: a peer of this host whose process exited (certain), or one of
+    /// another host whose bootstrap service does not answer within 1 s (certain only once it
+    /// has gone on for a while: the bool says which).
+    pub fn peer_gone(&self, peer: usize) -> Option<(String, bool)> {
+        let ready = self.ready.get()?;
+        Self::gone(ready, ready.peers.get(self.rank)?, ready.peers.get(peer)?)
+    }
+
+    fn gone(ready: &Ready, me: &crate::bootstrap::PeerInfo, p: &crate::bootstrap::PeerInfo) -> Option<(String, bool)> {
+        if p.same_host(me) {
+            (!crate::transport::ring::pid_alive(p.pid)).then(|| ("its process exited".to_string(), true))
+        } else {
+            ready.service.ping(p.rank, std::time::Duration::from_secs(1)).err().map(|e| (e.msg, false))
+        }
     }
 
     /// Ask `peer` what it is running, when this rank has waited on it for `mine` for a while.
