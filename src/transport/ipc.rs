@@ -128,8 +128,8 @@ impl Routes {
             return big && op.scalar_at.is_none() && self.p2p.get(op.root).copied().unwrap_or(false);
         }
         // The direct path has no scaling step: PreMulSum is staged, and so is Avg on fp16, whose
-        // sum before the division could overflow where NCCL's scaled inputs do not (its Avg on
-        // the other floating types is a sum and a division, close to NCCL's bits; see
+        // sum before the division could overflow where NCCL's scaled inputs do not (Avg on the
+        // other floating types is a sum and a division there as in the planner; see
         // `plan::ops::scaling`).
         let premul = matches!(op.op, RedOp::PreMulSum(_)) || op.scalar_at.is_some();
         let fp16_avg = op.op == RedOp::Builtin(BuiltinOp::Avg) && op.dt == DataType::Float16;

@@ -148,8 +148,8 @@ pub unsafe fn premul(dt: DataType, dst: *mut u8, src: *const u8, scalar: Scalar,
 /// minimum). Floats: computed in f32 (f64 for Float64) and rounded once. A divisor of 0, which
 /// NCCL never passes (it divides by the rank count), is taken as 1 for every type.
 ///
-/// The planner averages Float16, Bfloat16, Float32 and Float64 as NCCL does, with `premul`
-/// by [`avg_scalar`] before the sum; this division is the other types' Avg, and the direct
+/// The planner averages Float16 as NCCL does, with `premul` by [`avg_scalar`] before the
+/// sum; this division is the other types' Avg (see `plan::ops::scaling`), and the direct
 /// path's (see `transport::ipc`).
 ///
 /// # Safety
