@@ -223,7 +223,12 @@ pub fn init_deadline() -> std::time::Instant {
 
 /// How a message names the limit of such a wait.
 pub fn init_limit_text() -> String {
-    match init_timeout() {
+    limit_text(init_timeout())
+}
+
+/// How a message names a wait of `timeout` (None: NCCL_INIT_TIMEOUT_S unset).
+pub fn limit_text(timeout: Option<std::time::Duration>) -> String {
+    match timeout {
         Some(t) => format!("up to NCCL_INIT_TIMEOUT_S, {} s", t.as_secs()),
         None => "as long as it takes: NCCL_INIT_TIMEOUT_S is unset".to_string(),
     }

@@ -75,16 +75,15 @@ fn regions(a: &Args, es: usize, n: usize, rank: usize, root: usize) -> Result<(R
 /// A buffer the driver cannot classify (an error other than "not CUDA memory") fails the
 /// call: taken for host memory, a device buffer would be read by this thread.
 fn placement(regions: &[Region]) -> Result<Placement> {
-    use crate::device::cuda::{classify, PtrKind};
+    use crate::device::cuda::classify;
     if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
         return Ok(Placement::default());
     }
     let mut p = Placement { device: false, copyable: true };
     for r in regions.iter().filter(|r| !r.is_empty()) {
         let kind = classify(r.addr()).map_err(|e| e.context(format!("classifying the buffer at {:#x}", r.addr())))?;
-        let stream_ordered = matches!(kind, PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed);
-        p.device |= stream_ordered;
-        p.copyable &= stream_ordered;
+        p.device |= kind.stream_ordered();
+        p.copyable &= kind.stream_ordered();
     }
     Ok(p)
 }

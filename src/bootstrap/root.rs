@@ -117,10 +117,7 @@ fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served
     let started = Instant::now();
     let deadline = timeout.map(|t| started + t);
     let unused_after = timeout.unwrap_or(UNUSED_ROOT);
-    let limit = match timeout {
-        Some(t) => format!("up to NCCL_INIT_TIMEOUT_S, {} s", t.as_secs()),
-        None => "as long as it takes: NCCL_INIT_TIMEOUT_S is unset".to_string(),
-    };
+    let limit = crate::params::limit_text(timeout);
     let mut warn_at = Some(started + deadline.map_or(Duration::from_secs(10), super::service::warn_after));
     let mut last_activity = started;
     let _ = listener.set_nonblocking(true);
@@ -153,7 +150,8 @@ fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served
             let missing = missing_ranks(&joined, expected.unwrap_or(0));
             let msg = format!(
                 "bootstrap: only {} of {} ranks joined within {} s; missing: {}",
-                joined.len(), expected.map_or("?".to_string(), |n| n.to_string()), unused_after.as_secs(), missing);
+                joined.len(), expected.map_or("?".to_string(), |n| n.to_string()), timeout.unwrap_or_default().as_secs(),
+                missing);
             fail(&mut joined, None, TIMED_OUT, &msg);
             return Served::Failed(msg);
         }

@@ -418,10 +418,9 @@ pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<(RedOp, Option<
             // Memory the stream may still be writing (device, pinned, managed) is read in
             // stream order, when the operation starts; pageable memory now, as in host mode.
             if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
-                use crate::device::cuda::PtrKind;
                 let kind = crate::device::cuda::classify(p.addr())
                     .map_err(|e| e.context(format!("classifying the PreMulSum scalar at {:#x}", p.addr())))?;
-                if matches!(kind, PtrKind::Device { .. } | PtrKind::HostRegistered | PtrKind::Managed) {
+                if kind.stream_ordered() {
                     return Ok((RedOp::PreMulSum(crate::types::Scalar { bytes: [0; 8] }), Some(p)));
                 }
             }

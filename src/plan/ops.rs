@@ -210,8 +210,17 @@ pub(crate) fn reduction(op: RedOp, dt: DataType, nranks: usize) -> Reduction {
 pub(crate) fn scaling(op: RedOp, dt: DataType, nranks: usize) -> Option<Scalar> {
     match op {
         RedOp::PreMulSum(scalar) => Some(scalar),
-        RedOp::Builtin(BuiltinOp::Avg) if dt == DataType::Float16 => crate::device::host::avg_scalar(dt, nranks),
+        RedOp::Builtin(_) if scales_inputs(op, dt) => crate::device::host::avg_scalar(dt, nranks),
         RedOp::Builtin(_) => None,
+    }
+}
+
+/// Whether [`scaling`] multiplies the inputs before the sum (the direct path, which cannot,
+/// stages such operations).
+pub(crate) fn scales_inputs(op: RedOp, dt: DataType) -> bool {
+    match op {
+        RedOp::PreMulSum(_) => true,
+        RedOp::Builtin(b) => b == BuiltinOp::Avg && dt == DataType::Float16,
     }
 }
 

@@ -127,13 +127,10 @@ impl Routes {
         if op.kind.is_p2p() {
             return big && op.scalar_at.is_none() && self.p2p.get(op.root).copied().unwrap_or(false);
         }
-        // The direct path has no scaling step: PreMulSum is staged, and so is Avg on fp16, whose
-        // sum before the division could overflow where NCCL's scaled inputs do not (Avg on the
-        // other floating types is a sum and a division there as in the planner; see
-        // `plan::ops::scaling`).
-        let premul = matches!(op.op, RedOp::PreMulSum(_)) || op.scalar_at.is_some();
-        let fp16_avg = op.op == RedOp::Builtin(BuiltinOp::Avg) && op.dt == DataType::Float16;
-        self.collectives && big && !premul && !fp16_avg
+        // The direct path has no scaling step: what the planner scales first (PreMulSum, fp16
+        // Avg; see `plan::ops::scaling`) is staged.
+        let scaled = crate::plan::ops::scales_inputs(op.op, op.dt) || op.scalar_at.is_some();
+        self.collectives && big && !scaled
     }
 }
 

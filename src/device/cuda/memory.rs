@@ -42,6 +42,14 @@ pub enum PtrKind {
     Host,
 }
 
+impl PtrKind {
+    /// Memory the device reaches in stream order, so the stream's earlier work may still be
+    /// writing it: a call on it (or a PreMulSum scalar in it) runs in stream order.
+    pub fn stream_ordered(self) -> bool {
+        !matches!(self, PtrKind::Host)
+    }
+}
+
 /// `attrs` of `addr` in one `cuPointerGetAttributes` call: its result, and each value in a
 /// zeroed 8-byte slot (every attribute asked for fits), read back from the low bytes
 /// (little-endian) whatever width the driver writes, a boolean's included.
