@@ -1273,6 +1273,14 @@ static void memalloc(void) {
     CU(cu.MemFreeHost(hs[l]));
     CU(cu.MemFreeHost(hr[l]));
   }
+  /* One-sided operations run in host mode only: in CUDA mode they are refused, saying so. */
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t r = ncclSignal(g_env.first_rank + l, 0, 0, 0, g_comms[l], g_streams[l]);
+    const char* msg = ncclGetLastError(g_comms[l]);
+    EXPECT(r == ncclInvalidUsage && msg && strstr(msg, "CUDA mode"),
+           "ncclSignal in CUDA mode: %s (\"%s\"), not ncclInvalidUsage saying CUDA mode does not run it", result_name(r),
+           msg ? msg : "");
+  }
   /* Device memory it did not allocate (a framework's) is refused and left alone. */
   CUdeviceptr theirs = 0;
   CU(cu.MemAlloc(&theirs, 4096));

@@ -216,7 +216,7 @@ static void step_memory(ncclComm_t* comms) {
     fill_values(ncclFloat32, ncclSum, g_env.nranks, g_env.first_rank + l, s[l], 0, count, salt);
   }
   /* Windows (collective registration, in a group): each knows its buffer; collectives on
-   * window buffers run as on any other; one-sided operations on them are not implemented. */
+   * window buffers run as on any other (one-sided operations on them: rma.c). */
   ncclWindow_t win[MAX_LOCAL];
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowRegister(comms[l], r[l], bytes, &win[l], NCCL_WIN_COLL_SYMMETRIC));
@@ -226,17 +226,6 @@ static void step_memory(ncclComm_t* comms) {
     CHECK(ncclWinGetUserPtr(comms[l], win[l], &user));
     EXPECT(user == r[l], "ncclWinGetUserPtr: %p, not the registered buffer %p", user, r[l]);
     EXPECT(ncclCommWindowRegister(comms[l], r[l], bytes, &win[l], 0x100) == ncclInvalidArgument, "window flags 0x100 accepted");
-    /* One-sided RMA is not implemented: ncclInvalidUsage, and a message that says so. */
-    for (int k = 0; k < 3; k++) {
-      static const char* const name[3] = {"ncclPutSignal", "ncclSignal", "ncclWaitSignal"};
-      ncclResult_t rma = k == 0   ? ncclPutSignal(s[l], 1, ncclFloat32, 0, win[l], 0, 0, 0, 0, comms[l], TEST_STREAM)
-                         : k == 1 ? ncclSignal(0, 0, 0, 0, comms[l], TEST_STREAM)
-                                  : ncclWaitSignal(0, NULL, comms[l], TEST_STREAM);
-      const char* msg = ncclGetLastError(comms[l]);
-      EXPECT(rma == ncclInvalidUsage && msg && strstr(msg, name[k]) && strstr(msg, "not implemented"),
-             "%s on a window: %s (%s), not ncclInvalidUsage saying it is not implemented", name[k], result_name(rma),
-             msg ? msg : "no message");
-    }
   }
   if (g_env.local > 1) CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) CHECK(ncclAllReduce(s[l], r[l], count, ncclFloat32, ncclSum, comms[l], TEST_STREAM));

@@ -36,6 +36,8 @@ struct Group {
     ops: Vec<Queued>,
     inits: Vec<(Arc<Comm>, UniqueId)>,
     deferred: Vec<Deferred>,
+    /// One-sided calls (puts, signals, waits), in call order.
+    rma: Vec<(Arc<Comm>, crate::api::rma::RmaOp)>,
     error: Option<Error>,
 }
 
@@ -105,7 +107,12 @@ pub fn end() -> Result<()> {
         }
     }
     run_parallel(group.deferred)?;
+    // Puts and signals first: they never wait for their targets, and a wait of this group (or
+    // of a rank this thread drives) may need them.
+    let (waits, issues): (Vec<_>, Vec<_>) = group.rma.into_iter().partition(|(_, op)| op.is_wait());
+    issues.iter().try_for_each(|(c, op)| crate::api::rma::run(c, op))?;
     run_ops(group.ops)?;
+    waits.iter().try_for_each(|(c, op)| crate::api::rma::run(c, op))?;
     if init_pending {
         return Err(Error::in_progress());
     }
@@ -222,6 +229,19 @@ pub fn record_error(e: &Error) {
             g.error = Some(e.clone());
         }
     });
+}
+
+/// Record a one-sided call in the open group; outside a group it comes back, to run now.
+pub fn add_rma(comm: Arc<Comm>, op: crate::api::rma::RmaOp) -> Option<(Arc<Comm>, crate::api::rma::RmaOp)> {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 {
+            g.rma.push((comm, op));
+            None
+        } else {
+            Some((comm, op))
+        }
+    })
 }
 
 pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, placement: Placement) -> Result<()> {

@@ -214,6 +214,38 @@ fn p2p_4_local_ranks() {
 }
 
 #[test]
+fn rma_1_process() {
+    Job::new("rma").run();
+}
+
+#[test]
+fn rma_2_processes() {
+    Job::new("rma").procs(2).run();
+}
+
+#[test]
+fn rma_3_processes() {
+    Job::new("rma").procs(3).run();
+}
+
+#[test]
+fn rma_4_local_ranks() {
+    Job::new("rma").local(4).arg("--quick").run();
+}
+
+#[test]
+fn rma_2_processes_x_2_local_ranks_without_shm() {
+    Job::new("rma").procs(2).local(2).arg("--quick").env("NCCL_SHM_DISABLE", "1").run();
+}
+
+/// A rank that leaves while another waits for its signal: the waiter is told (ncclRemoteError
+/// naming it and what came), not left waiting.
+#[test]
+fn rma_a_rank_that_leaves_owing_a_signal_is_named() {
+    Job::new("rma").procs(2).arg("--only").arg("Gone").run();
+}
+
+#[test]
 fn lifecycle_1_process() {
     Job::new("lifecycle").timeout_s(180).run();
 }

@@ -25,9 +25,10 @@ fn read_config(ptr: *mut ncclConfig_t) -> Result<Config> {
     unsafe {
         std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), (&mut raw as *mut ncclConfig_t).cast::<u8>(), n);
     }
-    // Fields newer than the caller's header version stay unset; ours are all from 2.27 or older.
+    // Fields newer than the caller's header version stay unset: they keep the initializer's
+    // values above (numRmaCtx and numRmaSig came with 2.29 and 2.31).
     let _ = version;
-    Config::resolve(raw.blocking, super::read_cstr(raw.commName), raw.splitShare)
+    Config::resolve(raw.blocking, super::read_cstr(raw.commName), raw.splitShare)?.with_rma(raw.numRmaCtx, raw.numRmaSig)
 }
 
 /// Where a split or shrink writes the new handle, now or at the end of the group.

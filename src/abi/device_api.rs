@@ -1,6 +1,8 @@
 //! NCCL's device API (nccl_device/host.h): device communicators, symmetric-memory pointers,
 //! teams and resource requirements. nccl-rs does not implement it yet; every entry point exists
-//! (so programs load) and answers honestly: `ncclInvalidUsage`, or an empty team / -1.
+//! (so programs load) and answers honestly: `ncclCommQueryProperties` says there is no device
+//! API (a program that checks takes its fallback), the rest is `ncclInvalidUsage`, or an empty
+//! team / -1.
 
 use std::ffi::{c_int, c_void};
 
@@ -18,10 +20,62 @@ fn team(comm: ncclComm_t, what: &str) -> Result<ncclTeam_t> {
     unsupported(what)
 }
 
+/// What nccl-rs says of a communicator: no device API, multimem, GIN or CFT; each rank its own
+/// load/store team; host-initiated one-sided operations in host mode (`api::rma`).
+fn properties(comm: &crate::comm::Comm, size: usize, magic: u32, version: u32) -> ncclCommProperties_t {
+    let host = matches!(crate::device::mode::current(), crate::device::mode::Mode::Host);
+    ncclCommProperties_t {
+        size,
+        magic,
+        version,
+        rank: comm.rank as c_int,
+        nRanks: comm.nranks as c_int,
+        cudaDev: comm.cuda_dev,
+        nvmlDev: if host { -1 } else { nvml_index(comm.cuda_dev) },
+        deviceApiSupport: false,
+        multimemSupport: false,
+        ginType: 0,
+        nLsaTeams: comm.nranks as c_int,
+        hostRmaSupport: host,
+        railedGinType: 0,
+        commHash: comm.hash,
+        ginMinStride: 0,
+        ginConnectionType: 0,
+        ginSupport: [false; 64],
+        devCommRuntimeVersionSize: 0,
+        cftSupport: false,
+        cftMulticastSupport: false,
+        cftCountedSupport: false,
+    }
+}
+
+/// NVML numbers GPUs as the machine does; CUDA as CUDA_VISIBLE_DEVICES lists them. Known when
+/// that variable is unset or a list of indices; -1 otherwise (UUIDs, MIG names).
+fn nvml_index(cuda_dev: c_int) -> c_int {
+    let Ok(list) = std::env::var("CUDA_VISIBLE_DEVICES") else { return cuda_dev };
+    let picked = usize::try_from(cuda_dev).ok().and_then(|i| list.split(',').nth(i));
+    picked.and_then(|v| v.trim().parse::<c_int>().ok()).unwrap_or(-1)
+}
+
 export! {
     fn ncclCommQueryProperties(comm: ncclComm_t, props: *mut ncclCommProperties_t) {
-        let _ = (handle::get(comm)?, props);
-        unsupported("ncclCommQueryProperties")
+        let comm = handle::get(comm)?;
+        ensure!(!props.is_null(), Error::invalid_arg("props is NULL"));
+        comm.ready()?;
+        // SAFETY: a non-NULL props starts with the size/magic/version header in every version.
+        let (size, magic, version) = unsafe { ((*props).size, (*props).magic, (*props).version) };
+        crate::api::config::check_header("ncclCommProperties_t", size, magic)?;
+        let full = properties(&comm, size, magic, version);
+        let n = size.min(std::mem::size_of::<ncclCommProperties_t>());
+        const HEADER: usize = crate::api::config::HEADER_BYTES;
+        // SAFETY: the caller's struct has `size` writable bytes (NCCL_COMM_PROPERTIES_INITIALIZER
+        // set size to sizeof its type); only the fields after the header that fit are written,
+        // from a plain-old-data struct of ours, which is at least `n` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping((&full as *const ncclCommProperties_t).cast::<u8>().add(HEADER),
+                                          props.cast::<u8>().add(HEADER), n - HEADER);
+        }
+        Ok(())
     }
     fn ncclDevCommCreate(comm: ncclComm_t, reqs: *const ncclDevCommRequirements_t, outDevComm: *mut ncclDevComm_t) {
         let _ = (handle::get(comm)?, reqs, outDevComm);

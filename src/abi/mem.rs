@@ -31,7 +31,10 @@ export! {
                               winFlags: c_int) {
         let comm = handle::get(comm)?;
         ensure!(!win.is_null(), Error::invalid_arg("win is NULL"));
-        let token = crate::api::mem::window_register(&comm, buff as usize, size, winFlags)?;
+        // SAFETY: a window's buffer is, by NCCL's contract, `size` bytes of memory the library
+        // may read and write until the window is deregistered.
+        let buff = unsafe { crate::device::host::UserPtr::new(buff) };
+        let token = crate::api::mem::window_register(&comm, buff, size, winFlags)?;
         write_out(win, "win", token as ncclWindow_t)
     }
     fn ncclCommWindowDeregister(comm: ncclComm_t, win: ncclWindow_t) {

@@ -210,6 +210,36 @@ impl ncclTeam_t {
     pub const EMPTY: ncclTeam_t = ncclTeam_t { nRanks: 0, rank: -1, stride: 0 };
 }
 
+/// `ncclCommProperties_t` of 2.32.3 (nccl_device/host.h, 152 bytes): versioned and
+/// append-only like `ncclConfig_t`; a caller built with an older header passes a prefix.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ncclCommProperties_t {
+    pub size: usize,
+    pub magic: c_uint,
+    pub version: c_uint,
+    pub rank: c_int,
+    pub nRanks: c_int,
+    pub cudaDev: c_int,
+    pub nvmlDev: c_int,
+    pub deviceApiSupport: bool,
+    pub multimemSupport: bool,
+    /// ncclGinType_t (NCCL_GIN_TYPE_NONE = 0).
+    pub ginType: c_int,
+    pub nLsaTeams: c_int,
+    pub hostRmaSupport: bool,
+    pub railedGinType: c_int,
+    pub commHash: u64,
+    pub ginMinStride: c_int,
+    /// ncclGinConnectionType_t (NCCL_GIN_CONNECTION_NONE = 0).
+    pub ginConnectionType: c_int,
+    pub ginSupport: [bool; 64],
+    pub devCommRuntimeVersionSize: usize,
+    pub cftSupport: bool,
+    pub cftMulticastSupport: bool,
+    pub cftCountedSupport: bool,
+}
+
 /// Opaque device-API structures we only ever see by pointer.
 macro_rules! opaque {
     ($($name:ident),*) => {$(
@@ -221,7 +251,6 @@ opaque!(
     ncclDevComm_t,
     ncclDevCommRequirements_t,
     ncclDevResourceRequirements_t,
-    ncclCommProperties_t,
     ncclLsaBarrierHandle_t,
     ncclGinBarrierHandle_t,
     ncclLLA2AHandle_t,
@@ -249,5 +278,33 @@ impl ncclRedOp_t {
     /// A built-in op, or None for a value in the user-defined range (`>= ncclNumOps`).
     pub fn builtin(self) -> Option<BuiltinOp> {
         BuiltinOp::from_raw(self.0)
+    }
+}
+
+#[cfg(test)]
+mod layout_tests {
+    use super::*;
+    use std::mem::{offset_of, size_of};
+
+    /// Offsets of NVIDIA's 2.32.3 ncclCommProperties_t (x86-64 and aarch64 Linux), which no
+    /// header of ours declares and the C layout check therefore cannot compare.
+    #[test]
+    fn comm_properties_has_nvidias_layout() {
+        assert_eq!(size_of::<ncclCommProperties_t>(), 152);
+        let at = [
+            (offset_of!(ncclCommProperties_t, rank), 16),
+            (offset_of!(ncclCommProperties_t, deviceApiSupport), 32),
+            (offset_of!(ncclCommProperties_t, ginType), 36),
+            (offset_of!(ncclCommProperties_t, hostRmaSupport), 44),
+            (offset_of!(ncclCommProperties_t, railedGinType), 48),
+            (offset_of!(ncclCommProperties_t, commHash), 56),
+            (offset_of!(ncclCommProperties_t, ginConnectionType), 68),
+            (offset_of!(ncclCommProperties_t, ginSupport), 72),
+            (offset_of!(ncclCommProperties_t, devCommRuntimeVersionSize), 136),
+            (offset_of!(ncclCommProperties_t, cftCountedSupport), 146),
+        ];
+        for (i, (got, want)) in at.iter().enumerate() {
+            assert_eq!(got, want, "field {i}");
+        }
     }
 }

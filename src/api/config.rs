@@ -15,11 +15,26 @@ pub struct Config {
     pub blocking: bool,
     pub name: Option<String>,
     pub split_share: bool,
+    /// One-sided operations: contexts (`numRmaCtx`) and signals per peer (`numRmaSig`).
+    pub rma_contexts: u32,
+    pub rma_signals: u32,
 }
 
 impl Default for Config {
     fn default() -> Config {
-        Config { blocking: default_blocking(), name: None, split_share: false }
+        Config { blocking: default_blocking(), name: None, split_share: false, rma_contexts: 1, rma_signals: 1 }
+    }
+}
+
+/// The most contexts or signals a communicator may ask for (NCCL allocates per rank and per
+/// signal; a larger value is almost certainly an uninitialised field).
+const RMA_MAX: i32 = 1 << 16;
+
+fn rma_count(name: &str, v: i32) -> Result<u32> {
+    match v {
+        UNDEF => Ok(1),
+        0..=RMA_MAX => Ok(v as u32),
+        _ => Err(Error::invalid_arg(format!("config.{name} = {v}: must be between 0 and {RMA_MAX}"))),
     }
 }
 
@@ -43,7 +58,16 @@ impl Config {
             blocking: flag("blocking", blocking, default_blocking())?,
             name,
             split_share: flag("splitShare", split_share, false)?,
+            rma_contexts: 1,
+            rma_signals: 1,
         })
+    }
+
+    /// With `numRmaCtx` and `numRmaSig` (UNDEF: one of each, NCCL's default).
+    pub fn with_rma(mut self, contexts: i32, signals: i32) -> Result<Config> {
+        self.rma_contexts = rma_count("numRmaCtx", contexts)?;
+        self.rma_signals = rma_count("numRmaSig", signals)?;
+        Ok(self)
     }
 }
 
@@ -70,6 +94,11 @@ mod tests {
         assert!(Config::resolve(1, None, UNDEF).unwrap().blocking);
         assert!(!Config::resolve(0, None, UNDEF).unwrap().blocking);
         assert!(Config::resolve(7, None, UNDEF).is_err());
+        let c = Config::resolve(1, None, UNDEF).unwrap();
+        let rma = c.clone().with_rma(UNDEF, 4).unwrap();
+        assert_eq!((rma.rma_contexts, rma.rma_signals), (1, 4));
+        assert!(c.clone().with_rma(-1, UNDEF).is_err());
+        assert!(c.with_rma(UNDEF, RMA_MAX + 1).is_err());
         assert!(check_header("ncclConfig_t", 120, API_MAGIC).is_ok());
         assert!(check_header("ncclConfig_t", 120, 0).is_err());
         assert!(check_header("ncclConfig_t", 8, API_MAGIC).is_err());

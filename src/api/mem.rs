@@ -2,13 +2,14 @@
 //! (what NCCL returns, and what PyTorch's NCCL memory pool expects), page-aligned host memory
 //! in host mode. And windows (`ncclCommWindowRegister`): registration is accepted and hands
 //! back a window that knows its buffer (`ncclWinGetUserPtr`); collectives on it run as on any
-//! buffer (no symmetric kernels), and the one-sided operations on windows are not implemented.
+//! buffer (no symmetric kernels), and one-sided operations (`api::rma`) write into them.
 
 use std::collections::HashSet;
 use std::ffi::c_void;
 use std::sync::Mutex;
 
 use crate::device::cuda;
+use crate::device::host::UserPtr;
 use crate::device::mode::{self, Mode};
 use crate::comm::Comm;
 use crate::error::{Error, Result};
@@ -49,40 +50,66 @@ pub fn free(ptr: *mut c_void) -> Result<()> {
 /// CFT_COUNTED); any other bit is refused.
 const WIN_FLAGS: i32 = 0x0f;
 
-/// A registered window: its communicator (hash and rank) and its buffer.
-#[derive(Clone, Copy)]
-struct Window {
+/// A registered window: its communicator (hash and rank), its buffer, and its ordinal: the
+/// number of windows the rank registered on the communicator before it. Registration is
+/// collective, so an ordinal names the same window on every rank; one-sided operations use it
+/// to name the target's window.
+#[derive(Clone, Copy, Debug)]
+pub struct Window {
     comm: (u64, usize),
-    buff: usize,
-    size: usize,
+    pub buff: UserPtr,
+    pub size: usize,
+    pub ordinal: u64,
+    /// NCCL_WIN_COLL_SYMMETRIC: every rank registered the same size.
+    pub symmetric: bool,
 }
 
-/// Live windows by token address. A token is leaked on purpose, as communicator handles are:
-/// its address is never reused, so a deregistered window stays an error.
-static WINDOWS: Mutex<Option<std::collections::HashMap<usize, Window>>> = Mutex::new(None);
+const WIN_COLL_SYMMETRIC: i32 = 0x01;
 
-fn windows() -> std::sync::MutexGuard<'static, Option<std::collections::HashMap<usize, Window>>> {
+/// Live windows by token address, and the next ordinal per communicator (hash, rank). A token
+/// is leaked on purpose, as communicator handles are: its address is never reused, so a
+/// deregistered window stays an error.
+#[derive(Default)]
+struct Windows {
+    by_token: std::collections::HashMap<usize, Window>,
+    next: std::collections::HashMap<(u64, usize), u64>,
+}
+
+static WINDOWS: Mutex<Option<Windows>> = Mutex::new(None);
+/// Notified when a window is registered (a put may arrive before its target registered it).
+static REGISTERED: std::sync::Condvar = std::sync::Condvar::new();
+
+fn windows() -> std::sync::MutexGuard<'static, Option<Windows>> {
     WINDOWS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// `ncclCommWindowRegister`: a window over `buff` (`size` bytes) on `comm`; the token.
-pub fn window_register(comm: &Comm, buff: usize, size: usize, flags: i32) -> Result<usize> {
+pub fn window_register(comm: &Comm, buff: UserPtr, size: usize, flags: i32) -> Result<usize> {
     if flags & !WIN_FLAGS != 0 {
         return Err(Error::invalid_arg(format!("unknown window flags {flags:#x}")));
     }
-    if buff == 0 || size == 0 {
-        return Err(Error::invalid_arg(format!("a window needs a buffer and a size (buff {buff:#x}, size {size})")));
+    if buff.is_null() || size == 0 {
+        return Err(Error::invalid_arg(format!("a window needs a buffer and a size (buff {:#x}, size {size})", buff.addr())));
     }
     comm.ready()?;
     let token = Box::leak(Box::new(0u64)) as *mut u64 as usize;
-    let w = Window { comm: (comm.hash, comm.rank), buff, size };
-    windows().get_or_insert_with(Default::default).insert(token, w);
-    crate::trace!(INIT, "rank {}: window {token:#x} over {size} bytes at {buff:#x} (flags {flags:#x})", comm.rank);
+    let key = (comm.hash, comm.rank);
+    let mut guard = windows();
+    let reg = guard.get_or_insert_with(Default::default);
+    let next = reg.next.entry(key).or_insert(0);
+    let w = Window { comm: key, buff, size, ordinal: *next, symmetric: flags & WIN_COLL_SYMMETRIC != 0 };
+    *next += 1;
+    reg.by_token.insert(token, w);
+    drop(guard);
+    REGISTERED.notify_all();
+    crate::trace!(INIT, "rank {}: window {token:#x} (#{}) over {size} bytes at {:#x} (flags {flags:#x})", comm.rank,
+                  w.ordinal, buff.addr());
     Ok(token)
 }
 
-fn window_of(comm: &Comm, token: usize) -> Result<Window> {
-    let w = windows().as_ref().and_then(|m| m.get(&token).copied());
+/// The window of `comm` behind a token.
+pub fn window_of(comm: &Comm, token: usize) -> Result<Window> {
+    let w = windows().as_ref().and_then(|m| m.by_token.get(&token).copied());
     match w {
         Some(w) if w.comm == (comm.hash, comm.rank) => Ok(w),
         Some(_) => Err(Error::invalid_arg(format!("window {token:#x} belongs to another communicator"))),
@@ -90,15 +117,46 @@ fn window_of(comm: &Comm, token: usize) -> Result<Window> {
     }
 }
 
+/// What became of the window a rank registered `ordinal`-th on a communicator (hash, rank).
+pub enum Lookup {
+    Live(Window),
+    /// Registered, then deregistered.
+    Gone,
+    /// Not registered yet.
+    NotYet,
+}
+
+/// The window registered `ordinal`-th by `comm` (hash, rank), waiting for its registration
+/// while `wait` says so (a put may arrive before its target registered the window).
+pub fn window_by_ordinal(comm: (u64, usize), ordinal: u64, mut wait: impl FnMut() -> bool) -> Lookup {
+    let mut guard = windows();
+    loop {
+        let reg = guard.get_or_insert_with(Default::default);
+        if let Some(w) = reg.by_token.values().find(|w| w.comm == comm && w.ordinal == ordinal) {
+            return Lookup::Live(*w);
+        }
+        if reg.next.get(&comm).is_some_and(|n| ordinal < *n) {
+            return Lookup::Gone;
+        }
+        if !wait() {
+            return Lookup::NotYet;
+        }
+        guard = match REGISTERED.wait_timeout(guard, std::time::Duration::from_millis(100)) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+    }
+}
+
 /// `ncclWinGetUserPtr`: the buffer of a window of `comm`.
 pub fn window_user_ptr(comm: &Comm, token: usize) -> Result<usize> {
-    window_of(comm, token).map(|w| w.buff)
+    window_of(comm, token).map(|w| w.buff.addr())
 }
 
 /// `ncclCommWindowDeregister`.
 pub fn window_deregister(comm: &Comm, token: usize) -> Result<()> {
     let w = window_of(comm, token)?;
-    windows().as_mut().map(|m| m.remove(&token));
+    windows().as_mut().map(|m| m.by_token.remove(&token));
     crate::trace!(INIT, "rank {}: window {token:#x} over {} bytes deregistered", comm.rank, w.size);
     Ok(())
 }

@@ -4,4 +4,5 @@ pub mod coll;
 pub mod config;
 pub mod init;
 pub mod mem;
+pub mod rma;
 pub mod split;

@@ -19,6 +19,9 @@ const KIND_DATA: u8 = 2;
 const KIND_PING: u8 = 3;
 /// "What are you running?": answered on the same connection with the rank's current status.
 const KIND_STATUS: u8 = 4;
+/// A connection carrying one-sided operations (puts and signals) from one peer, handed to the
+/// communicator's handler for as long as it stays open.
+const KIND_RMA: u8 = 5;
 /// How long an incoming connection may take to say who it is.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -31,9 +34,16 @@ struct Inbox {
 /// What a rank is doing now, as opaque bytes its communicator keeps up to date.
 pub type Status = Arc<Mutex<Vec<u8>>>;
 
+/// Takes an incoming one-sided-operations connection: (from rank, the stream).
+pub type RmaHandler = Box<dyn Fn(u32, TcpStream) + Send + Sync>;
+
 struct Shared {
     magic: u64,
     status: std::sync::OnceLock<Status>,
+    rma: std::sync::OnceLock<RmaHandler>,
+    /// One-sided connections that came before the handler was set (a peer may finish init
+    /// and put before this rank has finished its own).
+    rma_early: Mutex<Vec<(u32, TcpStream)>>,
     stop: AtomicBool,
     /// Connections being read by their own threads.
     pending: super::pending::Pending,
@@ -55,7 +65,7 @@ impl Service {
     pub fn start(ip: std::net::IpAddr, magic: u64, rank: u32) -> Result<Service> {
         let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
-        let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new() });
+        let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), rma: std::sync::OnceLock::new(), rma_early: Mutex::default(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new() });
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name("nccl-rs-boot".into())
@@ -108,6 +118,23 @@ impl Service {
     /// Where this service reads the answer to status requests.
     pub fn set_status(&self, status: Status) {
         let _ = self.shared.status.set(status);
+    }
+
+    /// Who takes incoming one-sided-operations connections (set once; until then they are dropped).
+    pub fn set_rma_handler(&self, handler: RmaHandler) {
+        let early = {
+            let mut early = self.shared.rma_early.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = self.shared.rma.set(handler);
+            std::mem::take(&mut *early)
+        };
+        if let Some(handler) = self.shared.rma.get() {
+            early.into_iter().for_each(|(from, s)| handler(from, s));
+        }
+    }
+
+    /// Open the connection that carries this rank's one-sided operations to `peer`.
+    pub fn connect_rma(&self, peer: usize) -> Result<TcpStream> {
+        self.open(peer, KIND_RMA, 0, &[])
     }
 
     /// Ask `peer` what it is running (its status bytes), waiting at most `timeout`.
@@ -220,6 +247,8 @@ impl Service {
         let mut inbox = self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
         inbox.msgs.clear();
         inbox.data.clear();
+        drop(inbox);
+        self.shared.rma_early.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 }
 
@@ -263,6 +292,18 @@ fn file_connection(mut s: TcpStream, shared: &Shared) {
     if kind == KIND_STATUS {
         let now = shared.status.get().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).unwrap_or_default();
         let _ = write_frame(&mut s, &now);
+        return;
+    }
+    if kind == KIND_RMA {
+        let _ = s.set_read_timeout(None);
+        let mut early = shared.rma_early.lock().unwrap_or_else(|p| p.into_inner());
+        match shared.rma.get() {
+            Some(handler) => {
+                drop(early);
+                handler(from, s);
+            }
+            None => early.push((from, s)),
+        }
         return;
     }
     let mut inbox = shared.inbox.lock().unwrap_or_else(|p| p.into_inner());

@@ -153,6 +153,8 @@ pub struct Comm {
     pub seq: AtomicU64,
     /// CUDA mode: the worker that runs operations on device memory in stream order.
     pub streamed: OnceLock<Arc<crate::streamed::Streamed>>,
+    /// One-sided operations: connections to targets, signals that came.
+    pub rma: crate::api::rma::Rma,
 }
 
 impl Comm {
@@ -175,11 +177,13 @@ impl Comm {
             next_user_op: AtomicI32::new(crate::types::BuiltinOp::ALL.len() as i32),
             seq: AtomicU64::new(0),
             streamed: OnceLock::new(),
+            rma: crate::api::rma::Rma::new(hash, rank, nranks),
         }
     }
 
     /// Init finished: the communicator can run operations.
     pub fn set_ready(&self, ready: Ready) {
+        ready.service.set_rma_handler(self.rma.handler());
         let _ = self.ready.set(ready);
         self.async_code.store(Code::Success as i32, Ordering::Release);
     }
@@ -380,6 +384,7 @@ impl Comm {
         if let Some(s) = self.streamed.get() {
             s.close();
         }
+        self.rma.close();
         if let Some(r) = self.ready.get() {
             r.conns().close_all();
             r.service.stop();

@@ -12,6 +12,7 @@ pub mod fdpass;
 pub mod ipc;
 pub mod local;
 pub mod ring;
+pub mod rma;
 pub mod shm;
 pub mod socket;
 

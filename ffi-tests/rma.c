@@ -1,0 +1,449 @@
+/*
+ * rma.c - one-sided operations (NCCL 2.29+): ncclPutSignal, ncclSignal and ncclWaitSignal on
+ * windows registered with ncclCommWindowRegister, and ncclCommQueryProperties.
+ *
+ *   rma [--quick] [--only Ring|AllToAll|Barrier|Order|Signals|Errors|Properties]
+ *   rma --only Gone      (2+ processes: rank 1 leaves with a signal still owed)
+ *
+ * NCCL: a put lands in the target's window with no call of the target; the target learns it
+ * landed by waiting for its signal. Operations to the same peer arrive in program order, data
+ * and signals alike. A wait consumes the signals it waited for.
+ */
+#include "common.h"
+
+#include <stdbool.h>
+#include <string.h>
+#include <strings.h>
+
+static ncclComm_t g_comms[MAX_LOCAL];
+
+static int wanted(const char* name) { return !g_env.only || !strcasecmp(g_env.only, name); }
+static int me_of(int l) { return g_env.first_rank + l; }
+static int next_of(int r) { return (r + 1) % g_env.nranks; }
+static int prev_of(int r) { return (r + g_env.nranks - 1) % g_env.nranks; }
+
+/* One window per local rank over a guarded buffer (registration is collective: grouped when
+ * this process drives several ranks). */
+typedef struct {
+  gbuf_t buf;
+  void* ptr;
+  size_t bytes;
+  ncclWindow_t win;
+} window_t;
+
+static void open_windows(ncclComm_t* comms, window_t* w, size_t bytes, int flags) {
+  for (int l = 0; l < g_env.local; l++) {
+    w[l].bytes = bytes;
+    w[l].ptr = gbuf_alloc(&w[l].buf, bytes);
+    gbuf_poison(&w[l].buf, 0x3a3au);
+  }
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowRegister(comms[l], w[l].ptr, bytes, &w[l].win, flags));
+  if (g_env.local > 1) CHECK(ncclGroupEnd());
+}
+
+static void close_windows(ncclComm_t* comms, window_t* w, const char* what) {
+  for (int l = 0; l < g_env.local; l++) {
+    check_guards(what, &w[l].buf);
+    CHECK(ncclCommWindowDeregister(comms[l], w[l].win));
+    gbuf_free(&w[l].buf);
+  }
+}
+
+/* Each local rank waits for `n` signals (signal 0, context 0) from `peer_of(rank)`. */
+static void wait_each(ncclComm_t* comms, int (*peer_of)(int), int n) {
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    ncclWaitSignalDesc_t d = {.opCnt = n, .peer = peer_of(me_of(l)), .sigIdx = 0, .ctx = 0};
+    CHECK(ncclWaitSignal(1, &d, comms[l], TEST_STREAM));
+  }
+  if (g_env.local > 1) CHECK(ncclGroupEnd());
+}
+
+/* Every rank puts into the next rank's window and waits for the previous rank's put; the
+ * target checks it, then acknowledges with a signal so the next round may overwrite it. */
+static void ring(void) {
+  if (!wanted("Ring")) return;
+  test_step("Ring");
+  size_t counts[] = {1, 1000, (1u << 20) + 3};
+  int ncounts = g_env.quick ? 2 : 3;
+  size_t max = counts[ncounts - 1];
+  window_t w[MAX_LOCAL];
+  open_windows(g_comms, w, max * 4, NCCL_WIN_DEFAULT);
+  gbuf_t src[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) gbuf_alloc(&src[l], max * 4);
+  for (int c = 0; c < ncounts; c++) {
+    for (int round = 0; round < 3; round++) {
+      uint32_t salt = hash3((uint32_t)c, (uint32_t)round, 0x51u);
+      CHECK(ncclGroupStart());
+      for (int l = 0; l < g_env.local; l++) {
+        fill_bytes(gbuf_ptr(&src[l]), 4, me_of(l), 0, counts[c], salt);
+        CHECK(ncclPutSignal(gbuf_ptr(&src[l]), counts[c], ncclFloat32, next_of(me_of(l)), w[l].win, 0, 0, 0, 0,
+                            g_comms[l], TEST_STREAM));
+      }
+      CHECK(ncclGroupEnd());
+      wait_each(g_comms, prev_of, 1);
+      for (int l = 0; l < g_env.local; l++) {
+        char what[160];
+        snprintf(what, sizeof what, "Ring: rank %d's window after the put of %zu floats from rank %d (round %d)",
+                 me_of(l), counts[c], prev_of(me_of(l)), round);
+        check_bytes(what, w[l].ptr, 4, prev_of(me_of(l)), 0, counts[c], salt);
+      }
+      /* The put's source may be reused at once: the data above came from before this. */
+      for (int l = 0; l < g_env.local; l++) memset(gbuf_ptr(&src[l]), 0xee, counts[c] * 4);
+      CHECK(ncclGroupStart());
+      for (int l = 0; l < g_env.local; l++) CHECK(ncclSignal(prev_of(me_of(l)), 0, 0, 0, g_comms[l], TEST_STREAM));
+      CHECK(ncclGroupEnd());
+      wait_each(g_comms, next_of, 1);
+    }
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    check_guards("Ring: the put source", &src[l]);
+    gbuf_free(&src[l]);
+  }
+  close_windows(g_comms, w, "Ring: a window");
+}
+
+/* NCCL's all-to-all by puts: each rank puts its block for rank r at offset me in r's window,
+ * in one group, then waits for one signal from every rank (itself included). */
+static void all_to_all(void) {
+  if (!wanted("AllToAll")) return;
+  test_step("AllToAll");
+  const int n = g_env.nranks;
+  size_t count = g_env.quick ? 257 : 65537;
+  size_t block = count * 2;
+  void* win_mem[MAX_LOCAL];
+  ncclWindow_t win[MAX_LOCAL];
+  gbuf_t src[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclMemAlloc(&win_mem[l], block * (size_t)n));
+    memset(win_mem[l], 0, block * (size_t)n);
+    gbuf_alloc(&src[l], block * (size_t)n);
+  }
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclCommWindowRegister(g_comms[l], win_mem[l], block * (size_t)n, &win[l], NCCL_WIN_COLL_SYMMETRIC));
+  if (g_env.local > 1) CHECK(ncclGroupEnd());
+  const uint32_t salt = 0xa2a2u;
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int me = me_of(l);
+    for (int r = 0; r < n; r++) {
+      char* p = (char*)gbuf_ptr(&src[l]) + (size_t)r * block;
+      fill_bytes(p, 2, me, (size_t)r * count, count, salt); /* data of `me` meant for `r` */
+      CHECK(ncclPutSignal(p, count, ncclBfloat16, r, win[l], (size_t)me * block, 0, 0, 0, g_comms[l], TEST_STREAM));
+    }
+  }
+  CHECK(ncclGroupEnd());
+  ncclWaitSignalDesc_t* descs = calloc((size_t)n, sizeof *descs);
+  for (int r = 0; r < n; r++) descs[r] = (ncclWaitSignalDesc_t){.opCnt = 1, .peer = r, .sigIdx = 0, .ctx = 0};
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclWaitSignal(n, descs, g_comms[l], TEST_STREAM));
+  if (g_env.local > 1) CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    int me = me_of(l);
+    for (int r = 0; r < n; r++) {
+      char what[160];
+      snprintf(what, sizeof what, "AllToAll: block of rank %d in rank %d's window", r, me);
+      check_bytes(what, (char*)win_mem[l] + (size_t)r * block, 2, r, (size_t)me * count, count, salt);
+    }
+  }
+  free(descs);
+  /* Nobody deregisters before every rank has waited for what it was sent. */
+  allreduce_sum_int(g_comms, 0);
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclCommWindowDeregister(g_comms[l], win[l]));
+    CHECK(ncclMemFree(win_mem[l]));
+    gbuf_free(&src[l]);
+  }
+}
+
+/* NCCL's barrier by signals: every rank signals every rank, then waits for all of them. */
+static void barrier(void) {
+  if (!wanted("Barrier")) return;
+  test_step("Barrier");
+  const int n = g_env.nranks;
+  ncclWaitSignalDesc_t* descs = calloc((size_t)n, sizeof *descs);
+  for (int r = 0; r < n; r++) descs[r] = (ncclWaitSignalDesc_t){.opCnt = 1, .peer = r, .sigIdx = 0, .ctx = 0};
+  for (int round = 0; round < 5; round++) {
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      for (int r = 0; r < n; r++) CHECK(ncclSignal(r, 0, 0, 0, g_comms[l], TEST_STREAM));
+    CHECK(ncclGroupEnd());
+    if (g_env.local > 1) CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++) CHECK(ncclWaitSignal(n, descs, g_comms[l], TEST_STREAM));
+    if (g_env.local > 1) CHECK(ncclGroupEnd());
+  }
+  free(descs);
+}
+
+/* Puts to one peer land in program order: big puts fill a block, small ones overwrite its
+ * first element; after the last signal the block holds the last big put's value and its first
+ * element the last put's. */
+static void order(void) {
+  if (!wanted("Order")) return;
+  test_step("Order");
+  const size_t big = 16384;
+  const int K = 50;
+  window_t w[MAX_LOCAL];
+  open_windows(g_comms, w, big * 4, NCCL_WIN_COLL_SYMMETRIC);
+  uint32_t* vals[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) vals[l] = malloc((size_t)K * big * 4);
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    for (int k = 0; k < K; k++) {
+      uint32_t* v = vals[l] + (size_t)k * big;
+      size_t count = k % 10 == 0 ? big : 1;
+      for (size_t j = 0; j < count; j++) v[j] = (uint32_t)(1000 * me_of(l) + k);
+      CHECK(ncclPutSignal(v, count, ncclUint32, next_of(me_of(l)), w[l].win, 0, 0, 0, 0, g_comms[l], TEST_STREAM));
+    }
+  }
+  CHECK(ncclGroupEnd());
+  wait_each(g_comms, prev_of, K);
+  for (int l = 0; l < g_env.local; l++) {
+    const uint32_t* got = w[l].ptr;
+    uint32_t from = (uint32_t)prev_of(me_of(l)) * 1000;
+    EXPECT(got[0] == from + (uint32_t)K - 1, "Order: rank %d's first element is %u, not the last put's %u", me_of(l),
+           got[0], from + (uint32_t)K - 1);
+    size_t bad = 0;
+    for (size_t j = 1; j < big; j++) bad += got[j] != from + 40;
+    EXPECT(bad == 0, "Order: %zu of %zu elements of rank %d's window are not the last big put's %u", bad, big - 1,
+           me_of(l), from + 40);
+    free(vals[l]);
+  }
+  allreduce_sum_int(g_comms, 0);
+  close_windows(g_comms, w, "Order: a window");
+}
+
+/* Signals are counted per (context, signal index, sender), with numRmaCtx and numRmaSig from
+ * the config, and a wait consumes what it waited for. */
+static void signals(void) {
+  if (!wanted("Signals")) return;
+  test_step("Signals");
+  ncclComm_t comms[MAX_LOCAL];
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.numRmaCtx = 2;
+  config.numRmaSig = 3;
+  CHECK(make_comms_config("signals", comms, &config));
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    for (int ctx = 0; ctx < 2; ctx++)
+      for (int sig = 0; sig < 3; sig++)
+        for (int k = 0; k < (sig + 1) * (ctx + 1); k++)
+          CHECK(ncclSignal(next_of(me_of(l)), sig, ctx, 0, comms[l], TEST_STREAM));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    /* Each count asked in two parts: a signal named twice in one wait wants both. */
+    ncclWaitSignalDesc_t d[12];
+    for (int i = 0; i < 12; i++) {
+      int ctx = i / 6, sig = i % 3, total = (sig + 1) * (ctx + 1);
+      d[i] = (ncclWaitSignalDesc_t){.opCnt = i % 6 < 3 ? total - 1 : 1, .peer = prev_of(me_of(l)), .sigIdx = sig, .ctx = ctx};
+    }
+    CHECK(ncclWaitSignal(12, d, comms[l], TEST_STREAM));
+    ncclResult_t r = ncclSignal(0, 3, 0, 0, comms[l], TEST_STREAM);
+    EXPECT(r == ncclInvalidArgument, "Signals: signal index 3 with numRmaSig = 3: %s", result_name(r));
+    r = ncclSignal(0, 0, 2, 0, comms[l], TEST_STREAM);
+    EXPECT(r == ncclInvalidArgument, "Signals: context 2 with numRmaCtx = 2: %s", result_name(r));
+  }
+  /* Twice one signal, waited for one at a time: the second wait needs the second signal. */
+  for (int round = 0; round < 2; round++) {
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++) CHECK(ncclSignal(next_of(me_of(l)), 2, 1, 0, comms[l], TEST_STREAM));
+    CHECK(ncclGroupEnd());
+  }
+  for (int k = 0; k < 2; k++)
+    for (int l = 0; l < g_env.local; l++) {
+      ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = prev_of(me_of(l)), .sigIdx = 2, .ctx = 1};
+      CHECK(ncclWaitSignal(1, &d, comms[l], TEST_STREAM));
+    }
+  destroy_comms(comms);
+}
+
+static void expect_error(const char* what, ncclResult_t got, ncclResult_t want, ncclComm_t comm, const char* says) {
+  const char* msg = ncclGetLastError(comm);
+  EXPECT(got == want && (!says || (msg && strstr(msg, says))), "Errors: %s: %s (\"%s\"), not %s saying \"%s\"", what,
+         result_name(got), msg ? msg : "", result_name(want), says ? says : "");
+}
+
+static void errors(void) {
+  if (!wanted("Errors")) return;
+  test_step("Errors");
+  const int n = g_env.nranks;
+  window_t w[MAX_LOCAL];
+  open_windows(g_comms, w, 64, NCCL_WIN_COLL_SYMMETRIC);
+  float src[32] = {0};
+  for (int l = 0; l < g_env.local; l++) {
+    ncclComm_t c = g_comms[l];
+    int me = me_of(l);
+    ncclWindow_t win = w[l].win;
+    expect_error("peer -1", ncclPutSignal(src, 1, ncclFloat32, -1, win, 0, 0, 0, 0, c, TEST_STREAM), ncclInvalidArgument, c,
+                 "out of range");
+    expect_error("peer nranks", ncclSignal(n, 0, 0, 0, c, TEST_STREAM), ncclInvalidArgument, c, "out of range");
+    expect_error("NULL window", ncclPutSignal(src, 1, ncclFloat32, me, NULL, 0, 0, 0, 0, c, TEST_STREAM),
+                 ncclInvalidArgument, c, "peerWin");
+    expect_error("a put past a symmetric window's end", ncclPutSignal(src, 17, ncclFloat32, me, win, 0, 0, 0, 0, c, TEST_STREAM),
+                 ncclInvalidArgument, c, "does not fit");
+    expect_error("a put at the window's end", ncclPutSignal(src, 1, ncclFloat32, me, win, 64, 0, 0, 0, c, TEST_STREAM),
+                 ncclInvalidArgument, c, "does not fit");
+    expect_error("an offset that overflows", ncclPutSignal(src, 1, ncclFloat32, me, win, SIZE_MAX, 0, 0, 0, c, TEST_STREAM),
+                 ncclInvalidArgument, c, "does not fit");
+    expect_error("context 1 of 1", ncclPutSignal(src, 1, ncclFloat32, me, win, 0, 0, 1, 0, c, TEST_STREAM),
+                 ncclInvalidArgument, c, "numRmaCtx");
+    expect_error("signal index 1 of 1", ncclSignal(me, 1, 0, 0, c, TEST_STREAM), ncclInvalidArgument, c, "numRmaSig");
+    expect_error("flags 1", ncclSignal(me, 0, 0, 1, c, TEST_STREAM), ncclInvalidArgument, c, "flags");
+    expect_error("NULL localbuff", ncclPutSignal(NULL, 1, ncclFloat32, me, win, 0, 0, 0, 0, c, TEST_STREAM),
+                 ncclInvalidArgument, c, "localbuff");
+    expect_error("datatype 99", ncclPutSignal(src, 1, (ncclDataType_t)99, me, win, 0, 0, 0, 0, c, TEST_STREAM),
+                 ncclInvalidArgument, c, "datatype");
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = me, .sigIdx = 0, .ctx = 0};
+    expect_error("nDesc -1", ncclWaitSignal(-1, &d, c, TEST_STREAM), ncclInvalidArgument, c, "nDesc");
+    expect_error("NULL signalDescs", ncclWaitSignal(1, NULL, c, TEST_STREAM), ncclInvalidArgument, c, "signalDescs");
+    ncclWaitSignalDesc_t bad = {.opCnt = -1, .peer = me, .sigIdx = 0, .ctx = 0};
+    expect_error("opCnt -1", ncclWaitSignal(1, &bad, c, TEST_STREAM), ncclInvalidArgument, c, "opCnt");
+    bad = (ncclWaitSignalDesc_t){.opCnt = 1, .peer = n, .sigIdx = 0, .ctx = 0};
+    expect_error("a wait on rank nranks", ncclWaitSignal(1, &bad, c, TEST_STREAM), ncclInvalidArgument, c, "out of range");
+    CHECK(ncclWaitSignal(0, NULL, c, TEST_STREAM));
+    /* A put of nothing to itself still signals. */
+    CHECK(ncclPutSignal(NULL, 0, ncclFloat32, me, win, 0, 0, 0, 0, c, TEST_STREAM));
+    CHECK(ncclWaitSignal(1, &d, c, TEST_STREAM));
+    /* A bad call in a group fails the group's end, as NCCL's groups do. */
+    CHECK(ncclGroupStart());
+    ncclResult_t in_group = ncclSignal(-1, 0, 0, 0, c, TEST_STREAM);
+    ncclResult_t end = ncclGroupEnd();
+    EXPECT(in_group == ncclInvalidArgument && end == ncclInvalidArgument,
+           "Errors: a bad signal in a group: %s at the call, %s at ncclGroupEnd (both should be ncclInvalidArgument)",
+           result_name(in_group), result_name(end));
+  }
+  /* A put past the end of a target's window that is not symmetric is found by the target:
+   * nothing is written, and its wait (and every later one-sided call) names the put. */
+  window_t small[MAX_LOCAL];
+  open_windows(g_comms, small, 64, NCCL_WIN_DEFAULT);
+  float big[32] = {0};
+  if (n == 1) {
+    expect_error("a put past the end of its own window", ncclPutSignal(big, 32, ncclFloat32, 0, small[0].win, 0, 0, 0, 0,
+                                                                       g_comms[0], TEST_STREAM),
+                 ncclInvalidArgument, g_comms[0], "does not fit");
+  } else {
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      CHECK(ncclPutSignal(big, 32, ncclFloat32, next_of(me_of(l)), small[l].win, 0, 0, 0, 0, g_comms[l], TEST_STREAM));
+    CHECK(ncclGroupEnd());
+    for (int l = 0; l < g_env.local; l++) {
+      ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = prev_of(me_of(l)), .sigIdx = 0, .ctx = 0};
+      expect_error("a wait for a put past the end of the window", ncclWaitSignal(1, &d, g_comms[l], TEST_STREAM),
+                   ncclRemoteError, g_comms[l], "must stay inside the target's window");
+      EXPECT(gbuf_poison_intact(&small[l].buf, 0x3a3au, 0, 64), "Errors: a put that did not fit wrote into the window");
+    }
+  }
+  allreduce_sum_int(g_comms, 0);
+  close_windows(g_comms, small, "Errors: a small window");
+  /* Windows stay each rank's own: a deregistered one is refused. */
+  ncclWindow_t old[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) old[l] = w[l].win;
+  close_windows(g_comms, w, "Errors: a window");
+  for (int l = 0; l < g_env.local; l++)
+    expect_error("a deregistered window", ncclPutSignal(src, 1, ncclFloat32, me_of(l), old[l], 0, 0, 0, 0, g_comms[l], TEST_STREAM),
+                 ncclInvalidArgument, g_comms[l], "not a window");
+}
+
+/* ncclCommProperties_t of NCCL 2.32.3 (nccl_device/host.h, which neither nccl.h declares). */
+typedef struct {
+  size_t size;
+  unsigned int magic, version;
+  int rank, nRanks, cudaDev, nvmlDev;
+  bool deviceApiSupport, multimemSupport;
+  int ginType, nLsaTeams;
+  bool hostRmaSupport;
+  int railedGinType;
+  uint64_t commHash;
+  int ginMinStride, ginConnectionType;
+  bool ginSupport[64];
+  size_t devCommRuntimeVersionSize;
+  bool cftSupport, cftMulticastSupport, cftCountedSupport;
+} props_v23203_t;
+ncclResult_t ncclCommQueryProperties(ncclComm_t comm, void* props);
+
+static void properties(void) {
+  if (!wanted("Properties")) return;
+  test_step("Properties");
+  for (int l = 0; l < g_env.local; l++) {
+    props_v23203_t p;
+    memset(&p, 0x5c, sizeof p);
+    p.size = sizeof p;
+    p.magic = 0xcafebeef;
+    p.version = NCCL_VERSION_CODE;
+    CHECK(ncclCommQueryProperties(g_comms[l], &p));
+    EXPECT(sizeof p == 152, "props: %zu bytes, NVIDIA's are 152", sizeof p);
+    EXPECT(p.rank == me_of(l) && p.nRanks == g_env.nranks, "props: rank %d of %d, not %d of %d", p.rank, p.nRanks,
+           me_of(l), g_env.nranks);
+    EXPECT(!p.deviceApiSupport && !p.multimemSupport && p.ginType == 0 && !p.cftSupport,
+           "props: device API %d, multimem %d, GIN type %d, CFT %d: nccl-rs has none", p.deviceApiSupport,
+           p.multimemSupport, p.ginType, p.cftSupport);
+    EXPECT(p.hostRmaSupport, "props: host RMA not supported, but host mode runs it");
+    EXPECT(p.nLsaTeams == g_env.nranks, "props: %d load/store teams, not one per rank", p.nLsaTeams);
+    int ginAny = 0;
+    for (int i = 0; i < 64; i++) ginAny |= p.ginSupport[i];
+    EXPECT(!ginAny && p.devCommRuntimeVersionSize == 0, "props: GIN types or a device communicator size reported");
+    /* Every rank names the same communicator. */
+    int low = (int)(p.commHash & 0x7fff);
+    int sum = allreduce_sum_int(g_comms, low);
+    EXPECT(sum == low * g_env.nranks, "props: commHash differs between ranks (sum of low bits %d)", sum);
+    /* An older header's smaller struct: only its prefix is written. */
+    props_v23203_t small;
+    memset(&small, 0x5c, sizeof small);
+    small.size = 24; /* header, rank, nRanks */
+    small.magic = 0xcafebeef;
+    small.version = NCCL_VERSION(2, 29, 0);
+    CHECK(ncclCommQueryProperties(g_comms[l], &small));
+    unsigned char poison[sizeof small];
+    memset(poison, 0x5c, sizeof poison);
+    EXPECT(small.rank == me_of(l) && small.size == 24 && !memcmp((char*)&small + 24, poison + 24, sizeof small - 24),
+           "props: a 24-byte struct got rank %d and bytes past its end written", small.rank);
+    props_v23203_t bad;
+    memset(&bad, 0, sizeof bad);
+    bad.size = sizeof bad;
+    expect_error("props without its magic", ncclCommQueryProperties(g_comms[l], &bad), ncclInvalidArgument, g_comms[l],
+                 "magic");
+    expect_error("NULL props", ncclCommQueryProperties(g_comms[l], NULL), ncclInvalidArgument, g_comms[l], "props");
+  }
+}
+
+/* Rank 1 signals once and leaves; rank 0 waits for two: it is told, not left waiting. */
+static void gone(void) {
+  if (!g_env.only || strcasecmp(g_env.only, "Gone")) return;
+  test_step("Gone");
+  EXPECT(g_env.nranks >= 2 && g_env.local == 1, "Gone needs 2+ processes of one rank");
+  int me = g_env.first_rank;
+  if (me == 1) {
+    CHECK(ncclSignal(0, 0, 0, 0, g_comms[0], TEST_STREAM));
+    CHECK(ncclCommDestroy(g_comms[0]));
+    g_comms[0] = NULL;
+    return;
+  }
+  if (me != 0) return;
+  test_deadline(60);
+  ncclWaitSignalDesc_t d = {.opCnt = 2, .peer = 1, .sigIdx = 0, .ctx = 0};
+  double t0 = now_s();
+  ncclResult_t r = ncclWaitSignal(1, &d, g_comms[0], TEST_STREAM);
+  const char* msg = ncclGetLastError(g_comms[0]);
+  tlog("Gone: ncclWaitSignal returned %s after %.1f s: %s", result_name(r), now_s() - t0, msg ? msg : "");
+  EXPECT(r == ncclRemoteError && msg && strstr(msg, "rank 1") && strstr(msg, "1 of 2"),
+         "Gone: a wait for a rank that left: %s (\"%s\"), not ncclRemoteError naming rank 1 and what came",
+         result_name(r), msg ? msg : "");
+  test_deadline(0);
+}
+
+int main(int argc, char** argv) {
+  test_init(argc, argv);
+  make_comms("", g_comms);
+  ring();
+  all_to_all();
+  barrier();
+  order();
+  signals();
+  errors();
+  properties();
+  gone();
+  if (g_comms[0]) destroy_comms(g_comms);
+  return test_finish();
+}
