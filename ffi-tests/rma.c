@@ -4,6 +4,8 @@
  *
  *   rma [--quick] [--only Ring|AllToAll|Barrier|Order|Signals|Errors|Properties]
  *   rma --only Gone      (2+ processes: rank 1 leaves with a signal still owed)
+ *   rma --only Killed    (2+ processes, rank 1 on another host: it prints READY and waits to
+ *                         be SIGKILLed before it ever connected; rank 0 waits for its signal)
  *
  * NCCL: a put lands in the target's window with no call of the target; the target learns it
  * landed by waiting for its signal. Operations to the same peer arrive in program order, data
@@ -433,6 +435,30 @@ static void gone(void) {
   test_deadline(0);
 }
 
+/* Rank 1, of another host, is killed before it ever sent anything: rank 0's wait finds its
+ * bootstrap service gone (after NCCL_PEER_TIMEOUT_S) and says so, instead of waiting forever. */
+static void killed(void) {
+  if (!g_env.only || strcasecmp(g_env.only, "Killed")) return;
+  test_step("Killed");
+  int me = g_env.first_rank;
+  if (me == 1) {
+    test_deadline(40); /* the job kills it long before */
+    tlog("READY: rank 1 waits to be killed");
+    for (;;) sleep_ms(1000);
+  }
+  if (me != 0) return;
+  test_deadline(60);
+  ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = 1, .sigIdx = 0, .ctx = 0};
+  double t0 = now_s();
+  ncclResult_t r = ncclWaitSignal(1, &d, g_comms[0], TEST_STREAM);
+  const char* msg = ncclGetLastError(g_comms[0]);
+  tlog("Killed: ncclWaitSignal returned %s after %.1f s: %s", result_name(r), now_s() - t0, msg ? msg : "");
+  EXPECT(r == ncclRemoteError && msg && strstr(msg, "rank 1") && strstr(msg, "gone") && strstr(msg, "0 of 1"),
+         "Killed: a wait for a killed rank of another host: %s (\"%s\"), not ncclRemoteError saying it is gone",
+         result_name(r), msg ? msg : "");
+  test_deadline(0);
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   make_comms("", g_comms);
@@ -444,6 +470,7 @@ int main(int argc, char** argv) {
   errors();
   properties();
   gone();
+  killed();
   if (g_comms[0]) destroy_comms(g_comms);
   return test_finish();
 }

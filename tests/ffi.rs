@@ -245,6 +245,25 @@ fn rma_a_rank_that_leaves_owing_a_signal_is_named() {
     Job::new("rma").procs(2).arg("--only").arg("Gone").run();
 }
 
+/// A rank of another host killed before it ever connected: the waiter finds its service gone
+/// (after NCCL_PEER_TIMEOUT_S) and names it.
+#[test]
+fn rma_a_killed_rank_of_another_host_is_named() {
+    let o = Job::new("rma")
+        .procs(2)
+        .arg("--only")
+        .arg("Killed")
+        .env("NCCL_SOCKET_IFNAME", "lo")
+        .env("NCCL_PEER_TIMEOUT_S", "2")
+        .proc_env(0, "NCCL_HOSTID", "rma-host-a")
+        .proc_env(1, "NCCL_HOSTID", "rma-host-b")
+        .kill(1, When::marker(1, "READY").then_ms(50))
+        .timeout_s(45)
+        .run_outcome();
+    let said: Vec<_> = o.lines_with("Killed: ncclWaitSignal returned").map(|(_, l)| l.to_string()).collect();
+    assert!(o.ok() && o.procs[1].died_of_sigkill() && !said.is_empty(), "{said:?}\n{}", o.report);
+}
+
 #[test]
 fn lifecycle_1_process() {
     Job::new("lifecycle").timeout_s(180).run();

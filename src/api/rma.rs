@@ -387,6 +387,9 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
     let started = Instant::now();
     let mut warned = false;
     let mut probed = started;
+    // Peers of other hosts whose service stopped answering, and since when (gone for certain
+    // only after NCCL_PEER_TIMEOUT_S, as for a first connection).
+    let mut unreachable: HashMap<u32, Instant> = HashMap::new();
     loop {
         if let Some(e) = st.failed.clone() {
             return Err(e);
@@ -427,10 +430,18 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
                 missing.iter().filter(|m| m.0 .2 as usize != comm.rank).map(|m| (m.0 .2, describe(m))).collect();
             drop(st);
             for (p, came) in peers {
-                if let Some((why, true)) = comm.peer_gone(p as usize) {
-                    return Err(Error::remote(format!(
-                        "rank {}: waiting for signals from {}, which is gone: {why}; {came} came", comm.rank,
-                        comm.describe_peer(p as usize))));
+                match comm.peer_gone(p as usize) {
+                    Some((why, certain)) => {
+                        let since = *unreachable.entry(p).or_insert(now);
+                        if certain || since.elapsed() >= crate::params::peer_timeout() {
+                            return Err(Error::remote(format!(
+                                "rank {}: waiting for signals from {}, which is gone: {why}; {came} came", comm.rank,
+                                comm.describe_peer(p as usize))));
+                        }
+                    }
+                    None => {
+                        unreachable.remove(&p);
+                    }
                 }
             }
             st = inner.lock();
