@@ -2,7 +2,7 @@
  * rma.c - one-sided operations (NCCL 2.29+): ncclPutSignal, ncclSignal and ncclWaitSignal on
  * windows registered with ncclCommWindowRegister, and ncclCommQueryProperties.
  *
- *   rma [--quick] [--only Ring|AllToAll|Barrier|Order|Signals|Errors|Properties]
+ *   rma [--quick] [--only Ring|AllToAll|Barrier|Order|Signals|Errors|Properties|Abort]
  *   rma --only Gone      (2+ processes: rank 1 leaves with a signal still owed)
  *   rma --only Killed    (2+ processes, rank 1 on another host: it prints READY and waits to
  *                         be SIGKILLed before it ever connected; rank 0 waits for its signal)
@@ -13,6 +13,7 @@
  */
 #include "common.h"
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <string.h>
 #include <strings.h>
@@ -435,6 +436,34 @@ static void gone(void) {
   test_deadline(0);
 }
 
+static void* abort_later(void* comm) {
+  sleep_ms(300); /* let the wait start; either order must end it */
+  ncclResult_t r = ncclCommAbort((ncclComm_t)comm);
+  return (void*)(intptr_t)r;
+}
+
+/* ncclCommAbort from another thread ends a wait for a signal that never comes. */
+static void abort_wait(void) {
+  if (!wanted("Abort")) return;
+  test_step("Abort");
+  ncclComm_t comms[MAX_LOCAL];
+  make_comms("abort", comms);
+  test_deadline(30);
+  pthread_t th[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) EXPECT(pthread_create(&th[l], NULL, abort_later, comms[l]) == 0, "pthread_create");
+  for (int l = 0; l < g_env.local; l++) {
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = me_of(l), .sigIdx = 0, .ctx = 0}; /* nobody signals */
+    ncclResult_t r = ncclWaitSignal(1, &d, comms[l], TEST_STREAM);
+    EXPECT(r != ncclSuccess && r != ncclInProgress, "Abort: a wait on an aborted communicator returned %s", result_name(r));
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    void* ret = NULL;
+    pthread_join(th[l], &ret);
+    EXPECT((intptr_t)ret == ncclSuccess, "Abort: ncclCommAbort returned %s", result_name((ncclResult_t)(intptr_t)ret));
+  }
+  test_deadline(0);
+}
+
 /* Rank 1, of another host, is killed before it ever sent anything: rank 0's wait finds its
  * bootstrap service gone (after NCCL_PEER_TIMEOUT_S) and says so, instead of waiting forever. */
 static void killed(void) {
@@ -469,6 +498,7 @@ int main(int argc, char** argv) {
   signals();
   errors();
   properties();
+  abort_wait();
   gone();
   killed();
   if (g_comms[0]) destroy_comms(g_comms);
