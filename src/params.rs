@@ -153,6 +153,14 @@ pub fn few_device_connections() -> bool {
         .get_or_init(|| std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().and_then(|v| v.trim().parse::<i64>().ok()));
     connections.is_some_and(|n| n < 8)
 }
+/// The NVML index of CUDA device `cuda_dev`: NVML numbers GPUs as the machine does, CUDA as
+/// `CUDA_VISIBLE_DEVICES` (CUDA's variable, not an NCCL parameter) lists them. Known when that
+/// variable is unset or a list of indices; None otherwise (UUIDs, MIG names).
+pub fn nvml_index(cuda_dev: i32) -> Option<i32> {
+    let Ok(list) = std::env::var("CUDA_VISIBLE_DEVICES") else { return Some(cuda_dev) };
+    let picked = usize::try_from(cuda_dev).ok().and_then(|i| list.split(',').nth(i));
+    picked.and_then(|v| v.trim().parse::<i32>().ok())
+}
 /// `NCCL_RS_STREAM_GATE=kernel`: callers' streams wait with a polling kernel, not a stream
 /// memory operation.
 pub fn stream_gate_kernel() -> bool {

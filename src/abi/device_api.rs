@@ -31,7 +31,7 @@ fn properties(comm: &crate::comm::Comm, size: usize, magic: u32, version: u32) -
         rank: comm.rank as c_int,
         nRanks: comm.nranks as c_int,
         cudaDev: comm.cuda_dev,
-        nvmlDev: if host { -1 } else { nvml_index(comm.cuda_dev) },
+        nvmlDev: if host { -1 } else { crate::params::nvml_index(comm.cuda_dev).unwrap_or(-1) },
         deviceApiSupport: false,
         multimemSupport: false,
         ginType: 0,
@@ -47,14 +47,6 @@ fn properties(comm: &crate::comm::Comm, size: usize, magic: u32, version: u32) -
         cftMulticastSupport: false,
         cftCountedSupport: false,
     }
-}
-
-/// NVML numbers GPUs as the machine does; CUDA as CUDA_VISIBLE_DEVICES lists them. Known when
-/// that variable is unset or a list of indices; -1 otherwise (UUIDs, MIG names).
-fn nvml_index(cuda_dev: c_int) -> c_int {
-    let Ok(list) = std::env::var("CUDA_VISIBLE_DEVICES") else { return cuda_dev };
-    let picked = usize::try_from(cuda_dev).ok().and_then(|i| list.split(',').nth(i));
-    picked.and_then(|v| v.trim().parse::<c_int>().ok()).unwrap_or(-1)
 }
 
 export! {

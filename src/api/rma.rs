@@ -132,7 +132,13 @@ impl Inner {
             self.lock().incoming.push(copy);
         }
         let me = self.clone();
-        let spawned = std::thread::Builder::new().name("nccl-rs-rma".into()).spawn(move || me.serve(from, stream));
+        let spawned = std::thread::Builder::new().name("nccl-rs-rma".into()).spawn(move || {
+            let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.serve(from, stream)));
+            if let Err(p) = served {
+                me.fail(Error::internal(format!("one-sided operations from rank {from}: panic: {}",
+                                                crate::abi::panic_message(&*p))));
+            }
+        });
         if let Err(e) = spawned {
             self.fail(Error::os(format!("one-sided operations from rank {from}: spawn a thread"), e));
         }
@@ -370,12 +376,9 @@ fn deliver(comm: &Comm, ready: &crate::comm::Ready, peer: usize, frame: &Frame, 
     Ok(())
 }
 
-/// Block until every descriptor's signals have come, then consume them.
-fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
-    let inner = &comm.rma.inner;
-    let mut st = inner.lock();
-    // What each signal must reach: what earlier waits consumed plus what this one wants
-    // (a signal named twice wants both counts).
+/// What a wait needs of one signal: the count it must reach (what earlier waits consumed plus
+/// what this one asks; a signal named twice asks both counts).
+fn wanted_counts(st: &State, descs: &[WaitDesc]) -> Vec<(SignalKey, u64)> {
     let mut want: Vec<(SignalKey, u64)> = Vec::new();
     for d in descs {
         let key = (d.ctx as u32, d.sig as u32, d.peer as u32);
@@ -384,17 +387,72 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
             None => want.push((key, st.consumed.get(&key).copied().unwrap_or(0) + d.op_cnt as u64)),
         }
     }
+    want
+}
+
+/// A signal still short of its count: (signal, count so far, count wanted).
+type Missing = (SignalKey, u64, u64);
+
+/// "1 of 2 signal(s) from rank 3 (signal 0, context 0)": counted from what earlier waits consumed.
+fn describe_missing(st: &State, &((ctx, sig, from), got, want): &Missing) -> String {
+    let before = st.consumed.get(&(ctx, sig, from)).copied().unwrap_or(0);
+    format!("{} of {} signal(s) from rank {from} (signal {sig}, context {ctx})", got.saturating_sub(before), want - before)
+}
+
+/// Why a wait cannot end, if it cannot: its communicator went, or a sender it waits on closed
+/// its connection.
+fn hopeless(comm: &Comm, st: &State, missing: &[Missing]) -> Option<Error> {
+    if comm.abort.load(Ordering::Acquire) || comm.rma.inner.closed.load(Ordering::Acquire) {
+        return Some(Error::invalid_usage(format!(
+            "rank {}: communicator was aborted while waiting for signals ({} came)", comm.rank,
+            describe_missing(st, &missing[0]))));
+    }
+    let m = missing.iter().find(|m| st.ended.contains_key(&m.0 .2))?;
+    let from = m.0 .2;
+    let why = match st.ended.get(&from) {
+        Some(Some(e)) => e.msg.clone(),
+        _ => "it closed its connection (destroyed its communicator)".to_string(),
+    };
+    Some(Error::remote(format!("rank {}: waiting for signals that {} will not send: {why}; {} came", comm.rank,
+                               comm.describe_peer(from as usize), describe_missing(st, m))))
+}
+
+/// Is a sender this wait needs gone? Same-host peers whose process exited are; peers of other
+/// hosts whose bootstrap service has not answered for NCCL_PEER_TIMEOUT_S (since when: in
+/// `unreachable`), as for a first connection. `peers`: (rank, what came from it).
+fn gone_sender(comm: &Comm, peers: Vec<(u32, String)>, unreachable: &mut HashMap<u32, Instant>) -> Option<Error> {
+    for (p, came) in peers {
+        match comm.peer_gone(p as usize) {
+            Some((why, certain)) => {
+                let since = *unreachable.entry(p).or_insert_with(Instant::now);
+                if certain || since.elapsed() >= crate::params::peer_timeout() {
+                    return Some(Error::remote(format!(
+                        "rank {}: waiting for signals from {}, which is gone: {why}; {came} came", comm.rank,
+                        comm.describe_peer(p as usize))));
+                }
+            }
+            None => {
+                unreachable.remove(&p);
+            }
+        }
+    }
+    None
+}
+
+/// Block until every descriptor's signals have come, then consume them.
+fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
+    let inner = &comm.rma.inner;
+    let mut st = inner.lock();
+    let want = wanted_counts(&st, descs);
     let started = Instant::now();
     let mut warned = false;
     let mut probed = started;
-    // Peers of other hosts whose service stopped answering, and since when (gone for certain
-    // only after NCCL_PEER_TIMEOUT_S, as for a first connection).
     let mut unreachable: HashMap<u32, Instant> = HashMap::new();
     loop {
         if let Some(e) = st.failed.clone() {
             return Err(e);
         }
-        let missing: Vec<(SignalKey, u64, u64)> = want.iter()
+        let missing: Vec<Missing> = want.iter()
             .map(|&(k, n)| (k, st.arrived.get(&k).copied().unwrap_or(0), n))
             .filter(|&(_, got, n)| got < n)
             .collect();
@@ -404,52 +462,24 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
             }
             return Ok(());
         }
-        let describe = |&((ctx, sig, from), got, n): &(SignalKey, u64, u64)| {
-            let before = st.consumed.get(&(ctx, sig, from)).copied().unwrap_or(0);
-            format!("{} of {} signal(s) from rank {from} (signal {sig}, context {ctx})", got.saturating_sub(before),
-                    n - before)
-        };
-        if comm.abort.load(Ordering::Acquire) || inner.closed.load(Ordering::Acquire) {
-            return Err(Error::invalid_usage(format!(
-                "rank {}: communicator was aborted while waiting for signals ({} came)", comm.rank, describe(&missing[0]))));
-        }
-        if let Some(m) = missing.iter().find(|m| st.ended.contains_key(&m.0 .2)) {
-            let from = m.0 .2;
-            let why = match st.ended.get(&from) {
-                Some(Some(e)) => e.msg.clone(),
-                _ => "it closed its connection (destroyed its communicator)".to_string(),
-            };
-            return Err(Error::remote(format!(
-                "rank {}: waiting for signals that {} will not send: {why}; {} came", comm.rank,
-                comm.describe_peer(from as usize), describe(m))));
+        if let Some(e) = hopeless(comm, &st, &missing) {
+            return Err(e);
         }
         let now = Instant::now();
         if now.duration_since(probed) >= PROBE_EVERY {
             probed = now;
-            let peers: Vec<(u32, String)> =
-                missing.iter().filter(|m| m.0 .2 as usize != comm.rank).map(|m| (m.0 .2, describe(m))).collect();
+            let peers = missing.iter().filter(|m| m.0 .2 as usize != comm.rank)
+                .map(|m| (m.0 .2, describe_missing(&st, m))).collect();
             drop(st);
-            for (p, came) in peers {
-                match comm.peer_gone(p as usize) {
-                    Some((why, certain)) => {
-                        let since = *unreachable.entry(p).or_insert(now);
-                        if certain || since.elapsed() >= crate::params::peer_timeout() {
-                            return Err(Error::remote(format!(
-                                "rank {}: waiting for signals from {}, which is gone: {why}; {came} came", comm.rank,
-                                comm.describe_peer(p as usize))));
-                        }
-                    }
-                    None => {
-                        unreachable.remove(&p);
-                    }
-                }
+            if let Some(e) = gone_sender(comm, peers, &mut unreachable) {
+                return Err(e);
             }
             st = inner.lock();
             continue;
         }
         if !warned && now.duration_since(started) >= WARN_AFTER {
             warned = true;
-            let list: Vec<String> = missing.iter().map(describe).collect();
+            let list: Vec<String> = missing.iter().map(|m| describe_missing(&st, m)).collect();
             crate::warn!("rank {}: ncclWaitSignal has waited {} s; so far {} came", comm.rank,
                          WARN_AFTER.as_secs(), list.join(", "));
         }
@@ -457,5 +487,23 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
             Ok((g, _)) => g,
             Err(p) => p.into_inner().0,
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait asks for what earlier waits consumed plus its own counts, a signal named twice
+    /// for both; what is missing is counted from what was consumed.
+    #[test]
+    fn waits_count_from_what_was_consumed() {
+        let mut st = State::default();
+        st.consumed.insert((0, 1, 3), 5);
+        let d = |op_cnt, peer, sig| WaitDesc { op_cnt, peer, sig, ctx: 0 };
+        let want = wanted_counts(&st, &[d(2, 3, 1), d(1, 2, 0), d(4, 3, 1)]);
+        assert_eq!(want, vec![((0, 1, 3), 11), ((0, 0, 2), 1)]);
+        assert_eq!(describe_missing(&st, &((0, 1, 3), 7, 11)), "2 of 6 signal(s) from rank 3 (signal 1, context 0)");
+        assert_eq!(describe_missing(&st, &((0, 0, 2), 0, 1)), "0 of 1 signal(s) from rank 2 (signal 0, context 0)");
     }
 }
