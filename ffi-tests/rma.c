@@ -436,18 +436,20 @@ static void gone(void) {
   test_deadline(0);
 }
 
+static int g_revoke; /* Abort part: revoke instead of abort */
+
 static void* abort_later(void* comm) {
   sleep_ms(300); /* let the wait start; either order must end it */
-  ncclResult_t r = ncclCommAbort((ncclComm_t)comm);
+  ncclResult_t r = g_revoke ? ncclCommRevoke((ncclComm_t)comm, NCCL_REVOKE_DEFAULT) : ncclCommAbort((ncclComm_t)comm);
   return (void*)(intptr_t)r;
 }
 
-/* ncclCommAbort from another thread ends a wait for a signal that never comes. */
-static void abort_wait(void) {
-  if (!wanted("Abort")) return;
-  test_step("Abort");
+/* ncclCommAbort (or ncclCommRevoke) from another thread ends a wait for a signal that never
+ * comes. */
+static void abort_wait_once(int revoke) {
+  g_revoke = revoke;
   ncclComm_t comms[MAX_LOCAL];
-  make_comms("abort", comms);
+  make_comms(revoke ? "revoke" : "abort", comms);
   test_deadline(30);
   pthread_t th[MAX_LOCAL];
   for (int l = 0; l < g_env.local; l++) EXPECT(pthread_create(&th[l], NULL, abort_later, comms[l]) == 0, "pthread_create");
@@ -459,9 +461,18 @@ static void abort_wait(void) {
   for (int l = 0; l < g_env.local; l++) {
     void* ret = NULL;
     pthread_join(th[l], &ret);
-    EXPECT((intptr_t)ret == ncclSuccess, "Abort: ncclCommAbort returned %s", result_name((ncclResult_t)(intptr_t)ret));
+    EXPECT((intptr_t)ret == ncclSuccess, "Abort: %s returned %s", revoke ? "ncclCommRevoke" : "ncclCommAbort",
+           result_name((ncclResult_t)(intptr_t)ret));
   }
   test_deadline(0);
+  if (revoke) destroy_comms(comms); /* a revoked communicator is still destroyed */
+}
+
+static void abort_wait(void) {
+  if (!wanted("Abort")) return;
+  test_step("Abort");
+  abort_wait_once(0);
+  abort_wait_once(1);
 }
 
 /* Rank 1, of another host, is killed before it ever sent anything: rank 0's wait finds its

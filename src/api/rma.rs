@@ -399,12 +399,17 @@ fn describe_missing(st: &State, &((ctx, sig, from), got, want): &Missing) -> Str
     format!("{} of {} signal(s) from rank {from} (signal {sig}, context {ctx})", got.saturating_sub(before), want - before)
 }
 
-/// Why a wait cannot end, if it cannot: its communicator went, or a sender it waits on closed
-/// its connection.
+/// Why a wait cannot end, if it cannot: its communicator was aborted or revoked (as every wait
+/// of an operation stops), or a sender it waits on closed its connection.
 fn hopeless(comm: &Comm, st: &State, missing: &[Missing]) -> Option<Error> {
     if comm.abort.load(Ordering::Acquire) || comm.rma.inner.closed.load(Ordering::Acquire) {
         return Some(Error::invalid_usage(format!(
             "rank {}: communicator was aborted while waiting for signals ({} came)", comm.rank,
+            describe_missing(st, &missing[0]))));
+    }
+    if comm.revoked.load(Ordering::Acquire) {
+        return Some(Error::invalid_usage(format!(
+            "rank {}: communicator was revoked while waiting for signals ({} came)", comm.rank,
             describe_missing(st, &missing[0]))));
     }
     let m = missing.iter().find(|m| st.ended.contains_key(&m.0 .2))?;
