@@ -411,6 +411,21 @@ static void properties(void) {
   }
 }
 
+/* Rank 0 waits for `count` signals from rank 1, which will not send them: the wait must end
+ * with ncclRemoteError naming rank 1 and saying `says`. */
+static void expect_wait_fails(const char* part, int count, const char* says) {
+  test_deadline(60);
+  ncclWaitSignalDesc_t d = {.opCnt = count, .peer = 1, .sigIdx = 0, .ctx = 0};
+  double t0 = now_s();
+  ncclResult_t r = ncclWaitSignal(1, &d, g_comms[0], TEST_STREAM);
+  const char* msg = ncclGetLastError(g_comms[0]);
+  tlog("%s: ncclWaitSignal returned %s after %.1f s: %s", part, result_name(r), now_s() - t0, msg ? msg : "");
+  EXPECT(r == ncclRemoteError && msg && strstr(msg, "rank 1") && strstr(msg, says),
+         "%s: a wait for rank 1's signals: %s (\"%s\"), not ncclRemoteError naming rank 1 and saying \"%s\"", part,
+         result_name(r), msg ? msg : "", says);
+  test_deadline(0);
+}
+
 /* Rank 1 signals once and leaves; rank 0 waits for two: it is told, not left waiting. */
 static void gone(void) {
   if (!g_env.only || strcasecmp(g_env.only, "Gone")) return;
@@ -423,17 +438,7 @@ static void gone(void) {
     g_comms[0] = NULL;
     return;
   }
-  if (me != 0) return;
-  test_deadline(60);
-  ncclWaitSignalDesc_t d = {.opCnt = 2, .peer = 1, .sigIdx = 0, .ctx = 0};
-  double t0 = now_s();
-  ncclResult_t r = ncclWaitSignal(1, &d, g_comms[0], TEST_STREAM);
-  const char* msg = ncclGetLastError(g_comms[0]);
-  tlog("Gone: ncclWaitSignal returned %s after %.1f s: %s", result_name(r), now_s() - t0, msg ? msg : "");
-  EXPECT(r == ncclRemoteError && msg && strstr(msg, "rank 1") && strstr(msg, "1 of 2"),
-         "Gone: a wait for a rank that left: %s (\"%s\"), not ncclRemoteError naming rank 1 and what came",
-         result_name(r), msg ? msg : "");
-  test_deadline(0);
+  if (me == 0) expect_wait_fails("Gone", 2, "1 of 2");
 }
 
 static int g_revoke; /* Abort part: revoke instead of abort */
@@ -486,17 +491,7 @@ static void killed(void) {
     tlog("READY: rank 1 waits to be killed");
     for (;;) sleep_ms(1000);
   }
-  if (me != 0) return;
-  test_deadline(60);
-  ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = 1, .sigIdx = 0, .ctx = 0};
-  double t0 = now_s();
-  ncclResult_t r = ncclWaitSignal(1, &d, g_comms[0], TEST_STREAM);
-  const char* msg = ncclGetLastError(g_comms[0]);
-  tlog("Killed: ncclWaitSignal returned %s after %.1f s: %s", result_name(r), now_s() - t0, msg ? msg : "");
-  EXPECT(r == ncclRemoteError && msg && strstr(msg, "rank 1") && strstr(msg, "gone") && strstr(msg, "0 of 1"),
-         "Killed: a wait for a killed rank of another host: %s (\"%s\"), not ncclRemoteError saying it is gone",
-         result_name(r), msg ? msg : "");
-  test_deadline(0);
+  if (me == 0) expect_wait_fails("Killed", 1, "gone");
 }
 
 int main(int argc, char** argv) {
