@@ -1,7 +1,8 @@
 //! A rank's bootstrap service: a listening socket and a thread that accepts connections from
 //! peers, checks the communicator's magic, and files what arrives — small messages by (sender,
-//! tag), and raw data connections for the socket transport. Waiting on it is bounded by a
-//! deadline and the communicator's abort flag.
+//! tag), raw data connections for the socket transport, and each peer's one-sided-operations
+//! connection, handed to the communicator's handler. Waiting on it is bounded by a deadline
+//! and the communicator's abort flag.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -120,7 +121,8 @@ impl Service {
         let _ = self.shared.status.set(status);
     }
 
-    /// Who takes incoming one-sided-operations connections (set once; until then they are dropped).
+    /// Who takes incoming one-sided-operations connections (set once, when the communicator is
+    /// ready; those that came before are handed over then).
     pub fn set_rma_handler(&self, handler: RmaHandler) {
         let early = {
             let mut early = self.shared.rma_early.lock().unwrap_or_else(|p| p.into_inner());
