@@ -1,6 +1,7 @@
 /*
- * leaks.c - 200 cycles of init + one allreduce + destroy must not leak file descriptors,
- * threads, shared-memory segments (/dev/shm entries named "nccl-rs*") or memory.
+ * leaks.c - 200 cycles of init + one allreduce + one signal to the next rank (its one-sided
+ * connection and reader thread) + destroy must not leak file descriptors, threads,
+ * shared-memory segments (/dev/shm entries named "nccl-rs*") or memory.
  *
  *   leaks [--quick]        (--quick: 50 cycles)
  *
@@ -67,13 +68,22 @@ static void list_shm(void) {
   closedir(d);
 }
 
-/* One cycle: init, one allreduce (checked), destroy. */
+/* One cycle: init, one allreduce (checked), a signal to the next rank and a wait for the
+ * previous one's, destroy. */
 static void cycle(const char* tag) {
   ncclComm_t comms[MAX_LOCAL];
   make_comms(tag, comms);
   int sum = allreduce_sum_int(comms, 1);
   if (sum != g_env.nranks) {
     EXPECT(0, "%s: allreduce gave %d, expected %d", tag, sum, g_env.nranks);
+  }
+  const int n = g_env.nranks;
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclSignal((g_env.first_rank + l + 1) % n, 0, 0, 0, comms[l], TEST_STREAM));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = (g_env.first_rank + l + n - 1) % n, .sigIdx = 0, .ctx = 0};
+    CHECK(ncclWaitSignal(1, &d, comms[l], TEST_STREAM));
   }
   destroy_comms(comms);
 }
