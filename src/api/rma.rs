@@ -80,6 +80,9 @@ pub struct WaitDesc {
 
 /// How long a wait goes before it names, at WARN, the signals it waits for.
 const WARN_AFTER: Duration = Duration::from_secs(10);
+/// How long a wait polls before it sleeps on the condition variable: a signal often follows
+/// within microseconds, and being woken from the condition variable costs tens of them.
+const SPIN: Duration = Duration::from_micros(100);
 /// How often a waiting rank checks that the ranks it waits on are still there.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 
@@ -479,6 +482,12 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
             if let Some(e) = gone_sender(comm, peers, &mut unreachable) {
                 return Err(e);
             }
+            st = inner.lock();
+            continue;
+        }
+        if now.duration_since(started) < SPIN {
+            drop(st);
+            std::thread::yield_now();
             st = inner.lock();
             continue;
         }
