@@ -460,6 +460,11 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
         if !lost.is_empty() {
             let names: Vec<String> = lost.iter().map(|(p, why)| format!("{} ({why})", c.describe_peer(*p))).collect();
             e = crate::Error::remote(format!("lost {}; this rank saw: {}", names.join(", "), e.msg));
+        } else if let Some(p) = failed_peer {
+            // A process still exiting is not yet found gone (kill(0) and /proc say alive until
+            // it is a zombie) though the transport already saw it go: name the peer whose
+            // connection failed, so ranks that quote this message name it too.
+            e = crate::Error::remote(format!("{}: {}", c.describe_peer(p), e.msg));
         }
     }
     let e = e.context(format!("rank {}: {}", c.rank, describe(&slots[j].ops)));
