@@ -218,6 +218,12 @@ fn rma_1_process() {
     Job::new("rma").run();
 }
 
+/// 64 ranks all putting into each other: 63 one-sided connections and reader threads per rank.
+#[test]
+fn rma_all_to_all_64_ranks_16_processes_x_4() {
+    Job::new("rma").procs(16).local(4).arg("--quick").arg("--only").arg("AllToAll").timeout_s(240).run();
+}
+
 #[test]
 fn rma_2_processes() {
     Job::new("rma").procs(2).run();
