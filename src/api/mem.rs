@@ -66,12 +66,16 @@ pub struct Window {
 
 const WIN_COLL_SYMMETRIC: i32 = 0x01;
 
-/// Live windows by token address, and the next ordinal per communicator (hash, rank). A token
-/// is leaked on purpose, as communicator handles are: its address is never reused, so a
+/// A window's name on every rank: its communicator (hash, rank) and ordinal.
+type WindowKey = ((u64, usize), u64);
+
+/// Live windows by name, their tokens, and the next ordinal per communicator (hash, rank). A
+/// token is leaked on purpose, as communicator handles are: its address is never reused, so a
 /// deregistered window stays an error.
 #[derive(Default)]
 struct Windows {
-    by_token: std::collections::HashMap<usize, Window>,
+    live: std::collections::HashMap<WindowKey, Window>,
+    by_token: std::collections::HashMap<usize, WindowKey>,
     next: std::collections::HashMap<(u64, usize), u64>,
 }
 
@@ -99,7 +103,8 @@ pub fn window_register(comm: &Comm, buff: UserPtr, size: usize, flags: i32) -> R
     let next = reg.next.entry(key).or_insert(0);
     let w = Window { comm: key, buff, size, ordinal: *next, symmetric: flags & WIN_COLL_SYMMETRIC != 0 };
     *next += 1;
-    reg.by_token.insert(token, w);
+    reg.by_token.insert(token, (key, w.ordinal));
+    reg.live.insert((key, w.ordinal), w);
     drop(guard);
     REGISTERED.notify_all();
     crate::trace!(INIT, "rank {}: window {token:#x} (#{}) over {size} bytes at {:#x} (flags {flags:#x})", comm.rank,
@@ -109,7 +114,7 @@ pub fn window_register(comm: &Comm, buff: UserPtr, size: usize, flags: i32) -> R
 
 /// The window of `comm` behind a token.
 pub fn window_of(comm: &Comm, token: usize) -> Result<Window> {
-    let w = windows().as_ref().and_then(|m| m.by_token.get(&token).copied());
+    let w = windows().as_ref().and_then(|m| m.by_token.get(&token).and_then(|k| m.live.get(k)).copied());
     match w {
         Some(w) if w.comm == (comm.hash, comm.rank) => Ok(w),
         Some(_) => Err(Error::invalid_arg(format!("window {token:#x} belongs to another communicator"))),
@@ -132,7 +137,7 @@ pub fn window_by_ordinal(comm: (u64, usize), ordinal: u64, mut wait: impl FnMut(
     let mut guard = windows();
     loop {
         let reg = guard.get_or_insert_with(Default::default);
-        if let Some(w) = reg.by_token.values().find(|w| w.comm == comm && w.ordinal == ordinal) {
+        if let Some(w) = reg.live.get(&(comm, ordinal)) {
             return Lookup::Live(*w);
         }
         if reg.next.get(&comm).is_some_and(|n| ordinal < *n) {
@@ -156,7 +161,10 @@ pub fn window_user_ptr(comm: &Comm, token: usize) -> Result<usize> {
 /// `ncclCommWindowDeregister`.
 pub fn window_deregister(comm: &Comm, token: usize) -> Result<()> {
     let w = window_of(comm, token)?;
-    windows().as_mut().map(|m| m.by_token.remove(&token));
+    if let Some(m) = windows().as_mut() {
+        m.by_token.remove(&token);
+        m.live.remove(&(w.comm, w.ordinal));
+    }
     crate::trace!(INIT, "rank {}: window {token:#x} over {} bytes deregistered", comm.rank, w.size);
     Ok(())
 }

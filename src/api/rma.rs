@@ -405,14 +405,16 @@ fn describe_missing(st: &State, &((ctx, sig, from), got, want): &Missing) -> Str
 /// Why a wait cannot end, if it cannot: its communicator was aborted or revoked (as every wait
 /// of an operation stops), or a sender it waits on closed its connection.
 fn hopeless(comm: &Comm, st: &State, missing: &[Missing]) -> Option<Error> {
-    if comm.abort.load(Ordering::Acquire) || comm.rma.inner.closed.load(Ordering::Acquire) {
+    let stopped = if comm.abort.load(Ordering::Acquire) || comm.rma.inner.closed.load(Ordering::Acquire) {
+        Some("aborted")
+    } else if comm.revoked.load(Ordering::Acquire) {
+        Some("revoked")
+    } else {
+        None
+    };
+    if let Some(how) = stopped {
         return Some(Error::invalid_usage(format!(
-            "rank {}: communicator was aborted while waiting for signals ({} came)", comm.rank,
-            describe_missing(st, &missing[0]))));
-    }
-    if comm.revoked.load(Ordering::Acquire) {
-        return Some(Error::invalid_usage(format!(
-            "rank {}: communicator was revoked while waiting for signals ({} came)", comm.rank,
+            "rank {}: communicator was {how} while waiting for signals ({} came)", comm.rank,
             describe_missing(st, &missing[0]))));
     }
     let m = missing.iter().find(|m| st.ended.contains_key(&m.0 .2))?;
@@ -460,16 +462,20 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
         if let Some(e) = st.failed.clone() {
             return Err(e);
         }
-        let missing: Vec<Missing> = want.iter()
-            .map(|&(k, n)| (k, st.arrived.get(&k).copied().unwrap_or(0), n))
-            .filter(|&(_, got, n)| got < n)
-            .collect();
-        if missing.is_empty() {
+        let got = |k: &SignalKey| st.arrived.get(k).copied().unwrap_or(0);
+        if want.iter().all(|(k, n)| got(k) >= *n) {
             for (k, n) in want {
                 st.consumed.insert(k, n);
             }
             return Ok(());
         }
+        if started.elapsed() < SPIN {
+            drop(st);
+            std::thread::yield_now();
+            st = inner.lock();
+            continue;
+        }
+        let missing: Vec<Missing> = want.iter().map(|&(k, n)| (k, got(&k), n)).filter(|&(_, g, n)| g < n).collect();
         if let Some(e) = hopeless(comm, &st, &missing) {
             return Err(e);
         }
@@ -482,12 +488,6 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
             if let Some(e) = gone_sender(comm, peers, &mut unreachable) {
                 return Err(e);
             }
-            st = inner.lock();
-            continue;
-        }
-        if now.duration_since(started) < SPIN {
-            drop(st);
-            std::thread::yield_now();
             st = inner.lock();
             continue;
         }
