@@ -955,7 +955,24 @@ pub fn fresh_dir(program: &str) -> PathBuf {
     }
 }
 
+/// A port that is free now and that the kernel will not hand to some other connection as
+/// its local port meanwhile: below the ephemeral range (a job that hosts its root on it for
+/// many communicators in a row, NCCL_COMM_ID, would otherwise find it taken now and then).
 pub fn free_tcp_port() -> u16 {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let low = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next().and_then(|v| v.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let (first, span) = (10_000u16, low.saturating_sub(10_000).max(1) as usize);
+    let seed = std::process::id() as usize * 7919;
+    for _ in 0..span.min(2000) {
+        let k = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = first + ((seed + k * 104_729) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binding a port");
     listener.local_addr().expect("local_addr").port()
 }
