@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
+ *   [CUDA_TEST_SKIP=Part] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Rma|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
  *   CUDA_TEST_FAULT=1|graph|shrink cuda (2 processes; the harness kills process 1 once it prints
  *                                LOOPING; graph: the all-reduces are launches of a captured graph;
  *                                shrink: 3 processes, the survivors shrink and go on)
@@ -19,6 +19,7 @@
  *                                expandable segments place them: see vmm_alloc)
  *   NCCL_RS_GRAPH_CAPTURE=1 cuda --only Graph (collectives captured into CUDA graphs, launched
  *                                three times with new inputs, behind held streams)
+ *   cuda --only RmaGone         (2+ processes: a stream waits for signals of a rank that leaves)
  *   cuda --only Suspend         (several processes: ncclCommSuspend(NCCL_SUSPEND_MEM) closes the
  *                                peer mappings that keep freed device memory alive)
  *   CUDA_TEST_NO_PTRACE=1 cuda  (the process refuses ptrace access by others, as under Yama:
@@ -178,7 +179,12 @@ static CUstream g_streams[MAX_LOCAL];
 static CUcontext g_ctx;
 static int g_device;
 
-static int wanted(const char* name) { return !g_env.only || !strcasecmp(g_env.only, name); }
+/* CUDA_TEST_SKIP=Part: that part is left out of a run of every part. */
+static int wanted(const char* name) {
+  const char* skip = getenv("CUDA_TEST_SKIP");
+  if (!g_env.only && skip && !strcasecmp(skip, name)) return 0;
+  return !g_env.only || !strcasecmp(g_env.only, name);
+}
 
 /* nccl-rs's host-wait mode (NCCL_RS_HOST_WAIT=1, or CUDA_DEVICE_MAX_CONNECTIONS below 8, or a
  * driver that refuses stream waits: the stand-in's NCCL_RS_STUB_WAIT_VALUE_REFUSED): a call
@@ -1273,19 +1279,144 @@ static void memalloc(void) {
     CU(cu.MemFreeHost(hs[l]));
     CU(cu.MemFreeHost(hr[l]));
   }
-  /* One-sided operations run in host mode only: in CUDA mode they are refused, saying so. */
-  for (int l = 0; l < g_env.local; l++) {
-    ncclResult_t r = ncclSignal(g_env.first_rank + l, 0, 0, 0, g_comms[l], g_streams[l]);
-    const char* msg = ncclGetLastError(g_comms[l]);
-    EXPECT(r == ncclInvalidUsage && msg && strstr(msg, "CUDA mode"),
-           "ncclSignal in CUDA mode: %s (\"%s\"), not ncclInvalidUsage saying CUDA mode does not run it", result_name(r),
-           msg ? msg : "");
-  }
   /* Device memory it did not allocate (a framework's) is refused and left alone. */
   CUdeviceptr theirs = 0;
   CU(cu.MemAlloc(&theirs, 4096));
   EXPECT(ncclMemFree((void*)(uintptr_t)theirs) == ncclInvalidArgument, "ncclMemFree freed memory it did not allocate");
   CU(cu.MemFree(theirs)); /* still the caller's to free */
+}
+
+/* One-sided operations on device memory, in stream order (NCCL 2.29+). Every rank puts from a
+ * device buffer into the next rank's window (ncclMemAlloc'd, symmetric) and waits on its
+ * stream for the previous rank's put, then downloads its window on that stream: sizes of one
+ * element, a few KB, several of nccl-rs's 256 KiB staging units and more than all 16 of them,
+ * each round at a window offset of its own (no round overwrites what a slower rank has yet to
+ * read). With stream waits the stream is held while the source is uploaded on it and the calls
+ * are made: they return first, and a put that read its source before its stream got there
+ * sends the previous round's values. Then a put from pageable host memory, a put into the
+ * rank's own window and a signal without data, each waited for on the stream. */
+static void rma(void) {
+  test_step("rma");
+  const size_t counts[] = {1, 1000, (1u << 16) + 3, (5u << 18) + 7};
+  const int ncounts = g_env.quick ? 3 : 4, rounds = 2, gate = !host_wait_mode();
+  const size_t extra = 4096;
+  size_t total = extra, max = counts[ncounts - 1];
+  for (int c = 0; c < ncounts; c++) total += (size_t)rounds * counts[c];
+  void* win_buf[MAX_LOCAL];
+  ncclWindow_t win[MAX_LOCAL];
+  CUdeviceptr src[MAX_LOCAL];
+  float* h[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclMemAlloc(&win_buf[l], total * sizeof(float)));
+    src[l] = dev_alloc(max * sizeof(float));
+    h[l] = host_alloc(max * sizeof(float));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclCommWindowRegister(g_comms[l], win_buf[l], total * sizeof(float), &win[l], NCCL_WIN_COLL_SYMMETRIC));
+  CHECK(ncclGroupEnd());
+  size_t at = 0; /* elements into the window */
+  for (int c = 0; c < ncounts; c++) {
+    for (int round = 0; round < rounds; round++, at += counts[c]) {
+      const size_t count = counts[c], bytes = count * sizeof(float);
+      const int salt = 7 * c + round;
+      CUdeviceptr flagd = 0;
+      uint32_t* flag = gate ? gate_word(&flagd) : NULL;
+      for (int l = 0; l < g_env.local; l++) {
+        int rank = g_env.first_rank + l;
+        for (size_t j = 0; j < count; j++) h[l][j] = in_value(rank, j, salt);
+        if (gate) CU(cu.StreamWaitValue32(g_streams[l], flagd, 1, 0 /* GEQ */));
+        CU(cu.MemcpyAsync(src[l], (CUdeviceptr)(uintptr_t)h[l], bytes, g_streams[l]));
+      }
+      CHECK(ncclGroupStart());
+      for (int l = 0; l < g_env.local; l++) {
+        int rank = g_env.first_rank + l;
+        CHECK(ncclPutSignal((void*)(uintptr_t)src[l], count, ncclFloat32, (rank + 1) % g_env.nranks, win[l],
+                            at * sizeof(float), 0, 0, 0, g_comms[l], g_streams[l]));
+        ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = (rank + g_env.nranks - 1) % g_env.nranks, .sigIdx = 0, .ctx = 0};
+        CHECK(ncclWaitSignal(1, &d, g_comms[l], g_streams[l]));
+      }
+      CHECK(ncclGroupEnd());
+      for (int l = 0; l < g_env.local; l++) {
+        if (gate)
+          EXPECT(cu.StreamQuery(g_streams[l]) != 0, "rma %zu: the stream held before the calls has already finished",
+                 count);
+        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], (CUdeviceptr)(uintptr_t)win_buf[l] + at * sizeof(float), bytes,
+                          g_streams[l]));
+      }
+      if (gate) *(volatile uint32_t*)flag = 1;
+      for (int l = 0; l < g_env.local; l++) {
+        int prev = (g_env.first_rank + l + g_env.nranks - 1) % g_env.nranks;
+        CU(cu.StreamSynchronize(g_streams[l]));
+        size_t bad = 0;
+        for (size_t j = 0; j < count; j++) bad += h[l][j] != in_value(prev, j, salt);
+        EXPECT(bad == 0, "rma put of %zu floats, round %d, rank %d: %zu wrong values (first: %g, want %g)", count, round,
+               g_env.first_rank + l, bad, h[l][0], in_value(prev, 0, salt));
+      }
+      if (flag) CU(cu.MemFreeHost(flag));
+      expect_no_async_error("rma");
+    }
+  }
+  /* From pageable memory to the next rank, into its own window, and a bare signal. */
+  const size_t n = 1000;
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    float* pageable = malloc(n * sizeof(float));
+    for (size_t j = 0; j < n; j++) pageable[j] = in_value(rank, j, 40);
+    for (size_t j = 0; j < n; j++) h[l][j] = in_value(rank, j, 41);
+    CU(cu.MemcpyAsync(src[l], (CUdeviceptr)(uintptr_t)h[l], n * sizeof(float), g_streams[l]));
+    CHECK(ncclPutSignal(pageable, n, ncclFloat32, (rank + 1) % g_env.nranks, win[l], at * sizeof(float), 0, 0, 0,
+                        g_comms[l], g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l])); /* the put has read the pageable source */
+    memset(pageable, 0, n * sizeof(float));
+    free(pageable);
+    CHECK(ncclPutSignal((void*)(uintptr_t)src[l], n, ncclFloat32, rank, win[l], (at + n) * sizeof(float), 0, 0, 0,
+                        g_comms[l], g_streams[l]));
+    CHECK(ncclSignal((rank + 1) % g_env.nranks, 0, 0, 0, g_comms[l], g_streams[l]));
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l, prev = (rank + g_env.nranks - 1) % g_env.nranks;
+    /* Two from the previous rank (the put, the signal), one from itself; a one-rank job's own. */
+    ncclWaitSignalDesc_t d[2] = {{.opCnt = 2, .peer = prev}, {.opCnt = 1, .peer = rank}};
+    if (prev == rank) d[0].opCnt = 3;
+    CHECK(ncclWaitSignal(prev == rank ? 1 : 2, d, g_comms[l], g_streams[l]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], (CUdeviceptr)(uintptr_t)win_buf[l] + at * sizeof(float),
+                      2 * n * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < n; j++) bad += (h[l][j] != in_value(prev, j, 40)) + (h[l][n + j] != in_value(rank, j, 41));
+    EXPECT(bad == 0, "rma from pageable memory and into its own window, rank %d: %zu wrong values", rank, bad);
+  }
+  expect_no_async_error("rma");
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowDeregister(g_comms[l], win[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclMemFree(win_buf[l]));
+    dev_free(src[l]);
+    CU(cu.MemFreeHost(h[l]));
+  }
+}
+
+/* --only RmaGone (2+ processes, one rank each): rank 0's stream waits for a signal from rank 1,
+ * which destroys its communicator and exits without sending it. No host thread waits for it,
+ * yet the stream is let go, and rank 0's ncclCommGetAsyncError turns to ncclRemoteError naming
+ * rank 1 (NCCL would wait forever). */
+static void rma_gone(void) {
+  test_step("rma gone");
+  if (g_env.local != 1 || g_env.first_rank != 0) return; /* rank 1 leaves: main destroys its communicator */
+  ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = 1, .sigIdx = 0, .ctx = 0};
+  CHECK(ncclWaitSignal(1, &d, g_comms[0], g_streams[0]));
+  CU(cu.StreamSynchronize(g_streams[0]));
+  ncclResult_t async = ncclSuccess;
+  for (int i = 0; i < 2000 && async == ncclSuccess; i++) {
+    CHECK(ncclCommGetAsyncError(g_comms[0], &async));
+    if (async == ncclSuccess) usleep(10000);
+  }
+  const char* msg = ncclGetLastError(g_comms[0]);
+  EXPECT(async == ncclRemoteError && msg && strstr(msg, "rank 1"),
+         "a stream waiting for signals of a rank that left: async error %s (\"%s\"), not ncclRemoteError naming rank 1",
+         result_name(async), msg ? msg : "");
 }
 
 /* CUDA_TEST_FAULT=shrink (3 processes, process 1 killed): the survivors shrink the failed
@@ -2369,6 +2500,7 @@ int main(int argc, char** argv) {
   if (wanted("PreMul")) premul();
   if (wanted("Capture")) capture();
   if (wanted("MemAlloc")) memalloc();
+  if (wanted("Rma")) rma();
   if (wanted("Context")) context();
   if (wanted("GroupMix")) group_mix();
   if (wanted("Torch")) torch_like();
@@ -2382,6 +2514,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "Suspend")) suspend_mem();
   if (g_env.only && !strcasecmp(g_env.only, "Reductions")) reductions(); /* only when asked: 180 calls */
   if (g_env.only && !strcasecmp(g_env.only, "DeclineOne")) decline_one();
+  if (g_env.only && !strcasecmp(g_env.only, "RmaGone")) rma_gone();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

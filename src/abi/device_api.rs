@@ -21,7 +21,7 @@ fn team(comm: ncclComm_t, what: &str) -> Result<ncclTeam_t> {
 }
 
 /// What nccl-rs says of a communicator: no device API, multimem, GIN or CFT; each rank its own
-/// load/store team; host-initiated one-sided operations in host mode (`api::rma`).
+/// load/store team; host-initiated one-sided operations (`api::rma`).
 fn properties(comm: &crate::comm::Comm, size: usize, magic: u32, version: u32) -> ncclCommProperties_t {
     let host = matches!(crate::device::mode::current(), crate::device::mode::Mode::Host);
     ncclCommProperties_t {
@@ -36,7 +36,7 @@ fn properties(comm: &crate::comm::Comm, size: usize, magic: u32, version: u32) -
         multimemSupport: false,
         ginType: 0,
         nLsaTeams: comm.nranks as c_int,
-        hostRmaSupport: host,
+        hostRmaSupport: true,
         railedGinType: 0,
         commHash: comm.hash,
         ginMinStride: 0,

@@ -179,6 +179,7 @@ pub fn revoke(comm: &Comm, flags: i32) -> Result<()> {
     }
     comm.ready_for_management()?;
     comm.revoked.store(true, Ordering::Release);
+    comm.rma.revoke();
     Ok(())
 }
 

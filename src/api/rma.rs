@@ -5,18 +5,21 @@
 //! its own that writes puts into the windows and counts signals, per (context, signal index,
 //! sender). A wait consumes what it waited for: the next wait for one more signal needs one more.
 //!
-//! Host mode only for now: in CUDA mode the calls are refused (`ncclInvalidUsage`).
-//! Inside a group, puts and signals are issued at the outermost `ncclGroupEnd` before the
+//! In CUDA mode the calls keep NCCL's stream semantics (`stream`): a put reads its source
+//! when the caller's stream gets there, and a wait holds the caller's stream until its
+//! signals have come; a put's bytes land in a device window through a copy the target's
+//! reader makes before it counts the signal. Inside a group, puts and signals are issued at the outermost `ncclGroupEnd` before the
 //! group's other operations, and waits after them.
 
 use std::collections::HashMap;
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::api::mem::{self, Lookup};
 use crate::comm::Comm;
+use crate::device::cuda::{MappedHost, Stream, UserStream};
 use crate::device::host::{self, Region, UserPtr};
 use crate::error::{Error, Result};
 use crate::transport::rma::{self as wire, Frame, OP_PUT, OP_SIGNAL};
@@ -25,19 +28,31 @@ use crate::types::DataType;
 /// A signal's address at its target: (context, signal index, sending rank).
 type SignalKey = (u32, u32, u32);
 
+mod stream;
+
 /// One communicator's one-sided state.
 pub struct Rma {
     inner: Arc<Inner>,
+    /// CUDA mode with stream waits: the sender that issues puts and signals once their
+    /// streams get there (None inside: host-wait mode, where calls run on the calling thread).
+    gated: OnceLock<Option<Arc<stream::Gated>>>,
 }
 
 struct Inner {
     /// The communicator (hash, rank): whose windows puts land in.
     comm: (u64, usize),
+    /// Its device (CUDA mode) and the shape of its signals (contexts, signals, ranks).
+    cuda_dev: i32,
+    shape: (u32, u32, usize),
     state: Mutex<State>,
     changed: Condvar,
     closed: AtomicBool,
     /// This rank's connections to its targets, by rank, opened on first use.
     links: Mutex<Vec<Option<TcpStream>>>,
+    /// CUDA mode: the stream puts land in device windows with (made by the first such put).
+    landing: Mutex<Option<Stream>>,
+    /// The communicator, for the asynchronous errors of waits queued on streams.
+    owner: OnceLock<Weak<Comm>>,
 }
 
 #[derive(Default)]
@@ -52,14 +67,21 @@ struct State {
     /// A put that could not land (a peer's bad call, so ncclRemoteError): every later wait
     /// of this rank fails with it (what it waits for may be what was lost).
     failed: Option<Error>,
+    /// CUDA mode: the words streams wait on, one per signal (`Inner::word_of`), each the
+    /// count that arrived; made by the first wait queued on a stream, never freed (a stream
+    /// may still read it after the communicator is gone).
+    words: Option<&'static MappedHost>,
+    /// The highest count a stream was told to wait for, per signal: what is written there to
+    /// release the stream when the signals will never come.
+    pending: HashMap<SignalKey, u64>,
 }
 
 /// A one-sided call, validated, as a group records it.
 #[derive(Clone, Debug)]
 pub enum RmaOp {
-    Put { peer: usize, frame: Frame, data: Region },
-    Signal { peer: usize, frame: Frame },
-    Wait { descs: Vec<WaitDesc> },
+    Put { peer: usize, frame: Frame, data: Region, stream: UserStream },
+    Signal { peer: usize, frame: Frame, stream: UserStream },
+    Wait { descs: Vec<WaitDesc>, stream: UserStream },
 }
 
 impl RmaOp {
@@ -87,15 +109,21 @@ const SPIN: Duration = Duration::from_micros(100);
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 
 impl Rma {
-    pub fn new(hash: u64, rank: usize, nranks: usize) -> Rma {
+    /// `shape`: the config's contexts and signals per context.
+    pub fn new(hash: u64, rank: usize, nranks: usize, cuda_dev: i32, shape: (u32, u32)) -> Rma {
         Rma {
             inner: Arc::new(Inner {
                 comm: (hash, rank),
+                cuda_dev,
+                shape: (shape.0, shape.1, nranks),
                 state: Mutex::new(State::default()),
                 changed: Condvar::new(),
                 closed: AtomicBool::new(false),
                 links: Mutex::new((0..nranks).map(|_| None).collect()),
+                landing: Mutex::new(None),
+                owner: OnceLock::new(),
             }),
+            gated: OnceLock::new(),
         }
     }
 
@@ -105,8 +133,13 @@ impl Rma {
         Box::new(move |from, stream| inner.accept(from, stream))
     }
 
-    /// The communicator goes (destroy, abort): close every connection; waits end.
+    /// The communicator goes (destroy, abort): the puts and signals its streams queued are
+    /// sent (unless it was aborted), every connection closed; waits end, streams that wait
+    /// for signals are let go.
     pub fn close(&self) {
+        if let Some(Some(g)) = self.gated.get() {
+            g.close();
+        }
         self.inner.closed.store(true, Ordering::Release);
         for s in self.inner.links.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
             if let Some(s) = s.take() {
@@ -119,6 +152,15 @@ impl Rma {
         }
         drop(st);
         self.inner.changed.notify_all();
+        self.inner.release_waits(|_| true, &Error::invalid_usage(
+            "the communicator was destroyed or aborted while a stream waited for signals"));
+    }
+
+    /// ncclCommRevoke: streams that wait for signals are let go, with the communicator's
+    /// asynchronous error saying so (waits on the host stop by themselves).
+    pub fn revoke(&self) {
+        self.inner.release_waits(|_| true, &Error::invalid_usage(
+            "the communicator was revoked while a stream waited for signals"));
     }
 }
 
@@ -164,17 +206,91 @@ impl Inner {
                     break None;
                 }
             }
-            let mut st = self.lock();
-            *st.arrived.entry((frame.ctx, frame.sig, from)).or_insert(0) += 1;
-            drop(st);
-            self.changed.notify_all();
+            self.count((frame.ctx, frame.sig, from));
         };
         let _ = s.shutdown(Shutdown::Both);
         if self.closed.load(Ordering::Acquire) {
             return;
         }
+        let why = ended.as_ref().map_or_else(|| "it closed its connection (destroyed its communicator)".to_string(),
+                                             |e| e.msg.clone());
         self.lock().ended.insert(from, ended);
         self.changed.notify_all();
+        self.release_waits(|k| k.2 == from, &Error::remote(format!(
+            "rank {}: a stream waits for signals that rank {from} will not send: {why}", self.comm.1)));
+    }
+
+    /// One more signal `key` arrived: counted, and written where streams wait for it.
+    fn count(&self, key: SignalKey) {
+        let mut st = self.lock();
+        let n = st.arrived.entry(key).or_insert(0);
+        *n += 1;
+        let n = *n;
+        if let (Some(words), Some(i)) = (st.words, self.word_of(key)) {
+            words.word(i).store(n as u32, Ordering::Release);
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// The word of signal `key` among `State::words`.
+    fn word_of(&self, (ctx, sig, from): SignalKey) -> Option<usize> {
+        let (_, nsig, nranks) = self.shape;
+        let i = ((ctx as usize) * nsig as usize + sig as usize) * nranks + from as usize;
+        (i < self.words_len()).then_some(i)
+    }
+
+    fn words_len(&self) -> usize {
+        let (nctx, nsig, nranks) = self.shape;
+        nctx as usize * nsig as usize * nranks
+    }
+
+    /// Streams waiting for signals that `which` selects and that have not all come are let
+    /// go (their word set to what they wait for), and the communicator's asynchronous error
+    /// says why: what they read may not have landed.
+    fn release_waits(&self, which: impl Fn(&SignalKey) -> bool, e: &Error) {
+        let mut st = self.lock();
+        let Some(words) = st.words else { return };
+        let stuck: Vec<(SignalKey, u64)> = st.pending.iter()
+            .filter(|(k, want)| which(k) && st.arrived.get(k).copied().unwrap_or(0) < **want)
+            .map(|(k, want)| (*k, *want)).collect();
+        for (k, want) in &stuck {
+            if let Some(i) = self.word_of(*k) {
+                words.word(i).store(*want as u32, Ordering::Release);
+            }
+            st.pending.remove(k);
+        }
+        drop(st);
+        if stuck.is_empty() {
+            return;
+        }
+        match self.owner.get().and_then(Weak::upgrade) {
+            Some(comm) => comm.set_async_error(e),
+            None => crate::warn!("{}", e.msg),
+        }
+    }
+
+    /// `dst` <- `src` where either may be device memory (CUDA mode: on the landing stream,
+    /// waited for; a put's bytes are in place before its signal counts).
+    fn land_bytes(&self, dst: Region, src: Region) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        if !stream::needs_device_copy(&[dst, src])? {
+            host::copy(dst, src);
+            return Ok(());
+        }
+        let mut landing = self.landing.lock().unwrap_or_else(|p| p.into_inner());
+        if landing.is_none() {
+            let ctx = crate::device::cuda::Context::primary(self.cuda_dev)?;
+            *landing = Some(Stream::new(ctx)?);
+        }
+        let ctx = crate::device::cuda::Context::primary(self.cuda_dev)?;
+        // Readers of several senders share the stream: its context current on this one too.
+        ctx.make_current()?;
+        let s = landing.as_ref().ok_or_else(|| Error::internal("no landing stream"))?;
+        s.copy(dst, src)?;
+        s.synchronize()
     }
 
     /// Write a put's bytes into the window it names (waiting for this rank to register it).
@@ -204,27 +320,39 @@ impl Inner {
                 "rank {from} put {} bytes at offset {} into window #{} of rank {rank}, which is {} bytes: ncclPutSignal \
                  must stay inside the target's window", f.len, f.offset, f.window, w.size)));
         }
-        wire::receive_into(s, Region::user(w.buff, f.offset as usize, f.len as usize))
-            .map_err(|e| e.context(format!("rank {rank}: a put from rank {from}")))
+        let dst = Region::user(w.buff, f.offset as usize, f.len as usize);
+        let landed = if stream::needs_device_copy(&[dst])? {
+            self.receive_to_device(s, dst)
+        } else {
+            wire::receive_into(s, dst)
+        };
+        landed.map_err(|e| e.context(format!("rank {rank}: a put from rank {from}")))
+    }
+
+    /// A put's bytes into device memory: read in pieces, each copied there.
+    fn receive_to_device(&self, s: &mut TcpStream, dst: Region) -> Result<()> {
+        const PIECE: usize = 1 << 20;
+        let mut buf = vec![0u8; dst.len().min(PIECE)];
+        let mut at = 0;
+        while at < dst.len() {
+            let n = (dst.len() - at).min(PIECE);
+            wire::receive_into(s, Region::owned(&mut buf[..n]))?;
+            self.land_bytes(dst.sub(at, n), Region::owned(&mut buf[..n]))?;
+            at += n;
+        }
+        Ok(())
     }
 
     fn fail(&self, e: Error) {
         crate::warn!("{}", e.msg);
         let mut st = self.lock();
         if st.failed.is_none() {
-            st.failed = Some(e);
+            st.failed = Some(e.clone());
         }
         drop(st);
         self.changed.notify_all();
+        self.release_waits(|_| true, &e);
     }
-}
-
-/// Refuse one-sided calls where they do not run (CUDA mode).
-fn host_mode_only(call: &str) -> Result<()> {
-    if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
-        return Err(Error::not_implemented(&format!("{call} in CUDA mode (one-sided operations run in host mode)")));
-    }
-    Ok(())
 }
 
 fn check_peer(comm: &Comm, peer: i32, what: &str) -> Result<usize> {
@@ -265,11 +393,11 @@ pub struct PutArgs {
     pub sig: i32,
     pub ctx: i32,
     pub flags: u32,
+    pub stream: UserStream,
 }
 
 /// Validate `ncclPutSignal`.
 pub fn put(comm: &Comm, a: &PutArgs) -> Result<RmaOp> {
-    host_mode_only("ncclPutSignal")?;
     comm.ready()?;
     let dt = DataType::from_raw(a.datatype).ok_or_else(|| Error::invalid_arg(format!("invalid datatype {}", a.datatype)))?;
     let peer = check_peer(comm, a.peer, "peer")?;
@@ -293,24 +421,22 @@ pub fn put(comm: &Comm, a: &PutArgs) -> Result<RmaOp> {
     let data = if bytes == 0 { Region::EMPTY } else { Region::user(a.local, 0, bytes) };
     crate::info!(COLL, "PutSignal: rank {} -> rank {peer}: {bytes} bytes at offset {} of window #{} (signal {sig}, \
                         context {ctx})", comm.rank, a.offset, w.ordinal);
-    Ok(RmaOp::Put { peer, frame, data })
+    Ok(RmaOp::Put { peer, frame, data, stream: a.stream })
 }
 
 /// Validate `ncclSignal`.
-pub fn signal(comm: &Comm, peer: i32, sig: i32, ctx: i32, flags: u32) -> Result<RmaOp> {
-    host_mode_only("ncclSignal")?;
+pub fn signal(comm: &Comm, peer: i32, sig: i32, ctx: i32, flags: u32, stream: UserStream) -> Result<RmaOp> {
     comm.ready()?;
     let peer = check_peer(comm, peer, "peer")?;
     let (ctx, sig) = check_signal(comm, ctx, sig)?;
     check_flags(flags)?;
     let frame = Frame { op: OP_SIGNAL, ctx, sig, window: 0, offset: 0, len: 0 };
     crate::info!(COLL, "Signal: rank {} -> rank {peer} (signal {sig}, context {ctx})", comm.rank);
-    Ok(RmaOp::Signal { peer, frame })
+    Ok(RmaOp::Signal { peer, frame, stream })
 }
 
 /// Validate `ncclWaitSignal`.
-pub fn wait(comm: &Comm, descs: Vec<WaitDesc>) -> Result<RmaOp> {
-    host_mode_only("ncclWaitSignal")?;
+pub fn wait(comm: &Comm, descs: Vec<WaitDesc>, stream: UserStream) -> Result<RmaOp> {
     comm.ready()?;
     for (i, d) in descs.iter().enumerate() {
         check_peer(comm, d.peer, &format!("signalDescs[{i}].peer"))?;
@@ -319,7 +445,7 @@ pub fn wait(comm: &Comm, descs: Vec<WaitDesc>) -> Result<RmaOp> {
             return Err(Error::invalid_arg(format!("signalDescs[{i}].opCnt is {}: it counts signals", d.op_cnt)));
         }
     }
-    Ok(RmaOp::Wait { descs })
+    Ok(RmaOp::Wait { descs, stream })
 }
 
 /// Issue a validated call now, or record it in the enclosing group.
@@ -330,14 +456,19 @@ pub fn enqueue(comm: Arc<Comm>, op: RmaOp) -> Result<()> {
     }
 }
 
-/// Run one call on this thread: a put or signal is on its way when this returns (the source
-/// buffer may be reused); a wait returns once its signals have come.
-pub fn run(comm: &Comm, op: &RmaOp) -> Result<()> {
+/// Run one call. Host mode, on this thread: a put or signal is on its way when this returns
+/// (the source buffer may be reused); a wait returns once its signals have come. CUDA mode: in
+/// the order of the call's stream (`stream`).
+pub fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
     let ready = comm.ready()?;
+    if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+        let _ = comm.rma.inner.owner.set(Arc::downgrade(comm));
+        return stream::run(comm, op);
+    }
     match op {
-        RmaOp::Put { peer, frame, data } => deliver(comm, ready, *peer, frame, *data),
-        RmaOp::Signal { peer, frame } => deliver(comm, ready, *peer, frame, Region::EMPTY),
-        RmaOp::Wait { descs } => wait_for(comm, descs),
+        RmaOp::Put { peer, frame, data, .. } => deliver(comm, ready, *peer, frame, *data),
+        RmaOp::Signal { peer, frame, .. } => deliver(comm, ready, *peer, frame, Region::EMPTY),
+        RmaOp::Wait { descs, .. } => wait_for(comm, descs),
     }
 }
 
@@ -347,18 +478,9 @@ fn deliver(comm: &Comm, ready: &crate::comm::Ready, peer: usize, frame: &Frame, 
     if peer == comm.rank {
         // To itself: a copy into its own window.
         if frame.op == OP_PUT {
-            let w = match mem::window_by_ordinal(inner.comm, frame.window, || false) {
-                Lookup::Live(w) => w,
-                _ => return Err(Error::invalid_arg(format!("window #{} is not registered", frame.window))),
-            };
-            if frame.offset + frame.len > w.size as u64 {
-                return Err(Error::invalid_arg(format!(
-                    "a put of {} bytes at offset {} does not fit the window's {} bytes", frame.len, frame.offset, w.size)));
-            }
-            host::copy(Region::user(w.buff, frame.offset as usize, data.len()), data);
+            put_to_self(inner, frame, 0, data)?;
         }
-        *inner.lock().arrived.entry((frame.ctx, frame.sig, me)).or_insert(0) += 1;
-        inner.changed.notify_all();
+        inner.count((frame.ctx, frame.sig, me));
         return Ok(());
     }
     let mut links = inner.links.lock().unwrap_or_else(|p| p.into_inner());
@@ -377,6 +499,19 @@ fn deliver(comm: &Comm, ready: &crate::comm::Ready, peer: usize, frame: &Frame, 
         return Err(Error::remote(format!("rank {me}: a one-sided operation to {} failed: {why}", comm.describe_peer(peer))));
     }
     Ok(())
+}
+
+/// Part of a put to this rank itself (`data`, `at` bytes into it) copied into its window.
+fn put_to_self(inner: &Inner, frame: &Frame, at: usize, data: Region) -> Result<()> {
+    let w = match mem::window_by_ordinal(inner.comm, frame.window, || false) {
+        Lookup::Live(w) => w,
+        _ => return Err(Error::invalid_arg(format!("window #{} is not registered", frame.window))),
+    };
+    if frame.offset + frame.len > w.size as u64 {
+        return Err(Error::invalid_arg(format!(
+            "a put of {} bytes at offset {} does not fit the window's {} bytes", frame.len, frame.offset, w.size)));
+    }
+    inner.land_bytes(Region::user(w.buff, frame.offset as usize + at, data.len()), data)
 }
 
 /// What a wait needs of one signal: the count it must reach (what earlier waits consumed plus

@@ -159,6 +159,7 @@ pub struct Comm {
 
 impl Comm {
     pub fn new(rank: usize, nranks: usize, cuda_dev: i32, config: Config, hash: u64) -> Comm {
+        let rma_shape = (config.rma_contexts, config.rma_signals);
         Comm {
             rank,
             nranks,
@@ -177,7 +178,7 @@ impl Comm {
             next_user_op: AtomicI32::new(crate::types::BuiltinOp::ALL.len() as i32),
             seq: AtomicU64::new(0),
             streamed: OnceLock::new(),
-            rma: crate::api::rma::Rma::new(hash, rank, nranks),
+            rma: crate::api::rma::Rma::new(hash, rank, nranks, cuda_dev, rma_shape),
         }
     }
 

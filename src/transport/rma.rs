@@ -58,15 +58,20 @@ impl Frame {
     }
 }
 
-/// Send one operation: its header, then `data` (a put's source; empty for a signal).
+/// Send one operation: its header, then `data` (a put's source, or its first part; empty for
+/// a signal).
 pub fn send(s: &mut TcpStream, frame: &Frame, data: Region) -> Result<()> {
     s.write_all(&frame.encode()).map_err(|e| Error::os("one-sided operation: send", e))?;
+    send_bytes(s, data)
+}
+
+/// Send more of a put's bytes, after its header (a put sent in parts).
+pub fn send_bytes(s: &mut TcpStream, data: Region) -> Result<()> {
     if data.is_empty() {
         return Ok(());
     }
-    // SAFETY: `data` is the caller's source buffer of a put, `count` elements long; NCCL's
-    // contract makes it readable for the whole call, and this call only returns once the bytes
-    // are written to the socket.
+    // SAFETY: `data` is host memory (a put's source in pageable memory, or pinned staging)
+    // that stays readable until this call returns, once the bytes are written to the socket.
     let bytes = unsafe { data.as_slice() };
     s.write_all(bytes).map_err(|e| Error::os("one-sided operation: send", e))
 }

@@ -1,0 +1,584 @@
+//! One-sided operations in CUDA mode, in the order of the callers' streams.
+//!
+//! A put starts after everything its stream did before the call, and the stream may reuse the
+//! source once it has passed the call; a wait holds its stream until its signals have come.
+//! Nothing of it needs a device call from a host thread while a caller's stream waits for that
+//! thread (the rule of `streamed`), so no copy of ours can sit behind such a wait in a
+//! hardware queue:
+//!
+//! - **Puts and signals** are split into units of at most [`CHUNK`] bytes, numbered per
+//!   communicator. For unit `n` the caller's stream, at call time, waits until the sender has
+//!   finished unit `n - SLOTS` (its slot of pinned staging is free), copies its part of the
+//!   source into slot `n % SLOTS`, and writes `n` into the slot's mark. The sender (a thread
+//!   per communicator) takes the units in order: it waits for the mark, sends the slot's bytes
+//!   over the one-sided connection and says it finished `n`. A source in pageable host memory
+//!   is read by the sender itself, once the mark says the stream got there, and that stream
+//!   waits until the sender has finished with it. Those waits depend on host work only.
+//! - **Waits**: the target's reader (`Inner::serve`) copies a put's bytes into the window on a
+//!   stream of its own, waits for the copy, then counts the signal in a word of mapped host
+//!   memory per (context, signal, sender). The call makes its stream wait until each word
+//!   reaches what earlier waits consumed plus what this one asks (counted at call time).
+//!   Streams whose signals will never come (the sender left, a put could not land, the
+//!   communicator was aborted or revoked) are let go, with the communicator's asynchronous
+//!   error saying why.
+//!
+//! The reader's copy into a device window is the one device call a host thread makes while a
+//! stream may wait, and only for the signal that copy precedes: with more streams than
+//! hardware queues, it could share a queue with a stream that waits behind it (README, CUDA
+//! mode's limits). Where streams cannot wait on memory (host-wait mode), the calls run on the
+//! calling thread once their stream has got there, and a wait returns when its signals came.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{deliver, gone_sender, put_to_self, wanted_counts, wait_for, RmaOp, WaitDesc, PROBE_EVERY};
+use crate::comm::Comm;
+use crate::device::cuda::{classify, Context, KeepCurrent, MappedHost, MemOp, Stream, WaitCond};
+use crate::device::host::Region;
+use crate::error::{Error, Result};
+use crate::transport::rma::{self as wire, Frame, OP_PUT};
+
+/// Slots of pinned staging per communicator, and the bytes of each: 4 MiB in all.
+const SLOTS: usize = 16;
+const CHUNK: usize = 256 << 10;
+/// Word (of `marks`) where the sender says which unit it finished last.
+const SENT: usize = 0;
+/// Words of `marks`: SENT, then one mark per slot, each on a cache line of its own.
+const MARK_WORDS: usize = 16 * (SLOTS + 1);
+/// Signal words a communicator may have (4 bytes each): contexts x signals x ranks.
+const MAX_WORDS: usize = 1 << 22;
+/// How long the sender waits for a stream before it says so.
+const STREAM_LATE: Duration = Duration::from_secs(10);
+
+fn mark_word(slot: usize) -> usize {
+    16 * (slot + 1)
+}
+
+/// `a` is `b` or later, counting as stream memory operations compare (wrapping at 2^32).
+fn reached(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) >= 0
+}
+
+/// Does a copy between these regions need the device (CUDA mode, and one of them is device,
+/// pinned or managed memory)?
+pub(super) fn needs_device_copy(regions: &[Region]) -> Result<bool> {
+    if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+        return Ok(false);
+    }
+    for r in regions.iter().filter(|r| !r.is_empty()) {
+        let kind = classify(r.addr()).map_err(|e| e.context(format!("classifying the buffer at {:#x}", r.addr())))?;
+        if kind.stream_ordered() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Staging of a destroyed communicator, for the next one on its device, with its numbering:
+/// its marks hold numbers up to `issued`, which a new count from 1 would take as reached.
+struct Spare {
+    ordinal: i32,
+    data: &'static MappedHost,
+    marks: &'static MappedHost,
+    issued: u32,
+}
+
+static SPARES: Mutex<Vec<Spare>> = Mutex::new(Vec::new());
+
+/// One communicator's sender and staging (CUDA mode with stream waits).
+pub(super) struct Gated {
+    ctx: &'static Context,
+    /// SLOTS x CHUNK bytes of pinned staging, and the words of `mark_word`/SENT. Never freed:
+    /// a stream may still be on its way to them.
+    data: &'static MappedHost,
+    marks: &'static MappedHost,
+    queue: Mutex<Queue>,
+    changed: Condvar,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// The driver refused a stream memory operation when asked (though it says it has them):
+    /// from then on calls run on the calling thread, as in host-wait mode.
+    refused: AtomicBool,
+}
+
+#[derive(Default)]
+struct Queue {
+    units: VecDeque<Unit>,
+    /// The number of the last unit queued, and of the last one finished.
+    issued: u32,
+    finished: u32,
+    closing: bool,
+    /// Some unit was given up before its stream reached it (abort, revoke): that stream may
+    /// still write its slot, so the staging is not handed on.
+    abandoned: bool,
+}
+
+/// Part of one put or signal, as the sender sends it.
+#[derive(Clone, Copy)]
+struct Unit {
+    n: u32,
+    peer: usize,
+    frame: Frame,
+    /// Its bytes start `at` bytes into the put; the first unit sends the header, the last one
+    /// completes the put (its signal counts at the target once it has landed).
+    at: usize,
+    first: bool,
+    last: bool,
+    src: Source,
+    /// Its call failed before queueing its stream work: the sender only counts it finished.
+    void: bool,
+}
+
+#[derive(Clone, Copy)]
+enum Source {
+    None,
+    /// `len` bytes in slot `n % SLOTS`, copied there by the caller's stream.
+    Slot(usize),
+    /// Pageable host memory, read by the sender.
+    User(Region),
+}
+
+impl Gated {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn slot(&self, n: u32, len: usize) -> Region {
+        self.data.region().sub((n as usize % SLOTS) * CHUNK, len)
+    }
+
+    /// The sender's staging, from a destroyed communicator of this device if there is one.
+    fn start(comm: &Arc<Comm>, ctx: &'static Context) -> Result<Arc<Gated>> {
+        let spare = {
+            let mut spares = SPARES.lock().unwrap_or_else(|p| p.into_inner());
+            let at = spares.iter().position(|s| s.ordinal == comm.cuda_dev);
+            at.map(|i| spares.swap_remove(i))
+        };
+        let (data, marks, issued) = match spare {
+            Some(s) => (s.data, s.marks, s.issued),
+            None => {
+                let data: &'static MappedHost = Box::leak(Box::new(MappedHost::new(SLOTS * CHUNK)?));
+                let marks: &'static MappedHost = Box::leak(Box::new(MappedHost::new(MARK_WORDS * 4)?));
+                (data, marks, 0)
+            }
+        };
+        let g = Arc::new(Gated { ctx, data, marks, queue: Mutex::new(Queue { issued, finished: issued, ..Queue::default() }),
+                                 changed: Condvar::new(), thread: Mutex::new(None), refused: AtomicBool::new(false) });
+        let (c, s) = (comm.clone(), g.clone());
+        let handle = std::thread::Builder::new()
+            .name(format!("nccl-rs-rma-{}", comm.rank))
+            .spawn(move || s.run(&c))
+            .map_err(|e| Error::os("spawn the one-sided sender", e))?;
+        *g.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
+        crate::info!(INIT, "rank {}: one-sided operations ordered with CUDA streams ({} KiB of pinned staging)",
+                     comm.rank, (SLOTS * CHUNK) >> 10);
+        Ok(g)
+    }
+
+    /// Send the units queued so far (failing fast once the communicator is aborted), then stop.
+    /// Streams still waiting for a slot are let go; the staging goes to the next communicator
+    /// when every unit got its stream's mark (nothing will write it any more).
+    pub(super) fn close(&self) {
+        if std::mem::replace(&mut self.lock().closing, true) {
+            return; // closed already (destroy, then the communicator's drop)
+        }
+        self.changed.notify_all();
+        let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = handle {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+        let q = self.lock();
+        self.marks.word(SENT).store(q.issued, Ordering::Release);
+        if q.finished == q.issued && q.units.is_empty() && !q.abandoned {
+            let spare = Spare { ordinal: self.ctx.ordinal(), data: self.data, marks: self.marks, issued: q.issued };
+            SPARES.lock().unwrap_or_else(|p| p.into_inner()).push(spare);
+        }
+    }
+
+    /// Wait until the sender has finished every unit queued so far.
+    fn drain(&self) {
+        let mut q = self.lock();
+        while !q.units.is_empty() || q.finished != q.issued {
+            q = self.changed.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// The driver refused a stream memory operation before this call queued anything: later
+    /// calls run on their threads, after what the sender still has.
+    fn refuse(&self, rank: usize) {
+        if !self.refused.swap(true, Ordering::AcqRel) {
+            crate::info!(INIT, "rank {rank}: the driver refused a stream wait: one-sided operations run on the calling \
+                                thread");
+        }
+        self.drain();
+    }
+
+    /// The sender's loop: each unit once its stream has got there, in the order of their
+    /// numbers (a call reserves its units' numbers together, then queues each once its stream
+    /// work is queued: calls of other threads may queue theirs in between).
+    fn run(&self, comm: &Comm) {
+        // The current put's header went out and more of its bytes are to come; the rest of the
+        // current put is not sent (it failed).
+        let (mut in_put, mut skip) = (false, false);
+        let mut unreachable = HashMap::new();
+        loop {
+            let unit = {
+                let mut q = self.lock();
+                loop {
+                    let next = q.finished.wrapping_add(1);
+                    if let Some(i) = q.units.iter().position(|u| u.n == next) {
+                        break q.units.remove(i);
+                    }
+                    if q.closing && q.units.is_empty() {
+                        return;
+                    }
+                    q = self.changed.wait_timeout(q, PROBE_EVERY).unwrap_or_else(|p| p.into_inner()).0;
+                    if q.units.is_empty() && !q.closing {
+                        drop(q);
+                        probe_waits(comm, &mut unreachable);
+                        q = self.lock();
+                    }
+                }
+            };
+            let Some(unit) = unit else { continue };
+            if unit.first {
+                (in_put, skip) = (false, false);
+            }
+            let outcome = if skip {
+                Ok(())
+            } else if unit.void {
+                // Its call failed (or was refused) before it queued this unit's stream work.
+                skip = true;
+                match in_put {
+                    true => Err(Error::internal("a put could not be queued whole on its stream")),
+                    false => Ok(()),
+                }
+            } else {
+                let reached = self.wait_mark(comm, &unit);
+                if reached.is_err() {
+                    self.lock().abandoned = true;
+                }
+                reached.and_then(|()| self.send(comm, &unit))
+            };
+            match outcome {
+                Ok(()) => in_put |= !skip && unit.first && !unit.last,
+                Err(e) => {
+                    // Part of a put is out: the target must not read what follows as its bytes.
+                    if in_put {
+                        self.drop_link(comm, unit.peer);
+                    }
+                    skip = true;
+                    comm.set_async_error(&e.context(format!("rank {}: a one-sided operation on a stream", comm.rank)));
+                }
+            }
+            if unit.last {
+                in_put = false;
+            }
+            self.marks.word(SENT).store(unit.n, Ordering::Release);
+            self.lock().finished = unit.n;
+            self.changed.notify_all();
+        }
+    }
+
+    /// Close the one-sided connection to `peer` (its reader sees a put cut short).
+    fn drop_link(&self, comm: &Comm, peer: usize) {
+        let mut links = comm.rma.inner.links.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = links.get_mut(peer).and_then(Option::take) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Waits until the unit's stream has written its mark (spinning, yielding, then napping),
+    /// but not past an abort or revoke.
+    fn wait_mark(&self, comm: &Comm, u: &Unit) -> Result<()> {
+        let mark = self.marks.word(mark_word(u.n as usize % SLOTS));
+        let (since, mut spins, mut warned) = (Instant::now(), 0u32, false);
+        while !reached(mark.load(Ordering::Acquire), u.n) {
+            if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {
+                return Err(Error::invalid_usage("communicator aborted or revoked before the stream reached the call"));
+            }
+            spins += 1;
+            if spins < 256 {
+                std::hint::spin_loop();
+            } else if spins < 4096 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            if !warned && since.elapsed() >= STREAM_LATE {
+                warned = true;
+                crate::warn!("rank {}: a one-sided operation to rank {}: its CUDA stream has not reached the call in {} s \
+                              (work queued on that stream has not finished)", comm.rank, u.peer, STREAM_LATE.as_secs());
+            }
+        }
+        Ok(())
+    }
+
+    fn source(&self, u: &Unit) -> Region {
+        match u.src {
+            Source::None => Region::EMPTY,
+            Source::Slot(len) => self.slot(u.n, len),
+            Source::User(r) => r,
+        }
+    }
+
+    fn send(&self, comm: &Comm, u: &Unit) -> Result<()> {
+        let inner = &comm.rma.inner;
+        let data = self.source(u);
+        if u.peer == comm.rank {
+            if u.frame.op == OP_PUT {
+                put_to_self(inner, &u.frame, u.at, data)?;
+            }
+            if u.last {
+                inner.count((u.frame.ctx, u.frame.sig, comm.rank as u32));
+            }
+            return Ok(());
+        }
+        let ready = comm.ready()?;
+        if u.first && u.last {
+            return deliver(comm, ready, u.peer, &u.frame, data);
+        }
+        // A put in several units: the header with the first, the bytes as they come (this
+        // thread is the only one that writes to the connection in this mode).
+        let mut links = inner.links.lock().unwrap_or_else(|p| p.into_inner());
+        let link = links.get_mut(u.peer).ok_or_else(|| Error::internal(format!("no one-sided link for rank {}", u.peer)))?;
+        if link.is_none() {
+            let s = ready.service.connect_rma(u.peer).map_err(|e| e.context("one-sided operations"))?;
+            let _ = s.set_nodelay(true);
+            *link = Some(s);
+        }
+        let s = link.as_mut().ok_or_else(|| Error::internal("no one-sided link"))?;
+        let sent = if u.first { wire::send(s, &u.frame, data) } else { wire::send_bytes(s, data) };
+        if let Err(e) = sent {
+            *link = None;
+            drop(links);
+            let why = comm.peer_failure(u.peer).map_or(e.msg, |f| f.msg);
+            return Err(Error::remote(format!("a one-sided operation to {} failed: {why}", comm.describe_peer(u.peer))));
+        }
+        Ok(())
+    }
+
+    /// Queue a put or signal behind the work on `st` (see the module docs). `copyable`: the
+    /// source is memory the device copies (device, pinned, managed), staged by the stream.
+    /// False: the driver refused the first stream wait, nothing was queued on the stream.
+    fn issue(&self, st: &Stream, peer: usize, frame: Frame, data: Region, copyable: bool) -> Result<bool> {
+        let parts: Vec<(usize, usize)> = if copyable && data.len() > CHUNK {
+            (0..data.len()).step_by(CHUNK).map(|at| (at, CHUNK.min(data.len() - at))).collect()
+        } else {
+            vec![(0, data.len())]
+        };
+        // The put's numbers, consecutive: its units go out one after the other. No lock is
+        // held while the driver queues (it may block while the device's queue is full).
+        let first = {
+            let mut q = self.lock();
+            if q.closing {
+                return Err(Error::invalid_usage("communicator is being destroyed"));
+            }
+            let first = q.issued.wrapping_add(1);
+            q.issued = q.issued.wrapping_add(parts.len() as u32);
+            first
+        };
+        let last = parts.len() - 1;
+        let mut failed: Option<Error> = None;
+        let mut refused = false;
+        for (i, &(at, len)) in parts.iter().enumerate() {
+            let n = first.wrapping_add(i as u32);
+            let mut unit = Unit { n, peer, frame, at, first: i == 0, last: i == last, src: Source::None, void: true };
+            if failed.is_none() && !refused {
+                match self.queue_unit(st, n, data.sub(at, len), copyable) {
+                    Ok(Some(src)) => (unit.src, unit.void) = (src, false),
+                    Ok(None) if i == 0 => refused = true,
+                    Ok(None) => failed = Some(Error::internal("the device refused a stream memory operation it said it supports")),
+                    Err(e) => failed = Some(e),
+                }
+            }
+            self.lock().units.push_back(unit);
+            self.changed.notify_all();
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(!refused),
+        }
+    }
+
+    /// Unit `n`'s stream work (`part`: its bytes of the source). None: the driver refused the
+    /// first stream wait.
+    fn queue_unit(&self, st: &Stream, n: u32, part: Region, copyable: bool) -> Result<Option<Source>> {
+        let slot = n as usize % SLOTS;
+        // Its slot is free once the unit that used it last is finished.
+        if st.wait_value32(self.marks, SENT, n.wrapping_sub(SLOTS as u32), WaitCond::Geq)? == MemOp::Unsupported {
+            return Ok(None);
+        }
+        let src = match (part.len(), copyable) {
+            (0, _) => Source::None,
+            (len, true) => {
+                st.copy(self.slot(n, len), part)?;
+                Source::Slot(len)
+            }
+            (_, false) => Source::User(part),
+        };
+        enqueued(st.write_value32(self.marks, mark_word(slot), n)?)?;
+        if matches!(src, Source::User(_)) {
+            // The source may be reused once the sender has read it.
+            enqueued(st.wait_value32(self.marks, SENT, n, WaitCond::Geq)?)?;
+        }
+        Ok(Some(src))
+    }
+}
+
+/// Streams that wait for signals from ranks that are gone (see `gone_sender`) are let go, with
+/// the communicator's asynchronous error naming the rank: no thread waits on the host for them.
+fn probe_waits(comm: &Comm, unreachable: &mut HashMap<u32, Instant>) {
+    let inner = &comm.rma.inner;
+    let mut senders: Vec<u32> = {
+        let st = inner.lock();
+        st.pending.iter()
+            .filter(|(k, want)| k.2 as usize != comm.rank && st.arrived.get(k).copied().unwrap_or(0) < **want)
+            .map(|(k, _)| k.2).collect()
+    };
+    senders.sort_unstable();
+    senders.dedup();
+    for p in senders {
+        let what = "not all of the signals a stream waits for".to_string();
+        if let Some(e) = gone_sender(comm, vec![(p, what)], unreachable) {
+            inner.release_waits(|k| k.2 == p, &e);
+        }
+    }
+}
+
+fn enqueued(m: MemOp) -> Result<()> {
+    match m {
+        MemOp::Enqueued => Ok(()),
+        MemOp::Unsupported => Err(Error::internal("the device refused a stream memory operation it said it supports")),
+    }
+}
+
+/// Run one validated call in CUDA mode.
+pub(super) fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
+    let ctx = Context::primary(comm.cuda_dev)?;
+    // The communicator's context is current for the calls below (the legacy stream, NULL, is
+    // that context's); the caller's comes back.
+    let _keep = KeepCurrent::new();
+    ctx.make_current()?;
+    let stream = match op {
+        RmaOp::Put { stream, .. } | RmaOp::Signal { stream, .. } | RmaOp::Wait { stream, .. } => *stream,
+    };
+    let st = Stream::caller(ctx, stream);
+    if st.is_capturing()? {
+        return Err(Error::invalid_usage(
+            "one-sided operations (ncclPutSignal, ncclSignal, ncclWaitSignal) on a stream capturing a CUDA graph are not \
+             supported: issue them outside the capture"));
+    }
+    let gated = comm.rma.gated.get_or_init(|| {
+        let waits = !crate::params::few_device_connections() && ctx.can_wait_on_memory().unwrap_or(false);
+        if !waits {
+            return None;
+        }
+        match Gated::start(comm, ctx) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                crate::warn!("rank {}: one-sided operations run on the calling thread ({})", comm.rank, e.msg);
+                None
+            }
+        }
+    });
+    if let Some(g) = gated.as_ref().filter(|g| !g.refused.load(Ordering::Acquire)) {
+        let queued = match op {
+            RmaOp::Put { peer, frame, data, .. } => {
+                let copyable = needs_device_copy(&[*data])?;
+                g.issue(&st, *peer, *frame, *data, copyable)?
+            }
+            RmaOp::Signal { peer, frame, .. } => g.issue(&st, *peer, *frame, Region::EMPTY, false)?,
+            RmaOp::Wait { descs, .. } => wait_on_stream(comm, &st, descs)?,
+        };
+        if queued {
+            return Ok(());
+        }
+        g.refuse(comm.rank);
+    }
+    on_this_thread(comm, &st, op)
+}
+
+/// A call run on the calling thread once its stream has got there (host-wait mode).
+fn on_this_thread(comm: &Comm, st: &Stream, op: &RmaOp) -> Result<()> {
+    match op {
+        RmaOp::Put { peer, frame, data, .. } => {
+            // Host-wait mode: once the stream got here, the source read on this thread.
+            st.synchronize()?;
+            let ready = comm.ready()?;
+            if !needs_device_copy(&[*data])? {
+                return deliver(comm, ready, *peer, frame, *data);
+            }
+            let mut bytes = vec![0u8; data.len()];
+            st.copy(Region::owned(&mut bytes), *data)?;
+            st.synchronize()?;
+            deliver(comm, ready, *peer, frame, Region::owned(&mut bytes))
+        }
+        RmaOp::Signal { peer, frame, .. } => {
+            st.synchronize()?;
+            deliver(comm, comm.ready()?, *peer, frame, Region::EMPTY)
+        }
+        // The signals' puts have landed when they count: work the stream gets later sees them.
+        RmaOp::Wait { descs, .. } => wait_for(comm, descs),
+    }
+}
+
+/// `ncclWaitSignal` on a stream: the stream waits until each signal's word reaches its count.
+/// False: the driver refused the first wait, nothing was queued or counted.
+fn wait_on_stream(comm: &Comm, st: &Stream, descs: &[WaitDesc]) -> Result<bool> {
+    let inner = &comm.rma.inner;
+    let mut state = inner.lock();
+    if let Some(e) = state.failed.clone() {
+        return Err(e);
+    }
+    let words = match state.words {
+        Some(w) => w,
+        None => {
+            let n = inner.words_len();
+            if n > MAX_WORDS {
+                return Err(Error::invalid_usage(format!(
+                    "{n} signals (contexts x signals per context x ranks) is more than CUDA mode keeps ({MAX_WORDS}): \
+                     use fewer (config.numRmaCtx, config.numRmaSig)")));
+            }
+            let w: &'static MappedHost = Box::leak(Box::new(MappedHost::new(n.max(1) * 4)?));
+            for (k, got) in &state.arrived {
+                if let Some(i) = inner.word_of(*k) {
+                    w.word(i).store(*got as u32, Ordering::Release);
+                }
+            }
+            state.words = Some(w);
+            w
+        }
+    };
+    let want = wanted_counts(&state, descs);
+    for &(k, n) in &want {
+        let got = state.arrived.get(&k).copied().unwrap_or(0);
+        if got < n && state.ended.contains_key(&k.2) {
+            return Err(Error::remote(format!(
+                "rank {}: waiting for signals that {} will not send: it closed its connection; {} of {} came", comm.rank,
+                comm.describe_peer(k.2 as usize), got.saturating_sub(state.consumed.get(&k).copied().unwrap_or(0)),
+                n - state.consumed.get(&k).copied().unwrap_or(0))));
+        }
+    }
+    let mut at = Vec::with_capacity(want.len());
+    for &(k, n) in &want {
+        at.push((inner.word_of(k).ok_or_else(|| Error::internal("a signal outside the words"))?, n));
+    }
+    // Queued under the lock: a refused first wait leaves the counts as they were.
+    for (j, &(i, n)) in at.iter().enumerate() {
+        match st.wait_value32(words, i, n as u32, WaitCond::Geq)? {
+            MemOp::Unsupported if j == 0 => return Ok(false),
+            m => enqueued(m)?,
+        }
+    }
+    for &(k, n) in &want {
+        state.consumed.insert(k, n);
+        let p = state.pending.entry(k).or_insert(0);
+        *p = (*p).max(n);
+    }
+    Ok(true)
+}
