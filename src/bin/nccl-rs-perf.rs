@@ -74,7 +74,22 @@ pub fn die_with_parent() {
     }
 }
 
+/// A port for the job's root, free now, below the kernel's ephemeral range: a port the kernel
+/// handed out (bind to port 0) may be handed to another process's outgoing connection between
+/// this check and rank 0's bind, a port below that range only to a program that asks for it.
 fn free_port() -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next().and_then(|v| v.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let (first, span) = (10_000u16, low.saturating_sub(10_000).max(1) as usize);
+    let seed = std::process::id() as usize * 7919;
+    for k in 0..span.min(2000) {
+        let port = first + ((seed + k * 104_729) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29500)
 }
 
