@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   [CUDA_TEST_SKIP=Part] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Rma|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
+ *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
  *   CUDA_TEST_FAULT=1|graph|shrink cuda (2 processes; the harness kills process 1 once it prints
  *                                LOOPING; graph: the all-reduces are launches of a captured graph;
  *                                shrink: 3 processes, the survivors shrink and go on)
@@ -179,11 +179,17 @@ static CUstream g_streams[MAX_LOCAL];
 static CUcontext g_ctx;
 static int g_device;
 
-/* CUDA_TEST_SKIP=Part: that part is left out of a run of every part. */
-static int wanted(const char* name) {
+/* CUDA_TEST_SKIP=Part[,Part...]: those parts are left out of a run of every part. */
+static int skipped(const char* name) {
   const char* skip = getenv("CUDA_TEST_SKIP");
-  if (!g_env.only && skip && !strcasecmp(skip, name)) return 0;
-  return !g_env.only || !strcasecmp(g_env.only, name);
+  size_t n = strlen(name);
+  for (const char* p = skip; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL)
+    if (!strncasecmp(p, name, n) && (p[n] == ',' || p[n] == '\0')) return 1;
+  return 0;
+}
+static int wanted(const char* name) {
+  if (!g_env.only) return !skipped(name);
+  return !strcasecmp(g_env.only, name);
 }
 
 /* nccl-rs's host-wait mode (NCCL_RS_HOST_WAIT=1, or CUDA_DEVICE_MAX_CONNECTIONS below 8, or a
@@ -1293,9 +1299,11 @@ static void memalloc(void) {
  * each round at a window offset of its own (no round overwrites what a slower rank has yet to
  * read). With stream waits the stream is held while the source is uploaded on it and the calls
  * are made: they return first, and a put that read its source before its stream got there
- * sends the previous round's values. Then a put from pageable host memory, a put into the
- * rank's own window and a signal without data, each waited for on the stream. */
-static void rma(void) {
+ * sends the previous round's values. Then a put into the rank's own window and a signal
+ * without data, waited for on the stream. With `pageable`, the ring's sources are pageable
+ * host memory instead (part RmaPageable): read once the stream got to the put, and free to
+ * reuse once the stream is past it. */
+static void rma_ring(int pageable) {
   test_step("rma");
   const size_t counts[] = {1, 1000, (1u << 16) + 3, (5u << 18) + 7};
   const int ncounts = g_env.quick ? 3 : 4, rounds = 2, gate = !host_wait_mode();
@@ -1305,11 +1313,12 @@ static void rma(void) {
   void* win_buf[MAX_LOCAL];
   ncclWindow_t win[MAX_LOCAL];
   CUdeviceptr src[MAX_LOCAL];
-  float* h[MAX_LOCAL];
+  float *h[MAX_LOCAL], *plain[MAX_LOCAL];
   for (int l = 0; l < g_env.local; l++) {
     CHECK(ncclMemAlloc(&win_buf[l], total * sizeof(float)));
     src[l] = dev_alloc(max * sizeof(float));
     h[l] = host_alloc(max * sizeof(float));
+    plain[l] = pageable ? malloc(max * sizeof(float)) : NULL;
   }
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++)
@@ -1324,15 +1333,16 @@ static void rma(void) {
       uint32_t* flag = gate ? gate_word(&flagd) : NULL;
       for (int l = 0; l < g_env.local; l++) {
         int rank = g_env.first_rank + l;
-        for (size_t j = 0; j < count; j++) h[l][j] = in_value(rank, j, salt);
+        for (size_t j = 0; j < count; j++) (pageable ? plain[l] : h[l])[j] = in_value(rank, j, salt);
         if (gate) CU(cu.StreamWaitValue32(g_streams[l], flagd, 1, 0 /* GEQ */));
-        CU(cu.MemcpyAsync(src[l], (CUdeviceptr)(uintptr_t)h[l], bytes, g_streams[l]));
+        if (!pageable) CU(cu.MemcpyAsync(src[l], (CUdeviceptr)(uintptr_t)h[l], bytes, g_streams[l]));
       }
       CHECK(ncclGroupStart());
       for (int l = 0; l < g_env.local; l++) {
         int rank = g_env.first_rank + l;
-        CHECK(ncclPutSignal((void*)(uintptr_t)src[l], count, ncclFloat32, (rank + 1) % g_env.nranks, win[l],
-                            at * sizeof(float), 0, 0, 0, g_comms[l], g_streams[l]));
+        const void* from = pageable ? (const void*)plain[l] : (const void*)(uintptr_t)src[l];
+        CHECK(ncclPutSignal(from, count, ncclFloat32, (rank + 1) % g_env.nranks, win[l], at * sizeof(float), 0, 0, 0,
+                            g_comms[l], g_streams[l]));
         ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = (rank + g_env.nranks - 1) % g_env.nranks, .sigIdx = 0, .ctx = 0};
         CHECK(ncclWaitSignal(1, &d, g_comms[l], g_streams[l]));
       }
@@ -1354,38 +1364,32 @@ static void rma(void) {
                g_env.first_rank + l, bad, h[l][0], in_value(prev, 0, salt));
       }
       if (flag) CU(cu.MemFreeHost(flag));
+      /* Past the put on its stream: the pageable source may be reused. */
+      for (int l = 0; l < g_env.local && pageable; l++) memset(plain[l], 0, bytes);
       expect_no_async_error("rma");
     }
   }
-  /* From pageable memory to the next rank, into its own window, and a bare signal. */
+  /* Into its own window, and a bare signal to the next rank. */
   const size_t n = 1000;
-  for (int l = 0; l < g_env.local; l++) {
+  for (int l = 0; l < g_env.local && !pageable; l++) {
     int rank = g_env.first_rank + l;
-    float* pageable = malloc(n * sizeof(float));
-    for (size_t j = 0; j < n; j++) pageable[j] = in_value(rank, j, 40);
     for (size_t j = 0; j < n; j++) h[l][j] = in_value(rank, j, 41);
     CU(cu.MemcpyAsync(src[l], (CUdeviceptr)(uintptr_t)h[l], n * sizeof(float), g_streams[l]));
-    CHECK(ncclPutSignal(pageable, n, ncclFloat32, (rank + 1) % g_env.nranks, win[l], at * sizeof(float), 0, 0, 0,
-                        g_comms[l], g_streams[l]));
-    CU(cu.StreamSynchronize(g_streams[l])); /* the put has read the pageable source */
-    memset(pageable, 0, n * sizeof(float));
-    free(pageable);
-    CHECK(ncclPutSignal((void*)(uintptr_t)src[l], n, ncclFloat32, rank, win[l], (at + n) * sizeof(float), 0, 0, 0,
-                        g_comms[l], g_streams[l]));
+    CHECK(ncclPutSignal((void*)(uintptr_t)src[l], n, ncclFloat32, rank, win[l], at * sizeof(float), 0, 0, 0, g_comms[l],
+                        g_streams[l]));
     CHECK(ncclSignal((rank + 1) % g_env.nranks, 0, 0, 0, g_comms[l], g_streams[l]));
   }
-  for (int l = 0; l < g_env.local; l++) {
+  for (int l = 0; l < g_env.local && !pageable; l++) {
     int rank = g_env.first_rank + l, prev = (rank + g_env.nranks - 1) % g_env.nranks;
-    /* Two from the previous rank (the put, the signal), one from itself; a one-rank job's own. */
-    ncclWaitSignalDesc_t d[2] = {{.opCnt = 2, .peer = prev}, {.opCnt = 1, .peer = rank}};
-    if (prev == rank) d[0].opCnt = 3;
-    CHECK(ncclWaitSignal(prev == rank ? 1 : 2, d, g_comms[l], g_streams[l]));
+    /* One from the previous rank (the signal), one from itself (the put); a one-rank job's own. */
+    ncclWaitSignalDesc_t d[2] = {{.opCnt = 1, .peer = prev}, {.opCnt = 1, .peer = rank}};
+    CHECK(ncclWaitSignal(2, d, g_comms[l], g_streams[l]));
     CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], (CUdeviceptr)(uintptr_t)win_buf[l] + at * sizeof(float),
-                      2 * n * sizeof(float), g_streams[l]));
+                      n * sizeof(float), g_streams[l]));
     CU(cu.StreamSynchronize(g_streams[l]));
     size_t bad = 0;
-    for (size_t j = 0; j < n; j++) bad += (h[l][j] != in_value(prev, j, 40)) + (h[l][n + j] != in_value(rank, j, 41));
-    EXPECT(bad == 0, "rma from pageable memory and into its own window, rank %d: %zu wrong values", rank, bad);
+    for (size_t j = 0; j < n; j++) bad += h[l][j] != in_value(rank, j, 41);
+    EXPECT(bad == 0, "rma into its own window, rank %d: %zu wrong values", rank, bad);
   }
   expect_no_async_error("rma");
   CHECK(ncclGroupStart());
@@ -1395,8 +1399,12 @@ static void rma(void) {
     CHECK(ncclMemFree(win_buf[l]));
     dev_free(src[l]);
     CU(cu.MemFreeHost(h[l]));
+    free(plain[l]);
   }
 }
+
+static void rma(void) { rma_ring(0); }
+static void rma_pageable(void) { rma_ring(1); }
 
 /* --only RmaGone (2+ processes, one rank each): rank 0's stream waits for a signal from rank 1,
  * which destroys its communicator and exits without sending it. No host thread waits for it,
@@ -2501,6 +2509,7 @@ int main(int argc, char** argv) {
   if (wanted("Capture")) capture();
   if (wanted("MemAlloc")) memalloc();
   if (wanted("Rma")) rma();
+  if (wanted("RmaPageable")) rma_pageable();
   if (wanted("Context")) context();
   if (wanted("GroupMix")) group_mix();
   if (wanted("Torch")) torch_like();

@@ -153,12 +153,14 @@ pub fn finalize(comm: &Comm) -> Result<()> {
     }
     // Flush what was issued on streams (CUDA mode); host-mode calls have completed already.
     crate::streamed::drain(comm);
+    comm.rma.drain();
     Ok(())
 }
 
 pub fn destroy(comm: Arc<Comm>) -> Result<()> {
     // As ncclCommFinalize: operations already issued on streams complete first.
     crate::streamed::drain(&comm);
+    comm.rma.drain();
     comm.abort.store(true, Ordering::Release);
     comm.shutdown();
     Ok(())

@@ -156,6 +156,14 @@ impl Rma {
             "the communicator was destroyed or aborted while a stream waited for signals"));
     }
 
+    /// ncclCommFinalize, ncclCommDestroy (CUDA mode): the puts and signals issued on streams
+    /// are sent first, once their streams get there (failing fast on abort).
+    pub fn drain(&self) {
+        if let Some(Some(g)) = self.gated.get() {
+            g.drain();
+        }
+    }
+
     /// ncclCommRevoke: streams that wait for signals are let go, with the communicator's
     /// asynchronous error saying so (waits on the host stop by themselves).
     pub fn revoke(&self) {
@@ -191,12 +199,23 @@ impl Inner {
 
     /// Read one sender's operations until it closes the connection.
     fn serve(&self, from: u32, mut s: TcpStream) {
+        // A connection that asks for windows (`OP_WINDOW`) carries nothing else: its end says
+        // nothing of the sender.
+        let mut asks = false;
         let ended = loop {
             let frame = match wire::next(&mut s) {
                 Ok(Some(f)) => f,
                 Ok(None) => break None,
                 Err(e) => break Some(e),
             };
+            if frame.op == wire::OP_WINDOW {
+                asks = true;
+                let info = self.window_info(from, frame.window);
+                match wire::send_info(&mut s, &info) {
+                    Ok(()) => continue,
+                    Err(e) => break Some(e),
+                }
+            }
             if frame.op == OP_PUT {
                 if let Err(e) = self.land(from, &frame, &mut s) {
                     // The sender's later writes fail: the connection is closed below.
@@ -209,7 +228,7 @@ impl Inner {
             self.count((frame.ctx, frame.sig, from));
         };
         let _ = s.shutdown(Shutdown::Both);
-        if self.closed.load(Ordering::Acquire) {
+        if self.closed.load(Ordering::Acquire) || asks {
             return;
         }
         let why = ended.as_ref().map_or_else(|| "it closed its connection (destroyed its communicator)".to_string(),
@@ -291,6 +310,39 @@ impl Inner {
         let s = landing.as_ref().ok_or_else(|| Error::internal("no landing stream"))?;
         s.copy(dst, src)?;
         s.synchronize()
+    }
+
+    /// What this rank says of its window #`ordinal` to `from`, a rank of its host that would
+    /// write it directly (waiting for this rank to register it): its CUDA IPC handle where it is
+    /// device memory the driver shares that way, else no.
+    fn window_info(&self, from: u32, ordinal: u64) -> wire::WindowInfo {
+        let started = Instant::now();
+        let mut warned = false;
+        let lookup = mem::window_by_ordinal(self.comm, ordinal, || {
+            if !warned && started.elapsed() >= WARN_AFTER {
+                warned = true;
+                crate::warn!("rank {}: rank {from} asks for window #{ordinal} of this rank, which this rank has not \
+                              registered", self.comm.1);
+            }
+            !self.closed.load(Ordering::Acquire)
+        });
+        let Lookup::Live(w) = lookup else { return wire::WindowInfo::NO };
+        let shared = || -> Result<wire::WindowInfo> {
+            if !matches!(crate::device::cuda::classify(w.buff.addr())?, crate::device::cuda::PtrKind::Device { .. }) {
+                return Ok(wire::WindowInfo::NO);
+            }
+            let (base, _) = crate::device::cuda::allocation_of(w.buff.addr())?;
+            let handle = crate::device::cuda::IpcHandle::of(base as *mut std::ffi::c_void)?;
+            Ok(wire::WindowInfo { ok: true, handle: handle.bytes, off: (w.buff.addr() - base) as u64, size: w.size as u64,
+                                  addr: w.buff.addr() as u64 })
+        };
+        match crate::device::mode::current() {
+            crate::device::mode::Mode::Host => wire::WindowInfo::NO,
+            _ => shared().unwrap_or_else(|e| {
+                crate::info!(P2P, "rank {}: window #{ordinal} is not shared with CUDA IPC ({})", self.comm.1, e.msg);
+                wire::WindowInfo::NO
+            }),
+        }
     }
 
     /// Write a put's bytes into the window it names (waiting for this rank to register it).

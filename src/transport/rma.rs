@@ -15,7 +15,11 @@ use crate::error::{Error, Result};
 
 pub const OP_PUT: u32 = 1;
 pub const OP_SIGNAL: u32 = 2;
+/// CUDA mode: asks for a window's CUDA IPC handle (a [`WindowInfo`] answers on the same
+/// connection, which carries nothing else); counts no signal.
+pub const OP_WINDOW: u32 = 3;
 const HEADER_BYTES: usize = 40;
+const INFO_BYTES: usize = 4 + 4 + 64 + 8 + 8 + 8;
 
 /// One operation's header: a put carries `len` bytes for offset `offset` of the window the
 /// sender registered `window`-th on the communicator (windows are registered collectively, so
@@ -51,7 +55,7 @@ impl Frame {
             u64::from_le_bytes(w)
         };
         let f = Frame { op: u32_at(0), ctx: u32_at(4), sig: u32_at(8), window: u64_at(16), offset: u64_at(24), len: u64_at(32) };
-        if f.op != OP_PUT && f.op != OP_SIGNAL || (f.op == OP_SIGNAL && f.len != 0) {
+        if !matches!(f.op, OP_PUT | OP_SIGNAL | OP_WINDOW) || (f.op != OP_PUT && f.len != 0) {
             return Err(Error::system(format!("one-sided operation with a bad header (op {}, {} bytes)", f.op, f.len)));
         }
         Ok(f)
@@ -105,6 +109,91 @@ pub fn receive_into(s: &mut TcpStream, dst: Region) -> Result<()> {
     s.read_exact(bytes).map_err(|e| Error::os("one-sided operation: receive", e))
 }
 
+/// What a target says of its window (`OP_WINDOW`): whether a peer of its host may write it
+/// directly, the CUDA IPC handle of its allocation, where the window starts in it, the
+/// window's size and its address in the target's process (for ranks of that process).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowInfo {
+    pub ok: bool,
+    pub handle: [u8; 64],
+    pub off: u64,
+    pub size: u64,
+    pub addr: u64,
+}
+
+impl WindowInfo {
+    pub const NO: WindowInfo = WindowInfo { ok: false, handle: [0; 64], off: 0, size: 0, addr: 0 };
+
+    fn encode(&self) -> [u8; INFO_BYTES] {
+        let mut b = [0u8; INFO_BYTES];
+        b[0] = self.ok as u8;
+        b[8..72].copy_from_slice(&self.handle);
+        b[72..80].copy_from_slice(&self.off.to_le_bytes());
+        b[80..88].copy_from_slice(&self.size.to_le_bytes());
+        b[88..96].copy_from_slice(&self.addr.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; INFO_BYTES]) -> WindowInfo {
+        let u64_at = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        let mut handle = [0u8; 64];
+        handle.copy_from_slice(&b[8..72]);
+        WindowInfo { ok: b[0] == 1, handle, off: u64_at(72), size: u64_at(80), addr: u64_at(88) }
+    }
+}
+
+pub fn send_info(s: &mut TcpStream, info: &WindowInfo) -> Result<()> {
+    s.write_all(&info.encode()).map_err(|e| Error::os("one-sided operations: window answer", e))
+}
+
+pub fn read_info(s: &mut TcpStream) -> Result<WindowInfo> {
+    let mut b = [0u8; INFO_BYTES];
+    s.read_exact(&mut b).map_err(|e| Error::os("one-sided operations: window answer", e))?;
+    Ok(WindowInfo::decode(&b))
+}
+
+/// A window of a rank of this host as this process writes it: the target's allocation mapped
+/// through CUDA IPC, or its address where the target is a rank of this process. Open for the
+/// communicator's life (a mapping keeps the allocation; the target freeing it meanwhile is the
+/// case `ipc` describes).
+pub struct PeerWindow {
+    base: usize,
+    size: usize,
+    _mapping: Option<crate::device::cuda::IpcMapping>,
+}
+
+impl PeerWindow {
+    /// Map what `info` describes (the current context's device must reach the target's).
+    pub fn open(info: &WindowInfo, same_process: bool) -> Result<PeerWindow> {
+        let size = info.size as usize;
+        if same_process {
+            return Ok(PeerWindow { base: info.addr as usize, size, _mapping: None });
+        }
+        let m = crate::device::cuda::IpcMapping::open(&crate::device::cuda::IpcHandle { bytes: info.handle })?;
+        Ok(PeerWindow { base: m.addr() + info.off as usize, size, _mapping: Some(m) })
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// `len` bytes at `offset` of the window, None past its end.
+    pub fn region(&self, offset: usize, len: usize) -> Option<Region> {
+        if offset.checked_add(len)? > self.size {
+            return None;
+        }
+        // SAFETY: the window's memory is mapped here for `size` bytes while `self` lives (the
+        // target keeps it registered, NCCL's contract for a put); it is only reached through
+        // device copies on a stream.
+        let p = unsafe { crate::device::host::UserPtr::new(self.base as *mut u8) };
+        Some(Region::user(p, offset, len))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,5 +206,16 @@ mod tests {
         assert!(Frame::decode(&bad.encode()).is_err(), "an unknown op is refused");
         let signal_with_data = Frame { op: OP_SIGNAL, ..f };
         assert!(Frame::decode(&signal_with_data.encode()).is_err(), "a signal carrying bytes is refused");
+        let ask = Frame { op: OP_WINDOW, len: 0, ..f };
+        assert_eq!(Frame::decode(&ask.encode()).unwrap(), ask);
+    }
+
+    #[test]
+    fn window_answers_round_trip() {
+        let mut handle = [0u8; 64];
+        handle.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 ^ 0x5a);
+        let info = WindowInfo { ok: true, handle, off: 4096, size: 1 << 33, addr: 0x7f00_0000_1000 };
+        assert_eq!(WindowInfo::decode(&info.encode()), info);
+        assert!(!WindowInfo::decode(&WindowInfo::NO.encode()).ok);
     }
 }

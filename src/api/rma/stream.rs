@@ -6,7 +6,11 @@
 //! thread (the rule of `streamed`), so no copy of ours can sit behind such a wait in a
 //! hardware queue:
 //!
-//! - **Puts and signals** are split into units of at most [`CHUNK`] bytes, numbered per
+//! - **Puts written directly**: a put from memory the device copies into a window of a rank
+//!   of this host (its own, one of its process, or device memory of another process that CUDA
+//!   IPC maps: `direct_target`) is copied there by the caller's stream, which then raises the
+//!   mark of a unit that carries only the signal.
+//! - **Other puts and signals** are split into units of at most [`CHUNK`] bytes, numbered per
 //!   communicator. For unit `n` the caller's stream, at call time, waits until the sender has
 //!   finished unit `n - SLOTS` (its slot of pinned staging is free), copies its part of the
 //!   source into slot `n % SLOTS`, and writes `n` into the slot's mark. The sender (a thread
@@ -22,10 +26,10 @@
 //!   communicator was aborted or revoked) are let go, with the communicator's asynchronous
 //!   error saying why.
 //!
-//! The reader's copy into a device window is the one device call a host thread makes while a
-//! stream may wait, and only for the signal that copy precedes: with more streams than
-//! hardware queues, it could share a queue with a stream that waits behind it (README, CUDA
-//! mode's limits). Where streams cannot wait on memory (host-wait mode), the calls run on the
+//! The reader's copy of a staged put into a device window is the one device call a host thread
+//! makes while a stream may wait, and only for the signal that copy precedes: with more streams
+//! than hardware queues, it could share a queue with a stream that waits behind it (README,
+//! CUDA mode's limits). Puts written directly have no such copy. Where streams cannot wait on memory (host-wait mode), the calls run on the
 //! calling thread once their stream has got there, and a wait returns when its signals came.
 
 use std::collections::{HashMap, VecDeque};
@@ -39,7 +43,7 @@ use crate::comm::Comm;
 use crate::device::cuda::{classify, Context, KeepCurrent, MappedHost, MemOp, Stream, WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
-use crate::transport::rma::{self as wire, Frame, OP_PUT};
+use crate::transport::rma::{self as wire, Frame, PeerWindow, OP_PUT, OP_SIGNAL, OP_WINDOW};
 
 /// Slots of pinned staging per communicator, and the bytes of each: 4 MiB in all.
 const SLOTS: usize = 16;
@@ -52,6 +56,9 @@ const MARK_WORDS: usize = 16 * (SLOTS + 1);
 const MAX_WORDS: usize = 1 << 22;
 /// How long the sender waits for a stream before it says so.
 const STREAM_LATE: Duration = Duration::from_secs(10);
+
+/// A window puts write directly, or None: puts into it are staged.
+type Direct = Option<Arc<PeerWindow>>;
 
 fn mark_word(slot: usize) -> usize {
     16 * (slot + 1)
@@ -101,6 +108,9 @@ pub(super) struct Gated {
     /// The driver refused a stream memory operation when asked (though it says it has them):
     /// from then on calls run on the calling thread, as in host-wait mode.
     refused: AtomicBool,
+    /// Windows of ranks of this host that puts write directly, by (rank, window ordinal);
+    /// None: that window is staged (not device memory CUDA IPC shares, or not reachable).
+    windows: Mutex<HashMap<(usize, u64), Direct>>,
 }
 
 #[derive(Default)]
@@ -165,7 +175,8 @@ impl Gated {
             }
         };
         let g = Arc::new(Gated { ctx, data, marks, queue: Mutex::new(Queue { issued, finished: issued, ..Queue::default() }),
-                                 changed: Condvar::new(), thread: Mutex::new(None), refused: AtomicBool::new(false) });
+                                 changed: Condvar::new(), thread: Mutex::new(None), refused: AtomicBool::new(false),
+                                 windows: Mutex::new(HashMap::new()) });
         let (c, s) = (comm.clone(), g.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-rma-{}", comm.rank))
@@ -200,7 +211,7 @@ impl Gated {
     }
 
     /// Wait until the sender has finished every unit queued so far.
-    fn drain(&self) {
+    pub(super) fn drain(&self) {
         let mut q = self.lock();
         while !q.units.is_empty() || q.finished != q.issued {
             q = self.changed.wait(q).unwrap_or_else(|p| p.into_inner());
@@ -258,7 +269,7 @@ impl Gated {
                     false => Ok(()),
                 }
             } else {
-                let reached = self.wait_mark(comm, &unit);
+                let reached = self.wait_mark(comm, &unit, &mut unreachable);
                 if reached.is_err() {
                     self.lock().abandoned = true;
                 }
@@ -294,10 +305,17 @@ impl Gated {
 
     /// Waits until the unit's stream has written its mark (spinning, yielding, then napping),
     /// but not past an abort or revoke.
-    fn wait_mark(&self, comm: &Comm, u: &Unit) -> Result<()> {
+    /// Meanwhile streams waiting for signals of ranks that are gone are let go (such a stream
+    /// may be the one this unit waits for).
+    fn wait_mark(&self, comm: &Comm, u: &Unit, unreachable: &mut HashMap<u32, Instant>) -> Result<()> {
         let mark = self.marks.word(mark_word(u.n as usize % SLOTS));
         let (since, mut spins, mut warned) = (Instant::now(), 0u32, false);
+        let mut probed = since;
         while !reached(mark.load(Ordering::Acquire), u.n) {
+            if probed.elapsed() >= PROBE_EVERY {
+                probe_waits(comm, unreachable);
+                probed = Instant::now();
+            }
             if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {
                 return Err(Error::invalid_usage("communicator aborted or revoked before the stream reached the call"));
             }
@@ -371,17 +389,7 @@ impl Gated {
         } else {
             vec![(0, data.len())]
         };
-        // The put's numbers, consecutive: its units go out one after the other. No lock is
-        // held while the driver queues (it may block while the device's queue is full).
-        let first = {
-            let mut q = self.lock();
-            if q.closing {
-                return Err(Error::invalid_usage("communicator is being destroyed"));
-            }
-            let first = q.issued.wrapping_add(1);
-            q.issued = q.issued.wrapping_add(parts.len() as u32);
-            first
-        };
+        let first = self.reserve(parts.len())?;
         let last = parts.len() - 1;
         let mut failed: Option<Error> = None;
         let mut refused = false;
@@ -396,12 +404,91 @@ impl Gated {
                     Err(e) => failed = Some(e),
                 }
             }
-            self.lock().units.push_back(unit);
-            self.changed.notify_all();
+            self.push(unit);
         }
         match failed {
             Some(e) => Err(e),
             None => Ok(!refused),
+        }
+    }
+
+    /// Numbers for `k` units, consecutive: a put's units go out one after the other. No lock
+    /// is held while the driver queues their stream work (it may block while the device's
+    /// queue is full); each unit is pushed once queued, void if its call failed first.
+    fn reserve(&self, k: usize) -> Result<u32> {
+        let mut q = self.lock();
+        if q.closing {
+            return Err(Error::invalid_usage("communicator is being destroyed"));
+        }
+        let first = q.issued.wrapping_add(1);
+        q.issued = q.issued.wrapping_add(k as u32);
+        Ok(first)
+    }
+
+    fn push(&self, unit: Unit) {
+        self.lock().units.push_back(unit);
+        self.changed.notify_all();
+    }
+
+    /// A put written directly into the target's window (`dst`, of a rank of this host) by the
+    /// caller's stream, then its signal: the stream copies, raises the unit's mark, and the
+    /// sender sends the signal once it is up. False: the driver refused the first stream wait.
+    fn issue_direct(&self, st: &Stream, peer: usize, frame: Frame, dst: Region, data: Region) -> Result<bool> {
+        let n = self.reserve(1)?;
+        let signal = Frame { op: OP_SIGNAL, window: 0, offset: 0, len: 0, ..frame };
+        let mut unit = Unit { n, peer, frame: signal, at: 0, first: true, last: true, src: Source::None, void: true };
+        let queued = (|| -> Result<bool> {
+            if st.wait_value32(self.marks, SENT, n.wrapping_sub(SLOTS as u32), WaitCond::Geq)? == MemOp::Unsupported {
+                return Ok(false);
+            }
+            st.copy(dst, data)?;
+            enqueued(st.write_value32(self.marks, mark_word(n as usize % SLOTS), n)?)?;
+            Ok(true)
+        })();
+        unit.void = !matches!(queued, Ok(true));
+        self.push(unit);
+        queued
+    }
+
+    /// Where a put of `frame` to `peer` goes directly, if it does: this rank's own window,
+    /// or a window of a rank of this host that CUDA IPC maps here (asked of the target once,
+    /// at the first put into it; `NCCL_P2P_DISABLE`, `NCCL_P2P_LEVEL=LOC` stage every put).
+    fn direct_target(&self, comm: &Comm, peer: usize, frame: &Frame) -> Result<Option<Region>> {
+        let (offset, len) = (frame.offset as usize, frame.len as usize);
+        let too_far = |size: usize| Error::invalid_arg(format!(
+            "a put of {len} bytes at offset {offset} does not fit rank {peer}'s window #{} of {size} bytes", frame.window));
+        if peer == comm.rank {
+            let w = match crate::api::mem::window_by_ordinal(comm.rma.inner.comm, frame.window, || false) {
+                crate::api::mem::Lookup::Live(w) => w,
+                _ => return Err(Error::invalid_arg(format!("window #{} is not registered", frame.window))),
+            };
+            let whole = Region::user(w.buff, 0, w.size);
+            if !needs_device_copy(&[whole])? {
+                return Ok(None);
+            }
+            return if offset.checked_add(len).is_some_and(|e| e <= w.size) { Ok(Some(whole.sub(offset, len))) }
+                   else { Err(too_far(w.size)) };
+        }
+        let ready = comm.ready()?;
+        let (me, them) = match (ready.peers.get(comm.rank), ready.peers.get(peer)) {
+            (Some(a), Some(b)) => (a, b),
+            _ => return Ok(None),
+        };
+        if !me.same_host(them) || crate::params::p2p_disable() || crate::params::p2p_level_forbids() {
+            return Ok(None);
+        }
+        let key = (peer, frame.window);
+        let known = self.windows.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
+        let pw = match known {
+            Some(pw) => pw,
+            None => {
+                let pw = open_peer_window(comm, peer, frame.window, me.same_process(them));
+                self.windows.lock().unwrap_or_else(|p| p.into_inner()).entry(key).or_insert(pw).clone()
+            }
+        };
+        match pw {
+            None => Ok(None),
+            Some(pw) => pw.region(offset, len).map(Some).ok_or_else(|| too_far(pw.size())),
         }
     }
 
@@ -427,6 +514,35 @@ impl Gated {
             enqueued(st.wait_value32(self.marks, SENT, n, WaitCond::Geq)?)?;
         }
         Ok(Some(src))
+    }
+}
+
+/// Ask `peer` (a rank of this host) for its window #`ordinal` and map it: None where it is not
+/// device memory CUDA IPC shares, or cannot be mapped here (puts into it are staged).
+fn open_peer_window(comm: &Comm, peer: usize, ordinal: u64, same_process: bool) -> Direct {
+    let asked = (|| -> Result<PeerWindow> {
+        let ready = comm.ready()?;
+        let mut s = ready.service.connect_rma(peer)?;
+        let _ = s.set_read_timeout(Some(crate::params::peer_timeout()));
+        let ask = Frame { op: OP_WINDOW, ctx: 0, sig: 0, window: ordinal, offset: 0, len: 0 };
+        wire::send(&mut s, &ask, Region::EMPTY)?;
+        let info = wire::read_info(&mut s)?;
+        if !info.ok {
+            return Err(Error::invalid_usage("not device memory that CUDA IPC shares"));
+        }
+        PeerWindow::open(&info, same_process)
+    })();
+    match asked {
+        Ok(pw) => {
+            crate::info!(P2P, "rank {} -> rank {peer}: puts into window #{ordinal} are written directly by the caller's \
+                               stream ({})", comm.rank, if same_process { "same process" } else { "CUDA IPC" });
+            Some(Arc::new(pw))
+        }
+        Err(e) => {
+            crate::info!(P2P, "rank {} -> rank {peer}: puts into window #{ordinal} are staged through host memory ({})",
+                         comm.rank, e.msg);
+            None
+        }
     }
 }
 
@@ -490,7 +606,10 @@ pub(super) fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
         let queued = match op {
             RmaOp::Put { peer, frame, data, .. } => {
                 let copyable = needs_device_copy(&[*data])?;
-                g.issue(&st, *peer, *frame, *data, copyable)?
+                match g.direct_target(comm, *peer, frame)? {
+                    Some(dst) if copyable && !data.is_empty() => g.issue_direct(&st, *peer, *frame, dst, *data)?,
+                    _ => g.issue(&st, *peer, *frame, *data, copyable)?,
+                }
             }
             RmaOp::Signal { peer, frame, .. } => g.issue(&st, *peer, *frame, Region::EMPTY, false)?,
             RmaOp::Wait { descs, .. } => wait_on_stream(comm, &st, descs)?,
