@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
+ *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
  *   CUDA_TEST_FAULT=1|graph|shrink cuda (2 processes; the harness kills process 1 once it prints
  *                                LOOPING; graph: the all-reduces are launches of a captured graph;
  *                                shrink: 3 processes, the survivors shrink and go on)
@@ -1406,6 +1406,76 @@ static void rma_ring(int pageable) {
 static void rma(void) { rma_ring(0); }
 static void rma_pageable(void) { rma_ring(1); }
 
+/* nccl_device/host.h's host-side pointer queries (neither nccl.h declares them). */
+ncclResult_t ncclGetPeerDevicePointer(ncclWindow_t window, size_t offset, int peer, void** outPtr);
+ncclResult_t ncclGetLsaDevicePointer(ncclWindow_t window, size_t offset, int lsaRank, void** outPtr);
+
+/* ncclGetPeerDevicePointer and ncclGetLsaDevicePointer (NCCL 2.29+: what PyTorch's NCCL
+ * symmetric memory asks for every peer once a window is registered). Ranks of one host reach
+ * each other's windows: each rank copies values into the next rank's window through the
+ * pointer it got, on its stream, then signals on that stream; the next rank waits on its
+ * stream and reads its window. Its own pointer is its buffer; the load/store team is every
+ * rank (one host); a peer out of range is refused. With peer access disabled
+ * (NCCL_P2P_DISABLE=1, NCCL_P2P_LEVEL=LOC) other ranks' pointers are NULL and the team is the
+ * rank alone. */
+static void peer_pointers(void) {
+  const char* off_env = getenv("NCCL_P2P_DISABLE");
+  const char* level = getenv("NCCL_P2P_LEVEL");
+  const int direct = !(off_env && atoi(off_env) != 0) && !(level && !strcasecmp(level, "LOC"));
+  test_step("peer pointers");
+  const size_t count = 4096, off = 64;
+  void* buf[MAX_LOCAL];
+  ncclWindow_t win[MAX_LOCAL];
+  float* h[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclMemAlloc(&buf[l], count * sizeof(float) + off));
+    h[l] = host_alloc(count * sizeof(float));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclCommWindowRegister(g_comms[l], buf[l], count * sizeof(float) + off, &win[l], NCCL_WIN_COLL_SYMMETRIC));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l, next = (rank + 1) % g_env.nranks;
+    void *mine = NULL, *theirs = NULL, *lsa = NULL;
+    CHECK(ncclGetPeerDevicePointer(win[l], 0, rank, &mine));
+    EXPECT(mine == buf[l], "rank %d: its own device pointer is %p, not its buffer %p", rank, mine, buf[l]);
+    CHECK(ncclGetPeerDevicePointer(win[l], off, next, &theirs));
+    if (next != rank)
+      EXPECT((theirs != NULL) == direct, "rank %d: device pointer %p for rank %d of its host, peer access %s", rank,
+             theirs, next, direct ? "allowed" : "disabled");
+    CHECK(ncclGetLsaDevicePointer(win[l], off, direct ? next : 0, &lsa));
+    EXPECT(lsa == (direct ? theirs : (char*)buf[l] + off), "rank %d: load/store rank %d at %p, not %p", rank,
+           direct ? next : 0, lsa, direct ? theirs : (char*)buf[l] + off);
+    void* none = NULL;
+    EXPECT(ncclGetPeerDevicePointer(win[l], 0, g_env.nranks, &none) == ncclInvalidArgument,
+           "a device pointer for rank %d of %d was not refused", g_env.nranks, g_env.nranks);
+    for (size_t j = 0; j < count; j++) h[l][j] = in_value(rank, j, 60);
+    if (theirs) CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)theirs, (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float),
+                                  g_streams[l]));
+    CHECK(ncclSignal(next, 0, 0, 0, g_comms[l], g_streams[l]));
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l, prev = (rank + g_env.nranks - 1) % g_env.nranks;
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = prev, .sigIdx = 0, .ctx = 0};
+    CHECK(ncclWaitSignal(1, &d, g_comms[l], g_streams[l]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], (CUdeviceptr)(uintptr_t)buf[l] + off, count * sizeof(float),
+                      g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count && (direct || prev == rank); j++) bad += h[l][j] != in_value(prev, j, 60);
+    EXPECT(bad == 0, "rank %d: %zu wrong values written by rank %d through its device pointer", rank, bad, prev);
+  }
+  expect_no_async_error("peer pointers");
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowDeregister(g_comms[l], win[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclMemFree(buf[l]));
+    CU(cu.MemFreeHost(h[l]));
+  }
+}
+
 /* --only RmaGone (2+ processes, one rank each): rank 0's stream waits for a signal from rank 1,
  * which destroys its communicator and exits without sending it. No host thread waits for it,
  * yet the stream is let go, and rank 0's ncclCommGetAsyncError turns to ncclRemoteError naming
@@ -2510,6 +2580,7 @@ int main(int argc, char** argv) {
   if (wanted("MemAlloc")) memalloc();
   if (wanted("Rma")) rma();
   if (wanted("RmaPageable")) rma_pageable();
+  if (wanted("PeerPointers")) peer_pointers();
   if (wanted("Context")) context();
   if (wanted("GroupMix")) group_mix();
   if (wanted("Torch")) torch_like();

@@ -365,6 +365,9 @@ typedef struct {
   bool cftSupport, cftMulticastSupport, cftCountedSupport;
 } props_v23203_t;
 ncclResult_t ncclCommQueryProperties(ncclComm_t comm, void* props);
+/* nccl_device/host.h's host-side pointer queries (neither nccl.h declares them). */
+ncclResult_t ncclGetPeerDevicePointer(ncclWindow_t window, size_t offset, int peer, void** outPtr);
+ncclResult_t ncclGetLsaDevicePointer(ncclWindow_t window, size_t offset, int lsaRank, void** outPtr);
 
 static void properties(void) {
   if (!wanted("Properties")) return;
@@ -408,6 +411,35 @@ static void properties(void) {
     expect_error("props without its magic", ncclCommQueryProperties(g_comms[l], &bad), ncclInvalidArgument, g_comms[l],
                  "magic");
     expect_error("NULL props", ncclCommQueryProperties(g_comms[l], NULL), ncclInvalidArgument, g_comms[l], "props");
+  }
+  /* Device pointers of a window (host mode: one rank per load/store team): a rank's own part
+   * is its buffer, other ranks' are NULL; a peer out of range or a deregistered window is
+   * refused. */
+  window_t w[MAX_LOCAL];
+  open_windows(g_comms, w, 4096, NCCL_WIN_COLL_SYMMETRIC);
+  for (int l = 0; l < g_env.local; l++) {
+    void* p = NULL;
+    CHECK(ncclGetPeerDevicePointer(w[l].win, 128, me_of(l), &p));
+    EXPECT(p == (char*)w[l].ptr + 128, "own device pointer %p, not the buffer + 128 (%p)", p, (char*)w[l].ptr + 128);
+    CHECK(ncclGetLsaDevicePointer(w[l].win, 0, 0, &p));
+    EXPECT(p == w[l].ptr, "load/store rank 0 (itself) at %p, not its buffer %p", p, w[l].ptr);
+    if (g_env.nranks > 1) {
+      p = (void*)1;
+      CHECK(ncclGetPeerDevicePointer(w[l].win, 0, next_of(me_of(l)), &p));
+      EXPECT(p == NULL, "host mode: rank %d's device pointer for rank %d is %p, not NULL", me_of(l), next_of(me_of(l)), p);
+    }
+    expect_error("a device pointer of rank nranks", ncclGetPeerDevicePointer(w[l].win, 0, g_env.nranks, &p),
+                 ncclInvalidArgument, g_comms[l], "out of range");
+    expect_error("load/store rank 1 of a team of one", ncclGetLsaDevicePointer(w[l].win, 0, 1, &p), ncclInvalidArgument,
+                 g_comms[l], "lsaRank");
+  }
+  ncclWindow_t gone[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) gone[l] = w[l].win;
+  close_windows(g_comms, w, "device pointers");
+  for (int l = 0; l < g_env.local; l++) {
+    void* p = NULL;
+    expect_error("a device pointer of a deregistered window", ncclGetPeerDevicePointer(gone[l], 0, 0, &p),
+                 ncclInvalidArgument, g_comms[l], "not a window");
   }
 }
 

@@ -7,6 +7,7 @@
 use std::ffi::{c_int, c_void};
 
 use super::types::*;
+use super::write_out;
 use crate::comm::handle;
 use crate::error::{Error, Result};
 
@@ -35,7 +36,7 @@ fn properties(comm: &crate::comm::Comm, size: usize, magic: u32, version: u32) -
         deviceApiSupport: false,
         multimemSupport: false,
         ginType: 0,
-        nLsaTeams: comm.nranks as c_int,
+        nLsaTeams: crate::api::rma::lsa_teams(comm) as c_int,
         hostRmaSupport: true,
         railedGinType: 0,
         commHash: comm.hash,
@@ -87,12 +88,16 @@ export! {
         unsupported("ncclGetMultimemDevicePointer")
     }
     fn ncclGetLsaDevicePointer(window: ncclWindow_t, offset: usize, lsaRank: c_int, outPtr: *mut *mut c_void) {
-        let _ = (window, offset, lsaRank, outPtr);
-        unsupported("ncclGetLsaDevicePointer")
+        ensure!(!window.is_null(), Error::invalid_arg("window is NULL"));
+        ensure!(!outPtr.is_null(), Error::invalid_arg("outPtr is NULL"));
+        let p = crate::api::rma::lsa_device_pointer(window as usize, offset, lsaRank)?;
+        write_out(outPtr, "outPtr", p as *mut c_void)
     }
     fn ncclGetPeerDevicePointer(window: ncclWindow_t, offset: usize, peer: c_int, outPtr: *mut *mut c_void) {
-        let _ = (window, offset, peer, outPtr);
-        unsupported("ncclGetPeerDevicePointer")
+        ensure!(!window.is_null(), Error::invalid_arg("window is NULL"));
+        ensure!(!outPtr.is_null(), Error::invalid_arg("outPtr is NULL"));
+        let p = crate::api::rma::peer_device_pointer(window as usize, offset, peer)?;
+        write_out(outPtr, "outPtr", p as *mut c_void)
     }
     fn ncclGetMultimemDeviceLeInfo(window: ncclWindow_t, offset: usize, leId: *mut ncclCftLeId, leOffset: *mut usize) {
         let _ = (window, offset, leId, leOffset);

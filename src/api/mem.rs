@@ -77,6 +77,8 @@ struct Windows {
     live: std::collections::HashMap<WindowKey, Window>,
     by_token: std::collections::HashMap<usize, WindowKey>,
     next: std::collections::HashMap<(u64, usize), u64>,
+    /// The communicator of each live token (calls that name only a window need it).
+    owners: std::collections::HashMap<usize, std::sync::Weak<Comm>>,
 }
 
 static WINDOWS: Mutex<Option<Windows>> = Mutex::new(None);
@@ -88,7 +90,7 @@ fn windows() -> std::sync::MutexGuard<'static, Option<Windows>> {
 }
 
 /// `ncclCommWindowRegister`: a window over `buff` (`size` bytes) on `comm`; the token.
-pub fn window_register(comm: &Comm, buff: UserPtr, size: usize, flags: i32) -> Result<usize> {
+pub fn window_register(comm: &std::sync::Arc<Comm>, buff: UserPtr, size: usize, flags: i32) -> Result<usize> {
     if flags & !WIN_FLAGS != 0 {
         return Err(Error::invalid_arg(format!("unknown window flags {flags:#x}")));
     }
@@ -104,6 +106,7 @@ pub fn window_register(comm: &Comm, buff: UserPtr, size: usize, flags: i32) -> R
     let w = Window { comm: key, buff, size, ordinal: *next, symmetric: flags & WIN_COLL_SYMMETRIC != 0 };
     *next += 1;
     reg.by_token.insert(token, (key, w.ordinal));
+    reg.owners.insert(token, std::sync::Arc::downgrade(comm));
     reg.live.insert((key, w.ordinal), w);
     drop(guard);
     REGISTERED.notify_all();
@@ -120,6 +123,17 @@ pub fn window_of(comm: &Comm, token: usize) -> Result<Window> {
         Some(_) => Err(Error::invalid_arg(format!("window {token:#x} belongs to another communicator"))),
         None => Err(Error::invalid_arg(format!("{token:#x} is not a window (deregistered, or never registered)"))),
     }
+}
+
+/// A window named by its token alone, with its communicator (`ncclGetPeerDevicePointer`).
+pub fn window_and_comm(token: usize) -> Result<(std::sync::Arc<Comm>, Window)> {
+    let guard = windows();
+    let found = guard.as_ref().and_then(|m| {
+        let w = m.by_token.get(&token).and_then(|k| m.live.get(k)).copied()?;
+        Some((m.owners.get(&token)?.upgrade()?, w))
+    });
+    found.ok_or_else(|| Error::invalid_arg(format!(
+        "{token:#x} is not a window of a live communicator (deregistered, or never registered)")))
 }
 
 /// What became of the window a rank registered `ordinal`-th on a communicator (hash, rank).
@@ -163,6 +177,7 @@ pub fn window_deregister(comm: &Comm, token: usize) -> Result<()> {
     let w = window_of(comm, token)?;
     if let Some(m) = windows().as_mut() {
         m.by_token.remove(&token);
+        m.owners.remove(&token);
         m.live.remove(&(w.comm, w.ordinal));
     }
     crate::trace!(INIT, "rank {}: window {token:#x} over {} bytes deregistered", comm.rank, w.size);

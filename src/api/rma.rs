@@ -29,6 +29,7 @@ use crate::types::DataType;
 type SignalKey = (u32, u32, u32);
 
 mod stream;
+pub use stream::{lsa_device_pointer, lsa_teams, peer_device_pointer};
 
 /// One communicator's one-sided state.
 pub struct Rma {
@@ -36,6 +37,9 @@ pub struct Rma {
     /// CUDA mode with stream waits: the sender that issues puts and signals once their
     /// streams get there (None inside: host-wait mode, where calls run on the calling thread).
     gated: OnceLock<Option<Arc<stream::Gated>>>,
+    /// CUDA mode: windows of ranks of this host as this rank writes or reads them directly,
+    /// by (rank, window ordinal); None: not reachable that way (`stream::peer_window`).
+    peer_windows: Mutex<HashMap<(usize, u64), stream::Direct>>,
 }
 
 struct Inner {
@@ -124,6 +128,7 @@ impl Rma {
                 owner: OnceLock::new(),
             }),
             gated: OnceLock::new(),
+            peer_windows: Mutex::new(HashMap::new()),
         }
     }
 

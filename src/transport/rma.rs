@@ -181,6 +181,11 @@ impl PeerWindow {
         self.size
     }
 
+    /// Where the window starts in this process (a device address).
+    pub fn addr(&self) -> usize {
+        self.base
+    }
+
     /// `len` bytes at `offset` of the window, None past its end.
     pub fn region(&self, offset: usize, len: usize) -> Option<Region> {
         if offset.checked_add(len)? > self.size {

@@ -2,9 +2,9 @@
 //!
 //! A put starts after everything its stream did before the call, and the stream may reuse the
 //! source once it has passed the call; a wait holds its stream until its signals have come.
-//! Nothing of it needs a device call from a host thread while a caller's stream waits for that
-//! thread (the rule of `streamed`), so no copy of ours can sit behind such a wait in a
-//! hardware queue:
+//! But for one case (the last paragraph), no host thread makes a device call that a caller's
+//! stream may be waiting for (the rule of `streamed`), so no copy of ours can sit behind such
+//! a wait in a hardware queue:
 //!
 //! - **Puts written directly**: a put from memory the device copies into a window of a rank
 //!   of this host (its own, one of its process, or device memory of another process that CUDA
@@ -29,8 +29,13 @@
 //! The reader's copy of a staged put into a device window is the one device call a host thread
 //! makes while a stream may wait, and only for the signal that copy precedes: with more streams
 //! than hardware queues, it could share a queue with a stream that waits behind it (README,
-//! CUDA mode's limits). Puts written directly have no such copy. Where streams cannot wait on memory (host-wait mode), the calls run on the
-//! calling thread once their stream has got there, and a wait returns when its signals came.
+//! CUDA mode's limits). Puts written directly have no such copy. Where streams cannot wait on
+//! memory (host-wait mode), the calls run on the calling thread once their stream has got
+//! there, and a wait returns when its signals came.
+//!
+//! The windows a rank reaches directly also answer `ncclGetPeerDevicePointer` and
+//! `ncclGetLsaDevicePointer`: a rank's load/store team is itself and the ranks of its host
+//! (CUDA mode, peer access not disabled).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,7 +63,7 @@ const MAX_WORDS: usize = 1 << 22;
 const STREAM_LATE: Duration = Duration::from_secs(10);
 
 /// A window puts write directly, or None: puts into it are staged.
-type Direct = Option<Arc<PeerWindow>>;
+pub(super) type Direct = Option<Arc<PeerWindow>>;
 
 fn mark_word(slot: usize) -> usize {
     16 * (slot + 1)
@@ -108,9 +113,6 @@ pub(super) struct Gated {
     /// The driver refused a stream memory operation when asked (though it says it has them):
     /// from then on calls run on the calling thread, as in host-wait mode.
     refused: AtomicBool,
-    /// Windows of ranks of this host that puts write directly, by (rank, window ordinal);
-    /// None: that window is staged (not device memory CUDA IPC shares, or not reachable).
-    windows: Mutex<HashMap<(usize, u64), Direct>>,
 }
 
 #[derive(Default)]
@@ -175,8 +177,7 @@ impl Gated {
             }
         };
         let g = Arc::new(Gated { ctx, data, marks, queue: Mutex::new(Queue { issued, finished: issued, ..Queue::default() }),
-                                 changed: Condvar::new(), thread: Mutex::new(None), refused: AtomicBool::new(false),
-                                 windows: Mutex::new(HashMap::new()) });
+                                 changed: Condvar::new(), thread: Mutex::new(None), refused: AtomicBool::new(false) });
         let (c, s) = (comm.clone(), g.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-rma-{}", comm.rank))
@@ -469,24 +470,7 @@ impl Gated {
             return if offset.checked_add(len).is_some_and(|e| e <= w.size) { Ok(Some(whole.sub(offset, len))) }
                    else { Err(too_far(w.size)) };
         }
-        let ready = comm.ready()?;
-        let (me, them) = match (ready.peers.get(comm.rank), ready.peers.get(peer)) {
-            (Some(a), Some(b)) => (a, b),
-            _ => return Ok(None),
-        };
-        if !me.same_host(them) || crate::params::p2p_disable() || crate::params::p2p_level_forbids() {
-            return Ok(None);
-        }
-        let key = (peer, frame.window);
-        let known = self.windows.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
-        let pw = match known {
-            Some(pw) => pw,
-            None => {
-                let pw = open_peer_window(comm, peer, frame.window, me.same_process(them));
-                self.windows.lock().unwrap_or_else(|p| p.into_inner()).entry(key).or_insert(pw).clone()
-            }
-        };
-        match pw {
+        match peer_window(comm, peer, frame.window)? {
             None => Ok(None),
             Some(pw) => pw.region(offset, len).map(Some).ok_or_else(|| too_far(pw.size())),
         }
@@ -515,6 +499,89 @@ impl Gated {
         }
         Ok(Some(src))
     }
+}
+
+/// Can this rank reach `peer`'s windows directly (CUDA mode, a rank of this host, peer access
+/// not disabled)? Its load/store team is the ranks it can.
+fn reaches(comm: &Comm, peer: usize) -> Result<bool> {
+    if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+        return Ok(false);
+    }
+    let ready = comm.ready()?;
+    let same = match (ready.peers.get(comm.rank), ready.peers.get(peer)) {
+        (Some(a), Some(b)) => a.same_host(b),
+        _ => false,
+    };
+    Ok(same && !crate::params::p2p_disable() && !crate::params::p2p_level_forbids())
+}
+
+/// `peer`'s window #`ordinal` as this rank reaches it directly (another rank: see `reaches`),
+/// asked of the peer and mapped once, then kept for the communicator's life.
+pub(super) fn peer_window(comm: &Comm, peer: usize, ordinal: u64) -> Result<Direct> {
+    if !reaches(comm, peer)? {
+        return Ok(None);
+    }
+    let key = (peer, ordinal);
+    if let Some(known) = comm.rma.peer_windows.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return Ok(known.clone());
+    }
+    let ready = comm.ready()?;
+    let same_process = match (ready.peers.get(comm.rank), ready.peers.get(peer)) {
+        (Some(a), Some(b)) => a.same_process(b),
+        _ => false,
+    };
+    let ctx = Context::primary(comm.cuda_dev)?;
+    let _keep = KeepCurrent::new();
+    ctx.make_current()?;
+    let pw = open_peer_window(comm, peer, ordinal, same_process);
+    Ok(comm.rma.peer_windows.lock().unwrap_or_else(|p| p.into_inner()).entry(key).or_insert(pw).clone())
+}
+
+/// `ncclGetPeerDevicePointer`: where this rank's device reaches `offset` of `peer`'s part of
+/// the window — its own buffer for itself, a mapping of a peer's for a rank of this host whose
+/// window CUDA IPC shares (or that is in this process), else 0 (NULL: not reachable by load
+/// and store, as NCCL answers for peers outside the team).
+pub fn peer_device_pointer(token: usize, offset: usize, peer: i32) -> Result<usize> {
+    let (comm, w) = crate::api::mem::window_and_comm(token)?;
+    let peer = super::check_peer(&comm, peer, "peer")?;
+    if offset > w.size {
+        return Err(Error::invalid_arg(format!("offset {offset} is past the window's {} bytes", w.size)));
+    }
+    if peer == comm.rank {
+        return Ok(w.buff.addr() + offset);
+    }
+    Ok(peer_window(&comm, peer, w.ordinal)?.map_or(0, |pw| pw.addr() + offset.min(pw.size())))
+}
+
+/// `ncclGetLsaDevicePointer`: as [`peer_device_pointer`] for the `lsa_rank`-th rank of this
+/// rank's load/store team (itself and the ranks `reaches` says, in rank order).
+pub fn lsa_device_pointer(token: usize, offset: usize, lsa_rank: i32) -> Result<usize> {
+    let (comm, _) = crate::api::mem::window_and_comm(token)?;
+    let mut team = Vec::new();
+    for p in 0..comm.nranks {
+        if p == comm.rank || reaches(&comm, p)? {
+            team.push(p);
+        }
+    }
+    let peer = usize::try_from(lsa_rank).ok().and_then(|i| team.get(i).copied()).ok_or_else(|| Error::invalid_arg(
+        format!("lsaRank {lsa_rank} is out of range: this rank's load/store team has {} rank(s)", team.len())))?;
+    peer_device_pointer(token, offset, peer as i32)
+}
+
+/// The number of load/store teams (`ncclCommProperties_t.nLsaTeams`): the hosts, where ranks
+/// of a host reach each other's windows (CUDA mode), else one per rank.
+pub fn lsa_teams(comm: &Comm) -> usize {
+    let Some(ready) = comm.ready_if_any() else { return comm.nranks };
+    if !matches!(reaches(comm, comm.rank), Ok(true)) {
+        return comm.nranks;
+    }
+    let mut hosts: Vec<&crate::bootstrap::PeerInfo> = Vec::new();
+    for p in &ready.peers {
+        if !hosts.iter().any(|h| h.same_host(p)) {
+            hosts.push(p);
+        }
+    }
+    hosts.len()
 }
 
 /// Ask `peer` (a rank of this host) for its window #`ordinal` and map it: None where it is not
