@@ -39,6 +39,7 @@
  */
 #include "common.h"
 
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <linux/capability.h>
@@ -1406,6 +1407,16 @@ static void rma_ring(int pageable) {
 static void rma(void) { rma_ring(0); }
 static void rma_pageable(void) { rma_ring(1); }
 
+/* Descriptors this process has open. */
+static int open_fds(void) {
+  DIR* d = opendir("/proc/self/fd");
+  int n = 0;
+  if (!d) return -1;
+  while (readdir(d)) n++;
+  closedir(d);
+  return n;
+}
+
 /* nccl_device/host.h's host-side pointer queries (neither nccl.h declares them). */
 ncclResult_t ncclGetPeerDevicePointer(ncclWindow_t window, size_t offset, int peer, void** outPtr);
 ncclResult_t ncclGetLsaDevicePointer(ncclWindow_t window, size_t offset, int lsaRank, void** outPtr);
@@ -1431,6 +1442,8 @@ static void peer_pointers(void) {
     CHECK(ncclMemAlloc(&buf[l], count * sizeof(float) + off));
     h[l] = host_alloc(count * sizeof(float));
   }
+  /* The stand-in counts the peers' allocations this process has mapped. */
+  const int mapped_before = cu.StubPeerMemory ? cu.StubPeerMemory(NULL) : 0;
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++)
     CHECK(ncclCommWindowRegister(g_comms[l], buf[l], count * sizeof(float) + off, &win[l], NCCL_WIN_COLL_SYMMETRIC));
@@ -1467,9 +1480,45 @@ static void peer_pointers(void) {
     EXPECT(bad == 0, "rank %d: %zu wrong values written by rank %d through its device pointer", rank, bad, prev);
   }
   expect_no_async_error("peer pointers");
+  const int mapped_during = cu.StubPeerMemory ? cu.StubPeerMemory(NULL) : 0;
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowDeregister(g_comms[l], win[l]));
   CHECK(ncclGroupEnd());
+  if (cu.StubPeerMemory) {
+    /* Another process's window was mapped (where this process has a rank whose next rank is
+     * elsewhere), and deregistering closed the mapping: its owner may free the memory. */
+    int remote_next = 0;
+    for (int l = 0; l < g_env.local; l++) remote_next |= (g_env.first_rank + l + 1) % g_env.nranks / g_env.local !=
+                                                        g_env.first_rank / g_env.local;
+    const int mapped_after = cu.StubPeerMemory(NULL);
+    EXPECT(!direct || !remote_next || mapped_during > mapped_before,
+           "no peer window mapped (%d mappings before, %d with the window)", mapped_before, mapped_during);
+    EXPECT(mapped_after == mapped_before, "%d peer mappings after the window was deregistered, %d before it",
+           mapped_after, mapped_before);
+  }
+  /* Window after window (as PyTorch registers one per symmetric allocation), each asked for
+   * the next rank's pointer: nothing accumulates, neither descriptors (the targets answer each
+   * window on a connection of its own) nor mappings. */
+  const int fds_before = open_fds();
+  for (int k = 0; k < 48; k++) {
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      CHECK(ncclCommWindowRegister(g_comms[l], buf[l], count * sizeof(float), &win[l], NCCL_WIN_COLL_SYMMETRIC));
+    CHECK(ncclGroupEnd());
+    for (int l = 0; l < g_env.local; l++) {
+      void* p = NULL;
+      CHECK(ncclGetPeerDevicePointer(win[l], 0, (g_env.first_rank + l + 1) % g_env.nranks, &p));
+    }
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowDeregister(g_comms[l], win[l]));
+    CHECK(ncclGroupEnd());
+  }
+  int fds_after = open_fds();
+  for (double until = now_s() + 10; fds_after > fds_before + 8 && now_s() < until; fds_after = open_fds()) usleep(10000);
+  EXPECT(fds_after <= fds_before + 8, "%d descriptors open after 48 windows asked for, %d before", fds_after, fds_before);
+  if (cu.StubPeerMemory)
+    EXPECT(cu.StubPeerMemory(NULL) == mapped_before, "%d peer mappings after 48 windows, %d before",
+           cu.StubPeerMemory(NULL), mapped_before);
   for (int l = 0; l < g_env.local; l++) {
     CHECK(ncclMemFree(buf[l]));
     CU(cu.MemFreeHost(h[l]));

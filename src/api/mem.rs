@@ -180,6 +180,7 @@ pub fn window_deregister(comm: &Comm, token: usize) -> Result<()> {
         m.owners.remove(&token);
         m.live.remove(&(w.comm, w.ordinal));
     }
+    comm.rma.window_deregistered(comm, w.ordinal);
     crate::trace!(INIT, "rank {}: window {token:#x} over {} bytes deregistered", comm.rank, w.size);
     Ok(())
 }

@@ -40,6 +40,9 @@ pub struct Rma {
     /// CUDA mode: windows of ranks of this host as this rank writes or reads them directly,
     /// by (rank, window ordinal); None: not reachable that way (`stream::peer_window`).
     peer_windows: Mutex<HashMap<(usize, u64), stream::Direct>>,
+    /// Mappings of deregistered windows, each closed once the sender has finished the units
+    /// issued before the deregistration (their streams have done the copies into it).
+    retired: Mutex<Vec<(u32, Arc<crate::transport::rma::PeerWindow>)>>,
 }
 
 struct Inner {
@@ -63,8 +66,10 @@ struct Inner {
 struct State {
     arrived: HashMap<SignalKey, u64>,
     consumed: HashMap<SignalKey, u64>,
-    /// Copies of the incoming connections, to close them when the communicator goes.
-    incoming: Vec<TcpStream>,
+    /// Copies of the incoming connections, to close them when the communicator goes, by a
+    /// number of their own (a connection that ends takes its copy out).
+    incoming: Vec<(u64, TcpStream)>,
+    accepted: u64,
     /// Senders whose connection ended, and why (None: they closed it, destroying their
     /// communicator).
     ended: HashMap<u32, Option<Error>>,
@@ -129,6 +134,7 @@ impl Rma {
             }),
             gated: OnceLock::new(),
             peer_windows: Mutex::new(HashMap::new()),
+            retired: Mutex::new(Vec::new()),
         }
     }
 
@@ -152,13 +158,55 @@ impl Rma {
             }
         }
         let mut st = self.inner.lock();
-        for s in st.incoming.drain(..) {
+        for (_, s) in st.incoming.drain(..) {
             let _ = s.shutdown(Shutdown::Both);
         }
         drop(st);
         self.inner.changed.notify_all();
         self.inner.release_waits(|_| true, &Error::invalid_usage(
             "the communicator was destroyed or aborted while a stream waited for signals"));
+        let windows: Vec<_> = self.peer_windows.lock().unwrap_or_else(|p| p.into_inner()).drain().collect();
+        let retired: Vec<_> = self.retired.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
+        if !windows.is_empty() || !retired.is_empty() {
+            self.with_context(move || drop((windows, retired)));
+        }
+    }
+
+    /// `f` (which closes mappings) with the communicator's context current, as the driver
+    /// needs for it.
+    fn with_context(&self, f: impl FnOnce()) {
+        let _keep = crate::device::cuda::KeepCurrent::new();
+        if let Ok(ctx) = crate::device::cuda::Context::primary(self.inner.cuda_dev) {
+            let _ = ctx.make_current();
+        }
+        f();
+    }
+
+    /// ncclCommWindowDeregister: this rank's mappings of the peers' parts of the window are
+    /// closed once no put queued before can still copy into them: the sender has finished the
+    /// units issued so far (their streams have got past the copies; this waits for them, but
+    /// not past an abort). The pointers `ncclGetPeerDevicePointer` gave for the window are the
+    /// caller's to stop using, as in NCCL.
+    pub fn window_deregistered(&self, comm: &Comm, ordinal: u64) {
+        let mut windows = self.peer_windows.lock().unwrap_or_else(|p| p.into_inner());
+        let keys: Vec<(usize, u64)> = windows.keys().filter(|k| k.1 == ordinal).copied().collect();
+        let gone: Vec<_> = keys.iter().filter_map(|k| windows.remove(k).flatten()).collect();
+        drop(windows);
+        let gated = self.gated.get().and_then(Option::as_ref);
+        let watermark = gated.map(|g| g.issued());
+        if let (Some(g), Some(mark), false) = (gated, watermark, gone.is_empty()) {
+            g.wait_finished(comm, mark);
+        }
+        let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+        retired.extend(gone.into_iter().map(|pw| (watermark.unwrap_or(0), pw)));
+        let finished = gated.map(|g| g.finished());
+        let (done, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *retired).into_iter()
+            .partition(|(mark, _)| finished.is_none_or(|f| stream::reached(f, *mark)));
+        *retired = kept;
+        drop(retired);
+        if !done.is_empty() {
+            self.with_context(move || drop(done));
+        }
     }
 
     /// ncclCommFinalize, ncclCommDestroy (CUDA mode): the puts and signals issued on streams
@@ -186,12 +234,20 @@ impl Inner {
         if self.closed.load(Ordering::Acquire) {
             return;
         }
-        if let Ok(copy) = stream.try_clone() {
-            self.lock().incoming.push(copy);
-        }
+        let id = {
+            let mut st = self.lock();
+            st.accepted += 1;
+            let id = st.accepted;
+            if let Ok(copy) = stream.try_clone() {
+                st.incoming.push((id, copy));
+            }
+            id
+        };
         let me = self.clone();
         let spawned = std::thread::Builder::new().name("nccl-rs-rma".into()).spawn(move || {
             let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.serve(from, stream)));
+            // Its descriptor goes with it (each window a peer asks about opens one).
+            me.lock().incoming.retain(|(i, _)| *i != id);
             if let Err(p) = served {
                 me.fail(Error::internal(format!("one-sided operations from rank {from}: panic: {}",
                                                 crate::abi::panic_message(&*p))));

@@ -70,7 +70,7 @@ fn mark_word(slot: usize) -> usize {
 }
 
 /// `a` is `b` or later, counting as stream memory operations compare (wrapping at 2^32).
-fn reached(a: u32, b: u32) -> bool {
+pub(super) fn reached(a: u32, b: u32) -> bool {
     (a.wrapping_sub(b) as i32) >= 0
 }
 
@@ -208,6 +208,24 @@ impl Gated {
         if q.finished == q.issued && q.units.is_empty() && !q.abandoned {
             let spare = Spare { ordinal: self.ctx.ordinal(), data: self.data, marks: self.marks, issued: q.issued };
             SPARES.lock().unwrap_or_else(|p| p.into_inner()).push(spare);
+        }
+    }
+
+    /// The number of the last unit reserved, and of the last one the sender finished.
+    pub(super) fn issued(&self) -> u32 {
+        self.lock().issued
+    }
+
+    pub(super) fn finished(&self) -> u32 {
+        self.lock().finished
+    }
+
+    /// Wait until the sender has finished unit `n` (and those before), but not past an abort
+    /// or the communicator's closing.
+    pub(super) fn wait_finished(&self, comm: &Comm, n: u32) {
+        let mut q = self.lock();
+        while !reached(q.finished, n) && !q.closing && !comm.abort.load(Ordering::Acquire) {
+            q = self.changed.wait_timeout(q, PROBE_EVERY).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
 
