@@ -7,8 +7,11 @@
 //!
 //! In CUDA mode the calls keep NCCL's stream semantics (`stream`): a put reads its source
 //! when the caller's stream gets there, and a wait holds the caller's stream until its
-//! signals have come; a put's bytes land in a device window through a copy the target's
-//! reader makes before it counts the signal. Inside a group, puts and signals are issued at the outermost `ncclGroupEnd` before the
+//! signals have come. Within a host the caller's stream writes the target's window itself;
+//! otherwise a put's bytes land in a device window through a copy the target's reader makes
+//! before it counts the signal.
+//!
+//! Inside a group, puts and signals are issued at the outermost `ncclGroupEnd` before the
 //! group's other operations, and waits after them.
 
 use std::collections::HashMap;
@@ -360,14 +363,13 @@ impl Inner {
             host::copy(dst, src);
             return Ok(());
         }
+        let ctx = crate::device::cuda::Context::primary(self.cuda_dev)?;
+        // Readers of several senders share the stream: its context current on each of them.
+        ctx.make_current()?;
         let mut landing = self.landing.lock().unwrap_or_else(|p| p.into_inner());
         if landing.is_none() {
-            let ctx = crate::device::cuda::Context::primary(self.cuda_dev)?;
             *landing = Some(Stream::new(ctx)?);
         }
-        let ctx = crate::device::cuda::Context::primary(self.cuda_dev)?;
-        // Readers of several senders share the stream: its context current on this one too.
-        ctx.make_current()?;
         let s = landing.as_ref().ok_or_else(|| Error::internal("no landing stream"))?;
         s.copy(dst, src)?;
         s.synchronize()
