@@ -19,6 +19,7 @@
  *                                expandable segments place them: see vmm_alloc)
  *   NCCL_RS_GRAPH_CAPTURE=1 cuda --only Graph (collectives captured into CUDA graphs, launched
  *                                three times with new inputs, behind held streams)
+ *   CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes: rank 1 signals once FILE exists)
  *   cuda --only RmaGone         (2+ processes: a stream waits for signals of a rank that leaves)
  *   cuda --only Suspend         (several processes: ncclCommSuspend(NCCL_SUSPEND_MEM) closes the
  *                                peer mappings that keep freed device memory alive)
@@ -1525,6 +1526,28 @@ static void peer_pointers(void) {
   }
 }
 
+/* CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes, one rank each): rank 0's stream
+ * waits for a signal from rank 1, which sends it only once FILE exists (the harness writes it
+ * once rank 0 has said, after 10 s, which signal its stream waits for). Rank 0's stream then
+ * goes on, with no error. */
+static void rma_late(void) {
+  test_step("rma late");
+  const char* file = getenv("CUDA_TEST_RMA_LATE");
+  if (!file || g_env.local != 1) return;
+  if (g_env.first_rank == 0) {
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = 1, .sigIdx = 0, .ctx = 0};
+    CHECK(ncclWaitSignal(1, &d, g_comms[0], g_streams[0]));
+    CU(cu.StreamSynchronize(g_streams[0]));
+    expect_no_async_error("rma late");
+  } else if (g_env.first_rank == 1) {
+    const double until = now_s() + 60;
+    while (access(file, F_OK) != 0 && now_s() < until) usleep(10000);
+    EXPECT(access(file, F_OK) == 0, "the release file %s never came", file);
+    CHECK(ncclSignal(0, 0, 0, 0, g_comms[0], g_streams[0]));
+    CU(cu.StreamSynchronize(g_streams[0]));
+  }
+}
+
 /* --only RmaGone (2+ processes, one rank each): rank 0's stream waits for a signal from rank 1,
  * which destroys its communicator and exits without sending it. No host thread waits for it,
  * yet the stream is let go, and rank 0's ncclCommGetAsyncError turns to ncclRemoteError naming
@@ -2644,6 +2667,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "Reductions")) reductions(); /* only when asked: 180 calls */
   if (g_env.only && !strcasecmp(g_env.only, "DeclineOne")) decline_one();
   if (g_env.only && !strcasecmp(g_env.only, "RmaGone")) rma_gone();
+  if (g_env.only && !strcasecmp(g_env.only, "RmaLate")) rma_late();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

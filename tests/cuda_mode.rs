@@ -643,6 +643,26 @@ fn cuda_mode_rma_stream_waits_for_a_rank_that_leaves() {
     cuda_job().procs(2).arg("--only").arg("RmaGone").timeout_s(60).run();
 }
 
+/// A stream that waits for a signal that has not come is named at WARN after 10 s, as a wait
+/// on the host is (no host thread waits for it): rank 0 says which signal from which rank
+/// (part RmaLate); then rank 1 sends it and rank 0's stream goes on.
+#[test]
+fn cuda_mode_rma_a_late_signal_is_named() {
+    let mut job = cuda_job().procs(2).env("NCCL_DEBUG", "WARN");
+    let release = job.dir().join("release");
+    let file = release.clone();
+    let job = job.env("CUDA_TEST_RMA_LATE", release.to_str().expect("a path")).arg("--only").arg("RmaLate")
+        .on(When::marker(0, "in ncclWaitSignal for signals"), move || {
+            std::fs::write(&file, b"go").expect("the release file");
+            "released rank 1's signal".to_string()
+        });
+    let o = job.run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let waiting = &o.procs[0].log;
+    assert!(waiting.contains("rank 0: a stream has waited 10 s or more in ncclWaitSignal for signals from rank 1 \
+                              (signal 0, context 0), 0 of 1 have come"), "rank 0:\n{waiting}");
+}
+
 /// A driver that reports stream memory operations but refuses the wait when it is asked for
 /// (the stand-in's NCCL_RS_STUB_WAIT_VALUE_REFUSED): the call waits on the host instead, and
 /// what the caller's stream staged is copied out once the operation is done. Exact results.

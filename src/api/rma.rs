@@ -83,9 +83,18 @@ struct State {
     /// count that arrived; made by the first wait queued on a stream, never freed (a stream
     /// may still read it after the communicator is gone).
     words: Option<&'static MappedHost>,
-    /// The highest count a stream was told to wait for, per signal: what is written there to
-    /// release the stream when the signals will never come.
-    pending: HashMap<SignalKey, u64>,
+    /// What streams were told to wait for, per signal (`Pending`).
+    pending: HashMap<SignalKey, Pending>,
+}
+
+/// A signal streams wait for: the highest count they were told to wait for (what is written
+/// there to release them when the signals will never come), since when the count has been
+/// short of what some wait needs, and whether a warning said so.
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    want: u64,
+    since: Instant,
+    warned: bool,
 }
 
 /// A one-sided call, validated, as a group records it.
@@ -335,8 +344,8 @@ impl Inner {
         let mut st = self.lock();
         let Some(words) = st.words else { return };
         let stuck: Vec<(SignalKey, u64)> = st.pending.iter()
-            .filter(|(k, want)| which(k) && st.arrived.get(k).copied().unwrap_or(0) < **want)
-            .map(|(k, want)| (*k, *want)).collect();
+            .filter(|(k, p)| which(k) && st.arrived.get(k).copied().unwrap_or(0) < p.want)
+            .map(|(k, p)| (*k, p.want)).collect();
         for (k, want) in &stuck {
             if let Some(i) = self.word_of(*k) {
                 words.word(i).store(*want as u32, Ordering::Release);

@@ -633,12 +633,29 @@ fn open_peer_window(comm: &Comm, peer: usize, ordinal: u64, same_process: bool) 
 
 /// Streams that wait for signals from ranks that are gone (see `gone_sender`) are let go, with
 /// the communicator's asynchronous error naming the rank: no thread waits on the host for them.
+/// A signal short of what a stream waits for after 10 s is named at WARN (once per wait), as
+/// a wait on the host says (`wait_for`).
 fn probe_waits(comm: &Comm, unreachable: &mut HashMap<u32, Instant>) {
     let inner = &comm.rma.inner;
     let mut senders: Vec<u32> = {
-        let st = inner.lock();
+        let mut st = inner.lock();
+        let st = &mut *st;
+        let mut late = Vec::new();
+        for (k, p) in st.pending.iter_mut() {
+            let got = st.arrived.get(k).copied().unwrap_or(0);
+            if got < p.want && !p.warned && p.since.elapsed() >= super::WARN_AFTER {
+                p.warned = true;
+                late.push(format!("from rank {} (signal {}, context {}), {got} of {} have come (counted from the \
+                                   communicator's start)", k.2, k.1, k.0, p.want));
+            }
+        }
+        if !late.is_empty() {
+            late.sort();
+            crate::warn!("rank {}: a stream has waited {} s or more in ncclWaitSignal for signals {}", comm.rank,
+                         super::WARN_AFTER.as_secs(), late.join("; "));
+        }
         st.pending.iter()
-            .filter(|(k, want)| k.2 as usize != comm.rank && st.arrived.get(k).copied().unwrap_or(0) < **want)
+            .filter(|(k, p)| k.2 as usize != comm.rank && st.arrived.get(k).copied().unwrap_or(0) < p.want)
             .map(|(k, _)| k.2).collect()
     };
     senders.sort_unstable();
@@ -779,10 +796,17 @@ fn wait_on_stream(comm: &Comm, st: &Stream, descs: &[WaitDesc]) -> Result<bool> 
             m => enqueued(m)?,
         }
     }
+    let now = Instant::now();
     for &(k, n) in &want {
         state.consumed.insert(k, n);
-        let p = state.pending.entry(k).or_insert(0);
-        *p = (*p).max(n);
+        let got = state.arrived.get(&k).copied().unwrap_or(0);
+        let fresh = super::Pending { want: n, since: now, warned: false };
+        let p = state.pending.entry(k).or_insert(fresh);
+        // Counted from when the signal fell short of a wait (an earlier one may be satisfied).
+        if p.want <= got {
+            *p = fresh;
+        }
+        p.want = p.want.max(n);
     }
     Ok(true)
 }
