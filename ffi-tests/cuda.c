@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
+ *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|RmaErrors|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
  *   CUDA_TEST_FAULT=1|graph|shrink cuda (2 processes; the harness kills process 1 once it prints
  *                                LOOPING; graph: the all-reduces are launches of a captured graph;
  *                                shrink: 3 processes, the survivors shrink and go on)
@@ -1526,6 +1526,76 @@ static void peer_pointers(void) {
   }
 }
 
+/* One-sided calls that must be refused in CUDA mode, leaving the communicator usable: a put
+ * past the end of the next rank's window (windows of different sizes, not symmetric; with
+ * peer access the origin knows that size and refuses the put at the call), a signal index and
+ * a peer out of range, and a call on a stream that captures a CUDA graph. Then a put and its
+ * wait still work. */
+static void rma_errors(void) {
+  test_step("rma errors");
+  const char* off_env = getenv("NCCL_P2P_DISABLE");
+  const char* level = getenv("NCCL_P2P_LEVEL");
+  const int direct = !(off_env && atoi(off_env) != 0) && !(level && !strcasecmp(level, "LOC"));
+  void* buf[MAX_LOCAL];
+  ncclWindow_t win[MAX_LOCAL];
+  CUdeviceptr src[MAX_LOCAL];
+  const size_t most = 4096 + 1024 * (size_t)g_env.nranks;
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclMemAlloc(&buf[l], most));
+    src[l] = dev_alloc(most);
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclCommWindowRegister(g_comms[l], buf[l], 4096 + 1024 * (size_t)(g_env.first_rank + l), &win[l],
+                                 NCCL_WIN_DEFAULT));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l, next = (rank + 1) % g_env.nranks;
+    const size_t theirs = 4096 + 1024 * (size_t)next;
+    ncclResult_t r;
+    if (direct) {
+      r = ncclPutSignal((void*)(uintptr_t)src[l], theirs / 4 + 1, ncclFloat32, next, win[l], 0, 0, 0, 0, g_comms[l],
+                        g_streams[l]);
+      const char* msg = ncclGetLastError(g_comms[l]);
+      EXPECT(r == ncclInvalidArgument && msg && strstr(msg, "does not fit"),
+             "rank %d: a put of %zu bytes into rank %d's window of %zu: %s (\"%s\")", rank, theirs + 4, next, theirs,
+             result_name(r), msg ? msg : "");
+    }
+    r = ncclSignal(next, 1, 0, 0, g_comms[l], g_streams[l]);
+    EXPECT(r == ncclInvalidArgument, "a signal index past config.numRmaSig: %s", result_name(r));
+    ncclWaitSignalDesc_t bad = {.opCnt = 1, .peer = g_env.nranks, .sigIdx = 0, .ctx = 0};
+    r = ncclWaitSignal(1, &bad, g_comms[l], g_streams[l]);
+    EXPECT(r == ncclInvalidArgument, "a wait for rank %d of %d: %s", g_env.nranks, g_env.nranks, result_name(r));
+    CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_RELAXED));
+    r = ncclSignal(next, 0, 0, 0, g_comms[l], g_streams[l]);
+    const char* msg = ncclGetLastError(g_comms[l]);
+    void* graph = NULL;
+    CU(cu.StreamEndCapture(g_streams[l], &graph));
+    if (graph) CU(cu.GraphDestroy(graph));
+    EXPECT(r == ncclInvalidUsage && msg && strstr(msg, "CUDA graph"), "ncclSignal during a capture: %s (\"%s\")",
+           result_name(r), msg ? msg : "");
+  }
+  /* Still usable: a put that fits, and its wait. */
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    CHECK(ncclPutSignal((void*)(uintptr_t)src[l], 1024, ncclFloat32, (rank + 1) % g_env.nranks, win[l], 0, 0, 0, 0,
+                        g_comms[l], g_streams[l]));
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = (rank + g_env.nranks - 1) % g_env.nranks, .sigIdx = 0, .ctx = 0};
+    CHECK(ncclWaitSignal(1, &d, g_comms[l], g_streams[l]));
+  }
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) CU(cu.StreamSynchronize(g_streams[l]));
+  expect_no_async_error("rma errors");
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowDeregister(g_comms[l], win[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclMemFree(buf[l]));
+    dev_free(src[l]);
+  }
+}
+
 /* CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes, one rank each): rank 0's stream
  * waits for a signal from rank 1, which sends it only once FILE exists (the harness writes it
  * once rank 0 has said, after 10 s, which signal its stream waits for). Rank 0's stream then
@@ -2653,6 +2723,7 @@ int main(int argc, char** argv) {
   if (wanted("Rma")) rma();
   if (wanted("RmaPageable")) rma_pageable();
   if (wanted("PeerPointers")) peer_pointers();
+  if (wanted("RmaErrors")) rma_errors();
   if (wanted("Context")) context();
   if (wanted("GroupMix")) group_mix();
   if (wanted("Torch")) torch_like();
