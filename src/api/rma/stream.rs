@@ -469,31 +469,6 @@ impl Gated {
         queued
     }
 
-    /// Where a put of `frame` to `peer` goes directly, if it does: this rank's own window,
-    /// or a window of a rank of this host that CUDA IPC maps here (asked of the target once,
-    /// at the first put into it; `NCCL_P2P_DISABLE`, `NCCL_P2P_LEVEL=LOC` stage every put).
-    fn direct_target(&self, comm: &Comm, peer: usize, frame: &Frame) -> Result<Option<Region>> {
-        let (offset, len) = (frame.offset as usize, frame.len as usize);
-        let too_far = |size: usize| Error::invalid_arg(format!(
-            "a put of {len} bytes at offset {offset} does not fit rank {peer}'s window #{} of {size} bytes", frame.window));
-        if peer == comm.rank {
-            let w = match crate::api::mem::window_by_ordinal(comm.rma.inner.comm, frame.window, || false) {
-                crate::api::mem::Lookup::Live(w) => w,
-                _ => return Err(Error::invalid_arg(format!("window #{} is not registered", frame.window))),
-            };
-            let whole = Region::user(w.buff, 0, w.size);
-            if !needs_device_copy(&[whole])? {
-                return Ok(None);
-            }
-            return if offset.checked_add(len).is_some_and(|e| e <= w.size) { Ok(Some(whole.sub(offset, len))) }
-                   else { Err(too_far(w.size)) };
-        }
-        match peer_window(comm, peer, frame.window)? {
-            None => Ok(None),
-            Some(pw) => pw.region(offset, len).map(Some).ok_or_else(|| too_far(pw.size())),
-        }
-    }
-
     /// Unit `n`'s stream work (`part`: its bytes of the source). None: the driver refused the
     /// first stream wait.
     fn queue_unit(&self, st: &Stream, n: u32, part: Region, copyable: bool) -> Result<Option<Source>> {
@@ -516,6 +491,32 @@ impl Gated {
             enqueued(st.wait_value32(self.marks, SENT, n, WaitCond::Geq)?)?;
         }
         Ok(Some(src))
+    }
+}
+
+/// Where a put of `frame` to `peer` goes directly, if it does: this rank's own window, or a
+/// window of a rank of this host that CUDA IPC maps here (asked of the target once, at the
+/// first put into it; `NCCL_P2P_DISABLE`, `NCCL_P2P_LEVEL=LOC` stage every put). A put past
+/// the end of such a window is refused here.
+fn direct_target(comm: &Comm, peer: usize, frame: &Frame) -> Result<Option<Region>> {
+    let (offset, len) = (frame.offset as usize, frame.len as usize);
+    let too_far = |size: usize| Error::invalid_arg(format!(
+        "a put of {len} bytes at offset {offset} does not fit rank {peer}'s window #{} of {size} bytes", frame.window));
+    if peer == comm.rank {
+        let w = match crate::api::mem::window_by_ordinal(comm.rma.inner.comm, frame.window, || false) {
+            crate::api::mem::Lookup::Live(w) => w,
+            _ => return Err(Error::invalid_arg(format!("window #{} is not registered", frame.window))),
+        };
+        let whole = Region::user(w.buff, 0, w.size);
+        if !needs_device_copy(&[whole])? {
+            return Ok(None);
+        }
+        return if offset.checked_add(len).is_some_and(|e| e <= w.size) { Ok(Some(whole.sub(offset, len))) }
+               else { Err(too_far(w.size)) };
+    }
+    match peer_window(comm, peer, frame.window)? {
+        None => Ok(None),
+        Some(pw) => pw.region(offset, len).map(Some).ok_or_else(|| too_far(pw.size())),
     }
 }
 
@@ -708,7 +709,7 @@ pub(super) fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
         let queued = match op {
             RmaOp::Put { peer, frame, data, .. } => {
                 let copyable = needs_device_copy(&[*data])?;
-                match g.direct_target(comm, *peer, frame)? {
+                match direct_target(comm, *peer, frame)? {
                     Some(dst) if copyable && !data.is_empty() => g.issue_direct(&st, *peer, *frame, dst, *data)?,
                     _ => g.issue(&st, *peer, *frame, *data, copyable)?,
                 }
@@ -728,9 +729,19 @@ pub(super) fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
 fn on_this_thread(comm: &Comm, st: &Stream, op: &RmaOp) -> Result<()> {
     match op {
         RmaOp::Put { peer, frame, data, .. } => {
-            // Host-wait mode: once the stream got here, the source read on this thread.
+            // Host-wait mode: once the stream got here, the put made on this thread (written
+            // directly where it can be, as on a stream).
+            let direct = direct_target(comm, *peer, frame)?;
             st.synchronize()?;
             let ready = comm.ready()?;
+            if let Some(dst) = direct.filter(|_| !data.is_empty()) {
+                if needs_device_copy(&[*data])? {
+                    st.copy(dst, *data)?;
+                    st.synchronize()?;
+                    let signal = Frame { op: OP_SIGNAL, window: 0, offset: 0, len: 0, ..*frame };
+                    return deliver(comm, ready, *peer, &signal, Region::EMPTY);
+                }
+            }
             if !needs_device_copy(&[*data])? {
                 return deliver(comm, ready, *peer, frame, *data);
             }
