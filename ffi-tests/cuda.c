@@ -1294,6 +1294,14 @@ static void memalloc(void) {
   CU(cu.MemFree(theirs)); /* still the caller's to free */
 }
 
+/* Deregister each local rank's window (collective: grouped) and free its buffer. */
+static void drop_windows(ncclWindow_t* win, void** buf) {
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowDeregister(g_comms[l], win[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclMemFree(buf[l]));
+}
+
 /* One-sided operations on device memory, in stream order (NCCL 2.29+). Every rank puts from a
  * device buffer into the next rank's window (ncclMemAlloc'd, symmetric) and waits on its
  * stream for the previous rank's put, then downloads its window on that stream: sizes of one
@@ -1394,11 +1402,8 @@ static void rma_ring(int pageable) {
     EXPECT(bad == 0, "rma into its own window, rank %d: %zu wrong values", rank, bad);
   }
   expect_no_async_error("rma");
-  CHECK(ncclGroupStart());
-  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowDeregister(g_comms[l], win[l]));
-  CHECK(ncclGroupEnd());
+  drop_windows(win, win_buf);
   for (int l = 0; l < g_env.local; l++) {
-    CHECK(ncclMemFree(win_buf[l]));
     dev_free(src[l]);
     CU(cu.MemFreeHost(h[l]));
     free(plain[l]);
@@ -1407,6 +1412,14 @@ static void rma_ring(int pageable) {
 
 static void rma(void) { rma_ring(0); }
 static void rma_pageable(void) { rma_ring(1); }
+
+/* Does nccl-rs reach the windows of other ranks of this host (peer access not disabled by
+ * NCCL_P2P_DISABLE=1 or NCCL_P2P_LEVEL=LOC)? */
+static int peer_access(void) {
+  const char* off = getenv("NCCL_P2P_DISABLE");
+  const char* level = getenv("NCCL_P2P_LEVEL");
+  return !(off && atoi(off) != 0) && !(level && !strcasecmp(level, "LOC"));
+}
 
 /* Descriptors this process has open. */
 static int open_fds(void) {
@@ -1431,9 +1444,7 @@ ncclResult_t ncclGetLsaDevicePointer(ncclWindow_t window, size_t offset, int lsa
  * (NCCL_P2P_DISABLE=1, NCCL_P2P_LEVEL=LOC) other ranks' pointers are NULL and the team is the
  * rank alone. */
 static void peer_pointers(void) {
-  const char* off_env = getenv("NCCL_P2P_DISABLE");
-  const char* level = getenv("NCCL_P2P_LEVEL");
-  const int direct = !(off_env && atoi(off_env) != 0) && !(level && !strcasecmp(level, "LOC"));
+  const int direct = peer_access();
   test_step("peer pointers");
   const size_t count = 4096, off = 64;
   void* buf[MAX_LOCAL];
@@ -1533,9 +1544,7 @@ static void peer_pointers(void) {
  * wait still work. */
 static void rma_errors(void) {
   test_step("rma errors");
-  const char* off_env = getenv("NCCL_P2P_DISABLE");
-  const char* level = getenv("NCCL_P2P_LEVEL");
-  const int direct = !(off_env && atoi(off_env) != 0) && !(level && !strcasecmp(level, "LOC"));
+  const int direct = peer_access();
   void* buf[MAX_LOCAL];
   ncclWindow_t win[MAX_LOCAL];
   CUdeviceptr src[MAX_LOCAL];
@@ -1587,13 +1596,8 @@ static void rma_errors(void) {
   CHECK(ncclGroupEnd());
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamSynchronize(g_streams[l]));
   expect_no_async_error("rma errors");
-  CHECK(ncclGroupStart());
-  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommWindowDeregister(g_comms[l], win[l]));
-  CHECK(ncclGroupEnd());
-  for (int l = 0; l < g_env.local; l++) {
-    CHECK(ncclMemFree(buf[l]));
-    dev_free(src[l]);
-  }
+  drop_windows(win, buf);
+  for (int l = 0; l < g_env.local; l++) dev_free(src[l]);
 }
 
 /* CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes, one rank each): rank 0's stream

@@ -328,31 +328,23 @@ impl Gated {
     /// may be the one this unit waits for).
     fn wait_mark(&self, comm: &Comm, u: &Unit, unreachable: &mut HashMap<u32, Instant>) -> Result<()> {
         let mark = self.marks.word(mark_word(u.n as usize % SLOTS));
-        let (since, mut spins, mut warned) = (Instant::now(), 0u32, false);
+        let (since, mut warned) = (Instant::now(), false);
         let mut probed = since;
-        while !reached(mark.load(Ordering::Acquire), u.n) {
+        crate::streamed::poll(comm, "a stream to reach a one-sided operation", || {
+            if reached(mark.load(Ordering::Acquire), u.n) {
+                return true;
+            }
             if probed.elapsed() >= PROBE_EVERY {
                 probe_waits(comm, unreachable);
                 probed = Instant::now();
-            }
-            if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {
-                return Err(Error::invalid_usage("communicator aborted or revoked before the stream reached the call"));
-            }
-            spins += 1;
-            if spins < 256 {
-                std::hint::spin_loop();
-            } else if spins < 4096 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
             }
             if !warned && since.elapsed() >= STREAM_LATE {
                 warned = true;
                 crate::warn!("rank {}: a one-sided operation to rank {}: its CUDA stream has not reached the call in {} s \
                               (work queued on that stream has not finished)", comm.rank, u.peer, STREAM_LATE.as_secs());
             }
-        }
-        Ok(())
+            false
+        })
     }
 
     fn source(&self, u: &Unit) -> Region {
