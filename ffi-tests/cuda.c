@@ -20,6 +20,7 @@
  *   NCCL_RS_GRAPH_CAPTURE=1 cuda --only Graph (collectives captured into CUDA graphs, launched
  *                                three times with new inputs, behind held streams)
  *   CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes: rank 1 signals once FILE exists)
+ *   CUDA_TEST_RMA_RELEASE=FILE cuda --only RmaStreams (3 processes: a held stream holds up no other peer)
  *   cuda --only RmaGone         (2+ processes: a stream waits for signals of a rank that leaves)
  *   cuda --only Suspend         (several processes: ncclCommSuspend(NCCL_SUSPEND_MEM) closes the
  *                                peer mappings that keep freed device memory alive)
@@ -1600,6 +1601,41 @@ static void rma_errors(void) {
   for (int l = 0; l < g_env.local; l++) dev_free(src[l]);
 }
 
+/* CUDA_TEST_RMA_RELEASE=FILE cuda --only RmaStreams (3 processes, one rank each): rank 0
+ * signals rank 1 on a stream it holds (a wait on host memory) and rank 2 on another stream.
+ * Rank 2 gets its signal while the first stream is still held (it says ARRIVED, and the
+ * harness then writes FILE): one peer's operations wait only for their own streams. Rank 0
+ * releases the held stream once FILE exists, and rank 1 gets its signal too. */
+static void rma_streams(void) {
+  test_step("rma streams");
+  const char* file = getenv("CUDA_TEST_RMA_RELEASE");
+  if (!file || g_env.local != 1 || g_env.nranks != 3) return;
+  const int rank = g_env.first_rank;
+  if (rank == 0) {
+    CUstream other;
+    CU(cu.StreamCreate(&other, CU_STREAM_NON_BLOCKING));
+    CUdeviceptr flagd = 0;
+    uint32_t* flag = gate_word(&flagd);
+    CU(cu.StreamWaitValue32(g_streams[0], flagd, 1, 0 /* GEQ */));
+    CHECK(ncclSignal(1, 0, 0, 0, g_comms[0], g_streams[0]));
+    CHECK(ncclSignal(2, 0, 0, 0, g_comms[0], other));
+    const double until = now_s() + 30;
+    while (access(file, F_OK) != 0 && now_s() < until) usleep(10000);
+    EXPECT(access(file, F_OK) == 0, "rank 2 never got the signal of the stream that was not held");
+    *(volatile uint32_t*)flag = 1;
+    CU(cu.StreamSynchronize(g_streams[0]));
+    CU(cu.StreamSynchronize(other));
+    CU(cu.StreamDestroy(other));
+    CU(cu.MemFreeHost(flag));
+  } else {
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = 0, .sigIdx = 0, .ctx = 0};
+    CHECK(ncclWaitSignal(1, &d, g_comms[0], g_streams[0]));
+    CU(cu.StreamSynchronize(g_streams[0]));
+    tlog("ARRIVED: rank %d has rank 0's signal", rank);
+  }
+  expect_no_async_error("rma streams");
+}
+
 /* CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes, one rank each): rank 0's stream
  * waits for a signal from rank 1, which sends it only once FILE exists (the harness writes it
  * once rank 0 has said, after 10 s, which signal its stream waits for). Rank 0's stream then
@@ -2743,6 +2779,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "DeclineOne")) decline_one();
   if (g_env.only && !strcasecmp(g_env.only, "RmaGone")) rma_gone();
   if (g_env.only && !strcasecmp(g_env.only, "RmaLate")) rma_late();
+  if (g_env.only && !strcasecmp(g_env.only, "RmaStreams")) rma_streams();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

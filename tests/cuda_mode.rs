@@ -663,6 +663,25 @@ fn cuda_mode_rma_a_late_signal_is_named() {
                               (signal 0, context 0), 0 of 1 have come"), "rank 0:\n{waiting}");
 }
 
+/// One-sided operations to one peer wait only for their own streams: rank 0 signals rank 1 on
+/// a stream it holds and rank 2 on another; rank 2 gets its signal while the first stream is
+/// held, then rank 0 lets it go and rank 1 gets its own (part RmaStreams). A sender that took
+/// every call in order would keep rank 2 waiting until rank 0 gave up.
+#[test]
+fn cuda_mode_rma_a_held_stream_holds_up_no_other_peer() {
+    let mut job = cuda_job().procs(3);
+    let release = job.dir().join("release");
+    let file = release.clone();
+    let job = job.env("CUDA_TEST_RMA_RELEASE", release.to_str().expect("a path")).arg("--only").arg("RmaStreams")
+        .on(When::marker(2, "ARRIVED"), move || {
+            std::fs::write(&file, b"go").expect("the release file");
+            "released rank 0's held stream".to_string()
+        });
+    let o = job.run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    assert!(o.procs[1].log.contains("ARRIVED"), "rank 1 never got its signal:\n{}", o.procs[1].log);
+}
+
 /// A driver that reports stream memory operations but refuses the wait when it is asked for
 /// (the stand-in's NCCL_RS_STUB_WAIT_VALUE_REFUSED): the call waits on the host instead, and
 /// what the caller's stream staged is copied out once the operation is done. Exact results.

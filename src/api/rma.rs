@@ -43,9 +43,10 @@ pub struct Rma {
     /// CUDA mode: windows of ranks of this host as this rank writes or reads them directly,
     /// by (rank, window ordinal); None: not reachable that way (`stream::peer_window`).
     peer_windows: Mutex<HashMap<(usize, u64), stream::Direct>>,
-    /// Mappings of deregistered windows, each closed once the sender has finished the units
-    /// issued before the deregistration (their streams have done the copies into it).
-    retired: Mutex<Vec<(u32, Arc<crate::transport::rma::PeerWindow>)>>,
+    /// Mappings of deregistered windows that streams may still copy into (the deregistration
+    /// was cut short by an abort): closed with the communicator, or at the next deregistration
+    /// that finds the sender idle.
+    retired: Mutex<Vec<Arc<crate::transport::rma::PeerWindow>>>,
 }
 
 struct Inner {
@@ -197,26 +198,23 @@ impl Rma {
     /// ncclCommWindowDeregister: this rank's mappings of the peers' parts of the window are
     /// closed once no put queued before can still copy into them: the sender has finished the
     /// units issued so far (their streams have got past the copies; this waits for them, but
-    /// not past an abort). The pointers `ncclGetPeerDevicePointer` gave for the window are the
-    /// caller's to stop using, as in NCCL.
+    /// not past an abort, after which they are closed with the communicator). The pointers
+    /// `ncclGetPeerDevicePointer` gave for the window are the caller's to stop using, as in
+    /// NCCL.
     pub fn window_deregistered(&self, comm: &Comm, ordinal: u64) {
         let mut windows = self.peer_windows.lock().unwrap_or_else(|p| p.into_inner());
         let keys: Vec<(usize, u64)> = windows.keys().filter(|k| k.1 == ordinal).copied().collect();
         let gone: Vec<_> = keys.iter().filter_map(|k| windows.remove(k).flatten()).collect();
         drop(windows);
-        let gated = self.gated.get().and_then(Option::as_ref);
-        let watermark = gated.map(|g| g.issued());
-        if let (Some(g), Some(mark), false) = (gated, watermark, gone.is_empty()) {
-            g.wait_finished(comm, mark);
+        if gone.is_empty() {
+            return;
         }
+        let idle = self.gated.get().and_then(Option::as_ref).is_none_or(|g| g.wait_idle(comm));
         let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
-        retired.extend(gone.into_iter().map(|pw| (watermark.unwrap_or(0), pw)));
-        let finished = gated.map(|g| g.finished());
-        let (done, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *retired).into_iter()
-            .partition(|(mark, _)| finished.is_none_or(|f| stream::reached(f, *mark)));
-        *retired = kept;
-        drop(retired);
-        if !done.is_empty() {
+        retired.extend(gone);
+        if idle {
+            let done = std::mem::take(&mut *retired);
+            drop(retired);
             self.with_context(move || drop(done));
         }
     }

@@ -139,7 +139,7 @@ fn replay_first(comm: &Comm, s: &Streamed, batch: &Batch) -> Option<capture::Rep
 
 /// Polls `done` until it holds (spinning, then yielding, then napping 50 us), or fails once
 /// the communicator is aborted or revoked.
-pub(crate) fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
+fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
     let mut spins = 0u32;
     while !done() {
         if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {

@@ -11,13 +11,17 @@
 //!   IPC maps: `direct_target`) is copied there by the caller's stream, which then raises the
 //!   mark of a unit that carries only the signal.
 //! - **Other puts and signals** are split into units of at most [`CHUNK`] bytes, numbered per
-//!   communicator. For unit `n` the caller's stream, at call time, waits until the sender has
-//!   finished unit `n - SLOTS` (its slot of pinned staging is free), copies its part of the
-//!   source into slot `n % SLOTS`, and writes `n` into the slot's mark. The sender (a thread
-//!   per communicator) takes the units in order: it waits for the mark, sends the slot's bytes
-//!   over the one-sided connection and says it finished `n`. A source in pageable host memory
-//!   is read by the sender itself, once the mark says the stream got there, and that stream
-//!   waits until the sender has finished with it. Those waits depend on host work only.
+//!   communicator, each with a mark (one of [`MARKS`], reused in turn) and, if it carries
+//!   bytes, a slot of pinned staging (one of [`SLOTS`], reused in turn). For each unit the
+//!   caller's stream, at call time, waits until the units that used its mark and its slot
+//!   before are finished, copies its part of the source into the slot, and writes the unit's
+//!   number into its mark. The sender (a thread per communicator) takes each peer's units in
+//!   order, any peer's whose stream has got there first: it sends the slot's bytes over the
+//!   one-sided connection and says it finished the unit, in done words beside the marks. A
+//!   stream that has not got to its call holds up only its peer's later units (and, after
+//!   [`SLOTS`] staged units, those that wait for its slot). A source in pageable host memory is
+//!   read by the sender itself, once the mark says the stream got there, and that stream waits
+//!   until the sender has finished with it. Those waits depend on host work only.
 //! - **Waits**: the target's reader (`Inner::serve`) copies a put's bytes into the window on a
 //!   stream of its own, waits for the copy, then counts the signal in a word of mapped host
 //!   memory per (context, signal, sender). The call makes its stream wait until each word
@@ -53,10 +57,12 @@ use crate::transport::rma::{self as wire, Frame, PeerWindow, OP_PUT, OP_SIGNAL, 
 /// Slots of pinned staging per communicator, and the bytes of each: 4 MiB in all.
 const SLOTS: usize = 16;
 const CHUNK: usize = 256 << 10;
-/// Word (of `marks`) where the sender says which unit it finished last.
-const SENT: usize = 0;
-/// Words of `marks`: SENT, then one mark per slot, each on a cache line of its own.
-const MARK_WORDS: usize = 16 * (SLOTS + 1);
+/// Units in flight before a stream waits for a mark to be free again (each unit has one).
+const MARKS: usize = 1024;
+/// Words of `marks`, each on a cache line of its own: a mark per unit (the stream writes the
+/// unit's number there when it gets to it), the number of the unit the sender last finished
+/// per mark, and of the unit that last used each slot, once finished.
+const MARK_WORDS: usize = 16 * (2 * MARKS + SLOTS);
 /// Signal words a communicator may have (4 bytes each): contexts x signals x ranks.
 const MAX_WORDS: usize = 1 << 22;
 /// How long the sender waits for a stream before it says so.
@@ -65,12 +71,20 @@ const STREAM_LATE: Duration = Duration::from_secs(10);
 /// A window puts write directly, or None: puts into it are staged.
 pub(super) type Direct = Option<Arc<PeerWindow>>;
 
-fn mark_word(slot: usize) -> usize {
-    16 * (slot + 1)
+fn mark_word(n: u32) -> usize {
+    16 * (n as usize % MARKS)
+}
+
+fn mark_done_word(n: u32) -> usize {
+    16 * (MARKS + n as usize % MARKS)
+}
+
+fn slot_done_word(slot: u32) -> usize {
+    16 * (2 * MARKS + slot as usize % SLOTS)
 }
 
 /// `a` is `b` or later, counting as stream memory operations compare (wrapping at 2^32).
-pub(super) fn reached(a: u32, b: u32) -> bool {
+fn reached(a: u32, b: u32) -> bool {
     (a.wrapping_sub(b) as i32) >= 0
 }
 
@@ -90,12 +104,14 @@ pub(super) fn needs_device_copy(regions: &[Region]) -> Result<bool> {
 }
 
 /// Staging of a destroyed communicator, for the next one on its device, with its numbering:
-/// its marks hold numbers up to `issued`, which a new count from 1 would take as reached.
+/// its words hold numbers up to `issued` (units) and `slots` (slot uses), which a new count
+/// from 1 would take as reached.
 struct Spare {
     ordinal: i32,
     data: &'static MappedHost,
     marks: &'static MappedHost,
     issued: u32,
+    slots: u32,
 }
 
 static SPARES: Mutex<Vec<Spare>> = Mutex::new(Vec::new());
@@ -103,8 +119,8 @@ static SPARES: Mutex<Vec<Spare>> = Mutex::new(Vec::new());
 /// One communicator's sender and staging (CUDA mode with stream waits).
 pub(super) struct Gated {
     ctx: &'static Context,
-    /// SLOTS x CHUNK bytes of pinned staging, and the words of `mark_word`/SENT. Never freed:
-    /// a stream may still be on its way to them.
+    /// SLOTS x CHUNK bytes of pinned staging, and the words of `mark_word` and the done words.
+    /// Never freed: a stream may still be on its way to them.
     data: &'static MappedHost,
     marks: &'static MappedHost,
     queue: Mutex<Queue>,
@@ -117,13 +133,15 @@ pub(super) struct Gated {
 
 #[derive(Default)]
 struct Queue {
+    /// Every unit reserved and not yet finished, in number order (a call reserves its units
+    /// together, then fills each in once its stream work is queued).
     units: VecDeque<Unit>,
-    /// The number of the last unit queued, and of the last one finished.
+    /// The number of the last unit reserved, and of the last use of a slot.
     issued: u32,
-    finished: u32,
+    slots: u32,
     closing: bool,
     /// Some unit was given up before its stream reached it (abort, revoke): that stream may
-    /// still write its slot, so the staging is not handed on.
+    /// still write its mark and slot, so the staging is not handed on.
     abandoned: bool,
 }
 
@@ -139,6 +157,10 @@ struct Unit {
     first: bool,
     last: bool,
     src: Source,
+    /// Its use of a slot (`Source::Slot`): slot `slot % SLOTS`.
+    slot: u32,
+    /// Its call filled it in: its stream work is queued (or `void`).
+    filled: bool,
     /// Its call failed before queueing its stream work: the sender only counts it finished.
     void: bool,
 }
@@ -146,10 +168,19 @@ struct Unit {
 #[derive(Clone, Copy)]
 enum Source {
     None,
-    /// `len` bytes in slot `n % SLOTS`, copied there by the caller's stream.
+    /// `len` bytes in the unit's slot, copied there by the caller's stream.
     Slot(usize),
     /// Pageable host memory, read by the sender.
     User(Region),
+}
+
+/// What the sender knows of the put in progress to one peer.
+#[derive(Clone, Copy, Default)]
+struct PeerState {
+    /// Its header went out and more of its bytes are to come.
+    in_put: bool,
+    /// The rest of it is not sent (it failed).
+    skip: bool,
 }
 
 impl Gated {
@@ -157,8 +188,8 @@ impl Gated {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn slot(&self, n: u32, len: usize) -> Region {
-        self.data.region().sub((n as usize % SLOTS) * CHUNK, len)
+    fn slot(&self, slot: u32, len: usize) -> Region {
+        self.data.region().sub((slot as usize % SLOTS) * CHUNK, len)
     }
 
     /// The sender's staging, from a destroyed communicator of this device if there is one.
@@ -168,15 +199,15 @@ impl Gated {
             let at = spares.iter().position(|s| s.ordinal == comm.cuda_dev);
             at.map(|i| spares.swap_remove(i))
         };
-        let (data, marks, issued) = match spare {
-            Some(s) => (s.data, s.marks, s.issued),
+        let (data, marks, issued, slots) = match spare {
+            Some(s) => (s.data, s.marks, s.issued, s.slots),
             None => {
                 let data: &'static MappedHost = Box::leak(Box::new(MappedHost::new(SLOTS * CHUNK)?));
                 let marks: &'static MappedHost = Box::leak(Box::new(MappedHost::new(MARK_WORDS * 4)?));
-                (data, marks, 0)
+                (data, marks, 0, 0)
             }
         };
-        let g = Arc::new(Gated { ctx, data, marks, queue: Mutex::new(Queue { issued, finished: issued, ..Queue::default() }),
+        let g = Arc::new(Gated { ctx, data, marks, queue: Mutex::new(Queue { issued, slots, ..Queue::default() }),
                                  changed: Condvar::new(), thread: Mutex::new(None), refused: AtomicBool::new(false) });
         let (c, s) = (comm.clone(), g.clone());
         let handle = std::thread::Builder::new()
@@ -190,8 +221,8 @@ impl Gated {
     }
 
     /// Send the units queued so far (failing fast once the communicator is aborted), then stop.
-    /// Streams still waiting for a slot are let go; the staging goes to the next communicator
-    /// when every unit got its stream's mark (nothing will write it any more).
+    /// Streams still waiting for a mark or a slot are let go; the staging goes to the next
+    /// communicator when every unit got its stream's mark (nothing will write it any more).
     pub(super) fn close(&self) {
         if std::mem::replace(&mut self.lock().closing, true) {
             return; // closed already (destroy, then the communicator's drop)
@@ -204,35 +235,33 @@ impl Gated {
             }
         }
         let q = self.lock();
-        self.marks.word(SENT).store(q.issued, Ordering::Release);
-        if q.finished == q.issued && q.units.is_empty() && !q.abandoned {
-            let spare = Spare { ordinal: self.ctx.ordinal(), data: self.data, marks: self.marks, issued: q.issued };
+        for i in 0..MARKS as u32 {
+            self.marks.word(mark_done_word(i)).store(q.issued, Ordering::Release);
+        }
+        for j in 0..SLOTS as u32 {
+            self.marks.word(slot_done_word(j)).store(q.slots, Ordering::Release);
+        }
+        if q.units.is_empty() && !q.abandoned {
+            let spare = Spare { ordinal: self.ctx.ordinal(), data: self.data, marks: self.marks, issued: q.issued,
+                                slots: q.slots };
             SPARES.lock().unwrap_or_else(|p| p.into_inner()).push(spare);
         }
     }
 
-    /// The number of the last unit reserved, and of the last one the sender finished.
-    pub(super) fn issued(&self) -> u32 {
-        self.lock().issued
-    }
-
-    pub(super) fn finished(&self) -> u32 {
-        self.lock().finished
-    }
-
-    /// Wait until the sender has finished unit `n` (and those before), but not past an abort
-    /// or the communicator's closing.
-    pub(super) fn wait_finished(&self, comm: &Comm, n: u32) {
+    /// Wait until the sender has finished every unit reserved so far, but not past an abort
+    /// or the communicator's closing: whether it has.
+    pub(super) fn wait_idle(&self, comm: &Comm) -> bool {
         let mut q = self.lock();
-        while !reached(q.finished, n) && !q.closing && !comm.abort.load(Ordering::Acquire) {
+        while !q.units.is_empty() && !q.closing && !comm.abort.load(Ordering::Acquire) {
             q = self.changed.wait_timeout(q, PROBE_EVERY).unwrap_or_else(|p| p.into_inner()).0;
         }
+        q.units.is_empty()
     }
 
-    /// Wait until the sender has finished every unit queued so far.
+    /// Wait until the sender has finished every unit reserved so far.
     pub(super) fn drain(&self) {
         let mut q = self.lock();
-        while !q.units.is_empty() || q.finished != q.issued {
+        while !q.units.is_empty() {
             q = self.changed.wait(q).unwrap_or_else(|p| p.into_inner());
         }
     }
@@ -247,69 +276,125 @@ impl Gated {
         self.drain();
     }
 
-    /// The sender's loop: each unit once its stream has got there, in the order of their
-    /// numbers (a call reserves its units' numbers together, then queues each once its stream
-    /// work is queued: calls of other threads may queue theirs in between).
+    /// The unit to send next, taken out of the queue: the first, in number order, of a peer
+    /// whose earlier units are all finished, once filled in and its stream has got to it (or
+    /// at once, to fail it, once the communicator is aborted or revoked). Units to one peer go
+    /// in order; a stream that has not got to its call holds up only that peer.
+    fn pick(&self, q: &mut Queue, stopping: bool) -> Option<(Unit, bool)> {
+        let mut held: Vec<usize> = Vec::new();
+        let mut found = None;
+        for (i, u) in q.units.iter().enumerate() {
+            if held.contains(&u.peer) {
+                continue;
+            }
+            let reached_mark = u.filled && !u.void && reached(self.marks.word(mark_word(u.n)).load(Ordering::Acquire), u.n);
+            if u.filled && (u.void || reached_mark || stopping) {
+                found = Some((i, reached_mark));
+                break;
+            }
+            held.push(u.peer);
+        }
+        let (i, reached_mark) = found?;
+        q.units.remove(i).map(|u| (u, reached_mark))
+    }
+
+    /// The sender's loop: each unit once its stream has got there, in order per peer.
     fn run(&self, comm: &Comm) {
-        // The current put's header went out and more of its bytes are to come; the rest of the
-        // current put is not sent (it failed).
-        let (mut in_put, mut skip) = (false, false);
+        let mut peers: HashMap<usize, PeerState> = HashMap::new();
         let mut unreachable = HashMap::new();
+        let (mut spins, mut probed, mut late) = (0u32, Instant::now(), None::<(u32, Instant, bool)>);
         loop {
-            let unit = {
+            let stopping = comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire);
+            let picked = {
                 let mut q = self.lock();
-                loop {
-                    let next = q.finished.wrapping_add(1);
-                    if let Some(i) = q.units.iter().position(|u| u.n == next) {
-                        break q.units.remove(i);
-                    }
-                    if q.closing && q.units.is_empty() {
-                        return;
-                    }
-                    q = self.changed.wait_timeout(q, PROBE_EVERY).unwrap_or_else(|p| p.into_inner()).0;
-                    if q.units.is_empty() && !q.closing {
+                match self.pick(&mut q, stopping) {
+                    Some(p) => Some(p),
+                    None if q.units.is_empty() => {
+                        if q.closing {
+                            return;
+                        }
+                        q = self.changed.wait_timeout(q, PROBE_EVERY).unwrap_or_else(|p| p.into_inner()).0;
+                        let idle = q.units.is_empty() && !q.closing;
                         drop(q);
-                        probe_waits(comm, &mut unreachable);
-                        q = self.lock();
+                        if idle {
+                            probe_waits(comm, &mut unreachable);
+                        }
+                        continue;
+                    }
+                    None => {
+                        // Streams have not got to their calls yet: say so after a while.
+                        if let Some(u) = q.units.iter().find(|u| u.filled && !u.void) {
+                            match late {
+                                Some((n, _, _)) if n == u.n => {}
+                                _ => late = Some((u.n, Instant::now(), false)),
+                            }
+                            if let Some((_, since, warned)) = late.as_mut() {
+                                if !*warned && since.elapsed() >= STREAM_LATE {
+                                    *warned = true;
+                                    crate::warn!("rank {}: a one-sided operation to rank {}: its CUDA stream has not \
+                                                  reached the call in {} s (work queued on that stream has not \
+                                                  finished)", comm.rank, u.peer, STREAM_LATE.as_secs());
+                                }
+                            }
+                        }
+                        None
                     }
                 }
             };
-            let Some(unit) = unit else { continue };
+            let Some((unit, reached_mark)) = picked else {
+                spins += 1;
+                if spins < 256 {
+                    std::hint::spin_loop();
+                } else if spins < 4096 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+                if probed.elapsed() >= PROBE_EVERY {
+                    // Such a stream may be waiting for a rank that is gone.
+                    probe_waits(comm, &mut unreachable);
+                    probed = Instant::now();
+                }
+                continue;
+            };
+            spins = 0;
+            let st = peers.entry(unit.peer).or_default();
             if unit.first {
-                (in_put, skip) = (false, false);
+                *st = PeerState::default();
             }
-            let outcome = if skip {
+            let outcome = if st.skip {
                 Ok(())
             } else if unit.void {
                 // Its call failed (or was refused) before it queued this unit's stream work.
-                skip = true;
-                match in_put {
+                st.skip = true;
+                match st.in_put {
                     true => Err(Error::internal("a put could not be queued whole on its stream")),
                     false => Ok(()),
                 }
+            } else if !reached_mark {
+                self.lock().abandoned = true;
+                Err(Error::invalid_usage("communicator aborted or revoked before the stream reached the call"))
             } else {
-                let reached = self.wait_mark(comm, &unit, &mut unreachable);
-                if reached.is_err() {
-                    self.lock().abandoned = true;
-                }
-                reached.and_then(|()| self.send(comm, &unit))
+                self.send(comm, &unit)
             };
             match outcome {
-                Ok(()) => in_put |= !skip && unit.first && !unit.last,
+                Ok(()) => st.in_put |= !st.skip && unit.first && !unit.last,
                 Err(e) => {
                     // Part of a put is out: the target must not read what follows as its bytes.
-                    if in_put {
+                    if st.in_put {
                         self.drop_link(comm, unit.peer);
                     }
-                    skip = true;
+                    st.skip = true;
                     comm.set_async_error(&e.context(format!("rank {}: a one-sided operation on a stream", comm.rank)));
                 }
             }
             if unit.last {
-                in_put = false;
+                st.in_put = false;
             }
-            self.marks.word(SENT).store(unit.n, Ordering::Release);
-            self.lock().finished = unit.n;
+            self.marks.word(mark_done_word(unit.n)).store(unit.n, Ordering::Release);
+            if matches!(unit.src, Source::Slot(_)) {
+                self.marks.word(slot_done_word(unit.slot)).store(unit.slot, Ordering::Release);
+            }
             self.changed.notify_all();
         }
     }
@@ -322,35 +407,10 @@ impl Gated {
         }
     }
 
-    /// Waits until the unit's stream has written its mark (spinning, yielding, then napping),
-    /// but not past an abort or revoke.
-    /// Meanwhile streams waiting for signals of ranks that are gone are let go (such a stream
-    /// may be the one this unit waits for).
-    fn wait_mark(&self, comm: &Comm, u: &Unit, unreachable: &mut HashMap<u32, Instant>) -> Result<()> {
-        let mark = self.marks.word(mark_word(u.n as usize % SLOTS));
-        let (since, mut warned) = (Instant::now(), false);
-        let mut probed = since;
-        crate::streamed::poll(comm, "a stream to reach a one-sided operation", || {
-            if reached(mark.load(Ordering::Acquire), u.n) {
-                return true;
-            }
-            if probed.elapsed() >= PROBE_EVERY {
-                probe_waits(comm, unreachable);
-                probed = Instant::now();
-            }
-            if !warned && since.elapsed() >= STREAM_LATE {
-                warned = true;
-                crate::warn!("rank {}: a one-sided operation to rank {}: its CUDA stream has not reached the call in {} s \
-                              (work queued on that stream has not finished)", comm.rank, u.peer, STREAM_LATE.as_secs());
-            }
-            false
-        })
-    }
-
     fn source(&self, u: &Unit) -> Region {
         match u.src {
             Source::None => Region::EMPTY,
-            Source::Slot(len) => self.slot(u.n, len),
+            Source::Slot(len) => self.slot(u.slot, len),
             Source::User(r) => r,
         }
     }
@@ -372,7 +432,8 @@ impl Gated {
             return deliver(comm, ready, u.peer, &u.frame, data);
         }
         // A put in several units: the header with the first, the bytes as they come (this
-        // thread is the only one that writes to the connection in this mode).
+        // thread is the only one that writes to the connection in this mode, and a peer's
+        // units go in order).
         let mut links = inner.links.lock().unwrap_or_else(|p| p.into_inner());
         let link = links.get_mut(u.peer).ok_or_else(|| Error::internal(format!("no one-sided link for rank {}", u.peer)))?;
         if link.is_none() {
@@ -391,6 +452,36 @@ impl Gated {
         Ok(())
     }
 
+    /// Numbers for `units` (consecutive: a put's units go out one after the other, and a slot
+    /// use each for those that stage data), queued unfilled. No lock is held while the driver
+    /// queues their stream work (it may block while the device's queue is full).
+    fn reserve(&self, units: &mut [Unit], staged: bool) -> Result<()> {
+        let mut q = self.lock();
+        if q.closing {
+            return Err(Error::invalid_usage("communicator is being destroyed"));
+        }
+        for u in units.iter_mut() {
+            q.issued = q.issued.wrapping_add(1);
+            u.n = q.issued;
+            if staged && u.frame.len > 0 {
+                q.slots = q.slots.wrapping_add(1);
+                u.slot = q.slots;
+            }
+            q.units.push_back(*u);
+        }
+        Ok(())
+    }
+
+    /// Unit `u` as its call queued it (or `void`).
+    fn fill(&self, u: Unit) {
+        let mut q = self.lock();
+        if let Some(slot) = q.units.iter_mut().find(|x| x.n == u.n) {
+            *slot = Unit { filled: true, ..u };
+        }
+        drop(q);
+        self.changed.notify_all();
+    }
+
     /// Queue a put or signal behind the work on `st` (see the module docs). `copyable`: the
     /// source is memory the device copies (device, pinned, managed), staged by the stream.
     /// False: the driver refused the first stream wait, nothing was queued on the stream.
@@ -400,22 +491,24 @@ impl Gated {
         } else {
             vec![(0, data.len())]
         };
-        let first = self.reserve(parts.len())?;
         let last = parts.len() - 1;
+        let mut units: Vec<Unit> = parts.iter().enumerate()
+            .map(|(i, &(at, _))| Unit { n: 0, peer, frame, at, first: i == 0, last: i == last, src: Source::None, slot: 0,
+                                        filled: false, void: true })
+            .collect();
+        self.reserve(&mut units, copyable)?;
         let mut failed: Option<Error> = None;
         let mut refused = false;
-        for (i, &(at, len)) in parts.iter().enumerate() {
-            let n = first.wrapping_add(i as u32);
-            let mut unit = Unit { n, peer, frame, at, first: i == 0, last: i == last, src: Source::None, void: true };
+        for (mut unit, &(at, len)) in units.into_iter().zip(&parts) {
             if failed.is_none() && !refused {
-                match self.queue_unit(st, n, data.sub(at, len), copyable) {
+                match self.queue_unit(st, &unit, data.sub(at, len), copyable) {
                     Ok(Some(src)) => (unit.src, unit.void) = (src, false),
-                    Ok(None) if i == 0 => refused = true,
+                    Ok(None) if unit.first => refused = true,
                     Ok(None) => failed = Some(Error::internal("the device refused a stream memory operation it said it supports")),
                     Err(e) => failed = Some(e),
                 }
             }
-            self.push(unit);
+            self.fill(unit);
         }
         match failed {
             Some(e) => Err(e),
@@ -423,64 +516,56 @@ impl Gated {
         }
     }
 
-    /// Numbers for `k` units, consecutive: a put's units go out one after the other. No lock
-    /// is held while the driver queues their stream work (it may block while the device's
-    /// queue is full); each unit is pushed once queued, void if its call failed first.
-    fn reserve(&self, k: usize) -> Result<u32> {
-        let mut q = self.lock();
-        if q.closing {
-            return Err(Error::invalid_usage("communicator is being destroyed"));
-        }
-        let first = q.issued.wrapping_add(1);
-        q.issued = q.issued.wrapping_add(k as u32);
-        Ok(first)
-    }
-
-    fn push(&self, unit: Unit) {
-        self.lock().units.push_back(unit);
-        self.changed.notify_all();
-    }
-
     /// A put written directly into the target's window (`dst`, of a rank of this host) by the
     /// caller's stream, then its signal: the stream copies, raises the unit's mark, and the
     /// sender sends the signal once it is up. False: the driver refused the first stream wait.
     fn issue_direct(&self, st: &Stream, peer: usize, frame: Frame, dst: Region, data: Region) -> Result<bool> {
-        let n = self.reserve(1)?;
         let signal = Frame { op: OP_SIGNAL, window: 0, offset: 0, len: 0, ..frame };
-        let mut unit = Unit { n, peer, frame: signal, at: 0, first: true, last: true, src: Source::None, void: true };
+        let mut units = [Unit { n: 0, peer, frame: signal, at: 0, first: true, last: true, src: Source::None, slot: 0,
+                                filled: false, void: true }];
+        self.reserve(&mut units, false)?;
+        let mut unit = units[0];
         let queued = (|| -> Result<bool> {
-            if st.wait_value32(self.marks, SENT, n.wrapping_sub(SLOTS as u32), WaitCond::Geq)? == MemOp::Unsupported {
+            if !self.mark_free(st, unit.n)? {
                 return Ok(false);
             }
             st.copy(dst, data)?;
-            enqueued(st.write_value32(self.marks, mark_word(n as usize % SLOTS), n)?)?;
+            enqueued(st.write_value32(self.marks, mark_word(unit.n), unit.n)?)?;
             Ok(true)
         })();
         unit.void = !matches!(queued, Ok(true));
-        self.push(unit);
+        self.fill(unit);
         queued
     }
 
-    /// Unit `n`'s stream work (`part`: its bytes of the source). None: the driver refused the
+    /// The stream waits until unit `n`'s mark is free (the unit that used it before is
+    /// finished). False: the driver refused the wait.
+    fn mark_free(&self, st: &Stream, n: u32) -> Result<bool> {
+        let op = st.wait_value32(self.marks, mark_done_word(n), n.wrapping_sub(MARKS as u32), WaitCond::Geq)?;
+        Ok(op == MemOp::Enqueued)
+    }
+
+    /// Unit `u`'s stream work (`part`: its bytes of the source). None: the driver refused the
     /// first stream wait.
-    fn queue_unit(&self, st: &Stream, n: u32, part: Region, copyable: bool) -> Result<Option<Source>> {
-        let slot = n as usize % SLOTS;
-        // Its slot is free once the unit that used it last is finished.
-        if st.wait_value32(self.marks, SENT, n.wrapping_sub(SLOTS as u32), WaitCond::Geq)? == MemOp::Unsupported {
+    fn queue_unit(&self, st: &Stream, u: &Unit, part: Region, copyable: bool) -> Result<Option<Source>> {
+        if !self.mark_free(st, u.n)? {
             return Ok(None);
         }
         let src = match (part.len(), copyable) {
             (0, _) => Source::None,
             (len, true) => {
-                st.copy(self.slot(n, len), part)?;
+                // Its slot is free once the unit that used it before is finished.
+                let free = u.slot.wrapping_sub(SLOTS as u32);
+                enqueued(st.wait_value32(self.marks, slot_done_word(u.slot), free, WaitCond::Geq)?)?;
+                st.copy(self.slot(u.slot, len), part)?;
                 Source::Slot(len)
             }
             (_, false) => Source::User(part),
         };
-        enqueued(st.write_value32(self.marks, mark_word(slot), n)?)?;
+        enqueued(st.write_value32(self.marks, mark_word(u.n), u.n)?)?;
         if matches!(src, Source::User(_)) {
             // The source may be reused once the sender has read it.
-            enqueued(st.wait_value32(self.marks, SENT, n, WaitCond::Geq)?)?;
+            enqueued(st.wait_value32(self.marks, mark_done_word(u.n), u.n, WaitCond::Geq)?)?;
         }
         Ok(Some(src))
     }
