@@ -68,7 +68,7 @@ mod capture;
 mod pool;
 mod steps;
 mod worker;
-pub(crate) use worker::wait_for_stream;
+pub(crate) use worker::{back_off, wait_for_stream};
 use board::{Board, Ticket};
 use pool::{plan_caller_staging, Pool};
 use steps::on_stream_shape;

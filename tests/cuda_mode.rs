@@ -648,15 +648,8 @@ fn cuda_mode_rma_stream_waits_for_a_rank_that_leaves() {
 /// (part RmaLate); then rank 1 sends it and rank 0's stream goes on.
 #[test]
 fn cuda_mode_rma_a_late_signal_is_named() {
-    let mut job = cuda_job().procs(2).env("NCCL_DEBUG", "WARN");
-    let release = job.dir().join("release");
-    let file = release.clone();
-    let job = job.env("CUDA_TEST_RMA_LATE", release.to_str().expect("a path")).arg("--only").arg("RmaLate")
-        .on(When::marker(0, "in ncclWaitSignal for signals"), move || {
-            std::fs::write(&file, b"go").expect("the release file");
-            "released rank 1's signal".to_string()
-        });
-    let o = job.run_outcome();
+    let job = cuda_job().procs(2).env("NCCL_DEBUG", "WARN").arg("--only").arg("RmaLate");
+    let o = released_on_marker(job, "CUDA_TEST_RMA_LATE", 0, "in ncclWaitSignal for signals");
     assert!(o.ok(), "{}", o.report);
     let waiting = &o.procs[0].log;
     assert!(waiting.contains("rank 0: a stream has waited 10 s or more in ncclWaitSignal for signals from rank 1 \
@@ -669,17 +662,23 @@ fn cuda_mode_rma_a_late_signal_is_named() {
 /// every call in order would keep rank 2 waiting until rank 0 gave up.
 #[test]
 fn cuda_mode_rma_a_held_stream_holds_up_no_other_peer() {
-    let mut job = cuda_job().procs(3);
-    let release = job.dir().join("release");
-    let file = release.clone();
-    let job = job.env("CUDA_TEST_RMA_RELEASE", release.to_str().expect("a path")).arg("--only").arg("RmaStreams")
-        .on(When::marker(2, "ARRIVED"), move || {
-            std::fs::write(&file, b"go").expect("the release file");
-            "released rank 0's held stream".to_string()
-        });
-    let o = job.run_outcome();
+    let job = cuda_job().procs(3).arg("--only").arg("RmaStreams");
+    let o = released_on_marker(job, "CUDA_TEST_RMA_RELEASE", 2, "ARRIVED");
     assert!(o.ok(), "{}", o.report);
     assert!(o.procs[1].log.contains("ARRIVED"), "rank 1 never got its signal:\n{}", o.procs[1].log);
+}
+
+/// Run `job` with `var` naming a file of its directory, which the harness writes once process
+/// `proc` has said `marker`.
+fn released_on_marker(mut job: Job, var: &str, proc: usize, marker: &'static str) -> Outcome {
+    let release = job.dir().join("release");
+    let file = release.clone();
+    job.env(var, release.to_str().expect("a path"))
+        .on(When::marker(proc, marker), move || {
+            std::fs::write(&file, b"go").expect("the release file");
+            format!("wrote {}", file.display())
+        })
+        .run_outcome()
 }
 
 /// A driver that reports stream memory operations but refuses the wait when it is asked for

@@ -145,16 +145,22 @@ fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
         if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {
             return Err(Error::invalid_usage(format!("communicator aborted or revoked while waiting for {what}")));
         }
-        spins += 1;
-        if spins < 256 {
-            std::hint::spin_loop();
-        } else if spins < 4096 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
+        back_off(&mut spins);
     }
     Ok(())
+}
+
+/// One more round of a poll that found nothing: spinning first, then yielding, then napping
+/// 50 us (`spins` counts the rounds).
+pub(crate) fn back_off(spins: &mut u32) {
+    *spins += 1;
+    if *spins < 256 {
+        std::hint::spin_loop();
+    } else if *spins < 4096 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(50));
+    }
 }
 
 /// Host memory operations are staged in, kept across batches. Ordinary memory, not pinned:

@@ -342,14 +342,7 @@ impl Gated {
                 }
             };
             let Some((unit, reached_mark)) = picked else {
-                spins += 1;
-                if spins < 256 {
-                    std::hint::spin_loop();
-                } else if spins < 4096 {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(Duration::from_micros(50));
-                }
+                crate::streamed::back_off(&mut spins);
                 if probed.elapsed() >= PROBE_EVERY {
                     // Such a stream may be waiting for a rank that is gone.
                     probe_waits(comm, &mut unreachable);
