@@ -33,7 +33,7 @@ pub static ALL: &[Param] = &[
     p("NCCL_P2P_DISABLE", "0", "1: never copy directly between ranks of one process or GPU peers"),
     p("NCCL_RS_DIRECT_P2P", "0", "1: CUDA mode sends/receives between ranks of a host read the sender's buffer directly (experimental: both ends must group their sends and receives alike)"),
     p("NCCL_RS_HOST_WAIT", "", "1: CUDA mode calls return once their operation is done instead of making the stream wait for it; 0: never; unset: when CUDA_DEVICE_MAX_CONNECTIONS is below 8"),
-    p("NCCL_RS_STREAM_GATE", "memop", "CUDA mode: how a caller's stream waits for its operation: memop (cuStreamWaitValue32) or kernel (a one-thread polling kernel, which stalls no hardware queue other streams share)"),
+    p("NCCL_RS_STREAM_GATE", "memop", "CUDA mode: how a caller's stream waits for its operation (and ncclWaitSignal for its signals): memop (cuStreamWaitValue32) or kernel (a one-thread polling kernel, which stalls no hardware queue other streams share)"),
     p("NCCL_RS_CALLER_STAGING", "1", "CUDA mode: 0 makes the stream worker stage every operation on its own stream, instead of the caller's stream copying small operations through a pinned pool at call time"),
     p("NCCL_RS_DIRECT_MIN", "65536", "CUDA mode: bytes (count x datatype size) from which collectives between ranks of one host read each other's device buffers directly; smaller ones are staged through host memory (must be alike on every rank)"),
     p("NCCL_RS_PEER_MAPS", "256", "CUDA mode: peer allocations a stream worker keeps mapped for the direct path (least recently used closed first); a mapping keeps the peer's allocation alive after the peer frees it, so 0 closes them after each operation (for jobs close to their GPU memory limit)"),

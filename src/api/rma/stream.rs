@@ -870,8 +870,15 @@ fn wait_on_stream(comm: &Comm, st: &Stream, descs: &[WaitDesc]) -> Result<bool> 
     for &(k, n) in &want {
         at.push((inner.word_of(k).ok_or_else(|| Error::internal("a signal outside the words"))?, n));
     }
-    // Queued under the lock: a refused first wait leaves the counts as they were.
+    // With NCCL_RS_STREAM_GATE=kernel the stream waits with the polling kernel, as for
+    // collectives: it stalls no hardware queue, so the reader's copy of a staged put cannot sit
+    // behind it. Queued under the lock: a refused first wait leaves the counts as they were.
+    let gate = crate::params::stream_gate_kernel().then(|| Context::primary(comm.cuda_dev).and_then(Context::kernels));
     for (j, &(i, n)) in at.iter().enumerate() {
+        if let Some(Ok(k)) = &gate {
+            k.wait_geq(st, words, i, n as u32)?;
+            continue;
+        }
         match st.wait_value32(words, i, n as u32, WaitCond::Geq)? {
             MemOp::Unsupported if j == 0 => return Ok(false),
             m => enqueued(m)?,
