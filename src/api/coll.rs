@@ -74,7 +74,7 @@ fn regions(a: &Args, es: usize, n: usize, rank: usize, root: usize) -> Result<(R
 ///
 /// A buffer the driver cannot classify (an error other than "not CUDA memory") fails the
 /// call: taken for host memory, a device buffer would be read by this thread.
-fn placement(regions: &[Region]) -> Result<Placement> {
+pub(crate) fn placement(regions: &[Region]) -> Result<Placement> {
     use crate::device::cuda::classify;
     if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
         return Ok(Placement::default());

@@ -273,6 +273,7 @@ impl Inner {
         // A connection that asks for windows (`OP_WINDOW`) carries nothing else: its end says
         // nothing of the sender.
         let mut asks = false;
+        let mut bounce = Vec::new();
         let ended = loop {
             let frame = match wire::next(&mut s) {
                 Ok(Some(f)) => f,
@@ -288,7 +289,7 @@ impl Inner {
                 }
             }
             if frame.op == OP_PUT {
-                if let Err(e) = self.land(from, &frame, &mut s) {
+                if let Err(e) = self.land(from, &frame, &mut s, &mut bounce) {
                     // The sender's later writes fail: the connection is closed below.
                     if !self.closed.load(Ordering::Acquire) {
                         self.fail(e);
@@ -386,17 +387,9 @@ impl Inner {
     /// write it directly (waiting for this rank to register it): its CUDA IPC handle where it is
     /// device memory the driver shares that way, else no.
     fn window_info(&self, from: u32, ordinal: u64) -> wire::WindowInfo {
-        let started = Instant::now();
-        let mut warned = false;
-        let lookup = mem::window_by_ordinal(self.comm, ordinal, || {
-            if !warned && started.elapsed() >= WARN_AFTER {
-                warned = true;
-                crate::warn!("rank {}: rank {from} asks for window #{ordinal} of this rank, which this rank has not \
-                              registered", self.comm.1);
-            }
-            !self.closed.load(Ordering::Acquire)
-        });
-        let Lookup::Live(w) = lookup else { return wire::WindowInfo::NO };
+        let Lookup::Live(w) = self.await_window(ordinal, || format!("rank {from} asks for window #{ordinal}")) else {
+            return wire::WindowInfo::NO;
+        };
         let shared = || -> Result<wire::WindowInfo> {
             if !matches!(crate::device::cuda::classify(w.buff.addr())?, crate::device::cuda::PtrKind::Device { .. }) {
                 return Ok(wire::WindowInfo::NO);
@@ -415,21 +408,28 @@ impl Inner {
         }
     }
 
-    /// Write a put's bytes into the window it names (waiting for this rank to register it).
-    fn land(&self, from: u32, f: &Frame, s: &mut TcpStream) -> Result<()> {
-        let (hash, rank) = self.comm;
+    /// This rank's window #`ordinal`, waiting while this rank has not registered it yet (and
+    /// saying so at WARN after 10 s: `what` a peer wants of it), until the communicator closes.
+    fn await_window(&self, ordinal: u64, what: impl FnOnce() -> String) -> Lookup {
         let started = Instant::now();
-        let mut warned = false;
-        let lookup = mem::window_by_ordinal((hash, rank), f.window, || {
-            if !warned && started.elapsed() >= WARN_AFTER {
-                warned = true;
-                crate::warn!("rank {rank}: rank {from} puts into window #{} of this rank, which this rank has not \
-                              registered (ncclCommWindowRegister is collective: every rank registers each window)",
-                             f.window);
+        let mut what = Some(what);
+        mem::window_by_ordinal(self.comm, ordinal, || {
+            if started.elapsed() >= WARN_AFTER {
+                if let Some(what) = what.take() {
+                    crate::warn!("rank {}: {} of this rank, which this rank has not registered \
+                                  (ncclCommWindowRegister is collective: every rank registers each window)",
+                                 self.comm.1, what());
+                }
             }
             !self.closed.load(Ordering::Acquire)
-        });
-        let w = match lookup {
+        })
+    }
+
+    /// Write a put's bytes into the window it names (waiting for this rank to register it);
+    /// `bounce`: the connection's buffer for device windows, kept across its puts.
+    fn land(&self, from: u32, f: &Frame, s: &mut TcpStream, bounce: &mut Vec<u8>) -> Result<()> {
+        let rank = self.comm.1;
+        let w = match self.await_window(f.window, || format!("rank {from} puts into window #{}", f.window)) {
             Lookup::Live(w) => w,
             Lookup::Gone => return Err(Error::remote(format!(
                 "rank {from} put {} bytes into window #{} of rank {rank}, which rank {rank} has deregistered",
@@ -444,17 +444,19 @@ impl Inner {
         }
         let dst = Region::user(w.buff, f.offset as usize, f.len as usize);
         let landed = if stream::needs_device_copy(&[dst])? {
-            self.receive_to_device(s, dst)
+            self.receive_to_device(s, dst, bounce)
         } else {
             wire::receive_into(s, dst)
         };
         landed.map_err(|e| e.context(format!("rank {rank}: a put from rank {from}")))
     }
 
-    /// A put's bytes into device memory: read in pieces, each copied there.
-    fn receive_to_device(&self, s: &mut TcpStream, dst: Region) -> Result<()> {
+    /// A put's bytes into device memory: read in pieces through `buf`, each copied there.
+    fn receive_to_device(&self, s: &mut TcpStream, dst: Region, buf: &mut Vec<u8>) -> Result<()> {
         const PIECE: usize = 1 << 20;
-        let mut buf = vec![0u8; dst.len().min(PIECE)];
+        if buf.len() < dst.len().min(PIECE) {
+            buf.resize(dst.len().min(PIECE), 0);
+        }
         let mut at = 0;
         while at < dst.len() {
             let n = (dst.len() - at).min(PIECE);
@@ -605,7 +607,15 @@ fn deliver(comm: &Comm, ready: &crate::comm::Ready, peer: usize, frame: &Frame, 
         inner.count((frame.ctx, frame.sig, me));
         return Ok(());
     }
-    let mut links = inner.links.lock().unwrap_or_else(|p| p.into_inner());
+    with_link(comm, ready, peer, |s| wire::send(s, frame, data))
+}
+
+/// `write` on this rank's one-sided connection to `peer` (opened on first use); a failed write
+/// closes it and names what became of the peer.
+fn with_link(comm: &Comm, ready: &crate::comm::Ready, peer: usize, write: impl FnOnce(&mut TcpStream) -> Result<()>)
+             -> Result<()> {
+    let me = comm.rank;
+    let mut links = comm.rma.inner.links.lock().unwrap_or_else(|p| p.into_inner());
     let link = links.get_mut(peer).ok_or_else(|| Error::internal(format!("no one-sided link slot for rank {peer}")))?;
     if link.is_none() {
         let s = ready.service.connect_rma(peer).map_err(|e| e.context(format!("rank {me}: one-sided operations")))?;
@@ -613,7 +623,7 @@ fn deliver(comm: &Comm, ready: &crate::comm::Ready, peer: usize, frame: &Frame, 
         crate::info!(NET, "rank {me} -> rank {peer}: one-sided operations over TCP");
         *link = Some(s);
     }
-    let sent = link.as_mut().map_or(Ok(()), |s| wire::send(s, frame, data));
+    let sent = link.as_mut().map_or(Ok(()), write);
     if let Err(e) = sent {
         *link = None;
         drop(links);
@@ -625,15 +635,26 @@ fn deliver(comm: &Comm, ready: &crate::comm::Ready, peer: usize, frame: &Frame, 
 
 /// Part of a put to this rank itself (`data`, `at` bytes into it) copied into its window.
 fn put_to_self(inner: &Inner, frame: &Frame, at: usize, data: Region) -> Result<()> {
-    let w = match mem::window_by_ordinal(inner.comm, frame.window, || false) {
-        Lookup::Live(w) => w,
-        _ => return Err(Error::invalid_arg(format!("window #{} is not registered", frame.window))),
-    };
-    if frame.offset + frame.len > w.size as u64 {
-        return Err(Error::invalid_arg(format!(
-            "a put of {} bytes at offset {} does not fit the window's {} bytes", frame.len, frame.offset, w.size)));
-    }
+    let w = own_window(inner, frame)?;
+    fits(frame, w.size)?;
     inner.land_bytes(Region::user(w.buff, frame.offset as usize + at, data.len()), data)
+}
+
+/// The window of this rank a put of `frame` to itself names.
+fn own_window(inner: &Inner, frame: &Frame) -> Result<mem::Window> {
+    match mem::window_by_ordinal(inner.comm, frame.window, || false) {
+        Lookup::Live(w) => Ok(w),
+        _ => Err(Error::invalid_arg(format!("window #{} is not registered", frame.window))),
+    }
+}
+
+/// Does a put of `frame` fit a window of `size` bytes?
+fn fits(frame: &Frame, size: usize) -> Result<()> {
+    if frame.offset.checked_add(frame.len).is_none_or(|end| end > size as u64) {
+        return Err(Error::invalid_arg(format!(
+            "a put of {} bytes at offset {} does not fit the window's {size} bytes", frame.len, frame.offset)));
+    }
+    Ok(())
 }
 
 /// What a wait needs of one signal: the count it must reach (what earlier waits consumed plus

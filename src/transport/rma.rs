@@ -36,6 +36,11 @@ pub struct Frame {
 }
 
 impl Frame {
+    /// The signal of this put alone, without its bytes (what follows a put written directly).
+    pub fn signal_only(&self) -> Frame {
+        Frame { op: OP_SIGNAL, window: 0, offset: 0, len: 0, ..*self }
+    }
+
     fn encode(&self) -> [u8; HEADER_BYTES] {
         let mut b = [0u8; HEADER_BYTES];
         b[0..4].copy_from_slice(&self.op.to_le_bytes());

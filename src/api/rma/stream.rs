@@ -49,10 +49,10 @@ use std::time::{Duration, Instant};
 
 use super::{deliver, gone_sender, put_to_self, wanted_counts, wait_for, RmaOp, WaitDesc, PROBE_EVERY};
 use crate::comm::Comm;
-use crate::device::cuda::{classify, Context, KeepCurrent, MappedHost, MemOp, Stream, WaitCond};
+use crate::device::cuda::{Context, KeepCurrent, MappedHost, MemOp, Stream, WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
-use crate::transport::rma::{self as wire, Frame, PeerWindow, OP_PUT, OP_SIGNAL, OP_WINDOW};
+use crate::transport::rma::{self as wire, Frame, PeerWindow, OP_PUT, OP_WINDOW};
 
 /// Slots of pinned staging per communicator, and the bytes of each: 4 MiB in all.
 const SLOTS: usize = 16;
@@ -89,18 +89,9 @@ fn reached(a: u32, b: u32) -> bool {
 }
 
 /// Does a copy between these regions need the device (CUDA mode, and one of them is device,
-/// pinned or managed memory)?
+/// pinned or managed memory: what a collective runs in stream order for)?
 pub(super) fn needs_device_copy(regions: &[Region]) -> Result<bool> {
-    if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
-        return Ok(false);
-    }
-    for r in regions.iter().filter(|r| !r.is_empty()) {
-        let kind = classify(r.addr()).map_err(|e| e.context(format!("classifying the buffer at {:#x}", r.addr())))?;
-        if kind.stream_ordered() {
-            return Ok(true);
-        }
-    }
-    Ok(false)
+    Ok(crate::api::coll::placement(regions)?.device)
 }
 
 /// Staging of a destroyed communicator, for the next one on its device, with its numbering:
@@ -202,8 +193,10 @@ impl Gated {
         let (data, marks, issued, slots) = match spare {
             Some(s) => (s.data, s.marks, s.issued, s.slots),
             None => {
-                let data: &'static MappedHost = Box::leak(Box::new(MappedHost::new(SLOTS * CHUNK)?));
-                let marks: &'static MappedHost = Box::leak(Box::new(MappedHost::new(MARK_WORDS * 4)?));
+                // Both made before either is leaked: a failure frees what was made.
+                let (data, marks) = (MappedHost::new(SLOTS * CHUNK)?, MappedHost::new(MARK_WORDS * 4)?);
+                let (data, marks): (&'static MappedHost, &'static MappedHost) =
+                    (Box::leak(Box::new(data)), Box::leak(Box::new(marks)));
                 (data, marks, 0, 0)
             }
         };
@@ -248,11 +241,13 @@ impl Gated {
         }
     }
 
-    /// Wait until the sender has finished every unit reserved so far, but not past an abort
-    /// or the communicator's closing: whether it has.
+    /// Wait until the sender has finished every unit reserved so far, but not past an abort,
+    /// the communicator's closing or [`STREAM_LATE`] (a stream that never gets to its call must
+    /// not hold up the caller for good): whether it has.
     pub(super) fn wait_idle(&self, comm: &Comm) -> bool {
+        let deadline = Instant::now() + STREAM_LATE;
         let mut q = self.lock();
-        while !q.units.is_empty() && !q.closing && !comm.abort.load(Ordering::Acquire) {
+        while !q.units.is_empty() && !q.closing && !comm.abort.load(Ordering::Acquire) && Instant::now() < deadline {
             q = self.changed.wait_timeout(q, PROBE_EVERY).unwrap_or_else(|p| p.into_inner()).0;
         }
         q.units.is_empty()
@@ -280,8 +275,9 @@ impl Gated {
     /// whose earlier units are all finished, once filled in and its stream has got to it (or
     /// at once, to fail it, once the communicator is aborted or revoked). Units to one peer go
     /// in order; a stream that has not got to its call holds up only that peer.
-    fn pick(&self, q: &mut Queue, stopping: bool) -> Option<(Unit, bool)> {
-        let mut held: Vec<usize> = Vec::new();
+    /// `held`: the sender's own list, kept across polls (nothing is allocated while it polls).
+    fn pick(&self, q: &mut Queue, stopping: bool, held: &mut Vec<usize>) -> Option<(Unit, bool)> {
+        held.clear();
         let mut found = None;
         for (i, u) in q.units.iter().enumerate() {
             if held.contains(&u.peer) {
@@ -302,12 +298,13 @@ impl Gated {
     fn run(&self, comm: &Comm) {
         let mut peers: HashMap<usize, PeerState> = HashMap::new();
         let mut unreachable = HashMap::new();
+        let mut held = Vec::new();
         let (mut spins, mut probed, mut late) = (0u32, Instant::now(), None::<(u32, Instant, bool)>);
         loop {
             let stopping = comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire);
             let picked = {
                 let mut q = self.lock();
-                match self.pick(&mut q, stopping) {
+                match self.pick(&mut q, stopping, &mut held) {
                     Some(p) => Some(p),
                     None if q.units.is_empty() => {
                         if q.closing {
@@ -421,28 +418,13 @@ impl Gated {
             return Ok(());
         }
         let ready = comm.ready()?;
-        if u.first && u.last {
-            return deliver(comm, ready, u.peer, &u.frame, data);
-        }
         // A put in several units: the header with the first, the bytes as they come (this
         // thread is the only one that writes to the connection in this mode, and a peer's
         // units go in order).
-        let mut links = inner.links.lock().unwrap_or_else(|p| p.into_inner());
-        let link = links.get_mut(u.peer).ok_or_else(|| Error::internal(format!("no one-sided link for rank {}", u.peer)))?;
-        if link.is_none() {
-            let s = ready.service.connect_rma(u.peer).map_err(|e| e.context("one-sided operations"))?;
-            let _ = s.set_nodelay(true);
-            *link = Some(s);
-        }
-        let s = link.as_mut().ok_or_else(|| Error::internal("no one-sided link"))?;
-        let sent = if u.first { wire::send(s, &u.frame, data) } else { wire::send_bytes(s, data) };
-        if let Err(e) = sent {
-            *link = None;
-            drop(links);
-            let why = comm.peer_failure(u.peer).map_or(e.msg, |f| f.msg);
-            return Err(Error::remote(format!("a one-sided operation to {} failed: {why}", comm.describe_peer(u.peer))));
-        }
-        Ok(())
+        super::with_link(comm, ready, u.peer, |s| match u.first {
+            true => wire::send(s, &u.frame, data),
+            false => wire::send_bytes(s, data),
+        })
     }
 
     /// Numbers for `units` (consecutive: a put's units go out one after the other, and a slot
@@ -513,8 +495,7 @@ impl Gated {
     /// caller's stream, then its signal: the stream copies, raises the unit's mark, and the
     /// sender sends the signal once it is up. False: the driver refused the first stream wait.
     fn issue_direct(&self, st: &Stream, peer: usize, frame: Frame, dst: Region, data: Region) -> Result<bool> {
-        let signal = Frame { op: OP_SIGNAL, window: 0, offset: 0, len: 0, ..frame };
-        let mut units = [Unit { n: 0, peer, frame: signal, at: 0, first: true, last: true, src: Source::None, slot: 0,
+        let mut units = [Unit { n: 0, peer, frame: frame.signal_only(), at: 0, first: true, last: true, src: Source::None, slot: 0,
                                 filled: false, void: true }];
         self.reserve(&mut units, false)?;
         let mut unit = units[0];
@@ -573,16 +554,13 @@ fn direct_target(comm: &Comm, peer: usize, frame: &Frame) -> Result<Option<Regio
     let too_far = |size: usize| Error::invalid_arg(format!(
         "a put of {len} bytes at offset {offset} does not fit rank {peer}'s window #{} of {size} bytes", frame.window));
     if peer == comm.rank {
-        let w = match crate::api::mem::window_by_ordinal(comm.rma.inner.comm, frame.window, || false) {
-            crate::api::mem::Lookup::Live(w) => w,
-            _ => return Err(Error::invalid_arg(format!("window #{} is not registered", frame.window))),
-        };
+        let w = super::own_window(&comm.rma.inner, frame)?;
         let whole = Region::user(w.buff, 0, w.size);
         if !needs_device_copy(&[whole])? {
             return Ok(None);
         }
-        return if offset.checked_add(len).is_some_and(|e| e <= w.size) { Ok(Some(whole.sub(offset, len))) }
-               else { Err(too_far(w.size)) };
+        super::fits(frame, w.size)?;
+        return Ok(Some(whole.sub(offset, len)));
     }
     match peer_window(comm, peer, frame.window)? {
         None => Ok(None),
@@ -802,18 +780,17 @@ fn on_this_thread(comm: &Comm, st: &Stream, op: &RmaOp) -> Result<()> {
             // Host-wait mode: once the stream got here, the put made on this thread (written
             // directly where it can be, as on a stream).
             let direct = direct_target(comm, *peer, frame)?;
+            let copyable = needs_device_copy(&[*data])?;
             st.synchronize()?;
             let ready = comm.ready()?;
-            if let Some(dst) = direct.filter(|_| !data.is_empty()) {
-                if needs_device_copy(&[*data])? {
+            match direct {
+                Some(dst) if copyable && !data.is_empty() => {
                     st.copy(dst, *data)?;
                     st.synchronize()?;
-                    let signal = Frame { op: OP_SIGNAL, window: 0, offset: 0, len: 0, ..*frame };
-                    return deliver(comm, ready, *peer, &signal, Region::EMPTY);
+                    return deliver(comm, ready, *peer, &frame.signal_only(), Region::EMPTY);
                 }
-            }
-            if !needs_device_copy(&[*data])? {
-                return deliver(comm, ready, *peer, frame, *data);
+                _ if !copyable => return deliver(comm, ready, *peer, frame, *data),
+                _ => {}
             }
             let mut bytes = vec![0u8; data.len()];
             st.copy(Region::owned(&mut bytes), *data)?;
@@ -861,9 +838,8 @@ fn wait_on_stream(comm: &Comm, st: &Stream, descs: &[WaitDesc]) -> Result<bool> 
         let got = state.arrived.get(&k).copied().unwrap_or(0);
         if got < n && state.ended.contains_key(&k.2) {
             return Err(Error::remote(format!(
-                "rank {}: waiting for signals that {} will not send: it closed its connection; {} of {} came", comm.rank,
-                comm.describe_peer(k.2 as usize), got.saturating_sub(state.consumed.get(&k).copied().unwrap_or(0)),
-                n - state.consumed.get(&k).copied().unwrap_or(0))));
+                "rank {}: waiting for signals that {} will not send: it closed its connection; {} came", comm.rank,
+                comm.describe_peer(k.2 as usize), super::describe_missing(&state, &(k, got, n)))));
         }
     }
     let mut at = Vec::with_capacity(want.len());
