@@ -131,9 +131,19 @@ struct Queue {
     issued: u32,
     slots: u32,
     closing: bool,
+    /// The sender has taken a unit out of `units` and not finished it yet: the work reserved
+    /// so far is done only once `units` is empty and this is false.
+    sending: bool,
     /// Some unit was given up before its stream reached it (abort, revoke): that stream may
     /// still write its mark and slot, so the staging is not handed on.
     abandoned: bool,
+}
+
+impl Queue {
+    /// Has the sender finished every unit reserved so far?
+    fn idle(&self) -> bool {
+        self.units.is_empty() && !self.sending
+    }
 }
 
 /// Part of one put or signal, as the sender sends it.
@@ -234,7 +244,7 @@ impl Gated {
         for j in 0..SLOTS as u32 {
             self.marks.word(slot_done_word(j)).store(q.slots, Ordering::Release);
         }
-        if q.units.is_empty() && !q.abandoned {
+        if q.idle() && !q.abandoned {
             let spare = Spare { ordinal: self.ctx.ordinal(), data: self.data, marks: self.marks, issued: q.issued,
                                 slots: q.slots };
             SPARES.lock().unwrap_or_else(|p| p.into_inner()).push(spare);
@@ -247,16 +257,16 @@ impl Gated {
     pub(super) fn wait_idle(&self, comm: &Comm) -> bool {
         let deadline = Instant::now() + STREAM_LATE;
         let mut q = self.lock();
-        while !q.units.is_empty() && !q.closing && !comm.abort.load(Ordering::Acquire) && Instant::now() < deadline {
+        while !q.idle() && !q.closing && !comm.abort.load(Ordering::Acquire) && Instant::now() < deadline {
             q = self.changed.wait_timeout(q, PROBE_EVERY).unwrap_or_else(|p| p.into_inner()).0;
         }
-        q.units.is_empty()
+        q.idle()
     }
 
     /// Wait until the sender has finished every unit reserved so far.
     pub(super) fn drain(&self) {
         let mut q = self.lock();
-        while !q.units.is_empty() {
+        while !q.idle() {
             q = self.changed.wait(q).unwrap_or_else(|p| p.into_inner());
         }
     }
@@ -291,7 +301,9 @@ impl Gated {
             held.push(u.peer);
         }
         let (i, reached_mark) = found?;
-        q.units.remove(i).map(|u| (u, reached_mark))
+        let unit = q.units.remove(i)?;
+        q.sending = true;
+        Some((unit, reached_mark))
     }
 
     /// The sender's loop: each unit once its stream has got there, in order per peer.
@@ -385,6 +397,7 @@ impl Gated {
             if matches!(unit.src, Source::Slot(_)) {
                 self.marks.word(slot_done_word(unit.slot)).store(unit.slot, Ordering::Release);
             }
+            self.lock().sending = false;
             self.changed.notify_all();
         }
     }
