@@ -564,8 +564,6 @@ impl Gated {
 /// the end of such a window is refused here.
 fn direct_target(comm: &Comm, peer: usize, frame: &Frame) -> Result<Option<Region>> {
     let (offset, len) = (frame.offset as usize, frame.len as usize);
-    let too_far = |size: usize| Error::invalid_arg(format!(
-        "a put of {len} bytes at offset {offset} does not fit rank {peer}'s window #{} of {size} bytes", frame.window));
     if peer == comm.rank {
         let w = super::own_window(&comm.rma.inner, frame)?;
         let whole = Region::user(w.buff, 0, w.size);
@@ -577,7 +575,10 @@ fn direct_target(comm: &Comm, peer: usize, frame: &Frame) -> Result<Option<Regio
     }
     match peer_window(comm, peer, frame.window)? {
         None => Ok(None),
-        Some(pw) => pw.region(offset, len).map(Some).ok_or_else(|| too_far(pw.size())),
+        Some(pw) => {
+            super::fits(frame, pw.size()).map_err(|e| e.context(format!("rank {peer}'s window #{}", frame.window)))?;
+            pw.region(offset, len).map(Some).ok_or_else(|| Error::internal("a put that fits is outside its window"))
+        }
     }
 }
 
