@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|RmaErrors|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
+ *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|P2PPairings|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|RmaErrors|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
  *   CUDA_TEST_FAULT=1|graph|shrink cuda (2 processes; the harness kills process 1 once it prints
  *                                LOOPING; graph: the all-reduces are launches of a captured graph;
  *                                shrink: 3 processes, the survivors shrink and go on)
@@ -580,6 +580,104 @@ static void p2p(void) {
       CU(cu.MemFreeHost(hout[l]));
     }
   }
+}
+
+/* How a rank of part P2PPairings issues its send to and receive from its partner. */
+enum { PAIR_GROUP, PAIR_SEND_FIRST, PAIR_RECV_FIRST, PAIR_GROUP_RECV_FIRST, PAIR_MODES };
+static const char* const pair_mode_name[PAIR_MODES] = {"group{send,recv}", "send;recv", "recv;send", "group{recv,send}"};
+
+/* Part P2PPairings (even rank counts; ranks 2k and 2k+1 are partners): each pair exchanges a
+ * large message in every way the two ranks may issue it, grouped or as separate calls in
+ * either order, each end its own way (both sending first, or both receiving first, would
+ * deadlock as in NCCL, and are left out), from device or pinned host memory; when both group,
+ * a small message (through the host transports) travels in the same group. Every byte is
+ * checked. (Ranks of one process pair up in one group only.) */
+static void p2p_pairings(void) {
+  test_step("p2p pairings");
+  const int n = g_env.nranks;
+  if (n % 2) return;
+  const size_t big = 70000, small = 1000;
+  int round = 0;
+  for (int pinned = 0; pinned < 2; pinned++)
+    for (int m0 = 0; m0 < PAIR_MODES; m0++)
+      for (int m1 = 0; m1 < PAIR_MODES; m1++, round++) {
+        if (m0 == m1 && (m0 == PAIR_SEND_FIRST || m0 == PAIR_RECV_FIRST)) continue;
+        const int grouped = (m0 == PAIR_GROUP || m0 == PAIR_GROUP_RECV_FIRST) &&
+                            (m1 == PAIR_GROUP || m1 == PAIR_GROUP_RECV_FIRST);
+        /* One thread's ranks pair up in one group (as NCCL asks: a call returns once done in
+         * host-wait mode, and streams sharing one hardware queue wait behind each other). */
+        const int outer = g_env.local > 1;
+        if (!grouped && outer) continue;
+        CUdeviceptr ds[MAX_LOCAL], dr[MAX_LOCAL], dss[MAX_LOCAL], dsr[MAX_LOCAL];
+        float *hin[MAX_LOCAL], *hout[MAX_LOCAL], *hsmall[MAX_LOCAL];
+        for (int l = 0; l < g_env.local; l++) {
+          int rank = g_env.first_rank + l;
+          ds[l] = dev_alloc(big * sizeof(float));
+          dr[l] = dev_alloc(big * sizeof(float));
+          dss[l] = dev_alloc(small * sizeof(float));
+          dsr[l] = dev_alloc(small * sizeof(float));
+          hin[l] = host_alloc(big * sizeof(float));
+          hout[l] = host_alloc(big * sizeof(float));
+          hsmall[l] = host_alloc(small * sizeof(float));
+          for (size_t j = 0; j < big; j++) hin[l][j] = in_value(rank, j, round);
+          for (size_t j = 0; j < small; j++) hsmall[l][j] = in_value(rank, j, round + 100);
+          CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], big * sizeof(float), g_streams[l]));
+          CU(cu.MemcpyAsync(dss[l], (CUdeviceptr)(uintptr_t)hsmall[l], small * sizeof(float), g_streams[l]));
+          /* The pinned source is read on the stream, after the upload above is queued. */
+          CU(cu.StreamSynchronize(g_streams[l]));
+        }
+        if (outer) CHECK(ncclGroupStart());
+        for (int l = 0; l < g_env.local; l++) {
+          int rank = g_env.first_rank + l, partner = rank ^ 1, mode = rank % 2 ? m1 : m0;
+          const void* src = pinned ? (const void*)hin[l] : (const void*)(uintptr_t)ds[l];
+          void* dst = (void*)(uintptr_t)dr[l];
+          ncclComm_t c = g_comms[l];
+          CUstream st = g_streams[l];
+          switch (mode) {
+            case PAIR_GROUP:
+            case PAIR_GROUP_RECV_FIRST:
+              /* Messages of a pair match in order: the large one first each way. */
+              CHECK(ncclGroupStart());
+              for (int k = 0; k < 2; k++) {
+                if ((k == 0) == (mode == PAIR_GROUP)) {
+                  CHECK(ncclSend(src, big, ncclFloat32, partner, c, st));
+                  if (grouped) CHECK(ncclSend((const void*)(uintptr_t)dss[l], small, ncclFloat32, partner, c, st));
+                } else {
+                  CHECK(ncclRecv(dst, big, ncclFloat32, partner, c, st));
+                  if (grouped) CHECK(ncclRecv((void*)(uintptr_t)dsr[l], small, ncclFloat32, partner, c, st));
+                }
+              }
+              CHECK(ncclGroupEnd());
+              break;
+            case PAIR_SEND_FIRST:
+              CHECK(ncclSend(src, big, ncclFloat32, partner, c, st));
+              CHECK(ncclRecv(dst, big, ncclFloat32, partner, c, st));
+              break;
+            default:
+              CHECK(ncclRecv(dst, big, ncclFloat32, partner, c, st));
+              CHECK(ncclSend(src, big, ncclFloat32, partner, c, st));
+          }
+        }
+        if (outer) CHECK(ncclGroupEnd());
+        for (int l = 0; l < g_env.local; l++) {
+          int rank = g_env.first_rank + l, partner = rank ^ 1;
+          CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hout[l], dr[l], big * sizeof(float), g_streams[l]));
+          CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hsmall[l], dsr[l], small * sizeof(float), g_streams[l]));
+          CU(cu.StreamSynchronize(g_streams[l]));
+          size_t bad = 0, bad_small = 0;
+          for (size_t j = 0; j < big; j++) bad += hout[l][j] != in_value(partner, j, round);
+          for (size_t j = 0; grouped && j < small; j++) bad_small += hsmall[l][j] != in_value(partner, j, round + 100);
+          EXPECT(bad == 0 && bad_small == 0, "p2p %s %s / %s, rank %d: %zu wrong values of the large message, %zu of the "
+                 "small one", pinned ? "pinned" : "device", pair_mode_name[m0], pair_mode_name[m1], rank, bad, bad_small);
+          dev_free(ds[l]);
+          dev_free(dr[l]);
+          dev_free(dss[l]);
+          dev_free(dsr[l]);
+          CU(cu.MemFreeHost(hin[l]));
+          CU(cu.MemFreeHost(hout[l]));
+          CU(cu.MemFreeHost(hsmall[l]));
+        }
+      }
 }
 
 /* Every local rank's input uploaded (through hin, pinned) to new device memory ds, then
@@ -1754,12 +1852,27 @@ static int fault(void) {
     CU(cu.StreamEndCapture(st, &graph));
     CU(cu.GraphInstantiate(&exec, graph, 0));
   }
+  const int p2p = !strcmp(getenv("CUDA_TEST_FAULT"), "p2p");
   double start = now_s(), failed_at = 0;
   ncclResult_t seen = ncclSuccess;
   const char* why = "";
   for (long i = 0; now_s() - start < bound + 5; i++) {
-    ncclResult_t r = exec ? (cu.GraphLaunch(exec, st) == 0 ? ncclSuccess : ncclUnhandledCudaError)
-                          : ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, st);
+    ncclResult_t r;
+    if (exec) {
+      r = cu.GraphLaunch(exec, st) == 0 ? ncclSuccess : ncclUnhandledCudaError;
+    } else if (p2p) {
+      /* CUDA_TEST_FAULT=p2p: the two ranks exchange halves of d (sends and receives read
+       * directly), grouped. */
+      const size_t half = count / 2, mine = (size_t)g_env.first_rank % 2 * half;
+      const int partner = g_env.first_rank ^ 1;
+      r = ncclGroupStart();
+      if (r == ncclSuccess) r = ncclSend((void*)(uintptr_t)(d + mine * sizeof(float)), half, ncclFloat32, partner, comm, st);
+      if (r == ncclSuccess) r = ncclRecv((void*)(uintptr_t)(d + (half - mine) * sizeof(float)), half, ncclFloat32, partner, comm, st);
+      ncclResult_t ended = ncclGroupEnd();
+      if (r == ncclSuccess) r = ended;
+    } else {
+      r = ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, st);
+    }
     if (r == ncclSuccess) {
       CU(cu.StreamSynchronize(st)); /* must return: a failed operation still releases it */
       CHECK(ncclCommGetAsyncError(comm, &r));
@@ -2754,6 +2867,7 @@ int main(int argc, char** argv) {
   if (wanted("InPlace")) in_place();
   if (wanted("P2P")) p2p();
   if (wanted("Mixed")) mixed();
+  if (wanted("P2PPairings")) p2p_pairings();
   if (wanted("HostInOrder")) host_buffers_in_order();
   if (wanted("Streams")) two_streams();
   if (wanted("Order")) order();

@@ -31,7 +31,7 @@ pub static ALL: &[Param] = &[
     p("NCCL_SHM_DISABLE", "0", "1: never use shared memory between processes (sockets instead)"),
     p("NCCL_CMA_DISABLE", "0", "1: processes of one host always copy through shared memory, never read each other's buffers (CMA)"),
     p("NCCL_P2P_DISABLE", "0", "1: never copy directly between ranks of one process or GPU peers"),
-    p("NCCL_RS_DIRECT_P2P", "0", "1: CUDA mode sends/receives between ranks of a host read the sender's buffer directly (experimental: both ends must group their sends and receives alike)"),
+    p("NCCL_RS_DIRECT_P2P", "1", "0: CUDA mode sends/receives between ranks of a host are staged through host memory instead of read from the sender's buffer directly"),
     p("NCCL_RS_HOST_WAIT", "", "1: CUDA mode calls return once their operation is done instead of making the stream wait for it; 0: never; unset: when CUDA_DEVICE_MAX_CONNECTIONS is below 8"),
     p("NCCL_RS_STREAM_GATE", "memop", "CUDA mode: how a caller's stream waits for its operation (and ncclWaitSignal for its signals): memop (cuStreamWaitValue32) or kernel (a one-thread polling kernel, which stalls no hardware queue other streams share)"),
     p("NCCL_RS_CALLER_STAGING", "1", "CUDA mode: 0 makes the stream worker stage every operation on its own stream, instead of the caller's stream copying small operations through a pinned pool at call time"),
@@ -192,7 +192,7 @@ pub fn direct_on_stream() -> bool {
 pub fn graph_capture() -> bool {
     int("NCCL_RS_GRAPH_CAPTURE") != 0
 }
-/// `NCCL_RS_DIRECT_P2P=1`: the experimental direct path for sends and receives (CUDA mode).
+/// `NCCL_RS_DIRECT_P2P` (on by default): the direct path for sends and receives (CUDA mode).
 pub fn direct_p2p() -> bool {
     int("NCCL_RS_DIRECT_P2P") != 0
 }

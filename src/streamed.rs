@@ -60,7 +60,7 @@ use crate::comm::Comm;
 use crate::device::cuda::{Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
-use crate::plan::Op;
+use crate::plan::{Op, OpKind};
 use crate::transport::ipc::{self, Routes};
 
 pub(crate) mod board;
@@ -155,6 +155,9 @@ pub struct Streamed {
     /// Direct operations queue their kernels on the callers' streams (a board, kernels, every
     /// rank on this host, NCCL_RS_DIRECT_ON_STREAM).
     direct_on_stream: bool,
+    /// Direct receives queue their copy on the callers' streams (a board, kernels,
+    /// NCCL_RS_DIRECT_ON_STREAM), whether or not every rank is on this host.
+    p2p_on_stream: bool,
     /// The worker's `Direct::off`, for calls: no collective goes direct any more.
     direct_off: std::sync::atomic::AtomicBool,
     /// Whether the board ever had no free slot (logged the first time).
@@ -242,10 +245,11 @@ enum Path {
     Staged,
     /// A collective that could go direct but this rank cannot take (`ipc::offer`: its buffers
     /// have no CUDA IPC, an in-place all-to-all, no kernels): it takes part in the agreement,
-    /// then every rank stages it.
+    /// then every rank stages it. A send whose buffer cannot be published: its bytes are
+    /// staged to the receiver (`ipc::run_p2p`).
     Declined,
-    /// Direct: a collective with its buffers published at call time, or a send or receive on
-    /// the direct path (`NCCL_RS_DIRECT_P2P`, which publishes in the worker).
+    /// Direct: a collective or send with its buffers published at call time, or a receive on
+    /// the direct path (which learns at run time whether it can read the sender's buffer).
     Direct(Option<ipc::Offered>),
 }
 
@@ -312,13 +316,13 @@ impl Streamed {
                 }
             },
         };
-        let direct_on_stream =
-            board.is_some() && kernels.is_some() && routes.collectives() && crate::params::direct_on_stream();
+        let p2p_on_stream = board.is_some() && kernels.is_some() && crate::params::direct_on_stream();
+        let direct_on_stream = p2p_on_stream && routes.collectives();
         let s = Arc::new(Streamed { ctx, done, word, kernels, host_wait, gate_kernel, routes,
                                     queue: Arc::new(Queue::default()),
                                     submit_busy: Mutex::new(false), submit_done: Condvar::new(),
                                     worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
-                                    caller_staged: std::sync::atomic::AtomicBool::new(false), board, direct_on_stream,
+                                    caller_staged: std::sync::atomic::AtomicBool::new(false), board, direct_on_stream, p2p_on_stream,
                                     direct_off: std::sync::atomic::AtomicBool::new(false),
                                     slots_ran_out: std::sync::atomic::AtomicBool::new(false),
                                     captured: std::sync::atomic::AtomicBool::new(false),
@@ -561,6 +565,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let shapes: Vec<Option<ipc::Shape>> = ops.iter().zip(&prestaged).zip(&paths)
         .map(|((o, &(pre, _)), path)| match path {
             Path::Direct(Some(_)) if s.direct_on_stream && !pre => on_stream_shape(comm, &o.op),
+            Path::Direct(None) if s.p2p_on_stream && !pre => steps::receive_shape(&o.op),
             _ => None,
         })
         .collect();
@@ -581,10 +586,11 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
     ops.iter()
         .map(|o| {
             let p2p = o.op.kind.is_p2p();
-            match (s.routes.eligible(&o.op) && (p2p || !off), p2p) {
+            match (s.routes.eligible(&o.op) && (p2p || !off), o.op.kind) {
                 (false, _) => Path::Staged,
-                (true, true) => Path::Direct(None),
-                (true, false) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes)
+                // The receiver learns at run time whether it can read the sender's buffer.
+                (true, OpKind::Recv) => Path::Direct(None),
+                (true, _) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes)
                     .map_or(Path::Declined, |o| Path::Direct(Some(o))),
             }
         })

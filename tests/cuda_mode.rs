@@ -140,13 +140,24 @@ fn cuda_mode_direct_min() {
     }
 }
 
-/// The experimental direct path for sends and receives (NCCL_RS_DIRECT_P2P=1), also under
-/// PyTorch's pattern (part Torch: its large all-reduces take the direct path in any case).
+/// Sends and receives between ranks of a host read the sender's buffer directly (by default),
+/// whichever way each end groups its calls (part P2PPairings), from device buffers or staged
+/// from pinned ones (Mixed), also under PyTorch's pattern (part Torch: its large all-reduces
+/// take the direct path in any case); as processes and as ranks of one process. With
+/// NCCL_RS_DIRECT_P2P=0 they are staged, with the same results.
 #[test]
 fn cuda_mode_direct_sends_and_receives() {
-    for part in ["P2P", "Mixed", "Torch"] {
-        let job = cuda_job().procs(2).env("NCCL_RS_DIRECT_P2P", "1").arg("--only").arg(part);
-        run_expecting_direct(job, part != "Mixed");
+    for part in ["P2P", "P2PPairings", "Mixed", "Torch"] {
+        run_expecting_direct(cuda_job().procs(2).arg("--only").arg(part), part != "Mixed");
+    }
+    let off = cuda_job().procs(2).env("NCCL_RS_DIRECT_P2P", "0");
+    for (job, direct) in [(cuda_job().procs(2), true), (cuda_job().local(2), true), (off, false)] {
+        let o = job.arg("--only").arg("P2PPairings").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert_eq!(p.log.contains("read directly (CUDA IPC / same process), from point-to-point calls"), direct,
+                       "process {i}:\n{}", p.log);
+        }
     }
 }
 
@@ -233,21 +244,26 @@ fn cuda_mode_a_rank_without_kernels() {
 /// While callers' streams may be waiting for it, the stream worker needs no device call for
 /// operations that go direct or that the callers' streams stage (stream starts are signalled
 /// through the board, direct kernels are queued by the caller): the stand-in reports any call
-/// made from a worker thread (NCCL_RS_STUB_REPORT_WORKER_CALLS). With the direct path on the
-/// worker's stream (NCCL_RS_DIRECT_ON_STREAM=0) it does report them: the check can fail.
+/// made from a worker thread (NCCL_RS_STUB_REPORT_WORKER_CALLS); for collectives and for sends
+/// and receives. With the direct path on the worker's stream (NCCL_RS_DIRECT_ON_STREAM=0) it
+/// does report them: the check can fail.
 #[test]
 fn cuda_mode_worker_makes_no_device_calls() {
     if !stand_in_only("cuda_mode_worker_makes_no_device_calls") {
         return;
     }
-    for (on_stream, quiet) in [("1", true), ("0", false)] {
-        let o = cuda_job().procs(2).arg("--only").arg("Collectives").env("NCCL_RS_STUB_REPORT_WORKER_CALLS", "1")
-            .env("NCCL_RS_DIRECT_ON_STREAM", on_stream).run_outcome();
-        assert!(o.ok(), "{}", o.report);
-        for (i, p) in o.procs.iter().enumerate() {
-            let calls: Vec<&str> = p.log.lines().filter(|l| l.contains("from the stream worker")).collect();
-            assert_eq!(calls.is_empty(), quiet, "NCCL_RS_DIRECT_ON_STREAM={on_stream}, process {i}: {:?}",
-                       &calls[..calls.len().min(5)]);
+    for part in ["Collectives", "P2P"] {
+        for (on_stream, quiet) in [("1", true), ("0", false)] {
+            let o = cuda_job().procs(2).arg("--only").arg(part).env("NCCL_RS_STUB_REPORT_WORKER_CALLS", "1")
+                .env("NCCL_RS_DIRECT_ON_STREAM", on_stream).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
+                .run_outcome();
+            assert!(o.ok(), "{}", o.report);
+            for (i, p) in o.procs.iter().enumerate() {
+                assert!(p.log.contains("are read directly"), "part {part}, process {i}: not direct:\n{}", p.log);
+                let calls: Vec<&str> = p.log.lines().filter(|l| l.contains("from the stream worker")).collect();
+                assert_eq!(calls.is_empty(), quiet, "part {part}, NCCL_RS_DIRECT_ON_STREAM={on_stream}, process {i}: {:?}",
+                           &calls[..calls.len().min(5)]);
+            }
         }
     }
 }
@@ -767,6 +783,13 @@ fn perf_tool_runs_and_checks_device_buffers() {
 #[test]
 fn cuda_mode_peer_killed_during_stream_operations() {
     peer_killed(cuda_job().env("CUDA_TEST_FAULT", "1"));
+}
+
+/// The same with sends and receives between the two (read directly): the survivor's wait for
+/// the dead rank's record or answer ends with ncclRemoteError naming it.
+#[test]
+fn cuda_mode_peer_killed_during_direct_sends_and_receives() {
+    peer_killed(cuda_job().env("CUDA_TEST_FAULT", "p2p"));
 }
 
 /// The same with the all-reduces launched as a captured CUDA graph (NCCL_RS_GRAPH_CAPTURE=1):

@@ -31,7 +31,9 @@ use crate::types::DataType;
 /// A signal's address at its target: (context, signal index, sending rank).
 type SignalKey = (u32, u32, u32);
 
+mod p2p;
 mod stream;
+pub use p2p::{Message, ANSWER, DATA, RECORD};
 pub use stream::{lsa_device_pointer, lsa_teams, peer_device_pointer};
 
 /// One communicator's one-sided state.
@@ -60,6 +62,9 @@ struct Inner {
     closed: AtomicBool,
     /// This rank's connections to its targets, by rank, opened on first use.
     links: Mutex<Vec<Option<TcpStream>>>,
+    /// CUDA mode: connections of their own for sends and receives between ranks of one host
+    /// (`p2p`), by rank, opened on first use.
+    p2p_links: Mutex<Vec<Option<TcpStream>>>,
     /// CUDA mode: the stream puts land in device windows with (made by the first such put).
     landing: Mutex<Option<Stream>>,
     /// The communicator, for the asynchronous errors of waits queued on streams.
@@ -86,6 +91,11 @@ struct State {
     words: Option<&'static MappedHost>,
     /// What streams were told to wait for, per signal (`Pending`).
     pending: HashMap<SignalKey, Pending>,
+    /// Messages of sends and receives, by (sender, kind, message number), until taken; how
+    /// many have come (waits watch it), and senders whose connection for them ended, and why.
+    p2p: HashMap<(u32, u32, u64), Message>,
+    p2p_arrived: u64,
+    p2p_ended: HashMap<u32, String>,
 }
 
 /// A signal streams wait for: the highest count they were told to wait for (what is written
@@ -142,6 +152,7 @@ impl Rma {
                 changed: Condvar::new(),
                 closed: AtomicBool::new(false),
                 links: Mutex::new((0..nranks).map(|_| None).collect()),
+                p2p_links: Mutex::new((0..nranks).map(|_| None).collect()),
                 landing: Mutex::new(None),
                 owner: OnceLock::new(),
             }),
@@ -165,9 +176,11 @@ impl Rma {
             g.close();
         }
         self.inner.closed.store(true, Ordering::Release);
-        for s in self.inner.links.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
-            if let Some(s) = s.take() {
-                let _ = s.shutdown(Shutdown::Both);
+        for links in [&self.inner.links, &self.inner.p2p_links] {
+            for s in links.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+                if let Some(s) = s.take() {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
             }
         }
         let mut st = self.inner.lock();
@@ -271,8 +284,10 @@ impl Inner {
     /// Read one sender's operations until it closes the connection.
     fn serve(&self, from: u32, mut s: TcpStream) {
         // A connection that asks for windows (`OP_WINDOW`) carries nothing else: its end says
-        // nothing of the sender.
+        // nothing of the sender. Nor does one for sends and receives (`OP_P2P`): its end is
+        // told to their waits.
         let mut asks = false;
+        let mut p2p = false;
         let mut bounce = Vec::new();
         let ended = loop {
             let frame = match wire::next(&mut s) {
@@ -285,6 +300,16 @@ impl Inner {
                 let info = self.window_info(from, frame.window);
                 match wire::send_info(&mut s, &info) {
                     Ok(()) => continue,
+                    Err(e) => break Some(e),
+                }
+            }
+            if frame.op == wire::OP_P2P {
+                p2p = true;
+                match wire::receive_vec(&mut s, frame.len) {
+                    Ok(bytes) => {
+                        self.post(from, &frame, bytes);
+                        continue;
+                    }
                     Err(e) => break Some(e),
                 }
             }
@@ -301,6 +326,12 @@ impl Inner {
         };
         let _ = s.shutdown(Shutdown::Both);
         if self.closed.load(Ordering::Acquire) || asks {
+            return;
+        }
+        if p2p {
+            let why = ended.map_or_else(|| "it closed its connection (destroyed its communicator)".to_string(), |e| e.msg);
+            self.lock().p2p_ended.insert(from, why);
+            self.changed.notify_all();
             return;
         }
         let why = ended.as_ref().map_or_else(|| "it closed its connection (destroyed its communicator)".to_string(),
@@ -614,13 +645,21 @@ fn deliver(comm: &Comm, ready: &crate::comm::Ready, peer: usize, frame: &Frame, 
 /// closes it and names what became of the peer.
 fn with_link(comm: &Comm, ready: &crate::comm::Ready, peer: usize, write: impl FnOnce(&mut TcpStream) -> Result<()>)
              -> Result<()> {
+    on_connection(comm, ready, &comm.rma.inner.links, peer, ("one-sided operations", "a one-sided operation"), write)
+}
+
+/// `write` on this rank's connection to `peer` among `links` (opened on first use, for what
+/// `what` names: the connection's use, and one write); a failed write closes it and names what
+/// became of the peer.
+fn on_connection(comm: &Comm, ready: &crate::comm::Ready, links: &Mutex<Vec<Option<TcpStream>>>, peer: usize,
+                 (what, one): (&str, &str), write: impl FnOnce(&mut TcpStream) -> Result<()>) -> Result<()> {
     let me = comm.rank;
-    let mut links = comm.rma.inner.links.lock().unwrap_or_else(|p| p.into_inner());
-    let link = links.get_mut(peer).ok_or_else(|| Error::internal(format!("no one-sided link slot for rank {peer}")))?;
+    let mut links = links.lock().unwrap_or_else(|p| p.into_inner());
+    let link = links.get_mut(peer).ok_or_else(|| Error::internal(format!("no connection slot for rank {peer}")))?;
     if link.is_none() {
-        let s = ready.service.connect_rma(peer).map_err(|e| e.context(format!("rank {me}: one-sided operations")))?;
+        let s = ready.service.connect_rma(peer).map_err(|e| e.context(format!("rank {me}: {what}")))?;
         let _ = s.set_nodelay(true);
-        crate::info!(NET, "rank {me} -> rank {peer}: one-sided operations over TCP");
+        crate::info!(NET, "rank {me} -> rank {peer}: {what} over TCP");
         *link = Some(s);
     }
     let sent = link.as_mut().map_or(Ok(()), write);
@@ -628,7 +667,7 @@ fn with_link(comm: &Comm, ready: &crate::comm::Ready, peer: usize, write: impl F
         *link = None;
         drop(links);
         let why = comm.peer_failure(peer).map_or(e.msg, |f| f.msg);
-        return Err(Error::remote(format!("rank {me}: a one-sided operation to {} failed: {why}", comm.describe_peer(peer))));
+        return Err(Error::remote(format!("rank {me}: {one} to {} failed: {why}", comm.describe_peer(peer))));
     }
     Ok(())
 }

@@ -24,6 +24,14 @@ pub(super) fn on_stream_shape(comm: &Comm, op: &Op) -> Option<ipc::Shape> {
     fits.then_some(shape)
 }
 
+/// The kernel a direct receive queues on its caller's stream: one copy from the sender's
+/// buffer, whose address the worker fills in. Only into device memory, which the kernel
+/// surely reaches (other memory is copied on the worker's stream).
+pub(super) fn receive_shape(op: &Op) -> Option<ipc::Shape> {
+    let device = matches!(crate::device::cuda::classify(op.recv.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }));
+    (op.kind == crate::plan::OpKind::Recv && device && !op.recv.is_empty()).then(|| vec![vec![(op.recv.len(), Indirect::Copy)]])
+}
+
 /// One step a caller's stream runs of a direct operation (`board`): wait for the gate, run
 /// the kernels (address of the first descriptor, grid size, which kernel, how many
 /// descriptors side by side), raise the flag.
@@ -57,7 +65,8 @@ impl Prepared {
     /// stream), and the steps their streams run.
     pub(super) fn take_slots(&mut self) -> Vec<Step> {
         let s = self.lock.0.clone();
-        let Some(board) = s.board.as_ref().filter(|_| s.direct_on_stream) else { return Vec::new() };
+        // (Only operations that may go on their streams have a shape.)
+        let Some(board) = s.board.as_ref() else { return Vec::new() };
         let mut steps = Vec::new();
         self.direct = self.shapes.iter_mut().map(|sh| {
             let shape = sh.take()?;

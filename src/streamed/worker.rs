@@ -336,16 +336,48 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     // Calls from now on see it (the ranks agreed in this batch, or earlier).
     s.direct_off.store(direct.off, Ordering::Relaxed);
     started()?;
-    let flagged = ops.into_iter().zip(batch.prestaged.iter().map(|&(pre, _)| pre));
-    let p2p: Vec<Flagged> = flagged.filter(|(o, _)| o.kind.is_p2p()).collect();
-    if p2p.is_empty() {
-        return Ok(());
+    // Sends and receives between ranks of this host (`Routes::eligible`, alike on both ends)
+    // pair up over their own connections (`ipc::run_p2p`); the others go through the host
+    // transports meanwhile: either may wait for what a peer does in the other.
+    let mut direct_ops = Vec::new();
+    let mut host: Vec<Flagged> = Vec::new();
+    for (i, op) in ops.iter().enumerate().filter(|(_, o)| o.kind.is_p2p()) {
+        let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
+        if s.routes.eligible(op) {
+            let offered = match batch.paths.get(i) {
+                Some(Path::Direct(Some(o))) => Some(o),
+                _ => None,
+            };
+            // A receive's copy queued on its caller's stream (`steps::receive_shape`).
+            let queued = match (batch.direct.get(i), &s.board) {
+                (Some(Some(d)), Some(board)) => Some((board, &d.ticket)),
+                _ => None,
+            };
+            direct_ops.push(ipc::P2p { op: *op, pre, offered, queued });
+        } else {
+            host.push((*op, pre));
+        }
     }
-    let plain: Vec<Op> = p2p.iter().filter(|(_, pre)| !pre).map(|(o, _)| *o).collect();
-    let mut done = ipc::run_p2p(comm, stream, &s.routes, direct, &plain)?.into_iter();
-    // In order: the caller-staged ones, and the others not done directly.
-    let rest: Vec<(Op, bool)> = p2p.into_iter().filter(|&(_, pre)| pre || !done.next().unwrap_or(false)).collect();
-    if rest.is_empty() { Ok(()) } else { run_staged(comm, stream, staging, &rest) }
+    match (direct_ops.is_empty(), host.is_empty()) {
+        (true, true) => Ok(()),
+        (true, false) => run_staged(comm, stream, staging, &host),
+        (false, true) => ipc::run_p2p(comm, stream, direct, &direct_ops),
+        (false, false) => std::thread::scope(|scope| {
+            let staged = std::thread::Builder::new().name(format!("nccl-rs-staged-{}", comm.rank))
+                .spawn_scoped(scope, || {
+                    s.ctx.make_current()?;
+                    run_staged(comm, stream, staging, &host)
+                })
+                .map_err(|e| Error::os("spawn a thread for staged sends and receives", e))?;
+            let result = ipc::run_p2p(comm, stream, direct, &direct_ops);
+            if let Err(e) = &result {
+                // The staged ones may wait for peers that now never come.
+                publish_failure(comm, e);
+            }
+            let staged = staged.join().unwrap_or_else(|_| Err(Error::internal("staged sends and receives panicked")));
+            result.and(staged)
+        }),
+    }
 }
 
 /// Run the operations with the host transports: those the caller's stream staged (flag set)

@@ -32,9 +32,10 @@
 //! PreMulSum is staged (its scaled input would need device scratch memory, allocated while
 //! streams wait).
 //!
-//! Sends and receives ([`run_p2p`]) work pairwise: the sender sends its receiver a record, the
-//! receiver copies from the mapped buffer and answers "done" (the sender's buffer is free) or
-//! "stage it" (both ends then stage that message).
+//! Sends and receives ([`run_p2p`]) work pairwise, on connections of their own (`api::rma::p2p`):
+//! the sender sends its receiver a record, the receiver copies from the mapped buffer and
+//! answers "done" (the sender's buffer is free) or "send the bytes" (a buffer it cannot map);
+//! a sender that could not publish its buffer sends the bytes with its record.
 
 mod share;
 
@@ -46,6 +47,7 @@ use crate::comm::Comm;
 use crate::device::cuda::{self, Desc, Indirect, Segment, Stream};
 use crate::device::host::{ElemOp, Region, UserPtr};
 use crate::error::{Error, Result};
+use crate::api::rma::{ANSWER, DATA, RECORD};
 use crate::plan::{Op, OpKind};
 use crate::streamed::board::{Board, Ticket};
 use crate::transport::fdpass::{self, Address};
@@ -69,6 +71,9 @@ pub struct Direct {
     refused: bool,
     /// Operations run direct so far (the first is logged).
     ran: u64,
+    /// Per peer: the direct sends to it and receives from it so far (they number messages).
+    sent: Vec<u64>,
+    received: Vec<u64>,
 }
 
 impl Direct {
@@ -93,10 +98,8 @@ pub struct Routes {
     collectives: bool,
     /// Every rank in this process: buffers are published by address alone.
     one_process: bool,
-    /// Sends and receives, per peer: only with NCCL_RS_DIRECT_P2P=1 (the exchange assumes
-    /// both ends group their sends and receives alike: a rank that sends and receives in two
-    /// calls while its peer groups both would read the peer's record where it expects an
-    /// answer; staging has no such assumption), to other ranks of this host.
+    /// Sends and receives, per peer: to other ranks of this host (NCCL_RS_DIRECT_P2P=0 stages
+    /// them all).
     p2p: Vec<bool>,
 }
 
@@ -139,8 +142,6 @@ const STEP_RECORDS: u8 = 1;
 const STEP_AGREE: u8 = 2;
 const STEP_HALFWAY: u8 = 3;
 const STEP_DONE: u8 = 4;
-const STEP_P2P_RECORD: u8 = 5;
-const STEP_P2P_ANSWER: u8 = 6;
 const STEP_TABLES: u8 = 7;
 
 /// A control operation on the host transports (every rank issues the same ones) at `step` of
@@ -181,7 +182,9 @@ pub struct Offered {
 /// still takes part in the agreement, [`decline`]).
 pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
     let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
-    if !kernels || in_place_alltoall {
+    // A send's receiver copies from it (its own kernels, or its worker's stream).
+    let kernels = kernels || op.kind == OpKind::Send;
+    if !kernels || in_place_alltoall || op.kind == OpKind::Recv {
         return None;
     }
     let mut table = Vec::new();
@@ -621,82 +624,304 @@ fn compute_steps(me: usize, n: usize, op: &Op, ins: &[Region], outs: &[Region], 
     x.phase_end(STEP_DONE)
 }
 
-/// A control message of a point-to-point exchange (host transports) at `step` of `user`'s.
-fn p2p_control(kind: OpKind, peer: usize, buf: Region, user: &Op, step: u8) -> Op {
-    let (send, recv) = if kind == OpKind::Send { (buf, Region::EMPTY) } else { (Region::EMPTY, buf) };
-    Op { kind, dt: DataType::Int8, op: RedOp::Builtin(BuiltinOp::Sum), count: buf.len(), root: peer, send, recv, seq: 0,
-         scalar_at: None, of: Some(crate::plan::ops::control_stamp(&user.stamp(), step)) }
+/// A send or receive between ranks of one host (`Routes::eligible`), as [`run_p2p`] takes it:
+/// whether the caller's stream staged it (its regions are the pool's), and a send's buffer as
+/// published at call time (None: it could not be; its bytes are staged).
+pub struct P2p<'a> {
+    pub op: Op,
+    pub pre: bool,
+    pub offered: Option<&'a Offered>,
+    /// A receive whose copy its caller's stream queued at call time: its board slot (one
+    /// phase, one copy kernel; see `streamed::board`). The worker closes the slot in any case.
+    pub queued: Option<(&'a Board, &'a Ticket)>,
 }
 
-/// The sends and receives of one group on `comm` between ranks of one host, directly: each
-/// sender tells its receiver where its buffer is, the receiver copies from it on its stream
-/// and answers whether it did. Returns, per operation, whether it was done; the others (other
-/// hosts, small, self, or a buffer that could not be published or mapped — both ends learn
-/// it from the answer) are for the caller to stage, in their order.
-pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, routes: &Routes, direct: &mut Direct, ops: &[Op])
-               -> Result<Vec<bool>> {
-    let mut done = vec![false; ops.len()];
-    let picked: Vec<usize> = (0..ops.len()).filter(|&i| routes.eligible(&ops[i])).collect();
-    if picked.is_empty() {
-        return Ok(done);
+/// A record's codes: the sender published its buffer, or not (its bytes follow at once).
+const RECORD_PUBLISHED: u64 = 1;
+const RECORD_STAGED: u64 = 0;
+/// An answer's codes: read directly (the sender's buffer is free), send the bytes, or the
+/// receive does not match the send.
+const ANSWER_DONE: u64 = 1;
+const ANSWER_STAGE: u64 = 2;
+const ANSWER_MISMATCH: u64 = 3;
+
+/// Where a send or receive of [`run_p2p`] stands.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Awaits {
+    /// A receive: the sender's record.
+    Record,
+    /// A receive: a staged message's bytes.
+    Data,
+    /// A receive: its caller's stream to run the copy queued there.
+    Kernel,
+    /// A send: the receiver's answer.
+    Answer,
+    Done,
+}
+
+/// How long a send or receive waits for its peer before it says so at WARN, and how often it
+/// asks whether the peer failed.
+const P2P_LATE: std::time::Duration = std::time::Duration::from_secs(10);
+const P2P_PROBE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The sends and receives of one batch between ranks of one host, each with its peer over the
+/// communicator's connections for them (`api::rma::p2p`): the sender sends a record of where
+/// its buffer is; the receiver copies from the mapped buffer (the kernel its caller's stream
+/// queued at call time, else on the worker's stream) and answers "done", or (a buffer the sender could not publish, or this rank cannot map) gets
+/// the bytes from the sender instead. Every operation goes on as its messages come, whatever
+/// the order: a peer may issue its matching calls in other groups, in any order the host
+/// transports allow. The caller runs the batch's other sends and receives meanwhile.
+pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[P2p]) -> Result<()> {
+    if ops.is_empty() {
+        return Ok(());
     }
     let ready = comm.ready()?;
+    let rma = &comm.rma;
+    let n = comm.nranks;
+    direct.sent.resize(n, 0);
+    direct.received.resize(n, 0);
     direct.maps.next_operation();
-    // 1. Senders publish their buffers to their receivers.
-    let mut records = vec![[0u8; RECORD_BYTES]; picked.len()];
-    for (slot, &i) in records.iter_mut().zip(&picked) {
-        if ops[i].kind == OpKind::Send {
-            // (Memory of the virtual memory API is staged here: a record holds no segment table.)
-            let mut table = Vec::new();
-            let p = share::publish(ops[i].send, true, &mut table).filter(|_| table.is_empty());
-            *slot = Record { ok: p.is_some(), input: p.unwrap_or_default(), stamp: ops[i].stamp(), ..Record::default() }
-                .encode();
-        }
+    // Each message's number: the pair's sends (receives) so far, alike on both ends.
+    let mut numbers = Vec::with_capacity(ops.len());
+    for o in ops {
+        let count = if o.op.kind == OpKind::Send { &mut direct.sent } else { &mut direct.received };
+        let c = count.get_mut(o.op.root).ok_or_else(|| Error::internal("a peer outside the communicator"))?;
+        numbers.push(*c);
+        *c += 1;
     }
-    let control: Vec<Op> = picked.iter().zip(records.iter_mut())
-        .map(|(&i, rec)| p2p_control(ops[i].kind, ops[i].root, Region::owned(rec.as_mut_slice()), &ops[i], STEP_P2P_RECORD))
-        .collect();
-    crate::group::execute_now(comm, &control)?;
-    // 2. Receivers copy what they can map.
-    let mut answers = vec![[0u8; 1]; picked.len()];
-    for ((&i, rec), answer) in picked.iter().zip(&records).zip(answers.iter_mut()) {
-        let op = &ops[i];
-        if op.kind != OpKind::Recv {
+    let mut awaits = Vec::with_capacity(ops.len());
+    for (o, &m) in ops.iter().zip(&numbers) {
+        let (op, peer) = (&o.op, o.op.root);
+        if op.kind == OpKind::Recv {
+            awaits.push(Awaits::Record);
             continue;
         }
-        let theirs = Record::decode(rec);
-        let (sender, ours) = (&ready.peers[op.root], &ready.peers[comm.rank]);
-        let other_device = sender.same_process(ours) && sender.cuda_dev != comm.cuda_dev;
-        // A message that is not the one this receive expects is staged: the host transports
-        // then report the mismatch on both ends.
-        if !theirs.ok || other_device || theirs.stamp != op.stamp() || theirs.input.len as usize != op.recv.len() {
-            continue;
-        }
-        match direct.maps.map(ours, sender, &theirs.input, Shared::default(), comm.cuda_dev) {
-            Ok(src) => {
-                stream.copy(op.recv, src)?;
-                answer[0] = 1;
+        match o.offered.filter(|_| !o.pre) {
+            Some(offered) => {
+                let rec = Record { ok: true, input: offered.input, table: offered.table.len() as u32,
+                                   server: offered.server, stamp: op.stamp(), ..Record::default() };
+                let mut table = vec![0u8; offered.table.len() * SEG_BYTES];
+                for (seg, b) in offered.table.iter().zip(table.chunks_mut(SEG_BYTES)) {
+                    encode_segment(seg, b);
+                }
+                let mut head = rec.encode();
+                rma.p2p_send(comm, peer, RECORD, m, RECORD_PUBLISHED, &[Region::owned(&mut head), Region::owned(&mut table)])?;
+                awaits.push(Awaits::Answer);
             }
-            Err(e) => crate::info!(P2P, "rank {}: cannot map rank {}'s buffer ({}); staging", comm.rank, op.root, e.msg),
+            None => {
+                let mut head = Record { ok: false, stamp: op.stamp(), ..Record::default() }.encode();
+                rma.p2p_send(comm, peer, RECORD, m, RECORD_STAGED, &[Region::owned(&mut head)])?;
+                send_bytes(comm, stream, o, m)?;
+                awaits.push(Awaits::Done);
+            }
         }
     }
-    stream.synchronize()?;
-    // 3. Receivers answer: done (the sender's buffer is free again) or stage it.
-    let control: Vec<Op> = picked.iter().zip(answers.iter_mut())
-        .map(|(&i, a)| {
-            let kind = if ops[i].kind == OpKind::Recv { OpKind::Send } else { OpKind::Recv };
-            p2p_control(kind, ops[i].root, Region::owned(a.as_mut_slice()), &ops[i], STEP_P2P_ANSWER)
-        })
-        .collect();
-    crate::group::execute_now(comm, &control)?;
-    for (&i, a) in picked.iter().zip(&answers) {
-        done[i] = a[0] == 1;
+    let since = std::time::Instant::now();
+    let (mut warned, mut lost_before, mut spins) = (false, false, 0u32);
+    let mut last_probe = since;
+    let mut copied = Vec::new();
+    let mut ran = 0u64;
+    while awaits.iter().any(|&a| a != Awaits::Done) {
+        let seen = rma.p2p_arrived();
+        let mut progressed = false;
+        let mut synced = true;
+        for (i, o) in ops.iter().enumerate() {
+            let (op, peer, m) = (&o.op, o.op.root, numbers[i]);
+            match awaits[i] {
+                Awaits::Record => {
+                    let Some(msg) = rma.p2p_take(peer, RECORD, m) else { continue };
+                    progressed = true;
+                    awaits[i] = Awaits::Data;
+                    match read_record(comm, ready, direct, op, m, &msg)? {
+                        // The bytes follow by themselves.
+                        Sender::Staged => {}
+                        Sender::Mapped(src) => match o.queued {
+                            Some((board, t)) => {
+                                let desc = Desc::Copy { dst: op.recv.addr(), src: src.addr(), bytes: op.recv.len() };
+                                board.write(t, 0, desc);
+                                board.open(t, t.step_value(1));
+                                awaits[i] = Awaits::Kernel;
+                            }
+                            None => {
+                                stream.copy(op.recv, src)?;
+                                synced = false;
+                                copied.push(i);
+                                awaits[i] = Awaits::Done;
+                            }
+                        },
+                        Sender::Unmapped => rma.p2p_send(comm, peer, ANSWER, m, ANSWER_STAGE, &[])?,
+                    }
+                }
+                Awaits::Data => {
+                    let Some(mut msg) = rma.p2p_take(peer, DATA, m) else { continue };
+                    progressed = true;
+                    if msg.bytes.len() != op.recv.len() {
+                        return Err(Error::internal(format!("{}: {} bytes came from rank {peer} for {} expected",
+                                                           op.describe(), msg.bytes.len(), op.recv.len())));
+                    }
+                    let bytes = Region::owned(&mut msg.bytes);
+                    if o.pre {
+                        crate::device::host::copy(op.recv, bytes);
+                    } else {
+                        // Done before the message is dropped (and before the caller's stream,
+                        // which may wait at the copy it queued, moves on: that copy now does
+                        // nothing).
+                        stream.copy(op.recv, bytes)?;
+                        stream.synchronize()?;
+                    }
+                    if let Some((board, t)) = o.queued {
+                        board.close(t);
+                    }
+                    awaits[i] = Awaits::Done;
+                }
+                Awaits::Kernel => {
+                    let Some((board, t)) = o.queued else { return Err(Error::internal("a queued copy without a slot")) };
+                    if !board.flag_reached(t, t.step_value(1)) {
+                        continue;
+                    }
+                    progressed = true;
+                    board.open(t, t.final_gate());
+                    rma.p2p_send(comm, peer, ANSWER, m, ANSWER_DONE, &[])?;
+                    ran += 1;
+                    awaits[i] = Awaits::Done;
+                }
+                Awaits::Answer => {
+                    let Some(msg) = rma.p2p_take(peer, ANSWER, m) else { continue };
+                    progressed = true;
+                    match msg.code {
+                        ANSWER_DONE => ran += 1,
+                        ANSWER_STAGE => send_bytes(comm, stream, o, m)?,
+                        _ => return Err(Error::invalid_usage(format!(
+                            "rank {}: {} does not match what rank {peer} receives", comm.rank, op.describe()))),
+                    }
+                    awaits[i] = Awaits::Done;
+                }
+                Awaits::Done => {}
+            }
+        }
+        if !synced {
+            // The sender's buffer is free once the copies out of it are done.
+            stream.synchronize()?;
+            for &i in &copied {
+                rma.p2p_send(comm, ops[i].op.root, ANSWER, numbers[i], ANSWER_DONE, &[])?;
+            }
+            ran += copied.len() as u64;
+            copied.clear();
+        }
+        if progressed {
+            lost_before = false;
+            spins = 0;
+            continue;
+        }
+        // Nothing came: why not?
+        if comm.abort.load(std::sync::atomic::Ordering::Acquire) || comm.revoked.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Error::invalid_usage("communicator aborted or revoked during a send or receive"));
+        }
+        if let Some(e) = comm.async_error() {
+            return Err(e);
+        }
+        let waiting: Vec<usize> = (0..ops.len()).filter(|&i| awaits[i] != Awaits::Done).collect();
+        let lost = waiting.iter().find_map(|&i| rma.p2p_lost(ops[i].op.root).map(|e| (i, e)));
+        if let Some((i, e)) = lost {
+            // What came before the connection ended is taken first.
+            if lost_before {
+                return Err(e.context(format!("rank {}: {}", comm.rank, ops[i].op.describe())));
+            }
+            lost_before = true;
+            continue;
+        }
+        if last_probe.elapsed() >= P2P_PROBE_EVERY {
+            // A peer that failed elsewhere (its host transports, a kernel) or is gone sends
+            // nothing more: ask, once a second.
+            last_probe = std::time::Instant::now();
+            let mut peers: Vec<usize> = waiting.iter().map(|&i| ops[i].op.root).collect();
+            peers.dedup();
+            for p in peers {
+                if let Some(e) = comm.peer_failure(p) {
+                    return Err(e.context(format!("rank {}: a send or receive with rank {p}", comm.rank)));
+                }
+                if let Some((why, true)) = comm.peer_gone(p) {
+                    return Err(Error::remote(format!("rank {}: lost {} ({why}) during a send or receive", comm.rank,
+                                                     comm.describe_peer(p))));
+                }
+            }
+        }
+        if !warned && since.elapsed() >= P2P_LATE {
+            warned = true;
+            let what: Vec<String> = waiting.iter().map(|&i| format!("{} ({:?})", ops[i].op.describe(), awaits[i])).collect();
+            crate::warn!("rank {}: waiting {:.0} s for peers' matching calls: {}", comm.rank, since.elapsed().as_secs_f64(),
+                         what.join(", "));
+        }
+        if awaits.contains(&Awaits::Kernel) {
+            // A flag in host memory, not a message: polled.
+            crate::streamed::back_off(&mut spins);
+        } else {
+            rma.p2p_wait(seen, std::time::Duration::from_millis(50));
+        }
     }
-    if direct.ran == 0 && done.iter().any(|&d| d) {
+    if direct.ran == 0 && ran > 0 {
         crate::info!(P2P, "rank {}: device buffers of peers on this host are read directly (CUDA IPC / same process), \
                            from point-to-point calls", comm.rank);
     }
-    direct.ran += done.iter().filter(|&&d| d).count() as u64;
+    direct.ran += ran;
     direct.maps.close_unkept();
-    Ok(done)
+    Ok(())
+}
+
+/// What a receiver makes of its sender's record.
+enum Sender {
+    /// The sender could not publish its buffer: its bytes follow.
+    Staged,
+    /// Its buffer, mapped here.
+    Mapped(Region),
+    /// Published, but this rank cannot map it (it answers so, and the bytes follow).
+    Unmapped,
+}
+
+/// The record of the send that `op` (a receive) matches, checked against it: a send of
+/// another size or type is an error on both ends (the sender is answered so).
+fn read_record(comm: &Comm, ready: &crate::comm::Ready, direct: &mut Direct, op: &Op, m: u64,
+               msg: &crate::api::rma::Message) -> Result<Sender> {
+    let (me, peer) = (comm.rank, op.root);
+    let theirs = (msg.bytes.len() >= RECORD_BYTES).then(|| Record::decode(&msg.bytes));
+    let Some(theirs) = theirs.filter(|r| r.stamp == op.stamp()) else {
+        let _ = comm.rma.p2p_send(comm, peer, ANSWER, m, ANSWER_MISMATCH, &[]);
+        let what = theirs.map_or_else(|| "a malformed record".to_string(), |r| crate::plan::ops::describe_stamp(&r.stamp));
+        return Err(Error::invalid_usage(format!("rank {me}: {} matched rank {peer}'s {what}: they must agree", op.describe())));
+    };
+    if msg.code != RECORD_PUBLISHED {
+        return Ok(Sender::Staged);
+    }
+    let table: Vec<Segment> = msg.bytes[RECORD_BYTES..].chunks_exact(SEG_BYTES).map(decode_segment).collect();
+    let (sender, ours) = (&ready.peers[peer], &ready.peers[me]);
+    if table.len() != theirs.table as usize || table.len() > MAX_TABLE {
+        return Err(Error::internal(format!("rank {me}: a record from rank {peer} with a table of {} entries", table.len())));
+    }
+    if sender.same_process(ours) && sender.cuda_dev != comm.cuda_dev {
+        // Another device of this process: its memory needs peer access we have not enabled.
+        return Ok(Sender::Unmapped);
+    }
+    let shared = Shared { table: &table, server: theirs.server };
+    match direct.maps.map(ours, sender, &theirs.input, shared, comm.cuda_dev) {
+        Ok(src) if src.len() == op.recv.len() => Ok(Sender::Mapped(src)),
+        Ok(src) => Err(Error::internal(format!("rank {me}: rank {peer} published {} bytes for {}", src.len(),
+                                               op.describe()))),
+        Err(e) => {
+            crate::info!(P2P, "rank {me}: cannot map rank {peer}'s buffer ({}); staging", e.msg);
+            Ok(Sender::Unmapped)
+        }
+    }
+}
+
+/// A send's bytes to its receiver as message `m`: from the pool where its caller's stream
+/// staged them, else copied to host memory first.
+fn send_bytes(comm: &Comm, stream: &Stream, o: &P2p, m: u64) -> Result<()> {
+    let (op, peer) = (&o.op, o.op.root);
+    if o.pre {
+        return comm.rma.p2p_send(comm, peer, DATA, m, 0, &[op.send]);
+    }
+    let mut bytes = vec![0u8; op.send.len()];
+    stream.copy(Region::owned(&mut bytes), op.send)?;
+    stream.synchronize()?;
+    comm.rma.p2p_send(comm, peer, DATA, m, 0, &[Region::owned(&mut bytes)])
 }

@@ -18,6 +18,10 @@ pub const OP_SIGNAL: u32 = 2;
 /// CUDA mode: asks for a window's CUDA IPC handle (a [`WindowInfo`] answers on the same
 /// connection, which carries nothing else); counts no signal.
 pub const OP_WINDOW: u32 = 3;
+/// CUDA mode: a message of a send or receive between ranks of one host (`transport::ipc`) on a
+/// connection of its own: its kind in `ctx`, the pair's message number in `window`, a code in
+/// `offset`, and `len` bytes of payload; counts no signal.
+pub const OP_P2P: u32 = 4;
 const HEADER_BYTES: usize = 40;
 const INFO_BYTES: usize = 4 + 4 + 64 + 8 + 8 + 8;
 
@@ -60,7 +64,8 @@ impl Frame {
             u64::from_le_bytes(w)
         };
         let f = Frame { op: u32_at(0), ctx: u32_at(4), sig: u32_at(8), window: u64_at(16), offset: u64_at(24), len: u64_at(32) };
-        if !matches!(f.op, OP_PUT | OP_SIGNAL | OP_WINDOW) || (f.op != OP_PUT && f.len != 0) {
+        let carries_bytes = matches!(f.op, OP_PUT | OP_P2P);
+        if !matches!(f.op, OP_PUT | OP_SIGNAL | OP_WINDOW | OP_P2P) || (!carries_bytes && f.len != 0) {
             return Err(Error::system(format!("one-sided operation with a bad header (op {}, {} bytes)", f.op, f.len)));
         }
         Ok(f)
@@ -112,6 +117,17 @@ pub fn receive_into(s: &mut TcpStream, dst: Region) -> Result<()> {
     // deregistered, and what the target reads there before the put's signal is undefined.
     let bytes = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, dst.len()) };
     s.read_exact(bytes).map_err(|e| Error::os("one-sided operation: receive", e))
+}
+
+/// `len` bytes of a message's payload, into memory of their own; a length the system cannot
+/// hold is refused, not allocated.
+pub fn receive_vec(s: &mut TcpStream, len: u64) -> Result<Vec<u8>> {
+    let n = usize::try_from(len).map_err(|_| Error::system(format!("a message of {len} bytes")))?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::system(format!("no memory for a message of {len} bytes")))?;
+    v.resize(n, 0);
+    s.read_exact(&mut v).map_err(|e| Error::os("point-to-point message: receive", e))?;
+    Ok(v)
 }
 
 /// What a target says of its window (`OP_WINDOW`): whether a peer of its host may write it
@@ -218,6 +234,8 @@ mod tests {
         assert!(Frame::decode(&signal_with_data.encode()).is_err(), "a signal carrying bytes is refused");
         let ask = Frame { op: OP_WINDOW, len: 0, ..f };
         assert_eq!(Frame::decode(&ask.encode()).unwrap(), ask);
+        let message = Frame { op: OP_P2P, ..f };
+        assert_eq!(Frame::decode(&message.encode()).unwrap(), message, "a point-to-point message carries bytes");
     }
 
     #[test]
