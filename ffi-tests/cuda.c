@@ -5,7 +5,8 @@
  *   CUDA_TEST_FAULT=1|graph|shrink cuda (2 processes; the harness kills process 1 once it prints
  *                                LOOPING; graph: the all-reduces are launches of a captured graph;
  *                                shrink: 3 processes, the survivors shrink and go on)
- *   CUDA_TEST_MISMATCH=1|small cuda   (2 processes issuing all-reduces of different counts)
+ *   CUDA_TEST_MISMATCH=1|small|p2p cuda   (2 processes issuing all-reduces of different
+ *                                     counts, or a send and a receive of different sizes)
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
  *                                all-reduce of N floats, 1 meaning 1024)
  *   CUDA_TEST_LAUNCH_FAIL=1 cuda (2 processes; process 1 with NCCL_RS_STUB_LAUNCH_FAILS=1)
@@ -2213,16 +2214,27 @@ static int mismatch(void) {
   /* CUDA_TEST_MISMATCH=small: rank 1's call is below the direct path's size, so the ranks do
    * not even take the same path. */
   const int small = !strcmp(getenv("CUDA_TEST_MISMATCH"), "small");
+  /* CUDA_TEST_MISMATCH=p2p: rank 0 sends 100000 floats to rank 1, which receives 200000 (both
+   * read directly): the receiver must not copy a buffer of the wrong size, and the two get the
+   * error, naming the send and the receive. */
+  const int p2p = !strcmp(getenv("CUDA_TEST_MISMATCH"), "p2p");
   const size_t count = g_env.first_rank == 0 ? 100000 : small ? 1000 : 200000;
+  const char* named = p2p ? (g_env.first_rank == 0 ? "Send" : "Recv") : "AllReduce";
   CUdeviceptr d = dev_alloc(200000 * sizeof(float));
   ncclComm_t comm = g_comms[0];
-  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, g_streams[0]));
+  if (p2p && g_env.first_rank == 0) {
+    CHECK(ncclSend((const void*)(uintptr_t)d, count, ncclFloat32, 1, comm, g_streams[0]));
+  } else if (p2p) {
+    CHECK(ncclRecv((void*)(uintptr_t)d, count, ncclFloat32, 0, comm, g_streams[0]));
+  } else {
+    CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm, g_streams[0]));
+  }
   CU(cu.StreamSynchronize(g_streams[0]));
   ncclResult_t r = ncclSuccess;
   CHECK(ncclCommGetAsyncError(comm, &r));
   const char* why = ncclGetLastError(comm);
-  EXPECT(r == ncclInvalidUsage || r == ncclRemoteError, "mismatched all-reduces gave %s (%s)", result_name(r), why);
-  EXPECT(why && strstr(why, "AllReduce"), "the error does not name the calls: '%s'", why ? why : "(null)");
+  EXPECT(r == ncclInvalidUsage || r == ncclRemoteError, "mismatched calls gave %s (%s)", result_name(r), why);
+  EXPECT(why && strstr(why, named), "the error does not name the %s: '%s'", named, why ? why : "(null)");
   /* The direct path's internal exchanges are named by the call they serve, not by themselves. */
   EXPECT(why && !strstr(why, "AllGather") && !strstr(why, "int8"), "the error names internal operations: '%s'", why ? why : "(null)");
   tlog("mismatch: %s: %s", result_name(r), why);

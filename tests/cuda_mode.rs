@@ -867,11 +867,12 @@ fn cuda_mode_unclassifiable_buffer_fails_the_call() {
     assert!(o.ok(), "{}", o.report);
 }
 
-/// Ranks issuing all-reduces of different counts on device memory (direct-path sizes) get
-/// ncclInvalidUsage naming the calls, never each other's data read as the same call.
+/// Ranks issuing all-reduces of different counts on device memory (direct-path sizes), or a
+/// send and a receive of different sizes, get ncclInvalidUsage naming the calls, never each
+/// other's data read as the same call.
 #[test]
 fn cuda_mode_mismatched_calls_are_reported() {
-    for case in ["1", "small"] {
+    for case in ["1", "small", "p2p"] {
         let o = cuda_job().procs(2).env("CUDA_TEST_MISMATCH", case).timeout_s(60).run_outcome();
         assert!(o.ok(), "{}", o.report);
         println!("{}", o.report);

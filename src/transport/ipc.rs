@@ -887,7 +887,7 @@ fn read_record(comm: &Comm, ready: &crate::comm::Ready, direct: &mut Direct, op:
     let Some(theirs) = theirs.filter(|r| r.stamp == op.stamp()) else {
         let _ = comm.rma.p2p_send(comm, peer, ANSWER, m, ANSWER_MISMATCH, &[]);
         let what = theirs.map_or_else(|| "a malformed record".to_string(), |r| crate::plan::ops::describe_stamp(&r.stamp));
-        return Err(Error::invalid_usage(format!("rank {me}: {} matched rank {peer}'s {what}: they must agree", op.describe())));
+        return Err(Error::invalid_usage(format!("rank {me}: {} matched {what} from rank {peer}: they must agree", op.describe())));
     };
     if msg.code != RECORD_PUBLISHED {
         return Ok(Sender::Staged);
