@@ -538,21 +538,25 @@ static void in_place(void) {
   for (int c = C_ALLREDUCE; c <= C_SCATTER; c++) run_coll((coll_t)c, 40099, 1, 0, 7 + c);
 }
 
-/* A ring of sends and receives in one group, on device memory, three rounds. Each round sends
- * three messages to the next rank: large, small, large — the large ones go direct between
- * ranks of a host, the small one is staged, and each must still land in its own buffer. */
+/* A ring of sends and receives in one group, on device memory, four rounds, the last in place.
+ * Each round sends three messages to the next rank: large, small, large — the large ones go
+ * direct between ranks of a host, the small one is staged, and each must still land in its
+ * own buffer. */
 static void p2p(void) {
   test_step("p2p");
   const int n = g_env.nranks;
   const size_t counts[3] = {70000, 1000, 70001};
   const size_t offs[3] = {0, 70000, 71000}, total = 141001;
-  for (int round = 0; round < 3; round++) {
+  /* The last round is in place: each rank sends from and receives into one buffer, so a
+   * peer must have what was there before the receives wrote it. */
+  for (int round = 0; round < 4; round++) {
+    const int in_place = round == 3;
     CUdeviceptr ds[MAX_LOCAL], dr[MAX_LOCAL];
     float *hin[MAX_LOCAL], *hout[MAX_LOCAL];
     for (int l = 0; l < g_env.local; l++) {
       int rank = g_env.first_rank + l;
       ds[l] = dev_alloc(total * sizeof(float));
-      dr[l] = dev_alloc(total * sizeof(float));
+      dr[l] = in_place ? ds[l] : dev_alloc(total * sizeof(float));
       hin[l] = host_alloc(total * sizeof(float));
       hout[l] = host_alloc(total * sizeof(float));
       for (size_t j = 0; j < total; j++) hin[l][j] = in_value(rank, j, round);
@@ -574,9 +578,10 @@ static void p2p(void) {
       int rank = g_env.first_rank + l, from = (rank + n - 1) % n;
       size_t bad = 0;
       for (size_t j = 0; j < total; j++) bad += hout[l][j] != in_value(from, j, round);
-      EXPECT(bad == 0, "p2p round %d rank %d: %zu wrong values from rank %d", round, rank, bad, from);
+      EXPECT(bad == 0, "p2p round %d%s rank %d: %zu wrong values from rank %d", round, in_place ? " (in place)" : "",
+             rank, bad, from);
       dev_free(ds[l]);
-      dev_free(dr[l]);
+      if (!in_place) dev_free(dr[l]);
       CU(cu.MemFreeHost(hin[l]));
       CU(cu.MemFreeHost(hout[l]));
     }

@@ -185,6 +185,17 @@ fn release_carve(s: &Streamed, id: u64, events: Vec<Event>) {
     }
 }
 
+/// The worker's part of the callers' pinned pool: where the bytes a receive is sent go for the
+/// copy kernel its caller's stream queued (no device call of the worker's own).
+impl ipc::Bounce for Streamed {
+    fn take(&self, len: usize) -> Option<(Region, usize, u64)> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).as_mut()?.carve_for_worker(len)
+    }
+    fn give_back(&self, id: u64) {
+        release_carve(self, id, Vec::new());
+    }
+}
+
 /// What the worker takes work from: shared with the operations captured into CUDA graphs,
 /// which may outlive the communicator (`capture`), so it holds nothing of the driver's once
 /// the worker has stopped.
@@ -245,8 +256,8 @@ enum Path {
     Staged,
     /// A collective that could go direct but this rank cannot take (`ipc::offer`: its buffers
     /// have no CUDA IPC, an in-place all-to-all, no kernels): it takes part in the agreement,
-    /// then every rank stages it. A send whose buffer cannot be published: its bytes are
-    /// staged to the receiver (`ipc::run_p2p`).
+    /// then every rank stages it. A send whose buffer cannot be published, or that a receive
+    /// of its batch writes into: its bytes are staged to the receiver (`ipc::run_p2p`).
     Declined,
     /// Direct: a collective or send with its buffers published at call time, or a receive on
     /// the direct path (which learns at run time whether it can read the sender's buffer).
@@ -583,6 +594,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
 /// never do.
 fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
     let off = s.direct_off.load(Ordering::Relaxed);
+    let received = Received::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
     ops.iter()
         .map(|o| {
             let p2p = o.op.kind.is_p2p();
@@ -590,11 +602,43 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
                 (false, _) => Path::Staged,
                 // The receiver learns at run time whether it can read the sender's buffer.
                 (true, OpKind::Recv) => Path::Direct(None),
+                // A peer reading it directly could read what a receive of this batch already
+                // wrote there (an in-place exchange: ncclSend and ncclRecv of one buffer in a
+                // group): its bytes are taken now, in stream order, and staged.
+                (true, OpKind::Send) if received.overlaps(o.op.send) => Path::Declined,
                 (true, _) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes)
                     .map_or(Path::Declined, |o| Path::Direct(Some(o))),
             }
         })
         .collect()
+}
+
+/// The buffers a batch's receives write, to tell whether a send's buffer overlaps one of them
+/// in O(log n) (a group of all-to-all sends and receives holds two per peer).
+pub(super) struct Received {
+    /// Sorted by start, each with the furthest end of it and those before it.
+    starts: Vec<(usize, usize)>,
+}
+
+impl Received {
+    pub(super) fn new(written: impl Iterator<Item = Region>) -> Received {
+        let mut regions: Vec<(usize, usize)> = written.filter(|r| !r.is_empty())
+            .map(|r| (r.addr(), r.addr() + r.len()))
+            .collect();
+        regions.sort_unstable();
+        let mut furthest = 0;
+        for r in &mut regions {
+            furthest = furthest.max(r.1);
+            r.1 = furthest;
+        }
+        Received { starts: regions }
+    }
+
+    pub(super) fn overlaps(&self, r: Region) -> bool {
+        // The receives starting before `r` ends; one of them reaches into it if the furthest does.
+        let before = self.starts.partition_point(|&(start, _)| start < r.addr() + r.len());
+        !r.is_empty() && before > 0 && self.starts[before - 1].1 > r.addr()
+    }
 }
 
 /// The signal `st` gives when it reaches this point (see [`Start`]).

@@ -150,6 +150,9 @@ fn cuda_mode_direct_sends_and_receives() {
     for part in ["P2P", "P2PPairings", "Mixed", "Torch"] {
         run_expecting_direct(cuda_job().procs(2).arg("--only").arg(part), part != "Mixed");
     }
+    // The stream worker staging what it sends (no caller's stream does when calls wait on the
+    // host): its in-place round too.
+    run_expecting_direct(cuda_job().procs(2).env("NCCL_RS_HOST_WAIT", "1").arg("--only").arg("P2P"), true);
     let off = cuda_job().procs(2).env("NCCL_RS_DIRECT_P2P", "0");
     for (job, direct) in [(cuda_job().procs(2), true), (cuda_job().local(2), true), (off, false)] {
         let o = job.arg("--only").arg("P2PPairings").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
@@ -742,7 +745,7 @@ fn cuda_mode_2_processes_of_2_ranks() {
 /// The benchmark tool with device buffers (`--device 1`; `--device 2`: of the virtual memory
 /// API, as PyTorch's expandable segments place them; `-G 2`: calls captured into CUDA graphs,
 /// with NCCL_RS_GRAPH_CAPTURE=1): every size checked exactly, as processes and as ranks of one
-/// process sharing the device.
+/// process sharing the device. Its sendrecv in place sends from and receives into one buffer.
 #[test]
 fn perf_tool_runs_and_checks_device_buffers() {
     // NCCL_RS_PERF: the binary beside this test when both were copied to another machine.
@@ -751,7 +754,8 @@ fn perf_tool_runs_and_checks_device_buffers() {
     // iteration, once for the check.
     let runs = [("allreduce", ["-np", "2"], "1", "0"), ("allgather", ["-t", "2"], "1", "0"),
                 ("reducescatter", ["-np", "2"], "1", "0"), ("allreduce", ["-np", "2"], "2", "0"),
-                ("allreduce", ["-np", "2"], "1", "2"), ("reducescatter", ["-t", "2"], "2", "2")];
+                ("allreduce", ["-np", "2"], "1", "2"), ("reducescatter", ["-t", "2"], "2", "2"),
+                ("sendrecv", ["-np", "2"], "1", "0"), ("sendrecv", ["-t", "2"], "2", "0")];
     for (op, layout, device, graph) in runs {
         let mut cmd = std::process::Command::new(&perf);
         cmd.arg(op).args(layout).args(["--device", device, "-b", "8", "-e", "1M", "-f", "32", "-n", "2", "-w", "1", "-d", "bfloat16"]);

@@ -113,6 +113,18 @@ impl Pool {
         self.next_id
     }
 
+    /// `len` bytes for the stream worker, if free now (nothing waits for space): their host
+    /// region, the address kernels read them at, and the carve's id, to give back
+    /// ([`Pool::release`], with no events) once the kernel reading them has finished.
+    pub(super) fn carve_for_worker(&mut self, len: usize) -> Option<(Region, usize, u64)> {
+        let n = aligned(len.max(1));
+        let start = self.alloc(n)?;
+        let mem = self.mem.as_ref()?;
+        let host = mem.region().sub(start, len);
+        let device = mem.device_addr() + start;
+        Some((host, device, self.push(start)))
+    }
+
     /// The events that give carve `id` back.
     pub(super) fn release(&mut self, id: u64, events: Vec<Event>) {
         if let Some(c) = self.inflight.iter_mut().find(|c| c.id == id) {

@@ -16,7 +16,7 @@ use crate::comm::Comm;
 use crate::device::cuda::Stream;
 use crate::device::host::Region;
 use crate::error::{Error, Result};
-use crate::plan::Op;
+use crate::plan::{Op, OpKind};
 use crate::transport::ipc::{self, Direct};
 
 /// The worker's loop: batches in order until the communicator closes.
@@ -339,11 +339,16 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     // Sends and receives between ranks of this host (`Routes::eligible`, alike on both ends)
     // pair up over their own connections (`ipc::run_p2p`); the others go through the host
     // transports meanwhile: either may wait for what a peer does in the other.
+    let snapshots = take_overwritten_sends(stream, &ops, &batch.prestaged)?;
     let mut direct_ops = Vec::new();
     let mut host: Vec<Flagged> = Vec::new();
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| o.kind.is_p2p()) {
         let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
-        if s.routes.eligible(op) {
+        let (op, pre) = match snapshots.iter().find(|(k, ..)| *k == i) {
+            Some((_, region, _)) => (Op { send: *region, ..*op }, true),
+            None => (*op, pre),
+        };
+        if s.routes.eligible(&op) {
             let offered = match batch.paths.get(i) {
                 Some(Path::Direct(Some(o))) => Some(o),
                 _ => None,
@@ -353,15 +358,15 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
                 (Some(Some(d)), Some(board)) => Some((board, &d.ticket)),
                 _ => None,
             };
-            direct_ops.push(ipc::P2p { op: *op, pre, offered, queued });
+            direct_ops.push(ipc::P2p { op, pre, offered, queued });
         } else {
-            host.push((*op, pre));
+            host.push((op, pre));
         }
     }
     match (direct_ops.is_empty(), host.is_empty()) {
         (true, true) => Ok(()),
         (true, false) => run_staged(comm, stream, staging, &host),
-        (false, true) => ipc::run_p2p(comm, stream, direct, &direct_ops),
+        (false, true) => ipc::run_p2p(comm, stream, direct, s, &direct_ops),
         (false, false) => std::thread::scope(|scope| {
             let staged = std::thread::Builder::new().name(format!("nccl-rs-staged-{}", comm.rank))
                 .spawn_scoped(scope, || {
@@ -369,7 +374,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
                     run_staged(comm, stream, staging, &host)
                 })
                 .map_err(|e| Error::os("spawn a thread for staged sends and receives", e))?;
-            let result = ipc::run_p2p(comm, stream, direct, &direct_ops);
+            let result = ipc::run_p2p(comm, stream, direct, s, &direct_ops);
             if let Err(e) = &result {
                 // The staged ones may wait for peers that now never come.
                 publish_failure(comm, e);
@@ -378,6 +383,36 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
             result.and(staged)
         }),
     }
+}
+
+/// The sends of a batch whose buffers a receive of the batch writes into (an in-place
+/// exchange: ncclSend and ncclRecv of one buffer in a group), each read whole into host memory
+/// now: the receive may land before a peer reading it directly, or the host transports, have
+/// read it (`streamed::paths` declined these the direct path). Those the caller's stream
+/// staged are its pool's already, and so are the receives it staged. Per send: its index and
+/// the region of its bytes, which live as long as the returned buffers.
+fn take_overwritten_sends(stream: &Stream, ops: &[Op], prestaged: &[(bool, Option<Region>)])
+                          -> Result<Vec<(usize, Region, Vec<u8>)>> {
+    let pre = |i: usize| prestaged.get(i).is_some_and(|&(pre, _)| pre);
+    let written = super::Received::new(
+        ops.iter().enumerate().filter(|&(i, o)| o.kind == OpKind::Recv && !pre(i)).map(|(_, o)| o.recv));
+    let mut taken = Vec::new();
+    for (i, op) in ops.iter().enumerate() {
+        if op.kind != OpKind::Send || pre(i) || !written.overlaps(op.send) {
+            continue;
+        }
+        let mut bytes = Vec::new();
+        bytes.try_reserve_exact(op.send.len())
+            .map_err(|_| Error::system(format!("no memory for a copy of the {} bytes of {}", op.send.len(), op.describe())))?;
+        bytes.resize(op.send.len(), 0);
+        stream.copy(Region::owned(&mut bytes), op.send)?;
+        let region = Region::owned(&mut bytes);
+        taken.push((i, region, bytes));
+    }
+    if !taken.is_empty() {
+        stream.synchronize()?;
+    }
+    Ok(taken)
 }
 
 /// Run the operations with the host transports: those the caller's stream staged (flag set)

@@ -636,6 +636,15 @@ pub struct P2p<'a> {
     pub queued: Option<(&'a Board, &'a Ticket)>,
 }
 
+/// Pinned memory the copy kernel a receive's caller's stream queued can read: where the bytes
+/// of a send the receiver cannot read directly go (`streamed`'s pool).
+pub trait Bounce {
+    /// `len` bytes, if free now: their host region, the address kernels read them at, and a
+    /// key to give them back with once the kernel has read them.
+    fn take(&self, len: usize) -> Option<(Region, usize, u64)>;
+    fn give_back(&self, key: u64);
+}
+
 /// A record's codes: the sender published its buffer, or not (its bytes follow at once).
 const RECORD_PUBLISHED: u64 = 1;
 const RECORD_STAGED: u64 = 0;
@@ -667,11 +676,12 @@ const P2P_PROBE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 /// The sends and receives of one batch between ranks of one host, each with its peer over the
 /// communicator's connections for them (`api::rma::p2p`): the sender sends a record of where
 /// its buffer is; the receiver copies from the mapped buffer (the kernel its caller's stream
-/// queued at call time, else on the worker's stream) and answers "done", or (a buffer the sender could not publish, or this rank cannot map) gets
-/// the bytes from the sender instead. Every operation goes on as its messages come, whatever
+/// queued at call time, else on the worker's stream) and answers "done", or (a buffer the
+/// sender could not publish, or this rank cannot map) gets the bytes from the sender instead,
+/// which that kernel copies from `bounce` where it has room. Every operation goes on as its messages come, whatever
 /// the order: a peer may issue its matching calls in other groups, in any order the host
 /// transports allow. The caller runs the batch's other sends and receives meanwhile.
-pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[P2p]) -> Result<()> {
+pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &dyn Bounce, ops: &[P2p]) -> Result<()> {
     if ops.is_empty() {
         return Ok(());
     }
@@ -720,6 +730,9 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[P2
     let (mut warned, mut lost_before, mut spins) = (false, false, 0u32);
     let mut last_probe = since;
     let mut copied = Vec::new();
+    // Per operation: the bounce its queued kernel copies from (its bytes were sent; nobody
+    // waits for an answer). Kept on an error: a kernel may still read it.
+    let mut bounced: Vec<Option<u64>> = vec![None; ops.len()];
     let mut ran = 0u64;
     while awaits.iter().any(|&a| a != Awaits::Done) {
         let seen = rma.p2p_arrived();
@@ -760,6 +773,19 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[P2
                                                            op.describe(), msg.bytes.len(), op.recv.len())));
                     }
                     let bytes = Region::owned(&mut msg.bytes);
+                    let pinned = match o.queued {
+                        Some(_) if !o.pre => bounce.take(bytes.len()),
+                        _ => None,
+                    };
+                    if let (Some((board, t)), Some((host, device, key))) = (o.queued, pinned) {
+                        // The caller's stream copies them, with the kernel it queued.
+                        crate::device::host::copy(host, bytes);
+                        board.write(t, 0, Desc::Copy { dst: op.recv.addr(), src: device, bytes: op.recv.len() });
+                        board.open(t, t.step_value(1));
+                        bounced[i] = Some(key);
+                        awaits[i] = Awaits::Kernel;
+                        continue;
+                    }
                     if o.pre {
                         crate::device::host::copy(op.recv, bytes);
                     } else {
@@ -781,8 +807,13 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, ops: &[P2
                     }
                     progressed = true;
                     board.open(t, t.final_gate());
-                    rma.p2p_send(comm, peer, ANSWER, m, ANSWER_DONE, &[])?;
-                    ran += 1;
+                    match bounced[i].take() {
+                        Some(key) => bounce.give_back(key),
+                        None => {
+                            rma.p2p_send(comm, peer, ANSWER, m, ANSWER_DONE, &[])?;
+                            ran += 1;
+                        }
+                    }
                     awaits[i] = Awaits::Done;
                 }
                 Awaits::Answer => {
