@@ -26,7 +26,8 @@
 #      collectives went direct; (3c) collectives captured by torch.cuda.graph and replayed
 #      (NCCL_RS_GRAPH_CAPTURE=1, experimental), and the benchmark's -G rows;
 #   4. (c) nccl-rs-perf: allreduce and allgather on 2 ranks with device buffers (--device 1;
-#      allreduce also on virtual-memory buffers, --device 2)
+#      allreduce also on virtual-memory buffers, --device 2), sendrecv read directly beside
+#      sendrecv staged (NCCL_RS_DIRECT_P2P=0; in place, both are staged)
 #      next to the device-to-device copy bandwidth measured in the same run, and 1-rank
 #      allreduce latency next to NVIDIA's NCCL (PyTorch's) in the same run, both through
 #      PyTorch (and ours through nccl-rs-perf);
@@ -201,6 +202,9 @@ step perf-cuda-allreduce-2 50 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --dev
 # descriptors at its first use of them).
 step perf-cuda-allreduce-2-vmm 40 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 2 -b 64K -e 256M -f 8 -n 5 -w 1
 step perf-cuda-allgather-2 50 "$PREP/run/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
+step perf-cuda-sendrecv-2 30 "$PREP/run/bin/nccl-rs-perf" sendrecv -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
+step perf-cuda-sendrecv-2-staged 30 env NCCL_RS_DIRECT_P2P=0 "$PREP/run/bin/nccl-rs-perf" sendrecv -np 2 --device 1 \
+  -b 64K -e 256M -f 8 -n 5 -w 1
 step perf-cuda-latency-1 20 "$PREP/run/bin/nccl-rs-perf" allreduce -np 1 --device 1 -b 8 -e 8 -n 2000 -w 50
 cat > "$OUT/latency.py" <<'PY'
 # Device copy bandwidth, and 1-rank all-reduce latency through PyTorch of whichever libnccl
@@ -275,7 +279,8 @@ step one-queue-worker-direct 25 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_W
   NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
   --exact cuda_mode_2_processes
 
-for f in perf-cuda-allreduce-2 perf-cuda-allreduce-2-vmm perf-cuda-allgather-2 perf-cuda-latency-1 copy-bw-and-nvidia-nccl latency-nccl-rs-torch \
+for f in perf-cuda-allreduce-2 perf-cuda-allreduce-2-vmm perf-cuda-allgather-2 perf-cuda-sendrecv-2 \
+         perf-cuda-sendrecv-2-staged perf-cuda-latency-1 copy-bw-and-nvidia-nccl latency-nccl-rs-torch \
          perf-cuda-allreduce-2-gate-kernel torch-nccl-rs-gate-kernel perf-cuda-allreduce-2-worker-direct \
          perf-cuda-allreduce-2-direct-small; do
   grep -E '^ +[0-9]|Avg bus|GB/s|us per call|RESULT' "$OUT/$f.log" 2>/dev/null | sed "s/^/# $f: /" >> "$R"
