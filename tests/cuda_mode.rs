@@ -164,6 +164,31 @@ fn cuda_mode_direct_sends_and_receives() {
     }
 }
 
+/// Ranks set up differently still agree on every path, since a pair (or the communicator)
+/// takes what all its ranks' settings allow: NCCL_P2P_DISABLE=1, NCCL_RS_DIRECT_P2P=0 or a
+/// larger NCCL_RS_DIRECT_MIN on process 1 only. Every result is exact, and the point-to-point
+/// messages of part P2P (280 KB) go direct only where both ranks allow it (before, one end
+/// waited for a record the other never sent, or the two issued different exchanges).
+#[test]
+fn cuda_mode_ranks_set_up_differently_agree() {
+    let p2p_line = "read directly (CUDA IPC / same process), from point-to-point calls";
+    for (k, v, p2p_direct) in [("NCCL_P2P_DISABLE", "1", false), ("NCCL_RS_DIRECT_P2P", "0", false),
+                               ("NCCL_RS_DIRECT_MIN", "1000000", false), ("NCCL_RS_DIRECT_MIN", "1000", true)] {
+        for part in ["P2P", "Collectives"] {
+            let o = cuda_job().procs(2).arg("--only").arg(part).proc_env(1, k, v).env("NCCL_DEBUG", "INFO")
+                .env("NCCL_DEBUG_SUBSYS", "P2P").timeout_s(60).run_outcome();
+            assert!(o.ok(), "part {part}, {k}={v} on process 1:\n{}", o.report);
+            for (i, p) in o.procs.iter().enumerate() {
+                let (took, expected) = match part {
+                    "P2P" => (p.log.contains(p2p_line), p2p_direct),
+                    _ => (p.log.contains("are read directly"), k != "NCCL_P2P_DISABLE"),
+                };
+                assert_eq!(took, expected, "part {part}, {k}={v} on process 1, process {i}: direct = {took}:\n{}", p.log);
+            }
+        }
+    }
+}
+
 /// Three processes: two group a large all-reduce with a send/receive between them, the third
 /// issues the all-reduce alone; all must take the same path for it.
 #[test]

@@ -6,8 +6,8 @@
 //! in a shared temporary folder; the root address inside it is host 0's interface address.
 //!
 //! Needs root and iproute2 (`NCCL_TEST_SKIP_NETNS=1` skips these tests, saying so), except the
-//! three `transports_on_one_machine` tests: host identity and `NCCL_SHM_DISABLE` without
-//! namespaces.
+//! three `transports_on_one_machine` tests and `shm_disabled_on_one_process_only`: host
+//! identity and `NCCL_SHM_DISABLE` without namespaces.
 
 mod common;
 
@@ -121,6 +121,25 @@ fn transports_on_one_machine(host_of: Option<&[usize]>, env: &[(&str, &str)], wa
     } else {
         check_transports(&o, host_of.unwrap_or(&same), want);
     }
+    o.clean();
+}
+
+/// NCCL_SHM_DISABLE on one process only: both ends of each of its pairs take sockets (a pair
+/// takes what both ranks' settings allow), the other pairs shared memory, and the job passes
+/// (before, that process's peers waited on shared memory it never opened).
+#[test]
+fn shm_disabled_on_one_process_only() {
+    let o = Job::new("collectives").procs(3).arg("--quick").arg("--only").arg("AllReduce")
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT").proc_env(2, "NCCL_SHM_DISABLE", "1")
+        .timeout_s(60).run_outcome();
+    expect_ok(&o);
+    let conns = connections(&o);
+    assert!(!conns.is_empty(), "no connection logged\n{}", o.report);
+    let wrong: Vec<String> = conns.iter()
+        .filter(|(a, b, kind)| kind != if *a == 2 || *b == 2 { "Socket" } else { "Shm" })
+        .map(|(a, b, kind)| format!("rank {a} -> rank {b} via {kind}"))
+        .collect();
+    assert!(wrong.is_empty(), "{wrong:?}\n{}", o.report);
     o.clean();
 }
 

@@ -124,6 +124,7 @@ fn join_job(comm: &Comm, id: &UniqueId) -> Result<()> {
         addr: ([0, 0, 0, 0], 0).into(),
         slice: (params::buffsize() / SLOTS) as u32,
         nsocks: params::nsocks() as u32,
+        links: bootstrap::Links::local(),
     };
     let result = bootstrap::join(id, comm.rank, comm.nranks, me, &comm.abort).map(|(peers, service)| {
         let slice = peers.iter().map(|p| p.slice as usize).min().unwrap_or(1 << 16).max(4096);

@@ -35,6 +35,54 @@ pub struct PeerInfo {
     pub slice: u32,
     /// Sockets this rank opens per peer (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD).
     pub nsocks: u32,
+    /// The links this rank's settings allow; a pair takes what both allow ([`Links::with`]).
+    pub links: Links,
+}
+
+/// What a rank's settings allow between ranks of one host. Each rank reads its own
+/// environment; a pair (or a communicator) takes what all its ranks allow, so ranks set up
+/// differently (NCCL_SHM_DISABLE on one process only) still choose the same links and paths,
+/// instead of one waiting on a link the other never opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Links {
+    /// Ranks of one process copy to each other directly (not NCCL_P2P_DISABLE).
+    pub p2p: bool,
+    /// Ranks of one host go through shared memory (not NCCL_SHM_DISABLE).
+    pub shm: bool,
+    /// Device buffers of ranks of one host are read directly (CUDA mode: not NCCL_P2P_DISABLE,
+    /// nor NCCL_P2P_LEVEL=LOC).
+    pub direct: bool,
+    /// Sends and receives too (NCCL_RS_DIRECT_P2P).
+    pub direct_p2p: bool,
+    /// The smallest operation that goes direct, in bytes (NCCL_RS_DIRECT_MIN).
+    pub direct_min: u64,
+}
+
+impl Links {
+    /// This process's settings.
+    pub fn local() -> Links {
+        let p2p = !params::p2p_disable();
+        Links { p2p, shm: !params::shm_disable(), direct: p2p && !params::p2p_level_forbids(),
+                direct_p2p: params::direct_p2p(), direct_min: params::direct_min() as u64 }
+    }
+
+    /// What both allow: a link either refuses is refused, and the larger smallest size holds.
+    pub fn with(self, other: Links) -> Links {
+        Links { p2p: self.p2p && other.p2p, shm: self.shm && other.shm, direct: self.direct && other.direct,
+                direct_p2p: self.direct_p2p && other.direct_p2p, direct_min: self.direct_min.max(other.direct_min) }
+    }
+
+    fn encode(&self, w: &mut Writer) {
+        let flags = [self.p2p, self.shm, self.direct, self.direct_p2p].iter().enumerate()
+            .fold(0u32, |f, (bit, &on)| f | (u32::from(on) << bit));
+        w.u32(flags).u64(self.direct_min);
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Links> {
+        let flags = r.u32()?;
+        let on = |bit: u32| flags & (1 << bit) != 0;
+        Ok(Links { p2p: on(0), shm: on(1), direct: on(2), direct_p2p: on(3), direct_min: r.u64()? })
+    }
 }
 
 impl PeerInfo {
@@ -47,6 +95,7 @@ impl PeerInfo {
             .str(&self.addr.to_string())
             .u32(self.slice)
             .u32(self.nsocks);
+        self.links.encode(w);
     }
     pub fn decode(r: &mut Reader<'_>) -> Result<PeerInfo> {
         let rank = r.u32()? as usize;
@@ -57,7 +106,8 @@ impl PeerInfo {
         let addr = r.str()?.parse().map_err(|_| Error::system("bootstrap: malformed peer address"))?;
         let slice = r.u32()?;
         let nsocks = r.u32()?;
-        Ok(PeerInfo { rank, pid, cuda_dev, host_hash, hostname, addr, slice, nsocks })
+        let links = Links::decode(r)?;
+        Ok(PeerInfo { rank, pid, cuda_dev, host_hash, hostname, addr, slice, nsocks, links })
     }
     pub fn same_host(&self, other: &PeerInfo) -> bool {
         self.host_hash == other.host_hash

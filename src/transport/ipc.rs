@@ -53,12 +53,6 @@ use crate::streamed::board::{Board, Ticket};
 use crate::transport::fdpass::{self, Address};
 use crate::types::{BuiltinOp, DataType, RedOp};
 
-/// Operations at least this large go direct (`NCCL_RS_DIRECT_MIN`, 64 KiB by default); smaller
-/// ones are latency-bound, and staging through the host transports costs fewer round trips.
-/// Like every parameter that decides a path, it must be alike on every rank.
-fn direct_min() -> usize {
-    crate::params::direct_min()
-}
 
 /// A stream worker's state for direct operations: the peer mappings it keeps.
 #[derive(Default)]
@@ -91,31 +85,38 @@ impl Direct {
 }
 
 /// Which operations of a communicator may go direct, decided once (when its stream worker
-/// starts) from the parameters and where the ranks run: the same answers on every rank.
+/// starts) from where the ranks run and what the settings of all of them allow
+/// (`bootstrap::Links`, exchanged at init): the same answers on every rank, even when their
+/// environments differ.
 #[derive(Clone, Debug, Default)]
 pub struct Routes {
-    /// Collectives: every rank on this host, and direct access not disabled.
+    /// Collectives: every rank on this host, and direct access allowed on every rank.
     collectives: bool,
+    /// The smallest collective that goes direct, in bytes (`NCCL_RS_DIRECT_MIN`, 64 KiB by
+    /// default, the largest any rank asks for): smaller ones are latency-bound, and staging
+    /// through the host transports costs fewer round trips.
+    collectives_min: usize,
     /// Every rank in this process: buffers are published by address alone.
     one_process: bool,
-    /// Sends and receives, per peer: to other ranks of this host (NCCL_RS_DIRECT_P2P=0 stages
-    /// them all).
-    p2p: Vec<bool>,
+    /// Sends and receives, per peer: the smallest that goes direct to that rank of this host,
+    /// the larger of the two ranks' settings; None: none (another host, or either rank stages
+    /// them: NCCL_RS_DIRECT_P2P=0, direct access disabled).
+    p2p: Vec<Option<usize>>,
 }
 
 impl Routes {
     pub fn of(comm: &Comm) -> Routes {
         let Some(ready) = comm.ready_if_any() else { return Routes::default() };
-        if crate::params::p2p_disable() || crate::params::p2p_level_forbids() {
-            return Routes::default();
-        }
         let me = &ready.peers[comm.rank];
-        let p2p = if crate::params::direct_p2p() {
-            ready.peers.iter().enumerate().map(|(p, info)| p != comm.rank && info.same_host(me)).collect()
-        } else {
-            Vec::new()
-        };
-        Routes { collectives: ready.peers.iter().all(|p| p.same_host(me)),
+        let min = |bytes: u64| usize::try_from(bytes).unwrap_or(usize::MAX).max(1);
+        let p2p = ready.peers.iter().enumerate()
+            .map(|(p, info)| {
+                let both = me.links.with(info.links);
+                (p != comm.rank && info.same_host(me) && both.direct && both.direct_p2p).then(|| min(both.direct_min))
+            })
+            .collect();
+        let all = ready.peers.iter().fold(me.links, |l, p| l.with(p.links));
+        Routes { collectives: all.direct && ready.peers.iter().all(|p| p.same_host(me)), collectives_min: min(all.direct_min),
                  one_process: ready.peers.iter().all(|p| p.same_process(me)), p2p }
     }
 
@@ -126,14 +127,15 @@ impl Routes {
 
     /// Does `op` go direct?
     pub fn eligible(&self, op: &Op) -> bool {
-        let big = op.count.saturating_mul(op.dt.size()) >= direct_min().max(1);
+        let bytes = op.count.saturating_mul(op.dt.size());
         if op.kind.is_p2p() {
-            return big && op.scalar_at.is_none() && self.p2p.get(op.root).copied().unwrap_or(false);
+            let min = self.p2p.get(op.root).copied().flatten();
+            return op.scalar_at.is_none() && min.is_some_and(|m| bytes >= m);
         }
         // The direct path has no scaling step: what the planner scales first (PreMulSum, fp16
         // Avg; see `plan::ops::scaling`) is staged.
         let scaled = crate::plan::ops::scales_inputs(op.op, op.dt) || op.scalar_at.is_some();
-        self.collectives && big && !scaled
+        self.collectives && bytes >= self.collectives_min && !scaled
     }
 }
 

@@ -22,7 +22,6 @@ use std::time::Instant;
 use crate::bootstrap::{PeerInfo, Service};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
-use crate::params;
 
 /// What every message carries besides its bytes: the identity of its operation, opaque to
 /// transports (the planner writes and reads it).
@@ -87,11 +86,13 @@ pub enum Kind {
     Socket,
 }
 
-/// Which transport connects `me` and `peer` (both sides compute the same answer).
+/// Which transport connects `me` and `peer` (both sides compute the same answer: from what
+/// both ranks' settings allow).
 pub fn choose(me: &PeerInfo, peer: &PeerInfo) -> Kind {
-    if me.same_process(peer) && !params::p2p_disable() {
+    let links = me.links.with(peer.links);
+    if me.same_process(peer) && links.p2p {
         Kind::Local
-    } else if me.same_host(peer) && !params::shm_disable() {
+    } else if me.same_host(peer) && links.shm {
         Kind::Shm
     } else {
         Kind::Socket

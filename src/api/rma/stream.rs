@@ -589,11 +589,11 @@ fn reaches(comm: &Comm, peer: usize) -> Result<bool> {
         return Ok(false);
     }
     let ready = comm.ready()?;
-    let same = match (ready.peers.get(comm.rank), ready.peers.get(peer)) {
-        (Some(a), Some(b)) => a.same_host(b),
+    // What both ranks' settings allow (`bootstrap::Links`).
+    Ok(match (ready.peers.get(comm.rank), ready.peers.get(peer)) {
+        (Some(a), Some(b)) => a.same_host(b) && a.links.with(b.links).direct,
         _ => false,
-    };
-    Ok(same && !crate::params::p2p_disable() && !crate::params::p2p_level_forbids())
+    })
 }
 
 /// `peer`'s window #`ordinal` as this rank reaches it directly (another rank: see `reaches`),
