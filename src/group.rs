@@ -390,23 +390,22 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
     ws.slots[..ws.live].sort_by_key(|s| s.comm.as_ref().map_or(0, |c| Arc::as_ptr(c) as usize));
     let slots = &ws.slots[..ws.live];
     let work = &mut ws.work[..ws.live];
-    static FORCED: std::sync::OnceLock<Option<algo::Algo>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| {
-        let v = params::raw("NCCL_ALGO")?;
-        let forced = algo::parse_algo(&v);
-        match forced {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        let Some(v) = params::raw("NCCL_ALGO") else { return };
+        match algo::parse_algo(&v) {
             Some(algo::Algo::Ring) => crate::info!(TUNING, "NCCL_ALGO={v}: every all-reduce by ring"),
             Some(algo::Algo::Tree) => crate::info!(TUNING, "NCCL_ALGO={v}: every all-reduce by recursive doubling (Tree)"),
             None => crate::info!(TUNING, "NCCL_ALGO={v}: all-reduce algorithm chosen by size (ring and tree allowed)"),
         }
-        forced
     });
 
     let mut comms: Few<&Comm> = Few::collect(slots.iter().filter_map(|s| s.comm.as_deref()));
     let comms = comms.as_mut_slice();
     for ((s, w), c) in slots.iter().zip(work.iter_mut()).zip(comms.iter()) {
         let ready = c.ready()?;
-        plan_into(&mut w.plan, c.rank, c.nranks, ready.slice, &s.ops, forced)?;
+        // What every rank of the communicator forces (`Ready::algo`).
+        plan_into(&mut w.plan, c.rank, c.nranks, ready.slice, &s.ops, ready.algo)?;
     }
     // Every communicator was ready above, and a ready part, once set, stays.
     let mut guards = Few::collect(comms.iter().filter_map(|c| c.ready_if_any().map(|r| r.conns())));

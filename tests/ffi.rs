@@ -695,3 +695,18 @@ fn dlopen_without_cuda_or_verbs() {
     assert_success("dlopen check", &out);
     println!("{}", String::from_utf8_lossy(&out.stdout));
 }
+
+/// NCCL_ALGO forcing the ring on one process and recursive doubling on another (each rank
+/// reads its own environment): the ranks would plan different exchanges and wait for each
+/// other forever (as the previous commit did, to the deadline); the forced algorithms are
+/// exchanged at init, and ranks that differ all choose by size, with a WARN naming them.
+#[test]
+fn collectives_3_processes_algo_forced_differently() {
+    let o = Job::new("collectives").procs(3).arg("--quick").proc_env(0, "NCCL_ALGO", "Ring")
+        .proc_env(1, "NCCL_ALGO", "Tree").env("NCCL_DEBUG", "WARN").timeout_s(60).run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(p.log.contains("force different all-reduce algorithms") && p.log.contains("rank 0: Ring, rank 1: Tree, rank 2: by size"),
+                "process {i} did not say so:\n{}", p.log);
+    }
+}

@@ -45,7 +45,8 @@ fn info() -> PeerInfo {
         addr: "10.0.0.1:5555".parse().unwrap(),
         slice: 1 << 18,
         nsocks: 2,
-        links: super::Links { p2p: true, shm: false, direct: true, direct_p2p: true, direct_min: 65536 },
+        links: super::Links { p2p: true, shm: false, direct: true, direct_p2p: true, direct_min: 65536,
+                             algo: Some(crate::algo::Algo::Tree) },
     }
 }
 

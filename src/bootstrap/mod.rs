@@ -56,6 +56,9 @@ pub struct Links {
     pub direct_p2p: bool,
     /// The smallest operation that goes direct, in bytes (NCCL_RS_DIRECT_MIN).
     pub direct_min: u64,
+    /// The all-reduce algorithm NCCL_ALGO forces (None: chosen by size). Ranks that differ
+    /// choose by size, as every rank then does alike.
+    pub algo: Option<crate::algo::Algo>,
 }
 
 impl Links {
@@ -63,25 +66,39 @@ impl Links {
     pub fn local() -> Links {
         let p2p = !params::p2p_disable();
         Links { p2p, shm: !params::shm_disable(), direct: p2p && !params::p2p_level_forbids(),
-                direct_p2p: params::direct_p2p(), direct_min: params::direct_min() as u64 }
+                direct_p2p: params::direct_p2p(), direct_min: params::direct_min() as u64,
+                algo: params::raw("NCCL_ALGO").and_then(|v| crate::algo::parse_algo(&v)) }
     }
 
     /// What both allow: a link either refuses is refused, and the larger smallest size holds.
     pub fn with(self, other: Links) -> Links {
         Links { p2p: self.p2p && other.p2p, shm: self.shm && other.shm, direct: self.direct && other.direct,
-                direct_p2p: self.direct_p2p && other.direct_p2p, direct_min: self.direct_min.max(other.direct_min) }
+                direct_p2p: self.direct_p2p && other.direct_p2p, direct_min: self.direct_min.max(other.direct_min),
+                algo: if self.algo == other.algo { self.algo } else { None } }
     }
 
     fn encode(&self, w: &mut Writer) {
+        use crate::algo::Algo;
         let flags = [self.p2p, self.shm, self.direct, self.direct_p2p].iter().enumerate()
             .fold(0u32, |f, (bit, &on)| f | (u32::from(on) << bit));
-        w.u32(flags).u64(self.direct_min);
+        let algo = match self.algo {
+            None => 0u32,
+            Some(Algo::Ring) => 1,
+            Some(Algo::Tree) => 2,
+        };
+        w.u32(flags | algo << 4).u64(self.direct_min);
     }
 
     fn decode(r: &mut Reader<'_>) -> Result<Links> {
+        use crate::algo::Algo;
         let flags = r.u32()?;
         let on = |bit: u32| flags & (1 << bit) != 0;
-        Ok(Links { p2p: on(0), shm: on(1), direct: on(2), direct_p2p: on(3), direct_min: r.u64()? })
+        let algo = match flags >> 4 & 3 {
+            1 => Some(Algo::Ring),
+            2 => Some(Algo::Tree),
+            _ => None,
+        };
+        Ok(Links { p2p: on(0), shm: on(1), direct: on(2), direct_p2p: on(3), direct_min: r.u64()?, algo })
     }
 }
 

@@ -20,6 +20,9 @@ pub struct Ready {
     pub service: Service,
     /// Bytes per transport message (the same on every rank: the minimum of all ranks' choice).
     pub slice: usize,
+    /// The all-reduce algorithm every rank forces (NCCL_ALGO); None: chosen by size, as when
+    /// the ranks' settings differ (each would plan another exchange, and wait forever).
+    pub algo: Option<crate::algo::Algo>,
     conns: Mutex<Conns>,
     /// The stamps of the operations this rank is running now (concatenated), which peers
     /// may ask for through the bootstrap service when they wait on this rank.
@@ -31,7 +34,17 @@ impl Ready {
         let n = peers.len();
         let running = crate::bootstrap::service::Status::default();
         service.set_status(running.clone());
-        Ready { peers, service, slice, conns: Mutex::new(Conns::new(n)), running }
+        let first = peers.first().and_then(|p| p.links.algo);
+        let algo = if peers.iter().all(|p| p.links.algo == first) {
+            first
+        } else {
+            let name = |a: Option<crate::algo::Algo>| a.map_or("by size".to_string(), |a| format!("{a:?}"));
+            let said: Vec<String> = peers.iter().map(|p| format!("rank {}: {}", p.rank, name(p.links.algo))).collect();
+            crate::warn!("the ranks force different all-reduce algorithms (NCCL_ALGO; {}): every rank chooses by size",
+                         said.join(", "));
+            None
+        };
+        Ready { peers, service, slice, algo, conns: Mutex::new(Conns::new(n)), running }
     }
 
     /// Publish what this rank runs (empty: nothing).
