@@ -14,6 +14,8 @@
  *                                all-reduce until FILE exists; both check the result)
  *   CUDA_TEST_GRAPH_HELD=FILE cuda (2 processes, NCCL_RS_GRAPH_CAPTURE=1: process 1 launches its
  *                                graph's second time once FILE exists)
+ *   CUDA_TEST_P2P_LATE=FILE cuda (2 processes: process 1 issues its receive of process 0's direct
+ *                                send once FILE exists)
  *   CUDA_TEST_SHRINK_STUCK=FILE cuda (3 processes: process 2 issues nothing until FILE exists;
  *                                the others shrink it away with NCCL_SHRINK_ABORT and go on)
  *   CUDA_TEST_VMM=1 cuda        (device buffers from the virtual memory API, placed as PyTorch's
@@ -2377,6 +2379,38 @@ static int stream_held(void) {
   return test_finish();
 }
 
+/* A rank whose direct send waits for a receive its peer has not issued names that peer
+ * (CUDA_TEST_P2P_LATE=FILE, 2 processes): process 0 sends 70000 floats of device memory to
+ * process 1, which issues the receive only once FILE exists (the harness makes it once process
+ * 0 has said why it waits). The bytes arrive exact. */
+static int p2p_late(void) {
+  test_step("p2p-late");
+  const char* release = getenv("CUDA_TEST_P2P_LATE");
+  const size_t count = 70000;
+  int rank = g_env.first_rank;
+  CUdeviceptr d = dev_alloc(count * sizeof(float));
+  float* h = host_alloc(count * sizeof(float));
+  if (rank == 0) {
+    for (size_t j = 0; j < count; j++) h[j] = in_value(0, j, 5);
+    CU(cu.MemcpyAsync(d, (CUdeviceptr)(uintptr_t)h, count * sizeof(float), g_streams[0]));
+    CHECK(ncclSend((const void*)(uintptr_t)d, count, ncclFloat32, 1, g_comms[0], g_streams[0]));
+  } else {
+    double until = now_s() + 60;
+    while (access(release, F_OK) != 0 && now_s() < until) usleep(10000);
+    EXPECT(access(release, F_OK) == 0, "the receive was never released (%s)", release);
+    CHECK(ncclRecv((void*)(uintptr_t)d, count, ncclFloat32, 0, g_comms[0], g_streams[0]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h, d, count * sizeof(float), g_streams[0]));
+  }
+  CU(cu.StreamSynchronize(g_streams[0]));
+  size_t bad = 0;
+  for (size_t j = 0; rank == 1 && j < count; j++) bad += h[j] != in_value(0, j, 5);
+  EXPECT(bad == 0, "a late receive: %zu wrong values", bad);
+  dev_free(d);
+  CU(cu.MemFreeHost(h));
+  destroy_comms(g_comms);
+  return test_finish();
+}
+
 /* A rank that has not launched its graph yet is named as such by the rank whose launch waits
  * for it (CUDA_TEST_GRAPH_HELD=FILE, NCCL_RS_GRAPH_CAPTURE=1, 2 processes): both capture an
  * all-reduce and launch it once; for the second launch process 1 waits until FILE exists (the
@@ -2873,6 +2907,7 @@ int main(int argc, char** argv) {
   if (getenv("CUDA_TEST_LAUNCH_FAIL")) return launch_fail();
   if (getenv("CUDA_TEST_ABORT_HELD")) return abort_held();
   if (getenv("CUDA_TEST_STREAM_HELD")) return stream_held();
+  if (getenv("CUDA_TEST_P2P_LATE")) return p2p_late();
   if (getenv("CUDA_TEST_GRAPH_HELD")) return graph_held();
   if (getenv("CUDA_TEST_SHRINK_STUCK")) return shrink_stuck();
   if (host_wait_mode()) {

@@ -461,6 +461,28 @@ fn cuda_mode_graph_capture_refused_by_the_driver() {
     }
 }
 
+/// A direct send whose receiver has not issued the receive names that rank at WARN, after about
+/// a second as collectives do, with the call it waits in; released, the bytes arrive exact.
+#[test]
+fn cuda_mode_a_rank_late_for_a_direct_send_is_named() {
+    let mut job = cuda_job().procs(2).env("NCCL_DEBUG", "WARN");
+    let release = job.dir().join("release");
+    let file = release.clone();
+    let job = job.env("CUDA_TEST_P2P_LATE", release.to_str().expect("a path")).on(
+        When::marker(0, "which has not issued that call"),
+        move || {
+            std::fs::write(&file, b"go").expect("the release file");
+            "released process 1's receive".to_string()
+        },
+    );
+    let o = job.run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let waiting = &o.procs[0].log;
+    let line = waiting.lines().find(|l| l.contains("NCCL WARN") && l.contains("which has not issued that call"));
+    assert!(line.is_some_and(|l| l.contains("Send #0 (count 70000, float, peer 1)") && l.contains("for rank 1")),
+            "rank 0:\n{waiting}");
+}
+
 /// A graph launch that waits for a rank which has not launched its graph yet names that rank
 /// and says so (not that its stream is behind, nor that the call is missing); released, both
 /// launches are exact.

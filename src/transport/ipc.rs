@@ -731,6 +731,8 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
     let since = std::time::Instant::now();
     let (mut warned, mut lost_before, mut spins) = (false, false, 0u32);
     let mut last_probe = since;
+    // Peers named at WARN as not in their matching calls (once each).
+    let mut named: Vec<usize> = Vec::new();
     let mut copied = Vec::new();
     // Per operation: the bounce its queued kernel copies from (its bytes were sent; nobody
     // waits for an answer). Kept on an error: a kernel may still read it.
@@ -868,10 +870,25 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
             // nothing more: ask, once a second.
             last_probe = std::time::Instant::now();
             let mut peers: Vec<usize> = waiting.iter().map(|&i| ops[i].op.root).collect();
+            peers.sort_unstable();
             peers.dedup();
             for p in peers {
-                if let Some(e) = comm.peer_failure(p) {
-                    return Err(e.context(format!("rank {}: a send or receive with rank {p}", comm.rank)));
+                // The first operation that waits on it: is the peer in it, and if not, why not?
+                let Some(op) = waiting.iter().map(|&i| &ops[i].op).find(|o| o.root == p) else { continue };
+                let describe = &crate::plan::ops::describe_stamp;
+                match comm.peer_runs(p, &op.stamp(), describe) {
+                    Err(e) if e.msg.contains(" failed: ") => {
+                        return Err(e.context(format!("rank {}: a send or receive with rank {p}", comm.rank)));
+                    }
+                    // It runs other calls: a peer may, between its sends and receives.
+                    Err(_) => {}
+                    Ok(runs) => {
+                        if let Some(why) = runs.why_waiting(&op.stamp(), describe).filter(|_| !named.contains(&p)) {
+                            named.push(p);
+                            crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}", comm.rank,
+                                         since.elapsed().as_secs_f64(), op.describe(), comm.describe_peer(p));
+                        }
+                    }
                 }
                 if let Some((why, true)) = comm.peer_gone(p) {
                     return Err(Error::remote(format!("rank {}: lost {} ({why}) during a send or receive", comm.rank,
