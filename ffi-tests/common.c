@@ -178,6 +178,12 @@ double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+int wait_for_file(const char* file, double seconds) {
+  const double until = now_s() + seconds;
+  while (access(file, F_OK) != 0 && now_s() < until) usleep(10000);
+  return access(file, F_OK) == 0;
+}
+
 void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
   while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {

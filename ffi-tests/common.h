@@ -68,6 +68,8 @@ extern test_env_t g_env;
 void test_init(int argc, char** argv);
 double now_s(void);
 void sleep_ms(int ms);
+/* Polls (every 10 ms, `seconds` at most) until FILE exists (a harness makes it); whether it does. */
+int wait_for_file(const char* file, double seconds);
 /* Names what the program is doing; a crash (SIGSEGV, SIGABRT, ...) reports the last step. */
 void test_step(const char* static_name);
 /* Ends the process (reporting the step) if it is still running `seconds` from now, so a

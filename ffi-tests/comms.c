@@ -340,9 +340,7 @@ static int absent(ncclComm_t* world) {
 
 /* Wait (60 s at most) until the harness makes FILE. */
 static void wait_for_release(const char* file) {
-  double until = now_s() + 60;
-  while (access(file, F_OK) != 0 && now_s() < until) usleep(10000);
-  EXPECT(access(file, F_OK) == 0, "never released (%s)", file);
+  EXPECT(wait_for_file(file, 60), "never released (%s)", file);
 }
 
 /* COMMS_TEST_SUSPENDED=FILE (one rank per process): the last rank suspends the world

@@ -1725,9 +1725,7 @@ static void rma_streams(void) {
     CU(cu.StreamWaitValue32(g_streams[0], flagd, 1, 0 /* GEQ */));
     CHECK(ncclSignal(1, 0, 0, 0, g_comms[0], g_streams[0]));
     CHECK(ncclSignal(2, 0, 0, 0, g_comms[0], other));
-    const double until = now_s() + 30;
-    while (access(file, F_OK) != 0 && now_s() < until) usleep(10000);
-    EXPECT(access(file, F_OK) == 0, "rank 2 never got the signal of the stream that was not held");
+    EXPECT(wait_for_file(file, 30), "rank 2 never got the signal of the stream that was not held");
     *(volatile uint32_t*)flag = 1;
     CU(cu.StreamSynchronize(g_streams[0]));
     CU(cu.StreamSynchronize(other));
@@ -1756,9 +1754,7 @@ static void rma_late(void) {
     CU(cu.StreamSynchronize(g_streams[0]));
     expect_no_async_error("rma late");
   } else if (g_env.first_rank == 1) {
-    const double until = now_s() + 60;
-    while (access(file, F_OK) != 0 && now_s() < until) usleep(10000);
-    EXPECT(access(file, F_OK) == 0, "the release file %s never came", file);
+    EXPECT(wait_for_file(file, 60), "the release file %s never came", file);
     CHECK(ncclSignal(0, 0, 0, 0, g_comms[0], g_streams[0]));
     CU(cu.StreamSynchronize(g_streams[0]));
   }
@@ -1828,9 +1824,7 @@ static int shrink_stuck(void) {
   CUdeviceptr d = dev_alloc(count * sizeof(float));
   if (g_env.first_rank == 2) {
     tlog("STUCK: issuing nothing");
-    double until = now_s() + 60;
-    while (access(release, F_OK) != 0 && now_s() < until) usleep(10000);
-    EXPECT(access(release, F_OK) == 0, "never released (%s)", release);
+    EXPECT(wait_for_file(release, 60), "never released (%s)", release);
   } else {
     CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
     test_deadline(30); /* a stream left waiting for the stuck call would hang here */
@@ -2362,9 +2356,7 @@ static int stream_held(void) {
   CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
   if (held) {
     tlog("HELD");
-    double until = now_s() + 60;
-    while (access(release, F_OK) != 0 && now_s() < until) usleep(10000);
-    EXPECT(access(release, F_OK) == 0, "the stream was never released (%s)", release);
+    EXPECT(wait_for_file(release, 60), "the stream was never released (%s)", release);
     __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
   }
   CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h, d, count * sizeof(float), g_streams[0]));
@@ -2395,9 +2387,7 @@ static int p2p_late(void) {
     CU(cu.MemcpyAsync(d, (CUdeviceptr)(uintptr_t)h, count * sizeof(float), g_streams[0]));
     CHECK(ncclSend((const void*)(uintptr_t)d, count, ncclFloat32, 1, g_comms[0], g_streams[0]));
   } else {
-    double until = now_s() + 60;
-    while (access(release, F_OK) != 0 && now_s() < until) usleep(10000);
-    EXPECT(access(release, F_OK) == 0, "the receive was never released (%s)", release);
+    EXPECT(wait_for_file(release, 60), "the receive was never released (%s)", release);
     CHECK(ncclRecv((void*)(uintptr_t)d, count, ncclFloat32, 0, g_comms[0], g_streams[0]));
     CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h, d, count * sizeof(float), g_streams[0]));
   }
@@ -2433,9 +2423,7 @@ static int graph_held(void) {
     CU(cu.StreamSynchronize(g_streams[0]));
     if (launch == 1 && rank == 1) {
       tlog("HOLDING the launch");
-      double until = now_s() + 60;
-      while (access(release, F_OK) != 0 && now_s() < until) usleep(10000);
-      EXPECT(access(release, F_OK) == 0, "never released (%s)", release);
+      EXPECT(wait_for_file(release, 60), "never released (%s)", release);
     }
     CU(cu.GraphLaunch(exec, g_streams[0]));
     CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h, d, count * sizeof(float), g_streams[0]));

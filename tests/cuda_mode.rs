@@ -465,17 +465,8 @@ fn cuda_mode_graph_capture_refused_by_the_driver() {
 /// a second as collectives do, with the call it waits in; released, the bytes arrive exact.
 #[test]
 fn cuda_mode_a_rank_late_for_a_direct_send_is_named() {
-    let mut job = cuda_job().procs(2).env("NCCL_DEBUG", "WARN");
-    let release = job.dir().join("release");
-    let file = release.clone();
-    let job = job.env("CUDA_TEST_P2P_LATE", release.to_str().expect("a path")).on(
-        When::marker(0, "which has not issued that call"),
-        move || {
-            std::fs::write(&file, b"go").expect("the release file");
-            "released process 1's receive".to_string()
-        },
-    );
-    let o = job.run_outcome();
+    let job = cuda_job().procs(2).env("NCCL_DEBUG", "WARN");
+    let o = released_on_marker(job, "CUDA_TEST_P2P_LATE", 0, "which has not issued that call");
     assert!(o.ok(), "{}", o.report);
     let waiting = &o.procs[0].log;
     let line = waiting.lines().find(|l| l.contains("NCCL WARN") && l.contains("which has not issued that call"));
@@ -488,17 +479,8 @@ fn cuda_mode_a_rank_late_for_a_direct_send_is_named() {
 /// launches are exact.
 #[test]
 fn cuda_mode_a_rank_behind_its_graph_launch_is_named() {
-    let mut job = cuda_job().procs(2).env("NCCL_DEBUG", "WARN").env("NCCL_RS_GRAPH_CAPTURE", "1");
-    let release = job.dir().join("release");
-    let file = release.clone();
-    let job = job.env("CUDA_TEST_GRAPH_HELD", release.to_str().expect("a path")).on(
-        When::marker(0, "has not got to that launch"),
-        move || {
-            std::fs::write(&file, b"go").expect("the release file");
-            "released process 1's launch".to_string()
-        },
-    );
-    let o = job.run_outcome();
+    let job = cuda_job().procs(2).env("NCCL_DEBUG", "WARN").env("NCCL_RS_GRAPH_CAPTURE", "1");
+    let o = released_on_marker(job, "CUDA_TEST_GRAPH_HELD", 0, "has not got to that launch");
     assert!(o.ok(), "{}", o.report);
     let waiting = &o.procs[0].log;
     assert!(waiting.contains("AllReduce #0 (CUDA graph launch 2)") && waiting.contains("for rank 1")

@@ -339,13 +339,14 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     // Sends and receives between ranks of this host (`Routes::eligible`, alike on both ends)
     // pair up over their own connections (`ipc::run_p2p`); the others go through the host
     // transports meanwhile: either may wait for what a peer does in the other.
-    let snapshots = take_overwritten_sends(stream, &ops, &batch.prestaged)?;
+    let mut snapshots = take_overwritten_sends(stream, &ops, &batch.prestaged)?;
     let mut direct_ops = Vec::new();
     let mut host: Vec<Flagged> = Vec::new();
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| o.kind.is_p2p()) {
         let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
-        let (op, pre) = match snapshots.iter().find(|(k, ..)| *k == i) {
-            Some((_, region, _)) => (Op { send: *region, ..*op }, true),
+        // (The copy lives in `snapshots` until the batch is done.)
+        let (op, pre) = match snapshots.get_mut(i).and_then(Option::as_mut) {
+            Some(bytes) => (Op { send: Region::owned(bytes), ..*op }, true),
             None => (*op, pre),
         };
         if s.routes.eligible(&op) {
@@ -389,27 +390,23 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
 /// exchange: ncclSend and ncclRecv of one buffer in a group), each read whole into host memory
 /// now: the receive may land before a peer reading it directly, or the host transports, have
 /// read it (`streamed::paths` declined these the direct path). Those the caller's stream
-/// staged are its pool's already, and so are the receives it staged. Per send: its index and
-/// the region of its bytes, which live as long as the returned buffers.
+/// staged are its pool's already, and so are the receives it staged. Per operation: the copy
+/// of its input, if it took one.
 fn take_overwritten_sends(stream: &Stream, ops: &[Op], prestaged: &[(bool, Option<Region>)])
-                          -> Result<Vec<(usize, Region, Vec<u8>)>> {
+                          -> Result<Vec<Option<Vec<u8>>>> {
     let pre = |i: usize| prestaged.get(i).is_some_and(|&(pre, _)| pre);
     let written = super::Received::new(
         ops.iter().enumerate().filter(|&(i, o)| o.kind == OpKind::Recv && !pre(i)).map(|(_, o)| o.recv));
-    let mut taken = Vec::new();
+    let mut taken: Vec<Option<Vec<u8>>> = (0..ops.len()).map(|_| None).collect();
     for (i, op) in ops.iter().enumerate() {
         if op.kind != OpKind::Send || pre(i) || !written.overlaps(op.send) {
             continue;
         }
-        let mut bytes = Vec::new();
-        bytes.try_reserve_exact(op.send.len())
-            .map_err(|_| Error::system(format!("no memory for a copy of the {} bytes of {}", op.send.len(), op.describe())))?;
-        bytes.resize(op.send.len(), 0);
+        let mut bytes = crate::device::host::zeroed(op.send.len(), &|| format!("a copy of {}", op.describe()))?;
         stream.copy(Region::owned(&mut bytes), op.send)?;
-        let region = Region::owned(&mut bytes);
-        taken.push((i, region, bytes));
+        taken[i] = Some(bytes);
     }
-    if !taken.is_empty() {
+    if taken.iter().any(Option::is_some) {
         stream.synchronize()?;
     }
     Ok(taken)

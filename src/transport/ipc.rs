@@ -184,9 +184,9 @@ pub struct Offered {
 /// still takes part in the agreement, [`decline`]).
 pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
     let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
-    // A send's receiver copies from it (its own kernels, or its worker's stream).
-    let kernels = kernels || op.kind == OpKind::Send;
-    if !kernels || in_place_alltoall || op.kind == OpKind::Recv {
+    // A send needs no kernels of its own: its receiver copies from it. A receive offers nothing.
+    let needs_kernels = op.kind != OpKind::Send;
+    if (needs_kernels && !kernels) || in_place_alltoall || op.kind == OpKind::Recv {
         return None;
     }
     let mut table = Vec::new();
@@ -741,7 +741,6 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
     while awaits.iter().any(|&a| a != Awaits::Done) {
         let seen = rma.p2p_arrived();
         let mut progressed = false;
-        let mut synced = true;
         for (i, o) in ops.iter().enumerate() {
             let (op, peer, m) = (&o.op, o.op.root, numbers[i]);
             match awaits[i] {
@@ -761,7 +760,6 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
                             }
                             None => {
                                 stream.copy(op.recv, src)?;
-                                synced = false;
                                 copied.push(i);
                                 awaits[i] = Awaits::Done;
                             }
@@ -834,7 +832,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
                 Awaits::Done => {}
             }
         }
-        if !synced {
+        if !copied.is_empty() {
             // The sender's buffer is free once the copies out of it are done.
             stream.synchronize()?;
             for &i in &copied {
@@ -855,8 +853,8 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
         if let Some(e) = comm.async_error() {
             return Err(e);
         }
-        let waiting: Vec<usize> = (0..ops.len()).filter(|&i| awaits[i] != Awaits::Done).collect();
-        let lost = waiting.iter().find_map(|&i| rma.p2p_lost(ops[i].op.root).map(|e| (i, e)));
+        let waiting = || (0..ops.len()).filter(|&i| awaits[i] != Awaits::Done);
+        let lost = waiting().find_map(|i| rma.p2p_lost(ops[i].op.root).map(|e| (i, e)));
         if let Some((i, e)) = lost {
             // What came before the connection ended is taken first.
             if lost_before {
@@ -869,12 +867,12 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
             // A peer that failed elsewhere (its host transports, a kernel) or is gone sends
             // nothing more: ask, once a second.
             last_probe = std::time::Instant::now();
-            let mut peers: Vec<usize> = waiting.iter().map(|&i| ops[i].op.root).collect();
+            let mut peers: Vec<usize> = waiting().map(|i| ops[i].op.root).collect();
             peers.sort_unstable();
             peers.dedup();
             for p in peers {
                 // The first operation that waits on it: is the peer in it, and if not, why not?
-                let Some(op) = waiting.iter().map(|&i| &ops[i].op).find(|o| o.root == p) else { continue };
+                let Some(op) = waiting().map(|i| &ops[i].op).find(|o| o.root == p) else { continue };
                 let describe = &crate::plan::ops::describe_stamp;
                 match comm.peer_runs(p, &op.stamp(), describe) {
                     Err(e) if e.msg.contains(" failed: ") => {
@@ -898,7 +896,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
         }
         if !warned && since.elapsed() >= P2P_LATE {
             warned = true;
-            let what: Vec<String> = waiting.iter().map(|&i| format!("{} ({:?})", ops[i].op.describe(), awaits[i])).collect();
+            let what: Vec<String> = waiting().map(|i| format!("{} ({:?})", ops[i].op.describe(), awaits[i])).collect();
             crate::warn!("rank {}: waiting {:.0} s for peers' matching calls: {}", comm.rank, since.elapsed().as_secs_f64(),
                          what.join(", "));
         }
@@ -970,7 +968,7 @@ fn send_bytes(comm: &Comm, stream: &Stream, o: &P2p, m: u64) -> Result<()> {
     if o.pre {
         return comm.rma.p2p_send(comm, peer, DATA, m, 0, &[op.send]);
     }
-    let mut bytes = vec![0u8; op.send.len()];
+    let mut bytes = crate::device::host::zeroed(op.send.len(), &|| format!("a copy of {}", op.describe()))?;
     stream.copy(Region::owned(&mut bytes), op.send)?;
     stream.synchronize()?;
     comm.rma.p2p_send(comm, peer, DATA, m, 0, &[Region::owned(&mut bytes)])

@@ -123,9 +123,7 @@ pub fn receive_into(s: &mut TcpStream, dst: Region) -> Result<()> {
 /// hold is refused, not allocated.
 pub fn receive_vec(s: &mut TcpStream, len: u64) -> Result<Vec<u8>> {
     let n = usize::try_from(len).map_err(|_| Error::system(format!("a message of {len} bytes")))?;
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| Error::system(format!("no memory for a message of {len} bytes")))?;
-    v.resize(n, 0);
+    let mut v = crate::device::host::zeroed(n, &|| "a point-to-point message".to_string())?;
     s.read_exact(&mut v).map_err(|e| Error::os("point-to-point message: receive", e))?;
     Ok(v)
 }

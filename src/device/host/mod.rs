@@ -88,6 +88,15 @@ impl Region {
     }
 }
 
+/// `len` zeroed bytes of host memory the library owns, for a copy of a user's buffer or a
+/// peer's message: a size the system cannot hold is refused (`what` names it), not aborted on.
+pub fn zeroed(len: usize, what: &dyn Fn() -> String) -> crate::error::Result<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| crate::error::Error::system(format!("no memory for {} ({len} bytes)", what())))?;
+    v.resize(len, 0);
+    Ok(v)
+}
+
 /// dst <- src (same length; the two may overlap).
 pub fn copy(dst: Region, src: Region) {
     debug_assert_eq!(dst.len, src.len);
