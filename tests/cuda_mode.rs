@@ -164,6 +164,21 @@ fn cuda_mode_direct_sends_and_receives() {
     }
 }
 
+/// A receive whose bytes came while its caller's stream has yet to copy them needs nothing
+/// more from the sender, which may finish and destroy its communicator meanwhile: with
+/// process 0's copies slowed down (the stand-in's NCCL_RS_STUB_COPY_DELAY_MS), process 1
+/// ends part P2P first, and rank 0's last receive (in place, so its bytes were sent) still
+/// lands. Before, rank 0 took the sender's closed connection for a failure of that receive.
+#[test]
+fn cuda_mode_sender_may_leave_before_the_copy_runs() {
+    if !stand_in_only("cuda_mode_sender_may_leave_before_the_copy_runs") {
+        return;
+    }
+    let o = cuda_job().procs(2).arg("--only").arg("P2P").proc_env(0, "NCCL_RS_STUB_COPY_DELAY_MS", "200")
+        .env("NCCL_DEBUG", "WARN").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+}
+
 /// Ranks set up differently still agree on every path, since a pair (or the communicator)
 /// takes what all its ranks' settings allow: NCCL_P2P_DISABLE=1, NCCL_RS_DIRECT_P2P=0 or a
 /// larger NCCL_RS_DIRECT_MIN on process 1 only. Every result is exact, and the point-to-point

@@ -854,7 +854,10 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
             return Err(e);
         }
         let waiting = || (0..ops.len()).filter(|&i| awaits[i] != Awaits::Done);
-        let lost = waiting().find_map(|i| rma.p2p_lost(ops[i].op.root).map(|e| (i, e)));
+        // What still needs its peer: a receive whose bytes came and wait for its caller's
+        // stream to copy them does not (its sender is done and may have left).
+        let on_peer = || waiting().filter(|&i| awaits[i] != Awaits::Kernel || bounced[i].is_none());
+        let lost = on_peer().find_map(|i| rma.p2p_lost(ops[i].op.root).map(|e| (i, e)));
         if let Some((i, e)) = lost {
             // What came before the connection ended is taken first.
             if lost_before {
@@ -867,12 +870,12 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
             // A peer that failed elsewhere (its host transports, a kernel) or is gone sends
             // nothing more: ask, once a second.
             last_probe = std::time::Instant::now();
-            let mut peers: Vec<usize> = waiting().map(|i| ops[i].op.root).collect();
+            let mut peers: Vec<usize> = on_peer().map(|i| ops[i].op.root).collect();
             peers.sort_unstable();
             peers.dedup();
             for p in peers {
                 // The first operation that waits on it: is the peer in it, and if not, why not?
-                let Some(op) = waiting().map(|i| &ops[i].op).find(|o| o.root == p) else { continue };
+                let Some(op) = on_peer().map(|i| &ops[i].op).find(|o| o.root == p) else { continue };
                 let describe = &crate::plan::ops::describe_stamp;
                 match comm.peer_runs(p, &op.stamp(), describe) {
                     Err(e) if e.msg.contains(" failed: ") => {

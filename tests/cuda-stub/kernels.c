@@ -260,6 +260,12 @@ static void run_one_indirect(int kernel_type, const uint64_t *desc) {
     }
   }
   if (code == 1) {
+    /* A slow device, for tests: each copy waits this long before it runs. */
+    const int delay_ms = env_int("NCCL_RS_STUB_COPY_DELAY_MS", 0);
+    if (delay_ms > 0) {
+      struct timespec slow = {delay_ms / 1000, (long)(delay_ms % 1000) * 1000000L};
+      nanosleep(&slow, NULL);
+    }
     memmove((void *)(uintptr_t)w[1], (const void *)(uintptr_t)w[2], bytes);
     return;
   }
