@@ -448,14 +448,30 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
     let mut e = e;
     // A peer that stopped on an error of its own closed its connections: its reason is
     // the real one (a mismatch it detected, a peer it lost).
+    let mut lost = Vec::new();
     if e.code == crate::Code::RemoteError {
-        if let Some(theirs) = failed_peer.and_then(|p| c.peer_failure(p)) {
-            e = theirs;
+        // A peer whose connection failed is aborting (its reason is asked for) or exiting (it
+        // is found gone once a zombie); a survivor that reacted to a lost rank may close its
+        // connections before that rank is found gone. So both are asked again for a while,
+        // to name the culprit rather than the peer that passed its failure on.
+        let settle = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        loop {
+            if let Some(theirs) = failed_peer.and_then(|p| c.peer_failure(p)) {
+                e = theirs;
+                if e.code == crate::Code::RemoteError {
+                    lost = c.lost_peers();
+                }
+                break;
+            }
+            lost = c.lost_peers();
+            if !lost.is_empty() || failed_peer.is_none() || std::time::Instant::now() >= settle {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
     if e.code == crate::Code::RemoteError {
         // Name the culprit: the peer this rank waited on may only have reacted to it.
-        let lost = c.lost_peers();
         if !lost.is_empty() {
             let names: Vec<String> = lost.iter().map(|(p, why)| format!("{} ({why})", c.describe_peer(*p))).collect();
             e = crate::Error::remote(format!("lost {}; this rank saw: {}", names.join(", "), e.msg));
