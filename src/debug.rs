@@ -6,6 +6,10 @@
 //! host:pid:tid [rank] NCCL INFO Bootstrap: using eth0 10.0.0.1
 //! [2026-12-02 04:49:00] host:pid:tid [rank] comm/mod.rs:42 NCCL WARN rank 3: peer rank 5 closed the connection
 //! ```
+//!
+//! Where NCCL shows the CUDA device in `[...]`, nccl-rs shows the communicator's rank (ranks
+//! may share a device): on a communicator's own threads, and on a caller's thread from its
+//! last call on one.
 
 use std::cell::Cell;
 use std::fmt;
@@ -204,9 +208,15 @@ pub fn enabled(level: Level, sub: u32) -> bool {
     level <= Level::Warn || MASK.load(Ordering::Relaxed) & sub != 0
 }
 
-/// Set the rank shown on this thread's log lines; returns the previous one.
+/// Set the rank shown on this thread's log lines; returns the previous one. A communicator's
+/// own threads set its rank, so every line about it shows the same one.
 pub fn set_rank(rank: i32) -> i32 {
     RANK.with(|r| r.replace(rank))
+}
+
+/// The rank shown on this thread's log lines (-1: none yet), for a thread it starts to show.
+pub fn shown_rank() -> i32 {
+    RANK.with(|r| r.get())
 }
 
 pub fn hostname() -> String {

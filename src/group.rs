@@ -188,7 +188,12 @@ pub fn run_parallel(work: Vec<Deferred>) -> Result<()> {
     let results: Vec<Result<()>> = std::thread::scope(|s| {
         // A piece whose thread cannot start fails (the others still run, and time out or
         // fail on their own if they needed it).
-        let joins: Vec<_> = work.into_iter().map(|w| std::thread::Builder::new().name("nccl-rs-group".into()).spawn_scoped(s, w)).collect();
+        let shown = crate::debug::shown_rank();
+        let joins: Vec<_> = work.into_iter().map(|w| std::thread::Builder::new().name("nccl-rs-group".into())
+            .spawn_scoped(s, move || {
+                crate::debug::set_rank(shown);
+                w()
+            })).collect();
         joins.into_iter().map(|j| match j {
             Ok(j) => j.join().unwrap_or_else(|_| Err(Error::internal("group thread panicked"))),
             Err(e) => Err(Error::os("spawn a group thread", e)),

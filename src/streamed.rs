@@ -341,7 +341,10 @@ impl Streamed {
         let (c, w) = (comm.clone(), s.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-stream-{}", comm.rank))
-            .spawn(move || worker::run(c, w, stream))
+            .spawn(move || {
+                crate::debug::set_rank(c.rank as i32);
+                worker::run(c, w, stream)
+            })
             .map_err(|e| Error::os("spawn the stream worker", e))?;
         *s.worker.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
         crate::info!(INIT, "rank {}: CUDA mode on device {}, stream worker started", comm.rank, comm.cuda_dev);
@@ -500,6 +503,8 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         return Ok(None);
     }
     comm.ready()?;
+    // A group over several communicators prepares each on this thread: its lines show each.
+    crate::debug::set_rank(comm.rank as i32);
     // The communicator's context is current for the calls below (the legacy stream, NULL, is
     // that context's); the caller's comes back.
     let _keep = KeepCurrent::new();

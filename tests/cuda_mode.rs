@@ -43,14 +43,31 @@ fn cuda_mode_4_processes() {
     cuda_job().procs(4).arg("--quick").run();
 }
 
+/// Every line of a rank's shows that rank in `[...]`, whichever of its threads wrote it (the
+/// stream worker's, too): the log lines that do not.
+fn lines_showing_another_rank(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| {
+            let Some((head, msg)) = l.split_once(" NCCL ").and_then(|(h, m)| Some((h, m.split_once(' ')?.1))) else {
+                return false;
+            };
+            let rank = msg.strip_prefix("rank ").and_then(|m| m.split_once(':')).map(|(r, _)| r);
+            rank.is_some_and(|r| r.parse::<u32>().is_ok() && !head.contains(&format!(" [{r}]")))
+        })
+        .collect()
+}
+
 /// Runs `job` with INFO logs of the P2P subsystem and checks which path the collectives took:
-/// the direct one (peers' device buffers read through CUDA IPC) or staging.
+/// the direct one (peers' device buffers read through CUDA IPC) or staging; and that each
+/// line names the rank it shows in `[...]`.
 fn run_expecting_direct(job: Job, direct: bool) {
     let o = job.env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
     assert!(o.ok(), "{}", o.report);
     for (i, p) in o.procs.iter().enumerate() {
         let took = p.log.contains("are read directly");
         assert_eq!(took, direct, "process {i}: direct path taken = {took}, expected {direct}:\n{}", p.log);
+        let other = lines_showing_another_rank(&p.log);
+        assert!(other.is_empty(), "process {i}: lines that show another rank in [...]: {other:#?}");
     }
 }
 

@@ -62,11 +62,14 @@ fn not_a_comm(p: usize) -> Error {
     }
 }
 
-/// The communicator behind a handle.
+/// The communicator behind a handle. The calling thread's log lines show its rank from here
+/// on (a thread may drive several communicators).
 pub fn get<T>(p: *mut T) -> Result<Arc<Comm>> {
     let key = p as usize;
     let map = registry().read().unwrap_or_else(|p| p.into_inner());
-    map.get(&key).cloned().ok_or_else(|| not_a_comm(key))
+    let comm = map.get(&key).cloned().ok_or_else(|| not_a_comm(key))?;
+    crate::debug::set_rank(comm.rank as i32);
+    Ok(comm)
 }
 
 /// Remove a handle (destroy/abort): later uses of it are errors.

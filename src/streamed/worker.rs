@@ -371,6 +371,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
         (false, false) => std::thread::scope(|scope| {
             let staged = std::thread::Builder::new().name(format!("nccl-rs-staged-{}", comm.rank))
                 .spawn_scoped(scope, || {
+                    crate::debug::set_rank(comm.rank as i32);
                     s.ctx.make_current()?;
                     run_staged(comm, stream, staging, &host)
                 })

@@ -215,7 +215,10 @@ impl Gated {
         let (c, s) = (comm.clone(), g.clone());
         let handle = std::thread::Builder::new()
             .name(format!("nccl-rs-rma-{}", comm.rank))
-            .spawn(move || s.run(&c))
+            .spawn(move || {
+                crate::debug::set_rank(c.rank as i32);
+                s.run(&c)
+            })
             .map_err(|e| Error::os("spawn the one-sided sender", e))?;
         *g.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
         crate::info!(INIT, "rank {}: one-sided operations ordered with CUDA streams ({} KiB of pinned staging)",
