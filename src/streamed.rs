@@ -66,11 +66,13 @@ use crate::transport::ipc::{self, Routes};
 pub(crate) mod board;
 mod capture;
 mod pool;
+mod scratch;
 mod steps;
 mod worker;
 pub(crate) use worker::{back_off, wait_for_stream};
 use board::{Board, Ticket};
 use pool::{plan_caller_staging, Pool};
+use scratch::Scratch;
 use steps::on_stream_shape;
 
 /// Events kept for reuse per communicator.
@@ -146,6 +148,9 @@ pub struct Streamed {
     /// Pinned staging callers' streams copy through (None: caller staging is off, or pinning
     /// failed at start). Used under `submit_busy`.
     pool: Mutex<Option<Pool>>,
+    /// Device memory in-place sends are copied into at call time (`scratch`). Used under
+    /// `submit_busy` and by the worker (giving carves back).
+    scratch: Mutex<Scratch>,
     /// Whether callers' streams have staged anything yet (the first time is logged).
     caller_staged: std::sync::atomic::AtomicBool,
     /// Where callers' streams signal that they reached a batch, and where direct operations
@@ -243,6 +248,8 @@ struct Batch {
     direct: Vec<Option<OnStream>>,
     /// Per operation: its path as its call saw it.
     paths: Vec<Path>,
+    /// The carves of `scratch` its in-place sends were copied into, given back once done.
+    scratch: Vec<u64>,
 }
 
 /// How an operation goes, as far as this rank can tell at call time (alike on every rank but
@@ -257,7 +264,8 @@ enum Path {
     /// A collective that could go direct but this rank cannot take (`ipc::offer`: its buffers
     /// have no CUDA IPC, an in-place all-to-all, no kernels): it takes part in the agreement,
     /// then every rank stages it. A send whose buffer cannot be published, or that a receive
-    /// of its batch writes into: its bytes are staged to the receiver (`ipc::run_p2p`).
+    /// of its batch writes into (unless `copy_in_place_sends` copied it): its bytes are staged
+    /// to the receiver (`ipc::run_p2p`).
     Declined,
     /// Direct: a collective or send with its buffers published at call time, or a receive on
     /// the direct path (which learns at run time whether it can read the sender's buffer).
@@ -332,7 +340,7 @@ impl Streamed {
         let s = Arc::new(Streamed { ctx, done, word, kernels, host_wait, gate_kernel, routes,
                                     queue: Arc::new(Queue::default()),
                                     submit_busy: Mutex::new(false), submit_done: Condvar::new(),
-                                    worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
+                                    worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool), scratch: Mutex::new(Scratch::default()),
                                     caller_staged: std::sync::atomic::AtomicBool::new(false), board, direct_on_stream, p2p_on_stream,
                                     direct_off: std::sync::atomic::AtomicBool::new(false),
                                     slots_ran_out: std::sync::atomic::AtomicBool::new(false),
@@ -538,7 +546,9 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // the events the worker waits for.
     let mut pool = s.pool.lock().unwrap_or_else(|p| p.into_inner());
     let gated = !s.host_wait && (s.gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
-    let paths = paths(s, &ops);
+    let mut paths = paths(s, &ops);
+    let mut ops = ops;
+    let scratch = copy_in_place_sends(comm, s, &callers, &on, &mut ops, &mut paths)?;
     let carve = match pool.as_mut() {
         Some(p) if gated => {
             s.recycle(p.reclaim());
@@ -546,7 +556,6 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         }
         _ => None,
     };
-    let mut ops = ops;
     let mut prestaged = vec![(false, None); ops.len()];
     let mut outs: Vec<(usize, Region, Region)> = Vec::new();
     let mut carve_id = None;
@@ -587,7 +596,8 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         .collect();
     let ops = ops.into_iter().map(|o| o.op).collect();
     let mut prepared = Prepared { comm: comm.clone(), lock, callers, ops, prestaged, paths, outs, carve_id,
-                                  starts: Vec::new(), seq, committed: false, caller_of, shapes, direct: Vec::new() };
+                                  starts: Vec::new(), seq, committed: false, caller_of, shapes, direct: Vec::new(),
+                                  scratch };
     for st in &prepared.callers {
         let start = start_signal(s, st)?;
         prepared.starts.push(start);
@@ -609,13 +619,46 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
                 (true, OpKind::Recv) => Path::Direct(None),
                 // A peer reading it directly could read what a receive of this batch already
                 // wrote there (an in-place exchange: ncclSend and ncclRecv of one buffer in a
-                // group): its bytes are taken now, in stream order, and staged.
+                // group): copied now, in stream order, into device memory that goes direct
+                // instead (`copy_in_place_sends`), or else its bytes taken and staged.
                 (true, OpKind::Send) if received.overlaps(o.op.send) => Path::Declined,
                 (true, _) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes)
                     .map_or(Path::Declined, |o| Path::Direct(Some(o))),
             }
         })
         .collect()
+}
+
+/// The sends `paths` declined because a receive of their batch writes into their buffers (an
+/// in-place exchange), each copied now on its caller's stream into device memory of the
+/// communicator's (`scratch`) where it finds room: that copy is what goes direct (its
+/// receiver reads it). The carves taken.
+fn copy_in_place_sends(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dyn Fn(&StreamOp) -> usize,
+                       ops: &mut [StreamOp], paths: &mut [Path]) -> Result<Vec<u64>> {
+    let mut taken = Vec::new();
+    let declined = |o: &StreamOp, p: &Path| o.op.kind == OpKind::Send && matches!(p, Path::Declined) && !o.op.send.is_empty();
+    if !ops.iter().zip(paths.iter()).any(|(o, p)| declined(o, p)) {
+        return Ok(taken);
+    }
+    let received = Received::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
+    for (o, path) in ops.iter_mut().zip(paths.iter_mut()) {
+        if !declined(o, path) || !received.overlaps(o.op.send) {
+            continue;
+        }
+        let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((copy, id)) = scratch.take(o.op.send.len(), comm.rank) else { continue };
+        let op = Op { send: copy, ..o.op };
+        let Some(offered) = ipc::offer(&op, s.kernels.is_some(), &s.routes) else {
+            scratch.give_back(id);
+            continue;
+        };
+        drop(scratch);
+        taken.push(id);
+        callers[on(o)].copy(copy, o.op.send)?;
+        o.op = op;
+        *path = Path::Direct(Some(offered));
+    }
+    Ok(taken)
 }
 
 /// The buffers a batch's receives write, to tell whether a send's buffer overlaps one of them
@@ -686,6 +729,9 @@ pub struct Prepared {
     shapes: Vec<Option<ipc::Shape>>,
     /// Per operation, once the slots are taken (`commit_all`): its slot, if it got one.
     direct: Vec<Option<OnStream>>,
+    /// The carves of `Streamed::scratch` its in-place sends were copied into. Never queued,
+    /// they stay taken: a copy into one may be in flight.
+    scratch: Vec<u64>,
 }
 
 impl Drop for Prepared {
@@ -849,7 +895,7 @@ impl Prepared {
         direct.resize(self.ops.len(), None);
         let batch = Batch { seq, starts: std::mem::take(&mut self.starts), ops: std::mem::take(&mut self.ops),
                             prestaged: std::mem::take(&mut self.prestaged), direct,
-                            paths: std::mem::take(&mut self.paths) };
+                            paths: std::mem::take(&mut self.paths), scratch: std::mem::take(&mut self.scratch) };
         // Queued before the results are copied out: a copy the driver runs synchronously must
         // find its gate already on the way to opening.
         let mut state = s.state();

@@ -184,16 +184,35 @@ fn cuda_mode_direct_sends_and_receives() {
 /// A receive whose bytes came while its caller's stream has yet to copy them needs nothing
 /// more from the sender, which may finish and destroy its communicator meanwhile: with
 /// process 0's copies slowed down (the stand-in's NCCL_RS_STUB_COPY_DELAY_MS), process 1
-/// ends part P2P first, and rank 0's last receive (in place, so its bytes were sent) still
-/// lands. Before, rank 0 took the sender's closed connection for a failure of that receive.
+/// ends part P2P first, and rank 0's last receive (in place, its bytes sent with
+/// NCCL_RS_INPLACE_SCRATCH=0) still lands. Before, rank 0 took the sender's closed connection
+/// for a failure of that receive.
 #[test]
 fn cuda_mode_sender_may_leave_before_the_copy_runs() {
     if !stand_in_only("cuda_mode_sender_may_leave_before_the_copy_runs") {
         return;
     }
     let o = cuda_job().procs(2).arg("--only").arg("P2P").proc_env(0, "NCCL_RS_STUB_COPY_DELAY_MS", "200")
-        .env("NCCL_DEBUG", "WARN").run_outcome();
+        .env("NCCL_RS_INPLACE_SCRATCH", "0").env("NCCL_DEBUG", "WARN").run_outcome();
     assert!(o.ok(), "{}", o.report);
+}
+
+/// In-place exchanges (part P2P's last round: ncclSend and ncclRecv of one buffer in a
+/// group) are copied on the caller's stream into device memory of the communicator's, which
+/// their receivers read directly; with NCCL_RS_INPLACE_SCRATCH=0 (or no room) their bytes are
+/// sent instead. Exact either way, as processes and as ranks of one process.
+#[test]
+fn cuda_mode_in_place_sends_are_read_from_a_device_copy() {
+    let line = "in-place sends are copied on the caller's stream";
+    for (job, scratch) in [(cuda_job().procs(2), "67108864"), (cuda_job().local(2), "67108864"),
+                           (cuda_job().procs(2), "0"), (cuda_job().procs(2), "65536")] {
+        let o = job.arg("--only").arg("P2P").env("NCCL_RS_INPLACE_SCRATCH", scratch).env("NCCL_DEBUG", "INFO")
+            .env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+        assert!(o.ok(), "NCCL_RS_INPLACE_SCRATCH={scratch}: {}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert_eq!(p.log.contains(line), scratch != "0", "NCCL_RS_INPLACE_SCRATCH={scratch}, process {i}:\n{}", p.log);
+        }
+    }
 }
 
 /// Ranks set up differently still agree on every path, since a pair (or the communicator)

@@ -135,7 +135,7 @@ impl Pool {
 
 /// Where `len` bytes go in a ring of `cap` bytes whose next free byte is `head` and whose
 /// oldest live carve starts at `oldest` (None: nothing live).
-fn ring_alloc(cap: usize, head: usize, oldest: Option<usize>, len: usize) -> Option<usize> {
+pub(super) fn ring_alloc(cap: usize, head: usize, oldest: Option<usize>, len: usize) -> Option<usize> {
     match oldest {
         None => (len <= cap).then_some(0),
         Some(oldest) if head >= oldest => {

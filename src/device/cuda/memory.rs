@@ -117,6 +117,50 @@ unsafe impl Send for MappedHost {}
 // SAFETY: as for Send.
 unsafe impl Sync for MappedHost {}
 
+/// Device memory the library owns (`cuMemAlloc`), freed when dropped.
+pub struct DeviceMem {
+    ptr: *mut c_void,
+    len: usize,
+}
+
+// SAFETY: a device address; every access to the memory is ordered by streams and the
+// owner's locks, not by the thread holding this value.
+unsafe impl Send for DeviceMem {}
+
+impl DeviceMem {
+    /// `len` (> 0) bytes in the current context.
+    pub fn new(len: usize) -> Result<DeviceMem> {
+        if len == 0 {
+            return Err(Error::internal("device memory of 0 bytes"));
+        }
+        Ok(DeviceMem { ptr: alloc(len)?, len })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `len` bytes at `offset` of the memory (inside it: checked by `Region::sub`). It must
+    /// not be used after `self` is dropped.
+    pub fn region(&self, offset: usize, len: usize) -> crate::device::host::Region {
+        // SAFETY: `self.len` bytes at `ptr` belong to this allocation while `self` lives;
+        // regions of device memory are only passed to the driver and kernels.
+        let whole = crate::device::host::Region::user(unsafe { crate::device::host::UserPtr::new(self.ptr) }, 0, self.len);
+        whole.sub(offset, len)
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        // A failure cannot be reported from drop.
+        let _ = free(self.ptr);
+    }
+}
+
 impl MappedHost {
     /// `len` (> 0) bytes, allocated in the current context.
     pub fn new(len: usize) -> Result<MappedHost> {

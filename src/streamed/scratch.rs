@@ -1,0 +1,69 @@
+//! Device memory for the sends of in-place exchanges (`ncclSend` and `ncclRecv` of one buffer
+//! in a group, between ranks of one host). A receiver reading such a send directly could read
+//! what the sender's own receive already wrote there, so the caller's stream copies the send
+//! into a carve of this memory at call time, in stream order, and the carve is what its
+//! receiver reads (`ipc::run_p2p`); the worker gives it back once the receiver answered that
+//! it has read it. Allocated at the first such send (`NCCL_RS_INPLACE_SCRATCH` bytes), kept
+//! for the communicator's life; a send that finds no room sends its bytes instead.
+
+use std::collections::VecDeque;
+
+use super::pool::{aligned, ring_alloc};
+use crate::device::cuda::DeviceMem;
+use crate::device::host::Region;
+
+#[derive(Default)]
+pub(super) struct Scratch {
+    mem: Option<DeviceMem>,
+    /// The allocation failed or is turned off: never tried again.
+    off: bool,
+    head: usize,
+    /// Carves in the order taken: id, start, given back.
+    live: VecDeque<(u64, usize, bool)>,
+    next_id: u64,
+}
+
+impl Scratch {
+    /// `len` bytes of device memory, if there is room now: the region and its carve's id.
+    /// The communicator's context must be current (the first call allocates).
+    pub(super) fn take(&mut self, len: usize, rank: usize) -> Option<(Region, u64)> {
+        if self.off || len == 0 {
+            return None;
+        }
+        if self.mem.is_none() {
+            let bytes = crate::params::inplace_scratch();
+            match (bytes > 0).then(|| DeviceMem::new(bytes)) {
+                Some(Ok(m)) => {
+                    crate::info!(P2P, "rank {rank}: in-place sends are copied on the caller's stream into {bytes} bytes \
+                                       of device memory, read directly from there");
+                    self.mem = Some(m);
+                }
+                Some(Err(e)) => {
+                    crate::info!(P2P, "rank {rank}: no device memory for in-place sends ({}): their bytes are sent", e.msg);
+                    self.off = true;
+                }
+                None => self.off = true,
+            }
+        }
+        let cap = self.mem.as_ref()?.len();
+        while self.live.front().is_some_and(|c| c.2) {
+            self.live.pop_front();
+        }
+        if self.live.is_empty() {
+            self.head = 0;
+        }
+        let n = aligned(len);
+        let at = ring_alloc(cap, self.head, self.live.front().map(|c| c.1), n)?;
+        self.head = at + n;
+        self.next_id += 1;
+        self.live.push_back((self.next_id, at, false));
+        Some((self.mem.as_ref()?.region(at, len), self.next_id))
+    }
+
+    /// Carve `id` is free again (its receiver has read it).
+    pub(super) fn give_back(&mut self, id: u64) {
+        if let Some(c) = self.live.iter_mut().find(|c| c.0 == id) {
+            c.2 = true;
+        }
+    }
+}
