@@ -340,7 +340,8 @@ impl Streamed {
         let s = Arc::new(Streamed { ctx, done, word, kernels, host_wait, gate_kernel, routes,
                                     queue: Arc::new(Queue::default()),
                                     submit_busy: Mutex::new(false), submit_done: Condvar::new(),
-                                    worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool), scratch: Mutex::new(Scratch::default()),
+                                    worker: Mutex::new(None), events: Mutex::new(Vec::new()), pool: Mutex::new(pool),
+                                    scratch: Mutex::new(Scratch::default()),
                                     caller_staged: std::sync::atomic::AtomicBool::new(false), board, direct_on_stream, p2p_on_stream,
                                     direct_off: std::sync::atomic::AtomicBool::new(false),
                                     slots_ran_out: std::sync::atomic::AtomicBool::new(false),
@@ -636,7 +637,9 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
 fn copy_in_place_sends(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dyn Fn(&StreamOp) -> usize,
                        ops: &mut [StreamOp], paths: &mut [Path]) -> Result<Vec<u64>> {
     let mut taken = Vec::new();
-    let declined = |o: &StreamOp, p: &Path| o.op.kind == OpKind::Send && matches!(p, Path::Declined) && !o.op.send.is_empty();
+    let declined = |o: &StreamOp, p: &Path| {
+        o.op.kind == OpKind::Send && matches!(p, Path::Declined) && !o.op.send.is_empty()
+    };
     if !ops.iter().zip(paths.iter()).any(|(o, p)| declined(o, p)) {
         return Ok(taken);
     }
