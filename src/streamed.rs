@@ -262,8 +262,8 @@ enum Path {
     /// more (`Direct::off`).
     Staged,
     /// A collective that could go direct but this rank cannot take (`ipc::offer`: its buffers
-    /// have no CUDA IPC, an in-place all-to-all, no kernels): it takes part in the agreement,
-    /// then every rank stages it. A send whose buffer cannot be published, or that a receive
+    /// have no CUDA IPC, an in-place all-to-all not copied by `copy_in_place_sends`, no
+    /// kernels): it takes part in the agreement, then every rank stages it. A send whose buffer cannot be published, or that a receive
     /// of its batch writes into (unless `copy_in_place_sends` copied it): its bytes are staged
     /// to the receiver (`ipc::run_p2p`).
     Declined,
@@ -630,22 +630,29 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
         .collect()
 }
 
-/// The sends `paths` declined because a receive of their batch writes into their buffers (an
-/// in-place exchange), each copied now on its caller's stream into device memory of the
-/// communicator's (`scratch`) where it finds room: that copy is what goes direct (its
-/// receiver reads it). The carves taken.
+/// The operations `paths` declined because peers reading their input directly could read
+/// what their own output already wrote there: sends a receive of their batch writes into (an
+/// in-place exchange) and in-place all-to-alls. Each is copied now on its caller's stream
+/// into device memory of the communicator's (`scratch`) where it finds room, and that copy
+/// is the input that goes direct (its peers read it). The carves taken.
 fn copy_in_place_sends(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dyn Fn(&StreamOp) -> usize,
                        ops: &mut [StreamOp], paths: &mut [Path]) -> Result<Vec<u64>> {
     let mut taken = Vec::new();
     let declined = |o: &StreamOp, p: &Path| {
-        o.op.kind == OpKind::Send && matches!(p, Path::Declined) && !o.op.send.is_empty()
+        let in_place = match o.op.kind {
+            // (Checked against the batch's receives below.)
+            OpKind::Send => true,
+            OpKind::AlltoAll => o.op.send.addr() == o.op.recv.addr(),
+            _ => false,
+        };
+        in_place && matches!(p, Path::Declined) && !o.op.send.is_empty()
     };
     if !ops.iter().zip(paths.iter()).any(|(o, p)| declined(o, p)) {
         return Ok(taken);
     }
     let received = Received::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
     for (o, path) in ops.iter_mut().zip(paths.iter_mut()) {
-        if !declined(o, path) || !received.overlaps(o.op.send) {
+        if !declined(o, path) || (o.op.kind == OpKind::Send && !received.overlaps(o.op.send)) {
             continue;
         }
         let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());

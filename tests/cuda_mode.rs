@@ -198,20 +198,29 @@ fn cuda_mode_sender_may_leave_before_the_copy_runs() {
 }
 
 /// In-place exchanges (part P2P's last round: ncclSend and ncclRecv of one buffer in a
-/// group) are copied on the caller's stream into device memory of the communicator's, which
-/// their receivers read directly; with NCCL_RS_INPLACE_SCRATCH=0 (or no room) their bytes are
-/// sent instead. Exact either way, as processes and as ranks of one process.
+/// group) and in-place all-to-alls (part InPlace: the only one of its collectives that needs
+/// it) are copied on the caller's stream into device memory of the communicator's, which
+/// peers read directly; with NCCL_RS_INPLACE_SCRATCH=0 (or no room) such sends send their
+/// bytes and such all-to-alls are staged. Exact either way, as processes and as ranks of one
+/// process.
 #[test]
-fn cuda_mode_in_place_sends_are_read_from_a_device_copy() {
-    let line = "in-place sends are copied on the caller's stream";
-    for (job, scratch) in [(cuda_job().procs(2), "67108864"), (cuda_job().local(2), "67108864"),
-                           (cuda_job().procs(2), "0"), (cuda_job().procs(2), "65536")] {
-        let o = job.arg("--only").arg("P2P").env("NCCL_RS_INPLACE_SCRATCH", scratch).env("NCCL_DEBUG", "INFO")
-            .env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
-        assert!(o.ok(), "NCCL_RS_INPLACE_SCRATCH={scratch}: {}", o.report);
-        for (i, p) in o.procs.iter().enumerate() {
-            assert_eq!(p.log.contains(line), scratch != "0", "NCCL_RS_INPLACE_SCRATCH={scratch}, process {i}:\n{}", p.log);
+fn cuda_mode_in_place_inputs_are_read_from_a_device_copy() {
+    let line = "are copied on the caller's stream into";
+    for part in ["P2P", "InPlace"] {
+        for (job, scratch) in [(cuda_job().procs(2), "67108864"), (cuda_job().local(2), "67108864"),
+                               (cuda_job().procs(2), "0"), (cuda_job().procs(2), "65536")] {
+            let o = job.arg("--only").arg(part).env("NCCL_RS_INPLACE_SCRATCH", scratch).env("NCCL_DEBUG", "INFO")
+                .env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+            assert!(o.ok(), "part {part}, NCCL_RS_INPLACE_SCRATCH={scratch}: {}", o.report);
+            for (i, p) in o.procs.iter().enumerate() {
+                assert_eq!(p.log.contains(line), scratch != "0",
+                           "part {part}, NCCL_RS_INPLACE_SCRATCH={scratch}, process {i}:\n{}", p.log);
+            }
         }
+        // One rank copies its input, its peer does not: exact all the same (the all-to-all is
+        // staged, by the agreement; the sends of one go direct, of the other as bytes).
+        let o = cuda_job().procs(2).arg("--only").arg(part).proc_env(1, "NCCL_RS_INPLACE_SCRATCH", "0").run_outcome();
+        assert!(o.ok(), "part {part}, NCCL_RS_INPLACE_SCRATCH=0 on process 1: {}", o.report);
     }
 }
 

@@ -1,10 +1,13 @@
-//! Device memory for the sends of in-place exchanges (`ncclSend` and `ncclRecv` of one buffer
-//! in a group, between ranks of one host). A receiver reading such a send directly could read
-//! what the sender's own receive already wrote there, so the caller's stream copies the send
-//! into a carve of this memory at call time, in stream order, and the carve is what its
-//! receiver reads (`ipc::run_p2p`); the worker gives it back once the receiver answered that
-//! it has read it. Allocated at the first such send (`NCCL_RS_INPLACE_SCRATCH` bytes), kept
-//! for the communicator's life; a send that finds no room sends its bytes instead.
+//! Device memory for the inputs of in-place operations that go direct: the sends of in-place
+//! exchanges (`ncclSend` and `ncclRecv` of one buffer in a group, between ranks of one host)
+//! and in-place all-to-alls. A peer reading such an input directly could read what the
+//! operation's own output already wrote there, so the caller's stream copies the input into a
+//! carve of this memory at call time, in stream order, and the carve is what peers read
+//! (`ipc::run_p2p`, `ipc::run_on_stream`); the worker gives it back once its batch is done
+//! (every receiver answered, or every rank passed the operation's last phase). Allocated at
+//! the first such operation (`NCCL_RS_INPLACE_SCRATCH` bytes), kept for the communicator's
+//! life; an operation that finds no room goes as before (a send's bytes are sent, an
+//! all-to-all is staged).
 
 use std::collections::VecDeque;
 
@@ -34,12 +37,13 @@ impl Scratch {
             let bytes = crate::params::inplace_scratch();
             match (bytes > 0).then(|| DeviceMem::new(bytes)) {
                 Some(Ok(m)) => {
-                    crate::info!(P2P, "rank {rank}: in-place sends are copied on the caller's stream into {bytes} bytes \
-                                       of device memory, read directly from there");
+                    crate::info!(P2P, "rank {rank}: in-place sends and all-to-alls are copied on the caller's stream into \
+                                       {bytes} bytes of device memory, which peers read directly");
                     self.mem = Some(m);
                 }
                 Some(Err(e)) => {
-                    crate::info!(P2P, "rank {rank}: no device memory for in-place sends ({}): their bytes are sent", e.msg);
+                    crate::info!(P2P, "rank {rank}: no device memory for in-place sends and all-to-alls ({}): such sends \
+                                       send their bytes, such all-to-alls are staged", e.msg);
                     self.off = true;
                 }
                 None => self.off = true,
