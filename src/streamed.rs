@@ -180,6 +180,11 @@ impl Drop for Streamed {
         if let Some(b) = self.board.take() {
             b.retire();
         }
+        // Freed in the communicator's context, whichever thread drops the last reference.
+        let scratch = std::mem::take(&mut *self.scratch.lock().unwrap_or_else(|p| p.into_inner()));
+        let _keep = KeepCurrent::new();
+        let _ = self.ctx.make_current();
+        drop(scratch);
     }
 }
 
