@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|P2PPairings|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|RmaErrors|Context|GroupMix|Torch|Churn|Streams|Recycle|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
+ *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|P2PPairings|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|RmaErrors|Context|GroupMix|Torch|Churn|Streams|Recycle|Leaks|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
  *   CUDA_TEST_FAULT=1|graph|shrink cuda (2 processes; the harness kills process 1 once it prints
  *                                LOOPING; graph: the all-reduces are launches of a captured graph;
  *                                shrink: 3 processes, the survivors shrink and go on)
@@ -94,6 +94,8 @@ static struct {
   CUresult (*MemGetInfo)(size_t*, size_t*);
   /* The stand-in's own (NULL on a GPU): the peers' device memory this process holds open. */
   int (*StubPeerMemory)(size_t*);
+  /* The stand-in's own: the memory this process allocated and has not freed. */
+  int (*StubOwnMemory)(size_t*);
   void (*StubPointerQueriesFail)(int);
   /* The virtual memory API, loaded with CUDA_TEST_VMM=1. */
   CUresult (*MemGetAllocationGranularity)(size_t*, const void*, int);
@@ -160,6 +162,7 @@ static void load_driver(void) {
   *(void**)&cu.StreamWaitEvent = sym(lib, "cuStreamWaitEvent");
   *(void**)&cu.MemGetInfo = dlsym(lib, "cuMemGetInfo_v2");
   *(void**)&cu.StubPeerMemory = dlsym(lib, "nccl_rs_stub_peer_memory");
+  *(void**)&cu.StubOwnMemory = dlsym(lib, "nccl_rs_stub_own_memory");
   *(void**)&cu.StubPointerQueriesFail = dlsym(lib, "nccl_rs_stub_pointer_queries_fail");
   if (getenv("CUDA_TEST_VMM")) {
     *(void**)&cu.MemGetAllocationGranularity = sym(lib, "cuMemGetAllocationGranularity");
@@ -2047,6 +2050,96 @@ static void recycle(void) {
   }
 }
 
+/* Part Leaks (only when asked; the stand-in only): communicators created, used on every path
+ * that allocates memory of its own (the direct path and its in-place copies, the pinned pool,
+ * sends from pinned memory sent as bytes) and destroyed, three times: the memory this process
+ * holds afterwards (the stand-in's count of live allocations) is the same after each round,
+ * so nothing a communicator allocated outlives it (the first round may leave what the process
+ * keeps for good: loaded kernels, recycled staging). */
+static void leaks_round(int round) {
+  const int n = g_env.nranks;
+  ncclComm_t c[MAX_LOCAL];
+  ncclUniqueId id;
+  char tag[32];
+  snprintf(tag, sizeof tag, "leaks%d", round);
+  get_unique_id(tag, &id);
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommInitRank(&c[l], n, id, g_env.first_rank + l));
+  CHECK(ncclGroupEnd());
+  const size_t count = 70000, small = 1000, a2a = count * (size_t)n;
+  CUdeviceptr d[MAX_LOCAL], a[MAX_LOCAL];
+  float *h[MAX_LOCAL], *pinned[MAX_LOCAL], *pinned_in[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    d[l] = dev_alloc(count * sizeof(float));
+    a[l] = dev_alloc(a2a * sizeof(float));
+    h[l] = host_alloc(a2a * sizeof(float));
+    pinned[l] = host_alloc(count * sizeof(float));
+    pinned_in[l] = host_alloc(count * sizeof(float));
+    for (size_t j = 0; j < count; j++) pinned[l][j] = in_value(g_env.first_rank + l, j, round);
+    for (size_t j = 0; j < a2a; j++) h[l][j] = in_value(g_env.first_rank + l, j, round);
+    CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
+    CU(cu.MemcpyAsync(a[l], (CUdeviceptr)(uintptr_t)h[l], a2a * sizeof(float), g_streams[l]));
+  }
+  /* In place: a ring exchange of one buffer, an all-to-all; then a large and a small
+   * all-reduce; then sends from pinned memory. */
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    const int rank = g_env.first_rank + l;
+    CHECK(ncclSend((const void*)(uintptr_t)d[l], count, ncclFloat32, (rank + 1) % n, c[l], g_streams[l]));
+    CHECK(ncclRecv((void*)(uintptr_t)d[l], count, ncclFloat32, (rank + n - 1) % n, c[l], g_streams[l]));
+  }
+  CHECK(ncclGroupEnd());
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAlltoAll((const void*)(uintptr_t)a[l], (void*)(uintptr_t)a[l], count, ncclFloat32, c[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
+  for (size_t len = count; len >= small; len = len == count ? small : 0) {
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      CHECK(ncclAllReduce((const void*)(uintptr_t)a[l], (void*)(uintptr_t)a[l], len, ncclFloat32, ncclSum, c[l], g_streams[l]));
+    CHECK(ncclGroupEnd());
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    const int rank = g_env.first_rank + l;
+    CHECK(ncclSend(pinned[l], count, ncclFloat32, (rank + 1) % n, c[l], g_streams[l]));
+    CHECK(ncclRecv(pinned_in[l], count, ncclFloat32, (rank + n - 1) % n, c[l], g_streams[l]));
+  }
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    const int rank = g_env.first_rank + l, from = (rank + n - 1) % n;
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[l][j] != in_value(from, j, round) || pinned_in[l][j] != in_value(from, j, round);
+    EXPECT(bad == 0, "leaks round %d rank %d: %zu wrong values from rank %d", round, rank, bad, from);
+    dev_free(d[l]);
+    dev_free(a[l]);
+    CU(cu.MemFreeHost(h[l]));
+    CU(cu.MemFreeHost(pinned[l]));
+    CU(cu.MemFreeHost(pinned_in[l]));
+  }
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommDestroy(c[l]));
+}
+
+static void leaks(void) {
+  test_step("leaks");
+  if (!cu.StubOwnMemory || g_vmm.on) {
+    tlog("leaks: skipped (needs the stand-in's count of live allocations, and cuMemAlloc buffers)");
+    return;
+  }
+  int live[3];
+  size_t bytes[3];
+  for (int round = 0; round < 3; round++) {
+    leaks_round(round);
+    live[round] = cu.StubOwnMemory(&bytes[round]);
+    tlog("leaks: after round %d, %d allocations (%zu bytes) live", round, live[round], bytes[round]);
+  }
+  EXPECT(live[1] == live[0] && live[2] == live[0] && bytes[1] == bytes[0] && bytes[2] == bytes[0],
+         "memory left by communicators created and destroyed: %d allocations (%zu bytes) after the first round, "
+         "%d (%zu) after the second, %d (%zu) after the third", live[0], bytes[0], live[1], bytes[1], live[2], bytes[2]);
+}
+
 /* Fresh device memory for every all-reduce (large enough to read peers directly), as a
  * caching allocator's churn looks to the peers: first kept allocated (more allocations than
  * the mappings a worker keeps: the oldest are closed), then freed after each call (new
@@ -2934,6 +3027,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "RmaGone")) rma_gone();
   if (g_env.only && !strcasecmp(g_env.only, "RmaLate")) rma_late();
   if (g_env.only && !strcasecmp(g_env.only, "RmaStreams")) rma_streams();
+  if (g_env.only && !strcasecmp(g_env.only, "Leaks")) leaks();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

@@ -224,6 +224,24 @@ fn cuda_mode_in_place_inputs_are_read_from_a_device_copy() {
     }
 }
 
+/// Communicators created, used on every path that allocates memory of its own (direct, its
+/// in-place copies, the pinned pool, pinned sends sent as bytes) and destroyed leave nothing
+/// behind: part Leaks compares the stand-in's count of live allocations after each of three
+/// rounds; as processes and as ranks of one process.
+#[test]
+fn cuda_mode_destroyed_communicators_leave_no_memory() {
+    if !stand_in_only("cuda_mode_destroyed_communicators_leave_no_memory") {
+        return;
+    }
+    for job in [cuda_job().procs(2), cuda_job().local(2)] {
+        let o = job.arg("--only").arg("Leaks").run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert!(p.log.contains("leaks: after round 2"), "process {i}: part Leaks did not run:\n{}", p.log);
+        }
+    }
+}
+
 /// Ranks set up differently still agree on every path, since a pair (or the communicator)
 /// takes what all its ranks' settings allow: NCCL_P2P_DISABLE=1, NCCL_RS_DIRECT_P2P=0 or a
 /// larger NCCL_RS_DIRECT_MIN on process 1 only. Every result is exact, and the point-to-point

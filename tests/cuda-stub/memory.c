@@ -338,6 +338,22 @@ EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
   return CUDA_SUCCESS;
 }
 
+/* Not the driver's: for tests, the memory this process allocated and has not freed (device,
+ * managed and pinned host allocations): how many, their bytes in *bytes. */
+EXPORT int nccl_rs_stub_own_memory(size_t *bytes) {
+  size_t total = 0;
+  int n = 0;
+  pthread_mutex_lock(&g_mem_lock);
+  for (struct range *r = g_ranges; r; r = r->next) {
+    if (r->kind != MEM_DEVICE && r->kind != MEM_MANAGED && r->kind != MEM_HOST_PINNED) continue;
+    n++;
+    total += r->size;
+  }
+  pthread_mutex_unlock(&g_mem_lock);
+  if (bytes) *bytes = total;
+  return n;
+}
+
 /* Not the driver's: for tests, the peers' device memory this process holds open (IPC
  * mappings, and allocations imported from descriptors, held by a handle or a mapping): how
  * many, their bytes in *bytes. Memory another process freed stays alive while held here. */
