@@ -5,8 +5,9 @@
 //! carve of this memory at call time, in stream order, and the carve is what peers read
 //! (`ipc::run_p2p`, `ipc::run_on_stream`); the worker gives it back once its batch is done
 //! (every receiver answered, or every rank passed the operation's last phase). Allocated at
-//! the first such operation (`NCCL_RS_INPLACE_SCRATCH` bytes), kept for the communicator's
-//! life; an operation that finds no room goes as before (a send's bytes are sent, an
+//! the first such operation (`NCCL_RS_INPLACE_SCRATCH` bytes), on the calling thread as the
+//! application's own allocations are (never by the worker, which must not make driver calls
+//! that may wait for the device: see `streamed`), kept for the communicator's life; an operation that finds no room goes as before (a send's bytes are sent, an
 //! all-to-all is staged).
 
 use std::collections::VecDeque;
