@@ -8,7 +8,8 @@
  *   CUDA_TEST_MISMATCH=1|small|p2p cuda   (2 processes issuing all-reduces of different
  *                                     counts, or a send and a receive of different sizes)
  *   CUDA_TEST_ABORT_HELD=N cuda (ncclCommAbort while the call's stream is held before it: an
- *                                all-reduce of N floats, 1 meaning 1024)
+ *                                all-reduce of N floats, 1 meaning 1024; with
+ *                                CUDA_TEST_ABORT_HELD_ALLTOALL=1 an in-place all-to-all)
  *   CUDA_TEST_LAUNCH_FAIL=1 cuda (2 processes; process 1 with NCCL_RS_STUB_LAUNCH_FAILS=1)
  *   CUDA_TEST_STREAM_HELD=FILE cuda (2 processes: process 1 holds its stream before an
  *                                all-reduce until FILE exists; both check the result)
@@ -2418,8 +2419,15 @@ static int abort_held(void) {
   CUdeviceptr dflag = 0;
   uint32_t* flag = gate_word(&dflag);
   CU(cu.StreamWaitValue32(g_streams[0], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
-  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, (size_t)count, ncclFloat32, ncclSum, g_comms[0],
-                      g_streams[0]));
+  if (getenv("CUDA_TEST_ABORT_HELD_ALLTOALL")) {
+    /* In place: its input is copied (on the held stream, so not yet) into memory of the
+     * communicator's, which the abort must not free under that copy. */
+    const size_t block = (size_t)count / (size_t)g_env.nranks;
+    CHECK(ncclAlltoAll((void*)(uintptr_t)d, (void*)(uintptr_t)d, block, ncclFloat32, g_comms[0], g_streams[0]));
+  } else {
+    CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, (size_t)count, ncclFloat32, ncclSum, g_comms[0],
+                        g_streams[0]));
+  }
   double t = now_s();
   CHECK(ncclCommAbort(g_comms[0]));
   EXPECT(now_s() - t < 5.0, "ncclCommAbort took %.1f s with the stream held", now_s() - t);

@@ -180,8 +180,15 @@ impl Drop for Streamed {
         if let Some(b) = self.board.take() {
             b.retire();
         }
-        // Freed in the communicator's context, whichever thread drops the last reference.
         let scratch = std::mem::take(&mut *self.scratch.lock().unwrap_or_else(|p| p.into_inner()));
+        if scratch.in_use() {
+            // A batch that did not finish well still holds a carve (aborted, failed): a
+            // caller's stream may still copy into it (and the free might wait for that
+            // stream), so the memory stays, as the pinned pool does.
+            std::mem::forget(scratch);
+            return;
+        }
+        // Freed in the communicator's context, whichever thread drops the last reference.
         let _keep = KeepCurrent::new();
         let _ = self.ctx.make_current();
         drop(scratch);

@@ -1009,10 +1009,16 @@ fn cuda_mode_kernel_failure_is_reported_to_peers() {
 
 /// ncclCommAbort returns while the call's stream is held before the call (the operation
 /// never starts), and the stream gets past the aborted operation once let go: a staged
-/// all-reduce, and a direct one whose kernels wait on the stream behind the held point.
+/// all-reduce, and a direct one whose kernels wait on the stream behind the held point; and
+/// an in-place all-to-all, whose input copy into the communicator's scratch (`streamed::
+/// scratch`) runs only after the abort: the scratch must outlive it (freed, the stand-in's
+/// copy crashed the process).
 #[test]
 fn cuda_mode_abort_with_the_stream_held() {
     for count in ["1", "100000"] {
         cuda_job().env("CUDA_TEST_ABORT_HELD", count).timeout_s(60).run();
+    }
+    for job in [cuda_job(), cuda_job().procs(2), cuda_job().local(2)] {
+        job.env("CUDA_TEST_ABORT_HELD", "100000").env("CUDA_TEST_ABORT_HELD_ALLTOALL", "1").timeout_s(60).run();
     }
 }

@@ -65,6 +65,11 @@ impl Scratch {
         Some((self.mem.as_ref()?.region(at, len), self.next_id))
     }
 
+    /// Some carve is still taken (its batch did not finish well, or has not yet).
+    pub(super) fn in_use(&self) -> bool {
+        self.live.iter().any(|c| !c.2)
+    }
+
     /// Carve `id` is free again (its receiver has read it).
     pub(super) fn give_back(&mut self, id: u64) {
         if let Some(c) = self.live.iter_mut().find(|c| c.0 == id) {
