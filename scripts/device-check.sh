@@ -27,7 +27,8 @@
 #      (NCCL_RS_GRAPH_CAPTURE=1, experimental), and the benchmark's -G rows;
 #   4. (c) nccl-rs-perf: allreduce and allgather on 2 ranks with device buffers (--device 1;
 #      allreduce also on virtual-memory buffers, --device 2), sendrecv read directly beside
-#      sendrecv staged (NCCL_RS_DIRECT_P2P=0; in place, both are staged)
+#      sendrecv staged (NCCL_RS_DIRECT_P2P=0; in place, the direct one reads a device copy
+#      of each send up to 64 MiB, NCCL_RS_INPLACE_SCRATCH, and sends larger ones as bytes)
 #      next to the device-to-device copy bandwidth measured in the same run, and 1-rank
 #      allreduce latency next to NVIDIA's NCCL (PyTorch's) in the same run, both through
 #      PyTorch (and ours through nccl-rs-perf);
