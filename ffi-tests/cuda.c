@@ -2015,6 +2015,17 @@ static void backlog(void) {
   CU(cu.MemFreeHost(flag));
 }
 
+/* A communicator per local rank, of a unique id of its own for `part`'s round `round`. */
+static void init_round_comms(ncclComm_t* c, const char* part, int round) {
+  ncclUniqueId id;
+  char tag[32];
+  snprintf(tag, sizeof tag, "%s%d", part, round);
+  get_unique_id(tag, &id);
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommInitRank(&c[l], g_env.nranks, id, g_env.first_rank + l));
+  CHECK(ncclGroupEnd());
+}
+
 /* Communicators made after others were destroyed take over their pinned pool and board
  * (numbers and slots as they were: a stream may still have steps of the old ones ahead of
  * it): a direct and a staged all-reduce on each of three successive sets are exact. */
@@ -2023,13 +2034,7 @@ static void recycle(void) {
   const int n = g_env.nranks;
   for (int round = 0; round < 3; round++) {
     ncclComm_t c[MAX_LOCAL];
-    ncclUniqueId id;
-    char tag[32];
-    snprintf(tag, sizeof tag, "recycle%d", round);
-    get_unique_id(tag, &id);
-    CHECK(ncclGroupStart());
-    for (int l = 0; l < g_env.local; l++) CHECK(ncclCommInitRank(&c[l], n, id, g_env.first_rank + l));
-    CHECK(ncclGroupEnd());
+    init_round_comms(c, "recycle", round);
     const size_t counts[2] = {100000, 1000}; /* the direct path, and staging */
     for (int k = 0; k < 2; k++) {
       const size_t count = counts[k];
@@ -2060,13 +2065,7 @@ static void recycle(void) {
 static void leaks_round(int round) {
   const int n = g_env.nranks;
   ncclComm_t c[MAX_LOCAL];
-  ncclUniqueId id;
-  char tag[32];
-  snprintf(tag, sizeof tag, "leaks%d", round);
-  get_unique_id(tag, &id);
-  CHECK(ncclGroupStart());
-  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommInitRank(&c[l], n, id, g_env.first_rank + l));
-  CHECK(ncclGroupEnd());
+  init_round_comms(c, "leaks", round);
   const size_t count = 70000, small = 1000, a2a = count * (size_t)n;
   CUdeviceptr d[MAX_LOCAL], a[MAX_LOCAL];
   float *h[MAX_LOCAL], *pinned[MAX_LOCAL], *pinned_in[MAX_LOCAL];
