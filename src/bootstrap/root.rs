@@ -185,6 +185,10 @@ fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served
         }
         joined.push(Joined { stream, info });
         if joined.len() == n {
+            // Closed before any rank hears back: rank 0 may host the next root at the same
+            // address (NCCL_COMM_ID) as soon as it has the table, and a listener still open
+            // there would make that bind fail.
+            drop(listener);
             joined.sort_by_key(|j| j.info.rank);
             let mut w = Writer::default();
             w.u8(TABLE).u32(n as u32);
