@@ -152,6 +152,7 @@ fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served
                 "bootstrap: only {} of {} ranks joined within {} s; missing: {}",
                 joined.len(), expected.map_or("?".to_string(), |n| n.to_string()), timeout.unwrap_or_default().as_secs(),
                 missing);
+            drop(listener);
             fail(&mut joined, None, TIMED_OUT, &msg);
             return Served::Failed(msg);
         }
@@ -180,14 +181,15 @@ fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served
             None
         };
         if let Some(msg) = problem {
+            drop(listener);
             fail(&mut joined, Some(&mut stream), FAILED, &msg);
             return Served::Failed(msg);
         }
         joined.push(Joined { stream, info });
         if joined.len() == n {
-            // Closed before any rank hears back: rank 0 may host the next root at the same
-            // address (NCCL_COMM_ID) as soon as it has the table, and a listener still open
-            // there would make that bind fail.
+            // Closed before any rank hears back (here and on the failures above): rank 0 may
+            // host the next root at the same address (NCCL_COMM_ID) as soon as it has the
+            // table, and a listener still open there would make that bind fail.
             drop(listener);
             joined.sort_by_key(|j| j.info.rank);
             let mut w = Writer::default();
