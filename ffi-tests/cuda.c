@@ -723,8 +723,9 @@ static void mixed(void) {
   for (int l = 0; l < g_env.local; l++) hr[l] = host_alloc(count * sizeof(float));
   allreduce_to_host(count, ds, hin, hr, "pinned");
 
-  /* A send from pinned host memory to a device buffer: the sender cannot publish it, the
-   * receiver answers so, and both stage it. */
+  /* A send from pinned host memory to a device buffer: the sender cannot publish it; its
+   * stream copies it into device memory that goes direct, or (NCCL_RS_INPLACE_SCRATCH=0) it
+   * sends the bytes. */
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) {
     int rank = g_env.first_rank + l, n = g_env.nranks;

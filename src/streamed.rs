@@ -274,9 +274,9 @@ enum Path {
     /// more (`Direct::off`).
     Staged,
     /// A collective that could go direct but this rank cannot take (`ipc::offer`: its buffers
-    /// have no CUDA IPC, an in-place all-to-all not copied by `copy_in_place_sends`, no
+    /// have no CUDA IPC, an in-place all-to-all not copied by `copy_unreadable_inputs`, no
     /// kernels): it takes part in the agreement, then every rank stages it. A send whose buffer cannot be published, or that a receive
-    /// of its batch writes into (unless `copy_in_place_sends` copied it): its bytes are staged
+    /// of its batch writes into (unless `copy_unreadable_inputs` copied it): its bytes are staged
     /// to the receiver (`ipc::run_p2p`).
     Declined,
     /// Direct: a collective or send with its buffers published at call time, or a receive on
@@ -561,7 +561,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let gated = !s.host_wait && (s.gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
     let mut paths = paths(s, &ops);
     let mut ops = ops;
-    let scratch = copy_in_place_sends(comm, s, &callers, &on, &mut ops, &mut paths)?;
+    let scratch = copy_unreadable_inputs(comm, s, &callers, &on, &mut ops, &mut paths)?;
     let carve = match pool.as_mut() {
         Some(p) if gated => {
             s.recycle(p.reclaim());
@@ -633,7 +633,7 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
                 // A peer reading it directly could read what a receive of this batch already
                 // wrote there (an in-place exchange: ncclSend and ncclRecv of one buffer in a
                 // group): copied now, in stream order, into device memory that goes direct
-                // instead (`copy_in_place_sends`), or else its bytes taken and staged.
+                // instead (`copy_unreadable_inputs`), or else its bytes taken and staged.
                 (true, OpKind::Send) if received.overlaps(o.op.send) => Path::Declined,
                 (true, _) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes)
                     .map_or(Path::Declined, |o| Path::Direct(Some(o))),
@@ -642,17 +642,19 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
         .collect()
 }
 
-/// The operations `paths` declined because peers reading their input directly could read
-/// what their own output already wrote there: sends a receive of their batch writes into (an
-/// in-place exchange) and in-place all-to-alls. Each is copied now on its caller's stream
-/// into device memory of the communicator's (`scratch`) where it finds room, and that copy
-/// is the input that goes direct (its peers read it). The carves taken.
-fn copy_in_place_sends(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dyn Fn(&StreamOp) -> usize,
+/// The operations `paths` declined whose input peers could not read directly, but could read
+/// a copy of: sends a receive of their batch writes into (an in-place exchange) and in-place
+/// all-to-alls (peers could read what their own output already wrote there), and sends from
+/// memory that cannot be published (pinned or managed host memory, device memory without
+/// CUDA IPC such as a stream-ordered allocator's pools). Each is copied now on its caller's
+/// stream into device memory of the communicator's (`scratch`) where it finds room, and that
+/// copy is the input that goes direct (its peers read it). The carves taken.
+fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dyn Fn(&StreamOp) -> usize,
                        ops: &mut [StreamOp], paths: &mut [Path]) -> Result<Vec<u64>> {
     let mut taken = Vec::new();
     let declined = |o: &StreamOp, p: &Path| {
         let in_place = match o.op.kind {
-            // (Checked against the batch's receives below.)
+            // (Checked below.)
             OpKind::Send => true,
             OpKind::AlltoAll => o.op.send.addr() == o.op.recv.addr(),
             _ => false,
@@ -663,8 +665,11 @@ fn copy_in_place_sends(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dyn F
         return Ok(taken);
     }
     let received = Received::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
+    // A send's buffer the driver knows (not plain host memory, which is never staged here).
+    let device_reachable = |r: Region| crate::device::cuda::classify(r.addr()).is_ok_and(|k| k.stream_ordered());
     for (o, path) in ops.iter_mut().zip(paths.iter_mut()) {
-        if !declined(o, path) || (o.op.kind == OpKind::Send && !received.overlaps(o.op.send)) {
+        let send = o.op.kind == OpKind::Send;
+        if !declined(o, path) || (send && !received.overlaps(o.op.send) && !device_reachable(o.op.send)) {
             continue;
         }
         let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());

@@ -158,15 +158,18 @@ fn cuda_mode_direct_min() {
 }
 
 /// Sends and receives between ranks of a host read the sender's buffer directly (by default),
-/// whichever way each end groups its calls (part P2PPairings), from device buffers or staged
-/// from pinned ones (Mixed), also under PyTorch's pattern (part Torch: its large all-reduces
-/// take the direct path in any case); as processes and as ranks of one process. With
-/// NCCL_RS_DIRECT_P2P=0 they are staged, with the same results.
+/// whichever way each end groups its calls (part P2PPairings), from device buffers, or from a
+/// device copy of pinned ones (part Mixed; its pinned-to-device send is sent as bytes with
+/// NCCL_RS_INPLACE_SCRATCH=0, and its collective with a pinned output is staged either way),
+/// also under PyTorch's pattern (part Torch: its large all-reduces take the direct path in
+/// any case); as processes and as ranks of one process. With NCCL_RS_DIRECT_P2P=0 they are
+/// staged, with the same results.
 #[test]
 fn cuda_mode_direct_sends_and_receives() {
     for part in ["P2P", "P2PPairings", "Mixed", "Torch"] {
-        run_expecting_direct(cuda_job().procs(2).arg("--only").arg(part), part != "Mixed");
+        run_expecting_direct(cuda_job().procs(2).arg("--only").arg(part), true);
     }
+    run_expecting_direct(cuda_job().procs(2).env("NCCL_RS_INPLACE_SCRATCH", "0").arg("--only").arg("Mixed"), false);
     // The stream worker staging what it sends (no caller's stream does when calls wait on the
     // host): its in-place round too.
     run_expecting_direct(cuda_job().procs(2).env("NCCL_RS_HOST_WAIT", "1").arg("--only").arg("P2P"), true);

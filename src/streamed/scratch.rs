@@ -1,14 +1,16 @@
-//! Device memory for the inputs of in-place operations that go direct: the sends of in-place
+//! Device memory for the inputs that go direct only as a copy: the sends of in-place
 //! exchanges (`ncclSend` and `ncclRecv` of one buffer in a group, between ranks of one host)
-//! and in-place all-to-alls. A peer reading such an input directly could read what the
-//! operation's own output already wrote there, so the caller's stream copies the input into a
-//! carve of this memory at call time, in stream order, and the carve is what peers read
-//! (`ipc::run_p2p`, `ipc::run_on_stream`); the worker gives it back once its batch is done
-//! (every receiver answered, or every rank passed the operation's last phase). Allocated at
-//! the first such operation (`NCCL_RS_INPLACE_SCRATCH` bytes), on the calling thread as the
-//! application's own allocations are (never by the worker, which must not make driver calls
-//! that may wait for the device: see `streamed`), kept for the communicator's life; an operation that finds no room goes as before (a send's bytes are sent, an
-//! all-to-all is staged).
+//! and in-place all-to-alls, where a peer reading the input directly could read what the
+//! operation's own output already wrote there, and sends from memory that cannot be
+//! published (pinned or managed host memory, device memory without CUDA IPC). The caller's
+//! stream copies the input into a carve of this memory at call time, in stream order, and the
+//! carve is what peers read (`ipc::run_p2p`, `ipc::run_on_stream`); the worker gives it back
+//! once its batch is done (every receiver answered, or every rank passed the operation's last
+//! phase). Allocated at the first such operation (`NCCL_RS_INPLACE_SCRATCH` bytes), on the
+//! calling thread as the application's own allocations are (never by the worker, which must
+//! not make driver calls that may wait for the device: see `streamed`), kept for the
+//! communicator's life; an operation that finds no room goes as before (a send's bytes are
+//! sent, an all-to-all is staged).
 
 use std::collections::VecDeque;
 
@@ -38,12 +40,13 @@ impl Scratch {
             let bytes = crate::params::inplace_scratch();
             match (bytes > 0).then(|| DeviceMem::new(bytes)) {
                 Some(Ok(m)) => {
-                    crate::info!(P2P, "rank {rank}: in-place sends and all-to-alls are copied on the caller's stream into \
-                                       {bytes} bytes of device memory, which peers read directly");
+                    crate::info!(P2P, "rank {rank}: sends and all-to-alls whose buffers peers cannot read directly (in \
+                                       place, or without CUDA IPC) are copied on the caller's stream into {bytes} \
+                                       bytes of device memory, which peers read");
                     self.mem = Some(m);
                 }
                 Some(Err(e)) => {
-                    crate::info!(P2P, "rank {rank}: no device memory for in-place sends and all-to-alls ({}): such sends \
+                    crate::info!(P2P, "rank {rank}: no device memory to copy sends and all-to-alls into ({}): such sends \
                                        send their bytes, such all-to-alls are staged", e.msg);
                     self.off = true;
                 }

@@ -178,7 +178,7 @@ pub struct Offered {
 
 /// What this rank offers for `op` on the direct path, known at call time; None when it
 /// declines whatever the others say: an in-place all-to-all (unless its input was copied
-/// first: `streamed::copy_in_place_sends`), a buffer it cannot share (pinned
+/// first: `streamed::copy_unreadable_inputs`), a buffer it cannot share (pinned
 /// or pageable host memory; memory of the virtual memory API is shared as descriptors), or no
 /// kernels.
 /// Every rank then stages `op`, and this one's caller's stream can stage it at call time (it
