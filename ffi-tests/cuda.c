@@ -2058,8 +2058,8 @@ static void recycle(void) {
 }
 
 /* Part Leaks (only when asked; the stand-in only): communicators created, used on every path
- * that allocates memory of its own (the direct path and its in-place copies, the pinned pool,
- * sends from pinned memory sent as bytes) and destroyed, three times: the memory this process
+ * that allocates memory of its own (the direct path and its copies of inputs, the pinned pool,
+ * sends from pinned memory) and destroyed, three times: the memory this process
  * holds afterwards (the stand-in's count of live allocations) is the same after each round,
  * so nothing a communicator allocated outlives it (the first round may leave what the process
  * keeps for good: loaded kernels, recycled staging). */

@@ -148,8 +148,8 @@ pub struct Streamed {
     /// Pinned staging callers' streams copy through (None: caller staging is off, or pinning
     /// failed at start). Used under `submit_busy`.
     pool: Mutex<Option<Pool>>,
-    /// Device memory in-place sends are copied into at call time (`scratch`). Used under
-    /// `submit_busy` and by the worker (giving carves back).
+    /// Device memory the inputs peers cannot read directly are copied into at call time
+    /// (`scratch`). Used under `submit_busy` and by the worker (giving carves back).
     scratch: Mutex<Scratch>,
     /// Whether callers' streams have staged anything yet (the first time is logged).
     caller_staged: std::sync::atomic::AtomicBool,
@@ -260,7 +260,8 @@ struct Batch {
     direct: Vec<Option<OnStream>>,
     /// Per operation: its path as its call saw it.
     paths: Vec<Path>,
-    /// The carves of `scratch` its in-place sends were copied into, given back once done.
+    /// The carves of `scratch` its inputs were copied into (`copy_unreadable_inputs`), given
+    /// back once it is done.
     scratch: Vec<u64>,
 }
 
@@ -275,9 +276,10 @@ enum Path {
     Staged,
     /// A collective that could go direct but this rank cannot take (`ipc::offer`: its buffers
     /// have no CUDA IPC, an in-place all-to-all not copied by `copy_unreadable_inputs`, no
-    /// kernels): it takes part in the agreement, then every rank stages it. A send whose buffer cannot be published, or that a receive
-    /// of its batch writes into (unless `copy_unreadable_inputs` copied it): its bytes are staged
-    /// to the receiver (`ipc::run_p2p`).
+    /// kernels): it takes part in the agreement, then every rank stages it. A send whose
+    /// buffer cannot be published, or that a receive of its batch writes into, and that
+    /// `copy_unreadable_inputs` did not copy: its bytes are staged to the receiver
+    /// (`ipc::run_p2p`).
     Declined,
     /// Direct: a collective or send with its buffers published at call time, or a receive on
     /// the direct path (which learns at run time whether it can read the sender's buffer).
@@ -650,18 +652,19 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
 /// stream into device memory of the communicator's (`scratch`) where it finds room, and that
 /// copy is the input that goes direct (its peers read it). The carves taken.
 fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dyn Fn(&StreamOp) -> usize,
-                       ops: &mut [StreamOp], paths: &mut [Path]) -> Result<Vec<u64>> {
+                          ops: &mut [StreamOp], paths: &mut [Path]) -> Result<Vec<u64>> {
     let mut taken = Vec::new();
     let declined = |o: &StreamOp, p: &Path| {
-        let in_place = match o.op.kind {
-            // (Checked below.)
+        let copyable = match o.op.kind {
+            // (Which sends: checked below.)
             OpKind::Send => true,
             OpKind::AlltoAll => o.op.send.addr() == o.op.recv.addr(),
             _ => false,
         };
-        in_place && matches!(p, Path::Declined) && !o.op.send.is_empty()
+        copyable && matches!(p, Path::Declined) && !o.op.send.is_empty()
     };
-    if !ops.iter().zip(paths.iter()).any(|(o, p)| declined(o, p)) {
+    let off = || s.scratch.lock().unwrap_or_else(|p| p.into_inner()).is_off();
+    if !ops.iter().zip(paths.iter()).any(|(o, p)| declined(o, p)) || off() {
         return Ok(taken);
     }
     let received = Received::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
@@ -680,8 +683,12 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
             continue;
         };
         drop(scratch);
+        if let Err(e) = callers[on(o)].copy(copy, o.op.send) {
+            // Nothing was queued into this carve (the earlier ones stay taken: their copies are).
+            s.scratch.lock().unwrap_or_else(|p| p.into_inner()).give_back(id);
+            return Err(e);
+        }
         taken.push(id);
-        callers[on(o)].copy(copy, o.op.send)?;
         o.op = op;
         *path = Path::Direct(Some(offered));
     }
@@ -756,8 +763,8 @@ pub struct Prepared {
     shapes: Vec<Option<ipc::Shape>>,
     /// Per operation, once the slots are taken (`commit_all`): its slot, if it got one.
     direct: Vec<Option<OnStream>>,
-    /// The carves of `Streamed::scratch` its in-place sends were copied into. Never queued,
-    /// they stay taken: a copy into one may be in flight.
+    /// The carves of `Streamed::scratch` its inputs were copied into. Never queued, they stay
+    /// taken: a copy into one may be in flight.
     scratch: Vec<u64>,
 }
 

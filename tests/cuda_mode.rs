@@ -228,7 +228,7 @@ fn cuda_mode_in_place_inputs_are_read_from_a_device_copy() {
 }
 
 /// Communicators created, used on every path that allocates memory of its own (direct, its
-/// in-place copies, the pinned pool, pinned sends sent as bytes) and destroyed leave nothing
+/// device copies of inputs, the pinned pool, pinned sends) and destroyed leave nothing
 /// behind: part Leaks compares the stand-in's count of live allocations after each of three
 /// rounds; as processes and as ranks of one process.
 #[test]

@@ -698,7 +698,7 @@ fn dlopen_without_cuda_or_verbs() {
 
 /// NCCL_ALGO forcing the ring on one process and recursive doubling on another (each rank
 /// reads its own environment): the ranks would plan different exchanges and wait for each
-/// other forever (as the previous commit did, to the deadline); the forced algorithms are
+/// other forever (as they did before, to the deadline); the forced algorithms are
 /// exchanged at init, and ranks that differ all choose by size, with a WARN naming them.
 #[test]
 fn collectives_3_processes_algo_forced_differently() {

@@ -307,9 +307,11 @@ impl Comm {
         let Some(ready) = self.ready.get() else { return Vec::new() };
         let me = &ready.peers[self.rank];
         let probe = |p: &crate::bootstrap::PeerInfo| Self::gone(ready, me, p).map(|(why, _)| (p.rank, why));
-        let others: Vec<_> = ready.peers.iter().filter(|p| p.rank != self.rank).collect();
-        // At most PROBERS threads, each taking a share of the peers (pings wait up to 1 s); a
+        // Peers of this host are asked here (their pid: no waiting); the others are pinged,
+        // by at most PROBERS threads, each taking a share of them (pings wait up to 1 s); a
         // thread that cannot start leaves its share to this one.
+        let (here, others): (Vec<_>, Vec<_>) =
+            ready.peers.iter().filter(|p| p.rank != self.rank).partition(|p| p.same_host(me));
         const PROBERS: usize = 32;
         let share = others.len().div_ceil(PROBERS).max(1);
         std::thread::scope(|s| {
@@ -324,6 +326,8 @@ impl Comm {
                     Err(_) => lost.extend(chunk.iter().filter_map(|p| probe(p))),
                 }
             }
+            // While the pings wait.
+            lost.extend(here.iter().filter_map(|p| probe(p)));
             lost.extend(probes.into_iter().filter_map(|h| h.join().ok()).flatten());
             lost.sort();
             lost

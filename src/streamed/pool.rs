@@ -33,9 +33,78 @@ pub(super) fn aligned(n: usize) -> usize {
 pub(super) struct Pool {
     /// Always Some until dropped.
     mem: Option<MappedHost>,
+    /// Released by the events after which no stream touches the carve any more.
+    carves: Carves<Vec<Event>>,
+}
+
+/// The carves of a ring of memory, taken in order and released in any order: a carve's space
+/// comes back once it and every older carve are done (`reclaim`). `R` says when a carve is
+/// done (the pool's release events; nothing, for memory given back by hand).
+pub(super) struct Carves<R> {
     head: usize,
-    inflight: VecDeque<Carve>,
+    inflight: VecDeque<Carve<R>>,
     next_id: u64,
+}
+
+struct Carve<R> {
+    id: u64,
+    start: usize,
+    /// What releases it; None until known (the carve, and every later one, stays taken).
+    released: Option<R>,
+}
+
+impl<R> Default for Carves<R> {
+    fn default() -> Self {
+        Carves { head: 0, inflight: VecDeque::new(), next_id: 0 }
+    }
+}
+
+impl<R> Carves<R> {
+    /// The offset of `len` free bytes of a ring of `cap` (its free space is [head, end) and
+    /// [0, oldest) when not wrapped, [head, oldest) when wrapped; `head` never catches up
+    /// with `oldest`).
+    pub(super) fn alloc(&mut self, cap: usize, len: usize) -> Option<usize> {
+        let at = ring_alloc(cap, self.head, self.inflight.front().map(|c| c.start), len)?;
+        self.head = at + len;
+        Some(at)
+    }
+
+    /// A new carve at `start` (from [`Carves::alloc`]); its id.
+    pub(super) fn push(&mut self, start: usize) -> u64 {
+        self.next_id += 1;
+        self.inflight.push_back(Carve { id: self.next_id, start, released: None });
+        self.next_id
+    }
+
+    /// What releases carve `id`.
+    pub(super) fn release(&mut self, id: u64, by: R) {
+        if let Some(c) = self.inflight.iter_mut().find(|c| c.id == id) {
+            c.released = Some(by);
+        }
+    }
+
+    /// The oldest carves that are `done` go; what released them is returned.
+    pub(super) fn reclaim(&mut self, done: impl Fn(&R) -> bool) -> Vec<R> {
+        let mut gone = Vec::new();
+        while self.inflight.front().is_some_and(|c| c.released.as_ref().is_some_and(&done)) {
+            if let Some(r) = self.inflight.pop_front().and_then(|c| c.released) {
+                gone.push(r);
+            }
+        }
+        if self.inflight.is_empty() {
+            self.head = 0;
+        }
+        gone
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.inflight.is_empty()
+    }
+
+    /// Some carve has not been released yet.
+    pub(super) fn any_taken(&self) -> bool {
+        self.inflight.iter().any(|c| c.released.is_none())
+    }
 }
 
 /// Pools of destroyed communicators, for new ones: pinned memory is never freed (freeing may
@@ -47,25 +116,17 @@ impl Drop for Pool {
     /// wait: destroy has drained the worker); a pool still in use is leaked, never reused.
     fn drop(&mut self) {
         let deadline = std::time::Instant::now() + Duration::from_secs(2);
-        while !self.inflight.is_empty() && std::time::Instant::now() < deadline {
+        while !self.carves.is_empty() && std::time::Instant::now() < deadline {
             drop(self.reclaim());
-            if !self.inflight.is_empty() {
+            if !self.carves.is_empty() {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
         match self.mem.take() {
-            Some(mem) if self.inflight.is_empty() => SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(mem),
+            Some(mem) if self.carves.is_empty() => SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(mem),
             other => std::mem::forget(other),
         }
     }
-}
-
-struct Carve {
-    id: u64,
-    start: usize,
-    /// The events after which no stream touches the carve any more; None until known (the
-    /// carve, and every later one, stays taken).
-    released: Option<Vec<Event>>,
 }
 
 impl Pool {
@@ -76,7 +137,7 @@ impl Pool {
             Some(m) => m,
             None => MappedHost::new(POOL_BYTES)?,
         };
-        Ok(Pool { mem: Some(mem), head: 0, inflight: VecDeque::new(), next_id: 0 })
+        Ok(Pool { mem: Some(mem), carves: Carves::default() })
     }
 
     pub(super) fn capacity(&self) -> usize {
@@ -85,32 +146,18 @@ impl Pool {
 
     /// Carves whose streams are done with them go; their events are returned for reuse.
     pub(super) fn reclaim(&mut self) -> Vec<Event> {
-        let mut events = Vec::new();
-        let done = |c: &Carve| c.released.as_ref().is_some_and(|r| r.iter().all(|e| e.query().unwrap_or(false)));
-        while self.inflight.front().is_some_and(done) {
-            if let Some(c) = self.inflight.pop_front() {
-                events.extend(c.released.unwrap_or_default());
-            }
-        }
-        if self.inflight.is_empty() {
-            self.head = 0;
-        }
-        events
+        self.carves.reclaim(|events| events.iter().all(|e| e.query().unwrap_or(false))).into_iter().flatten().collect()
     }
 
-    /// The offset of `len` free bytes (the ring's free space is [head, end) and [0, oldest)
-    /// when not wrapped, [head, oldest) when wrapped; `head` never catches up with `oldest`).
+    /// The offset of `len` free bytes.
     fn alloc(&mut self, len: usize) -> Option<usize> {
-        let at = ring_alloc(self.capacity(), self.head, self.inflight.front().map(|c| c.start), len)?;
-        self.head = at + len;
-        Some(at)
+        let cap = self.capacity();
+        self.carves.alloc(cap, len)
     }
 
-    /// A new carve of `len` bytes at `start` (from [`Pool::alloc`]); its id.
+    /// A new carve at `start` (from [`Pool::alloc`]); its id.
     pub(super) fn push(&mut self, start: usize) -> u64 {
-        self.next_id += 1;
-        self.inflight.push_back(Carve { id: self.next_id, start, released: None });
-        self.next_id
+        self.carves.push(start)
     }
 
     /// `len` bytes for the stream worker, if free now (nothing waits for space): their host
@@ -127,15 +174,13 @@ impl Pool {
 
     /// The events that give carve `id` back.
     pub(super) fn release(&mut self, id: u64, events: Vec<Event>) {
-        if let Some(c) = self.inflight.iter_mut().find(|c| c.id == id) {
-            c.released = Some(events);
-        }
+        self.carves.release(id, events);
     }
 }
 
 /// Where `len` bytes go in a ring of `cap` bytes whose next free byte is `head` and whose
 /// oldest live carve starts at `oldest` (None: nothing live).
-pub(super) fn ring_alloc(cap: usize, head: usize, oldest: Option<usize>, len: usize) -> Option<usize> {
+fn ring_alloc(cap: usize, head: usize, oldest: Option<usize>, len: usize) -> Option<usize> {
     match oldest {
         None => (len <= cap).then_some(0),
         Some(oldest) if head >= oldest => {
@@ -166,7 +211,7 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[su
         return None;
     }
     let cap = pool.mem.as_ref().map_or(0, |m| m.len());
-    if total > cap && total <= max && pool.inflight.is_empty() {
+    if total > cap && total <= max && pool.carves.is_empty() {
         // Grown while nothing is in flight; the old memory goes to the spares (never freed).
         if let Ok(bigger) = MappedHost::new(total.next_power_of_two().min(max)) {
             crate::info!(P2P, "pinned staging pool grown to {} bytes", bigger.len());

@@ -12,9 +12,7 @@
 //! communicator's life; an operation that finds no room goes as before (a send's bytes are
 //! sent, an all-to-all is staged).
 
-use std::collections::VecDeque;
-
-use super::pool::{aligned, ring_alloc};
+use super::pool::{aligned, Carves};
 use crate::device::cuda::DeviceMem;
 use crate::device::host::Region;
 
@@ -23,10 +21,8 @@ pub(super) struct Scratch {
     mem: Option<DeviceMem>,
     /// The allocation failed or is turned off: never tried again.
     off: bool,
-    head: usize,
-    /// Carves in the order taken: id, start, given back.
-    live: VecDeque<(u64, usize, bool)>,
-    next_id: u64,
+    /// Given back by hand (`give_back`).
+    carves: Carves<()>,
 }
 
 impl Scratch {
@@ -53,30 +49,24 @@ impl Scratch {
                 None => self.off = true,
             }
         }
-        let cap = self.mem.as_ref()?.len();
-        while self.live.front().is_some_and(|c| c.2) {
-            self.live.pop_front();
-        }
-        if self.live.is_empty() {
-            self.head = 0;
-        }
-        let n = aligned(len);
-        let at = ring_alloc(cap, self.head, self.live.front().map(|c| c.1), n)?;
-        self.head = at + n;
-        self.next_id += 1;
-        self.live.push_back((self.next_id, at, false));
-        Some((self.mem.as_ref()?.region(at, len), self.next_id))
+        let mem = self.mem.as_ref()?;
+        self.carves.reclaim(|_| true);
+        let at = self.carves.alloc(mem.len(), aligned(len))?;
+        Some((mem.region(at, len), self.carves.push(at)))
     }
 
     /// Some carve is still taken (its batch did not finish well, or has not yet).
     pub(super) fn in_use(&self) -> bool {
-        self.live.iter().any(|c| !c.2)
+        self.carves.any_taken()
     }
 
     /// Carve `id` is free again (its receiver has read it).
     pub(super) fn give_back(&mut self, id: u64) {
-        if let Some(c) = self.live.iter_mut().find(|c| c.0 == id) {
-            c.2 = true;
-        }
+        self.carves.release(id, ());
+    }
+
+    /// No carve will be taken: turned off, or the allocation failed.
+    pub(super) fn is_off(&self) -> bool {
+        self.off
     }
 }

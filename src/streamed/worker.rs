@@ -83,8 +83,8 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
             Err(e) => Err(e.clone()),
         };
         if result.is_ok() {
-            // Their receivers have read the in-place sends' copies (a failed batch keeps them:
-            // a peer may still be reading).
+            // Peers have read the copies of its inputs (a failed batch keeps them: a peer may
+            // still be reading).
             if !batch.scratch.is_empty() {
                 let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());
                 batch.scratch.iter().for_each(|&id| scratch.give_back(id));

@@ -53,7 +53,6 @@ use crate::streamed::board::{Board, Ticket};
 use crate::transport::fdpass::{self, Address};
 use crate::types::{BuiltinOp, DataType, RedOp};
 
-
 /// A stream worker's state for direct operations: the peer mappings it keeps.
 #[derive(Default)]
 pub struct Direct {
