@@ -97,10 +97,11 @@ fn library_version() -> String {
 /// The library's mode and where the buffers live.
 fn buffers(o: &Opts) -> String {
     let mode = nccl::device::mode::current().name();
-    let place = match (o.device, o.vmm) {
-        (false, _) => "host",
-        (true, false) => "device",
-        (true, true) => "device (virtual memory API, 20 MiB allocations)",
+    let place = match (o.device, o.vmm, o.private) {
+        (false, ..) => "host",
+        (true, false, _) => "device",
+        (true, true, false) => "device (virtual memory API, 20 MiB allocations)",
+        (true, true, true) => "device (virtual memory API, 20 MiB allocations peers cannot map)",
     };
     match o.graph {
         0 => format!("{mode} mode, {place} buffers"),

@@ -91,14 +91,19 @@ const VMM_CHUNK: usize = 20 << 20;
 
 impl DeviceBufs {
     /// From `cuMemAlloc`, or (`vmm`) one after the other in memory of the virtual memory API,
-    /// the first 512 bytes in, as a caching allocator places tensors in an expandable segment.
-    fn new(send_bytes: usize, recv_bytes: usize, vmm: bool) -> Result<DeviceBufs, String> {
-        let flag = if vmm { "--device 2" } else { "--device 1" };
+    /// the first 512 bytes in, as a caching allocator places tensors in an expandable segment;
+    /// `private`: that memory not exportable.
+    fn new(send_bytes: usize, recv_bytes: usize, vmm: bool, private: bool) -> Result<DeviceBufs, String> {
+        let flag = match (vmm, private) {
+            (false, _) => "--device 1",
+            (true, false) => "--device 2",
+            (true, true) => "--device 3",
+        };
         let ctx = cuda::Context::primary(0).map_err(|e| format!("{flag}: {}", e.msg))?;
         let stream = cuda::Stream::new(ctx).map_err(|e| format!("{flag}: {}", e.msg))?;
         if vmm {
             let recv_at = (512 + send_bytes).div_ceil(256) * 256;
-            let a = cuda::VmmAllocation::new(recv_at + recv_bytes.max(1), VMM_CHUNK, true)
+            let a = cuda::VmmAllocation::new(recv_at + recv_bytes.max(1), VMM_CHUNK, !private)
                 .map_err(|e| format!("{flag}: {}", e.msg))?;
             // SAFETY: both offsets lie inside the allocation of recv_at + recv_bytes bytes.
             let (send, recv) = unsafe { (a.ptr().cast::<u8>().add(512).cast(), a.ptr().cast::<u8>().add(recv_at).cast()) };
@@ -184,7 +189,7 @@ pub fn init_ranks(o: &Opts, proc_index: usize, nprocs: usize, send_bytes: usize,
         rank: proc_index * local + l,
         send: Buf::new(send_bytes, 1),
         recv: Buf::new(recv_bytes, 0),
-        dev: if o.device { Some(DeviceBufs::new(send_bytes, recv_bytes, o.vmm)?) } else { None },
+        dev: if o.device { Some(DeviceBufs::new(send_bytes, recv_bytes, o.vmm, o.private)?) } else { None },
         graph: None,
     })).collect()
 }

@@ -132,6 +132,9 @@ pub struct Opts {
     pub device: bool,
     /// ... of the virtual memory API, as PyTorch's expandable segments allocate it (`--device 2`).
     pub vmm: bool,
+    /// ... that cannot be exported, so peers cannot map it (`--device 3`: as a stream-ordered
+    /// allocator's pools, PyTorch's cudaMallocAsync backend).
+    pub private: bool,
     /// `-G N` (nccl-tests' flag): each rank's call captured into a CUDA graph once per size and
     /// mode, each iteration N launches of it; 0: calls.
     pub graph: usize,
@@ -158,9 +161,10 @@ as the baselines (../shared/scripts/baselines/mpi_allreduce_bench.c):
   -x LIST        extra sizes merged into the sweep (e.g. 64M,256M)
   --min-iters M  sizes over 1 MiB run max(M, N*1MiB/size) iterations, warmup likewise (min 2)
   --bind 0|1     pin process p to the p-th allowed CPU, like mpirun --bind-to core (0)
-  --device 0|1|2 CUDA mode: buffers on the current device (0), a stream per rank; each timed
+  --device 0|1|2|3 CUDA mode: buffers on the current device (0), a stream per rank; each timed
                  call ends with cuStreamSynchronize; 2: the buffers in 20 MiB allocations of the
-                 virtual memory API, as PyTorch's expandable segments place tensors
+                 virtual memory API, as PyTorch's expandable segments place tensors; 3: the same
+                 but not exportable, device memory peers cannot map (as cudaMallocAsync pools)
   -G N           with --device: each rank's call captured into a CUDA graph (once per size and
                  mode), each timed iteration N launches of it, the time shown per launch
                  (nccl-tests' flag; nccl-rs records calls into graphs with NCCL_RS_GRAPH_CAPTURE=1)
@@ -238,6 +242,7 @@ fn defaults() -> Opts {
         bind: false,
         device: false,
         vmm: false,
+        private: false,
         graph: 0,
         table: Table::NcclTests,
         in_place: false,
@@ -288,7 +293,10 @@ pub fn parse_args(args: &[String]) -> Result<Opts, String> {
             "--bind" => o.bind = num()? != 0,
             "--device" => {
                 let d = num()?;
-                (o.device, o.vmm) = (d != 0, d == 2);
+                if d > 3 {
+                    return Err(bad());
+                }
+                (o.device, o.vmm, o.private) = (d != 0, d >= 2, d == 3);
             }
             "-G" => o.graph = num()?,
             "--table" => o.table = match v.as_str() {
@@ -309,7 +317,7 @@ pub fn parse_args(args: &[String]) -> Result<Opts, String> {
         return Err(format!("-b {} is larger than -e {}", o.min, o.max));
     }
     if o.graph > 0 && !o.device {
-        return Err(format!("-G {} captures calls on device buffers: it needs --device 1 or 2", o.graph));
+        return Err(format!("-G {} captures calls on device buffers: it needs --device 1, 2 or 3", o.graph));
     }
     Ok(o)
 }
