@@ -21,6 +21,8 @@
  *                                the others shrink it away with NCCL_SHRINK_ABORT and go on)
  *   CUDA_TEST_VMM=1 cuda        (device buffers from the virtual memory API, placed as PyTorch's
  *                                expandable segments place them: see vmm_alloc)
+ *   CUDA_TEST_VMM=private cuda  (the same, but allocations no other process can map: device
+ *                                memory peers cannot read, as a stream-ordered allocator's pools)
  *   NCCL_RS_GRAPH_CAPTURE=1 cuda --only Graph (collectives captured into CUDA graphs, launched
  *                                three times with new inputs, behind held streams)
  *   CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes: rank 1 signals once FILE exists)
@@ -249,6 +251,7 @@ enum { MEM_PINNED = 1, MEM_LOCATION_DEVICE = 1, MEM_HANDLE_POSIX_FD = 1, MEM_ACC
  * empty_cache does) and later buffers get new allocations at the same addresses. */
 static struct {
   int on;
+  int private; /* CUDA_TEST_VMM=private: allocations without a shareable handle type */
   size_t gran, reserved;
   CUdeviceptr base;
   size_t mapped, used; /* bytes mapped from base, bytes handed out */
@@ -256,7 +259,7 @@ static struct {
 } g_vmm;
 
 static mem_prop_t vmm_prop(void) {
-  mem_prop_t p = {MEM_PINNED, MEM_HANDLE_POSIX_FD, MEM_LOCATION_DEVICE, g_device, NULL, {0}};
+  mem_prop_t p = {MEM_PINNED, g_vmm.private ? 0 : MEM_HANDLE_POSIX_FD, MEM_LOCATION_DEVICE, g_device, NULL, {0}};
   return p;
 }
 
@@ -713,11 +716,12 @@ static void allreduce_to_host(size_t count, CUdeviceptr* ds, float** hin, float*
   }
 }
 
-/* A device send buffer with a pinned host receive buffer: the ranks agree that the direct path
- * cannot take it, and stage both alike. */
+/* A device send buffer with a pinned host receive buffer, which peers cannot read: the
+ * all-reduce runs on a device copy of it, copied out after, or (NCCL_RS_INPLACE_SCRATCH=0)
+ * the ranks agree that the direct path cannot take it, and stage it alike. */
 static void mixed(void) {
   test_step("mixed");
-  const size_t count = 50000; /* large enough to try the direct path, which pinned memory refuses */
+  const size_t count = 50000; /* large enough to try the direct path */
   CUdeviceptr ds[MAX_LOCAL];
   float *hin[MAX_LOCAL], *hr[MAX_LOCAL];
   for (int l = 0; l < g_env.local; l++) hr[l] = host_alloc(count * sizeof(float));
@@ -746,10 +750,12 @@ static void mixed(void) {
   }
 }
 
-/* Only the last rank's output is pinned memory (no CUDA IPC handle): that rank declines the
- * direct path for this one operation while its peers offer device buffers, so every rank
- * stages it, exact; the next all-device operation goes direct again (tests/cuda_mode.rs checks
- * that no rank said it "can never" read directly). Only when asked (--only DeclineOne). */
+/* Only the last rank's output is pinned memory (no CUDA IPC handle): with
+ * NCCL_RS_INPLACE_SCRATCH=0 that rank declines the direct path for this one operation while
+ * its peers offer device buffers, so every rank stages it, exact; the next all-device
+ * operation goes direct again (tests/cuda_mode.rs checks that no rank said it "can never" read
+ * directly). By default that rank's all-reduce runs on a device copy, copied out to its
+ * pinned output, and goes direct too. Only when asked (--only DeclineOne). */
 static void checked_allreduce(CUdeviceptr* d, size_t count, int salt, const char* what);
 
 static void decline_one(void) {
@@ -2058,8 +2064,8 @@ static void recycle(void) {
 }
 
 /* Part Leaks (only when asked; the stand-in only): communicators created, used on every path
- * that allocates memory of its own (the direct path and its copies of inputs, the pinned pool,
- * sends from pinned memory) and destroyed, three times: the memory this process
+ * that allocates memory of its own (the direct path and its copies of inputs and outputs, the
+ * pinned pool, sends from pinned memory) and destroyed, three times: the memory this process
  * holds afterwards (the stand-in's count of live allocations) is the same after each round,
  * so nothing a communicator allocated outlives it (the first round may leave what the process
  * keeps for good: loaded kernels, recycled staging). */
@@ -2069,20 +2075,22 @@ static void leaks_round(int round) {
   init_round_comms(c, "leaks", round);
   const size_t count = 70000, small = 1000, a2a = count * (size_t)n;
   CUdeviceptr d[MAX_LOCAL], a[MAX_LOCAL];
-  float *h[MAX_LOCAL], *pinned[MAX_LOCAL], *pinned_in[MAX_LOCAL];
+  float *h[MAX_LOCAL], *pinned[MAX_LOCAL], *pinned_in[MAX_LOCAL], *pinned_out[MAX_LOCAL];
   for (int l = 0; l < g_env.local; l++) {
     d[l] = dev_alloc(count * sizeof(float));
     a[l] = dev_alloc(a2a * sizeof(float));
     h[l] = host_alloc(a2a * sizeof(float));
     pinned[l] = host_alloc(count * sizeof(float));
     pinned_in[l] = host_alloc(count * sizeof(float));
+    pinned_out[l] = host_alloc(count * sizeof(float));
     for (size_t j = 0; j < count; j++) pinned[l][j] = in_value(g_env.first_rank + l, j, round);
     for (size_t j = 0; j < a2a; j++) h[l][j] = in_value(g_env.first_rank + l, j, round);
     CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
     CU(cu.MemcpyAsync(a[l], (CUdeviceptr)(uintptr_t)h[l], a2a * sizeof(float), g_streams[l]));
   }
   /* In place: a ring exchange of one buffer, an all-to-all; then a large and a small
-   * all-reduce; then sends from pinned memory. */
+   * all-reduce; then sends from pinned memory, and an all-reduce of pinned memory (peers
+   * read device copies of its input and output). */
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) {
     const int rank = g_env.first_rank + l;
@@ -2107,18 +2115,26 @@ static void leaks_round(int round) {
     CHECK(ncclRecv(pinned_in[l], count, ncclFloat32, (rank + n - 1) % n, c[l], g_streams[l]));
   }
   CHECK(ncclGroupEnd());
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclAllReduce(pinned[l], pinned_out[l], count, ncclFloat32, ncclSum, c[l], g_streams[l]));
+  CHECK(ncclGroupEnd());
   for (int l = 0; l < g_env.local; l++) {
     const int rank = g_env.first_rank + l, from = (rank + n - 1) % n;
     CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
     CU(cu.StreamSynchronize(g_streams[l]));
-    size_t bad = 0;
+    size_t bad = 0, sum_bad = 0;
     for (size_t j = 0; j < count; j++) bad += h[l][j] != in_value(from, j, round) || pinned_in[l][j] != in_value(from, j, round);
+    for (size_t j = 0; j < count; j++) sum_bad += pinned_out[l][j] != expected(C_ALLREDUCE, count, n, 0, j, round);
     EXPECT(bad == 0, "leaks round %d rank %d: %zu wrong values from rank %d", round, rank, bad, from);
+    EXPECT(sum_bad == 0, "leaks round %d rank %d: %zu wrong values in the all-reduce of pinned memory", round, rank,
+           sum_bad);
     dev_free(d[l]);
     dev_free(a[l]);
     CU(cu.MemFreeHost(h[l]));
     CU(cu.MemFreeHost(pinned[l]));
     CU(cu.MemFreeHost(pinned_in[l]));
+    CU(cu.MemFreeHost(pinned_out[l]));
   }
   for (int l = 0; l < g_env.local; l++) CHECK(ncclCommDestroy(c[l]));
 }
@@ -2981,6 +2997,7 @@ int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
   g_vmm.on = getenv("CUDA_TEST_VMM") != NULL;
+  g_vmm.private = g_vmm.on && !strcmp(getenv("CUDA_TEST_VMM"), "private");
   if (getenv("CUDA_TEST_NO_PTRACE")) refuse_ptrace();
   const char* dev = getenv("NCCL_TEST_CUDA_DEVICE");
   g_device = dev && *dev ? atoi(dev) : 0;

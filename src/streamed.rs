@@ -180,17 +180,18 @@ impl Drop for Streamed {
         if let Some(b) = self.board.take() {
             b.retire();
         }
-        let scratch = std::mem::take(&mut *self.scratch.lock().unwrap_or_else(|p| p.into_inner()));
-        if scratch.in_use() {
-            // A batch that did not finish well still holds a carve (aborted, failed): a
-            // caller's stream may still copy into it (and the free might wait for that
-            // stream), so the memory stays, as the pinned pool does.
-            std::mem::forget(scratch);
-            return;
-        }
+        let mut scratch = std::mem::take(&mut *self.scratch.lock().unwrap_or_else(|p| p.into_inner()));
         // Freed in the communicator's context, whichever thread drops the last reference.
         let _keep = KeepCurrent::new();
         let _ = self.ctx.make_current();
+        if !scratch.settled() {
+            // A batch that did not finish well still holds a carve (aborted, failed), or a
+            // stream has not yet copied a result out of one: a caller's stream may still use it
+            // (and the free might wait for that stream), so the memory stays, as the pinned
+            // pool does.
+            std::mem::forget(scratch);
+            return;
+        }
         drop(scratch);
     }
 }
@@ -563,7 +564,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let gated = !s.host_wait && (s.gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
     let mut paths = paths(s, &ops);
     let mut ops = ops;
-    let scratch = copy_unreadable_inputs(comm, s, &callers, &on, &mut ops, &mut paths)?;
+    let (scratch, copies_out) = copy_unreadable_inputs(comm, s, &callers, &on, &mut ops, &mut paths)?;
     let carve = match pool.as_mut() {
         Some(p) if gated => {
             s.recycle(p.reclaim());
@@ -612,7 +613,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let ops = ops.into_iter().map(|o| o.op).collect();
     let mut prepared = Prepared { comm: comm.clone(), lock, callers, ops, prestaged, paths, outs, carve_id,
                                   starts: Vec::new(), seq, committed: false, caller_of, shapes, direct: Vec::new(),
-                                  scratch };
+                                  scratch, copies_out };
     for st in &prepared.callers {
         let start = start_signal(s, st)?;
         prepared.starts.push(start);
@@ -644,55 +645,96 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
         .collect()
 }
 
-/// The operations `paths` declined whose input peers could not read directly, but could read
-/// a copy of: sends a receive of their batch writes into (an in-place exchange) and in-place
-/// all-to-alls (peers could read what their own output already wrote there), and sends from
-/// memory that cannot be published (pinned or managed host memory, device memory without
-/// CUDA IPC such as a stream-ordered allocator's pools). Each is copied now on its caller's
-/// stream into device memory of the communicator's (`scratch`) where it finds room, and that
-/// copy is the input that goes direct (its peers read it). The carves taken.
+/// An output a direct operation wrote into a carve of `Streamed::scratch` (an all-reduce's
+/// whose buffer peers could not read), copied out on its caller's stream once the operation is
+/// done: the caller's index, the user's output, the carve's region and id.
+#[derive(Clone, Copy, Debug)]
+struct CopyOut {
+    caller: usize,
+    user: Region,
+    carve: Region,
+    id: u64,
+}
+
+/// The operations `paths` declined whose buffers peers could not read directly, but could
+/// read a copy of (see `scratch`): sends a receive of their batch writes into (an in-place
+/// exchange) and in-place all-to-alls (peers could read what their own output already wrote
+/// there), and sends and collectives on memory that cannot be published (pinned or managed
+/// host memory, device memory without CUDA IPC such as a stream-ordered allocator's pools).
+/// Each such input is copied now on its caller's stream into device memory of the
+/// communicator's where it finds room, and that copy is the input that goes direct (its peers
+/// read it); an all-reduce whose output cannot be published runs in place on such a copy,
+/// copied out after it (the `CopyOut`s). The carves taken: copies of inputs only, given back
+/// when the batch is done, and the copies out.
 fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dyn Fn(&StreamOp) -> usize,
-                          ops: &mut [StreamOp], paths: &mut [Path]) -> Result<Vec<u64>> {
-    let mut taken = Vec::new();
+                          ops: &mut [StreamOp], paths: &mut [Path]) -> Result<(Vec<u64>, Vec<CopyOut>)> {
+    let (mut taken, mut outs) = (Vec::new(), Vec::new());
     let declined = |o: &StreamOp, p: &Path| {
-        let copyable = match o.op.kind {
-            // (Which sends: checked below.)
-            OpKind::Send => true,
-            OpKind::AlltoAll => o.op.send.addr() == o.op.recv.addr(),
-            _ => false,
-        };
-        copyable && matches!(p, Path::Declined) && !o.op.send.is_empty()
+        let kernels = s.kernels.is_some() || o.op.kind == OpKind::Send;
+        matches!(p, Path::Declined) && kernels && !(o.op.send.is_empty() && o.op.recv.is_empty())
     };
-    let off = || s.scratch.lock().unwrap_or_else(|p| p.into_inner()).is_off();
-    if !ops.iter().zip(paths.iter()).any(|(o, p)| declined(o, p)) || off() {
-        return Ok(taken);
+    let scratch_off = || s.scratch.lock().unwrap_or_else(|p| p.into_inner()).is_off();
+    if !ops.iter().zip(paths.iter()).any(|(o, p)| declined(o, p)) || scratch_off() {
+        return Ok((taken, outs));
     }
     let received = Received::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
-    // A send's buffer the driver knows (not plain host memory, which is never staged here).
-    let device_reachable = |r: Region| crate::device::cuda::classify(r.addr()).is_ok_and(|k| k.stream_ordered());
+    s.recycle(s.scratch.lock().unwrap_or_else(|p| p.into_inner()).reclaim());
     for (o, path) in ops.iter_mut().zip(paths.iter_mut()) {
-        let send = o.op.kind == OpKind::Send;
-        if !declined(o, path) || (send && !received.overlaps(o.op.send) && !device_reachable(o.op.send)) {
+        if !declined(o, path) {
             continue;
         }
+        let Some((copy_in, copy_out)) = copies(&o.op, &received, &s.routes) else { continue };
+        let op = o.op;
+        let len = if copy_out { op.recv.len() } else { op.send.len() };
         let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let Some((copy, id)) = scratch.take(o.op.send.len(), comm.rank) else { continue };
-        let op = Op { send: copy, ..o.op };
-        let Some(offered) = ipc::offer(&op, s.kernels.is_some(), &s.routes) else {
+        let Some((carve, id)) = scratch.take(len, comm.rank) else { continue };
+        let direct = match (copy_in, copy_out) {
+            // In place on the copy of its input: peers read both from it.
+            (true, true) => Op { send: carve, recv: carve, ..op },
+            (true, false) => Op { send: carve, ..op },
+            (false, _) => Op { recv: carve, ..op },
+        };
+        let Some(offered) = ipc::offer(&direct, s.kernels.is_some(), &s.routes) else {
             scratch.give_back(id);
             continue;
         };
         drop(scratch);
-        if let Err(e) = callers[on(o)].copy(copy, o.op.send) {
-            // Nothing was queued into this carve (the earlier ones stay taken: their copies are).
-            s.scratch.lock().unwrap_or_else(|p| p.into_inner()).give_back(id);
-            return Err(e);
+        let caller = on(o);
+        if copy_in {
+            if let Err(e) = callers[caller].copy(carve.sub(0, op.send.len()), op.send) {
+                // Nothing was queued into this carve (the earlier ones stay taken: their copies are).
+                s.scratch.lock().unwrap_or_else(|p| p.into_inner()).give_back(id);
+                return Err(e);
+            }
         }
-        taken.push(id);
-        o.op = op;
+        match copy_out {
+            true => outs.push(CopyOut { caller, user: op.recv, carve, id }),
+            false => taken.push(id),
+        }
+        o.op = direct;
         *path = Path::Direct(Some(offered));
     }
-    Ok(taken)
+    Ok((taken, outs))
+}
+
+/// Which of `op`'s buffers go direct as copies (`copy_unreadable_inputs`): (its input, copied
+/// in; its output, copied out), or None if neither helps. Only buffers the device copies
+/// asynchronously (device, pinned or managed memory; plain host memory is never on the direct
+/// path) are copied.
+fn copies(op: &Op, received: &Received, routes: &ipc::Routes) -> Option<(bool, bool)> {
+    let reachable = |r: Region| crate::device::cuda::classify(r.addr()).is_ok_and(|k| k.stream_ordered());
+    let unreadable = |r: Region| !r.is_empty() && !ipc::publishable(r, routes) && reachable(r);
+    match op.kind {
+        OpKind::Send if received.overlaps(op.send) || unreadable(op.send) => Some((true, false)),
+        OpKind::AlltoAll if op.send.addr() == op.recv.addr() => Some((true, false)),
+        // Peers read an all-reduce's output too: it runs on a copy, in place if its input
+        // needs copying as well (or is that same buffer).
+        OpKind::AllReduce if unreadable(op.recv) => {
+            Some((op.send.addr() == op.recv.addr() || unreadable(op.send), true))
+        }
+        OpKind::Send | OpKind::Recv => None,
+        _ => unreadable(op.send).then_some((true, false)),
+    }
 }
 
 /// The buffers a batch's receives write, to tell whether a send's buffer overlaps one of them
@@ -763,9 +805,11 @@ pub struct Prepared {
     shapes: Vec<Option<ipc::Shape>>,
     /// Per operation, once the slots are taken (`commit_all`): its slot, if it got one.
     direct: Vec<Option<OnStream>>,
-    /// The carves of `Streamed::scratch` its inputs were copied into. Never queued, they stay
-    /// taken: a copy into one may be in flight.
+    /// The carves of `Streamed::scratch` its inputs were copied into, and the outputs copied
+    /// out of it after the batch. Never queued, they stay taken: a copy into one may be in
+    /// flight.
     scratch: Vec<u64>,
+    copies_out: Vec<CopyOut>,
 }
 
 impl Drop for Prepared {
@@ -803,18 +847,21 @@ impl Drop for Prepared {
     }
 }
 
-/// Copies of staged results out of the pool, on their callers' streams, then the events that
-/// give the carve back.
+/// Copies of results out of the pool and the device scratch, on their callers' streams, then
+/// the events that give their carves back.
 struct StageOut {
     callers: Vec<Stream>,
-    /// (caller index, the user's output, the pool's copy).
+    /// (caller index, the user's output, the pool's copy), all in the pool's carve `carve`.
     copies: Vec<(usize, Region, Region)>,
-    carve: u64,
+    carve: Option<u64>,
+    /// Outputs direct operations wrote into carves of the scratch.
+    scratch: Vec<CopyOut>,
 }
 
 impl StageOut {
     /// Queues the copies and the release events; with `finish`, also waits for them (host-wait
-    /// mode: the call returns with its results in place).
+    /// mode: the call returns with its results in place). A copy that cannot be queued leaves
+    /// its carve taken (with the rest of its ring behind it).
     fn enqueue(self, s: &Streamed, finish: bool) -> Result<()> {
         for &(k, user, pooled) in &self.copies {
             self.callers[k].copy(user, pooled)?;
@@ -828,8 +875,21 @@ impl StageOut {
             }
         }
         let finished = if finish { released.iter().try_for_each(Event::synchronize) } else { Ok(()) };
-        release_carve(s, self.carve, released);
-        finished
+        if let Some(carve) = self.carve {
+            release_carve(s, carve, released);
+        }
+        finished?;
+        for out in &self.scratch {
+            let st = &self.callers[out.caller];
+            st.copy(out.user, out.carve)?;
+            let e = s.event()?;
+            e.record(st)?;
+            if finish {
+                e.synchronize()?;
+            }
+            s.scratch.lock().unwrap_or_else(|p| p.into_inner()).give_back_after(out.id, e);
+        }
+        Ok(())
     }
 }
 
@@ -937,10 +997,11 @@ impl Prepared {
         state.queue.push_back(batch);
         drop(state);
         s.queue.changed.notify_all();
-        let stage_out = self.carve_id.map(|carve| StageOut {
+        let stage_out = (self.carve_id.is_some() || !self.copies_out.is_empty()).then(|| StageOut {
             callers: std::mem::take(&mut self.callers),
             copies: std::mem::take(&mut self.outs),
-            carve,
+            carve: self.carve_id,
+            scratch: std::mem::take(&mut self.copies_out),
         });
         if !waits_on_host {
             // After the gates on the streams: the results once the worker has put them there.

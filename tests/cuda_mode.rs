@@ -122,18 +122,24 @@ fn cuda_mode_2_processes_on_2_devices() {
     }
 }
 
-/// One rank declines the direct path for one operation (its output is pinned memory) while
-/// its peers offer device buffers: every rank stages that one, exact, and goes direct again on
-/// the next; nobody concludes that some rank can never go direct.
+/// One rank declines the direct path for one operation (its output is pinned memory, and
+/// NCCL_RS_INPLACE_SCRATCH=0: no device copy of it) while its peers offer device buffers:
+/// every rank stages that one, exact, and goes direct again on the next; nobody concludes
+/// that some rank can never go direct. With the device copy (the default) that rank's
+/// all-reduce runs on a copy of its output, and every rank goes direct from the first.
 #[test]
 fn cuda_mode_one_rank_declines_one_operation() {
-    for job in [cuda_job().procs(3), cuda_job().local(2)] {
-        let o = job.arg("--only").arg("DeclineOne").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
-        assert!(o.ok(), "{}", o.report);
-        for (i, p) in o.procs.iter().enumerate() {
-            // The declined one is AllReduce #0: the first read directly is #1.
-            assert!(p.log.contains("are read directly") && p.log.contains("from AllReduce #1 (") && !p.log.contains("can never"),
-                    "process {i}: expected the direct path after the declined operation, and no 'can never':\n{}", p.log);
+    for (procs, local) in [(3, 1), (1, 2)] {
+        for (scratch, first) in [("0", "from AllReduce #1 ("), ("67108864", "from AllReduce #0 (")] {
+            let o = cuda_job().procs(procs).local(local).arg("--only").arg("DeclineOne").env("NCCL_RS_INPLACE_SCRATCH", scratch)
+                .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+            assert!(o.ok(), "NCCL_RS_INPLACE_SCRATCH={scratch}: {}", o.report);
+            for (i, p) in o.procs.iter().enumerate() {
+                // The declined one is AllReduce #0.
+                assert!(p.log.contains("are read directly") && p.log.contains(first) && !p.log.contains("can never"),
+                        "NCCL_RS_INPLACE_SCRATCH={scratch}, process {i}: expected the direct path {first}, and no \
+                         'can never':\n{}", p.log);
+            }
         }
     }
 }
@@ -159,8 +165,8 @@ fn cuda_mode_direct_min() {
 
 /// Sends and receives between ranks of a host read the sender's buffer directly (by default),
 /// whichever way each end groups its calls (part P2PPairings), from device buffers, or from a
-/// device copy of pinned ones (part Mixed; its pinned-to-device send is sent as bytes with
-/// NCCL_RS_INPLACE_SCRATCH=0, and its collective with a pinned output is staged either way),
+/// device copy of pinned ones (part Mixed; with NCCL_RS_INPLACE_SCRATCH=0 its pinned-to-device
+/// send is sent as bytes, and its all-reduce to a pinned output is staged, not run on a copy),
 /// also under PyTorch's pattern (part Torch: its large all-reduces take the direct path in
 /// any case); as processes and as ranks of one process. With NCCL_RS_DIRECT_P2P=0 they are
 /// staged, with the same results.
@@ -224,6 +230,32 @@ fn cuda_mode_in_place_inputs_are_read_from_a_device_copy() {
         // staged, by the agreement; the sends of one go direct, of the other as bytes).
         let o = cuda_job().procs(2).arg("--only").arg(part).proc_env(1, "NCCL_RS_INPLACE_SCRATCH", "0").run_outcome();
         assert!(o.ok(), "part {part}, NCCL_RS_INPLACE_SCRATCH=0 on process 1: {}", o.report);
+    }
+}
+
+/// Collectives on device memory peers cannot read (CUDA_TEST_VMM=private: allocations of the
+/// virtual memory API without a shareable handle, as a stream-ordered allocator's pools) go
+/// direct all the same: each caller's stream copies its input into device memory of the
+/// communicator's, which peers read, and an all-reduce runs in place on that copy, copied out
+/// after (part Collectives: every kind out of place, small and large; InPlace: in place).
+/// With NCCL_RS_INPLACE_SCRATCH=0 they are staged, and the first says why. Exact either way,
+/// on 2 processes and on 4 ranks in 2 processes.
+#[test]
+fn cuda_mode_collectives_on_memory_peers_cannot_read_go_direct_from_copies() {
+    let staged = "is staged through host memory, as are later ones like it";
+    for part in ["Collectives", "InPlace"] {
+        for (job, scratch) in [(cuda_job().procs(2), "67108864"), (cuda_job().procs(2).local(2), "67108864"),
+                               (cuda_job().procs(2), "0")] {
+            let o = job.env("CUDA_TEST_VMM", "private").env("NCCL_RS_INPLACE_SCRATCH", scratch).arg("--only").arg(part)
+                .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+            assert!(o.ok(), "part {part}, NCCL_RS_INPLACE_SCRATCH={scratch}: {}", o.report);
+            for (i, p) in o.procs.iter().enumerate() {
+                let (direct, said) = (p.log.contains("are read directly"), p.log.contains(staged));
+                assert!(direct == (scratch != "0") && said == (scratch == "0"),
+                        "part {part}, NCCL_RS_INPLACE_SCRATCH={scratch}, process {i}: direct {direct}, staged {said}:\n{}",
+                        p.log);
+            }
+        }
     }
 }
 

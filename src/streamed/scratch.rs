@@ -1,19 +1,24 @@
-//! Device memory for the inputs that go direct only as a copy: the sends of in-place
+//! Device memory for the buffers that go direct only as a copy: the sends of in-place
 //! exchanges (`ncclSend` and `ncclRecv` of one buffer in a group, between ranks of one host)
 //! and in-place all-to-alls, where a peer reading the input directly could read what the
-//! operation's own output already wrote there, and sends from memory that cannot be
-//! published (pinned or managed host memory, device memory without CUDA IPC). The caller's
-//! stream copies the input into a carve of this memory at call time, in stream order, and the
-//! carve is what peers read (`ipc::run_p2p`, `ipc::run_on_stream`); the worker gives it back
-//! once its batch is done (every receiver answered, or every rank passed the operation's last
-//! phase). Allocated at the first such operation (`NCCL_RS_INPLACE_SCRATCH` bytes), on the
-//! calling thread as the application's own allocations are (never by the worker, which must
-//! not make driver calls that may wait for the device: see `streamed`), kept for the
-//! communicator's life; an operation that finds no room goes as before (a send's bytes are
-//! sent, an all-to-all is staged).
+//! operation's own output already wrote there, and buffers peers read that cannot be
+//! published (pinned or managed host memory, device memory without CUDA IPC such as a
+//! stream-ordered allocator's pools): the input of a send or a collective, and the output of
+//! an all-reduce. The caller's stream copies the input into a carve of this memory at call
+//! time, in stream order, and the carve is what peers read (`ipc::run_p2p`,
+//! `ipc::run_on_stream`); the worker gives it back once its batch is done (every receiver
+//! answered, or every rank passed the operation's last phase). An all-reduce's output carve is
+//! copied out on the caller's stream after the operation, and comes back after the event
+//! recorded behind that copy. Allocated at the first such operation (`NCCL_RS_INPLACE_SCRATCH`
+//! bytes), on the calling thread as the application's own allocations are (never by the
+//! worker, which must not make driver calls that may wait for the device: see `streamed`),
+//! kept for the communicator's life; an operation that finds no room goes as before (a send's
+//! bytes are sent, a collective is staged).
+
+use std::time::{Duration, Instant};
 
 use super::pool::{aligned, Carves};
-use crate::device::cuda::DeviceMem;
+use crate::device::cuda::{DeviceMem, Event};
 use crate::device::host::Region;
 
 #[derive(Default)]
@@ -21,8 +26,8 @@ pub(super) struct Scratch {
     mem: Option<DeviceMem>,
     /// The allocation failed or is turned off: never tried again.
     off: bool,
-    /// Given back by hand (`give_back`).
-    carves: Carves<()>,
+    /// Given back by hand (`give_back`), or after an event (`give_back_after`).
+    carves: Carves<Option<Event>>,
 }
 
 impl Scratch {
@@ -36,33 +41,57 @@ impl Scratch {
             let bytes = crate::params::inplace_scratch();
             match (bytes > 0).then(|| DeviceMem::new(bytes)) {
                 Some(Ok(m)) => {
-                    crate::info!(P2P, "rank {rank}: sends and all-to-alls whose buffers peers cannot read directly (in \
-                                       place, or without CUDA IPC) are copied on the caller's stream into {bytes} \
-                                       bytes of device memory, which peers read");
+                    crate::info!(P2P, "rank {rank}: buffers peers cannot read directly (in place, or without CUDA IPC) \
+                                       are copied on the caller's stream into {bytes} bytes of device memory, which \
+                                       peers read");
                     self.mem = Some(m);
                 }
                 Some(Err(e)) => {
-                    crate::info!(P2P, "rank {rank}: no device memory to copy sends and all-to-alls into ({}): such sends \
-                                       send their bytes, such all-to-alls are staged", e.msg);
+                    crate::info!(P2P, "rank {rank}: no device memory to copy buffers peers cannot read into ({}): such \
+                                       sends send their bytes, such collectives are staged", e.msg);
                     self.off = true;
                 }
                 None => self.off = true,
             }
         }
         let mem = self.mem.as_ref()?;
-        self.carves.reclaim(|_| true);
         let at = self.carves.alloc(mem.len(), aligned(len))?;
         Some((mem.region(at, len), self.carves.push(at)))
     }
 
-    /// Some carve is still taken (its batch did not finish well, or has not yet).
-    pub(super) fn in_use(&self) -> bool {
-        self.carves.any_taken()
+    /// Carves that are free again go (their events have completed); the events are returned
+    /// for reuse. Before [`Scratch::take`].
+    pub(super) fn reclaim(&mut self) -> Vec<Event> {
+        self.carves.reclaim(|e| e.as_ref().is_none_or(|e| e.query().unwrap_or(false))).into_iter().flatten().collect()
     }
 
-    /// Carve `id` is free again (its receiver has read it).
+    /// Carve `id` is free again (its receiver, or every peer, has read it).
     pub(super) fn give_back(&mut self, id: u64) {
-        self.carves.release(id, ());
+        self.carves.release(id, None);
+    }
+
+    /// Carve `id` is free again once `copied_out` has completed (its copy out to the user's
+    /// buffer is done).
+    pub(super) fn give_back_after(&mut self, id: u64, copied_out: Event) {
+        self.carves.release(id, Some(copied_out));
+    }
+
+    /// Whether every carve is free (waiting a little for copies out still running), so that
+    /// the memory may be freed: the communicator's context current, its worker stopped. Not
+    /// when a batch that did not finish well still holds a carve (a caller's stream may still
+    /// copy into it, and a free might wait for that stream).
+    pub(super) fn settled(&mut self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            drop(self.reclaim());
+            if self.carves.is_empty() {
+                return true;
+            }
+            if self.carves.any_taken() || Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
     }
 
     /// No carve will be taken: turned off, or the allocation failed.

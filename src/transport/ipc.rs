@@ -62,6 +62,8 @@ pub struct Direct {
     maps: Maps,
     /// Mapping a peer's memory failed in a way that may pass (said once, at WARN).
     refused: bool,
+    /// Some rank declined an operation, which every rank then staged (said once, at INFO).
+    told_declined: bool,
     /// Operations run direct so far (the first is logged).
     ran: u64,
     /// Per peer: the direct sends to it and receives from it so far (they number messages).
@@ -177,9 +179,9 @@ pub struct Offered {
 
 /// What this rank offers for `op` on the direct path, known at call time; None when it
 /// declines whatever the others say: an in-place all-to-all (unless its input was copied
-/// first: `streamed::copy_unreadable_inputs`), a buffer it cannot share (pinned
-/// or pageable host memory; memory of the virtual memory API is shared as descriptors), or no
-/// kernels.
+/// first: `streamed::copy_unreadable_inputs`), a buffer peers read that it cannot share
+/// (pinned or pageable host memory, device memory without CUDA IPC; memory of the virtual
+/// memory API is shared as descriptors), an output that is not device memory, or no kernels.
 /// Every rank then stages `op`, and this one's caller's stream can stage it at call time (it
 /// still takes part in the agreement, [`decline`]).
 pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
@@ -191,13 +193,31 @@ pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
     }
     let mut table = Vec::new();
     let input = share::publish(op.send, !routes.one_process, &mut table)?;
-    let output = share::publish(op.recv, !routes.one_process, &mut table)?;
+    // Peers read a rank's output only in an all-reduce (its second half, `compute_steps`);
+    // otherwise only this rank's kernels write it, which needs no handle: device memory.
+    let output = match op.kind {
+        OpKind::AllReduce => share::publish(op.recv, !routes.one_process, &mut table)?,
+        _ => device_memory(op.recv).then(Published::default)?,
+    };
     let (server, in_flight) = if table.is_empty() {
         (Address::default(), None)
     } else {
         (fdpass::serve(share::export_request).ok()?, Some(share::in_flight(&table)))
     };
     Some(Offered { input, output, table, server, _in_flight: in_flight })
+}
+
+/// Whether peers could read `r` where it is (`offer`): device memory with a CUDA IPC handle
+/// or shareable allocations of the virtual memory API, or any device memory when every rank
+/// is in this process.
+pub fn publishable(r: Region, routes: &Routes) -> bool {
+    share::publish(r, !routes.one_process, &mut Vec::new()).is_some()
+}
+
+/// Whether this rank's kernels can write `r` as a direct operation's output (nothing to write
+/// counts): device memory (a pinned or managed output is staged).
+fn device_memory(r: Region) -> bool {
+    r.is_empty() || matches!(cuda::classify(r.addr()), Ok(cuda::PtrKind::Device { .. }))
 }
 
 /// This rank's part of the agreement for an operation it declines ([`offer`]): every rank
@@ -264,6 +284,13 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
         _ if records.iter().all(|r| r.ok && r.stamp == mine.stamp && r.table as usize <= MAX_TABLE) => GO,
         _ => STAGE,
     };
+    let declined: Vec<usize> = (0..n).filter(|&p| !records[p].ok).collect();
+    if verdict == STAGE && !declined.is_empty() && !direct.told_declined {
+        direct.told_declined = true;
+        crate::info!(P2P, "rank {me}: {} is staged through host memory, as are later ones like it: rank(s) {declined:?} \
+                           could not offer buffers for peers to read (device memory without CUDA IPC and no room \
+                           to copy it, pinned, managed or host memory, or an in-place all-to-all)", op.describe());
+    }
     // The segment tables, when some rank has one (every rank knows it from the records alike);
     // none (no allocation) otherwise.
     let longest = records.iter().map(|r| r.table as usize).max().unwrap_or(0);
