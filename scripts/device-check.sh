@@ -28,7 +28,8 @@
 #      (NCCL_RS_GRAPH_CAPTURE=1, experimental), and the benchmark's -G rows;
 #   4. (c) nccl-rs-perf: allreduce and allgather on 2 ranks with device buffers (--device 1;
 #      allreduce also on virtual-memory buffers, --device 2, and on memory peers cannot map,
-#      --device 3, beside it staged, NCCL_RS_INPLACE_SCRATCH=0), sendrecv read directly beside
+#      --device 3, beside it staged, NCCL_RS_INPLACE_SCRATCH=0; reduce-scatter with PreMulSum
+#      likewise), sendrecv read directly beside
 #      sendrecv staged (NCCL_RS_DIRECT_P2P=0; in place, the direct one reads a device copy
 #      of each send up to 64 MiB, NCCL_RS_INPLACE_SCRATCH, and sends larger ones as bytes)
 #      next to the device-to-device copy bandwidth measured in the same run, and 1-rank
@@ -222,6 +223,11 @@ step perf-cuda-allreduce-2-vmm 40 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 -
 step perf-cuda-allreduce-2-private 20 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 3 -b 1M -e 256M -f 16 -n 5 -w 1
 step perf-cuda-allreduce-2-private-staged 20 env NCCL_RS_INPLACE_SCRATCH=0 "$PREP/run/bin/nccl-rs-perf" allreduce \
   -np 2 --device 3 -b 1M -e 256M -f 16 -n 5 -w 1
+# PreMulSum (host scalar, as FSDP's reduce-scatters): direct from scaled copies, beside staged.
+step perf-cuda-premulsum-2 20 "$PREP/run/bin/nccl-rs-perf" reducescatter -np 2 --device 1 -o premulsum -b 1M -e 256M \
+  -f 16 -n 5 -w 1
+step perf-cuda-premulsum-2-staged 20 env NCCL_RS_INPLACE_SCRATCH=0 "$PREP/run/bin/nccl-rs-perf" reducescatter -np 2 \
+  --device 1 -o premulsum -b 1M -e 256M -f 16 -n 5 -w 1
 step perf-cuda-allgather-2 50 "$PREP/run/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 step perf-cuda-sendrecv-2 30 "$PREP/run/bin/nccl-rs-perf" sendrecv -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 step perf-cuda-sendrecv-2-staged 30 env NCCL_RS_DIRECT_P2P=0 "$PREP/run/bin/nccl-rs-perf" sendrecv -np 2 --device 1 \

@@ -62,6 +62,7 @@ use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
 use crate::transport::ipc::{self, Routes};
+use crate::types::{RedOp, Scalar};
 
 pub(crate) mod board;
 mod capture;
@@ -264,6 +265,9 @@ struct Batch {
     /// The carves of `scratch` its inputs were copied into (`copy_unreadable_inputs`), given
     /// back once it is done.
     scratch: Vec<u64>,
+    /// Per operation (none past the last): the user's input of a PreMulSum whose input goes
+    /// direct as a scaled copy, which it is staged from instead if the ranks do not go direct.
+    unscaled: Vec<Option<Region>>,
 }
 
 /// How an operation goes, as far as this rank can tell at call time (alike on every rank but
@@ -272,7 +276,7 @@ struct Batch {
 // Boxing the offer would allocate on every direct call; the paths of a call are few.
 #[allow(clippy::large_enum_variant)]
 enum Path {
-    /// Through host memory: small, other hosts, PreMulSum, or no collective goes direct any
+    /// Through host memory: small, other hosts, fp16 Avg, or no collective goes direct any
     /// more (`Direct::off`).
     Staged,
     /// A collective that could go direct but this rank cannot take (`ipc::offer`: its buffers
@@ -564,7 +568,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let gated = !s.host_wait && (s.gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
     let mut paths = paths(s, &ops);
     let mut ops = ops;
-    let (scratch, copies_out) = copy_unreadable_inputs(comm, s, &callers, &on, &mut ops, &mut paths)?;
+    let copied = copy_unreadable_inputs(comm, s, &callers, &on, &mut ops, &mut paths)?;
     let carve = match pool.as_mut() {
         Some(p) if gated => {
             s.recycle(p.reclaim());
@@ -613,7 +617,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let ops = ops.into_iter().map(|o| o.op).collect();
     let mut prepared = Prepared { comm: comm.clone(), lock, callers, ops, prestaged, paths, outs, carve_id,
                                   starts: Vec::new(), seq, committed: false, caller_of, shapes, direct: Vec::new(),
-                                  scratch, copies_out };
+                                  scratch: copied.inputs, copies_out: copied.outs, unscaled: copied.unscaled };
     for st in &prepared.callers {
         let start = start_signal(s, st)?;
         prepared.starts.push(start);
@@ -638,7 +642,7 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
                 // group): copied now, in stream order, into device memory that goes direct
                 // instead (`copy_unreadable_inputs`), or else its bytes taken and staged.
                 (true, OpKind::Send) if received.overlaps(o.op.send) => Path::Declined,
-                (true, _) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes)
+                (true, _) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes, false)
                     .map_or(Path::Declined, |o| Path::Direct(Some(o))),
             }
         })
@@ -659,27 +663,27 @@ struct CopyOut {
 /// The operations `paths` declined whose buffers peers could not read directly, but could
 /// read a copy of (see `scratch`): sends a receive of their batch writes into (an in-place
 /// exchange) and in-place all-to-alls (peers could read what their own output already wrote
-/// there), and sends and collectives on memory that cannot be published (pinned or managed
-/// host memory, device memory without CUDA IPC such as a stream-ordered allocator's pools).
-/// Each such input is copied now on its caller's stream into device memory of the
-/// communicator's where it finds room, and that copy is the input that goes direct (its peers
+/// there), sends and collectives on memory that cannot be published (pinned or managed host
+/// memory, device memory without CUDA IPC such as a stream-ordered allocator's pools), and
+/// PreMulSum collectives (the direct path has no scaling step). Each such input is copied now
+/// on its caller's stream into device memory of the communicator's where it finds room (a
+/// PreMulSum's scaled by its scalar), and that copy is the input that goes direct (its peers
 /// read it); an all-reduce whose output cannot be published runs in place on such a copy,
-/// copied out after it (the `CopyOut`s). The carves taken: copies of inputs only, given back
-/// when the batch is done, and the copies out.
+/// copied out after it.
 fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dyn Fn(&StreamOp) -> usize,
-                          ops: &mut [StreamOp], paths: &mut [Path]) -> Result<(Vec<u64>, Vec<CopyOut>)> {
-    let (mut taken, mut outs) = (Vec::new(), Vec::new());
+                          ops: &mut [StreamOp], paths: &mut [Path]) -> Result<Copied> {
+    let mut copied = Copied::default();
     let declined = |o: &StreamOp, p: &Path| {
         let kernels = s.kernels.is_some() || o.op.kind == OpKind::Send;
         matches!(p, Path::Declined) && kernels && !(o.op.send.is_empty() && o.op.recv.is_empty())
     };
     let scratch_off = || s.scratch.lock().unwrap_or_else(|p| p.into_inner()).is_off();
     if !ops.iter().zip(paths.iter()).any(|(o, p)| declined(o, p)) || scratch_off() {
-        return Ok((taken, outs));
+        return Ok(copied);
     }
     let received = Received::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
     s.recycle(s.scratch.lock().unwrap_or_else(|p| p.into_inner()).reclaim());
-    for (o, path) in ops.iter_mut().zip(paths.iter_mut()) {
+    for (i, (o, path)) in ops.iter_mut().zip(paths.iter_mut()).enumerate() {
         if !declined(o, path) {
             continue;
         }
@@ -688,53 +692,92 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
         let len = if copy_out { op.recv.len() } else { op.send.len() };
         let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let Some((carve, id)) = scratch.take(len, comm.rank) else { continue };
-        let direct = match (copy_in, copy_out) {
+        let direct = match (&copy_in, copy_out) {
             // In place on the copy of its input: peers read both from it.
-            (true, true) => Op { send: carve, recv: carve, ..op },
-            (true, false) => Op { send: carve, ..op },
-            (false, _) => Op { recv: carve, ..op },
+            (CopyIn::Copy | CopyIn::Scale(_), true) => Op { send: carve, recv: carve, ..op },
+            (CopyIn::Copy | CopyIn::Scale(_), false) => Op { send: carve, ..op },
+            (CopyIn::No, _) => Op { recv: carve, ..op },
         };
-        let Some(offered) = ipc::offer(&direct, s.kernels.is_some(), &s.routes) else {
+        let scaled = matches!(copy_in, CopyIn::Scale(_));
+        let Some(offered) = ipc::offer(&direct, s.kernels.is_some(), &s.routes, scaled) else {
             scratch.give_back(id);
             continue;
         };
         drop(scratch);
-        let caller = on(o);
-        if copy_in {
-            if let Err(e) = callers[caller].copy(carve.sub(0, op.send.len()), op.send) {
-                // Nothing was queued into this carve (the earlier ones stay taken: their copies are).
-                s.scratch.lock().unwrap_or_else(|p| p.into_inner()).give_back(id);
-                return Err(e);
-            }
+        let caller = &callers[on(o)];
+        let input = carve.sub(0, op.send.len());
+        // On a failure what this carve got may still run: it stays taken (as do the earlier ones).
+        match copy_in {
+            CopyIn::No => {}
+            CopyIn::Copy => caller.copy(input, op.send)?,
+            CopyIn::Scale(by) => scale(s, caller, op, input, by)?,
         }
         match copy_out {
-            true => outs.push(CopyOut { caller, user: op.recv, carve, id }),
-            false => taken.push(id),
+            true => copied.outs.push(CopyOut { caller: on(o), user: op.recv, carve, id }),
+            false => copied.inputs.push(id),
+        }
+        if scaled {
+            copied.unscaled.resize(i + 1, None);
+            copied.unscaled[i] = Some(op.send);
         }
         o.op = direct;
         *path = Path::Direct(Some(offered));
     }
-    Ok((taken, outs))
+    Ok(copied)
 }
 
-/// Which of `op`'s buffers go direct as copies (`copy_unreadable_inputs`): (its input, copied
-/// in; its output, copied out), or None if neither helps. Only buffers the device copies
+/// What `copy_unreadable_inputs` copied.
+#[derive(Default)]
+struct Copied {
+    /// The carves of copied inputs, given back when the batch is done.
+    inputs: Vec<u64>,
+    outs: Vec<CopyOut>,
+    /// Per operation (none past the last scaled one): the user's input of a scaled one,
+    /// which it is staged from if the ranks do not go direct after all.
+    unscaled: Vec<Option<Region>>,
+}
+
+/// How an operation's input goes direct (`copies`): as it is, copied, or copied scaled by a
+/// PreMulSum's scalar.
+enum CopyIn {
+    No,
+    Copy,
+    Scale(Scalar),
+}
+
+/// Which of `op`'s buffers go direct as copies (`copy_unreadable_inputs`): (its input; its
+/// output, copied out), or None if that does not help. Only buffers the device copies
 /// asynchronously (device, pinned or managed memory; plain host memory is never on the direct
 /// path) are copied.
-fn copies(op: &Op, received: &Received, routes: &ipc::Routes) -> Option<(bool, bool)> {
+fn copies(op: &Op, received: &Received, routes: &Routes) -> Option<(CopyIn, bool)> {
     let reachable = |r: Region| crate::device::cuda::classify(r.addr()).is_ok_and(|k| k.stream_ordered());
     let unreadable = |r: Region| !r.is_empty() && !ipc::publishable(r, routes) && reachable(r);
+    // Peers read an all-reduce's output too: it runs on a copy (in place if its input is one
+    // as well).
+    let output = op.kind == OpKind::AllReduce && unreadable(op.recv);
     match op.kind {
-        OpKind::Send if received.overlaps(op.send) || unreadable(op.send) => Some((true, false)),
-        OpKind::AlltoAll if op.send.addr() == op.recv.addr() => Some((true, false)),
-        // Peers read an all-reduce's output too: it runs on a copy, in place if its input
-        // needs copying as well (or is that same buffer).
-        OpKind::AllReduce if unreadable(op.recv) => {
-            Some((op.send.addr() == op.recv.addr() || unreadable(op.send), true))
-        }
+        OpKind::Send if received.overlaps(op.send) || unreadable(op.send) => Some((CopyIn::Copy, false)),
         OpKind::Send | OpKind::Recv => None,
-        _ => unreadable(op.send).then_some((true, false)),
+        OpKind::AlltoAll if op.send.addr() == op.recv.addr() => Some((CopyIn::Copy, false)),
+        // Scaled now, with its scalar as the call gave it (one in device memory has its value
+        // only once the stream gets there: such an operation stays declined).
+        _ if matches!(op.op, RedOp::PreMulSum(_)) => match op.op {
+            RedOp::PreMulSum(by) if op.scalar_at.is_none() && reachable(op.send) => Some((CopyIn::Scale(by), output)),
+            _ => None,
+        },
+        _ if output => Some((if op.send.addr() == op.recv.addr() || unreadable(op.send) { CopyIn::Copy } else { CopyIn::No },
+                             true)),
+        _ => unreadable(op.send).then_some((CopyIn::Copy, false)),
     }
+}
+
+/// Queues on `caller` the copy of `op`'s input into `to` scaled by `by` (PreMulSum): the
+/// scaling kernel reads device memory in place; other memory is copied first.
+fn scale(s: &Streamed, caller: &Stream, op: Op, to: Region, by: Scalar) -> Result<()> {
+    let k = s.kernels.ok_or_else(|| Error::internal("PreMulSum scaled on the direct path without kernels"))?;
+    let device = matches!(crate::device::cuda::classify(op.send.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }));
+    let from = if device { op.send } else { caller.copy(to, op.send).map(|()| to)? };
+    k.premul(op.dt, to, from, by, caller)
 }
 
 /// The buffers a batch's receives write, to tell whether a send's buffer overlaps one of them
@@ -810,6 +853,8 @@ pub struct Prepared {
     /// flight.
     scratch: Vec<u64>,
     copies_out: Vec<CopyOut>,
+    /// See `Batch::unscaled`.
+    unscaled: Vec<Option<Region>>,
 }
 
 impl Drop for Prepared {
@@ -989,7 +1034,8 @@ impl Prepared {
         direct.resize(self.ops.len(), None);
         let batch = Batch { seq, starts: std::mem::take(&mut self.starts), ops: std::mem::take(&mut self.ops),
                             prestaged: std::mem::take(&mut self.prestaged), direct,
-                            paths: std::mem::take(&mut self.paths), scratch: std::mem::take(&mut self.scratch) };
+                            paths: std::mem::take(&mut self.paths), scratch: std::mem::take(&mut self.scratch),
+                            unscaled: std::mem::take(&mut self.unscaled) };
         // Queued before the results are copied out: a copy the driver runs synchronously must
         // find its gate already on the way to opening.
         let mut state = s.state();

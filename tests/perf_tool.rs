@@ -8,7 +8,7 @@ use std::process::Command;
 
 const DTYPES: [&str; 12] =
     ["int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double", "bfloat16", "f8e4m3", "f8e5m2"];
-const OPS: [&str; 5] = ["sum", "prod", "max", "min", "avg"];
+const OPS: [&str; 6] = ["sum", "prod", "max", "min", "avg", "premulsum"];
 
 /// Run the tool (host mode: no CUDA driver on the library path, no fixed root address);
 /// its whole output, after checking that it exited 0.

@@ -215,8 +215,8 @@ pub(crate) fn scaling(op: RedOp, dt: DataType, nranks: usize) -> Option<Scalar> 
     }
 }
 
-/// Whether [`scaling`] multiplies the inputs before the sum (the direct path, which cannot,
-/// stages such operations).
+/// Whether [`scaling`] multiplies the inputs before the sum (the direct path has no such step:
+/// it stages fp16 Avg, and reads PreMulSum's inputs as copies scaled at call time).
 pub(crate) fn scales_inputs(op: RedOp, dt: DataType) -> bool {
     match op {
         RedOp::PreMulSum(_) => true,

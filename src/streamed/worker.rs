@@ -314,6 +314,11 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| !o.kind.is_p2p()) {
         let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
         let path = batch.paths.get(i).unwrap_or(&Path::Staged);
+        // Staged, a PreMulSum whose input went direct as a scaled copy scales the user's.
+        let staged = match batch.unscaled.get(i) {
+            Some(&Some(send)) => Op { send, ..*op },
+            _ => *op,
+        };
         if let (Some(Some(d)), Some(board), Path::Direct(Some(offered))) = (batch.direct.get(i), &s.board, path) {
             let queued = ipc::Queued { board, ticket: &d.ticket, shape: &d.shape };
             if !direct.off && ipc::run_on_stream(comm, direct, op, offered, &queued, &mut started)? {
@@ -322,7 +327,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
             // Every rank stages it; the caller's stream waits at the first gate meanwhile, and
             // then runs kernels that do nothing.
             started()?;
-            run_staged(comm, stream, staging, &[(*op, false)])?;
+            run_staged(comm, stream, staging, &[(staged, false)])?;
             board.close(&d.ticket);
             continue;
         }
@@ -337,7 +342,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
             _ => {}
         }
         started()?;
-        run_staged(comm, stream, staging, &[(*op, pre)])?;
+        run_staged(comm, stream, staging, &[(staged, pre)])?;
     }
     // Calls from now on see it (the ranks agreed in this batch, or earlier).
     s.direct_off.store(direct.off, Ordering::Relaxed);

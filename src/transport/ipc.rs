@@ -29,8 +29,8 @@
 //! importer's mapping keeps it alive until closed (for the virtual memory API it is documented
 //! so) — the trade-off the first GPU runs must confirm; `NCCL_RS_PEER_MAPS=0` closes mappings
 //! after each operation instead.
-//! PreMulSum is staged (its scaled input would need device scratch memory, allocated while
-//! streams wait).
+//! The direct path has no scaling step: a PreMulSum goes direct only from a copy of each
+//! rank's input scaled at call time (`streamed::copy_unreadable_inputs`), fp16 Avg is staged.
 //!
 //! Sends and receives ([`run_p2p`]) work pairwise, on connections of their own (`api::rma::p2p`):
 //! the sender sends its receiver a record, the receiver copies from the mapped buffer and
@@ -133,9 +133,12 @@ impl Routes {
             let min = self.p2p.get(op.root).copied().flatten();
             return op.scalar_at.is_none() && min.is_some_and(|m| bytes >= m);
         }
-        // The direct path has no scaling step: what the planner scales first (PreMulSum, fp16
-        // Avg; see `plan::ops::scaling`) is staged.
-        let scaled = crate::plan::ops::scales_inputs(op.op, op.dt) || op.scalar_at.is_some();
+        // The direct path has no scaling step: fp16 Avg, which the planner scales first
+        // (`plan::ops::scaling`), is staged. PreMulSum goes direct from a copy of each rank's
+        // input scaled at call time (`streamed::copy_unreadable_inputs`); a rank that cannot
+        // make one (a scalar in device memory, no room) declines it, and every rank stages it.
+        let premul = matches!(op.op, RedOp::PreMulSum(_));
+        let scaled = crate::plan::ops::scales_inputs(op.op, op.dt) && !premul;
         self.collectives && bytes >= self.collectives_min && !scaled
     }
 }
@@ -181,14 +184,16 @@ pub struct Offered {
 /// declines whatever the others say: an in-place all-to-all (unless its input was copied
 /// first: `streamed::copy_unreadable_inputs`), a buffer peers read that it cannot share
 /// (pinned or pageable host memory, device memory without CUDA IPC; memory of the virtual
-/// memory API is shared as descriptors), an output that is not device memory, or no kernels.
+/// memory API is shared as descriptors), an output that is not device memory, a PreMulSum
+/// whose input is not yet scaled (`scaled`: it is a copy, scaled at call time), or no kernels.
 /// Every rank then stages `op`, and this one's caller's stream can stage it at call time (it
 /// still takes part in the agreement, [`decline`]).
-pub fn offer(op: &Op, kernels: bool, routes: &Routes) -> Option<Offered> {
+pub fn offer(op: &Op, kernels: bool, routes: &Routes, scaled: bool) -> Option<Offered> {
     let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
     // A send needs no kernels of its own: its receiver copies from it. A receive offers nothing.
     let needs_kernels = op.kind != OpKind::Send;
-    if (needs_kernels && !kernels) || in_place_alltoall || op.kind == OpKind::Recv {
+    let unscaled = crate::plan::ops::scales_inputs(op.op, op.dt) && !scaled;
+    if (needs_kernels && !kernels) || in_place_alltoall || op.kind == OpKind::Recv || unscaled {
         return None;
     }
     let mut table = Vec::new();

@@ -15,7 +15,7 @@ use nccl::abi::types::*;
 use nccl::device::cuda;
 use nccl::device::host::{Region, UserPtr};
 
-use crate::opts::{Coll, Opts};
+use crate::opts::{Coll, Opts, PREMULSUM};
 
 const FLOAT64: ncclDataType_t = ncclDataType_t(8);
 const UINT64: ncclDataType_t = ncclDataType_t(5);
@@ -142,6 +142,8 @@ pub struct Rank {
     pub dev: Option<DeviceBufs>,
     /// `-G`: the call of the size and mode being measured, captured on the rank's stream.
     pub graph: Option<cuda::GraphExec>,
+    /// `-o premulsum`: the reduction this communicator created.
+    pub premul: Option<ncclRedOp_t>,
 }
 
 impl Rank {
@@ -191,11 +193,34 @@ pub fn init_ranks(o: &Opts, proc_index: usize, nprocs: usize, send_bytes: usize,
         recv: Buf::new(recv_bytes, 0),
         dev: if o.device { Some(DeviceBufs::new(send_bytes, recv_bytes, o.vmm, o.private)?) } else { None },
         graph: None,
+        premul: if o.op.id == PREMULSUM { Some(premul_of_one(o, comm)?) } else { None },
     })).collect()
+}
+
+/// A PreMulSum of `comm` with the host-immediate scalar 1 in `-d`'s datatype.
+fn premul_of_one(o: &Opts, comm: ncclComm_t) -> Result<ncclRedOp_t, String> {
+    // ncclDataType_t: int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 f8e4m3 f8e5m2.
+    let one: u64 = match o.dtype.id {
+        6 => 0x3c00,
+        7 => 0x3f80_0000,
+        8 => 0x3ff0_0000_0000_0000,
+        9 => 0x3f80,
+        10 => 0x38,
+        11 => 0x3c,
+        _ => 1,
+    };
+    let mut bytes = one.to_le_bytes();
+    let mut op = ncclRedOp_t(0);
+    check(ncclRedOpCreatePreMulSum(&mut op, bytes.as_mut_ptr().cast(), ncclDataType_t(o.dtype.id),
+                                   ncclScalarResidence_t(1), comm), "ncclRedOpCreatePreMulSum")?;
+    Ok(op)
 }
 
 pub fn destroy(ranks: Vec<Rank>) -> Result<(), String> {
     for r in ranks {
+        if let Some(op) = r.premul {
+            check(ncclRedOpDestroy(op, r.comm), "ncclRedOpDestroy")?;
+        }
         check(ncclCommDestroy(r.comm), "ncclCommDestroy")?;
     }
     Ok(())
@@ -216,7 +241,7 @@ pub fn regions(c: Coll, rank: usize, count: usize, es: usize, in_place: bool) ->
 
 fn issue(o: &Opts, r: &mut Rank, n: usize, count: usize, in_place: bool) -> ncclResult_t {
     let dt = ncclDataType_t(o.dtype.id);
-    let op = ncclRedOp_t(o.op.id);
+    let op = r.premul.unwrap_or(ncclRedOp_t(o.op.id));
     let ((sin, soff), (rin, roff)) = regions(o.coll, r.rank, count, o.dtype.size, in_place);
     let (sp, rp, s): (*const c_void, *mut c_void, cudaStream_t) = match &r.dev {
         None => {

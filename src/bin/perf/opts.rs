@@ -86,12 +86,16 @@ pub struct Dtype {
     pub size: usize,
 }
 
-/// A reduction: its `ncclRedOp_t` value and name.
+/// A reduction: its `ncclRedOp_t` value and name ([`PREMULSUM`]: one each rank creates).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RedOp {
     pub id: i32,
     pub name: &'static str,
 }
+
+/// `-o premulsum` (nccl-tests' `mulsum`): each communicator's `ncclRedOpCreatePreMulSum`
+/// with the host-immediate scalar 1, so the results are the sum's.
+pub const PREMULSUM: i32 = -1;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Table {
@@ -156,7 +160,8 @@ nccl-tests' flags:
   -n N    timed iterations (20)        -w N   warmup iterations (5)
   -c 0|1  check results (1)            -d T   datatype (float): int8 uint8 int32 uint32 int64
   -o OP   sum|prod|max|min|avg (sum)          uint64 half float double bfloat16 f8e4m3 f8e5m2
-  -r R    root (0)                     -g N, -z 0|1: accepted (host mode always blocks)
+          premulsum (mulsum): scalar 1     -g N, -z 0|1: accepted (host mode always blocks)
+  -r R    root (0)
 as the baselines (../shared/scripts/baselines/mpi_allreduce_bench.c):
   -x LIST        extra sizes merged into the sweep (e.g. 64M,256M)
   --min-iters M  sizes over 1 MiB run max(M, N*1MiB/size) iterations, warmup likewise (min 2)
@@ -216,6 +221,7 @@ fn redop(s: &str) -> Option<RedOp> {
         "max" => (2, "max"),
         "min" => (3, "min"),
         "avg" => (4, "avg"),
+        "premulsum" | "mulsum" => (PREMULSUM, "premulsum"),
         _ => return None,
     };
     Some(RedOp { id, name })

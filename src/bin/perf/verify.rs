@@ -9,7 +9,7 @@
 use half::{bf16, f16};
 
 use crate::ffi::{checked_step, regions, Rank};
-use crate::opts::{Coll, Dtype, Opts, RedOp};
+use crate::opts::{Coll, Dtype, Opts, RedOp, PREMULSUM};
 
 /// Write `v` (an integer the type holds exactly, or for avg any value) as element `i`.
 fn put(dt: Dtype, b: &mut [u8], i: usize, v: f64) {
@@ -126,7 +126,7 @@ impl Pattern {
             return ((r * 7 + i) % 8) as f64;
         }
         match self.op.id {
-            0 | 4 => {
+            0 | 4 | PREMULSUM => {
                 let t = self.total(i);
                 (t / n + usize::from((r + i) % n < t % n)) as f64
             }
@@ -138,7 +138,7 @@ impl Pattern {
     fn reduced(&self, i: usize, dt: Dtype) -> f64 {
         let n = self.n;
         match self.op.id {
-            0 => self.total(i) as f64,
+            0 | PREMULSUM => self.total(i) as f64,
             4 if mantissa_bits(dt).is_none() => (self.total(i) / n) as f64,
             4 => self.total(i) as f64 / n as f64,
             1 => 2f64.powi((i % 4).min(n) as i32),
