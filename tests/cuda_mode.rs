@@ -239,13 +239,16 @@ fn cuda_mode_in_place_inputs_are_read_from_a_device_copy() {
 /// communicator's, which peers read, and an all-reduce runs in place on that copy, copied out
 /// after (part Collectives: every kind out of place, small and large; InPlace: in place).
 /// With NCCL_RS_INPLACE_SCRATCH=0 they are staged, and the first says why. Exact either way,
-/// on 2 processes and on 4 ranks in 2 processes.
+/// on 2 processes and on 4 ranks in 2 processes; also in host-wait mode (the copies out once
+/// the batch is done) and with the direct path's work on the worker's stream.
 #[test]
 fn cuda_mode_collectives_on_memory_peers_cannot_read_go_direct_from_copies() {
     let staged = "is staged through host memory, as are later ones like it";
+    let on = "67108864";
     for part in ["Collectives", "InPlace"] {
-        for (job, scratch) in [(cuda_job().procs(2), "67108864"), (cuda_job().procs(2).local(2), "67108864"),
-                               (cuda_job().procs(2), "0")] {
+        for (job, scratch) in [(cuda_job().procs(2), on), (cuda_job().procs(2).local(2), on), (cuda_job().procs(2), "0"),
+                               (cuda_job().procs(2).env("NCCL_RS_HOST_WAIT", "1"), on),
+                               (cuda_job().procs(2).env("NCCL_RS_DIRECT_ON_STREAM", "0"), on)] {
             let o = job.env("CUDA_TEST_VMM", "private").env("NCCL_RS_INPLACE_SCRATCH", scratch).arg("--only").arg(part)
                 .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
             assert!(o.ok(), "part {part}, NCCL_RS_INPLACE_SCRATCH={scratch}: {}", o.report);
