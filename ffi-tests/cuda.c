@@ -2976,7 +2976,8 @@ static void host_buffers_in_order(void) {
 /* Every datatype x reduction on device buffers large enough for the direct path (64 KiB and
  * more: read from the peers' memory, reduced by the kernels), as AllReduce, ReduceScatter and
  * Reduce; inputs and checks are collectives.c's (fill_values/check_values: exact, avg on
- * floats within rounding). fp16 avg is staged (see transport/ipc.rs): it must be as exact. */
+ * floats within rounding). fp16 avg reads copies of the inputs scaled by 1/n first, as the
+ * staged path scales them (see streamed.rs, copy_unreadable_inputs): it must be as exact. */
 static void reductions(void) {
   static const ncclDataType_t dts[] = {ncclInt8,    ncclUint8,   ncclInt32,    ncclUint32,
                                        ncclInt64,   ncclUint64,  ncclFloat16,  ncclFloat32,

@@ -276,8 +276,8 @@ struct Batch {
 // Boxing the offer would allocate on every direct call; the paths of a call are few.
 #[allow(clippy::large_enum_variant)]
 enum Path {
-    /// Through host memory: small, other hosts, fp16 Avg, or no collective goes direct any
-    /// more (`Direct::off`).
+    /// Through host memory: small, other hosts, or no collective goes direct any more
+    /// (`Direct::off`).
     Staged,
     /// A collective that could go direct but this rank cannot take (`ipc::offer`: its buffers
     /// have no CUDA IPC, an in-place all-to-all not copied by `copy_unreadable_inputs`, no
@@ -609,7 +609,9 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // commit): collectives that go direct, with kernels the board can hold.
     let shapes: Vec<Option<ipc::Shape>> = ops.iter().zip(&prestaged).zip(&paths)
         .map(|((o, &(pre, _)), path)| match path {
-            Path::Direct(Some(_)) if s.direct_on_stream && !pre => on_stream_shape(comm, &o.op),
+            Path::Direct(Some(off)) if s.direct_on_stream && !pre => {
+                on_stream_shape(comm, &ipc::computed(&o.op, off.scaled()))
+            }
             Path::Direct(None) if s.p2p_on_stream && !pre => steps::receive_shape(&o.op),
             _ => None,
         })
@@ -665,9 +667,9 @@ struct CopyOut {
 /// exchange) and in-place all-to-alls (peers could read what their own output already wrote
 /// there), sends and collectives on memory that cannot be published (pinned or managed host
 /// memory, device memory without CUDA IPC such as a stream-ordered allocator's pools), and
-/// PreMulSum collectives (the direct path has no scaling step). Each such input is copied now
-/// on its caller's stream into device memory of the communicator's where it finds room (a
-/// PreMulSum's scaled by its scalar), and that copy is the input that goes direct (its peers
+/// PreMulSum and fp16 Avg collectives (the direct path has no scaling step). Each such input
+/// is copied now on its caller's stream into device memory of the communicator's where it
+/// finds room (scaled by the PreMulSum's scalar, or by 1/n), and that copy is the input that goes direct (its peers
 /// read it); an all-reduce whose output cannot be published runs in place on such a copy,
 /// copied out after it.
 fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dyn Fn(&StreamOp) -> usize,
@@ -687,7 +689,7 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
         if !declined(o, path) {
             continue;
         }
-        let Some((copy_in, copy_out)) = copies(&o.op, &received, &s.routes) else { continue };
+        let Some((copy_in, copy_out)) = copies(&o.op, comm.nranks, &received, &s.routes) else { continue };
         let op = o.op;
         let len = if copy_out { op.recv.len() } else { op.send.len() };
         let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());
@@ -748,8 +750,8 @@ enum CopyIn {
 /// Which of `op`'s buffers go direct as copies (`copy_unreadable_inputs`): (its input; its
 /// output, copied out), or None if that does not help. Only buffers the device copies
 /// asynchronously (device, pinned or managed memory; plain host memory is never on the direct
-/// path) are copied.
-fn copies(op: &Op, received: &Received, routes: &Routes) -> Option<(CopyIn, bool)> {
+/// path) are copied. `n`: the communicator's ranks.
+fn copies(op: &Op, n: usize, received: &Received, routes: &Routes) -> Option<(CopyIn, bool)> {
     let reachable = |r: Region| crate::device::cuda::classify(r.addr()).is_ok_and(|k| k.stream_ordered());
     let unreadable = |r: Region| !r.is_empty() && !ipc::publishable(r, routes) && reachable(r);
     // Peers read an all-reduce's output too: it runs on a copy (in place if its input is one
@@ -759,12 +761,16 @@ fn copies(op: &Op, received: &Received, routes: &Routes) -> Option<(CopyIn, bool
         OpKind::Send if received.overlaps(op.send) || unreadable(op.send) => Some((CopyIn::Copy, false)),
         OpKind::Send | OpKind::Recv => None,
         OpKind::AlltoAll if op.send.addr() == op.recv.addr() => Some((CopyIn::Copy, false)),
-        // Scaled now, with its scalar as the call gave it (one in device memory has its value
-        // only once the stream gets there: such an operation stays declined).
-        _ if matches!(op.op, RedOp::PreMulSum(_)) => match op.op {
-            RedOp::PreMulSum(by) if op.scalar_at.is_none() && reachable(op.send) => Some((CopyIn::Scale(by), output)),
-            _ => None,
-        },
+        // Scaled now: a PreMulSum by its scalar as the call gave it (one in device memory has
+        // its value only once the stream gets there: such an operation stays declined), fp16
+        // Avg by 1/n as the planner scales it (`plan::ops::scaling`).
+        _ if crate::plan::ops::scales_inputs(op.op, op.dt) => {
+            let by = match op.op {
+                RedOp::PreMulSum(by) => op.scalar_at.is_none().then_some(by),
+                RedOp::Builtin(_) => crate::device::host::avg_scalar(op.dt, n),
+            };
+            Some((CopyIn::Scale(by?), output)).filter(|_| reachable(op.send))
+        }
         _ if output => Some((if op.send.addr() == op.recv.addr() || unreadable(op.send) { CopyIn::Copy } else { CopyIn::No },
                              true)),
         _ => unreadable(op.send).then_some((CopyIn::Copy, false)),

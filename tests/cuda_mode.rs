@@ -91,15 +91,20 @@ fn cuda_mode_2_processes_read_each_other_directly() {
 
 /// Every datatype x reduction (AllReduce, ReduceScatter, Reduce) on the direct path, as
 /// processes and as ranks of one process: the device kernels' results, exact (avg on floats
-/// within rounding). In the stand-in the kernels run as its host copies of them.
+/// within rounding). fp16 Avg, whose inputs are scaled by 1/n before the sum, reads copies of
+/// them scaled at call time (the only operations of the part that copy anything), and with
+/// NCCL_RS_INPLACE_SCRATCH=0 is staged. In the stand-in the kernels run as its host copies of
+/// them.
 #[test]
 fn cuda_mode_direct_reductions_every_datatype_and_op() {
-    for job in [cuda_job().procs(2), cuda_job().local(3)] {
-        let o = job.arg("--only").arg("Reductions").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
-            .run_outcome();
-        assert!(o.ok(), "{}", o.report);
+    for (job, scratch) in [(cuda_job().procs(2), "67108864"), (cuda_job().local(3), "67108864"), (cuda_job().procs(2), "0")] {
+        let o = job.arg("--only").arg("Reductions").env("NCCL_RS_INPLACE_SCRATCH", scratch).env("NCCL_DEBUG", "INFO")
+            .env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+        assert!(o.ok(), "NCCL_RS_INPLACE_SCRATCH={scratch}: {}", o.report);
         for (i, p) in o.procs.iter().enumerate() {
             assert!(p.log.contains("are read directly"), "process {i}: expected the direct path:\n{}", p.log);
+            assert_eq!(p.log.contains("are copied on the caller's stream into"), scratch != "0",
+                       "NCCL_RS_INPLACE_SCRATCH={scratch}, process {i}: fp16 avg's scaled copies:\n{}", p.log);
         }
     }
 }

@@ -216,7 +216,7 @@ pub(crate) fn scaling(op: RedOp, dt: DataType, nranks: usize) -> Option<Scalar> 
 }
 
 /// Whether [`scaling`] multiplies the inputs before the sum (the direct path has no such step:
-/// it stages fp16 Avg, and reads PreMulSum's inputs as copies scaled at call time).
+/// it reads copies of such inputs scaled at call time).
 pub(crate) fn scales_inputs(op: RedOp, dt: DataType) -> bool {
     match op {
         RedOp::PreMulSum(_) => true,

@@ -29,8 +29,8 @@
 //! importer's mapping keeps it alive until closed (for the virtual memory API it is documented
 //! so) — the trade-off the first GPU runs must confirm; `NCCL_RS_PEER_MAPS=0` closes mappings
 //! after each operation instead.
-//! The direct path has no scaling step: a PreMulSum goes direct only from a copy of each
-//! rank's input scaled at call time (`streamed::copy_unreadable_inputs`), fp16 Avg is staged.
+//! The direct path has no scaling step: a PreMulSum and fp16 Avg go direct only from a copy of
+//! each rank's input scaled at call time (`streamed::copy_unreadable_inputs`).
 //!
 //! Sends and receives ([`run_p2p`]) work pairwise, on connections of their own (`api::rma::p2p`):
 //! the sender sends its receiver a record, the receiver copies from the mapped buffer and
@@ -133,13 +133,11 @@ impl Routes {
             let min = self.p2p.get(op.root).copied().flatten();
             return op.scalar_at.is_none() && min.is_some_and(|m| bytes >= m);
         }
-        // The direct path has no scaling step: fp16 Avg, which the planner scales first
-        // (`plan::ops::scaling`), is staged. PreMulSum goes direct from a copy of each rank's
-        // input scaled at call time (`streamed::copy_unreadable_inputs`); a rank that cannot
-        // make one (a scalar in device memory, no room) declines it, and every rank stages it.
-        let premul = matches!(op.op, RedOp::PreMulSum(_));
-        let scaled = crate::plan::ops::scales_inputs(op.op, op.dt) && !premul;
-        self.collectives && bytes >= self.collectives_min && !scaled
+        // What the planner scales first (PreMulSum, fp16 Avg: `plan::ops::scaling`) goes
+        // direct from a copy of each rank's input scaled at call time
+        // (`streamed::copy_unreadable_inputs`); a rank that cannot make one (a scalar in device
+        // memory, no room) declines it, and every rank stages it.
+        self.collectives && bytes >= self.collectives_min
     }
 }
 
@@ -178,6 +176,23 @@ pub struct Offered {
     /// keeps them on offer while the operation is in flight.
     server: Address,
     _in_flight: Option<share::InFlight>,
+    /// Its input is a copy already scaled (PreMulSum, fp16 Avg): the ranks sum the inputs.
+    scaled: bool,
+}
+
+impl Offered {
+    pub fn scaled(&self) -> bool {
+        self.scaled
+    }
+}
+
+/// What the direct path computes for `op`: with inputs already scaled (`Offered::scaled`), a
+/// plain sum of them (for fp16 Avg: no division after).
+pub fn computed(op: &Op, scaled: bool) -> Op {
+    match scaled {
+        true => Op { op: RedOp::Builtin(BuiltinOp::Sum), ..*op },
+        false => *op,
+    }
 }
 
 /// What this rank offers for `op` on the direct path, known at call time; None when it
@@ -185,14 +200,16 @@ pub struct Offered {
 /// first: `streamed::copy_unreadable_inputs`), a buffer peers read that it cannot share
 /// (pinned or pageable host memory, device memory without CUDA IPC; memory of the virtual
 /// memory API is shared as descriptors), an output that is not device memory, a PreMulSum
-/// whose input is not yet scaled (`scaled`: it is a copy, scaled at call time), or no kernels.
+/// or fp16 Avg whose input is not yet scaled (`scaled`: it is a copy, scaled at call time), or
+/// no kernels.
 /// Every rank then stages `op`, and this one's caller's stream can stage it at call time (it
 /// still takes part in the agreement, [`decline`]).
 pub fn offer(op: &Op, kernels: bool, routes: &Routes, scaled: bool) -> Option<Offered> {
     let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
     // A send needs no kernels of its own: its receiver copies from it. A receive offers nothing.
     let needs_kernels = op.kind != OpKind::Send;
-    let unscaled = crate::plan::ops::scales_inputs(op.op, op.dt) && !scaled;
+    let needs_scaling = crate::plan::ops::scales_inputs(op.op, op.dt);
+    let unscaled = needs_scaling && !scaled;
     if (needs_kernels && !kernels) || in_place_alltoall || op.kind == OpKind::Recv || unscaled {
         return None;
     }
@@ -209,7 +226,7 @@ pub fn offer(op: &Op, kernels: bool, routes: &Routes, scaled: bool) -> Option<Of
     } else {
         (fdpass::serve(share::export_request).ok()?, Some(share::in_flight(&table)))
     };
-    Some(Offered { input, output, table, server, _in_flight: in_flight })
+    Some(Offered { input, output, table, server, _in_flight: in_flight, scaled: needs_scaling })
 }
 
 /// Whether peers could read `r` where it is (`offer`): device memory with a CUDA IPC handle
@@ -405,13 +422,14 @@ pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, d
     let offer = if kernels.is_some() { Offer::Buffers(offered) } else { Offer::Never };
     let Some((ins, outs)) = agree(comm, offer, direct, op, started)? else { return Ok(false) };
     let Some(k) = kernels else { return Ok(false) };
-    compute(comm, op, &ins, &outs, &mut Immediate { comm, op, stream, k })?;
+    let c = computed(op, offered.scaled);
+    compute(comm, &c, &ins, &outs, &mut Immediate { comm, op: &c, stream, k })?;
     direct.maps.close_unkept();
     log_first(comm, direct, op, false);
     Ok(true)
 }
 
-/// The kernels `op` needs on the direct path, per phase: each kernel's element count (bytes
+/// The kernels `op` needs on the direct path (as [`computed`]), per phase: each kernel's element count (bytes
 /// for a copy), which sizes its grid, and which kernel it is. Known at call time on every rank
 /// alike (peers' buffers have this rank's sizes; the worker checks that it fills in exactly
 /// these).
@@ -443,8 +461,9 @@ pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, offered: &O
                      started: Started) -> Result<bool> {
     let Some((ins, outs)) = agree(comm, Offer::Buffers(offered), direct, op, started)? else { return Ok(false) };
     let Queued { board, ticket: t, shape } = *queued;
-    let mut fill = Filler { comm, op, board, t, shape, phase: 0, next: 0 };
-    compute(comm, op, &ins, &outs, &mut fill)?;
+    let c = computed(op, offered.scaled);
+    let mut fill = Filler { comm, op: &c, board, t, shape, phase: 0, next: 0 };
+    compute(comm, &c, &ins, &outs, &mut fill)?;
     if fill.phase != shape.len() {
         return Err(Error::internal(format!("direct {}: {} phases filled, {} queued", op.describe(), fill.phase,
                                            shape.len())));
