@@ -693,7 +693,10 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
         let op = o.op;
         let len = if copy_out { op.recv.len() } else { op.send.len() };
         let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let Some((carve, id)) = scratch.take(len, comm.rank) else { continue };
+        let Some((carve, id)) = scratch.take(len, comm.rank) else {
+            scratch.too_small(len, &|| op.describe(), comm.rank);
+            continue;
+        };
         let direct = match (&copy_in, copy_out) {
             // In place on the copy of its input: peers read both from it.
             (CopyIn::Copy | CopyIn::Scale(_), true) => Op { send: carve, recv: carve, ..op },

@@ -26,6 +26,8 @@ pub(super) struct Scratch {
     mem: Option<DeviceMem>,
     /// The allocation failed or is turned off: never tried again.
     off: bool,
+    /// An operation larger than the whole scratch was said (`too_small`).
+    told: bool,
     /// Given back by hand (`give_back`), or after an event (`give_back_after`).
     carves: Carves<Option<Event>>,
 }
@@ -34,29 +36,53 @@ impl Scratch {
     /// `len` bytes of device memory, if there is room now: the region and its carve's id.
     /// The communicator's context must be current (the first call allocates).
     pub(super) fn take(&mut self, len: usize, rank: usize) -> Option<(Region, u64)> {
-        if self.off || len == 0 {
+        if self.capacity() == 0 {
+            self.off = true;
+        }
+        // (Nothing is allocated for an operation that could never fit.)
+        if self.off || len == 0 || aligned(len) > self.capacity() {
             return None;
         }
         if self.mem.is_none() {
             let bytes = crate::params::inplace_scratch();
-            match (bytes > 0).then(|| DeviceMem::new(bytes)) {
-                Some(Ok(m)) => {
+            match DeviceMem::new(bytes) {
+                Ok(m) => {
                     crate::info!(P2P, "rank {rank}: buffers peers cannot read directly (in place, or without CUDA IPC) \
                                        are copied on the caller's stream into {bytes} bytes of device memory, which \
                                        peers read");
                     self.mem = Some(m);
                 }
-                Some(Err(e)) => {
+                Err(e) => {
                     crate::info!(P2P, "rank {rank}: no device memory to copy buffers peers cannot read into ({}): such \
                                        sends send their bytes, such collectives are staged", e.msg);
                     self.off = true;
                 }
-                None => self.off = true,
             }
         }
         let mem = self.mem.as_ref()?;
         let at = self.carves.alloc(mem.len(), aligned(len))?;
         Some((mem.region(at, len), self.carves.push(at)))
+    }
+
+    /// Says once, at WARN, that an operation needing `len` bytes (`what`) has no room at all:
+    /// more than the scratch holds (`NCCL_RS_INPLACE_SCRATCH` is the knob). Not when the
+    /// scratch is turned off or could not be allocated (said at INFO), nor when it is merely
+    /// busy.
+    pub(super) fn too_small(&mut self, len: usize, what: &dyn Fn() -> String, rank: usize) {
+        let capacity = self.capacity();
+        if self.off || self.told || aligned(len) <= capacity {
+            return;
+        }
+        self.told = true;
+        crate::warn!("rank {rank}: {} needs {len} bytes of device memory to be read directly (a copy of buffers peers \
+                      cannot read, or of its input scaled), more than NCCL_RS_INPLACE_SCRATCH ({} bytes): such \
+                      operations are staged through host memory, which is slower; a larger NCCL_RS_INPLACE_SCRATCH \
+                      lets them go direct", what(), capacity);
+    }
+
+    /// Its size: as allocated, or as it will be (`NCCL_RS_INPLACE_SCRATCH`).
+    fn capacity(&self) -> usize {
+        self.mem.as_ref().map_or_else(crate::params::inplace_scratch, DeviceMem::len)
     }
 
     /// Carves that are free again go (their events have completed); the events are returned
