@@ -23,18 +23,18 @@
 #      send/recv, barrier on fp32 and bf16 with exact checks, and five DDP steps whose losses
 #      must equal those of the gloo backend; then (3b) the same with expandable segments
 #      (memory of the virtual memory API, shared through file descriptors), and whether the
-#      collectives went direct; (3b') with backend:cudaMallocAsync (pools CUDA IPC cannot
-#      share: collectives go direct from device copies of the buffers); (3c) collectives captured by torch.cuda.graph and replayed
+#      collectives went direct; (3c) collectives captured by torch.cuda.graph and replayed
 #      (NCCL_RS_GRAPH_CAPTURE=1, experimental), and the benchmark's -G rows;
 #   4. (c) nccl-rs-perf: allreduce and allgather on 2 ranks with device buffers (--device 1;
-#      allreduce also on virtual-memory buffers, --device 2, and on memory peers cannot map,
-#      --device 3, beside it staged, NCCL_RS_INPLACE_SCRATCH=0; reduce-scatter with PreMulSum
-#      likewise), sendrecv read directly beside
+#      allreduce also on virtual-memory buffers, --device 2), sendrecv read directly beside
 #      sendrecv staged (NCCL_RS_DIRECT_P2P=0; in place, the direct one reads a device copy
 #      of each send up to 64 MiB, NCCL_RS_INPLACE_SCRATCH, and sends larger ones as bytes)
 #      next to the device-to-device copy bandwidth measured in the same run, and 1-rank
 #      allreduce latency next to NVIDIA's NCCL (PyTorch's) in the same run, both through
 #      PyTorch (and ours through nccl-rs-perf);
+#   4b. allreduce on memory peers cannot map (--device 3) and PreMulSum reduce-scatter, both
+#      direct from device copies, beside staged (NCCL_RS_INPLACE_SCRATCH=0); (4c) step 3's
+#      PyTorch check with backend:cudaMallocAsync (pools CUDA IPC cannot share);
 #   5. the polling-kernel stream gate (NCCL_RS_STREAM_GATE=kernel) against the default;
 #   6. the direct path's bandwidth with its device work on the worker's stream (the design
 #      before) beside the default (on the callers' streams, step 4), small sizes direct (where
@@ -182,20 +182,6 @@ directly, $(grep -c 'cannot map\|cannot receive' "$OUT/torch-expandable-segments
 $(grep -m1 -o 'cannot [a-z]* rank.*' "$OUT/torch-expandable-segments.log" | cut -c1-160)"
 fi
 
-# 3b'. The same with PyTorch's stream-ordered allocator: pools CUDA IPC cannot share; each
-#    rank's stream copies such buffers into device memory of the communicator's, which its
-#    peers read (an all-reduce's output is copied back after).
-if python3 -c 'import torch' 2>/dev/null; then
-  step torch-cuda-malloc-async 45 bash -c "
-    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29539 WORLD_SIZE=2 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=P2P
-    export PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
-    for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
-    python3 $OUT/torch_check.py compare"
-  say "# torch cudaMallocAsync: $(grep -c 'are read directly' "$OUT/torch-cuda-malloc-async.log") ranks read \
-directly, $(grep -c 'are copied on the caller' "$OUT/torch-cuda-malloc-async.log") copy, \
-$(grep -c 'is staged through host memory, as are later' "$OUT/torch-cuda-malloc-async.log") staged"
-fi
-
 # 3c. CUDA graphs (NCCL_RS_GRAPH_CAPTURE=1, experimental): collectives captured by
 #    torch.cuda.graph and replayed with new inputs, exact (ffi-cuda-mode ran the C version).
 if python3 -c 'import torch' 2>/dev/null; then
@@ -219,15 +205,6 @@ step perf-cuda-allreduce-2 50 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --dev
 # bandwidth, and the time in the call (which describes the allocations; a peer fetches their
 # descriptors at its first use of them).
 step perf-cuda-allreduce-2-vmm 40 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 2 -b 64K -e 256M -f 8 -n 5 -w 1
-# On memory peers cannot map (as cudaMallocAsync pools): direct from device copies, beside staged.
-step perf-cuda-allreduce-2-private 20 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 3 -b 1M -e 256M -f 16 -n 5 -w 1
-step perf-cuda-allreduce-2-private-staged 20 env NCCL_RS_INPLACE_SCRATCH=0 "$PREP/run/bin/nccl-rs-perf" allreduce \
-  -np 2 --device 3 -b 1M -e 256M -f 16 -n 5 -w 1
-# PreMulSum (host scalar, as FSDP's reduce-scatters): direct from scaled copies, beside staged.
-step perf-cuda-premulsum-2 20 "$PREP/run/bin/nccl-rs-perf" reducescatter -np 2 --device 1 -o premulsum -b 1M -e 256M \
-  -f 16 -n 5 -w 1
-step perf-cuda-premulsum-2-staged 20 env NCCL_RS_INPLACE_SCRATCH=0 "$PREP/run/bin/nccl-rs-perf" reducescatter -np 2 \
-  --device 1 -o premulsum -b 1M -e 256M -f 16 -n 5 -w 1
 step perf-cuda-allgather-2 50 "$PREP/run/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 step perf-cuda-sendrecv-2 30 "$PREP/run/bin/nccl-rs-perf" sendrecv -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 step perf-cuda-sendrecv-2-staged 30 env NCCL_RS_DIRECT_P2P=0 "$PREP/run/bin/nccl-rs-perf" sendrecv -np 2 --device 1 \
@@ -258,6 +235,32 @@ PY
 if python3 -c 'import torch' 2>/dev/null; then
   step copy-bw-and-nvidia-nccl 45 python3 "$OUT/latency.py" nvidia 29541
   step latency-nccl-rs-torch 45 env LD_PRELOAD="$PWD/$PREP/lib/libnccl.so.2" python3 "$OUT/latency.py" nccl-rs 29542
+fi
+
+# 4b. (After the required rows: a slow run must not lose them.) Buffers peers cannot read and
+#    PreMulSum, direct from device copies.
+# On memory peers cannot map (as cudaMallocAsync pools): direct from device copies, beside staged.
+step perf-cuda-allreduce-2-private 20 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 3 -b 1M -e 256M -f 16 -n 5 -w 1
+step perf-cuda-allreduce-2-private-staged 20 env NCCL_RS_INPLACE_SCRATCH=0 "$PREP/run/bin/nccl-rs-perf" allreduce \
+  -np 2 --device 3 -b 1M -e 256M -f 16 -n 5 -w 1
+# PreMulSum (host scalar, as FSDP's reduce-scatters): direct from scaled copies, beside staged.
+step perf-cuda-premulsum-2 20 "$PREP/run/bin/nccl-rs-perf" reducescatter -np 2 --device 1 -o premulsum -b 1M -e 256M \
+  -f 16 -n 5 -w 1
+step perf-cuda-premulsum-2-staged 20 env NCCL_RS_INPLACE_SCRATCH=0 "$PREP/run/bin/nccl-rs-perf" reducescatter -np 2 \
+  --device 1 -o premulsum -b 1M -e 256M -f 16 -n 5 -w 1
+
+# 4c. Step 3's PyTorch check with PyTorch's stream-ordered allocator: pools CUDA IPC cannot share; each
+#    rank's stream copies such buffers into device memory of the communicator's, which its
+#    peers read (an all-reduce's output is copied back after).
+if python3 -c 'import torch' 2>/dev/null; then
+  step torch-cuda-malloc-async 45 bash -c "
+    export MASTER_ADDR=127.0.0.1 MASTER_PORT=29539 WORLD_SIZE=2 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=P2P
+    export PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
+    for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
+    python3 $OUT/torch_check.py compare"
+  say "# torch cudaMallocAsync: $(grep -c 'are read directly' "$OUT/torch-cuda-malloc-async.log") ranks read \
+directly, $(grep -c 'are copied on the caller' "$OUT/torch-cuda-malloc-async.log") copy, \
+$(grep -c 'is staged through host memory, as are later' "$OUT/torch-cuda-malloc-async.log") staged"
 fi
 
 # 5. The other stream gate (NCCL_RS_STREAM_GATE=kernel: a polling kernel instead of
@@ -308,6 +311,8 @@ step one-queue-worker-direct 25 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_W
 
 for f in perf-cuda-allreduce-2 perf-cuda-allreduce-2-vmm perf-cuda-allgather-2 perf-cuda-sendrecv-2 \
          perf-cuda-sendrecv-2-staged perf-cuda-latency-1 copy-bw-and-nvidia-nccl latency-nccl-rs-torch \
+         perf-cuda-allreduce-2-private perf-cuda-allreduce-2-private-staged perf-cuda-premulsum-2 \
+         perf-cuda-premulsum-2-staged \
          perf-cuda-allreduce-2-gate-kernel torch-nccl-rs-gate-kernel perf-cuda-allreduce-2-worker-direct \
          perf-cuda-allreduce-2-direct-small; do
   grep -E '^ +[0-9]|Avg bus|GB/s|us per call|RESULT' "$OUT/$f.log" 2>/dev/null | sed "s/^/# $f: /" >> "$R"
