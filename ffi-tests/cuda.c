@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|P2PPairings|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|RmaErrors|Context|GroupMix|Torch|Churn|Streams|Recycle|Leaks|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend]
+ *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|P2PPairings|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|RmaErrors|Context|GroupMix|Torch|Churn|Streams|Recycle|Leaks|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend|DroppedGroup]
  *   CUDA_TEST_FAULT=1|graph|shrink cuda (2 processes; the harness kills process 1 once it prints
  *                                LOOPING; graph: the all-reduces are launches of a captured graph;
  *                                shrink: 3 processes, the survivors shrink and go on)
@@ -2211,6 +2211,48 @@ static void leaks_round(int round) {
   for (int l = 0; l < g_env.local; l++) CHECK(ncclCommDestroy(c[l]));
 }
 
+/* Part DroppedGroup (1 process, 1 rank; only when asked): a group whose later communicator
+ * refuses its part (two streams while one captures a graph: ncclInvalidUsage) drops the
+ * earlier communicator's part, which had already copied its pinned buffers into device
+ * scratch; that part's carve must come back, or the scratch ring fills behind it and later
+ * all-reduces through it are staged (tests/cuda_mode.rs checks that none is). 40 all-reduces
+ * of 4 MiB then go through a 64 MiB scratch, exact. */
+static void dropped_group(void) {
+  test_step("dropped group");
+  const size_t count = (size_t)1 << 20;
+  ncclComm_t other;
+  CHECK(ncclCommSplit(g_comms[0], 0, 0, &other, NULL));
+  float *in = host_alloc(count * sizeof(float)), *out = host_alloc(count * sizeof(float));
+  for (size_t j = 0; j < count; j++) in[j] = in_value(0, j, 3);
+  CUdeviceptr d = dev_alloc(count * sizeof(float));
+  CUstream s1, s2;
+  CU(cu.StreamCreate(&s1, CU_STREAM_NON_BLOCKING));
+  CU(cu.StreamCreate(&s2, CU_STREAM_NON_BLOCKING));
+  CU(cu.StreamBeginCapture(s1, CU_STREAM_CAPTURE_MODE_RELAXED));
+  CHECK(ncclGroupStart());
+  CHECK(ncclAllReduce(in, out, count, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
+  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, other, s1));
+  CHECK(ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, other, s2));
+  ncclResult_t r = ncclGroupEnd();
+  void* graph = NULL;
+  CU(cu.StreamEndCapture(s1, &graph));
+  if (graph) CU(cu.GraphDestroy(graph));
+  EXPECT(r == ncclInvalidUsage, "a group with a part on two streams while one captures returned %s", result_name(r));
+  for (int k = 0; k < 40; k++) {
+    CHECK(ncclAllReduce(in, out, count, ncclFloat32, ncclSum, g_comms[0], g_streams[0]));
+    CU(cu.StreamSynchronize(g_streams[0]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += out[j] != in[j];
+    EXPECT(bad == 0, "all-reduce %d of pinned memory after the dropped group: %zu wrong values", k, bad);
+  }
+  CU(cu.StreamDestroy(s1));
+  CU(cu.StreamDestroy(s2));
+  dev_free(d);
+  CU(cu.MemFreeHost(in));
+  CU(cu.MemFreeHost(out));
+  CHECK(ncclCommDestroy(other));
+}
+
 static void leaks(void) {
   test_step("leaks");
   if (!cu.StubOwnMemory || g_vmm.on) {
@@ -2307,6 +2349,22 @@ static void suspend_mem(void) {
     EXPECT(total == persist + susp, "rank %d: total %llu is not persistent %llu + suspendable %llu", g_env.first_rank + l,
            (unsigned long long)total, (unsigned long long)persist, (unsigned long long)susp);
     dev_free(d[l]);
+  }
+  if (!(p2p_off && atoi(p2p_off) == 1)) {
+    /* An all-reduce into pinned memory, which peers cannot read: it runs on a copy in the
+     * communicator's device scratch, suspendable memory that ncclCommSuspend frees below. */
+    CUdeviceptr ds[MAX_LOCAL];
+    float *hin[MAX_LOCAL], *pinned[MAX_LOCAL];
+    for (int l = 0; l < g_env.local; l++) pinned[l] = host_alloc(count * sizeof(float));
+    allreduce_to_host(count, ds, hin, pinned, "pinned, before ncclCommSuspend");
+    for (int l = 0; l < g_env.local; l++) {
+      uint64_t susp = mem_stat(g_comms[l], ncclStatGpuMemSuspend);
+      EXPECT(susp >= count * sizeof(float), "rank %d: ncclStatGpuMemSuspend %llu after an all-reduce through the device "
+             "scratch", g_env.first_rank + l, (unsigned long long)susp);
+      dev_free(ds[l]);
+      CU(cu.MemFreeHost(hin[l]));
+      CU(cu.MemFreeHost(pinned[l]));
+    }
   }
   size_t held = 0;
   int open = cu.StubPeerMemory ? cu.StubPeerMemory(&held) : -1;
@@ -3126,6 +3184,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "RmaLate")) rma_late();
   if (g_env.only && !strcasecmp(g_env.only, "RmaStreams")) rma_streams();
   if (g_env.only && !strcasecmp(g_env.only, "Leaks")) leaks();
+  if (g_env.only && !strcasecmp(g_env.only, "DroppedGroup")) dropped_group();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

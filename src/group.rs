@@ -157,9 +157,10 @@ fn run_ops(ops: Vec<Queued>) -> Result<()> {
     }
     // Host-wait mode: waited for only once every communicator's part is in, host-buffer
     // parts included (ranks of this thread may need each other's).
-    execute(host.into_iter().map(|q| (q.comm, q.op)))?;
+    let hosted = execute(host.into_iter().map(|q| (q.comm, q.op)));
+    // Even when the host part failed: the queued parts' results are copied out only here.
     host_waits.into_iter().for_each(crate::streamed::HostWait::wait);
-    Ok(())
+    hosted
 }
 
 /// Run now outside a group; inside one, at the outermost ncclGroupEnd, concurrently with the

@@ -433,10 +433,17 @@ impl Streamed {
         self.peer_bytes.load(Ordering::Relaxed)
     }
 
+    /// Bytes of device memory the communicator allocated for copies of buffers peers cannot
+    /// read (`scratch`; ncclCommMemStats).
+    pub fn scratch_bytes(&self) -> u64 {
+        self.scratch.lock().unwrap_or_else(|p| p.into_inner()).bytes() as u64
+    }
+
     /// ncclCommSuspend with NCCL_SUSPEND_MEM: once the batches issued so far are done, the
     /// worker closes its peer mappings (the peers' allocations they keep alive are freed if
-    /// their owners freed them) and frees its host staging. NCCL asks that nothing be in
-    /// flight: this waits for what is (saying so after a second), but not past an abort.
+    /// their owners freed them) and frees its host staging, and this thread frees the device
+    /// scratch (allocated again at its next use). NCCL asks that nothing be in flight: this
+    /// waits for what is (saying so after a second), but not past an abort.
     pub fn release_memory(&self, comm: &Comm) -> Result<()> {
         let since = std::time::Instant::now();
         let mut warned = false;
@@ -456,10 +463,26 @@ impl Streamed {
             st = self.queue.changed.wait_timeout(st, std::time::Duration::from_millis(50))
                 .unwrap_or_else(|p| p.into_inner()).0;
         }
-        match st.closing && st.release {
-            true => Err(Error::invalid_usage("communicator closed while ncclCommSuspend waited for its operations")),
-            false => Ok(()),
+        if st.closing && st.release {
+            return Err(Error::invalid_usage("communicator closed while ncclCommSuspend waited for its operations"));
         }
+        drop(st);
+        // Under the submit lock (a call on another thread would take a carve), in its context.
+        self.lock_submits();
+        let freed = {
+            let _keep = KeepCurrent::new();
+            self.ctx.make_current().map(|()| {
+                let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+                let bytes = scratch.bytes();
+                // (Kept if a copy out of it has not run yet, or a failed batch holds a carve.)
+                if bytes > 0 && scratch.settled() {
+                    *scratch = Scratch::default();
+                    crate::info!(INIT, "rank {}: ncclCommSuspend: freed {bytes} bytes of device scratch", comm.rank);
+                }
+            })
+        };
+        self.unlock_submits();
+        freed
     }
 
     /// Wait until every batch issued so far has finished.
@@ -898,6 +921,22 @@ impl Drop for Prepared {
                 }
             }
         }
+        if !self.committed {
+            // The device copies of its buffers (copies in, or a carve an output was to be
+            // copied out of) were queued before anything else on their streams: events recorded
+            // now come after them. (If recording fails, the carves stay taken.)
+            let s = self.lock.0.clone();
+            let carves: Vec<u64> = self.scratch.drain(..).chain(self.copies_out.drain(..).map(|c| c.id)).collect();
+            let _keep = KeepCurrent::new();
+            for id in carves {
+                let events: Result<Vec<Event>> = s.ctx.make_current().and_then(|()| {
+                    self.callers.iter().map(|st| s.event().and_then(|e| e.record(st).map(|()| e))).collect()
+                });
+                if let Ok(events) = events {
+                    s.scratch.lock().unwrap_or_else(|p| p.into_inner()).give_back_after(id, events);
+                }
+            }
+        }
     }
 }
 
@@ -933,6 +972,8 @@ impl StageOut {
             release_carve(s, carve, released);
         }
         finished?;
+        // (Given back after the copy even if the batch fails: a peer may then still read the
+        // carve, but a failed communicator runs nothing more through its scratch.)
         for out in &self.scratch {
             let st = &self.callers[out.caller];
             st.copy(out.user, out.carve)?;
@@ -941,7 +982,7 @@ impl StageOut {
             if finish {
                 e.synchronize()?;
             }
-            s.scratch.lock().unwrap_or_else(|p| p.into_inner()).give_back_after(out.id, e);
+            s.scratch.lock().unwrap_or_else(|p| p.into_inner()).give_back_after(out.id, vec![e]);
         }
         Ok(())
     }

@@ -300,6 +300,19 @@ fn cuda_mode_premulsum_with_host_scalars_goes_direct() {
     }
 }
 
+/// A group that fails in a later communicator's part drops the parts already prepared:
+/// the device copies one of them had made give their scratch back (part DroppedGroup: else
+/// the scratch ring fills behind that carve, and later all-reduces through it are staged).
+#[test]
+fn cuda_mode_a_dropped_group_gives_its_scratch_back() {
+    let o = cuda_job().arg("--only").arg("DroppedGroup").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
+        .run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let log = &o.procs[0].log;
+    assert!(log.contains("are copied on the caller's stream into") && !log.contains("is staged through host memory"),
+            "expected every all-reduce to go direct through the scratch:\n{log}");
+}
+
 /// Communicators created, used on every path that allocates memory of its own (direct, its
 /// device copies of inputs, the pinned pool, pinned sends) and destroyed leave nothing
 /// behind: part Leaks compares the stand-in's count of live allocations after each of three
@@ -542,8 +555,9 @@ fn cuda_mode_peer_mappings_closed_after_each_operation() {
 /// virtual memory API; processes of 2 ranks each too): ncclCommMemStats counts that memory as
 /// suspendable, the stand-in's count of open peer memory falls to 0, a call while suspended is
 /// refused, and after ncclCommResume the direct path maps anew, exact. Staged (no peer access
-/// asked for), nothing is mapped and suspending still works. Against the real driver the
-/// program reports how much device memory came back.
+/// asked for), nothing is mapped and suspending still works. The device scratch an all-reduce
+/// into pinned memory ran through counts as suspendable too, and is freed. Against the real
+/// driver the program reports how much device memory came back.
 #[test]
 fn cuda_mode_suspend_releases_peer_memory() {
     let jobs = [("IPC", cuda_job().procs(2)), ("VMM", cuda_job().procs(2).env("CUDA_TEST_VMM", "1")),
@@ -555,6 +569,9 @@ fn cuda_mode_suspend_releases_peer_memory() {
         for (i, p) in o.procs.iter().enumerate() {
             let closed = p.log.lines().filter(|l| l.contains("ncclCommSuspend: closed")).count();
             assert!(closed >= 1, "{what}, process {i}: the worker did not release its memory:\n{}", p.log);
+            // Its all-reduce into pinned memory ran on a copy in the device scratch, freed too.
+            let freed = p.log.contains("ncclCommSuspend: freed");
+            assert_eq!(freed, what != "staged", "{what}, process {i}: device scratch freed {freed}:\n{}", p.log);
             if what != "staged" && std::env::var_os("NCCL_TEST_REAL_DRIVER").is_none() {
                 assert!(p.log.contains("suspend: ") && p.log.contains(", 0 after"), "{what}, process {i}:\n{}", p.log);
             }

@@ -220,11 +220,12 @@ pub fn resume(comm: &Comm) -> Result<()> {
 /// ncclCommMemStats. What a communicator holds: its connections' rings and staging areas, and
 /// in CUDA mode its pinned staging pool (host memory: data is staged through the host),
 /// reported as persistent; and in CUDA mode the peers' device memory its direct path keeps
-/// mapped, which ncclCommSuspend(NCCL_SUSPEND_MEM) releases. Total is the two together.
+/// mapped and its device scratch (copies of buffers peers cannot read), which
+/// ncclCommSuspend(NCCL_SUSPEND_MEM) releases. Total is the two together.
 pub fn mem_stat(comm: &Comm, stat: i32) -> Result<u64> {
     let pool = || comm.streamed.get().map_or(0, |s| s.pool_bytes());
     let persist = || comm.ready_if_any().map_or(0, |r| r.conns().mem_bytes()) + pool();
-    let suspendable = || comm.streamed.get().map_or(0, |s| s.peer_bytes());
+    let suspendable = || comm.streamed.get().map_or(0, |s| s.peer_bytes() + s.scratch_bytes());
     match stat {
         0 => Ok(suspendable()),
         2 => Ok(persist()),

@@ -28,8 +28,8 @@ pub(super) struct Scratch {
     off: bool,
     /// An operation larger than the whole scratch was said (`too_small`).
     told: bool,
-    /// Given back by hand (`give_back`), or after an event (`give_back_after`).
-    carves: Carves<Option<Event>>,
+    /// Given back by hand (`give_back`), or after events (`give_back_after`).
+    carves: Carves<Vec<Event>>,
 }
 
 impl Scratch {
@@ -80,6 +80,11 @@ impl Scratch {
                       lets them go direct", what(), capacity);
     }
 
+    /// Bytes allocated.
+    pub(super) fn bytes(&self) -> usize {
+        self.mem.as_ref().map_or(0, DeviceMem::len)
+    }
+
     /// Its size: as allocated, or as it will be (`NCCL_RS_INPLACE_SCRATCH`).
     fn capacity(&self) -> usize {
         self.mem.as_ref().map_or_else(crate::params::inplace_scratch, DeviceMem::len)
@@ -88,18 +93,18 @@ impl Scratch {
     /// Carves that are free again go (their events have completed); the events are returned
     /// for reuse. Before [`Scratch::take`].
     pub(super) fn reclaim(&mut self) -> Vec<Event> {
-        self.carves.reclaim(|e| e.as_ref().is_none_or(|e| e.query().unwrap_or(false))).into_iter().flatten().collect()
+        self.carves.reclaim(|events| events.iter().all(|e| e.query().unwrap_or(false))).into_iter().flatten().collect()
     }
 
     /// Carve `id` is free again (its receiver, or every peer, has read it).
     pub(super) fn give_back(&mut self, id: u64) {
-        self.carves.release(id, None);
+        self.carves.release(id, Vec::new());
     }
 
-    /// Carve `id` is free again once `copied_out` has completed (its copy out to the user's
-    /// buffer is done).
-    pub(super) fn give_back_after(&mut self, id: u64, copied_out: Event) {
-        self.carves.release(id, Some(copied_out));
+    /// Carve `id` is free again once `events` have completed (its copy out to the user's
+    /// buffer is done; the copies into it of a batch never queued have run).
+    pub(super) fn give_back_after(&mut self, id: u64, events: Vec<Event>) {
+        self.carves.release(id, events);
     }
 
     /// Whether every carve is free (waiting a little for copies out still running), so that
