@@ -1,7 +1,7 @@
 /*
  * cuda.c - CUDA mode: collectives on device memory, ordered with the caller's streams.
  *
- *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|P2PPairings|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|RmaErrors|Context|GroupMix|Torch|Churn|Streams|Recycle|Leaks|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend|DroppedGroup]
+ *   [CUDA_TEST_SKIP=Part,...] cuda [--quick] [--only Gated|Collectives|InPlace|P2P|P2PPairings|Mixed|Order|PreMul|Capture|MemAlloc|Rma|RmaPageable|PeerPointers|RmaErrors|Context|GroupMix|Torch|Churn|Streams|Recycle|Leaks|Backlog|Pageable|CaptureElsewhere|Graph|GraphRefused|Suspend|DroppedGroup|Ahead]
  *   CUDA_TEST_FAULT=1|graph|shrink cuda (2 processes; the harness kills process 1 once it prints
  *                                LOOPING; graph: the all-reduces are launches of a captured graph;
  *                                shrink: 3 processes, the survivors shrink and go on)
@@ -2211,6 +2211,47 @@ static void leaks_round(int round) {
   for (int l = 0; l < g_env.local; l++) CHECK(ncclCommDestroy(c[l]));
 }
 
+/* Part Ahead (only when asked; not in host-wait mode): the host issues all-reduces ahead of
+ * the device (every stream held on a host word), each on pinned memory peers cannot read, so
+ * each holds a carve of the device scratch until its result is copied out: more of them than
+ * one block holds (NCCL_RS_INPLACE_SCRATCH, set by the harness) all go direct all the same,
+ * from further blocks (tests/cuda_mode.rs checks that none is staged), exact once released. */
+static void ahead(void) {
+  test_step("ahead");
+  enum { OPS = 6 };
+  const size_t count = (size_t)1 << 19; /* 2 MiB */
+  const int n = g_env.nranks;
+  float *in[MAX_LOCAL][OPS], *out[MAX_LOCAL][OPS];
+  CUdeviceptr dflag = 0;
+  uint32_t* flag = gate_word(&dflag);
+  for (int l = 0; l < g_env.local; l++) {
+    for (int k = 0; k < OPS; k++) {
+      in[l][k] = host_alloc(count * sizeof(float));
+      out[l][k] = host_alloc(count * sizeof(float));
+      for (size_t j = 0; j < count; j++) in[l][k][j] = in_value(g_env.first_rank + l, j, 20 + k);
+    }
+    CU(cu.StreamWaitValue32(g_streams[l], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  }
+  for (int k = 0; k < OPS; k++) {
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      CHECK(ncclAllReduce(in[l][k], out[l][k], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+    CHECK(ncclGroupEnd());
+  }
+  __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamSynchronize(g_streams[l]));
+    for (int k = 0; k < OPS; k++) {
+      size_t bad = 0;
+      for (size_t j = 0; j < count; j++) bad += out[l][k][j] != expected(C_ALLREDUCE, count, n, 0, j, 20 + k);
+      EXPECT(bad == 0, "all-reduce %d issued ahead, rank %d: %zu wrong values", k, g_env.first_rank + l, bad);
+      CU(cu.MemFreeHost(in[l][k]));
+      CU(cu.MemFreeHost(out[l][k]));
+    }
+  }
+  CU(cu.MemFreeHost(flag));
+}
+
 /* Part DroppedGroup (1 process, 1 rank; only when asked): a group whose later communicator
  * refuses its part (two streams while one captures a graph: ncclInvalidUsage) drops the
  * earlier communicator's part, which had already copied its pinned buffers into device
@@ -3185,6 +3226,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "RmaStreams")) rma_streams();
   if (g_env.only && !strcasecmp(g_env.only, "Leaks")) leaks();
   if (g_env.only && !strcasecmp(g_env.only, "DroppedGroup")) dropped_group();
+  if (g_env.only && !strcasecmp(g_env.only, "Ahead")) ahead();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

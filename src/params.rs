@@ -38,7 +38,8 @@ pub static ALL: &[Param] = &[
     p("NCCL_RS_DIRECT_MIN", "65536", "CUDA mode: bytes (count x datatype size) from which collectives between ranks of one host read each other's device buffers directly; smaller ones are staged through host memory (must be alike on every rank)"),
     p("NCCL_RS_PEER_MAPS", "256", "CUDA mode: peer allocations a stream worker keeps mapped for the direct path (least recently used closed first); a mapping keeps the peer's allocation alive after the peer frees it, so 0 closes them after each operation (for jobs close to their GPU memory limit)"),
     p("NCCL_RS_POOL_MAX", "67108864", "CUDA mode: bytes a communicator's pinned staging pool may grow to (at least 4 MiB); a staged operation whose input and output need more is staged by the stream worker on its own stream"),
-    p("NCCL_RS_INPLACE_SCRATCH", "67108864", "CUDA mode: bytes of device memory a communicator allocates, at its first in-place exchange (ncclSend and ncclRecv of one buffer in a group, between ranks of one host), direct in-place all-to-all, or send or direct collective on memory without CUDA IPC (pinned or managed host memory, a stream-ordered allocator's pools), to copy their inputs into in stream order so that peers read those directly (an all-reduce's output too, copied back after); for larger ones, or with 0, such sends send their bytes over the pair's connection and such collectives are staged"),
+    p("NCCL_RS_INPLACE_SCRATCH", "67108864", "CUDA mode: bytes of device memory a communicator allocates at a time (up to NCCL_RS_INPLACE_SCRATCH_MAX), the first at its first in-place exchange (ncclSend and ncclRecv of one buffer in a group, between ranks of one host), direct in-place all-to-all, or send or direct collective on memory without CUDA IPC (pinned or managed host memory, a stream-ordered allocator's pools), to copy their inputs into in stream order so that peers read those directly (an all-reduce's output too, copied back after); with 0 (or no room) such sends send their bytes over the pair's connection and such collectives are staged"),
+    p("NCCL_RS_INPLACE_SCRATCH_MAX", "268435456", "CUDA mode: bytes of device memory a communicator's copies of buffers peers cannot read may take in all (NCCL_RS_INPLACE_SCRATCH at a time, more while earlier ones are busy, or one operation's size); an operation that needs more is staged (said at WARN)"),
     p("NCCL_RS_GRAPH_CAPTURE", "0", "CUDA mode: 1 records collectives issued on a capturing stream into the CUDA graph, staged through pinned memory of their own (experimental: not yet run on a GPU); 0 refuses them with ncclInvalidUsage"),
     p("NCCL_RS_DIRECT_ON_STREAM", "1", "CUDA mode: 0 runs the direct path's device work on the stream worker's stream, instead of kernels the caller's stream queues at call time"),
     p("NCCL_P2P_LEVEL", "", "LOC or 0: CUDA mode never reads peers' device memory directly; other levels allow it where CUDA IPC works"),
@@ -187,6 +188,10 @@ pub fn pool_max() -> usize {
 /// cannot read directly (`streamed::scratch`).
 pub fn inplace_scratch() -> usize {
     usize::try_from(int("NCCL_RS_INPLACE_SCRATCH")).unwrap_or(0)
+}
+/// `NCCL_RS_INPLACE_SCRATCH_MAX` (default 256 MiB): what that device memory may grow to.
+pub fn inplace_scratch_max() -> usize {
+    usize::try_from(int("NCCL_RS_INPLACE_SCRATCH_MAX")).unwrap_or(0)
 }
 /// `NCCL_RS_DIRECT_ON_STREAM` (default 1): direct operations' device work is queued on the
 /// caller's stream at call time (`streamed::board`).

@@ -211,6 +211,15 @@ fn cuda_mode_sender_may_leave_before_the_copy_runs() {
     assert!(o.ok(), "{}", o.report);
 }
 
+/// The device scratch as a test asks for it: "0" off, "65536+" blocks of 64 KiB growing as
+/// needed (the default most), any other size both the block and the most.
+fn scratch_env(job: Job, scratch: &str) -> Job {
+    match scratch.strip_suffix('+') {
+        Some(block) => job.env("NCCL_RS_INPLACE_SCRATCH", block),
+        None => job.env("NCCL_RS_INPLACE_SCRATCH", scratch).env("NCCL_RS_INPLACE_SCRATCH_MAX", scratch),
+    }
+}
+
 /// In-place exchanges (part P2P's last round: ncclSend and ncclRecv of one buffer in a
 /// group) and in-place all-to-alls (part InPlace: the only one of its collectives that needs
 /// it) are copied on the caller's stream into device memory of the communicator's, which
@@ -221,16 +230,17 @@ fn cuda_mode_sender_may_leave_before_the_copy_runs() {
 fn cuda_mode_in_place_inputs_are_read_from_a_device_copy() {
     let line = "are copied on the caller's stream into";
     for part in ["P2P", "InPlace"] {
+        // "65536+": blocks of 64 KiB, which grow to an operation's size; "65536": 64 KiB in all.
         for (job, scratch) in [(cuda_job().procs(2), "67108864"), (cuda_job().local(2), "67108864"),
-                               (cuda_job().procs(2), "0"), (cuda_job().procs(2), "65536")] {
-            let o = job.arg("--only").arg(part).env("NCCL_RS_INPLACE_SCRATCH", scratch).env("NCCL_DEBUG", "INFO")
+                               (cuda_job().procs(2), "0"), (cuda_job().procs(2), "65536"), (cuda_job().procs(2), "65536+")] {
+            let o = scratch_env(job, scratch).arg("--only").arg(part).env("NCCL_DEBUG", "INFO")
                 .env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
             assert!(o.ok(), "part {part}, NCCL_RS_INPLACE_SCRATCH={scratch}: {}", o.report);
             for (i, p) in o.procs.iter().enumerate() {
-                // 64 KiB holds none of these inputs: nothing is allocated, and the first says
-                // so at WARN.
-                let (copied, warned) = (p.log.contains(line), p.log.contains("more than NCCL_RS_INPLACE_SCRATCH"));
-                assert!(copied == (scratch == "67108864") && warned == (scratch == "65536"),
+                // 64 KiB in all holds none of these inputs: nothing is allocated, and the first
+                // says so at WARN.
+                let (copied, warned) = (p.log.contains(line), p.log.contains("more than NCCL_RS_INPLACE_SCRATCH_MAX"));
+                assert!(copied == (scratch != "0" && scratch != "65536") && warned == (scratch == "65536"),
                         "part {part}, NCCL_RS_INPLACE_SCRATCH={scratch}, process {i}: copied {copied}, warned {warned}:\n{}",
                         p.log);
             }
@@ -258,15 +268,17 @@ fn cuda_mode_collectives_on_memory_peers_cannot_read_go_direct_from_copies() {
         for (job, scratch) in [(cuda_job().procs(2), on), (cuda_job().procs(2).local(2), on), (cuda_job().procs(2), "0"),
                                (cuda_job().procs(2).env("NCCL_RS_HOST_WAIT", "1"), on),
                                (cuda_job().procs(2).env("NCCL_RS_DIRECT_ON_STREAM", "0"), on),
-                               (cuda_job().procs(2), "65536")] {
-            let o = job.env("CUDA_TEST_VMM", "private").env("NCCL_RS_INPLACE_SCRATCH", scratch).arg("--only").arg(part)
+                               (cuda_job().procs(2), "65536"), (cuda_job().procs(2), "65536+")] {
+            let o = scratch_env(job, scratch).env("CUDA_TEST_VMM", "private").arg("--only").arg(part)
                 .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
             assert!(o.ok(), "part {part}, NCCL_RS_INPLACE_SCRATCH={scratch}: {}", o.report);
             for (i, p) in o.procs.iter().enumerate() {
                 let (direct, said) = (p.log.contains("are read directly"), p.log.contains(staged));
-                // 64 KiB holds none of the direct-path sizes (from 100000 floats): each is
-                // staged, and the first says at WARN that the scratch is too small.
-                let (fits, warned) = (scratch == on, p.log.contains("more than NCCL_RS_INPLACE_SCRATCH (65536 bytes)"));
+                // 64 KiB in all holds none of the direct-path sizes (from 100000 floats): each
+                // is staged, and the first says at WARN that the scratch is too small. Blocks
+                // of 64 KiB grow to each operation's size.
+                let fits = scratch == on || scratch == "65536+";
+                let warned = p.log.contains("more than NCCL_RS_INPLACE_SCRATCH_MAX (65536 bytes)");
                 assert!(direct == fits && said != fits && warned == (scratch == "65536"),
                         "part {part}, NCCL_RS_INPLACE_SCRATCH={scratch}, process {i}: direct {direct}, staged {said}, \
                          warned {warned}:\n{}", p.log);
@@ -296,6 +308,27 @@ fn cuda_mode_premulsum_with_host_scalars_goes_direct() {
         assert!(o.ok(), "{what}: {}", o.report);
         for (i, p) in o.procs.iter().enumerate() {
             assert_eq!(p.log.contains("are read directly"), scratch != "0", "{what}, process {i}:\n{}", p.log);
+        }
+    }
+}
+
+/// Operations the host issues ahead of the device, each holding a carve of the device scratch
+/// until its result is copied out, do not run out of room (part Ahead: six all-reduces of 2
+/// MiB of pinned memory behind held streams): with blocks of 8 MiB, more are allocated and
+/// every one goes direct; when the blocks may not grow (NCCL_RS_INPLACE_SCRATCH_MAX of one
+/// block) the later ones are staged, on every rank alike. Exact either way.
+#[test]
+fn cuda_mode_operations_issued_ahead_find_room_in_the_scratch() {
+    for (most, grows) in [("268435456", true), ("8388608", false)] {
+        for job in [cuda_job().procs(2), cuda_job().local(2)] {
+            let o = job.arg("--only").arg("Ahead").env("NCCL_RS_INPLACE_SCRATCH", "8388608")
+                .env("NCCL_RS_INPLACE_SCRATCH_MAX", most).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
+                .run_outcome();
+            assert!(o.ok(), "NCCL_RS_INPLACE_SCRATCH_MAX={most}: {}", o.report);
+            for (i, p) in o.procs.iter().enumerate() {
+                let staged = p.log.contains("is staged through host memory");
+                assert_eq!(staged, !grows, "NCCL_RS_INPLACE_SCRATCH_MAX={most}, process {i}:\n{}", p.log);
+            }
         }
     }
 }

@@ -9,11 +9,15 @@
 //! `ipc::run_on_stream`); the worker gives it back once its batch is done (every receiver
 //! answered, or every rank passed the operation's last phase). An all-reduce's output carve is
 //! copied out on the caller's stream after the operation, and comes back after the event
-//! recorded behind that copy. Allocated at the first such operation (`NCCL_RS_INPLACE_SCRATCH`
-//! bytes), on the calling thread as the application's own allocations are (never by the
-//! worker, which must not make driver calls that may wait for the device: see `streamed`),
-//! kept for the communicator's life; an operation that finds no room goes as before (a send's
-//! bytes are sent, a collective is staged).
+//! recorded behind that copy. Allocated in blocks of `NCCL_RS_INPLACE_SCRATCH` bytes (or one
+//! operation's size, if larger), the first at the first such operation and another whenever
+//! the earlier ones are busy, up to `NCCL_RS_INPLACE_SCRATCH_MAX` in all: so that operations
+//! the host issues ahead of the device find room alike on every rank, rather than some ranks
+//! falling back (every rank stages what any rank declines). Allocated on the calling thread, as
+//! the application's own allocations are (never by the worker, which must not make driver
+//! calls that may wait for the device: see `streamed`), kept for the communicator's life or
+//! until ncclCommSuspend; an operation that finds no room goes as before (a send's bytes are
+//! sent, a collective is staged).
 
 use std::time::{Duration, Instant};
 
@@ -21,90 +25,128 @@ use super::pool::{aligned, Carves};
 use crate::device::cuda::{DeviceMem, Event};
 use crate::device::host::Region;
 
+/// A carve's id: its block in the high bits, its id in the block's ring below.
+const BLOCK_SHIFT: u32 = 48;
+
 #[derive(Default)]
 pub(super) struct Scratch {
-    mem: Option<DeviceMem>,
-    /// The allocation failed or is turned off: never tried again.
+    blocks: Vec<Block>,
+    /// Turned off, or the first allocation failed: never tried again.
     off: bool,
-    /// An operation larger than the whole scratch was said (`too_small`).
+    /// An operation larger than the scratch may grow was said (`too_small`); a full scratch
+    /// (`full`).
     told: bool,
-    /// Given back by hand (`give_back`), or after events (`give_back_after`).
+    told_full: bool,
+}
+
+/// One allocation, carved as a ring: carves are given back by hand (`give_back`), or after
+/// events (`give_back_after`).
+struct Block {
+    mem: DeviceMem,
     carves: Carves<Vec<Event>>,
 }
 
 impl Scratch {
-    /// `len` bytes of device memory, if there is room now: the region and its carve's id.
-    /// The communicator's context must be current (the first call allocates).
+    /// `len` bytes of device memory, if there is room now: the region and its carve's id. The
+    /// communicator's context must be current (this may allocate).
     pub(super) fn take(&mut self, len: usize, rank: usize) -> Option<(Region, u64)> {
-        if self.capacity() == 0 {
+        let (block, most) = (crate::params::inplace_scratch(), self.most());
+        if block == 0 {
             self.off = true;
         }
         // (Nothing is allocated for an operation that could never fit.)
-        if self.off || len == 0 || aligned(len) > self.capacity() {
+        let need = aligned(len);
+        if self.off || len == 0 || need > most {
             return None;
         }
-        if self.mem.is_none() {
-            let bytes = crate::params::inplace_scratch();
-            match DeviceMem::new(bytes) {
-                Ok(m) => {
-                    crate::info!(P2P, "rank {rank}: buffers peers cannot read directly (in place, or without CUDA IPC) \
-                                       are copied on the caller's stream into {bytes} bytes of device memory, which \
-                                       peers read");
-                    self.mem = Some(m);
-                }
-                Err(e) => {
-                    crate::info!(P2P, "rank {rank}: no device memory to copy buffers peers cannot read into ({}): such \
-                                       sends send their bytes, such collectives are staged", e.msg);
-                    self.off = true;
-                }
+        for (k, b) in self.blocks.iter_mut().enumerate() {
+            if let Some(at) = b.carves.alloc(b.mem.len(), need) {
+                return Some((b.mem.region(at, len), ((k as u64) << BLOCK_SHIFT) | b.carves.push(at)));
             }
         }
-        let mem = self.mem.as_ref()?;
-        let at = self.carves.alloc(mem.len(), aligned(len))?;
-        Some((mem.region(at, len), self.carves.push(at)))
+        // All busy (or none yet): another block, if the total stays within the most.
+        let size = block.max(need);
+        if self.bytes() + size > most {
+            if !self.told_full {
+                self.told_full = true;
+                crate::info!(P2P, "rank {rank}: the device scratch is busy ({} bytes, NCCL_RS_INPLACE_SCRATCH_MAX): an \
+                                   operation that needs {len} more bytes of it is staged (and so on every rank)",
+                             self.bytes());
+            }
+            return None;
+        }
+        match DeviceMem::new(size) {
+            Ok(mem) => {
+                if self.blocks.is_empty() {
+                    crate::info!(P2P, "rank {rank}: buffers peers cannot read directly (in place, or without CUDA IPC) \
+                                       are copied on the caller's stream into device memory, which peers read ({size} \
+                                       bytes, up to {most} as needed)");
+                }
+                let mut b = Block { mem, carves: Carves::default() };
+                let at = b.carves.alloc(size, need)?;
+                let id = ((self.blocks.len() as u64) << BLOCK_SHIFT) | b.carves.push(at);
+                let region = b.mem.region(at, len);
+                self.blocks.push(b);
+                Some((region, id))
+            }
+            Err(e) => {
+                crate::info!(P2P, "rank {rank}: no device memory ({size} bytes) to copy buffers peers cannot read into \
+                                   ({}): such sends send their bytes, such collectives are staged", e.msg);
+                // A first block that cannot be had is not asked for again.
+                self.off = self.blocks.is_empty();
+                None
+            }
+        }
     }
 
-    /// Says once, at WARN, that an operation needing `len` bytes (`what`) has no room at all:
-    /// more than the scratch holds (`NCCL_RS_INPLACE_SCRATCH` is the knob). Not when the
-    /// scratch is turned off or could not be allocated (said at INFO), nor when it is merely
-    /// busy.
+    /// Says once, at WARN, that an operation needing `len` bytes (`what`) can never have room:
+    /// more than the scratch may grow to (`NCCL_RS_INPLACE_SCRATCH_MAX` is the knob). Not when
+    /// the scratch is turned off or could not be allocated (said at INFO), nor when it is
+    /// merely busy.
     pub(super) fn too_small(&mut self, len: usize, what: &dyn Fn() -> String, rank: usize) {
-        let capacity = self.capacity();
-        if self.off || self.told || aligned(len) <= capacity {
+        let most = self.most();
+        if self.off || self.told || aligned(len) <= most {
             return;
         }
         self.told = true;
         crate::warn!("rank {rank}: {} needs {len} bytes of device memory to be read directly (a copy of buffers peers \
-                      cannot read, or of its input scaled), more than NCCL_RS_INPLACE_SCRATCH ({} bytes): such \
-                      operations are staged through host memory, which is slower; a larger NCCL_RS_INPLACE_SCRATCH \
-                      lets them go direct", what(), capacity);
+                      cannot read, or of its input scaled), more than NCCL_RS_INPLACE_SCRATCH_MAX ({most} bytes): such \
+                      operations are staged through host memory, which is slower; a larger NCCL_RS_INPLACE_SCRATCH_MAX \
+                      lets them go direct", what());
+    }
+
+    /// The most it may hold (`NCCL_RS_INPLACE_SCRATCH_MAX`, at least one block; 0 when off).
+    fn most(&self) -> usize {
+        match crate::params::inplace_scratch() {
+            0 => 0,
+            block => crate::params::inplace_scratch_max().max(block),
+        }
     }
 
     /// Bytes allocated.
     pub(super) fn bytes(&self) -> usize {
-        self.mem.as_ref().map_or(0, DeviceMem::len)
-    }
-
-    /// Its size: as allocated, or as it will be (`NCCL_RS_INPLACE_SCRATCH`).
-    fn capacity(&self) -> usize {
-        self.mem.as_ref().map_or_else(crate::params::inplace_scratch, DeviceMem::len)
+        self.blocks.iter().map(|b| b.mem.len()).sum()
     }
 
     /// Carves that are free again go (their events have completed); the events are returned
     /// for reuse. Before [`Scratch::take`].
     pub(super) fn reclaim(&mut self) -> Vec<Event> {
-        self.carves.reclaim(|events| events.iter().all(|e| e.query().unwrap_or(false))).into_iter().flatten().collect()
+        let done = |events: &Vec<Event>| events.iter().all(|e| e.query().unwrap_or(false));
+        self.blocks.iter_mut().flat_map(|b| b.carves.reclaim(done)).flatten().collect()
     }
 
     /// Carve `id` is free again (its receiver, or every peer, has read it).
     pub(super) fn give_back(&mut self, id: u64) {
-        self.carves.release(id, Vec::new());
+        self.give_back_after(id, Vec::new());
     }
 
     /// Carve `id` is free again once `events` have completed (its copy out to the user's
     /// buffer is done; the copies into it of a batch never queued have run).
     pub(super) fn give_back_after(&mut self, id: u64, events: Vec<Event>) {
-        self.carves.release(id, events);
+        let (block, carve) = ((id >> BLOCK_SHIFT) as usize, id & ((1 << BLOCK_SHIFT) - 1));
+        if let Some(b) = self.blocks.get_mut(block) {
+            b.carves.release(carve, events);
+        }
     }
 
     /// Whether every carve is free (waiting a little for copies out still running), so that
@@ -115,17 +157,17 @@ impl Scratch {
         let deadline = Instant::now() + Duration::from_secs(2);
         loop {
             drop(self.reclaim());
-            if self.carves.is_empty() {
+            if self.blocks.iter().all(|b| b.carves.is_empty()) {
                 return true;
             }
-            if self.carves.any_taken() || Instant::now() >= deadline {
+            if self.blocks.iter().any(|b| b.carves.any_taken()) || Instant::now() >= deadline {
                 return false;
             }
             std::thread::sleep(Duration::from_micros(100));
         }
     }
 
-    /// No carve will be taken: turned off, or the allocation failed.
+    /// No carve will be taken: turned off, or the first allocation failed.
     pub(super) fn is_off(&self) -> bool {
         self.off
     }
