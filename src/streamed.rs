@@ -715,8 +715,21 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
         let Some((copy_in, copy_out)) = copies(&o.op, comm.nranks, &received, &s.routes) else { continue };
         let op = o.op;
         let len = if copy_out { op.recv.len() } else { op.send.len() };
-        let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let Some((carve, id)) = scratch.take(len, comm.rank) else {
+        let lock = || s.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let mut scratch = lock();
+        let mut got = scratch.take(len);
+        if got.is_none() {
+            if let Some(size) = scratch.wants_block(len, comm.rank) {
+                // Allocated without the lock (the worker gives carves back under it); the
+                // submit lock keeps other callers out meanwhile. The context is current.
+                drop(scratch);
+                let mem = crate::device::cuda::DeviceMem::new(size);
+                scratch = lock();
+                scratch.add_block(mem, comm.rank);
+                got = scratch.take(len);
+            }
+        }
+        let Some((carve, id)) = got else {
             scratch.too_small(len, &|| op.describe(), comm.rank);
             continue;
         };

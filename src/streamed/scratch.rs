@@ -47,24 +47,31 @@ struct Block {
 }
 
 impl Scratch {
-    /// `len` bytes of device memory, if there is room now: the region and its carve's id. The
-    /// communicator's context must be current (this may allocate).
-    pub(super) fn take(&mut self, len: usize, rank: usize) -> Option<(Region, u64)> {
-        let (block, most) = (crate::params::inplace_scratch(), self.most());
+    /// `len` bytes of device memory, if there is room now: the region and its carve's id.
+    pub(super) fn take(&mut self, len: usize) -> Option<(Region, u64)> {
+        let need = aligned(len);
+        if self.off || len == 0 || need > self.most() {
+            return None;
+        }
+        self.blocks.iter_mut().enumerate().find_map(|(k, b)| {
+            let at = b.carves.alloc(b.mem.len(), need)?;
+            Some((b.mem.region(at, len), ((k as u64) << BLOCK_SHIFT) | b.carves.push(at)))
+        })
+    }
+
+    /// The size of another block to allocate for `len` bytes that found no room (`take`), if
+    /// the total stays within the most; None (said once, at INFO) if it would not, or never
+    /// can (nothing is allocated for an operation that could never fit). The block is
+    /// allocated by the caller without the scratch's lock (the worker takes it to give carves
+    /// back, and an allocation may take a while), then added (`add_block`).
+    pub(super) fn wants_block(&mut self, len: usize, rank: usize) -> Option<usize> {
+        let (block, most, need) = (crate::params::inplace_scratch(), self.most(), aligned(len));
         if block == 0 {
             self.off = true;
         }
-        // (Nothing is allocated for an operation that could never fit.)
-        let need = aligned(len);
         if self.off || len == 0 || need > most {
             return None;
         }
-        for (k, b) in self.blocks.iter_mut().enumerate() {
-            if let Some(at) = b.carves.alloc(b.mem.len(), need) {
-                return Some((b.mem.region(at, len), ((k as u64) << BLOCK_SHIFT) | b.carves.push(at)));
-            }
-        }
-        // All busy (or none yet): another block, if the total stays within the most.
         let size = block.max(need);
         if self.bytes() + size > most {
             if !self.told_full {
@@ -75,26 +82,25 @@ impl Scratch {
             }
             return None;
         }
-        match DeviceMem::new(size) {
+        Some(size)
+    }
+
+    /// A block the caller allocated (`wants_block`), or why it could not.
+    pub(super) fn add_block(&mut self, mem: crate::error::Result<DeviceMem>, rank: usize) {
+        match mem {
             Ok(mem) => {
                 if self.blocks.is_empty() {
                     crate::info!(P2P, "rank {rank}: buffers peers cannot read directly (in place, or without CUDA IPC) \
-                                       are copied on the caller's stream into device memory, which peers read ({size} \
-                                       bytes, up to {most} as needed)");
+                                       are copied on the caller's stream into device memory, which peers read ({} \
+                                       bytes, up to {} as needed)", mem.len(), self.most());
                 }
-                let mut b = Block { mem, carves: Carves::default() };
-                let at = b.carves.alloc(size, need)?;
-                let id = ((self.blocks.len() as u64) << BLOCK_SHIFT) | b.carves.push(at);
-                let region = b.mem.region(at, len);
-                self.blocks.push(b);
-                Some((region, id))
+                self.blocks.push(Block { mem, carves: Carves::default() });
             }
             Err(e) => {
-                crate::info!(P2P, "rank {rank}: no device memory ({size} bytes) to copy buffers peers cannot read into \
-                                   ({}): such sends send their bytes, such collectives are staged", e.msg);
+                crate::info!(P2P, "rank {rank}: no device memory to copy buffers peers cannot read into ({}): such \
+                                   sends send their bytes, such collectives are staged", e.msg);
                 // A first block that cannot be had is not asked for again.
                 self.off = self.blocks.is_empty();
-                None
             }
         }
     }
