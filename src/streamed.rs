@@ -778,8 +778,8 @@ struct Copied {
     unscaled: Vec<Option<Region>>,
 }
 
-/// How an operation's input goes direct (`copies`): as it is, copied, or copied scaled by a
-/// PreMulSum's scalar.
+/// How an operation's input goes direct (`copies`): as it is, copied, or copied scaled (by a
+/// PreMulSum's scalar, or fp16 Avg's 1/n).
 enum CopyIn {
     No,
     Copy,
@@ -816,10 +816,10 @@ fn copies(op: &Op, n: usize, received: &Received, routes: &Routes) -> Option<(Co
     }
 }
 
-/// Queues on `caller` the copy of `op`'s input into `to` scaled by `by` (PreMulSum): the
-/// scaling kernel reads device memory in place; other memory is copied first.
+/// Queues on `caller` the copy of `op`'s input into `to` scaled by `by` (PreMulSum, fp16 Avg):
+/// the scaling kernel reads device memory in place; other memory is copied first.
 fn scale(s: &Streamed, caller: &Stream, op: Op, to: Region, by: Scalar) -> Result<()> {
-    let k = s.kernels.ok_or_else(|| Error::internal("PreMulSum scaled on the direct path without kernels"))?;
+    let k = s.kernels.ok_or_else(|| Error::internal("an input scaled for the direct path without kernels"))?;
     let device = matches!(crate::device::cuda::classify(op.send.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }));
     let from = if device { op.send } else { caller.copy(to, op.send).map(|()| to)? };
     k.premul(op.dt, to, from, by, caller)
