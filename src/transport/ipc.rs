@@ -310,8 +310,10 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
     if verdict == STAGE && !declined.is_empty() && !direct.told_declined {
         direct.told_declined = true;
         crate::info!(P2P, "rank {me}: {} is staged through host memory, as are later ones like it: rank(s) {declined:?} \
-                           could not offer buffers for peers to read (device memory without CUDA IPC and no room \
-                           to copy it, pinned, managed or host memory, or an in-place all-to-all)", op.describe());
+                           could not offer buffers for peers to read (device memory without CUDA IPC, pinned or \
+                           managed memory, an in-place all-to-all, PreMulSum or fp16 Avg, with no room to copy \
+                           them into its device scratch; host memory; a PreMulSum scalar in device memory)",
+                     op.describe());
     }
     // The segment tables, when some rank has one (every rank knows it from the records alike);
     // none (no allocation) otherwise.
