@@ -922,7 +922,8 @@ static void order(void) {
 }
 
 /* PreMulSum with the scalar in device memory (ncclScalarDevice), written on the stream just
- * before the call: the operation must use the value the stream left there. Also with the
+ * before the call: the operation must use the value the stream left there (on the direct path
+ * the stream copies it next to the scaled input, for the scaling kernel). Also with the
  * scalar in pinned host memory (device-visible too), the stream held while the copy and the
  * call are queued, so that reading the scalar before the stream got there shows. */
 static void premul_case(int pinned) {
@@ -979,8 +980,7 @@ static void premul_case(int pinned) {
  * uses for its gradients' reduce-scatters), each rank's scalar rank + 1, at a direct-path size:
  * all-reduce out of place and in place, reduce-scatter and reduce; each caller's stream scales
  * a copy of its input, which peers read. With `mixed`, the last rank's scalar is in device
- * memory: it cannot scale at call time, so every rank stages the operation, from its input as
- * the user left it (not the scaled copy). */
+ * memory (its stream copies it next to its input, where the scaling kernel reads it). */
 static void premul_host_case(int mixed) {
   const size_t count = 30000;
   const int n = g_env.nranks, root = n - 1;
@@ -1047,10 +1047,7 @@ static void premul(void) {
   premul_case(0);
   premul_case(1);
   premul_host_case(0);
-  /* (Left out where one hardware queue is shared: the ranks that scaled a copy of their input
-   * fall back after their streams queued the direct kernels, and the stream worker's staging
-   * then waits behind them; see the README's CUDA-mode limits.) */
-  if (!skipped("PreMulMixed")) premul_host_case(1);
+  premul_host_case(1);
 }
 
 /* A collective issued while its stream captures a graph is refused with a clear error, and

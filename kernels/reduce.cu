@@ -6,13 +6,16 @@
 // converted on bit patterns exactly as the host code does it; f16 with PTX's own conversions
 // (cvt), which are IEEE's, as the host's `half` crate is.
 //
-// Kernels (72 + 13 + 1), all elementwise over n elements, all grid-stride (any grid covers any n):
+// Kernels (84 + 13 + 1), all elementwise over n elements, all grid-stride (any grid covers any n):
 //
 //   nccl_rs_reduce_<type>_<op>(void* dst, const void* a, const void* b, unsigned long long n)
 //       dst[i] = a[i] op b[i]; op is sum, prod, max or min.
 //   nccl_rs_premul_<type>(void* dst, const void* src, unsigned long long scalar, unsigned long long n)
 //       dst[i] = src[i] * s, where s is the element whose bits are the low bytes of `scalar`
 //       (the 8-byte little-endian Scalar of src/types.rs, read as a 64-bit integer).
+//   nccl_rs_premul_at_<type>(void* dst, const void* src, unsigned long long scalar_at, unsigned long long n)
+//       the same with s the element at device address `scalar_at`, read when the kernel runs
+//       (a PreMulSum scalar in device memory, ncclScalarDevice, whose value the stream writes).
 //   nccl_rs_divide_<type>(void* dst, const void* src, unsigned long long divisor, unsigned long long n)
 //       dst[i] = src[i] / divisor (ncclAvg); a divisor of 0 is taken as 1.
 //
@@ -325,6 +328,14 @@ DEV void map2(void* dst_, const void* a_, const void* b_, u64 n, Op f) {
   extern "C" __global__ void nccl_rs_premul_##name(void* dst, const void* src, u64 scalar,    \
                                                    u64 n) {                                   \
     const T::Scalar s = T::scalar(scalar);                                                    \
+    map2<T::S>(dst, src, src, n, [=](T::S x, T::S) { return T::premul(x, s); });              \
+  }                                                                                           \
+  extern "C" __global__ void nccl_rs_premul_at_##name(void* dst, const void* src,            \
+                                                      u64 scalar_at, u64 n) {                 \
+    const unsigned char* at = reinterpret_cast<const unsigned char*>(scalar_at);              \
+    u64 bits = 0;                                                                             \
+    for (u32 k = 0; k < sizeof(T::S); k++) bits |= (u64)at[k] << (8 * k);                    \
+    const T::Scalar s = T::scalar(bits);                                                      \
     map2<T::S>(dst, src, src, n, [=](T::S x, T::S) { return T::premul(x, s); });              \
   }                                                                                           \
   extern "C" __global__ void nccl_rs_divide_##name(void* dst, const void* src, u64 divisor,   \

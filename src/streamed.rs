@@ -265,9 +265,10 @@ struct Batch {
     /// The carves of `scratch` its inputs were copied into (`copy_unreadable_inputs`), given
     /// back once it is done.
     scratch: Vec<u64>,
-    /// Per operation (none past the last): the user's input of a PreMulSum whose input goes
-    /// direct as a scaled copy, which it is staged from instead if the ranks do not go direct.
-    unscaled: Vec<Option<Region>>,
+    /// Per operation (none past the last): the user's input of one whose input goes direct as
+    /// a scaled copy (and its PreMulSum scalar, if in device memory), which it is staged from
+    /// instead if the ranks do not go direct.
+    unscaled: Vec<Option<Unscaled>>,
 }
 
 /// How an operation goes, as far as this rank can tell at call time (alike on every rank but
@@ -715,31 +716,37 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
         let Some((copy_in, copy_out)) = copies(&o.op, comm.nranks, &received, &s.routes) else { continue };
         let op = o.op;
         let len = if copy_out { op.recv.len() } else { op.send.len() };
+        // A scalar in memory goes after the operation's bytes, in the same carve.
+        let scalar_slot = matches!(copy_in, CopyIn::ScaleAt(_)).then(|| pool::aligned(len));
+        let whole = scalar_slot.map_or(len, |at| at + op.dt.size());
         let lock = || s.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let mut scratch = lock();
-        let mut got = scratch.take(len);
+        let mut got = scratch.take(whole);
         if got.is_none() {
-            if let Some(size) = scratch.wants_block(len, comm.rank) {
+            if let Some(size) = scratch.wants_block(whole, comm.rank) {
                 // Allocated without the lock (the worker gives carves back under it); the
                 // submit lock keeps other callers out meanwhile. The context is current.
                 drop(scratch);
                 let mem = crate::device::cuda::DeviceMem::new(size);
                 scratch = lock();
                 scratch.add_block(mem, comm.rank);
-                got = scratch.take(len);
+                got = scratch.take(whole);
             }
         }
-        let Some((carve, id)) = got else {
-            scratch.too_small(len, &|| op.describe(), comm.rank);
+        let Some((taken, id)) = got else {
+            scratch.too_small(whole, &|| op.describe(), comm.rank);
             continue;
         };
+        let carve = taken.sub(0, len);
         let direct = match (&copy_in, copy_out) {
             // In place on the copy of its input: peers read both from it.
-            (CopyIn::Copy | CopyIn::Scale(_), true) => Op { send: carve, recv: carve, ..op },
-            (CopyIn::Copy | CopyIn::Scale(_), false) => Op { send: carve, ..op },
             (CopyIn::No, _) => Op { recv: carve, ..op },
+            (_, true) => Op { send: carve, recv: carve, ..op },
+            (_, false) => Op { send: carve, ..op },
         };
-        let scaled = matches!(copy_in, CopyIn::Scale(_));
+        // (The worker reads no scalar of it: the kernel does.)
+        let direct = Op { scalar_at: None, ..direct };
+        let scaled = matches!(copy_in, CopyIn::Scale(_) | CopyIn::ScaleAt(_));
         let Some(offered) = ipc::offer(&direct, s.kernels.is_some(), &s.routes, scaled) else {
             scratch.give_back(id);
             continue;
@@ -751,7 +758,12 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
         match copy_in {
             CopyIn::No => {}
             CopyIn::Copy => caller.copy(input, op.send)?,
-            CopyIn::Scale(by) => scale(s, caller, op, input, by)?,
+            CopyIn::Scale(by) => scale(s, caller, op, input, Factor::Value(by))?,
+            CopyIn::ScaleAt(at) => {
+                let slot = taken.sub(scalar_slot.unwrap_or(0), op.dt.size());
+                caller.copy(slot, Region::user(at, 0, op.dt.size()))?;
+                scale(s, caller, op, input, Factor::At(slot))?;
+            }
         }
         match copy_out {
             true => copied.outs.push(CopyOut { caller: on(o), user: op.recv, carve, id }),
@@ -759,7 +771,7 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
         }
         if scaled {
             copied.unscaled.resize(i + 1, None);
-            copied.unscaled[i] = Some(op.send);
+            copied.unscaled[i] = Some(Unscaled { send: op.send, scalar_at: op.scalar_at });
         }
         o.op = direct;
         *path = Path::Direct(Some(offered));
@@ -775,7 +787,15 @@ struct Copied {
     outs: Vec<CopyOut>,
     /// Per operation (none past the last scaled one): the user's input of a scaled one,
     /// which it is staged from if the ranks do not go direct after all.
-    unscaled: Vec<Option<Region>>,
+    unscaled: Vec<Option<Unscaled>>,
+}
+
+/// What a scaled operation is staged from if the ranks do not go direct after all: the
+/// user's input, and its PreMulSum scalar if that is in device memory (read then).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Unscaled {
+    pub send: Region,
+    pub scalar_at: Option<crate::device::host::UserPtr>,
 }
 
 /// How an operation's input goes direct (`copies`): as it is, copied, or copied scaled (by a
@@ -784,6 +804,9 @@ enum CopyIn {
     No,
     Copy,
     Scale(Scalar),
+    /// By a PreMulSum scalar in device, pinned or managed memory, copied in stream order next
+    /// to the input and read there by the scaling kernel.
+    ScaleAt(crate::device::host::UserPtr),
 }
 
 /// Which of `op`'s buffers go direct as copies (`copy_unreadable_inputs`): (its input; its
@@ -800,15 +823,16 @@ fn copies(op: &Op, n: usize, received: &Received, routes: &Routes) -> Option<(Co
         OpKind::Send if received.overlaps(op.send) || unreadable(op.send) => Some((CopyIn::Copy, false)),
         OpKind::Send | OpKind::Recv => None,
         OpKind::AlltoAll if op.send.addr() == op.recv.addr() => Some((CopyIn::Copy, false)),
-        // Scaled now: a PreMulSum by its scalar as the call gave it (one in device memory has
-        // its value only once the stream gets there: such an operation stays declined), fp16
-        // Avg by 1/n as the planner scales it (`plan::ops::scaling`).
+        // Scaled now: a PreMulSum by its scalar as the call gave it (one in memory by the value
+        // the stream leaves there, read by the kernel), fp16 Avg by 1/n as the planner scales
+        // it (`plan::ops::scaling`).
         _ if crate::plan::ops::scales_inputs(op.op, op.dt) => {
-            let by = match op.op {
-                RedOp::PreMulSum(by) => op.scalar_at.is_none().then_some(by),
-                RedOp::Builtin(_) => crate::device::host::avg_scalar(op.dt, n),
+            let by = match (op.op, op.scalar_at) {
+                (RedOp::PreMulSum(_), Some(at)) => reachable(Region::user(at, 0, op.dt.size())).then_some(CopyIn::ScaleAt(at)),
+                (RedOp::PreMulSum(by), None) => Some(CopyIn::Scale(by)),
+                (RedOp::Builtin(_), _) => crate::device::host::avg_scalar(op.dt, n).map(CopyIn::Scale),
             };
-            Some((CopyIn::Scale(by?), output)).filter(|_| reachable(op.send))
+            Some((by?, output)).filter(|_| reachable(op.send))
         }
         _ if output => Some((if op.send.addr() == op.recv.addr() || unreadable(op.send) { CopyIn::Copy } else { CopyIn::No },
                              true)),
@@ -816,13 +840,22 @@ fn copies(op: &Op, n: usize, received: &Received, routes: &Routes) -> Option<(Co
     }
 }
 
+/// What an input is scaled by (`scale`): a value, or the element at a device address.
+enum Factor {
+    Value(Scalar),
+    At(Region),
+}
+
 /// Queues on `caller` the copy of `op`'s input into `to` scaled by `by` (PreMulSum, fp16 Avg):
 /// the scaling kernel reads device memory in place; other memory is copied first.
-fn scale(s: &Streamed, caller: &Stream, op: Op, to: Region, by: Scalar) -> Result<()> {
+fn scale(s: &Streamed, caller: &Stream, op: Op, to: Region, by: Factor) -> Result<()> {
     let k = s.kernels.ok_or_else(|| Error::internal("an input scaled for the direct path without kernels"))?;
     let device = matches!(crate::device::cuda::classify(op.send.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }));
     let from = if device { op.send } else { caller.copy(to, op.send).map(|()| to)? };
-    k.premul(op.dt, to, from, by, caller)
+    match by {
+        Factor::Value(v) => k.premul(op.dt, to, from, v, caller),
+        Factor::At(at) => k.premul_at(op.dt, to, from, at, caller),
+    }
 }
 
 /// The buffers a batch's receives write, to tell whether a send's buffer overlaps one of them
@@ -899,7 +932,7 @@ pub struct Prepared {
     scratch: Vec<u64>,
     copies_out: Vec<CopyOut>,
     /// See `Batch::unscaled`.
-    unscaled: Vec<Option<Region>>,
+    unscaled: Vec<Option<Unscaled>>,
 }
 
 impl Drop for Prepared {

@@ -723,7 +723,8 @@ enum Kind {
 
 /// One kernel run: `kind` on `n` elements of `dt`, with dst/a/b at byte offsets `offs` into
 /// their buffers, or dst = a (`in_place`, dst's offset unused); with `indirect`, by
-/// nccl_rs_indirect and a descriptor (reductions and divisions).
+/// nccl_rs_indirect and a descriptor (reductions and divisions), or for PreMulSum by
+/// nccl_rs_premul_at with the scalar in device memory (b).
 #[derive(Clone, Copy, Debug)]
 struct Case {
     dt: DataType,
@@ -768,7 +769,13 @@ fn compare(k: &cuda::Kernels, s: &Stream, case: Case, rng: &mut Rng) {
         }
         Kind::Premul(bits) => {
             let scalar = Scalar { bytes: (bits & (u64::MAX >> (64 - 8 * dt.size()))).to_le_bytes() };
-            k.premul(dt, d, a, scalar, s).unwrap();
+            if indirect {
+                let at = b.sub(0, dt.size());
+                upload(s, at, scalar.bytes[..dt.size()].to_vec());
+                k.premul_at(dt, d, a, at, s).unwrap();
+            } else {
+                k.premul(dt, d, a, scalar, s).unwrap();
+            }
             host::premul(dt, hw, ha, scalar);
         }
         Kind::Divide(divisor) => {
@@ -817,6 +824,8 @@ fn check_kernels() {
         for scalar in scalars {
             run(Kind::Premul(scalar), 1000, [0, 0, 0], false, false);
             run(Kind::Premul(scalar), 333, [size, 0, 0], true, false);
+            run(Kind::Premul(scalar), 1000, [0, 0, 0], false, true);
+            run(Kind::Premul(scalar), 333, [1, 1, 0], true, true);
         }
         for divisor in [0, 1, 2, 3, 7, 1000, 1 << 31, 1 << 40, 1 << 63, u64::MAX] {
             run(Kind::Divide(divisor), 1000, [0, 0, 0], false, false);

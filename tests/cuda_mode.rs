@@ -287,19 +287,26 @@ fn cuda_mode_collectives_on_memory_peers_cannot_read_go_direct_from_copies() {
     }
 }
 
-/// PreMulSum with host-immediate scalars goes direct: each caller's stream scales a copy of
-/// its input, which peers read (part PreMul: all-reduce out of place and in place,
-/// reduce-scatter, reduce). Its operations with scalars in device memory are declined and
-/// staged, including one where only the last rank's scalar is (the others stage from their
-/// inputs, not their scaled copies). With NCCL_RS_INPLACE_SCRATCH=0 all are staged. Exact
-/// either way, as processes and as ranks of one process, and on device memory peers cannot
-/// map (CUDA_TEST_VMM=private: an all-reduce runs in place on its scaled copy, copied out).
+/// PreMulSum goes direct: each caller's stream scales a copy of its input, which peers read
+/// (part PreMul: all-reduce out of place and in place, reduce-scatter, reduce), by a
+/// host-immediate scalar or by one in device or pinned memory that the stream writes just
+/// before the call (copied next to the input, read by the kernel), also mixed across ranks.
+/// With NCCL_RS_INPLACE_SCRATCH=0 all are staged; with it 0 on process 1 only, that rank
+/// declines each and every rank stages it, from its input as the user left it (not the scaled
+/// copy), reading a scalar in memory then. Exact in every case, as processes and as ranks of
+/// one process, and on device memory peers cannot map (CUDA_TEST_VMM=private: an all-reduce
+/// runs in place on its scaled copy, copied out).
 #[test]
-fn cuda_mode_premulsum_with_host_scalars_goes_direct() {
-    for (procs, local, scratch, vmm) in [(2, 1, "67108864", "0"), (3, 1, "67108864", "0"), (1, 2, "67108864", "0"),
-                                         (2, 1, "0", "0"), (2, 1, "67108864", "private")] {
-        let mut job = cuda_job().procs(procs).local(local).env("NCCL_RS_INPLACE_SCRATCH", scratch).arg("--only")
-            .arg("PreMul").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P");
+fn cuda_mode_premulsum_goes_direct_from_scaled_copies() {
+    let on = "67108864";
+    for (procs, local, scratch, vmm) in [(2, 1, on, "0"), (3, 1, on, "0"), (1, 2, on, "0"), (2, 1, "0", "0"),
+                                         (2, 1, on, "private"), (2, 1, "declining", "0")] {
+        let mut job = cuda_job().procs(procs).local(local).arg("--only").arg("PreMul").env("NCCL_DEBUG", "INFO")
+            .env("NCCL_DEBUG_SUBSYS", "P2P");
+        job = match scratch {
+            "declining" => job.proc_env(1, "NCCL_RS_INPLACE_SCRATCH", "0"),
+            _ => job.env("NCCL_RS_INPLACE_SCRATCH", scratch),
+        };
         if vmm != "0" {
             job = job.env("CUDA_TEST_VMM", vmm);
         }
@@ -307,7 +314,9 @@ fn cuda_mode_premulsum_with_host_scalars_goes_direct() {
         let what = format!("{procs}x{local} ranks, NCCL_RS_INPLACE_SCRATCH={scratch}, CUDA_TEST_VMM={vmm}");
         assert!(o.ok(), "{what}: {}", o.report);
         for (i, p) in o.procs.iter().enumerate() {
-            assert_eq!(p.log.contains("are read directly"), scratch != "0", "{what}, process {i}:\n{}", p.log);
+            let (direct, staged) = (p.log.contains("are read directly"), p.log.contains("is staged through host memory"));
+            assert!(direct == (scratch == on) && staged == (scratch != on), "{what}, process {i}: direct {direct}, \
+                     staged {staged}:\n{}", p.log);
         }
     }
 }
@@ -856,9 +865,7 @@ fn cuda_mode_one_hardware_queue() {
     }
     for gate in ["memop", "kernel"] {
         for job in [cuda_job().procs(2), cuda_job().local(2).arg("--quick")] {
-            // (PreMulMixed: one rank's PreMulSum scalar in device memory makes the others fall
-            // back after their streams queued their kernels, and the worker's staging hangs.)
-            let skip = if gate == "memop" { "RmaPageable,PreMulMixed" } else { "PreMulMixed" };
+            let skip = if gate == "memop" { "RmaPageable" } else { "" };
             let o = one_queue(job).env("NCCL_RS_HOST_WAIT", "0").env("NCCL_RS_STREAM_GATE", gate)
                 .env("CUDA_TEST_SKIP", skip).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
             assert!(o.ok(), "{gate} gate, one hardware queue, direct on the callers' streams: {}", o.report);

@@ -284,25 +284,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     // PreMulSum scalars in device memory: read now, after the stream's earlier work (from the
     // pool, on the host, where the caller's stream staged it).
     for (op, &(_, pooled)) in ops.iter_mut().zip(&batch.prestaged) {
-        let n = op.dt.size();
-        let mut bytes = [0u8; 8];
-        let read = match (pooled, op.scalar_at.take()) {
-            (Some(r), _) => {
-                crate::device::host::copy(Region::owned(&mut bytes[..n]), r);
-                true
-            }
-            (None, Some(p)) => {
-                stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
-                stream.synchronize()?;
-                true
-            }
-            (None, None) => false,
-        };
-        if read {
-            let value = crate::device::host::reduce::scalar_from_bytes(op.dt, &bytes[..n])
-                .ok_or_else(|| Error::internal("PreMulSum scalar conversion"))?;
-            op.op = crate::types::RedOp::PreMulSum(value);
-        }
+        read_scalar(stream, op, pooled)?;
     }
     // Collectives first, in issue order, each direct or staged by rules every rank applies
     // alike whatever else its group holds (as the host planner also runs a group's
@@ -314,10 +296,13 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| !o.kind.is_p2p()) {
         let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
         let path = batch.paths.get(i).unwrap_or(&Path::Staged);
-        // Staged, a PreMulSum whose input went direct as a scaled copy scales the user's.
-        let staged = match batch.unscaled.get(i) {
-            Some(&Some(send)) => Op { send, ..*op },
-            _ => *op,
+        // Staged, an operation whose input went direct as a scaled copy scales the user's
+        // (reading a scalar in device memory only then: the stream has got there).
+        let staged = || -> Result<Op> {
+            let Some(&Some(u)) = batch.unscaled.get(i) else { return Ok(*op) };
+            let mut o = Op { send: u.send, scalar_at: u.scalar_at, ..*op };
+            read_scalar(stream, &mut o, None)?;
+            Ok(o)
         };
         if let (Some(Some(d)), Some(board), Path::Direct(Some(offered))) = (batch.direct.get(i), &s.board, path) {
             let queued = ipc::Queued { board, ticket: &d.ticket, shape: &d.shape };
@@ -327,7 +312,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
             // Every rank stages it; the caller's stream waits at the first gate meanwhile, and
             // then runs kernels that do nothing.
             started()?;
-            run_staged(comm, stream, staging, &[(staged, false)])?;
+            run_staged(comm, stream, staging, &[(staged()?, false)])?;
             board.close(&d.ticket);
             continue;
         }
@@ -342,7 +327,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
             _ => {}
         }
         started()?;
-        run_staged(comm, stream, staging, &[(staged, pre)])?;
+        run_staged(comm, stream, staging, &[(staged()?, pre)])?;
     }
     // Calls from now on see it (the ranks agreed in this batch, or earlier).
     s.direct_off.store(direct.off, Ordering::Relaxed);
@@ -403,6 +388,26 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
 /// now: the receive may land before a peer reading it directly, or the host transports, have
 /// read it (`streamed::paths` declined these the direct path). Those the caller's stream
 /// staged are its pool's already, and so are the receives it staged. Per operation: the copy
+/// A PreMulSum scalar still in memory (`Op::scalar_at`), into `op.op`: from `pooled` (the
+/// pool, where the caller's stream staged it), else read on the worker's stream (the caller's
+/// stream has reached the operation).
+fn read_scalar(stream: &Stream, op: &mut Op, pooled: Option<Region>) -> Result<()> {
+    let n = op.dt.size();
+    let mut bytes = [0u8; 8];
+    match (pooled, op.scalar_at.take()) {
+        (Some(r), _) => crate::device::host::copy(Region::owned(&mut bytes[..n]), r),
+        (None, Some(p)) => {
+            stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
+            stream.synchronize()?;
+        }
+        (None, None) => return Ok(()),
+    }
+    let value = crate::device::host::reduce::scalar_from_bytes(op.dt, &bytes[..n])
+        .ok_or_else(|| Error::internal("PreMulSum scalar conversion"))?;
+    op.op = crate::types::RedOp::PreMulSum(value);
+    Ok(())
+}
+
 /// of its input, if it took one.
 fn take_overwritten_sends(stream: &Stream, ops: &[Op], prestaged: &[(bool, Option<Region>)])
                           -> Result<Vec<Option<Vec<u8>>>> {

@@ -135,8 +135,8 @@ impl Routes {
         }
         // What the planner scales first (PreMulSum, fp16 Avg: `plan::ops::scaling`) goes
         // direct from a copy of each rank's input scaled at call time
-        // (`streamed::copy_unreadable_inputs`); a rank that cannot make one (a scalar in device
-        // memory, no room) declines it, and every rank stages it.
+        // (`streamed::copy_unreadable_inputs`); a rank that cannot make one (no room in its
+        // device scratch) declines it, and every rank stages it.
         self.collectives && bytes >= self.collectives_min
     }
 }
@@ -312,7 +312,7 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
         crate::info!(P2P, "rank {me}: {} is staged through host memory, as are later ones like it: rank(s) {declined:?} \
                            could not offer buffers for peers to read (device memory without CUDA IPC, pinned or \
                            managed memory, an in-place all-to-all, PreMulSum or fp16 Avg, with no room to copy \
-                           them into its device scratch; host memory; a PreMulSum scalar in device memory)",
+                           them into its device scratch; host memory, a PreMulSum scalar in pageable memory)",
                      op.describe());
     }
     // The segment tables, when some rank has one (every rank knows it from the records alike);

@@ -18,7 +18,7 @@
 
 #include "stub.h"
 
-enum { K_REDUCE, K_PREMUL, K_DIVIDE, K_WAIT, K_INDIRECT };
+enum { K_REDUCE, K_PREMUL, K_PREMUL_AT, K_DIVIDE, K_WAIT, K_INDIRECT };
 enum { OP_SUM, OP_PROD, OP_MAX, OP_MIN };
 /* NCCL's datatype values (src/types.rs). */
 enum { INT8, UINT8, INT32, UINT32, INT64, UINT64, HALF, FLOAT, DOUBLE, BFLOAT16, E4M3, E5M2, NTYPES };
@@ -33,7 +33,7 @@ struct kernel {
   int kind, type, op;
 };
 
-#define NKERNELS (NTYPES * 7 + 2) /* and the stream gate, nccl_rs_wait_geq, and nccl_rs_indirect_copy */
+#define NKERNELS (NTYPES * 8 + 2) /* and the stream gate, nccl_rs_wait_geq, and nccl_rs_indirect_copy */
 static struct kernel g_kernels[NKERNELS];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -46,6 +46,9 @@ static void build_table(void) {
     }
     *k = (struct kernel){"", K_PREMUL, t, OP_PROD};
     snprintf(k->name, sizeof k->name, "nccl_rs_premul_%s", TYPE_NAMES[t]);
+    k++;
+    *k = (struct kernel){"", K_PREMUL_AT, t, OP_PROD};
+    snprintf(k->name, sizeof k->name, "nccl_rs_premul_at_%s", TYPE_NAMES[t]);
     k++;
     *k = (struct kernel){"", K_DIVIDE, t, 0};
     snprintf(k->name, sizeof k->name, "nccl_rs_divide_%s", TYPE_NAMES[t]);
@@ -279,6 +282,20 @@ void kernel_run(const struct kernel *k, const uint64_t params[4]) {
     /* params[2] descriptors, one per row of blocks (the rows run side by side on a GPU). */
     for (uint64_t row = 0; row < params[2]; row++)
       run_one_indirect(k->type, (const uint64_t *)(uintptr_t)params[0] + 8 * row);
+    return;
+  }
+  if (k->kind == K_PREMUL_AT) {
+    /* The scalar's element, read now (when the kernel runs, as on the GPU), as K_PREMUL's. */
+    const size_t es = TYPE_SIZES[k->type];
+    if (mem_lookup(params[2], es) == MEM_PAGEABLE) {
+      fprintf(stderr, "cuda-stub: nccl_rs_premul_at: illegal scalar address %#llx\n", (unsigned long long)params[2]);
+      abort();
+    }
+    uint64_t bits = 0;
+    memcpy(&bits, (const void *)(uintptr_t)params[2], es);
+    struct kernel inner = {"", K_PREMUL, k->type, OP_PROD};
+    const uint64_t at[4] = {params[0], params[1], bits, params[3]};
+    kernel_run(&inner, at);
     return;
   }
   if (k->kind == K_WAIT) {

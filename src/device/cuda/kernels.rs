@@ -37,6 +37,7 @@ const MAX_BLOCKS: usize = 1024;
 pub struct Kernels {
     reduce: [[CUfunction; 4]; 12],
     premul: [CUfunction; 12],
+    premul_at: [CUfunction; 12],
     divide: [CUfunction; 12],
     wait_geq: CUfunction,
     indirect: [CUfunction; 12],
@@ -70,6 +71,7 @@ impl Kernels {
             let mut k = Kernels {
                 reduce: [[std::ptr::null_mut(); 4]; 12],
                 premul: [std::ptr::null_mut(); 12],
+                premul_at: [std::ptr::null_mut(); 12],
                 divide: [std::ptr::null_mut(); 12],
                 wait_geq: get("nccl_rs_wait_geq".to_string())?,
                 indirect: [std::ptr::null_mut(); 12],
@@ -81,6 +83,7 @@ impl Kernels {
                     k.reduce[dt as usize][i] = get(format!("nccl_rs_reduce_{t}_{op}"))?;
                 }
                 k.premul[dt as usize] = get(format!("nccl_rs_premul_{t}"))?;
+                k.premul_at[dt as usize] = get(format!("nccl_rs_premul_at_{t}"))?;
                 k.divide[dt as usize] = get(format!("nccl_rs_divide_{t}"))?;
                 k.indirect[dt as usize] = get(format!("nccl_rs_indirect_{t}"))?;
             }
@@ -100,6 +103,13 @@ impl Kernels {
         let n = dst.len().min(src.len()) / dt.size();
         let s = u64::from_le_bytes(scalar.bytes);
         launch(self.premul[dt as usize], [dst.addr() as u64, src.addr() as u64, s], n, stream)
+    }
+
+    /// dst[i] <- src[i] * the element at `scalar` (device memory, read when the kernel runs),
+    /// in stream order (PreMulSum with ncclScalarDevice). `dst` equals `src` or is disjoint.
+    pub fn premul_at(&self, dt: DataType, dst: Region, src: Region, scalar: Region, stream: &Stream) -> Result<()> {
+        let n = dst.len().min(src.len()) / dt.size();
+        launch(self.premul_at[dt as usize], [dst.addr() as u64, src.addr() as u64, scalar.addr() as u64], n, stream)
     }
 
     /// dst[i] <- src[i] / divisor in stream order (ncclAvg; 0 is taken as 1). `dst` equals
