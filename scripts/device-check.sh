@@ -240,14 +240,17 @@ fi
 # 4b. (After the required rows: a slow run must not lose them.) Buffers peers cannot read and
 #    PreMulSum, direct from device copies.
 # On memory peers cannot map (as cudaMallocAsync pools): direct from device copies, beside staged.
-step perf-cuda-allreduce-2-private 20 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 3 -b 1M -e 256M -f 16 -n 5 -w 1
+# (Up to 128 MiB: with the 64 MiB block the first sizes allocate, a larger one would exceed
+# NCCL_RS_INPLACE_SCRATCH_MAX and be staged.)
+step perf-cuda-allreduce-2-private 20 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 3 -b 1M -e 128M -f 8 \
+  -x 128M -n 5 -w 1
 step perf-cuda-allreduce-2-private-staged 20 env NCCL_RS_INPLACE_SCRATCH=0 "$PREP/run/bin/nccl-rs-perf" allreduce \
-  -np 2 --device 3 -b 1M -e 256M -f 16 -n 5 -w 1
+  -np 2 --device 3 -b 1M -e 128M -f 8 -x 128M -n 5 -w 1
 # PreMulSum (host scalar, as FSDP's reduce-scatters): direct from scaled copies, beside staged.
-step perf-cuda-premulsum-2 20 "$PREP/run/bin/nccl-rs-perf" reducescatter -np 2 --device 1 -o premulsum -b 1M -e 256M \
-  -f 16 -n 5 -w 1
+step perf-cuda-premulsum-2 20 "$PREP/run/bin/nccl-rs-perf" reducescatter -np 2 --device 1 -o premulsum -b 1M -e 128M \
+  -f 8 -x 128M -n 5 -w 1
 step perf-cuda-premulsum-2-staged 20 env NCCL_RS_INPLACE_SCRATCH=0 "$PREP/run/bin/nccl-rs-perf" reducescatter -np 2 \
-  --device 1 -o premulsum -b 1M -e 256M -f 16 -n 5 -w 1
+  --device 1 -o premulsum -b 1M -e 128M -f 8 -x 128M -n 5 -w 1
 
 # 4c. Step 3's PyTorch check with PyTorch's stream-ordered allocator: pools CUDA IPC cannot share; each
 #    rank's stream copies such buffers into device memory of the communicator's, which its
