@@ -850,8 +850,7 @@ enum Factor {
 /// the scaling kernel reads device memory in place; other memory is copied first.
 fn scale(s: &Streamed, caller: &Stream, op: Op, to: Region, by: Factor) -> Result<()> {
     let k = s.kernels.ok_or_else(|| Error::internal("an input scaled for the direct path without kernels"))?;
-    let device = matches!(crate::device::cuda::classify(op.send.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }));
-    let from = if device { op.send } else { caller.copy(to, op.send).map(|()| to)? };
+    let from = if crate::device::cuda::is_device_memory(op.send.addr()) { op.send } else { caller.copy(to, op.send).map(|()| to)? };
     match by {
         Factor::Value(v) => k.premul(op.dt, to, from, v, caller),
         Factor::At(at) => k.premul_at(op.dt, to, from, at, caller),

@@ -115,17 +115,30 @@ impl Drop for Pool {
     /// Back to the spares once the callers' streams are done copying out of it (a short
     /// wait: destroy has drained the worker); a pool still in use is leaked, never reused.
     fn drop(&mut self) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(2);
-        while !self.carves.is_empty() && std::time::Instant::now() < deadline {
+        let settled = settle(|| {
             drop(self.reclaim());
-            if !self.carves.is_empty() {
-                std::thread::sleep(Duration::from_micros(100));
-            }
-        }
+            self.carves.is_empty().then_some(true)
+        });
         match self.mem.take() {
-            Some(mem) if self.carves.is_empty() => SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(mem),
+            Some(mem) if settled => SPARE_POOLS.lock().unwrap_or_else(|p| p.into_inner()).push(mem),
             other => std::mem::forget(other),
         }
+    }
+}
+
+/// Polls `step` (which gives back what it can) until it says every carve is free (Some(true))
+/// or that some never will be (Some(false)), for at most 2 s (then false): before a ring's
+/// memory is freed or reused, the streams' last copies may still be running.
+pub(super) fn settle(mut step: impl FnMut() -> Option<bool>) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        if let Some(settled) = step() {
+            return settled;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(100));
     }
 }
 

@@ -19,9 +19,7 @@
 //! until ncclCommSuspend; an operation that finds no room goes as before (a send's bytes are
 //! sent, a collective is staged).
 
-use std::time::{Duration, Instant};
-
-use super::pool::{aligned, Carves};
+use super::pool::{aligned, settle, Carves};
 use crate::device::cuda::{DeviceMem, Event};
 use crate::device::host::Region;
 
@@ -160,17 +158,13 @@ impl Scratch {
     /// when a batch that did not finish well still holds a carve (a caller's stream may still
     /// copy into it, and a free might wait for that stream).
     pub(super) fn settled(&mut self) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        loop {
+        settle(|| {
             drop(self.reclaim());
             if self.blocks.iter().all(|b| b.carves.is_empty()) {
-                return true;
+                return Some(true);
             }
-            if self.blocks.iter().any(|b| b.carves.any_taken()) || Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_micros(100));
-        }
+            self.blocks.iter().any(|b| b.carves.any_taken()).then_some(false)
+        })
     }
 
     /// No carve will be taken: turned off, or the first allocation failed.

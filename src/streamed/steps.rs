@@ -28,7 +28,7 @@ pub(super) fn on_stream_shape(comm: &Comm, op: &Op) -> Option<ipc::Shape> {
 /// buffer, whose address the worker fills in. Only into device memory, which the kernel
 /// surely reaches (other memory is copied on the worker's stream).
 pub(super) fn receive_shape(op: &Op) -> Option<ipc::Shape> {
-    let device = matches!(crate::device::cuda::classify(op.recv.addr()), Ok(crate::device::cuda::PtrKind::Device { .. }));
+    let device = crate::device::cuda::is_device_memory(op.recv.addr());
     (op.kind == crate::plan::OpKind::Recv && device && !op.recv.is_empty()).then(|| vec![vec![(op.recv.len(), Indirect::Copy)]])
 }
 

@@ -239,7 +239,7 @@ pub fn publishable(r: Region, routes: &Routes) -> bool {
 /// Whether this rank's kernels can write `r` as a direct operation's output (nothing to write
 /// counts): device memory (a pinned or managed output is staged).
 fn device_memory(r: Region) -> bool {
-    r.is_empty() || matches!(cuda::classify(r.addr()), Ok(cuda::PtrKind::Device { .. }))
+    r.is_empty() || cuda::is_device_memory(r.addr())
 }
 
 /// This rank's part of the agreement for an operation it declines ([`offer`]): every rank
@@ -306,9 +306,10 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
         _ if records.iter().all(|r| r.ok && r.stamp == mine.stamp && r.table as usize <= MAX_TABLE) => GO,
         _ => STAGE,
     };
-    let declined: Vec<usize> = (0..n).filter(|&p| !records[p].ok).collect();
-    if verdict == STAGE && !declined.is_empty() && !direct.told_declined {
+    // (Said once: no list is built on the direct path's every call.)
+    if verdict == STAGE && !direct.told_declined && records.iter().any(|r| !r.ok) {
         direct.told_declined = true;
+        let declined: Vec<usize> = (0..n).filter(|&p| !records[p].ok).collect();
         crate::info!(P2P, "rank {me}: {} is staged through host memory, as are later ones like it: rank(s) {declined:?} \
                            could not offer buffers for peers to read (device memory without CUDA IPC, pinned or \
                            managed memory, an in-place all-to-all, PreMulSum or fp16 Avg, with no room to copy \

@@ -50,6 +50,12 @@ impl PtrKind {
     }
 }
 
+/// Whether `addr` is device memory (of any device), as the driver sees it; false if it cannot
+/// tell.
+pub fn is_device_memory(addr: usize) -> bool {
+    matches!(classify(addr), Ok(PtrKind::Device { .. }))
+}
+
 /// `attrs` of `addr` in one `cuPointerGetAttributes` call: its result, and each value in a
 /// zeroed 8-byte slot (every attribute asked for fits), read back from the low bytes
 /// (little-endian) whatever width the driver writes, a boolean's included.

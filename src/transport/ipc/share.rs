@@ -368,8 +368,7 @@ pub(super) fn publish(r: Region, handles: bool, table: &mut Vec<Segment>) -> Opt
     let (addr, len) = (r.addr() as u64, r.len() as u64);
     if !handles {
         // Peers read it by address: device memory only (host memory is staged).
-        let device = matches!(cuda::classify(r.addr()), Ok(cuda::PtrKind::Device { .. }));
-        return device.then_some(Published { addr, len, ..Published::default() });
+        return cuda::is_device_memory(r.addr()).then_some(Published { addr, len, ..Published::default() });
     }
     let (base, _) = cuda::allocation_of(r.addr()).ok()?;
     if let Ok(handle) = IpcHandle::of(base as *mut std::ffi::c_void) {
