@@ -114,6 +114,43 @@ enum Served {
 const UNUSED_ROOT: Duration = Duration::from_secs(300);
 
 fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served {
+    // `gather` owns the listener, so it is closed before any rank hears back: rank 0 may host
+    // the next root at the same address (NCCL_COMM_ID) as soon as it has its answer, and a
+    // listener still open there would make that bind fail.
+    match gather(listener, magic, timeout) {
+        Gathered::Unused => Served::Unused,
+        Gathered::All(mut joined) => {
+            joined.sort_by_key(|j| j.info.rank);
+            let mut w = Writer::default();
+            w.u8(TABLE).u32(joined.len() as u32);
+            for j in &joined {
+                j.info.encode(&mut w);
+            }
+            for j in &mut joined {
+                let _ = write_frame(&mut j.stream, &w.buf);
+            }
+            Served::Table
+        }
+        Gathered::Failed { mut joined, mut extra, kind, msg } => {
+            fail(&mut joined, extra.as_mut(), kind, &msg);
+            Served::Failed(msg)
+        }
+    }
+}
+
+/// How the wait for a job's ranks ended ([`gather`]).
+enum Gathered {
+    /// Every rank came.
+    All(Vec<Joined>),
+    /// Nobody used the id.
+    Unused,
+    /// The ranks that came (and `extra`, one not counted among them) are to be told why not.
+    Failed { joined: Vec<Joined>, extra: Option<TcpStream>, kind: u8, msg: String },
+}
+
+/// Wait on `listener` (closed when this returns) until every rank of the job has joined, the
+/// job cannot go on, or nobody used the id.
+fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathered {
     let started = Instant::now();
     let deadline = timeout.map(|t| started + t);
     let unused_after = timeout.unwrap_or(UNUSED_ROOT);
@@ -144,7 +181,7 @@ fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served
             // out): nobody waits, so nothing to report but at INFO.
             crate::info!(BOOTSTRAP, "bootstrap: no rank used this unique id within {} s; its root stops",
                          unused_after.as_secs());
-            return Served::Unused;
+            return Gathered::Unused;
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             let missing = missing_ranks(&joined, expected.unwrap_or(0));
@@ -152,12 +189,10 @@ fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served
                 "bootstrap: only {} of {} ranks joined within {} s; missing: {}",
                 joined.len(), expected.map_or("?".to_string(), |n| n.to_string()), timeout.unwrap_or_default().as_secs(),
                 missing);
-            drop(listener);
-            fail(&mut joined, None, TIMED_OUT, &msg);
-            return Served::Failed(msg);
+            return Gathered::Failed { joined, extra: None, kind: TIMED_OUT, msg };
         }
         let (busy, hello) = poll_hellos(&listener, &mut unheard, magic);
-        let Some((mut stream, rank, nranks, info)) = hello else {
+        let Some((stream, rank, nranks, info)) = hello else {
             if busy {
                 last_activity = Instant::now();
             } else {
@@ -181,26 +216,11 @@ fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served
             None
         };
         if let Some(msg) = problem {
-            drop(listener);
-            fail(&mut joined, Some(&mut stream), FAILED, &msg);
-            return Served::Failed(msg);
+            return Gathered::Failed { joined, extra: Some(stream), kind: FAILED, msg };
         }
         joined.push(Joined { stream, info });
         if joined.len() == n {
-            // Closed before any rank hears back (here and on the failures above): rank 0 may
-            // host the next root at the same address (NCCL_COMM_ID) as soon as it has the
-            // table, and a listener still open there would make that bind fail.
-            drop(listener);
-            joined.sort_by_key(|j| j.info.rank);
-            let mut w = Writer::default();
-            w.u8(TABLE).u32(n as u32);
-            for j in &joined {
-                j.info.encode(&mut w);
-            }
-            for j in &mut joined {
-                let _ = write_frame(&mut j.stream, &w.buf);
-            }
-            return Served::Table;
+            return Gathered::All(joined);
         }
     }
 }

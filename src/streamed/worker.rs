@@ -383,11 +383,6 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     }
 }
 
-/// The sends of a batch whose buffers a receive of the batch writes into (an in-place
-/// exchange: ncclSend and ncclRecv of one buffer in a group), each read whole into host memory
-/// now: the receive may land before a peer reading it directly, or the host transports, have
-/// read it (`streamed::paths` declined these the direct path). Those the caller's stream
-/// staged are its pool's already, and so are the receives it staged. Per operation: the copy
 /// A PreMulSum scalar still in memory (`Op::scalar_at`), into `op.op`: from `pooled` (the
 /// pool, where the caller's stream staged it), else read on the worker's stream (the caller's
 /// stream has reached the operation).
@@ -408,6 +403,11 @@ fn read_scalar(stream: &Stream, op: &mut Op, pooled: Option<Region>) -> Result<(
     Ok(())
 }
 
+/// The sends of a batch whose buffers a receive of the batch writes into (an in-place
+/// exchange: ncclSend and ncclRecv of one buffer in a group), each read whole into host memory
+/// now: the receive may land before a peer reading it directly, or the host transports, have
+/// read it (`streamed::paths` declined these the direct path). Those the caller's stream
+/// staged are its pool's already, and so are the receives it staged. Per operation: the copy
 /// of its input, if it took one.
 fn take_overwritten_sends(stream: &Stream, ops: &[Op], prestaged: &[(bool, Option<Region>)])
                           -> Result<Vec<Option<Vec<u8>>>> {
