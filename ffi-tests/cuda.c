@@ -929,7 +929,7 @@ static void order(void) {
 static void premul_case(int pinned) {
   const size_t count = 20000; /* 80 KB: a direct-path size (declined: its scalar is in memory) */
   const int gate = pinned && !host_wait_mode();
-  CUdeviceptr d[MAX_LOCAL], sc[MAX_LOCAL];
+  CUdeviceptr d[MAX_LOCAL], sc[MAX_LOCAL], ds[MAX_LOCAL];
   float *h[MAX_LOCAL], *hs[MAX_LOCAL];
   ncclRedOp_t ops[MAX_LOCAL];
   CUdeviceptr dflag = 0;
@@ -945,10 +945,14 @@ static void premul_case(int pinned) {
     hs[l][0] = (float)(rank + 1);
     CHECK(ncclRedOpCreatePreMulSum(&ops[l], (void*)(uintptr_t)sc[l], ncclFloat32, ncclScalarDevice, g_comms[l]));
     CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
+    /* The value goes through device memory: a copy between two host buffers (into a pinned
+     * scalar) would wait for the held stream (CUDA's API synchronization behavior). */
+    ds[l] = dev_alloc(sizeof(float));
+    CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hs[l], sizeof(float), g_streams[l]));
   }
   for (int l = 0; l < g_env.local; l++) {
     if (gate) CU(cu.StreamWaitValue32(g_streams[l], dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
-    CU(cu.MemcpyAsync(sc[l], (CUdeviceptr)(uintptr_t)hs[l], sizeof(float), g_streams[l]));
+    CU(cu.MemcpyAsync(sc[l], ds[l], sizeof(float), g_streams[l]));
   }
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++)
@@ -968,6 +972,7 @@ static void premul_case(int pinned) {
            g_env.first_rank + l, bad);
     CHECK(ncclRedOpDestroy(ops[l], g_comms[l]));
     dev_free(d[l]);
+    dev_free(ds[l]);
     if (pinned) CU(cu.MemFreeHost((void*)(uintptr_t)sc[l]));
     else dev_free(sc[l]);
     CU(cu.MemFreeHost(h[l]));
@@ -1497,9 +1502,11 @@ static void drop_windows(ncclWindow_t* win, void** buf) {
  * read). With stream waits the stream is held while the source is uploaded on it and the calls
  * are made: they return first, and a put that read its source before its stream got there
  * sends the previous round's values. Then a put into the rank's own window and a signal
- * without data, waited for on the stream. With `pageable`, the ring's sources are pageable
- * host memory instead (part RmaPageable): read once the stream got to the put, and free to
- * reuse once the stream is past it. */
+ * without data, waited for on the stream. With `pageable`, the ring's sources are host memory
+ * instead (part RmaPageable), pageable in the first round of each size and pinned in the
+ * second: read once the stream got to the put, and free to reuse once the stream is past it.
+ * (A put from pinned memory must not make its stream copy it into pinned staging: that copy
+ * would hold up the calling thread behind the held stream, CUDA's rule between host buffers.) */
 static void rma_ring(int pageable) {
   test_step("rma");
   const size_t counts[] = {1, 1000, (1u << 16) + 3, (5u << 18) + 7};
@@ -1510,12 +1517,13 @@ static void rma_ring(int pageable) {
   void* win_buf[MAX_LOCAL];
   ncclWindow_t win[MAX_LOCAL];
   CUdeviceptr src[MAX_LOCAL];
-  float *h[MAX_LOCAL], *plain[MAX_LOCAL];
+  float *h[MAX_LOCAL], *plain[MAX_LOCAL], *pinned[MAX_LOCAL];
   for (int l = 0; l < g_env.local; l++) {
     CHECK(ncclMemAlloc(&win_buf[l], total * sizeof(float)));
     src[l] = dev_alloc(max * sizeof(float));
     h[l] = host_alloc(max * sizeof(float));
     plain[l] = pageable ? malloc(max * sizeof(float)) : NULL;
+    pinned[l] = pageable ? host_alloc(max * sizeof(float)) : NULL;
   }
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++)
@@ -1530,14 +1538,17 @@ static void rma_ring(int pageable) {
       uint32_t* flag = gate ? gate_word(&flagd) : NULL;
       for (int l = 0; l < g_env.local; l++) {
         int rank = g_env.first_rank + l;
-        for (size_t j = 0; j < count; j++) (pageable ? plain[l] : h[l])[j] = in_value(rank, j, salt);
+        float* fill = !pageable ? h[l] : round ? pinned[l] : plain[l];
+        for (size_t j = 0; j < count; j++) fill[j] = in_value(rank, j, salt);
         if (gate) CU(cu.StreamWaitValue32(g_streams[l], flagd, 1, 0 /* GEQ */));
         if (!pageable) CU(cu.MemcpyAsync(src[l], (CUdeviceptr)(uintptr_t)h[l], bytes, g_streams[l]));
       }
       CHECK(ncclGroupStart());
       for (int l = 0; l < g_env.local; l++) {
         int rank = g_env.first_rank + l;
-        const void* from = pageable ? (const void*)plain[l] : (const void*)(uintptr_t)src[l];
+        const void* from = !pageable ? (const void*)(uintptr_t)src[l]
+                           : round  ? (const void*)pinned[l]
+                                    : (const void*)plain[l];
         CHECK(ncclPutSignal(from, count, ncclFloat32, (rank + 1) % g_env.nranks, win[l], at * sizeof(float), 0, 0, 0,
                             g_comms[l], g_streams[l]));
         ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = (rank + g_env.nranks - 1) % g_env.nranks, .sigIdx = 0, .ctx = 0};
@@ -1562,7 +1573,7 @@ static void rma_ring(int pageable) {
       }
       if (flag) CU(cu.MemFreeHost(flag));
       /* Past the put on its stream: the pageable source may be reused. */
-      for (int l = 0; l < g_env.local && pageable; l++) memset(plain[l], 0, bytes);
+      for (int l = 0; l < g_env.local && pageable; l++) memset(round ? pinned[l] : plain[l], 0, bytes);
       expect_no_async_error("rma");
     }
   }
@@ -1594,6 +1605,7 @@ static void rma_ring(int pageable) {
     dev_free(src[l]);
     CU(cu.MemFreeHost(h[l]));
     free(plain[l]);
+    if (pinned[l]) CU(cu.MemFreeHost(pinned[l]));
   }
 }
 
@@ -3037,13 +3049,16 @@ static void host_buffers_in_order(void) {
         CHECK(ncclAllReduce((void*)(uintptr_t)in[l], (void*)(uintptr_t)out[l], count, ncclFloat32, ncclSum, g_comms[l],
                             g_streams[l]));
       CHECK(ncclGroupEnd());
+      /* Read back in stream order through device memory (src is free again): a copy between
+       * two host buffers would wait for the held stream (CUDA's API synchronization behavior). */
       for (int l = 0; l < g_env.local; l++) {
-        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], out[l], bytes, g_streams[l]));
+        CU(cu.MemcpyAsync(src[l], out[l], bytes, g_streams[l]));
         EXPECT(cu.StreamQuery(g_streams[l]) == CUDA_ERROR_NOT_READY, "%s count %zu: the held stream finished",
                kind == PINNED ? "pinned" : "managed", count);
       }
       __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
       for (int l = 0; l < g_env.local; l++) {
+        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], src[l], bytes, g_streams[l]));
         CU(cu.StreamSynchronize(g_streams[l]));
         size_t bad = 0, first = 0;
         for (size_t j = 0; j < count; j++) {

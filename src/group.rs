@@ -136,7 +136,7 @@ fn run_ops(ops: Vec<Queued>) -> Result<()> {
         ops.into_iter().partition(|q| device_comms.contains(&Arc::as_ptr(&q.comm)));
     let mut per_comm: Vec<(Arc<Comm>, Vec<StreamOp>)> = Vec::new();
     for q in on_stream {
-        let o = StreamOp { op: q.op, stream: q.stream, copyable: q.placement.copyable };
+        let o = StreamOp { op: q.op, stream: q.stream, placement: q.placement };
         match per_comm.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &q.comm)) {
             Some((_, v)) => v.push(o),
             None => per_comm.push((q.comm, vec![o])),
@@ -264,7 +264,7 @@ pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, placement: Placement)
         return Ok(());
     }
     if placement.device {
-        let o = StreamOp { op, stream, copyable: placement.copyable };
+        let o = StreamOp { op, stream, placement };
         return crate::streamed::submit(&comm, vec![o]).map(|w| w.into_iter().for_each(|w| w.wait()));
     }
     crate::streamed::drain(&comm);

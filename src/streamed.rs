@@ -99,24 +99,46 @@ fn completion_word(ordinal: i32) -> Result<(&'static MappedHost, usize)> {
     Ok((mem, 0))
 }
 
-/// One operation for the worker: what to run, the stream it is ordered with, and whether the
-/// device copies all its buffers asynchronously (`Placement::copyable`).
+/// One operation for the worker: what to run, the stream it is ordered with, and where its
+/// buffers are.
 #[derive(Clone, Copy, Debug)]
 pub struct StreamOp {
     pub op: Op,
     pub stream: UserStream,
-    pub copyable: bool,
+    pub placement: Placement,
 }
 
-/// Where a call's buffers live, as CUDA mode needs to know: classified once, at the call.
+/// Where a call's buffers (and its PreMulSum scalar) live, as CUDA mode needs to know:
+/// classified once, at the call.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Placement {
-    /// Some buffer (or the PreMulSum scalar) is device, pinned or managed memory: the call runs
-    /// in stream order.
+    /// Some of them is device, pinned or managed memory: the call runs in stream order.
     pub device: bool,
-    /// Every buffer is memory the device copies asynchronously (device, pinned or managed,
-    /// not pageable): the caller's stream can stage it.
-    pub copyable: bool,
+    /// Some of them is plain host memory, which no stream (nor a CUDA graph) copies
+    /// asynchronously.
+    pub pageable: bool,
+    /// Bit `i`: the `i`th region classified ([`Buffer`]'s order for a call) is host memory,
+    /// pinned or pageable.
+    pub host: u8,
+}
+
+/// A call's regions, in the order `api::coll::placement` classifies them.
+#[derive(Clone, Copy, Debug)]
+pub enum Buffer {
+    Send = 0,
+    Recv = 1,
+    Scalar = 2,
+}
+
+impl Placement {
+    /// Whether `b` is in host memory. The worker reads and writes such a buffer itself, once
+    /// the caller's stream has reached the call; the caller's stream stages only the others
+    /// (device or managed memory) through the pinned pool, since its copy between two host
+    /// buffers would hold up the calling thread until the stream got there (CUDA: "fully
+    /// synchronous" between host buffers), which may wait for this very call's peers.
+    pub fn on_host(self, b: Buffer) -> bool {
+        self.host & (1 << b as u8) != 0
+    }
 }
 
 /// The stream worker of one communicator.
@@ -615,15 +637,22 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
             if let (Some(at), Some(to)) = (op.scalar_at, st.scalar) {
                 caller.copy(to, Region::user(at, 0, to.len()))?;
             }
-            caller.copy(st.send, op.send)
+            match st.send.addr() == op.send.addr() {
+                true => Ok(()), // in host memory: the worker reads it there
+                false => caller.copy(st.send, op.send),
+            }
         });
         // Failed: copies into the carve may be in flight, and nothing says when they end: it
         // stays taken (with the rest of the ring behind it; later batches stage on the worker).
         staged_in?;
         for st in &picked {
             let op = ops[st.i].op;
-            outs.push((on(&ops[st.i]), op.recv, st.recv));
-            ops[st.i].op = Op { send: st.send, recv: st.recv, scalar_at: None, ..op };
+            if st.recv.addr() != op.recv.addr() {
+                outs.push((on(&ops[st.i]), op.recv, st.recv));
+            }
+            // (Buffers it did not stage, in host memory, are the worker's to use as they are; so
+            // is a scalar there.)
+            ops[st.i].op = Op { send: st.send, recv: st.recv, scalar_at: op.scalar_at.filter(|_| st.scalar.is_none()), ..op };
             prestaged[st.i] = (true, st.scalar);
         }
     }

@@ -884,7 +884,9 @@ fn cuda_mode_one_hardware_queue() {
 /// One-sided puts between ranks of one host go directly: the caller's stream copies into the
 /// target's window (mapped through CUDA IPC, or by address in one process), then the signal
 /// follows; with NCCL_P2P_DISABLE=1 they are staged through host memory. Exact either way,
-/// from device and from pageable sources.
+/// from device, pageable and pinned sources (a staged put from pinned memory behind a held
+/// stream hung when the stream copied it into the pinned staging: the stand-in makes a copy
+/// between two host buffers wait for the stream, as CUDA does).
 #[test]
 fn cuda_mode_rma_puts_on_one_host_go_directly() {
     for (disable, direct) in [("0", true), ("1", false)] {
@@ -898,7 +900,9 @@ fn cuda_mode_rma_puts_on_one_host_go_directly() {
             }
         }
     }
-    cuda_job().procs(2).arg("--only").arg("RmaPageable").run();
+    for disable in ["0", "1"] {
+        cuda_job().procs(2).local(2).arg("--only").arg("RmaPageable").env("NCCL_P2P_DISABLE", disable).run();
+    }
 }
 
 /// One-sided operations in stream order (`ffi-tests/cuda.c`'s Rma parts run in every default

@@ -79,11 +79,14 @@ pub(crate) fn placement(regions: &[Region]) -> Result<Placement> {
     if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
         return Ok(Placement::default());
     }
-    let mut p = Placement { device: false, copyable: true };
-    for r in regions.iter().filter(|r| !r.is_empty()) {
+    let mut p = Placement::default();
+    for (i, r) in regions.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
         let kind = classify(r.addr()).map_err(|e| e.context(format!("classifying the buffer at {:#x}", r.addr())))?;
         p.device |= kind.stream_ordered();
-        p.copyable &= kind.stream_ordered();
+        p.pageable |= !kind.stream_ordered();
+        if !kind.on_device() && i < 8 {
+            p.host |= 1 << i;
+        }
     }
     Ok(p)
 }
@@ -110,10 +113,9 @@ fn validate(comm: &Comm, a: &Args) -> Result<(Op, Placement)> {
     let (op, scalar_at) = if a.kind.reduces() { resolve_op(comm, a.op, dt)? } else { (RedOp::Builtin(BuiltinOp::Sum), None) };
     let (send, recv) = regions(a, dt.size(), n, comm.rank, root)?;
     // A scalar the stream may still be writing is read in stream order: the operation goes to
-    // the stream too. (resolve_op gives such a scalar only in device, pinned or managed memory,
-    // which the device copies.)
-    let mut placement = placement(&[send, recv])?;
-    placement.device |= scalar_at.is_some();
+    // the stream too. (resolve_op gives such a scalar only in device, pinned or managed memory.)
+    let scalar = scalar_at.map_or(Region::EMPTY, |at| Region::user(at, 0, dt.size()));
+    let placement = placement(&[send, recv, scalar])?; // (`streamed::Buffer`'s order)
     // Collectives are numbered alike on every rank; point-to-point calls are not.
     let seq = if a.kind.is_p2p() { 0 } else { comm.seq.fetch_add(1, Ordering::Relaxed) };
     let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq, scalar_at, of: None };

@@ -140,7 +140,7 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
             "a collective captured into a CUDA graph needs stream memory operations, which this driver does not \
              offer"));
     }
-    if ops.iter().any(|o| !o.copyable) {
+    if ops.iter().any(|o| o.placement.pageable) {
         return Err(Error::invalid_usage(
             "a collective captured into a CUDA graph needs device, pinned or managed buffers: a graph cannot copy \
              pageable host memory"));

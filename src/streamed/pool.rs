@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::StreamOp;
+use super::{Buffer, StreamOp};
 use crate::device::cuda::{Event, MappedHost};
 use crate::device::host::Region;
 use crate::plan::Op;
@@ -217,9 +217,19 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[su
     let max = pool_max();
     let fits = |op: &Op| staged_bytes(op).is_some_and(|n| n <= max);
     let staged = |i: usize| !paths.get(i).is_some_and(|p| p.goes_direct());
-    let picked: Vec<usize> = (0..ops.len()).filter(|&i| ops[i].copyable && staged(i) && fits(&ops[i].op)).collect();
-    let scalar = |i: usize| if ops[i].op.scalar_at.is_some() { POOL_ALIGN } else { 0 };
-    let total: usize = picked.iter().map(|&i| staged_bytes(&ops[i].op).unwrap_or(0) + scalar(i)).sum();
+    // Only buffers in device or managed memory: those in host memory the worker uses as they
+    // are (`Placement::on_host`), and so its PreMulSum scalar there.
+    let on_device = |i: usize| {
+        let (o, at) = (&ops[i].op, ops[i].placement);
+        let keep = |r: Region, b: Buffer| if at.on_host(b) { Region::EMPTY } else { r };
+        Op { send: keep(o.send, Buffer::Send), recv: keep(o.recv, Buffer::Recv), ..*o }
+    };
+    let staged_scalar = |i: usize| ops[i].op.scalar_at.is_some() && !ops[i].placement.on_host(Buffer::Scalar);
+    let picked: Vec<usize> = (0..ops.len())
+        .filter(|&i| staged(i) && fits(&on_device(i)) && (staged_bytes(&on_device(i)) != Some(0) || staged_scalar(i)))
+        .collect();
+    let scalar = |i: usize| if staged_scalar(i) { POOL_ALIGN } else { 0 };
+    let total: usize = picked.iter().map(|&i| staged_bytes(&on_device(i)).unwrap_or(0) + scalar(i)).sum();
     if total == 0 {
         return None;
     }
@@ -243,9 +253,11 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[su
     };
     let mut planned = Vec::with_capacity(picked.len());
     for i in picked {
-        let op = &ops[i].op;
-        let (send, recv) = stage_pair(op, &mut take);
-        let scalar = op.scalar_at.map(|_| take(op.dt.size()));
+        let (op, view) = (&ops[i].op, on_device(i));
+        let (send, recv) = stage_pair(&view, &mut take);
+        // A buffer left out stays the user's own (EMPTY only where it is empty).
+        let (send, recv) = (if view.send.is_empty() { op.send } else { send }, if view.recv.is_empty() { op.recv } else { recv });
+        let scalar = staged_scalar(i).then(|| take(op.dt.size()));
         planned.push(Staged { i, send, recv, scalar });
     }
     Some((start, planned))

@@ -335,7 +335,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
     // Sends and receives between ranks of this host (`Routes::eligible`, alike on both ends)
     // pair up over their own connections (`ipc::run_p2p`); the others go through the host
     // transports meanwhile: either may wait for what a peer does in the other.
-    let mut snapshots = take_overwritten_sends(stream, &ops, &batch.prestaged)?;
+    let mut snapshots = take_overwritten_sends(stream, &ops)?;
     let mut direct_ops = Vec::new();
     let mut host: Vec<Flagged> = Vec::new();
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| o.kind.is_p2p()) {
@@ -391,6 +391,9 @@ fn read_scalar(stream: &Stream, op: &mut Op, pooled: Option<Region>) -> Result<(
     let mut bytes = [0u8; 8];
     match (pooled, op.scalar_at.take()) {
         (Some(r), _) => crate::device::host::copy(Region::owned(&mut bytes[..n]), r),
+        (None, Some(p)) if on_host(Region::user(p, 0, n)) => {
+            crate::device::host::copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))
+        }
         (None, Some(p)) => {
             stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
             stream.synchronize()?;
@@ -406,52 +409,67 @@ fn read_scalar(stream: &Stream, op: &mut Op, pooled: Option<Region>) -> Result<(
 /// The sends of a batch whose buffers a receive of the batch writes into (an in-place
 /// exchange: ncclSend and ncclRecv of one buffer in a group), each read whole into host memory
 /// now: the receive may land before a peer reading it directly, or the host transports, have
-/// read it (`streamed::paths` declined these the direct path). Those the caller's stream
-/// staged are its pool's already, and so are the receives it staged. Per operation: the copy
-/// of its input, if it took one.
-fn take_overwritten_sends(stream: &Stream, ops: &[Op], prestaged: &[(bool, Option<Region>)])
-                          -> Result<Vec<Option<Vec<u8>>>> {
-    let pre = |i: usize| prestaged.get(i).is_some_and(|&(pre, _)| pre);
-    let written = super::Received::new(
-        ops.iter().enumerate().filter(|&(i, o)| o.kind == OpKind::Recv && !pre(i)).map(|(_, o)| o.recv));
+/// read it (`streamed::paths` declined these the direct path). What the caller's stream staged
+/// is in carves of its pool, which overlap nothing else (a buffer in host memory it left where
+/// it is: `Placement::on_host`). Per operation: the copy of its input, if it took one.
+fn take_overwritten_sends(stream: &Stream, ops: &[Op]) -> Result<Vec<Option<Vec<u8>>>> {
+    let written = super::Received::new(ops.iter().filter(|o| o.kind == OpKind::Recv).map(|o| o.recv));
     let mut taken: Vec<Option<Vec<u8>>> = (0..ops.len()).map(|_| None).collect();
+    let mut queued = false;
     for (i, op) in ops.iter().enumerate() {
-        if op.kind != OpKind::Send || pre(i) || !written.overlaps(op.send) {
+        if op.kind != OpKind::Send || !written.overlaps(op.send) {
             continue;
         }
         let mut bytes = crate::device::host::zeroed(op.send.len(), &|| format!("a copy of {}", op.describe()))?;
-        stream.copy(Region::owned(&mut bytes), op.send)?;
+        if on_host(op.send) {
+            crate::device::host::copy(Region::owned(&mut bytes), op.send);
+        } else {
+            stream.copy(Region::owned(&mut bytes), op.send)?;
+            queued = true;
+        }
         taken[i] = Some(bytes);
     }
-    if taken.iter().any(Option::is_some) {
+    if queued {
         stream.synchronize()?;
     }
     Ok(taken)
 }
 
 /// Run the operations with the host transports: those the caller's stream staged (flag set)
-/// as they are, the others copied into host staging memory first and their results back.
+/// as they are, and so their buffers in host memory (`on_host`); the others' copied into host
+/// staging memory first and their results back.
 fn run_staged(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, ops: &[(Op, bool)]) -> Result<()> {
     let mut host_ops = Vec::with_capacity(ops.len());
-    let copies = ops.iter().any(|&(_, pre)| !pre);
+    let staged = |r: Region, pre: bool| !pre && !r.is_empty() && !on_host(r);
+    let mut copies = false;
     for (k, &(op, pre)) in ops.iter().enumerate() {
-        if pre {
-            host_ops.push(op);
-            continue;
+        let send = if staged(op.send, pre) { staging.get(2 * k, op.send.len()) } else { op.send };
+        let recv = if staged(op.recv, pre) { staging.get(2 * k + 1, op.recv.len()) } else { op.recv };
+        if send.addr() != op.send.addr() {
+            stream.copy(send, op.send)?;
+            copies = true;
         }
-        let send = if op.send.is_empty() { Region::EMPTY } else { staging.get(2 * k, op.send.len()) };
-        let recv = if op.recv.is_empty() { Region::EMPTY } else { staging.get(2 * k + 1, op.recv.len()) };
-        stream.copy(send, op.send)?;
         host_ops.push(Op { send, recv, ..op });
     }
     if copies {
         stream.synchronize()?;
     }
     crate::group::execute_now(comm, &host_ops)?;
-    for (&(op, pre), h) in ops.iter().zip(&host_ops) {
-        if !pre {
+    copies = false;
+    for ((op, _), h) in ops.iter().zip(&host_ops) {
+        if h.recv.addr() != op.recv.addr() {
             stream.copy(op.recv, h.recv)?;
+            copies = true;
         }
     }
     if copies { stream.synchronize() } else { Ok(()) }
+}
+
+/// Whether the worker reads and writes `r` itself: host memory (pinned, or pageable in a
+/// group with device buffers), which the callers' streams have done with once they reached
+/// the operation. A stream's copy of it into host staging would only be the same memcpy
+/// after waiting for the stream (CUDA: "fully synchronous" between host buffers), a device
+/// call the worker need not make.
+fn on_host(r: Region) -> bool {
+    !r.is_empty() && crate::device::cuda::classify(r.addr()).is_ok_and(|k| !k.on_device())
 }

@@ -861,19 +861,24 @@ EXPORT CUresult cuStreamQuery(struct stream *h) {
   return idle ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
-/* cuMemcpyAsync is asynchronous only between memory the driver knows. With pageable host
- * memory the driver "might be synchronous" (CUDA: API synchronization behavior): the stub takes
- * the strict reading, so code that relies on such a copy being asynchronous fails here too.
- * From pageable memory it waits for the stream and copies at once (as staging does); to
- * pageable memory it returns when the copy has completed. */
+/* cuMemcpyAsync is asynchronous only between memory the driver knows, one end of it on the
+ * device. With pageable host memory the driver "might be synchronous", and "for transfers from
+ * any host memory to any host memory, the function is fully synchronous with respect to the
+ * host" (CUDA: API synchronization behavior): the stub takes the strict reading, so code that
+ * relies on such a copy being asynchronous fails (or hangs behind a held stream) here too.
+ * From pageable memory, and between two host buffers (pinned or not), it waits for the stream
+ * and copies at once; to pageable memory it returns when the copy has completed. */
 EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct stream *h) {
   note_worker_call("cuMemcpyAsync");
   if (n == 0) return resolve(h, &(struct stream *){NULL});
   if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
-  int from_pageable = mem_lookup(src, n) == MEM_PAGEABLE, to_pageable = mem_lookup(dst, n) == MEM_PAGEABLE;
-  if ((from_pageable || to_pageable) && stream_capturing(h)) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  enum mem_kind from = mem_lookup(src, n), to = mem_lookup(dst, n);
+  int from_pageable = from == MEM_PAGEABLE, to_pageable = to == MEM_PAGEABLE;
+  int host_to_host = (from_pageable || from == MEM_HOST_PINNED) && (to_pageable || to == MEM_HOST_PINNED);
+  int capturing = stream_capturing(h);
+  if ((from_pageable || to_pageable) && capturing) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   CUresult r;
-  if (from_pageable) {
+  if (from_pageable || (host_to_host && !capturing)) {
     if ((r = cuStreamSynchronize(h)) != CUDA_SUCCESS) return r;
     memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return CUDA_SUCCESS;

@@ -6,10 +6,11 @@
 //! stream may be waiting for (the rule of `streamed`), so no copy of ours can sit behind such
 //! a wait in a hardware queue:
 //!
-//! - **Puts written directly**: a put from memory the device copies into a window of a rank
-//!   of this host (its own, one of its process, or device memory of another process that CUDA
-//!   IPC maps: `direct_target`) is copied there by the caller's stream, which then raises the
-//!   mark of a unit that carries only the signal.
+//! - **Puts written directly**: a put into a window of a rank of this host (its own, one of
+//!   its process, or device memory of another process that CUDA IPC maps: `direct_target`),
+//!   where the source or the window is device or managed memory and neither is pageable, is
+//!   copied there by the caller's stream, which then raises the mark of a unit that carries
+//!   only the signal.
 //! - **Other puts and signals** are split into units of at most [`CHUNK`] bytes, numbered per
 //!   communicator, each with a mark (one of [`MARKS`], reused in turn) and, if it carries
 //!   bytes, a slot of pinned staging (one of [`SLOTS`], reused in turn). For each unit the
@@ -19,9 +20,12 @@
 //!   order, any peer's whose stream has got there first: it sends the slot's bytes over the
 //!   one-sided connection and says it finished the unit, in done words beside the marks. A
 //!   stream that has not got to its call holds up only its peer's later units (and, after
-//!   [`SLOTS`] staged units, those that wait for its slot). A source in pageable host memory is
-//!   read by the sender itself, once the mark says the stream got there, and that stream waits
-//!   until the sender has finished with it. Those waits depend on host work only.
+//!   [`SLOTS`] staged units, those that wait for its slot). A source in host memory, pageable
+//!   or pinned, is read by the sender itself, once the mark says the stream got there, and that
+//!   stream waits until the sender has finished with it. Those waits depend on host work only.
+//!   (A stream's copy between two host buffers would hold up the calling thread until the
+//!   stream got there: CUDA's API synchronization behavior. So a put from pinned memory into a
+//!   window in host memory goes as such a unit too, not directly.)
 //! - **Waits**: the target's reader (`Inner::serve`) copies a put's bytes into the window on a
 //!   stream of its own, waits for the copy, then counts the signal in a word of mapped host
 //!   memory per (context, signal, sender). The call makes its stream wait until each word
@@ -474,7 +478,8 @@ impl Gated {
     }
 
     /// Queue a put or signal behind the work on `st` (see the module docs). `copyable`: the
-    /// source is memory the device copies (device, pinned, managed), staged by the stream.
+    /// source is device or managed memory, staged by the stream (others are read by the
+    /// sender).
     /// False: the driver refused the first stream wait, nothing was queued on the stream.
     fn issue(&self, st: &Stream, peer: usize, frame: Frame, data: Region, copyable: bool) -> Result<bool> {
         let parts: Vec<(usize, usize)> = if copyable && data.len() > CHUNK {
@@ -773,10 +778,14 @@ pub(super) fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
     if let Some(g) = gated.as_ref().filter(|g| !g.refused.load(Ordering::Acquire)) {
         let queued = match op {
             RmaOp::Put { peer, frame, data, .. } => {
-                let copyable = needs_device_copy(&[*data])?;
+                // Only copies the stream makes without holding up this thread (not between two
+                // host buffers: `PtrKind::on_device`); a pinned source is read by the sender.
+                let stageable = !data.is_empty() && crate::device::cuda::classify(data.addr())?.on_device();
                 match direct_target(comm, *peer, frame)? {
-                    Some(dst) if copyable && !data.is_empty() => g.issue_direct(&st, *peer, *frame, dst, *data)?,
-                    _ => g.issue(&st, *peer, *frame, *data, copyable)?,
+                    Some(dst) if !data.is_empty() && crate::device::cuda::copies_async(dst.addr(), data.addr())? => {
+                        g.issue_direct(&st, *peer, *frame, dst, *data)?
+                    }
+                    _ => g.issue(&st, *peer, *frame, *data, stageable)?,
                 }
             }
             RmaOp::Signal { peer, frame, .. } => g.issue(&st, *peer, *frame, Region::EMPTY, false)?,

@@ -48,6 +48,21 @@ impl PtrKind {
     pub fn stream_ordered(self) -> bool {
         !matches!(self, PtrKind::Host)
     }
+
+    /// Memory the device holds (device or managed memory): `cuMemcpyAsync` between it and
+    /// pinned host memory returns at once. Between two host buffers, pinned or not, it is
+    /// "fully synchronous with respect to the host" (CUDA: API synchronization behavior): on a
+    /// stream that waits for something, the calling thread waits with it.
+    pub fn on_device(self) -> bool {
+        matches!(self, PtrKind::Device { .. } | PtrKind::Managed)
+    }
+}
+
+/// Whether `cuMemcpyAsync` from `src` into `dst` returns before the stream runs it: neither is
+/// plain host memory, and one of them is on the device ([`PtrKind::on_device`]).
+pub fn copies_async(dst: usize, src: usize) -> Result<bool> {
+    let (d, s) = (classify(dst)?, classify(src)?);
+    Ok(d.stream_ordered() && s.stream_ordered() && (d.on_device() || s.on_device()))
 }
 
 /// Whether `addr` is device memory (of any device), as the driver sees it; false if it cannot
