@@ -1071,6 +1071,24 @@ static void capture(void) {
     EXPECT(r == ncclInvalidUsage, "allreduce during graph capture returned %s", result_name(r));
     EXPECT(msg && strstr(msg, "graph"), "the capture error does not say why: '%s'", msg ? msg : "(null)");
   }
+  /* On the legacy stream while a blocking stream captures, which CUDA answers with "implicit
+   * capture" for it: refused with a message that says so, and that capture survives. */
+  CUstream blocking;
+  CU(cu.StreamCreate(&blocking, 0));
+  for (int l = 0; l < g_env.local; l++) {
+    CU(cu.StreamBeginCapture(blocking, CU_STREAM_CAPTURE_MODE_RELAXED));
+    ncclResult_t r = ncclAllReduce((const void*)(uintptr_t)d, (void*)(uintptr_t)d, 64, ncclFloat32, ncclSum, g_comms[l],
+                                   NULL);
+    const char* msg = ncclGetLastError(g_comms[l]);
+    void* graph = NULL;
+    CUresult ended = cu.StreamEndCapture(blocking, &graph);
+    if (graph) CU(cu.GraphDestroy(graph));
+    EXPECT(r == ncclInvalidUsage, "allreduce on the legacy stream during a capture returned %s", result_name(r));
+    EXPECT(msg && strstr(msg, "legacy default stream"), "the legacy stream's refusal does not say why: '%s'",
+           msg ? msg : "(null)");
+    EXPECT(ended == 0, "the blocking stream's capture was invalidated (cuStreamEndCapture: CUDA error %d)", ended);
+  }
+  CU(cu.StreamDestroy(blocking));
   dev_free(d);
   run_coll(C_ALLREDUCE, 100, 0, 0, 9); /* still works */
 }

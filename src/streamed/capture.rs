@@ -129,6 +129,11 @@ pub(super) struct Replay {
 /// Records the operations `ops` of one group on `comm` into the graph `stream` captures (see
 /// the module's notes). The caller checked that the stream is capturing.
 pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &Stream) -> Result<()> {
+    // (None: the legacy stream, which counts as capturing while another stream does.)
+    let Some(capture) = stream.capture()? else {
+        return Err(Error::invalid_usage(
+            "the legacy default stream cannot take a collective while another stream captures a CUDA graph"));
+    };
     if !crate::params::graph_capture() {
         return Err(Error::invalid_usage(
             "the stream is capturing a CUDA graph: nccl-rs records collectives into graphs only with \
@@ -145,10 +150,6 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
             "a collective captured into a CUDA graph needs device, pinned or managed buffers: a graph cannot copy \
              pageable host memory"));
     }
-    let Some(capture) = stream.capture()? else {
-        return Err(Error::invalid_usage(
-            "the legacy default stream cannot take a collective while another stream captures a CUDA graph"));
-    };
     // The block: the word, then per operation its input, its output (once, in place) and its
     // scalar.
     let scalar_bytes = |o: &Op| if o.scalar_at.is_some() { POOL_ALIGN } else { 0 };

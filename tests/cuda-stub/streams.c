@@ -74,6 +74,7 @@ struct stream {
   int destroying;
   struct queue *q;      /* shared hardware queues: the one this stream's commands go to */
   int kernels_running;  /* shared hardware queues: its launched kernels still running */
+  int blocking;         /* created without CU_STREAM_NON_BLOCKING: synchronizes with the legacy stream */
 };
 
 static void event_unref(struct event *e) {
@@ -331,6 +332,7 @@ EXPORT CUresult cuStreamCreate(struct stream **ph, unsigned flags) {
   REQUIRE_CTX();
   if (!ph || (flags & ~(unsigned)STREAM_NON_BLOCKING)) return CUDA_ERROR_INVALID_VALUE;
   *ph = stream_new();
+  if (*ph) (*ph)->blocking = !(flags & STREAM_NON_BLOCKING);
   return *ph ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
@@ -684,6 +686,14 @@ EXPORT CUresult cuStreamGetCaptureInfo_v2(struct stream *h, int *status, uint64_
   if (r != CUDA_SUCCESS) return r;
   if (!status) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_capture_lock);
+  /* CUDA: asked of the legacy stream while a blocking stream captures, the answer is
+   * CUDA_ERROR_STREAM_CAPTURE_IMPLICIT (the capture is not invalidated). */
+  for (int i = 0; (uintptr_t)h <= 1 && i < g_ncaptures; i++) {
+    if (g_captures[i].s->blocking) {
+      pthread_mutex_unlock(&g_capture_lock);
+      return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+    }
+  }
   struct capture *c = capture_of(s);
   *status = !c ? 0 : c->invalidated ? 2 : 1;
   if (id) *id = c ? c->id : 0;
@@ -843,11 +853,7 @@ EXPORT CUresult cuGraphRetainUserObject(struct graph *g, struct uobj *o, unsigne
 }
 
 EXPORT CUresult cuStreamIsCapturing(struct stream *h, int *status) {
-  struct stream *s;
-  CUresult r = resolve(h, &s);
-  if (r != CUDA_SUCCESS) return r;
-  if (!status) return CUDA_ERROR_INVALID_VALUE;
-  return cuStreamGetCaptureInfo_v2(s, status, NULL, NULL, NULL, NULL);
+  return cuStreamGetCaptureInfo_v2(h, status, NULL, NULL, NULL, NULL); /* (h as given: the legacy stream's answer) */
 }
 
 EXPORT CUresult cuStreamQuery(struct stream *h) {

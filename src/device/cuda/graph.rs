@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use cudarc::driver::sys::{self, CUgraph, CUuserObject, CUuserObjectRetain_flags, CUuserObject_flags};
+use cudarc::driver::sys::{self, CUgraph, CUresult, CUuserObject, CUuserObjectRetain_flags, CUuserObject_flags};
 
 use super::stream::Stream;
 use super::{check, driver};
@@ -19,17 +19,22 @@ pub struct Capture {
 }
 
 impl Stream {
-    /// The graph this stream is capturing into, or None if it is not capturing.
+    /// The graph this stream is capturing into, or None if it is not capturing (the legacy
+    /// stream while a blocking stream captures, which CUDA answers with
+    /// CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, captures nothing itself).
     pub fn capture(&self) -> Result<Option<Capture>> {
         driver("cuStreamGetCaptureInfo_v2", || {
             let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
             let mut graph: CUgraph = std::ptr::null_mut();
             // SAFETY: `status` and `graph` are valid out-pointers; the others may be NULL; `raw`
             // is a live stream.
-            check("cuStreamGetCaptureInfo_v2", unsafe {
+            match unsafe {
                 sys::cuStreamGetCaptureInfo_v2(self.raw(), &mut status, std::ptr::null_mut(), &mut graph,
                                                std::ptr::null_mut(), std::ptr::null_mut())
-            })?;
+            } {
+                CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => return Ok(None),
+                r => check("cuStreamGetCaptureInfo_v2", r)?,
+            }
             match status {
                 sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE if !graph.is_null() => {
                     Ok(Some(Capture { graph }))
