@@ -483,24 +483,26 @@ fn cuda_mode_a_rank_without_kernels() {
 /// through the board, direct kernels are queued by the caller): the stand-in reports any call
 /// made from a worker thread (NCCL_RS_STUB_REPORT_WORKER_CALLS); for collectives and for sends
 /// and receives. With the direct path on the worker's stream (NCCL_RS_DIRECT_ON_STREAM=0) it
-/// does report them: the check can fail.
+/// does report them: the check can fail. Part Mixed without the device scratch: buffers in
+/// pinned host memory (a send's bytes, an all-reduce's output) the worker uses where they are.
 #[test]
 fn cuda_mode_worker_makes_no_device_calls() {
     if !stand_in_only("cuda_mode_worker_makes_no_device_calls") {
         return;
     }
-    for part in ["Collectives", "P2P"] {
-        for (on_stream, quiet) in [("1", true), ("0", false)] {
-            let o = cuda_job().procs(2).arg("--only").arg(part).env("NCCL_RS_STUB_REPORT_WORKER_CALLS", "1")
-                .env("NCCL_RS_DIRECT_ON_STREAM", on_stream).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
-                .run_outcome();
-            assert!(o.ok(), "{}", o.report);
-            for (i, p) in o.procs.iter().enumerate() {
-                assert!(p.log.contains("are read directly"), "part {part}, process {i}: not direct:\n{}", p.log);
-                let calls: Vec<&str> = p.log.lines().filter(|l| l.contains("from the stream worker")).collect();
-                assert_eq!(calls.is_empty(), quiet, "part {part}, NCCL_RS_DIRECT_ON_STREAM={on_stream}, process {i}: {:?}",
-                           &calls[..calls.len().min(5)]);
-            }
+    let runs = [("Collectives", "67108864", "1", true), ("Collectives", "67108864", "0", false),
+                ("P2P", "67108864", "1", true), ("P2P", "67108864", "0", false), ("Mixed", "0", "1", true)];
+    for (part, scratch, on_stream, quiet) in runs {
+        let o = cuda_job().procs(2).arg("--only").arg(part).env("NCCL_RS_STUB_REPORT_WORKER_CALLS", "1")
+            .env("NCCL_RS_DIRECT_ON_STREAM", on_stream).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
+            .env("NCCL_RS_INPLACE_SCRATCH", scratch).run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            let direct = part != "Mixed"; // (its sends and receives, in host memory or not)
+            assert!(!direct || p.log.contains("are read directly"), "part {part}, process {i}: not direct:\n{}", p.log);
+            let calls: Vec<&str> = p.log.lines().filter(|l| l.contains("from the stream worker")).collect();
+            assert_eq!(calls.is_empty(), quiet, "part {part}, NCCL_RS_DIRECT_ON_STREAM={on_stream}, process {i}: {:?}",
+                       &calls[..calls.len().min(5)]);
         }
     }
 }

@@ -467,9 +467,7 @@ fn run_staged(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, ops: &[(
 
 /// Whether the worker reads and writes `r` itself: host memory (pinned, or pageable in a
 /// group with device buffers), which the callers' streams have done with once they reached
-/// the operation. A stream's copy of it into host staging would only be the same memcpy
-/// after waiting for the stream (CUDA: "fully synchronous" between host buffers), a device
-/// call the worker need not make.
+/// the operation; no device call for it.
 fn on_host(r: Region) -> bool {
-    !r.is_empty() && crate::device::cuda::classify(r.addr()).is_ok_and(|k| !k.on_device())
+    !r.is_empty() && crate::device::cuda::is_host_memory(r.addr())
 }

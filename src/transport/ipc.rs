@@ -842,7 +842,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
                         awaits[i] = Awaits::Kernel;
                         continue;
                     }
-                    if o.pre {
+                    if o.pre || cuda::is_host_memory(op.recv.addr()) {
                         crate::device::host::copy(op.recv, bytes);
                     } else {
                         // Done before the message is dropped (and before the caller's stream,
@@ -1019,10 +1019,10 @@ fn read_record(comm: &Comm, ready: &crate::comm::Ready, direct: &mut Direct, op:
 }
 
 /// A send's bytes to its receiver as message `m`: from the pool where its caller's stream
-/// staged them, else copied to host memory first.
+/// staged them, or from host memory where they are, else copied to host memory first.
 fn send_bytes(comm: &Comm, stream: &Stream, o: &P2p, m: u64) -> Result<()> {
     let (op, peer) = (&o.op, o.op.root);
-    if o.pre {
+    if o.pre || cuda::is_host_memory(op.send.addr()) {
         return comm.rma.p2p_send(comm, peer, DATA, m, 0, &[op.send]);
     }
     let mut bytes = crate::device::host::zeroed(op.send.len(), &|| format!("a copy of {}", op.describe()))?;

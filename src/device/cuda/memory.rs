@@ -65,6 +65,14 @@ pub fn copies_async(dst: usize, src: usize) -> Result<bool> {
     Ok(d.stream_ordered() && s.stream_ordered() && (d.on_device() || s.on_device()))
 }
 
+/// Whether `addr` is host memory, pinned or not, as the driver sees it: memory a thread reads
+/// and writes itself once the streams that use it have got there (a stream's copy between it
+/// and other host memory would be the same memcpy after waiting for the stream: see
+/// [`PtrKind::on_device`]); false if the driver cannot tell.
+pub fn is_host_memory(addr: usize) -> bool {
+    classify(addr).is_ok_and(|k| !k.on_device())
+}
+
 /// Whether `addr` is device memory (of any device), as the driver sees it; false if it cannot
 /// tell.
 pub fn is_device_memory(addr: usize) -> bool {
