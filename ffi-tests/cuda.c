@@ -1270,9 +1270,10 @@ static void graph(void) {
   const int n = g_env.nranks;
   /* Per rank: inputs [0] small in place, [1] large, [2] gather, [3] premul in place, [4] send;
    * outputs [5] large, [6] gather (n x), [7] receive; [8] the scalar; [9] an eager all-reduce;
-   * in place, [10] an all-gather (n x) and [11] a reduce-scatter (n x). */
+   * in place, [10] an all-gather (n x) and [11] a reduce-scatter (n x). And an all-reduce of [4]
+   * into pinned host memory, which the worker writes where it is. */
   CUdeviceptr d[MAX_LOCAL][12];
-  float* h[MAX_LOCAL];
+  float *h[MAX_LOCAL], *pinned_out[MAX_LOCAL];
   ncclRedOp_t pre[MAX_LOCAL];
   void *graphs[MAX_LOCAL], *execs[MAX_LOCAL];
   const size_t bytes[12] = {G_SMALL, G_LARGE, G_GATHER, G_SMALL, G_SMALL, G_LARGE, (size_t)G_GATHER * n, G_SMALL, 1,
@@ -1280,6 +1281,7 @@ static void graph(void) {
   for (int l = 0; l < g_env.local; l++) {
     for (int b = 0; b < 12; b++) d[l][b] = dev_alloc(bytes[b] * sizeof(float));
     h[l] = host_alloc((size_t)G_LARGE * (n > 8 ? n : 8) * sizeof(float));
+    pinned_out[l] = host_alloc(G_SMALL * sizeof(float));
     CHECK(ncclRedOpCreatePreMulSum(&pre[l], (void*)(uintptr_t)d[l][8], ncclFloat32, ncclScalarDevice, g_comms[l]));
   }
   CUstream cap;
@@ -1306,6 +1308,7 @@ static void graph(void) {
                             G_GATHER, ncclFloat32, ncclSum, c, st));
     CHECK(ncclSend((void*)(uintptr_t)d[l][4], G_SMALL, ncclFloat32, (rank + 1) % n, c, st));
     CHECK(ncclRecv((void*)(uintptr_t)d[l][7], G_SMALL, ncclFloat32, (rank + n - 1) % n, c, st));
+    CHECK(ncclAllReduce((void*)(uintptr_t)d[l][4], pinned_out[l], G_SMALL, ncclFloat32, ncclSum, c, st));
   }
   CHECK(ncclGroupEnd());
   for (int l = 0; l < g_env.local; l++) {
@@ -1331,6 +1334,7 @@ static void graph(void) {
       for (size_t j = 0; j < G_LARGE; j++) h[l][j] = in_value(rank, j, salt + 7);
       CU(cu.MemcpyAsync(d[l][9], (CUdeviceptr)(uintptr_t)h[l], G_LARGE * sizeof(float), g_streams[l]));
       CU(cu.StreamSynchronize(g_streams[l]));
+      memset(pinned_out[l], 0xff, G_SMALL * sizeof(float)); /* NaN: the launch must write it */
     }
     CU(cu.StreamWaitValue32(cap, dflag, 1, CU_STREAM_WAIT_VALUE_GEQ));
     CU(cu.GraphLaunch(exec_all, cap));
@@ -1374,6 +1378,10 @@ static void graph(void) {
           bad[k] += out[j] != want;
         }
       }
+      size_t bad_pinned = 0;
+      for (size_t j = 0; j < G_SMALL; j++) bad_pinned += pinned_out[l][j] != expected(C_ALLREDUCE, G_SMALL, n, rank, j, salt + 4);
+      EXPECT(bad_pinned == 0, "graph launch %d, rank %d: all-reduce into pinned memory: %zu wrong values", launch + 1, rank,
+             bad_pinned);
       EXPECT(bad[0] + bad[1] + bad[2] + bad[3] + bad[4] + bad[5] + bad[6] + bad[7] == 0,
              "graph launch %d, rank %d: wrong values: all-reduce in place %zu, large %zu, all-gather %zu, "
              "PreMulSum %zu, receive %zu, the all-reduce behind the launch %zu, all-gather in place %zu, "
@@ -1395,6 +1403,7 @@ static void graph(void) {
     CHECK(ncclRedOpDestroy(pre[l], g_comms[l]));
     for (int b = 0; b < 12; b++) dev_free(d[l][b]);
     CU(cu.MemFreeHost(h[l]));
+    CU(cu.MemFreeHost(pinned_out[l]));
   }
 
   /* What a graph cannot hold is refused alike on every rank, with a message, and the

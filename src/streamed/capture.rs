@@ -4,13 +4,15 @@
 //!
 //! What the capture records on the stream, per call (after a write of the completion word's
 //! idle value, which fails first where the driver cannot capture stream memory operations):
-//! 1. copies of the inputs (and a PreMulSum scalar in device memory) into pinned host memory
-//!    of the call's own (a block, reused once its graph is gone);
+//! 1. copies of the inputs (and a PreMulSum scalar) in device or managed memory into pinned
+//!    host memory of the call's own (a block, reused once its graph is gone); buffers in
+//!    pinned host memory are used where they are (a copy between two host buffers is not
+//!    asynchronous, and need not be captured);
 //! 2. a host function, which hands the operations to the communicator's stream worker (it
 //!    makes no driver call and returns at once);
 //! 3. a wait until the block's first word is 1, then a write of 0 into it, ready for the next
 //!    launch;
-//! 4. copies of the results out of the block.
+//! 4. copies of the results out of the block (into device or managed memory).
 //!
 //! The worker runs the operations with the host transports on the block (host work only, no
 //! device work a waiting stream could hold up) and writes the word — also when they fail, the
@@ -35,8 +37,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::pool::{aligned, stage_pair, staged_bytes, POOL_ALIGN};
-use super::{publish_failure, Queue, StreamOp, Streamed};
+use super::pool::{aligned, on_device, stage_buffers, staged_bytes, POOL_ALIGN};
+use super::{publish_failure, Buffer, Queue, StreamOp, Streamed};
 use crate::comm::Comm;
 use crate::device::cuda::{Capture, MappedHost, MemOp, Stream, WaitCond};
 use crate::device::host::Region;
@@ -151,10 +153,12 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
              pageable host memory"));
     }
     // The block: the word, then per operation its input, its output (once, in place) and its
-    // scalar.
-    let scalar_bytes = |o: &Op| if o.scalar_at.is_some() { POOL_ALIGN } else { 0 };
+    // scalar, where they are in device or managed memory: the worker uses those in host memory
+    // where they are (a graph's copy between two host buffers is one CUDA need not capture).
+    let scalar_in_block = |o: &StreamOp| o.op.scalar_at.is_some() && !o.placement.on_host(Buffer::Scalar);
+    let scalar_bytes = |o: &StreamOp| if scalar_in_block(o) { POOL_ALIGN } else { 0 };
     let total = ops.iter().try_fold(HEAD, |sum: usize, o| {
-        sum.checked_add(staged_bytes(&o.op)?)?.checked_add(scalar_bytes(&o.op))
+        sum.checked_add(staged_bytes(&on_device(o))?)?.checked_add(scalar_bytes(o))
     });
     let total = total.ok_or_else(|| Error::invalid_arg("a captured call's buffers are too large"))?;
     let block = Block::take(total)?;
@@ -168,8 +172,9 @@ pub(super) fn record(comm: &Arc<Comm>, s: &Streamed, ops: &[StreamOp], stream: &
     let mut staged = Vec::with_capacity(ops.len());
     let mut scalars = Vec::with_capacity(ops.len());
     for o in ops {
-        let (send, recv) = stage_pair(&o.op, &mut take);
-        scalars.push(o.op.scalar_at.map(|_| take(o.op.dt.size())));
+        let (send, recv) = stage_buffers(o, &mut take);
+        let size = o.op.dt.size();
+        scalars.push(o.op.scalar_at.map(|at| if scalar_in_block(o) { take(size) } else { Region::user(at, 0, size) }));
         staged.push(Op { send, recv, scalar_at: None, ..o.op });
     }
     s.queue.graphs.fetch_add(1, Ordering::AcqRel);
@@ -195,11 +200,13 @@ fn queue_work(stream: &Stream, capture: &Capture, ops: &[StreamOp], call: &Arc<C
     if stream.write_value32(mem, 0, 0)? == MemOp::Unsupported {
         return Err(refused());
     }
+    // (Only what is in the block: the rest is the user's own memory.)
+    let copy = |dst: Region, src: Region| if dst.addr() == src.addr() { Ok(()) } else { stream.copy(dst, src) };
     for ((o, staged), scalar) in ops.iter().zip(&call.ops).zip(&call.scalars) {
         if let (Some(at), Some(to)) = (o.op.scalar_at, scalar) {
-            stream.copy(*to, Region::user(at, 0, to.len()))?;
+            copy(*to, Region::user(at, 0, to.len()))?;
         }
-        stream.copy(staged.send, o.op.send)?;
+        copy(staged.send, o.op.send)?;
     }
     capture.host_call(stream, call.clone(), hand_over)?;
     let gated = stream.wait_value32(mem, 0, 1, WaitCond::Eq)?;
@@ -211,7 +218,7 @@ fn queue_work(stream: &Stream, capture: &Capture, ops: &[StreamOp], call: &Arc<C
         return Err(refused());
     }
     for (o, staged) in ops.iter().zip(&call.ops) {
-        stream.copy(o.op.recv, staged.recv)?;
+        copy(o.op.recv, staged.recv)?;
     }
     Ok(())
 }

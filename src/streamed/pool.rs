@@ -217,13 +217,7 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[su
     let max = pool_max();
     let fits = |op: &Op| staged_bytes(op).is_some_and(|n| n <= max);
     let staged = |i: usize| !paths.get(i).is_some_and(|p| p.goes_direct());
-    // Only buffers in device or managed memory: those in host memory the worker uses as they
-    // are (`Placement::on_host`), and so its PreMulSum scalar there.
-    let on_device = |i: usize| {
-        let (o, at) = (&ops[i].op, ops[i].placement);
-        let keep = |r: Region, b: Buffer| if at.on_host(b) { Region::EMPTY } else { r };
-        Op { send: keep(o.send, Buffer::Send), recv: keep(o.recv, Buffer::Recv), ..*o }
-    };
+    let on_device = |i: usize| on_device(&ops[i]);
     let staged_scalar = |i: usize| ops[i].op.scalar_at.is_some() && !ops[i].placement.on_host(Buffer::Scalar);
     let picked: Vec<usize> = (0..ops.len())
         .filter(|&i| staged(i) && fits(&on_device(i)) && (staged_bytes(&on_device(i)) != Some(0) || staged_scalar(i)))
@@ -253,14 +247,27 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[su
     };
     let mut planned = Vec::with_capacity(picked.len());
     for i in picked {
-        let (op, view) = (&ops[i].op, on_device(i));
-        let (send, recv) = stage_pair(&view, &mut take);
-        // A buffer left out stays the user's own (EMPTY only where it is empty).
-        let (send, recv) = (if view.send.is_empty() { op.send } else { send }, if view.recv.is_empty() { op.recv } else { recv });
-        let scalar = staged_scalar(i).then(|| take(op.dt.size()));
+        let (send, recv) = stage_buffers(&ops[i], &mut take);
+        let scalar = staged_scalar(i).then(|| take(ops[i].op.dt.size()));
         planned.push(Staged { i, send, recv, scalar });
     }
     Some((start, planned))
+}
+
+/// `o`'s operation with only its buffers in device or managed memory, the ones a stream stages
+/// (the others empty): the worker uses those in host memory as they are
+/// (`Placement::on_host`), and so a PreMulSum scalar there.
+pub(super) fn on_device(o: &StreamOp) -> Op {
+    let keep = |r: Region, b: Buffer| if o.placement.on_host(b) { Region::EMPTY } else { r };
+    Op { send: keep(o.op.send, Buffer::Send), recv: keep(o.op.recv, Buffer::Recv), ..o.op }
+}
+
+/// Where `o`'s input and output are staged, from `take` ([`stage_pair`]), for the buffers a
+/// stream stages ([`on_device`]); the user's own for the others.
+pub(super) fn stage_buffers(o: &StreamOp, take: impl FnMut(usize) -> Region) -> (Region, Region) {
+    let view = on_device(o);
+    let (send, recv) = stage_pair(&view, take);
+    (if view.send.is_empty() { o.op.send } else { send }, if view.recv.is_empty() { o.op.recv } else { recv })
 }
 
 /// How `op` is in place, if it is and its plans run it in place (the kinds `algo::sim` checks
