@@ -215,15 +215,15 @@ pub(super) fn plan_caller_staging(pool: &mut Pool, ops: &[StreamOp], paths: &[su
     // The direct path moves its own data; an operation larger than the pool can ever be never
     // fits (and its size must not overflow the sum).
     let max = pool_max();
-    let fits = |op: &Op| staged_bytes(op).is_some_and(|n| n <= max);
     let staged = |i: usize| !paths.get(i).is_some_and(|p| p.goes_direct());
-    let on_device = |i: usize| on_device(&ops[i]);
+    // Only what a stream stages (`on_device`): an operation with nothing of it is not picked.
+    let bytes = |i: usize| staged_bytes(&on_device(&ops[i]));
     let staged_scalar = |i: usize| ops[i].op.scalar_at.is_some() && !ops[i].placement.on_host(Buffer::Scalar);
     let picked: Vec<usize> = (0..ops.len())
-        .filter(|&i| staged(i) && fits(&on_device(i)) && (staged_bytes(&on_device(i)) != Some(0) || staged_scalar(i)))
+        .filter(|&i| staged(i) && bytes(i).is_some_and(|n| n <= max && (n > 0 || staged_scalar(i))))
         .collect();
     let scalar = |i: usize| if staged_scalar(i) { POOL_ALIGN } else { 0 };
-    let total: usize = picked.iter().map(|&i| staged_bytes(&on_device(i)).unwrap_or(0) + scalar(i)).sum();
+    let total: usize = picked.iter().map(|&i| bytes(i).unwrap_or(0) + scalar(i)).sum();
     if total == 0 {
         return None;
     }
