@@ -384,19 +384,17 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
 }
 
 /// A PreMulSum scalar still in memory (`Op::scalar_at`), into `op.op`: from `pooled` (the
-/// pool, where the caller's stream staged it), else read on the worker's stream (the caller's
+/// pool, where the caller's stream staged it), else read where it is (`to_host`: the caller's
 /// stream has reached the operation).
 fn read_scalar(stream: &Stream, op: &mut Op, pooled: Option<Region>) -> Result<()> {
     let n = op.dt.size();
     let mut bytes = [0u8; 8];
     match (pooled, op.scalar_at.take()) {
         (Some(r), _) => crate::device::host::copy(Region::owned(&mut bytes[..n]), r),
-        (None, Some(p)) if on_host(Region::user(p, 0, n)) => {
-            crate::device::host::copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))
-        }
         (None, Some(p)) => {
-            stream.copy(Region::owned(&mut bytes[..n]), Region::user(p, 0, n))?;
-            stream.synchronize()?;
+            if to_host(stream, Region::owned(&mut bytes[..n]), Region::user(p, 0, n))? {
+                stream.synchronize()?;
+            }
         }
         (None, None) => return Ok(()),
     }
@@ -421,12 +419,7 @@ fn take_overwritten_sends(stream: &Stream, ops: &[Op]) -> Result<Vec<Option<Vec<
             continue;
         }
         let mut bytes = crate::device::host::zeroed(op.send.len(), &|| format!("a copy of {}", op.describe()))?;
-        if on_host(op.send) {
-            crate::device::host::copy(Region::owned(&mut bytes), op.send);
-        } else {
-            stream.copy(Region::owned(&mut bytes), op.send)?;
-            queued = true;
-        }
+        queued |= to_host(stream, Region::owned(&mut bytes), op.send)?;
         taken[i] = Some(bytes);
     }
     if queued {
@@ -463,6 +456,16 @@ fn run_staged(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, ops: &[(
         }
     }
     if copies { stream.synchronize() } else { Ok(()) }
+}
+
+/// `src` into `dst`, plain host memory of the worker's: by this thread if `src` is in host
+/// memory too (`on_host`), else queued on `stream`. True: queued (the caller synchronizes).
+fn to_host(stream: &Stream, dst: Region, src: Region) -> Result<bool> {
+    if on_host(src) {
+        crate::device::host::copy(dst, src);
+        return Ok(false);
+    }
+    stream.copy(dst, src).map(|()| true)
 }
 
 /// Whether the worker reads and writes `r` itself: host memory (pinned, or pageable in a

@@ -24,8 +24,8 @@
 //!   or pinned, is read by the sender itself, once the mark says the stream got there, and that
 //!   stream waits until the sender has finished with it. Those waits depend on host work only.
 //!   (A stream's copy between two host buffers would hold up the calling thread until the
-//!   stream got there: CUDA's API synchronization behavior. So a put from pinned memory into a
-//!   window in host memory goes as such a unit too, not directly.)
+//!   stream got there: CUDA's API synchronization behavior, `PtrKind::copies_async_with`. So a
+//!   put from pinned memory into a window in host memory goes as such a unit too, not directly.)
 //! - **Waits**: the target's reader (`Inner::serve`) copies a put's bytes into the window on a
 //!   stream of its own, waits for the copy, then counts the signal in a word of mapped host
 //!   memory per (context, signal, sender). The call makes its stream wait until each word
@@ -780,12 +780,13 @@ pub(super) fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
             RmaOp::Put { peer, frame, data, .. } => {
                 // Only copies the stream makes without holding up this thread (not between two
                 // host buffers: `PtrKind::on_device`); a pinned source is read by the sender.
-                let stageable = !data.is_empty() && crate::device::cuda::classify(data.addr())?.on_device();
-                match direct_target(comm, *peer, frame)? {
-                    Some(dst) if !data.is_empty() && crate::device::cuda::copies_async(dst.addr(), data.addr())? => {
+                use crate::device::cuda::classify;
+                let src = if data.is_empty() { None } else { Some(classify(data.addr())?) };
+                match (direct_target(comm, *peer, frame)?, src) {
+                    (Some(dst), Some(s)) if s.copies_async_with(classify(dst.addr())?) => {
                         g.issue_direct(&st, *peer, *frame, dst, *data)?
                     }
-                    _ => g.issue(&st, *peer, *frame, *data, stageable)?,
+                    _ => g.issue(&st, *peer, *frame, *data, src.is_some_and(|s| s.on_device()))?,
                 }
             }
             RmaOp::Signal { peer, frame, .. } => g.issue(&st, *peer, *frame, Region::EMPTY, false)?,

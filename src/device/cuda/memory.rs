@@ -56,13 +56,12 @@ impl PtrKind {
     pub fn on_device(self) -> bool {
         matches!(self, PtrKind::Device { .. } | PtrKind::Managed)
     }
-}
 
-/// Whether `cuMemcpyAsync` from `src` into `dst` returns before the stream runs it: neither is
-/// plain host memory, and one of them is on the device ([`PtrKind::on_device`]).
-pub fn copies_async(dst: usize, src: usize) -> Result<bool> {
-    let (d, s) = (classify(dst)?, classify(src)?);
-    Ok(d.stream_ordered() && s.stream_ordered() && (d.on_device() || s.on_device()))
+    /// Whether `cuMemcpyAsync` between memory of this kind and of `other` returns before the
+    /// stream runs it: neither is plain host memory, and one of them is on the device.
+    pub fn copies_async_with(self, other: PtrKind) -> bool {
+        self.stream_ordered() && other.stream_ordered() && (self.on_device() || other.on_device())
+    }
 }
 
 /// Whether `addr` is host memory, pinned or not, as the driver sees it: memory a thread reads
