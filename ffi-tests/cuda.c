@@ -556,20 +556,29 @@ static void p2p(void) {
   const int n = g_env.nranks;
   const size_t counts[3] = {70000, 1000, 70001};
   const size_t offs[3] = {0, 70000, 71000}, total = 141001;
-  /* The last round is in place: each rank sends from and receives into one buffer, so a
-   * peer must have what was there before the receives wrote it. */
-  for (int round = 0; round < 4; round++) {
-    const int in_place = round == 3;
+  /* Rounds 3 and 5 are in place: each rank sends from and receives into one buffer, so a
+   * peer must have what was there before the receives wrote it. Rounds 4 and 5 receive into
+   * pinned host memory (round 4 from device memory a peer maps: the copy out of it into pinned
+   * memory is device work, queued on the caller's stream, never the worker's; round 5 sends
+   * from that pinned memory too). */
+  for (int round = 0; round < 6; round++) {
+    const int in_place = round == 3 || round == 5, pinned_out = round >= 4, pinned_in = round == 5;
     CUdeviceptr ds[MAX_LOCAL], dr[MAX_LOCAL];
-    float *hin[MAX_LOCAL], *hout[MAX_LOCAL];
+    float *hin[MAX_LOCAL], *hout[MAX_LOCAL], *pr[MAX_LOCAL];
     for (int l = 0; l < g_env.local; l++) {
       int rank = g_env.first_rank + l;
-      ds[l] = dev_alloc(total * sizeof(float));
-      dr[l] = in_place ? ds[l] : dev_alloc(total * sizeof(float));
       hin[l] = host_alloc(total * sizeof(float));
       hout[l] = host_alloc(total * sizeof(float));
+      pr[l] = pinned_out ? host_alloc(total * sizeof(float)) : NULL;
       for (size_t j = 0; j < total; j++) hin[l][j] = in_value(rank, j, round);
-      CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], total * sizeof(float), g_streams[l]));
+      if (pinned_in) {
+        ds[l] = (CUdeviceptr)(uintptr_t)pr[l];
+        memcpy(pr[l], hin[l], total * sizeof(float));
+      } else {
+        ds[l] = dev_alloc(total * sizeof(float));
+        CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)hin[l], total * sizeof(float), g_streams[l]));
+      }
+      dr[l] = in_place ? ds[l] : pinned_out ? (CUdeviceptr)(uintptr_t)pr[l] : dev_alloc(total * sizeof(float));
     }
     CHECK(ncclGroupStart());
     for (int l = 0; l < g_env.local; l++) {
@@ -582,15 +591,18 @@ static void p2p(void) {
     }
     CHECK(ncclGroupEnd());
     for (int l = 0; l < g_env.local; l++) {
-      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hout[l], dr[l], total * sizeof(float), g_streams[l]));
+      /* (No stream copy between two host buffers: it would wait on this thread.) */
+      if (!pinned_out) CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hout[l], dr[l], total * sizeof(float), g_streams[l]));
       CU(cu.StreamSynchronize(g_streams[l]));
+      const float* got = pinned_out ? pr[l] : hout[l];
       int rank = g_env.first_rank + l, from = (rank + n - 1) % n;
       size_t bad = 0;
-      for (size_t j = 0; j < total; j++) bad += hout[l][j] != in_value(from, j, round);
-      EXPECT(bad == 0, "p2p round %d%s rank %d: %zu wrong values from rank %d", round, in_place ? " (in place)" : "",
-             rank, bad, from);
-      dev_free(ds[l]);
-      if (!in_place) dev_free(dr[l]);
+      for (size_t j = 0; j < total; j++) bad += got[j] != in_value(from, j, round);
+      EXPECT(bad == 0, "p2p round %d%s%s rank %d: %zu wrong values from rank %d", round, in_place ? " (in place)" : "",
+             pinned_out ? " (into pinned memory)" : "", rank, bad, from);
+      if (!pinned_in) dev_free(ds[l]);
+      if (!in_place && !pinned_out) dev_free(dr[l]);
+      if (pinned_out) CU(cu.MemFreeHost(pr[l]));
       CU(cu.MemFreeHost(hin[l]));
       CU(cu.MemFreeHost(hout[l]));
     }

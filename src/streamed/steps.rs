@@ -25,11 +25,15 @@ pub(super) fn on_stream_shape(comm: &Comm, op: &Op) -> Option<ipc::Shape> {
 }
 
 /// The kernel a direct receive queues on its caller's stream: one copy from the sender's
-/// buffer, whose address the worker fills in. Only into device memory, which the kernel
-/// surely reaches (other memory is copied on the worker's stream).
+/// buffer, whose address the worker fills in. Only into memory the kernel surely reaches by
+/// its address: device memory, or pinned host memory mapped there as it is (a copy out of a
+/// mapped peer buffer into pinned memory on the worker's stream would be device work of a host
+/// thread, which can sit behind the caller's stream waiting for it). Other memory (managed,
+/// pinned at another device address) is copied on the worker's stream.
 pub(super) fn receive_shape(op: &Op) -> Option<ipc::Shape> {
-    let device = crate::device::cuda::is_device_memory(op.recv.addr());
-    (op.kind == crate::plan::OpKind::Recv && device && !op.recv.is_empty()).then(|| vec![vec![(op.recv.len(), Indirect::Copy)]])
+    let reached = op.kind == crate::plan::OpKind::Recv && !op.recv.is_empty()
+        && crate::device::cuda::device_reaches_as_is(op.recv.addr(), op.recv.len());
+    reached.then(|| vec![vec![(op.recv.len(), Indirect::Copy)]])
 }
 
 /// One step a caller's stream runs of a direct operation (`board`): wait for the gate, run

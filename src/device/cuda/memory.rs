@@ -78,6 +78,30 @@ pub fn is_device_memory(addr: usize) -> bool {
     matches!(classify(addr), Ok(PtrKind::Device { .. }))
 }
 
+/// Whether a kernel on the current device may write `len` bytes at `addr` by that address:
+/// device memory, or pinned host memory mapped into the device at the same address (memory
+/// `cuMemHostAlloc`ed under UVA; registered memory where the device uses the host pointer),
+/// checked at both ends. False if the driver cannot tell.
+pub fn device_reaches_as_is(addr: usize, len: usize) -> bool {
+    let same = |a: usize| {
+        driver("cuPointerGetAttribute", || {
+            let mut device: CUdeviceptr = 0;
+            // SAFETY: `device` is a valid out-pointer of the attribute's type.
+            let r = unsafe {
+                sys::cuPointerGetAttribute((&mut device as *mut CUdeviceptr).cast(),
+                                           CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER, a as CUdeviceptr)
+            };
+            Ok(r == CUresult::CUDA_SUCCESS && device as usize == a)
+        })
+        .unwrap_or(false)
+    };
+    match classify(addr) {
+        Ok(PtrKind::Device { .. }) => true,
+        Ok(PtrKind::HostRegistered) => len > 0 && same(addr) && same(addr + (len - 1)),
+        _ => false,
+    }
+}
+
 /// `attrs` of `addr` in one `cuPointerGetAttributes` call: its result, and each value in a
 /// zeroed 8-byte slot (every attribute asked for fits), read back from the low bytes
 /// (little-endian) whatever width the driver writes, a boolean's included.
