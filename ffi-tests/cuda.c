@@ -100,6 +100,7 @@ static struct {
   /* The stand-in's own: the memory this process allocated and has not freed. */
   int (*StubOwnMemory)(size_t*);
   void (*StubPointerQueriesFail)(int);
+  unsigned long (*StubThreadCalls)(int);
   /* The virtual memory API, loaded with CUDA_TEST_VMM=1. */
   CUresult (*MemGetAllocationGranularity)(size_t*, const void*, int);
   CUresult (*MemCreate)(unsigned long long*, size_t, const void*, unsigned long long);
@@ -167,6 +168,7 @@ static void load_driver(void) {
   *(void**)&cu.StubPeerMemory = dlsym(lib, "nccl_rs_stub_peer_memory");
   *(void**)&cu.StubOwnMemory = dlsym(lib, "nccl_rs_stub_own_memory");
   *(void**)&cu.StubPointerQueriesFail = dlsym(lib, "nccl_rs_stub_pointer_queries_fail");
+  *(void**)&cu.StubThreadCalls = dlsym(lib, "nccl_rs_stub_thread_calls");
   if (getenv("CUDA_TEST_VMM")) {
     *(void**)&cu.MemGetAllocationGranularity = sym(lib, "cuMemGetAllocationGranularity");
     *(void**)&cu.MemCreate = sym(lib, "cuMemCreate");
@@ -182,6 +184,7 @@ static void load_driver(void) {
 #define CU_MEMHOSTALLOC_DEVICEMAP 2
 #define CU_STREAM_WAIT_VALUE_GEQ 0
 #define CU_STREAM_CAPTURE_MODE_GLOBAL 0
+#define CU_STREAM_CAPTURE_MODE_THREAD_LOCAL 1
 #define CU_STREAM_CAPTURE_MODE_RELAXED 2
 #define CUDA_ERROR_NOT_READY 600
 #define CU_EVENT_DISABLE_TIMING 2
@@ -2522,6 +2525,10 @@ static void context(void) {
     CU(cu.MemcpyAsync(d[l], d[l], 0, g_streams[l]));
   }
   CU(cu.CtxSetCurrent(NULL));
+  /* The thread's capture interaction mode comes back too (the calls relax it meanwhile). */
+  int mode = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+  CU(cu.ThreadExchangeStreamCaptureMode(&mode));
+  const int before = mode;
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++)
     CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
@@ -2529,6 +2536,10 @@ static void context(void) {
   CUcontext now = (CUcontext)1;
   CU(cu.CtxGetCurrent(&now));
   EXPECT(now == NULL, "the calls changed the caller's current context (%p, expected none)", now);
+  mode = before;
+  CU(cu.ThreadExchangeStreamCaptureMode(&mode));
+  EXPECT(mode == CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, "the calls changed the thread's capture mode (%d, expected %d)", mode,
+         CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
   CU(cu.CtxSetCurrent(g_ctx));
   for (int l = 0; l < g_env.local; l++) {
     CU(cu.StreamSynchronize(g_streams[l]));
@@ -3216,6 +3227,43 @@ static void reductions(void) {
   tlog("Reductions: 12 datatypes x 5 reductions x 3 collectives checked, and fp16 avg high in its range");
 }
 
+/* Part Calls (stand-in only, one rank per process): how many driver calls one call makes on
+ * the calling thread once warm: all-reduces below and above the direct path's threshold,
+ * a send/receive pair. */
+static void calls(void) {
+  test_step("calls");
+  if (!EXPECT(cu.StubThreadCalls != NULL, "not the stand-in driver")) return;
+  const int n = g_env.nranks, rank = g_env.first_rank;
+  const size_t counts[2] = {1000, 300000};
+  CUdeviceptr a = dev_alloc(300000 * sizeof(float)), b = dev_alloc(300000 * sizeof(float));
+  for (int k = 0; k < 2; k++) {
+    unsigned long used = 0;
+    for (int it = 0; it < 4; it++) {
+      unsigned long before = cu.StubThreadCalls(it == 3 && getenv("CUDA_TEST_TRACE_CALLS"));
+      CHECK(ncclAllReduce((const void*)(uintptr_t)a, (void*)(uintptr_t)b, counts[k], ncclFloat32, ncclSum, g_comms[0],
+                          g_streams[0]));
+      used = cu.StubThreadCalls(0) - before;
+      CU(cu.StreamSynchronize(g_streams[0]));
+    }
+    tlog("calls: all-reduce of %zu floats: %lu driver calls", counts[k], used);
+  }
+  for (int k = 0; k < 2; k++) {
+    unsigned long used = 0;
+    for (int it = 0; it < 4; it++) {
+      unsigned long before = cu.StubThreadCalls(it == 3 && getenv("CUDA_TEST_TRACE_CALLS"));
+      CHECK(ncclGroupStart());
+      CHECK(ncclSend((const void*)(uintptr_t)a, counts[k], ncclFloat32, (rank + 1) % n, g_comms[0], g_streams[0]));
+      CHECK(ncclRecv((void*)(uintptr_t)b, counts[k], ncclFloat32, (rank + n - 1) % n, g_comms[0], g_streams[0]));
+      CHECK(ncclGroupEnd());
+      used = cu.StubThreadCalls(0) - before;
+      CU(cu.StreamSynchronize(g_streams[0]));
+    }
+    tlog("calls: send/receive of %zu floats: %lu driver calls", counts[k], used);
+  }
+  dev_free(a);
+  dev_free(b);
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
@@ -3266,6 +3314,7 @@ int main(int argc, char** argv) {
   if (wanted("Recycle")) recycle();
   if (g_env.only && !strcasecmp(g_env.only, "Backlog")) backlog(); /* only when asked: 600 calls */
   if (g_env.only && !strcasecmp(g_env.only, "Pageable")) pageable();
+  if (g_env.only && !strcasecmp(g_env.only, "Calls")) calls();
   if (g_env.only && !strcasecmp(g_env.only, "CaptureElsewhere")) capture_elsewhere();
   if (g_env.only && !strcasecmp(g_env.only, "Graph")) graph();
   if (g_env.only && !strcasecmp(g_env.only, "GraphRefused")) graph_refused();

@@ -146,12 +146,15 @@ fn run_ops(ops: Vec<Queued>) -> Result<()> {
     // committed (streams made to wait): streams may share a hardware queue. Preparing holds
     // each communicator's submit lock until its commit: taken in one global order.
     per_comm.sort_by_key(|(c, _)| Arc::as_ptr(c) as usize);
+    // The caller's CUDA state kept once for all of it (`KeepCurrent`: the steps' scopes nest).
+    let keep = crate::device::cuda::KeepCurrent::new();
     let mut prepared = Vec::with_capacity(per_comm.len());
     for (c, ops) in per_comm {
         let p = crate::streamed::prepare(&c, ops).map_err(|e| e.context(format!("rank {}", c.rank)))?;
         prepared.extend(p.map(|p| (c.rank, p)));
     }
     let host_waits = crate::streamed::commit_all(prepared)?;
+    drop(keep);
     for q in &host {
         crate::streamed::drain(&q.comm);
     }

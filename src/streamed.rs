@@ -562,6 +562,8 @@ fn streamed(comm: &Arc<Comm>) -> Result<&Arc<Streamed>> {
 /// (no stream memory operations, or host waits asked for: `params::few_device_connections`),
 /// the caller must wait for the returned [`HostWait`] once it has submitted its whole group.
 pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> {
+    // One scope for the whole call: its steps' scopes nest in it at no cost.
+    let _keep = KeepCurrent::new();
     match prepare(comm, ops)? {
         Some(p) => commit_all(vec![(comm.rank, p)]).map(|mut w| w.pop()),
         None => Ok(None),

@@ -507,6 +507,33 @@ fn cuda_mode_worker_makes_no_device_calls() {
     }
 }
 
+/// What one call costs its caller's thread in driver calls, once warm (the stand-in counts
+/// each thread's calls; part Calls): 2 processes, all-reduces below and above the direct path's
+/// threshold, a send/receive pair each way. The ceilings are what it takes now — the caller's
+/// context and capture mode kept once per call (nested scopes free, no `cuCtxSetCurrent` to a
+/// context already current), an allocation's CUDA IPC handle asked once per buffer id; before
+/// those, 19, 41, 19 and 32 calls. On a GPU each costs from tens of nanoseconds (thread state)
+/// to microseconds (stream work, IPC handles).
+#[test]
+fn cuda_mode_calls_make_few_driver_calls() {
+    if !stand_in_only("cuda_mode_calls_make_few_driver_calls") {
+        return;
+    }
+    let o = cuda_job().procs(2).arg("--only").arg("Calls").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let ceilings = [("all-reduce of 1000 floats", 12), ("all-reduce of 300000 floats", 17),
+                    ("send/receive of 1000 floats", 12), ("send/receive of 300000 floats", 14)];
+    for (i, p) in o.procs.iter().enumerate() {
+        for (what, most) in ceilings {
+            let used: u64 = p.log.lines().find_map(|l| l.split(&format!("calls: {what}: ")).nth(1))
+                .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+                .unwrap_or_else(|| panic!("process {i}: no count for {what}:\n{}", p.log));
+            assert!(used <= most, "process {i}: {what} made {used} driver calls on the calling thread (at most {most} \
+                                   expected); run part Calls with CUDA_TEST_TRACE_CALLS=1 to see them:\n{}", p.log);
+        }
+    }
+}
+
 /// NCCL_RS_POOL_MAX bounds the pinned staging pool: with everything staged (NCCL_P2P_DISABLE=1)
 /// and the pool at its floor (4 MiB), the full run's largest all-to-all no longer fits and the
 /// worker stages it on its own stream (the stand-in reports its device calls); results stay

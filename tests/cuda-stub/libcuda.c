@@ -46,6 +46,27 @@ pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 __thread struct ctx *t_current;
 __thread int t_in_callback;
 
+/* Driver calls of the calling thread so far, and whether to name each on stderr. */
+static __thread unsigned long t_calls;
+static __thread int t_trace_calls;
+
+void count_call(const char *name) {
+  t_calls++;
+  if (t_trace_calls) fprintf(stderr, "cuda-stub: call %s\n", name);
+}
+
+CUresult uncounted(CUresult r) {
+  t_calls--;
+  return r;
+}
+
+/* Not the driver's: for tests, how many driver calls this thread has made, to count what one
+ * library call costs; with `trace` set, each later call of this thread is named on stderr. */
+EXPORT unsigned long nccl_rs_stub_thread_calls(int trace) {
+  t_trace_calls = trace;
+  return t_calls;
+}
+
 int callback_refuses(const char *call) {
   if (!t_in_callback) return 0;
   fprintf(stderr, "cuda-stub: %s from a host function or a user object's destructor: CUDA_ERROR_NOT_PERMITTED\n", call);
@@ -80,6 +101,7 @@ void note_worker_call(const char *name) {
 }
 
 EXPORT CUresult cuInit(unsigned flags) {
+  count_call(__func__);
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   int n = env_int("NCCL_RS_STUB_DEVICES", 1);
   if (n <= 0) return CUDA_ERROR_NO_DEVICE;
@@ -94,6 +116,7 @@ EXPORT CUresult cuInit(unsigned flags) {
 }
 
 EXPORT CUresult cuDriverGetVersion(int *version) {
+  count_call(__func__);
   if (!version) return CUDA_ERROR_INVALID_VALUE;
   *version = env_int("NCCL_RS_STUB_DRIVER_VERSION", 12040);
   return CUDA_SUCCESS;
@@ -134,17 +157,20 @@ static const char *error_name(CUresult r) {
 }
 
 EXPORT CUresult cuGetErrorName(CUresult r, const char **s) {
+  count_call(__func__);
   if (!s) return CUDA_ERROR_INVALID_VALUE;
   *s = error_name(r);
   return *s ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 EXPORT CUresult cuGetErrorString(CUresult r, const char **s) {
+  count_call(__func__);
   /* The stub has no prose: the name is the description. */
-  return cuGetErrorName(r, s);
+  return uncounted(cuGetErrorName(r, s));
 }
 
 EXPORT CUresult cuDeviceGetCount(int *count) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!count) return CUDA_ERROR_INVALID_VALUE;
   *count = g_ndev;
@@ -152,6 +178,7 @@ EXPORT CUresult cuDeviceGetCount(int *count) {
 }
 
 EXPORT CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!dev) return CUDA_ERROR_INVALID_VALUE;
   if (ordinal < 0 || ordinal >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
@@ -160,6 +187,7 @@ EXPORT CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
 }
 
 EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
   if (dev < 0 || dev >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
@@ -168,6 +196,7 @@ EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
 }
 
 EXPORT CUresult cuDeviceGetAttribute(int *value, int attr, CUdevice dev) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!value || attr <= 0 || attr >= ATTR_END) return CUDA_ERROR_INVALID_VALUE;
   if (dev < 0 || dev >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
@@ -189,6 +218,7 @@ EXPORT CUresult cuDeviceGetAttribute(int *value, int attr, CUdevice dev) {
 }
 
 EXPORT CUresult cuDevicePrimaryCtxRetain(struct ctx **pctx, CUdevice dev) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!pctx) return CUDA_ERROR_INVALID_VALUE;
   if (dev < 0 || dev >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
@@ -200,6 +230,7 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(struct ctx **pctx, CUdevice dev) {
 }
 
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (dev < 0 || dev >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
   pthread_mutex_lock(&g_lock);
@@ -213,6 +244,7 @@ EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
 }
 
 EXPORT CUresult cuCtxSetCurrent(struct ctx *c) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (c && (c < g_ctx || c >= g_ctx + g_ndev)) return CUDA_ERROR_INVALID_CONTEXT;
   t_current = c;
@@ -220,6 +252,7 @@ EXPORT CUresult cuCtxSetCurrent(struct ctx *c) {
 }
 
 EXPORT CUresult cuCtxGetCurrent(struct ctx **pctx) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!pctx) return CUDA_ERROR_INVALID_VALUE;
   *pctx = t_current;
@@ -227,6 +260,7 @@ EXPORT CUresult cuCtxGetCurrent(struct ctx **pctx) {
 }
 
 EXPORT CUresult cuCtxGetDevice(CUdevice *dev) {
+  count_call(__func__);
   REQUIRE_CTX();
   if (!dev) return CUDA_ERROR_INVALID_VALUE;
   *dev = t_current->dev;

@@ -24,6 +24,8 @@ enum {
   PTR_ATTR_BUFFER_ID = 7,
   PTR_ATTR_IS_MANAGED = 8,
   PTR_ATTR_DEVICE_ORDINAL = 9,
+  PTR_ATTR_RANGE_START_ADDR = 11,
+  PTR_ATTR_RANGE_SIZE = 12,
   PTR_ATTR_ALLOWED_HANDLE_TYPES = 14,
   MEMHOSTALLOC_ALL = 7, /* PORTABLE | DEVICEMAP | WRITECOMBINED */
   MEM_ATTACH_GLOBAL = 1,
@@ -130,12 +132,14 @@ static CUresult alloc_shared(CUdeviceptr *dptr, size_t size, enum mem_kind kind)
 }
 
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemAlloc_v2");
   note_worker_call("cuMemAlloc_v2");
   return alloc_shared(dptr, size, MEM_DEVICE);
 }
 
 EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned flags) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemAllocManaged");
   if (flags != MEM_ATTACH_GLOBAL && flags != MEM_ATTACH_HOST) return CUDA_ERROR_INVALID_VALUE;
   return alloc_shared(dptr, size, MEM_MANAGED);
@@ -148,6 +152,7 @@ static void unmap(struct range *r) {
 }
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemFree_v2");
   note_worker_call("cuMemFree_v2");
   REQUIRE_INIT();
@@ -160,6 +165,7 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
 }
 
 EXPORT CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemHostAlloc");
   note_worker_call("cuMemHostAlloc");
   REQUIRE_CTX();
@@ -174,6 +180,7 @@ EXPORT CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
 }
 
 EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned flags) {
+  count_call(__func__);
   REQUIRE_CTX();
   if (!pdptr || flags != 0) return CUDA_ERROR_INVALID_VALUE;
   if (mem_lookup((uintptr_t)p, 1) != MEM_HOST_PINNED) return CUDA_ERROR_INVALID_VALUE;
@@ -182,6 +189,7 @@ EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsign
 }
 
 EXPORT CUresult cuMemFreeHost(void *p) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemFreeHost");
   note_worker_call("cuMemFreeHost");
   REQUIRE_INIT();
@@ -210,6 +218,10 @@ static CUresult attribute(void *data, int attr, const struct range *r, uintptr_t
       return CUDA_SUCCESS;
     case PTR_ATTR_IS_MANAGED: *(unsigned *)data = managed; return CUDA_SUCCESS;
     case PTR_ATTR_DEVICE_ORDINAL: *(int *)data = r->dev; return CUDA_SUCCESS;
+    /* The allocation's range: for the virtual memory API, the one mapping (as
+     * cuMemGetAddressRange answers). */
+    case PTR_ATTR_RANGE_START_ADDR: *(CUdeviceptr *)data = r->base; return CUDA_SUCCESS;
+    case PTR_ATTR_RANGE_SIZE: *(size_t *)data = r->size; return CUDA_SUCCESS;
     case PTR_ATTR_ALLOWED_HANDLE_TYPES:
       /* What the allocation can be exported as: only the virtual memory API's are. */
       *(unsigned long long *)data = r->kind == MEM_VMM ? vmm_handle_types(r->phys) : 0;
@@ -220,6 +232,7 @@ static CUresult attribute(void *data, int attr, const struct range *r, uintptr_t
 
 /* The singular call: memory the driver does not know is CUDA_ERROR_INVALID_VALUE. */
 EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr ptr) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!data) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_mem_lock);
@@ -237,6 +250,7 @@ EXPORT void nccl_rs_stub_pointer_queries_fail(int on) { __atomic_store_n(&g_poin
 /* The plural call: memory the driver does not know gets null values (memory type 0, device
  * ordinal -2) and CUDA_SUCCESS, as the driver documents. */
 EXPORT CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr ptr) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (__atomic_load_n(&g_pointer_queries_fail, __ATOMIC_ACQUIRE)) return CUDA_ERROR_ILLEGAL_ADDRESS;
   if (!attrs || !data) return CUDA_ERROR_INVALID_VALUE;
@@ -265,6 +279,7 @@ EXPORT CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUde
 /* The allocation (device, managed or an opened IPC mapping) that contains p; for the virtual
  * memory API, the one mapping (cuMemMap) that contains it, as the driver reports. */
 EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+  count_call(__func__);
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
   struct range *r = mem_find((uintptr_t)p);
@@ -278,6 +293,7 @@ EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevic
 }
 
 EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr p) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!handle) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_mem_lock);
@@ -296,6 +312,7 @@ EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr p) {
 /* Maps the peer's memfd through /proc/<pid>/fd, checking it is the allocation the handle
  * names (the fd number may have been reused since). */
 EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned flags) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuIpcOpenMemHandle_v2");
   REQUIRE_CTX();
   struct ipc h;
@@ -328,6 +345,7 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
 }
 
 EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuIpcCloseMemHandle");
   REQUIRE_CTX();
   pthread_mutex_lock(&g_mem_lock);

@@ -329,6 +329,7 @@ static CUresult enqueue(struct stream *h, const struct op *op) {
 }
 
 EXPORT CUresult cuStreamCreate(struct stream **ph, unsigned flags) {
+  count_call(__func__);
   REQUIRE_CTX();
   if (!ph || (flags & ~(unsigned)STREAM_NON_BLOCKING)) return CUDA_ERROR_INVALID_VALUE;
   *ph = stream_new();
@@ -337,6 +338,7 @@ EXPORT CUresult cuStreamCreate(struct stream **ph, unsigned flags) {
 }
 
 EXPORT CUresult cuStreamDestroy_v2(struct stream *h) {
+  count_call(__func__);
   REQUIRE_INIT();
   if ((uintptr_t)h <= 2 || h->magic != STREAM_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   pthread_mutex_lock(&h->mu);
@@ -348,6 +350,7 @@ EXPORT CUresult cuStreamDestroy_v2(struct stream *h) {
 }
 
 EXPORT CUresult cuStreamSynchronize(struct stream *h) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuStreamSynchronize");
   note_worker_call("cuStreamSynchronize");
   struct stream *s;
@@ -628,6 +631,7 @@ static int capture_refuses_op(struct stream *h, const char *kind) {
 }
 
 EXPORT CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+  count_call(__func__);
   if (!mode || *mode < CAPTURE_GLOBAL || *mode > CAPTURE_RELAXED) return CUDA_ERROR_INVALID_VALUE;
   int old = t_capture_mode;
   t_capture_mode = *mode;
@@ -636,6 +640,7 @@ EXPORT CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
 }
 
 EXPORT CUresult cuStreamBeginCapture_v2(struct stream *h, int mode) {
+  count_call(__func__);
   if (mode < CAPTURE_GLOBAL || mode > CAPTURE_RELAXED) return CUDA_ERROR_INVALID_VALUE;
   struct stream *s;
   CUresult r = resolve(h, &s);
@@ -655,6 +660,7 @@ EXPORT CUresult cuStreamBeginCapture_v2(struct stream *h, int mode) {
 }
 
 EXPORT CUresult cuStreamEndCapture(struct stream *h, struct graph **graph) {
+  count_call(__func__);
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
@@ -681,6 +687,7 @@ EXPORT CUresult cuStreamEndCapture(struct stream *h, struct graph **graph) {
 /* CU_STREAM_CAPTURE_STATUS_NONE 0, _ACTIVE 1, _INVALIDATED 2. */
 EXPORT CUresult cuStreamGetCaptureInfo_v2(struct stream *h, int *status, uint64_t *id, struct graph **graph,
                                           const void **deps, size_t *ndeps) {
+  count_call(__func__);
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
@@ -705,12 +712,14 @@ EXPORT CUresult cuStreamGetCaptureInfo_v2(struct stream *h, int *status, uint64_
 }
 
 EXPORT CUresult cuGraphDestroy(struct graph *g) {
+  count_call(__func__);
   if (!g || g->magic != GRAPH_MAGIC) return CUDA_ERROR_INVALID_VALUE;
   graph_free(g);
   return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuGraphInstantiateWithFlags(struct graph **exec, struct graph *g, unsigned long long flags) {
+  count_call(__func__);
   if (!exec || !g || g->magic != GRAPH_MAGIC || flags) return CUDA_ERROR_INVALID_VALUE;
   struct graph *e = calloc(1, sizeof *e);
   if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -732,6 +741,7 @@ EXPORT CUresult cuGraphInstantiateWithFlags(struct graph **exec, struct graph *g
 }
 
 EXPORT CUresult cuGraphExecDestroy(struct graph *e) {
+  count_call(__func__);
   if (!e || e->magic != EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
   graph_free(e);
   return CUDA_SUCCESS;
@@ -758,6 +768,7 @@ static void bump(void *word) {
  * point of another branch it joined at. The launch ends (and releases what it holds) once
  * every branch is done. */
 EXPORT CUresult cuGraphLaunch(struct graph *e, struct stream *h) {
+  count_call(__func__);
   if (!e || e->magic != EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
   struct stream *s;
   CUresult r = resolve(h, &s);
@@ -768,7 +779,7 @@ EXPORT CUresult cuGraphLaunch(struct graph *e, struct stream *h) {
   struct stream *on[1 + MAX_JOINED] = {s};
   for (int b = 1; b < e->nbranches; b++) {
     if (!(on[b] = stream_new())) {
-      for (int k = 1; k < b; k++) cuStreamDestroy_v2(on[k]);
+      for (int k = 1; k < b; k++) uncounted(cuStreamDestroy_v2(on[k]));
       free(l);
       return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -801,11 +812,12 @@ EXPORT CUresult cuGraphLaunch(struct graph *e, struct stream *h) {
   struct op done = {.kind = OP_HOST, .fn = release_launch, .data = l};
   /* A launch half enqueued cannot be taken back: its memory stays (a test double). */
   if (r == CUDA_SUCCESS) r = enqueue(s, &done);
-  for (int b = 1; b < e->nbranches; b++) cuStreamDestroy_v2(on[b]);
+  for (int b = 1; b < e->nbranches; b++) uncounted(cuStreamDestroy_v2(on[b]));
   return r;
 }
 
 EXPORT CUresult cuLaunchHostFunc(struct stream *h, void (*fn)(void *), void *data) {
+  count_call(__func__);
   if (!fn) return CUDA_ERROR_INVALID_VALUE;
   if (capture_refuses_op(h, "hostfunc")) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   struct op op = {.kind = OP_HOST, .fn = fn, .data = data};
@@ -814,6 +826,7 @@ EXPORT CUresult cuLaunchHostFunc(struct stream *h, void (*fn)(void *), void *dat
 
 EXPORT CUresult cuUserObjectCreate(struct uobj **out, void *ptr, void (*destroy)(void *), unsigned initial,
                                    unsigned flags) {
+  count_call(__func__);
   if (!out || !destroy || !initial || flags != USER_OBJECT_NO_DESTRUCTOR_SYNC) return CUDA_ERROR_INVALID_VALUE;
   if (capture_refuses_kind("userobject")) return CUDA_ERROR_OUT_OF_MEMORY;
   struct uobj *o = calloc(1, sizeof *o);
@@ -824,6 +837,7 @@ EXPORT CUresult cuUserObjectCreate(struct uobj **out, void *ptr, void (*destroy)
 }
 
 EXPORT CUresult cuUserObjectRelease(struct uobj *o, unsigned count) {
+  count_call(__func__);
   if (!o || o->magic != UOBJ_MAGIC || !count) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_capture_lock);
   uobj_release_locked(o, count);
@@ -832,6 +846,7 @@ EXPORT CUresult cuUserObjectRelease(struct uobj *o, unsigned count) {
 }
 
 EXPORT CUresult cuGraphRetainUserObject(struct graph *g, struct uobj *o, unsigned count, unsigned flags) {
+  count_call(__func__);
   if (!g || g->magic != GRAPH_MAGIC || !o || o->magic != UOBJ_MAGIC || !count || (flags & ~GRAPH_USER_OBJECT_MOVE))
     return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_capture_lock);
@@ -853,10 +868,12 @@ EXPORT CUresult cuGraphRetainUserObject(struct graph *g, struct uobj *o, unsigne
 }
 
 EXPORT CUresult cuStreamIsCapturing(struct stream *h, int *status) {
-  return cuStreamGetCaptureInfo_v2(h, status, NULL, NULL, NULL, NULL); /* (h as given: the legacy stream's answer) */
+  count_call(__func__);
+  return uncounted(cuStreamGetCaptureInfo_v2(h, status, NULL, NULL, NULL, NULL)); /* (h as given: the legacy stream's answer) */
 }
 
 EXPORT CUresult cuStreamQuery(struct stream *h) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuStreamQuery");
   struct stream *s;
   CUresult r = resolve(h, &s);
@@ -875,6 +892,7 @@ EXPORT CUresult cuStreamQuery(struct stream *h) {
  * From pageable memory, and between two host buffers (pinned or not), it waits for the stream
  * and copies at once; to pageable memory it returns when the copy has completed. */
 EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct stream *h) {
+  count_call(__func__);
   note_worker_call("cuMemcpyAsync");
   if (n == 0) return resolve(h, &(struct stream *){NULL});
   if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
@@ -885,16 +903,17 @@ EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct
   if ((from_pageable || to_pageable) && capturing) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   CUresult r;
   if (from_pageable || (host_to_host && !capturing)) {
-    if ((r = cuStreamSynchronize(h)) != CUDA_SUCCESS) return r;
+    if ((r = uncounted(cuStreamSynchronize(h))) != CUDA_SUCCESS) return r;
     memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return CUDA_SUCCESS;
   }
   struct op op = {.kind = OP_COPY, .dst = (void *)(uintptr_t)dst, .src = (const void *)(uintptr_t)src, .n = n};
   if ((r = enqueue(h, &op)) != CUDA_SUCCESS) return r;
-  return to_pageable ? cuStreamSynchronize(h) : CUDA_SUCCESS;
+  return to_pageable ? uncounted(cuStreamSynchronize(h)) : CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char byte, size_t n, struct stream *h) {
+  count_call(__func__);
   note_worker_call("cuMemsetD8Async");
   if (n == 0) return resolve(h, &(struct stream *){NULL});
   if (mem_lookup(dst, n) == MEM_PAGEABLE) return CUDA_ERROR_INVALID_VALUE;
@@ -911,6 +930,7 @@ static CUresult mem_op_target(CUdeviceptr addr) {
 }
 
 EXPORT CUresult cuStreamWaitValue32_v2(struct stream *h, CUdeviceptr addr, uint32_t value, unsigned flags) {
+  count_call(__func__);
   note_worker_call("cuStreamWaitValue32_v2");
   CUresult r = mem_op_target(addr);
   if (r != CUDA_SUCCESS) return r;
@@ -927,6 +947,7 @@ EXPORT CUresult cuStreamWaitValue32_v2(struct stream *h, CUdeviceptr addr, uint3
 }
 
 EXPORT CUresult cuStreamWriteValue32_v2(struct stream *h, CUdeviceptr addr, uint32_t value, unsigned flags) {
+  count_call(__func__);
   note_worker_call("cuStreamWriteValue32_v2");
   CUresult r = mem_op_target(addr);
   if (r != CUDA_SUCCESS) return r;
@@ -939,6 +960,7 @@ EXPORT CUresult cuStreamWriteValue32_v2(struct stream *h, CUdeviceptr addr, uint
 /* ---- events --------------------------------------------------------------------------------- */
 
 EXPORT CUresult cuEventCreate(struct event **pe, unsigned flags) {
+  count_call(__func__);
   REQUIRE_CTX();
   if (!pe || (flags & ~(unsigned)EVENT_FLAGS_ALL)) return CUDA_ERROR_INVALID_VALUE;
   struct event *e = calloc(1, sizeof *e);
@@ -952,6 +974,7 @@ EXPORT CUresult cuEventCreate(struct event **pe, unsigned flags) {
 }
 
 EXPORT CUresult cuEventDestroy_v2(struct event *e) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   e->magic = 0;
@@ -960,6 +983,7 @@ EXPORT CUresult cuEventDestroy_v2(struct event *e) {
 }
 
 EXPORT CUresult cuEventRecord(struct event *e, struct stream *h) {
+  count_call(__func__);
   note_worker_call("cuEventRecord");
   REQUIRE_INIT();
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
@@ -979,6 +1003,7 @@ EXPORT CUresult cuEventRecord(struct event *e, struct stream *h) {
 }
 
 EXPORT CUresult cuEventQuery(struct event *e) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuEventQuery");
   note_worker_call("cuEventQuery");
   REQUIRE_INIT();
@@ -994,6 +1019,7 @@ EXPORT CUresult cuEventQuery(struct event *e) {
 }
 
 EXPORT CUresult cuEventSynchronize(struct event *e) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuEventSynchronize");
   note_worker_call("cuEventSynchronize");
   REQUIRE_INIT();
@@ -1012,6 +1038,7 @@ EXPORT CUresult cuEventSynchronize(struct event *e) {
 /* Waits for the event's latest record at the time of the call; a never-recorded event is
  * complete, so the wait is a no-op. */
 EXPORT CUresult cuStreamWaitEvent(struct stream *h, struct event *e, unsigned flags) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
@@ -1042,6 +1069,7 @@ struct module {
 };
 
 EXPORT CUresult cuModuleLoadData(struct module **pm, const void *image) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuModuleLoadData");
   REQUIRE_CTX();
   if (!pm || !image) return CUDA_ERROR_INVALID_VALUE;
@@ -1059,6 +1087,7 @@ EXPORT CUresult cuModuleLoadData(struct module **pm, const void *image) {
 }
 
 EXPORT CUresult cuModuleUnload(struct module *m) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuModuleUnload");
   REQUIRE_INIT();
   if (!m || m->magic != MODULE_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
@@ -1070,6 +1099,7 @@ EXPORT CUresult cuModuleUnload(struct module *m) {
 
 /* The kernel must be an entry of the module's PTX and one the stub implements. */
 EXPORT CUresult cuModuleGetFunction(const struct kernel **pf, struct module *m, const char *name) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!pf || !name) return CUDA_ERROR_INVALID_VALUE;
   if (!m || m->magic != MODULE_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
@@ -1086,6 +1116,7 @@ EXPORT CUresult cuModuleGetFunction(const struct kernel **pf, struct module *m, 
  * from the faulting kernel, and the context is lost; here the launch fails and nothing runs. */
 EXPORT CUresult cuLaunchKernel(const struct kernel *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                unsigned bz, unsigned shared, struct stream *h, void **params, void **extra) {
+  count_call(__func__);
   note_worker_call("cuLaunchKernel");
   REQUIRE_INIT();
   (void)shared;

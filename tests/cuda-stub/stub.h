@@ -64,6 +64,10 @@ extern __thread struct ctx *t_current;
  * saying so, wherever it checks initialisation. */
 extern __thread int t_in_callback;
 int callback_refuses(const char *call);
+/* Every driver entry point counts itself first (see nccl_rs_stub_thread_calls). */
+void count_call(const char *name);
+/* What an entry point returns that the stand-in called itself: not the caller's call. */
+CUresult uncounted(CUresult r);
 #define REQUIRE_INIT() \
   do { \
     if (callback_refuses(__func__)) return CUDA_ERROR_NOT_PERMITTED; \

@@ -119,6 +119,7 @@ static int prop_ok(const CUmemAllocationProp *prop) {
 }
 
 EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop, int option) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!granularity || !prop_ok(prop) || option < 0 || option > 1) return CUDA_ERROR_INVALID_VALUE;
   *granularity = GRANULARITY;
@@ -127,6 +128,7 @@ EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAl
 
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                             unsigned long long flags) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemCreate");
   note_worker_call("cuMemCreate");
   REQUIRE_INIT();
@@ -147,6 +149,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
 }
 
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemRelease");
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
@@ -158,6 +161,7 @@ EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                     unsigned long long flags) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemAddressReserve");
   (void)addr; /* a hint */
   REQUIRE_INIT();
@@ -180,6 +184,7 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
 }
 
 EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemAddressFree");
   REQUIRE_INIT();
   pthread_mutex_lock(&g_mem_lock);
@@ -205,6 +210,7 @@ static int reserved(uintptr_t p, size_t n) {
 
 EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                          unsigned long long flags) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemMap");
   REQUIRE_INIT();
   uintptr_t p = (uintptr_t)ptr;
@@ -247,6 +253,7 @@ static int covered(uintptr_t p, size_t n) {
 }
 
 EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemUnmap");
   REQUIRE_INIT();
   uintptr_t p = (uintptr_t)ptr;
@@ -265,6 +272,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 }
 
 EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
   int prot = PROT_NONE;
@@ -283,6 +291,7 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
 }
 
 EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!handle) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_mem_lock);
@@ -298,6 +307,7 @@ EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle
 
 EXPORT CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle, int type,
                                              unsigned long long flags) {
+  count_call(__func__);
   REQUIRE_INIT();
   if (!shareable || flags || type != HANDLE_TYPE_POSIX_FD) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_mem_lock);
@@ -319,6 +329,7 @@ EXPORT CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAlloca
 /* A descriptor from cuMemExportToShareableHandle (of this process or another): the memfd of
  * an allocation of this stub, whose name says its device. The caller keeps its descriptor. */
 EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *os_handle, int type) {
+  count_call(__func__);
   REFUSE_DURING_CAPTURE("cuMemImportFromShareableHandle");
   REQUIRE_INIT();
   if (!handle || type != HANDLE_TYPE_POSIX_FD) return CUDA_ERROR_INVALID_VALUE;

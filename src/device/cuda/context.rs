@@ -43,13 +43,36 @@ pub fn current_device() -> Result<Option<i32>> {
 /// The calling thread's CUDA state, put back when this value is dropped: its current context
 /// (an NCCL call that makes its communicator's context current must not change the caller's)
 /// and its stream-capture interaction mode, relaxed meanwhile ([`relax_capture_mode`]).
+///
+/// Scopes nest (a call keeps the state, and so do the steps it runs): only the outermost one
+/// of a thread asks the driver and puts its state back, and within it [`Context::make_current`]
+/// skips the driver when its context is already current, so a call pays for this once, not
+/// per step (`calls` in ffi-tests/cuda.c counts a call's driver calls).
 pub struct KeepCurrent {
-    saved: Option<CUcontext>,
-    mode: Option<CUstreamCaptureMode>,
+    /// Of the outermost scope: the context current when it opened (None if the driver could
+    /// not say) and the capture mode to restore. Nested scopes hold neither.
+    outer: Option<(Option<CUcontext>, Option<CUstreamCaptureMode>)>,
+}
+
+/// Per thread: how many [`KeepCurrent`] scopes are open, and (while any is) the context known
+/// to be current (None if unknown: the driver is asked again).
+#[derive(Clone, Copy)]
+struct Kept {
+    depth: u32,
+    current: Option<CUcontext>,
+}
+
+thread_local! {
+    static KEPT: std::cell::Cell<Kept> = const { std::cell::Cell::new(Kept { depth: 0, current: None }) };
 }
 
 impl KeepCurrent {
     pub fn new() -> KeepCurrent {
+        let kept = KEPT.get();
+        if kept.depth > 0 {
+            KEPT.set(Kept { depth: kept.depth + 1, ..kept });
+            return KeepCurrent { outer: None };
+        }
         let saved = driver("cuCtxGetCurrent", || {
             let mut ctx: CUcontext = std::ptr::null_mut();
             // SAFETY: `ctx` is a valid out-pointer for the call.
@@ -57,7 +80,10 @@ impl KeepCurrent {
             Ok(ctx)
         })
         .ok();
-        KeepCurrent { saved, mode: exchange_capture_mode(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) }
+        KEPT.set(Kept { depth: 1, current: saved });
+        let mode = exchange_capture_mode(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .filter(|m| *m != CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
+        KeepCurrent { outer: Some((saved, mode)) }
     }
 }
 
@@ -69,13 +95,21 @@ impl Default for KeepCurrent {
 
 impl Drop for KeepCurrent {
     fn drop(&mut self) {
-        if let Some(ctx) = self.saved {
+        let kept = KEPT.get();
+        let depth = kept.depth.saturating_sub(1);
+        let Some((saved, mode)) = self.outer else {
+            KEPT.set(Kept { depth, ..kept });
+            return;
+        };
+        if let Some(ctx) = saved.filter(|c| kept.current != Some(*c)) {
             // SAFETY: `ctx` was current on this thread (or NULL) when saved; contexts we hand
             // out are retained for the life of the process, and the caller's own stays alive
             // across its NCCL call.
             let _ = driver("cuCtxSetCurrent", || check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) }));
         }
-        if let Some(mode) = self.mode {
+        // (A scope still open, dropped out of order, knows the context put back.)
+        KEPT.set(Kept { depth, current: saved.filter(|_| depth > 0) });
+        if let Some(mode) = mode {
             exchange_capture_mode(mode);
         }
     }
@@ -176,12 +210,21 @@ impl Context {
         self.ordinal
     }
 
-    /// Makes this context current on the calling thread (each proxy thread does it once).
+    /// Makes this context current on the calling thread (each proxy thread does it once);
+    /// within a [`KeepCurrent`] scope where it is current already, no driver call.
     pub fn make_current(&self) -> Result<()> {
-        driver("cuCtxSetCurrent", || {
+        let kept = KEPT.get();
+        if kept.depth > 0 && kept.current == Some(self.raw) {
+            return Ok(());
+        }
+        let r = driver("cuCtxSetCurrent", || {
             // SAFETY: `raw` is a retained primary context, valid for the life of the process.
             check(format_args!("cuCtxSetCurrent(device {})", self.ordinal), unsafe { sys::cuCtxSetCurrent(self.raw) })
-        })
+        });
+        if kept.depth > 0 {
+            KEPT.set(Kept { current: r.is_ok().then_some(self.raw), ..kept });
+        }
+        r
     }
 
     /// The reduction kernels, loaded into this context on first use. That first call makes the

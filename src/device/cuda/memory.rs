@@ -155,6 +155,26 @@ pub fn allocation_of(addr: usize) -> Result<(usize, usize)> {
     })
 }
 
+/// The allocation that contains device address `addr`, as [`allocation_of`], with the
+/// driver's process-wide unique id of it (`CU_POINTER_ATTRIBUTE_BUFFER_ID`: another allocation
+/// at the same address has another), in one `cuPointerGetAttributes` call: (start, size, id).
+pub fn allocation_with_id(addr: usize) -> Result<(usize, usize, u64)> {
+    driver("cuPointerGetAttributes", || {
+        let (r, [start, size, id]) = pointer_attributes(addr, [
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+        ]);
+        check(format_args!("cuPointerGetAttributes({addr:#x}: range, buffer id)"), r)?;
+        let (start, size) = (start as usize, size as usize);
+        // (Memory the driver does not know gets zeros from the plural call.)
+        if size == 0 || id == 0 || !(start..start.saturating_add(size)).contains(&addr) {
+            return Err(Error::internal(format!("no allocation known at {addr:#x}")));
+        }
+        Ok((start, size, id))
+    })
+}
+
 /// Pinned host memory mapped into every device's address space (`cuMemHostAlloc` with
 /// DEVICEMAP | PORTABLE), zeroed. The host reaches it through [`MappedHost::word`], the device
 /// (copies, stream memory operations) through [`MappedHost::device_addr`]. Freed on drop.

@@ -357,6 +357,39 @@ impl Maps {
     }
 }
 
+/// The CUDA IPC handles of this process's allocations, by the driver's buffer id (unique in
+/// the process: an entry never stands for another allocation, and a freed one's lingers only
+/// until the table is full, when all go), None for one without a handle (the virtual memory
+/// API's, a stream-ordered allocator's pools): a buffer published again costs one driver call,
+/// not two (`calls` in ffi-tests/cuda.c counts them).
+static HANDLES: Mutex<Option<std::collections::HashMap<u64, Option<IpcHandle>>>> = Mutex::new(None);
+const HANDLES_KEPT: usize = 4096;
+
+/// The start of the allocation that contains `addr` and its CUDA IPC handle, if it has one.
+fn ipc_handle(addr: usize) -> Option<(usize, IpcHandle)> {
+    let of = |base: usize| IpcHandle::of(base as *mut std::ffi::c_void).ok();
+    let Ok((base, _, id)) = cuda::allocation_with_id(addr) else {
+        // (A driver without those attributes: asked each time.)
+        let (base, _) = cuda::allocation_of(addr).ok()?;
+        return of(base).map(|h| (base, h));
+    };
+    let known = HANDLES.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|t| t.get(&id).copied());
+    let handle = match known {
+        Some(h) => h,
+        None => {
+            let h = of(base);
+            let mut table = HANDLES.lock().unwrap_or_else(|p| p.into_inner());
+            let table = table.get_or_insert_with(Default::default);
+            if table.len() >= HANDLES_KEPT {
+                table.clear();
+            }
+            table.insert(id, h);
+            h
+        }
+    };
+    handle.map(|h| (base, h))
+}
+
 /// Publish one of our buffers: handle of its allocation and offset, or the allocations of the
 /// virtual memory API behind it (added to `table` unless there already); only its address
 /// where `handles` is false (every peer is in this process). None if it has neither kind of
@@ -370,8 +403,7 @@ pub(super) fn publish(r: Region, handles: bool, table: &mut Vec<Segment>) -> Opt
         // Peers read it by address: device memory only (host memory is staged).
         return cuda::is_device_memory(r.addr()).then_some(Published { addr, len, ..Published::default() });
     }
-    let (base, _) = cuda::allocation_of(r.addr()).ok()?;
-    if let Ok(handle) = IpcHandle::of(base as *mut std::ffi::c_void) {
+    if let Some((base, handle)) = ipc_handle(r.addr()) {
         let off = (r.addr() - base) as u64;
         return Some(Published { handle: handle.bytes, off, addr, len, ..Published::default() });
     }
