@@ -24,8 +24,6 @@ enum {
   PTR_ATTR_BUFFER_ID = 7,
   PTR_ATTR_IS_MANAGED = 8,
   PTR_ATTR_DEVICE_ORDINAL = 9,
-  PTR_ATTR_RANGE_START_ADDR = 11,
-  PTR_ATTR_RANGE_SIZE = 12,
   PTR_ATTR_ALLOWED_HANDLE_TYPES = 14,
   MEMHOSTALLOC_ALL = 7, /* PORTABLE | DEVICEMAP | WRITECOMBINED */
   MEM_ATTACH_GLOBAL = 1,
@@ -218,10 +216,6 @@ static CUresult attribute(void *data, int attr, const struct range *r, uintptr_t
       return CUDA_SUCCESS;
     case PTR_ATTR_IS_MANAGED: *(unsigned *)data = managed; return CUDA_SUCCESS;
     case PTR_ATTR_DEVICE_ORDINAL: *(int *)data = r->dev; return CUDA_SUCCESS;
-    /* The allocation's range: for the virtual memory API, the one mapping (as
-     * cuMemGetAddressRange answers). */
-    case PTR_ATTR_RANGE_START_ADDR: *(CUdeviceptr *)data = r->base; return CUDA_SUCCESS;
-    case PTR_ATTR_RANGE_SIZE: *(size_t *)data = r->size; return CUDA_SUCCESS;
     case PTR_ATTR_ALLOWED_HANDLE_TYPES:
       /* What the allocation can be exported as: only the virtual memory API's are. */
       *(unsigned long long *)data = r->kind == MEM_VMM ? vmm_handle_types(r->phys) : 0;

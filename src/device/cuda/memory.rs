@@ -155,23 +155,17 @@ pub fn allocation_of(addr: usize) -> Result<(usize, usize)> {
     })
 }
 
-/// The allocation that contains device address `addr`, as [`allocation_of`], with the
-/// driver's process-wide unique id of it (`CU_POINTER_ATTRIBUTE_BUFFER_ID`: another allocation
-/// at the same address has another), in one `cuPointerGetAttributes` call: (start, size, id).
-pub fn allocation_with_id(addr: usize) -> Result<(usize, usize, u64)> {
+/// The driver's process-wide unique id of the allocation that contains `addr`
+/// (`CU_POINTER_ATTRIBUTE_BUFFER_ID`: another allocation at the same address has another).
+pub fn buffer_id(addr: usize) -> Result<u64> {
     driver("cuPointerGetAttributes", || {
-        let (r, [start, size, id]) = pointer_attributes(addr, [
-            CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-            CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-            CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
-        ]);
-        check(format_args!("cuPointerGetAttributes({addr:#x}: range, buffer id)"), r)?;
-        let (start, size) = (start as usize, size as usize);
-        // (Memory the driver does not know gets zeros from the plural call.)
-        if size == 0 || id == 0 || !(start..start.saturating_add(size)).contains(&addr) {
-            return Err(Error::internal(format!("no allocation known at {addr:#x}")));
+        let (r, [id]) = pointer_attributes(addr, [CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID]);
+        check(format_args!("cuPointerGetAttributes({addr:#x}: buffer id)"), r)?;
+        // (Memory the driver does not know gets 0 from the plural call.)
+        match id {
+            0 => Err(Error::internal(format!("no allocation known at {addr:#x}"))),
+            id => Ok(id),
         }
-        Ok((start, size, id))
     })
 }
 

@@ -359,34 +359,32 @@ impl Maps {
 
 /// The CUDA IPC handles of this process's allocations, by the driver's buffer id (unique in
 /// the process: an entry never stands for another allocation, and a freed one's lingers only
-/// until the table is full, when all go), None for one without a handle (the virtual memory
-/// API's, a stream-ordered allocator's pools): a buffer published again costs one driver call,
-/// not two (`calls` in ffi-tests/cuda.c counts them).
-static HANDLES: Mutex<Option<std::collections::HashMap<u64, Option<IpcHandle>>>> = Mutex::new(None);
+/// until the table is full, when all go), with the allocation's start and size as
+/// `cuMemGetAddressRange` gave them (the start the handle names); no handle for one without
+/// (the virtual memory API's, a stream-ordered allocator's pools). A buffer published again
+/// costs one driver call, not two (`calls` in ffi-tests/cuda.c counts them).
+static HANDLES: Mutex<Option<std::collections::HashMap<u64, Handled>>> = Mutex::new(None);
+/// An allocation's start, size and CUDA IPC handle (see [`HANDLES`]).
+type Handled = (usize, usize, Option<IpcHandle>);
 const HANDLES_KEPT: usize = 4096;
 
 /// The start of the allocation that contains `addr` and its CUDA IPC handle, if it has one.
 fn ipc_handle(addr: usize) -> Option<(usize, IpcHandle)> {
-    let of = |base: usize| IpcHandle::of(base as *mut std::ffi::c_void).ok();
-    let Ok((base, _, id)) = cuda::allocation_with_id(addr) else {
-        // (A driver without those attributes: asked each time.)
-        let (base, _) = cuda::allocation_of(addr).ok()?;
-        return of(base).map(|h| (base, h));
-    };
-    let known = HANDLES.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|t| t.get(&id).copied());
-    let handle = match known {
-        Some(h) => h,
-        None => {
-            let h = of(base);
-            let mut table = HANDLES.lock().unwrap_or_else(|p| p.into_inner());
-            let table = table.get_or_insert_with(Default::default);
-            if table.len() >= HANDLES_KEPT {
-                table.clear();
-            }
-            table.insert(id, h);
-            h
+    let id = cuda::buffer_id(addr).ok();
+    let known = id.and_then(|id| HANDLES.lock().unwrap_or_else(|p| p.into_inner()).as_ref()?.get(&id).copied());
+    if let Some((base, _, handle)) = known.filter(|&(base, size, _)| (base..base.saturating_add(size)).contains(&addr)) {
+        return handle.map(|h| (base, h));
+    }
+    let (base, size) = cuda::allocation_of(addr).ok()?;
+    let handle = IpcHandle::of(base as *mut std::ffi::c_void).ok();
+    if let Some(id) = id {
+        let mut table = HANDLES.lock().unwrap_or_else(|p| p.into_inner());
+        let table = table.get_or_insert_with(Default::default);
+        if table.len() >= HANDLES_KEPT {
+            table.clear();
         }
-    };
+        table.insert(id, (base, size, handle));
+    }
     handle.map(|h| (base, h))
 }
 
