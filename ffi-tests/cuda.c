@@ -1655,11 +1655,14 @@ static void rma(void) { rma_ring(0); }
 static void rma_pageable(void) { rma_ring(1); }
 
 /* Does nccl-rs reach the windows of other ranks of this host (peer access not disabled by
- * NCCL_P2P_DISABLE=1 or NCCL_P2P_LEVEL=LOC)? */
+ * NCCL_P2P_DISABLE=1 or NCCL_P2P_LEVEL=LOC, nor by a level the GPUs are farther apart than:
+ * CUDA_TEST_PEER_ACCESS=0 says so)? */
 static int peer_access(void) {
   const char* off = getenv("NCCL_P2P_DISABLE");
   const char* level = getenv("NCCL_P2P_LEVEL");
-  return !(off && atoi(off) != 0) && !(level && !strcasecmp(level, "LOC"));
+  const char* told = getenv("CUDA_TEST_PEER_ACCESS");
+  if (told && *told) return atoi(told) != 0;
+  return !(off && atoi(off) != 0) && !(level && (!strcasecmp(level, "LOC") || !strcmp(level, "0")));
 }
 
 /* Descriptors this process has open. */

@@ -42,7 +42,8 @@ pub static ALL: &[Param] = &[
     p("NCCL_RS_INPLACE_SCRATCH_MAX", "268435456", "CUDA mode: bytes of device memory a communicator's copies of buffers peers cannot read may take in all (NCCL_RS_INPLACE_SCRATCH at a time, more while earlier ones are busy, or one operation's size); an operation that needs more is staged (said at WARN)"),
     p("NCCL_RS_GRAPH_CAPTURE", "0", "CUDA mode: 1 records collectives issued on a capturing stream into the CUDA graph, staged through pinned memory of their own (experimental: not yet run on a GPU); 0 refuses them with ncclInvalidUsage"),
     p("NCCL_RS_DIRECT_ON_STREAM", "1", "CUDA mode: 0 runs the direct path's device work on the stream worker's stream, instead of kernels the caller's stream queues at call time"),
-    p("NCCL_P2P_LEVEL", "", "LOC or 0: CUDA mode never reads peers' device memory directly; other levels allow it where CUDA IPC works"),
+    p("NCCL_P2P_LEVEL", "", "CUDA mode: the farthest two GPUs of one host may be for ranks on them to read each other's device memory directly: LOC (never), NVL (the same GPU only: NVLink is not read), PIX, PXB, PHB, SYS (PCI distance from sysfs), or NCCL's legacy 0-4; unset: wherever CUDA IPC works"),
+    p("NCCL_RS_TOPO_SYSFS", "/sys", "where NCCL_P2P_LEVEL's PCI distances are read (a sysfs tree; for tests)"),
     p("NCCL_ALGO", "", "all-reduce algorithms allowed, as NCCL spells them: Ring, Tree (also NVLS, PAT, CollNet*: our recursive doubling), ^ to exclude, allreduce:LIST;... per collective; unset, or both allowed, chooses by size"),
     p("NCCL_BUFFSIZE", "4194304", "bytes of staging buffer per connection to a peer"),
     p("NCCL_COMM_BLOCKING", "", "0: communicators are nonblocking unless their config says otherwise"),
@@ -207,10 +208,14 @@ pub fn graph_capture() -> bool {
 pub fn direct_p2p() -> bool {
     int("NCCL_RS_DIRECT_P2P") != 0
 }
-/// `NCCL_P2P_LEVEL` forbids direct device access between ranks (LOC, or 0). nccl-rs reads no
-/// PCIe topology: other levels allow it wherever CUDA IPC maps the peer's memory.
+/// `NCCL_P2P_LEVEL`: the farthest apart two GPUs may be for the direct path between their
+/// ranks (`bootstrap::topo`); None if unset or not a level.
+pub fn p2p_level() -> Option<crate::bootstrap::topo::Level> {
+    raw("NCCL_P2P_LEVEL").and_then(|v| crate::bootstrap::topo::Level::parse(&v))
+}
+/// `NCCL_P2P_LEVEL` forbids direct device access between ranks (LOC, or 0).
 pub fn p2p_level_forbids() -> bool {
-    raw("NCCL_P2P_LEVEL").is_some_and(|v| matches!(v.trim().to_ascii_uppercase().as_str(), "LOC" | "0"))
+    p2p_level() == Some(crate::bootstrap::topo::Level::Loc)
 }
 pub fn buffsize() -> usize {
     usize::try_from(int("NCCL_BUFFSIZE")).unwrap_or(1 << 22).clamp(1 << 16, 1 << 30)

@@ -127,6 +127,57 @@ fn cuda_mode_2_processes_on_2_devices() {
     }
 }
 
+/// NCCL_P2P_LEVEL against the PCI distance of the ranks' GPUs, read from sysfs (a tree of
+/// our own here, NCCL_RS_TOPO_SYSFS, with the stand-in's two devices below two root ports of
+/// one root: PHB apart, on one NUMA node). PIX stages everything between them (and says why),
+/// PHB and SYS go direct, a level set on one process only holds for both (no hang, both
+/// stage), and NVL keeps the direct path between ranks of one GPU. Exact every time.
+#[test]
+fn cuda_mode_p2p_level_follows_pci_distance() {
+    if !stand_in_only("cuda_mode_p2p_level_follows_pci_distance") {
+        return;
+    }
+    let root = std::env::temp_dir().join(format!("nccl-rs-sysfs-{}", std::process::id()));
+    let gpus = [("0000:04:00.0", "pci0000:00/0000:00:01.0/0000:04:00.0"), ("0000:09:00.0", "pci0000:00/0000:00:02.0/0000:09:00.0")];
+    for (bus, path) in gpus {
+        let dev = root.join("devices").join(path);
+        std::fs::create_dir_all(&dev).expect("a temporary directory");
+        std::fs::write(dev.join("numa_node"), "0\n").expect("a file");
+        std::fs::create_dir_all(root.join("bus/pci/devices")).expect("a temporary directory");
+        let _ = std::os::unix::fs::symlink(&dev, root.join("bus/pci/devices").join(bus));
+    }
+    let sysfs = root.to_string_lossy().into_owned();
+    let two_gpus = |levels: [&str; 2]| {
+        let mut job = cuda_job().procs(2).arg("--quick").env("NCCL_RS_STUB_DEVICES", "2")
+            .env("NCCL_RS_STUB_PCI_BUS_IDS", "0000:04:00.0,0000:09:00.0").env("NCCL_RS_TOPO_SYSFS", &sysfs)
+            .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
+            .env("CUDA_TEST_PEER_ACCESS", if levels.iter().any(|l| *l == "PIX" || *l == "1") { "0" } else { "1" });
+        for (p, level) in levels.iter().enumerate() {
+            job = job.proc_env(p, "NCCL_TEST_CUDA_DEVICE", &p.to_string());
+            if !level.is_empty() {
+                job = job.proc_env(p, "NCCL_P2P_LEVEL", level);
+            }
+        }
+        job.run_outcome()
+    };
+    for (levels, direct) in [(["PIX", "PIX"], false), (["PHB", "PHB"], true), (["", "SYS"], true), (["1", ""], false)] {
+        let o = two_gpus(levels);
+        assert!(o.ok(), "NCCL_P2P_LEVEL {levels:?}: {}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert_eq!(p.log.contains("are read directly"), direct, "NCCL_P2P_LEVEL {levels:?}, process {i}:\n{}", p.log);
+            if !direct {
+                assert!(p.log.contains("is PHB from this rank's") && p.log.contains("their buffers are staged"),
+                        "NCCL_P2P_LEVEL {levels:?}, process {i}: the reason not said:\n{}", p.log);
+            }
+        }
+    }
+    let o = cuda_job().procs(2).arg("--quick").env("NCCL_P2P_LEVEL", "NVL").env("NCCL_RS_TOPO_SYSFS", &sysfs)
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+    let _ = std::fs::remove_dir_all(&root);
+    assert!(o.ok(), "NVL, one GPU: {}", o.report);
+    assert!(o.procs.iter().all(|p| p.log.contains("are read directly")), "NVL, one GPU: not direct:\n{}", o.report);
+}
+
 /// One rank declines the direct path for one operation (its output is pinned memory, and
 /// NCCL_RS_INPLACE_SCRATCH=0: no device copy of it) while its peers offer device buffers:
 /// every rank stages that one, exact, and goes direct again on the next; nobody concludes

@@ -112,6 +112,21 @@ pub fn run_init(comm: &Comm, id: &UniqueId) -> Result<()> {
     })
 }
 
+/// Where this rank's GPU is in the host's PCI tree (CUDA mode), for NCCL_P2P_LEVEL
+/// (`bootstrap::topo`); unknown in host mode or where the driver or sysfs cannot say.
+fn gpu_place(cuda_dev: i32) -> bootstrap::topo::GpuPlace {
+    if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+        return bootstrap::topo::GpuPlace::default();
+    }
+    match crate::device::cuda::pci_bus_id(cuda_dev) {
+        Ok(bus) => bootstrap::topo::GpuPlace::of_bus_id(&params::text("NCCL_RS_TOPO_SYSFS"), &bus),
+        Err(e) => {
+            crate::info!(INIT, "no PCI bus id for CUDA device {cuda_dev} ({}): its distance to other GPUs is unknown", e.msg);
+            bootstrap::topo::GpuPlace::default()
+        }
+    }
+}
+
 fn join_job(comm: &Comm, id: &UniqueId) -> Result<()> {
     crate::debug::set_rank(comm.rank as i32);
     crate::debug::print_version_once();
@@ -125,6 +140,7 @@ fn join_job(comm: &Comm, id: &UniqueId) -> Result<()> {
         slice: (params::buffsize() / SLOTS) as u32,
         nsocks: params::nsocks() as u32,
         links: bootstrap::Links::local(),
+        gpu: gpu_place(comm.cuda_dev),
     };
     let result = bootstrap::join(id, comm.rank, comm.nranks, me, &comm.abort).map(|(peers, service)| {
         let slice = peers.iter().map(|p| p.slice as usize).min().unwrap_or(1 << 16).max(4096);

@@ -46,7 +46,8 @@ fn info() -> PeerInfo {
         slice: 1 << 18,
         nsocks: 2,
         links: super::Links { p2p: true, shm: false, direct: true, direct_p2p: true, direct_min: 65536,
-                             algo: Some(crate::algo::Algo::Tree) },
+                             algo: Some(crate::algo::Algo::Tree), level: Some(super::topo::Level::Pxb) },
+        gpu: super::topo::GpuPlace { bus: "0000:3b:00.0".into(), path: "pci0000:3a/0000:3b:00.0".into(), numa: 1 },
     }
 }
 

@@ -7,6 +7,7 @@ pub mod id;
 pub mod pending;
 pub mod root;
 pub mod service;
+pub mod topo;
 pub mod wire;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -37,6 +38,8 @@ pub struct PeerInfo {
     pub nsocks: u32,
     /// The links this rank's settings allow; a pair takes what both allow ([`Links::with`]).
     pub links: Links,
+    /// Where its GPU is in the host's PCI tree (CUDA mode; unknown in host mode).
+    pub gpu: topo::GpuPlace,
 }
 
 /// What a rank's settings allow between ranks of one host. Each rank reads its own
@@ -59,22 +62,32 @@ pub struct Links {
     /// The all-reduce algorithm NCCL_ALGO forces (None: chosen by size). Ranks that differ
     /// choose by size, as every rank then does alike.
     pub algo: Option<crate::algo::Algo>,
+    /// How far apart two GPUs may be for `direct` (NCCL_P2P_LEVEL; None: any distance).
+    pub level: Option<topo::Level>,
 }
 
 impl Links {
     /// This process's settings.
     pub fn local() -> Links {
         let p2p = !params::p2p_disable();
+        let level = params::p2p_level();
+        if let (None, Some(v)) = (level, params::raw("NCCL_P2P_LEVEL")) {
+            crate::warn!("NCCL_P2P_LEVEL={v} is not a level (LOC, NVL, PIX, PXB, PHB, SYS or 0-4): ignored");
+        }
         Links { p2p, shm: !params::shm_disable(), direct: p2p && !params::p2p_level_forbids(),
                 direct_p2p: params::direct_p2p(), direct_min: params::direct_min() as u64,
-                algo: params::raw("NCCL_ALGO").and_then(|v| crate::algo::parse_algo(&v)) }
+                algo: params::raw("NCCL_ALGO").and_then(|v| crate::algo::parse_algo(&v)), level }
     }
 
     /// What both allow: a link either refuses is refused, and the larger smallest size holds.
     pub fn with(self, other: Links) -> Links {
         Links { p2p: self.p2p && other.p2p, shm: self.shm && other.shm, direct: self.direct && other.direct,
                 direct_p2p: self.direct_p2p && other.direct_p2p, direct_min: self.direct_min.max(other.direct_min),
-                algo: if self.algo == other.algo { self.algo } else { None } }
+                algo: if self.algo == other.algo { self.algo } else { None },
+                level: match (self.level, other.level) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                } }
     }
 
     fn encode(&self, w: &mut Writer) {
@@ -86,7 +99,7 @@ impl Links {
             Some(Algo::Ring) => 1,
             Some(Algo::Tree) => 2,
         };
-        w.u32(flags | algo << 4).u64(self.direct_min);
+        w.u32(flags | algo << 4 | u32::from(topo::Level::encode(self.level)) << 8).u64(self.direct_min);
     }
 
     fn decode(r: &mut Reader<'_>) -> Result<Links> {
@@ -98,7 +111,8 @@ impl Links {
             2 => Some(Algo::Tree),
             _ => None,
         };
-        Ok(Links { p2p: on(0), shm: on(1), direct: on(2), direct_p2p: on(3), direct_min: r.u64()?, algo })
+        let level = topo::Level::decode((flags >> 8 & 0xff) as u8);
+        Ok(Links { p2p: on(0), shm: on(1), direct: on(2), direct_p2p: on(3), direct_min: r.u64()?, algo, level })
     }
 }
 
@@ -113,6 +127,7 @@ impl PeerInfo {
             .u32(self.slice)
             .u32(self.nsocks);
         self.links.encode(w);
+        w.str(&self.gpu.bus).str(&self.gpu.path).u32(self.gpu.numa as u32);
     }
     pub fn decode(r: &mut Reader<'_>) -> Result<PeerInfo> {
         let rank = r.u32()? as usize;
@@ -124,13 +139,26 @@ impl PeerInfo {
         let slice = r.u32()?;
         let nsocks = r.u32()?;
         let links = Links::decode(r)?;
-        Ok(PeerInfo { rank, pid, cuda_dev, host_hash, hostname, addr, slice, nsocks, links })
+        let gpu = topo::GpuPlace { bus: r.str()?, path: r.str()?, numa: r.u32()? as i32 };
+        Ok(PeerInfo { rank, pid, cuda_dev, host_hash, hostname, addr, slice, nsocks, links, gpu })
     }
     pub fn same_host(&self, other: &PeerInfo) -> bool {
         self.host_hash == other.host_hash
     }
     pub fn same_process(&self, other: &PeerInfo) -> bool {
         self.same_host(other) && self.pid == other.pid
+    }
+
+    /// Whether this rank and `other` may read each other's device buffers directly (CUDA
+    /// mode): ranks of one host whose settings both allow it, on GPUs no farther apart than
+    /// the stricter NCCL_P2P_LEVEL of the two (a distance not known counts as SYS). Alike on
+    /// both ends: it depends only on what both published.
+    pub fn direct_with(&self, other: &PeerInfo) -> bool {
+        let both = self.links.with(other.links);
+        if !(self.same_host(other) && both.direct) {
+            return false;
+        }
+        both.level.is_none_or(|level| topo::distance(&self.gpu, &other.gpu).unwrap_or(topo::Level::Sys) <= level)
     }
 }
 

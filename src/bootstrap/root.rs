@@ -298,7 +298,7 @@ mod tests {
         let mut s = TcpStream::connect(addr).expect("a connection");
         let me = PeerInfo { rank: 0, pid: 1, cuda_dev: 0, host_hash: 1, hostname: "h".into(),
                             addr: "127.0.0.1:1".parse().expect("an address"), slice: 4096, nsocks: 1,
-                            links: crate::bootstrap::Links::local() };
+                            links: crate::bootstrap::Links::local(), gpu: Default::default() };
         let mut w = Writer::default();
         w.u8(HELLO).u64(7).u32(0).u32(2);
         me.encode(&mut w);

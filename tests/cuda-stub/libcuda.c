@@ -186,6 +186,31 @@ EXPORT CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
   return CUDA_SUCCESS;
 }
 
+/* Device d's PCI bus id: the d-th of NCCL_RS_STUB_PCI_BUS_IDS (a comma list), else
+ * 0000:(d+1):00.0, in upper case as the driver writes it. */
+EXPORT CUresult cuDeviceGetPCIBusId(char *bus, int len, CUdevice dev) {
+  count_call(__func__);
+  REQUIRE_INIT();
+  if (!bus || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+  if (dev < 0 || dev >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
+  char id[32];
+  snprintf(id, sizeof id, "0000:%02X:00.0", dev + 1);
+  const char *list = getenv("NCCL_RS_STUB_PCI_BUS_IDS");
+  for (int i = 0; list && *list; i++) {
+    const char *end = strchr(list, ',');
+    size_t n = end ? (size_t)(end - list) : strlen(list);
+    if (i == dev && n < sizeof id) {
+      memcpy(id, list, n);
+      id[n] = 0;
+      break;
+    }
+    list = end ? end + 1 : NULL;
+  }
+  if ((int)strlen(id) >= len) return CUDA_ERROR_INVALID_VALUE;
+  strcpy(bus, id);
+  return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
   count_call(__func__);
   REQUIRE_INIT();

@@ -599,7 +599,7 @@ fn reaches(comm: &Comm, peer: usize) -> Result<bool> {
     let ready = comm.ready()?;
     // What both ranks' settings allow (`bootstrap::Links`).
     Ok(match (ready.peers.get(comm.rank), ready.peers.get(peer)) {
-        (Some(a), Some(b)) => a.same_host(b) && a.links.with(b.links).direct,
+        (Some(a), Some(b)) => a.direct_with(b),
         _ => false,
     })
 }

@@ -115,6 +115,21 @@ impl Drop for KeepCurrent {
     }
 }
 
+/// The PCI bus id of device `ordinal`, as the driver writes it (`0000:3B:00.0`).
+pub fn pci_bus_id(ordinal: i32) -> Result<String> {
+    driver("cuDeviceGetPCIBusId", || {
+        ensure_init()?;
+        let mut dev = 0;
+        // SAFETY: `dev` is a valid out-pointer; the driver checks the ordinal.
+        check(format_args!("cuDeviceGet({ordinal})"), unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: `buf` holds `len` bytes, which the driver writes NUL-terminated.
+        check("cuDeviceGetPCIBusId", unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev) })?;
+        let bytes: Vec<u8> = buf.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    })
+}
+
 /// Makes the calling thread's driver calls independent of graph captures other threads make
 /// (for nccl-rs's own threads, for good; callers' threads get it for the length of a call from
 /// [`KeepCurrent`]).
