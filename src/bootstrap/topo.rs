@@ -26,6 +26,8 @@ pub enum Level {
 }
 
 impl Level {
+    const ALL: [Level; 6] = [Level::Loc, Level::Nvl, Level::Pix, Level::Pxb, Level::Phb, Level::Sys];
+
     pub fn name(self) -> &'static str {
         match self {
             Level::Loc => "LOC",
@@ -38,7 +40,7 @@ impl Level {
     }
 
     fn from_u8(v: u8) -> Option<Level> {
-        [Level::Loc, Level::Nvl, Level::Pix, Level::Pxb, Level::Phb, Level::Sys].into_iter().find(|l| *l as u8 == v)
+        Level::ALL.into_iter().find(|l| *l as u8 == v)
     }
 
     /// `NCCL_P2P_LEVEL` as NCCL reads it: a path type's name, or a legacy integer (0 LOC,
@@ -54,9 +56,7 @@ impl Level {
                 _ => Level::Sys,
             });
         }
-        [Level::Loc, Level::Nvl, Level::Pix, Level::Pxb, Level::Phb, Level::Sys]
-            .into_iter()
-            .find(|l| l.name().eq_ignore_ascii_case(v))
+        Level::ALL.into_iter().find(|l| l.name().eq_ignore_ascii_case(v))
     }
 
     /// On the wire: the level, or 255 for none set.
