@@ -177,6 +177,7 @@ if python3 -c 'import torch' 2>/dev/null; then
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
     python3 $OUT/torch_check.py compare"
+  grep -m1 -o 'CUDA device [0-9]*: PCI.*' "$OUT/torch-expandable-segments.log" | sed 's/^/# gpu place (NCCL_P2P_LEVEL): /' >> "$R"
   say "# torch expandable segments: $(grep -c 'are read directly' "$OUT/torch-expandable-segments.log") ranks read \
 directly, $(grep -c 'cannot map\|cannot receive' "$OUT/torch-expandable-segments.log") refusals; \
 $(grep -m1 -o 'cannot [a-z]* rank.*' "$OUT/torch-expandable-segments.log" | cut -c1-160)"

@@ -164,6 +164,8 @@ fn cuda_mode_p2p_level_follows_pci_distance() {
         let o = two_gpus(levels);
         assert!(o.ok(), "NCCL_P2P_LEVEL {levels:?}: {}", o.report);
         for (i, p) in o.procs.iter().enumerate() {
+            let place = format!("CUDA device {i}: PCI {} ({}), NUMA node 0", gpus[i].0, gpus[i].1);
+            assert!(p.log.contains(&place), "process {i}: its GPU's place not read or not said ({place}):\n{}", p.log);
             assert_eq!(p.log.contains("are read directly"), direct, "NCCL_P2P_LEVEL {levels:?}, process {i}:\n{}", p.log);
             if !direct {
                 assert!(p.log.contains("is PHB from this rank's") && p.log.contains("their buffers are staged"),

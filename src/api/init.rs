@@ -119,7 +119,12 @@ fn gpu_place(cuda_dev: i32) -> bootstrap::topo::GpuPlace {
         return bootstrap::topo::GpuPlace::default();
     }
     match crate::device::cuda::pci_bus_id(cuda_dev) {
-        Ok(bus) => bootstrap::topo::GpuPlace::of_bus_id(&params::text("NCCL_RS_TOPO_SYSFS"), &bus),
+        Ok(bus) => {
+            let place = bootstrap::topo::GpuPlace::of_bus_id(&params::text("NCCL_RS_TOPO_SYSFS"), &bus);
+            let path = if place.path.is_empty() { "not found in sysfs" } else { &place.path };
+            crate::info!(P2P, "CUDA device {cuda_dev}: PCI {} ({path}), NUMA node {}", place.bus_id(), place.numa);
+            place
+        }
         Err(e) => {
             crate::info!(INIT, "no PCI bus id for CUDA device {cuda_dev} ({}): its distance to other GPUs is unknown", e.msg);
             bootstrap::topo::GpuPlace::default()
