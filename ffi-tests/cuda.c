@@ -3230,6 +3230,67 @@ static void reductions(void) {
   tlog("Reductions: 12 datatypes x 5 reductions x 3 collectives checked, and fp16 avg high in its range");
 }
 
+/* Part Devices (1 process; only when asked, with as many devices as NCCL_TEST_LOCAL): one
+ * thread drives a communicator per device (ncclCommInitAll, as nccl-tests -g N), each call on
+ * device memory of its communicator's device, with another device's context current; a group
+ * of all-reduces large enough to go direct, then small ones: exact, and the thread's current
+ * context is the caller's again after each group. */
+static void devices(void) {
+  test_step("devices");
+  const int n = g_env.local;
+  ncclComm_t comms[MAX_LOCAL];
+  int devs[MAX_LOCAL];
+  CUcontext ctx[MAX_LOCAL];
+  CUstream st[MAX_LOCAL];
+  CUdeviceptr d[MAX_LOCAL];
+  float* h[MAX_LOCAL];
+  const size_t counts[2] = {300000, 1000};
+  for (int l = 0; l < n; l++) devs[l] = l;
+  CHECK(ncclCommInitAll(comms, n, devs));
+  for (int l = 0; l < n; l++) {
+    int dev = -1;
+    CHECK(ncclCommCuDevice(comms[l], &dev));
+    EXPECT(dev == l, "communicator %d is on device %d", l, dev);
+    CU(cu.PrimaryCtxRetain(&ctx[l], l));
+    CU(cu.CtxSetCurrent(ctx[l]));
+    CU(cu.StreamCreate(&st[l], CU_STREAM_NON_BLOCKING));
+    d[l] = dev_alloc(counts[0] * sizeof(float));
+    h[l] = host_alloc(counts[0] * sizeof(float));
+  }
+  for (int k = 0; k < 2; k++) {
+    const size_t count = counts[k];
+    for (int l = 0; l < n; l++) {
+      for (size_t j = 0; j < count; j++) h[l][j] = in_value(l, j, k);
+      CU(cu.CtxSetCurrent(ctx[l]));
+      CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), st[l]));
+    }
+    /* The last device's context is current while every device's call is made. */
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < n; l++)
+      CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, comms[l], st[l]));
+    CHECK(ncclGroupEnd());
+    CUcontext now = NULL;
+    CU(cu.CtxGetCurrent(&now));
+    EXPECT(now == ctx[n - 1], "count %zu: the group changed the caller's current context", count);
+    for (int l = 0; l < n; l++) {
+      CU(cu.CtxSetCurrent(ctx[l]));
+      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), st[l]));
+      CU(cu.StreamSynchronize(st[l]));
+      size_t bad = 0;
+      for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, n, l, j, k);
+      EXPECT(bad == 0, "count %zu, device %d: %zu wrong values", count, l, bad);
+    }
+  }
+  for (int l = 0; l < n; l++) {
+    CU(cu.CtxSetCurrent(ctx[l]));
+    CU(cu.MemFree(d[l]));
+    CU(cu.MemFreeHost(h[l]));
+    CU(cu.StreamDestroy(st[l]));
+    CHECK(ncclCommDestroy(comms[l]));
+  }
+  CU(cu.CtxSetCurrent(g_ctx));
+}
+
 /* Part Calls (stand-in only, one rank per process): how many driver calls one call makes on
  * the calling thread once warm: all-reduces below and above the direct path's threshold,
  * a send/receive pair. */
@@ -3318,6 +3379,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "Backlog")) backlog(); /* only when asked: 600 calls */
   if (g_env.only && !strcasecmp(g_env.only, "Pageable")) pageable();
   if (g_env.only && !strcasecmp(g_env.only, "Calls")) calls();
+  if (g_env.only && !strcasecmp(g_env.only, "Devices")) devices();
   if (g_env.only && !strcasecmp(g_env.only, "CaptureElsewhere")) capture_elsewhere();
   if (g_env.only && !strcasecmp(g_env.only, "Graph")) graph();
   if (g_env.only && !strcasecmp(g_env.only, "GraphRefused")) graph_refused();

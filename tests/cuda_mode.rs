@@ -127,6 +127,24 @@ fn cuda_mode_2_processes_on_2_devices() {
     }
 }
 
+/// One thread drives a communicator per device (ncclCommInitAll over the stand-in's devices,
+/// as nccl-tests -g N; part Devices): all-reduces large and small, exact, the caller's
+/// context current again after each group (one call switches between the devices'
+/// contexts: `KeepCurrent` must track which is current). Ranks of one process on different
+/// devices stage (nccl-rs enables no peer access), and say so.
+#[test]
+fn cuda_mode_one_thread_several_devices() {
+    if !stand_in_only("cuda_mode_one_thread_several_devices") {
+        return;
+    }
+    for n in ["2", "3"] {
+        let o = cuda_job().local(n.parse().unwrap_or(2)).env("NCCL_RS_STUB_DEVICES", n).arg("--only").arg("Devices")
+            .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+        assert!(o.ok(), "{n} devices: {}", o.report);
+        assert!(o.procs[0].log.contains("is on device 1 of this process; staging"), "{n} devices: not said:\n{}", o.report);
+    }
+}
+
 /// NCCL_P2P_LEVEL against the PCI distance of the ranks' GPUs, read from sysfs (a tree of
 /// our own here, NCCL_RS_TOPO_SYSFS, with the stand-in's two devices below two root ports of
 /// one root: PHB apart, on one NUMA node). PIX stages everything between them (and says why),

@@ -38,6 +38,7 @@ struct event {
   uint64_t captured;  /* the capture its latest record went into (an id), 0 if none */
   int cap_branch;     /* ... its branch there, and how many of the branch's ops came before, + 1 */
   uint32_t cap_pos;
+  struct ctx *ctx;    /* the context current at its creation: it is recorded on that context's streams only */
 };
 
 enum op_kind { OP_COPY, OP_SET, OP_RECORD, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE_VALUE, OP_KERNEL, OP_HOST };
@@ -75,6 +76,7 @@ struct stream {
   struct queue *q;      /* shared hardware queues: the one this stream's commands go to */
   int kernels_running;  /* shared hardware queues: its launched kernels still running */
   int blocking;         /* created without CU_STREAM_NON_BLOCKING: synchronizes with the legacy stream */
+  struct ctx *ctx;      /* the context current at its creation (an event recorded on it must be of it) */
 };
 
 static void event_unref(struct event *e) {
@@ -255,6 +257,7 @@ static struct stream *stream_new(void) {
   struct stream *s = calloc(1, sizeof *s);
   if (!s) return NULL;
   s->magic = STREAM_MAGIC;
+  s->ctx = t_current;
   pthread_mutex_init(&s->mu, NULL);
   pthread_cond_init(&s->cv, NULL);
   pthread_once(&g_queues_once, queues_init);
@@ -966,6 +969,7 @@ EXPORT CUresult cuEventCreate(struct event **pe, unsigned flags) {
   struct event *e = calloc(1, sizeof *e);
   if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
   e->magic = EVENT_MAGIC;
+  e->ctx = t_current;
   e->refs = 1;
   pthread_mutex_init(&e->mu, NULL);
   pthread_cond_init(&e->cv, NULL);
@@ -990,6 +994,12 @@ EXPORT CUresult cuEventRecord(struct event *e, struct stream *h) {
   struct stream *s;
   CUresult r = resolve(h, &s);
   if (r != CUDA_SUCCESS) return r;
+  /* The driver records an event only on a stream of its own context (another device's
+   * stream may wait for it, cuStreamWaitEvent). */
+  if (s->ctx && e->ctx && s->ctx != e->ctx) {
+    fprintf(stderr, "cuda-stub: cuEventRecord: an event of device %d on a stream of device %d\n", e->ctx->dev, s->ctx->dev);
+    return CUDA_ERROR_INVALID_HANDLE;
+  }
   pthread_mutex_lock(&e->mu);
   if (capture_mark(s, e)) { /* a point of the graph, for other streams to join at */
     pthread_mutex_unlock(&e->mu);
