@@ -364,6 +364,15 @@ impl Streamed {
         let host_wait = crate::params::few_device_connections();
         let gate_kernel = kernels.filter(|_| crate::params::stream_gate_kernel());
         let routes = Routes::of(comm);
+        // Peer access to the devices of this process's other ranks, asked for now (by the
+        // caller's thread, before any stream waits for this worker), so the direct path finds
+        // the answer kept and the worker makes no driver call for it.
+        if let Some(ready) = comm.ready_if_any() {
+            let me = &ready.peers[comm.rank];
+            for p in ready.peers.iter().filter(|p| p.same_process(me) && p.cuda_dev != comm.cuda_dev && me.direct_with(p)) {
+                crate::device::cuda::peer_access(comm.cuda_dev, p.cuda_dev);
+            }
+        }
         // The board: callers' streams signal their start there, and direct operations queued on
         // them get their kernels' arguments there.
         let board = match !host_wait && ctx.can_wait_on_memory().unwrap_or(false) {

@@ -130,18 +130,28 @@ fn cuda_mode_2_processes_on_2_devices() {
 /// One thread drives a communicator per device (ncclCommInitAll over the stand-in's devices,
 /// as nccl-tests -g N; part Devices): all-reduces large and small, exact, the caller's
 /// context current again after each group (one call switches between the devices'
-/// contexts: `KeepCurrent` must track which is current). Ranks of one process on different
-/// devices stage (nccl-rs enables no peer access), and say so.
+/// contexts: `KeepCurrent` must track which is current). The ranks read each other's
+/// buffers directly once peer access between their devices is enabled (the stand-in stops a
+/// kernel that reads another device's memory without it); where the devices have none
+/// (NCCL_RS_STUB_NO_PEER_ACCESS=1) they stage, and say so.
 #[test]
 fn cuda_mode_one_thread_several_devices() {
     if !stand_in_only("cuda_mode_one_thread_several_devices") {
         return;
     }
-    for n in ["2", "3"] {
+    for (n, peer_access) in [("2", true), ("3", true), ("2", false)] {
         let o = cuda_job().local(n.parse().unwrap_or(2)).env("NCCL_RS_STUB_DEVICES", n).arg("--only").arg("Devices")
+            .env("NCCL_RS_STUB_NO_PEER_ACCESS", if peer_access { "0" } else { "1" })
+            .env("NCCL_RS_STUB_REPORT_WORKER_CALLS", "1")
             .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
-        assert!(o.ok(), "{n} devices: {}", o.report);
-        assert!(o.procs[0].log.contains("is on device 1 of this process; staging"), "{n} devices: not said:\n{}", o.report);
+        assert!(o.ok(), "{n} devices, peer access {peer_access}: {}", o.report);
+        let log = &o.procs[0].log;
+        assert_eq!(log.contains("are read directly"), peer_access, "{n} devices, peer access {peer_access}:\n{log}");
+        assert_eq!(log.contains("without peer access from device"), !peer_access,
+                   "{n} devices, peer access {peer_access}: the staging not said:\n{log}");
+        // (Without peer access, the first operation, in which the ranks learn that they never
+        // can, is staged on the worker's stream: README, CUDA mode's known limits.)
+        assert!(!peer_access || !log.contains("from the stream worker"), "{n} devices: the worker made device calls:\n{log}");
     }
 }
 

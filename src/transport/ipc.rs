@@ -351,10 +351,10 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
             continue;
         }
         let (theirs, ours) = (&ready.peers[p], &ready.peers[me]);
-        if theirs.same_process(ours) && theirs.cuda_dev != comm.cuda_dev {
-            // Another device of this process: its memory needs peer access we have not enabled.
-            crate::info!(P2P, "rank {me}: rank {p} is on device {} of this process; staging through host memory",
-                         ready.peers[p].cuda_dev);
+        if theirs.same_process(ours) && !cuda::peer_access(comm.cuda_dev, theirs.cuda_dev) {
+            // Another device of this process, whose memory this one's kernels cannot read.
+            crate::info!(P2P, "rank {me}: rank {p} is on device {} of this process, without peer access from device {}; \
+                               staging through host memory", theirs.cuda_dev, comm.cuda_dev);
             verdict = NEVER;
             break;
         }
@@ -1015,8 +1015,8 @@ fn read_record(comm: &Comm, ready: &crate::comm::Ready, direct: &mut Direct, op:
     if table.len() != theirs.table as usize || table.len() > MAX_TABLE {
         return Err(Error::internal(format!("rank {me}: a record from rank {peer} with a table of {} entries", table.len())));
     }
-    if sender.same_process(ours) && sender.cuda_dev != comm.cuda_dev {
-        // Another device of this process: its memory needs peer access we have not enabled.
+    if sender.same_process(ours) && !cuda::peer_access(comm.cuda_dev, sender.cuda_dev) {
+        // Another device of this process, whose memory this one's kernels cannot read.
         return Ok(Sender::Unmapped);
     }
     let shared = Shared { table: &table, server: theirs.server };

@@ -261,6 +261,11 @@ static void run_one_indirect(int kernel_type, const uint64_t *desc) {
       fprintf(stderr, "cuda-stub: nccl_rs_indirect: illegal address %#llx (+%zu)\n", (unsigned long long)w[i], bytes);
       abort();
     }
+    if (!device_reaches(t_kernel_dev, w[i])) {
+      fprintf(stderr, "cuda-stub: nccl_rs_indirect: %#llx is another device's memory, and device %d has no peer access "
+              "to it\n", (unsigned long long)w[i], t_kernel_dev);
+      abort();
+    }
   }
   if (code == 1) {
     /* A slow device, for tests: each copy waits this long before it runs. */

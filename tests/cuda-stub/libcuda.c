@@ -137,6 +137,7 @@ static const char *error_name(CUresult r) {
     NAME(CUDA_ERROR_INVALID_CONTEXT)
     NAME(CUDA_ERROR_MAP_FAILED)
     NAME(CUDA_ERROR_PEER_ACCESS_UNSUPPORTED)
+    NAME(CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
     NAME(CUDA_ERROR_LAUNCH_FAILED)
     NAME(CUDA_ERROR_INVALID_HANDLE)
     NAME(CUDA_ERROR_NOT_FOUND)
@@ -273,6 +274,33 @@ EXPORT CUresult cuCtxSetCurrent(struct ctx *c) {
   REQUIRE_INIT();
   if (c && (c < g_ctx || c >= g_ctx + g_ndev)) return CUDA_ERROR_INVALID_CONTEXT;
   t_current = c;
+  return CUDA_SUCCESS;
+}
+
+/* Peer access: [from][to], enabled by cuCtxEnablePeerAccess with `from` current. Every pair
+ * of devices can have it unless NCCL_RS_STUB_NO_PEER_ACCESS=1. */
+static int g_peer[MAX_DEVICES][MAX_DEVICES];
+__thread int t_kernel_dev = -1;
+
+int peer_enabled(int from, int to) { return from >= 0 && to >= 0 && __atomic_load_n(&g_peer[from][to], __ATOMIC_ACQUIRE); }
+
+EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
+  count_call(__func__);
+  REQUIRE_INIT();
+  if (!can) return CUDA_ERROR_INVALID_VALUE;
+  if (dev < 0 || dev >= g_ndev || peer < 0 || peer >= g_ndev) return CUDA_ERROR_INVALID_DEVICE;
+  *can = dev != peer && !env_int("NCCL_RS_STUB_NO_PEER_ACCESS", 0);
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxEnablePeerAccess(struct ctx *peer, unsigned flags) {
+  count_call(__func__);
+  REQUIRE_CTX();
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (!peer || peer < g_ctx || peer >= g_ctx + g_ndev) return CUDA_ERROR_INVALID_CONTEXT;
+  if (peer == t_current) return CUDA_ERROR_INVALID_DEVICE;
+  if (env_int("NCCL_RS_STUB_NO_PEER_ACCESS", 0)) return CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
+  if (__atomic_exchange_n(&g_peer[t_current->dev][peer->dev], 1, __ATOMIC_ACQ_REL)) return CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
   return CUDA_SUCCESS;
 }
 

@@ -96,6 +96,16 @@ enum mem_kind mem_lookup(uintptr_t p, size_t n) {
   return k;
 }
 
+int peer_enabled(int from, int to);
+
+int device_reaches(int dev, uintptr_t p) {
+  pthread_mutex_lock(&g_mem_lock);
+  struct range *r = mem_find(p);
+  int other = r && r->kind == MEM_DEVICE && dev >= 0 ? r->dev : -1;
+  pthread_mutex_unlock(&g_mem_lock);
+  return other < 0 || other == dev || peer_enabled(dev, other);
+}
+
 /* Shared memory of `size` bytes backed by a new memfd named after `id`. */
 static void *map_memfd(size_t size, uint64_t id, int *fd_out) {
   char name[64];

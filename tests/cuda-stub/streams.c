@@ -62,6 +62,7 @@ struct op {
   int branch; /* in a graph, OP_WAIT_VALUE without a word: wait until branch `branch` has done `value` ops */
   uint64_t order; /* in a graph, its place in the capture's issue order (from 1) */
   struct stream *owner; /* shared hardware queues: the stream it was issued on */
+  int dev;              /* OP_KERNEL: the device it runs on (its stream's), -1 if unknown */
 };
 
 struct queue;
@@ -117,7 +118,11 @@ static void run(struct op *op) {
       break;
     }
     case OP_WRITE_VALUE: __atomic_store_n(op->word, op->value, __ATOMIC_SEQ_CST); break;
-    case OP_KERNEL: kernel_run(op->kernel, op->params); break;
+    case OP_KERNEL:
+      t_kernel_dev = op->dev;
+      kernel_run(op->kernel, op->params);
+      t_kernel_dev = -1;
+      break;
     case OP_HOST:
       t_in_callback = 1;
       op->fn(op->data);
@@ -1136,10 +1141,13 @@ EXPORT CUresult cuLaunchKernel(const struct kernel *f, unsigned gx, unsigned gy,
   if (!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024) return CUDA_ERROR_INVALID_VALUE;
   if (extra) return CUDA_ERROR_NOT_SUPPORTED;
   if (!params) return CUDA_ERROR_INVALID_VALUE;
-  struct op op = {.kind = OP_KERNEL, .kernel = f};
+  struct stream *on;
+  CUresult resolved = resolve(h, &on);
+  if (resolved != CUDA_SUCCESS) return resolved;
+  struct op op = {.kind = OP_KERNEL, .kernel = f, .dev = on->ctx ? on->ctx->dev : -1};
   for (int i = 0; i < 4; i++) memcpy(&op.params[i], params[i], sizeof(uint64_t));
   size_t bytes = kernel_reach(f, op.params);
   for (int i = 0; i < kernel_pointers(f) && op.params[3]; i++)
-    if (mem_lookup(op.params[i], bytes) == MEM_PAGEABLE) return CUDA_ERROR_ILLEGAL_ADDRESS;
+    if (mem_lookup(op.params[i], bytes) == MEM_PAGEABLE || !device_reaches(op.dev, op.params[i])) return CUDA_ERROR_ILLEGAL_ADDRESS;
   return enqueue(h, &op);
 }

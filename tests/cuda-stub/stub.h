@@ -32,6 +32,7 @@ enum {
   CUDA_ERROR_INVALID_HANDLE = 400,
   CUDA_ERROR_NOT_FOUND = 500,
   CUDA_ERROR_NOT_READY = 600,
+  CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704,
   CUDA_ERROR_ILLEGAL_ADDRESS = 700,
   CUDA_ERROR_NOT_PERMITTED = 800,
   CUDA_ERROR_NOT_SUPPORTED = 801,
@@ -105,6 +106,11 @@ enum mem_kind {
 /* The kind of the one allocation that holds all of [p, p + n) (or of the adjacent cuMemMap
  * mappings that do), else MEM_PAGEABLE. */
 enum mem_kind mem_lookup(uintptr_t p, size_t n);
+/* Whether a kernel running on device `dev` (-1: unknown) reaches p: anything but device memory
+ * of another device to which `dev` has not enabled peer access (cuCtxEnablePeerAccess). */
+int device_reaches(int dev, uintptr_t p);
+/* The device of the stream whose kernel the calling (stand-in) thread runs, or -1. */
+extern __thread int t_kernel_dev;
 
 struct phys;
 /* One allocation the driver made or mapped. */

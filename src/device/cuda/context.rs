@@ -4,7 +4,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdevice_attribute, CUstreamCaptureMode};
+use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdevice_attribute, CUresult, CUstreamCaptureMode};
 
 use super::kernels::Kernels;
 use super::{check, driver, ensure_init};
@@ -128,6 +128,50 @@ pub fn pci_bus_id(ordinal: i32) -> Result<String> {
         let bytes: Vec<u8> = buf.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     })
+}
+
+/// Whether kernels on device `from` may read device `to`'s memory by its address: peer
+/// access, which the first call for a pair enables (`cuCtxEnablePeerAccess` in `from`'s
+/// primary context) where `cuDeviceCanAccessPeer` allows it; the answer is kept for the
+/// process's life, so later calls ask the driver nothing. The caller's current context is
+/// left as it was.
+pub fn peer_access(from: i32, to: i32) -> bool {
+    static KNOWN: Mutex<Vec<((i32, i32), bool)>> = Mutex::new(Vec::new());
+    if from == to {
+        return true;
+    }
+    let mut known = KNOWN.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(&(_, ok)) = known.iter().find(|(pair, _)| *pair == (from, to)) {
+        return ok;
+    }
+    let _keep = KeepCurrent::new();
+    let enabled = (|| -> Result<bool> {
+        let (a, b) = (Context::primary(from)?, Context::primary(to)?);
+        driver("cuCtxEnablePeerAccess", || {
+            let mut can = 0;
+            // SAFETY: `can` is a valid out-pointer; both devices came from cuDeviceGet.
+            check("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.dev, b.dev) })?;
+            if can == 0 {
+                return Ok(false);
+            }
+            a.make_current()?;
+            // SAFETY: `b.raw` is a retained primary context; flags must be 0.
+            match unsafe { sys::cuCtxEnablePeerAccess(b.raw, 0) } {
+                CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(true),
+                r => check(format_args!("cuCtxEnablePeerAccess(device {from} to {to})"), r).map(|()| true),
+            }
+        })
+    })();
+    let ok = match enabled {
+        Ok(ok) => ok,
+        Err(e) => {
+            crate::info!(P2P, "device {from} cannot read device {to}'s memory ({})", e.msg);
+            false
+        }
+    };
+    crate::info!(P2P, "peer access from device {from} to device {to}: {}", if ok { "enabled" } else { "not available" });
+    known.push(((from, to), ok));
+    ok
 }
 
 /// Makes the calling thread's driver calls independent of graph captures other threads make

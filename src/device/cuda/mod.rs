@@ -30,7 +30,7 @@ use cudarc::driver::sys::CUresult;
 
 use crate::error::{Code, Error, Result};
 
-pub use context::{current_device, device_count, pci_bus_id, relax_capture_mode, Context, KeepCurrent};
+pub use context::{current_device, device_count, pci_bus_id, peer_access, relax_capture_mode, Context, KeepCurrent};
 pub use cudarc::driver::sys::CUstream;
 pub use graph::{Capture, GraphExec};
 pub use ipc::{IpcHandle, IpcMapping};
