@@ -39,10 +39,6 @@ impl Level {
         }
     }
 
-    fn from_u8(v: u8) -> Option<Level> {
-        Level::ALL.into_iter().find(|l| *l as u8 == v)
-    }
-
     /// `NCCL_P2P_LEVEL` as NCCL reads it: a path type's name, or a legacy integer (0 LOC,
     /// 1 PIX, 2 PXB, 3 PHB, 4 and above SYS; NVL has no number). None: not a level.
     pub fn parse(v: &str) -> Option<Level> {
@@ -65,7 +61,7 @@ impl Level {
     }
 
     pub fn decode(v: u8) -> Option<Level> {
-        Level::from_u8(v)
+        Level::ALL.into_iter().find(|l| *l as u8 == v)
     }
 }
 

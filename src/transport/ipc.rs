@@ -113,20 +113,17 @@ impl Routes {
         let p2p = ready.peers.iter().enumerate()
             .map(|(p, info)| {
                 let both = me.links.with(info.links);
-                (p != comm.rank && me.direct_with(info) && both.direct_p2p).then(|| min(both.direct_min))
-            })
-            .collect();
-        for (p, info) in ready.peers.iter().enumerate() {
-            let both = me.links.with(info.links);
-            if let (Some(level), true) = (both.level, p != comm.rank && info.same_host(me) && both.direct) {
-                if !me.direct_with(info) {
+                let direct = p != comm.rank && me.direct_with(info);
+                // Settings that allow it, and GPUs farther apart than the level: said why.
+                if let (Some(level), false, true) = (both.level, direct, p != comm.rank && info.same_host(me) && both.direct) {
                     let how_far = crate::bootstrap::topo::distance(&me.gpu, &info.gpu).map_or("at an unknown distance", |d| d.name());
                     crate::info!(P2P, "rank {}: rank {p}'s GPU ({}) is {how_far} from this rank's ({}), farther than \
                                        NCCL_P2P_LEVEL={}: their buffers are staged through host memory", comm.rank,
                                  info.gpu.bus_id(), me.gpu.bus_id(), level.name());
                 }
-            }
-        }
+                (direct && both.direct_p2p).then(|| min(both.direct_min))
+            })
+            .collect();
         let all = ready.peers.iter().fold(me.links, |l, p| l.with(p.links));
         // Every pair, not only this rank's: the ranks must all choose alike.
         let every_pair = ready.peers.iter().all(|a| ready.peers.iter().all(|b| a.rank == b.rank || a.direct_with(b)));
