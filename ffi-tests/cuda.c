@@ -28,6 +28,9 @@
  *   CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes: rank 1 signals once FILE exists)
  *   CUDA_TEST_RMA_RELEASE=FILE cuda --only RmaStreams (3 processes: a held stream holds up no other peer)
  *   cuda --only RmaGone         (2+ processes: a stream waits for signals of a rank that leaves)
+ *   [CUDA_TEST_TRACE_CALLS=1] cuda --only Calls (stand-in: driver calls per warm call, each named
+ *                               with the variable set)
+ *   NCCL_RS_STUB_DEVICES=N NCCL_TEST_LOCAL=N cuda --only Devices (one thread, a communicator per device)
  *   cuda --only Suspend         (several processes: ncclCommSuspend(NCCL_SUSPEND_MEM) closes the
  *                                peer mappings that keep freed device memory alive)
  *   CUDA_TEST_NO_PTRACE=1 cuda  (the process refuses ptrace access by others, as under Yama:
