@@ -559,6 +559,31 @@ fn cuda_mode_a_rank_without_kernels() {
     }
 }
 
+/// A driver whose compiler refuses the PTX's sm_70 target (as CUDA 13's toolkit compilers
+/// dropped Volta) loads the same kernels compiled for the newest target the GPU runs (the
+/// stand-in's is 9.0), and collectives go direct as usual; one that refuses that target too
+/// stages, and its warning carries what the compiler logged.
+#[test]
+fn cuda_mode_kernels_load_when_the_jit_refuses_sm_70() {
+    if !stand_in_only("cuda_mode_kernels_load_when_the_jit_refuses_sm_70") {
+        return;
+    }
+    let o = cuda_job().procs(2).env("NCCL_RS_STUB_PTX_TARGET_MIN", "75").arg("--only").arg("Collectives")
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT,P2P").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(p.log.contains("they did for sm_90 (this GPU: compute capability 9.0)"), "process {i}:\n{}", p.log);
+        assert!(p.log.contains("are read directly"), "process {i} staged:\n{}", p.log);
+        assert!(!p.log.contains("reduction kernels did not load ("), "process {i}:\n{}", p.log);
+    }
+    let o = cuda_job().procs(2).proc_env(1, "NCCL_RS_STUB_PTX_TARGET_MIN", "100").arg("--only").arg("Collectives")
+        .env("NCCL_DEBUG", "WARN").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    assert!(o.procs[1].log.contains("Value 'sm_70' is not defined for option 'gpu-name'; for sm_90: \
+                                     cuModuleLoadDataEx(kernels/reduce.ptx): CUDA_ERROR_INVALID_PTX: ptxas fatal"),
+            "process 1's warning does not carry the compiler's log:\n{}", o.procs[1].log);
+}
+
 /// While callers' streams may be waiting for it, the stream worker needs no device call for
 /// operations that go direct or that the callers' streams stage (stream starts are signalled
 /// through the board, direct kernels are queued by the caller): the stand-in reports any call

@@ -16,7 +16,7 @@
  *   stops the host from touching device memory, which a real driver would fault on (memory.c).
  *   A mapping of a peer's memory (IPC, or an imported allocation) keeps it alive after the
  *   peer frees it; nccl_rs_stub_peer_memory, not a driver call, counts what a process holds.
- * - cuModuleLoadData accepts PTX text (it must contain ".version"); cuModuleGetFunction finds
+ * - cuModuleLoadData(Ex) accepts PTX text (it must contain ".version"); cuModuleGetFunction finds
  *   the kernels of kernels/reduce.ptx (the name must be an .entry of the module) and binds them
  *   to C implementations with the semantics of src/device/host/reduce.rs (kernels.c);
  *   cuLaunchKernel enqueues the call. The grid does not matter: the kernels are grid-stride.
@@ -135,6 +135,7 @@ static const char *error_name(CUresult r) {
     NAME(CUDA_ERROR_INVALID_DEVICE)
     NAME(CUDA_ERROR_INVALID_IMAGE)
     NAME(CUDA_ERROR_INVALID_CONTEXT)
+    NAME(CUDA_ERROR_INVALID_PTX)
     NAME(CUDA_ERROR_MAP_FAILED)
     NAME(CUDA_ERROR_PEER_ACCESS_UNSUPPORTED)
     NAME(CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)

@@ -1083,14 +1083,23 @@ struct module {
   char *ptx;
 };
 
-EXPORT CUresult cuModuleLoadData(struct module **pm, const void *image) {
-  count_call(__func__);
-  REFUSE_DURING_CAPTURE("cuModuleLoadData");
+/* Loads PTX text; `log` (may be NULL) receives a compiler's complaint. A driver whose JIT
+ * cannot compile the text (NCCL_RS_STUB_NO_MODULES: too old for its .version) or no longer
+ * takes its target (NCCL_RS_STUB_PTX_TARGET_MIN=NN refuses `.target sm_MM` for MM < NN, as
+ * CUDA 13's compilers refuse Volta) fails as a driver does, for tests. */
+static CUresult load_module(struct module **pm, const void *image, char *log, size_t log_size) {
   REQUIRE_CTX();
   if (!pm || !image) return CUDA_ERROR_INVALID_VALUE;
   if (!strstr(image, ".version")) return CUDA_ERROR_INVALID_IMAGE; /* not PTX text */
-  /* A driver that cannot JIT the PTX (too old for its .version), for tests. */
   if (env_int("NCCL_RS_STUB_NO_MODULES", 0)) return CUDA_ERROR_INVALID_IMAGE;
+  const char *target = strstr(image, "\n.target sm_");
+  int min = env_int("NCCL_RS_STUB_PTX_TARGET_MIN", 0);
+  if (target && atoi(target + strlen("\n.target sm_")) < min) {
+    if (log && log_size > 0)
+      snprintf(log, log_size, "ptxas fatal   : Value 'sm_%d' is not defined for option 'gpu-name'\n",
+               atoi(target + strlen("\n.target sm_")));
+    return CUDA_ERROR_INVALID_PTX;
+  }
   struct module *m = calloc(1, sizeof *m);
   if (!m || !(m->ptx = strdup(image))) {
     free(m);
@@ -1099,6 +1108,26 @@ EXPORT CUresult cuModuleLoadData(struct module **pm, const void *image) {
   m->magic = MODULE_MAGIC;
   *pm = m;
   return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuModuleLoadData(struct module **pm, const void *image) {
+  count_call(__func__);
+  REFUSE_DURING_CAPTURE("cuModuleLoadData");
+  return load_module(pm, image, NULL, 0);
+}
+
+/* Of the JIT options, only the error log buffer (5) and its size (6) are heeded. */
+EXPORT CUresult cuModuleLoadDataEx(struct module **pm, const void *image, unsigned n, int *options, void **values) {
+  count_call(__func__);
+  REFUSE_DURING_CAPTURE("cuModuleLoadDataEx");
+  if (n && (!options || !values)) return CUDA_ERROR_INVALID_VALUE;
+  char *log = NULL;
+  size_t log_size = 0;
+  for (unsigned i = 0; i < n; i++) {
+    if (options[i] == 5) log = values[i];
+    if (options[i] == 6) log_size = (size_t)(uintptr_t)values[i];
+  }
+  return load_module(pm, image, log, log_size);
 }
 
 EXPORT CUresult cuModuleUnload(struct module *m) {

@@ -297,7 +297,7 @@ impl Context {
             return Ok(k);
         }
         self.make_current()?;
-        let loaded = Kernels::load().map_err(|e| e.context(format_args!("device {}", self.ordinal)))?;
+        let loaded = Kernels::load(self.dev).map_err(|e| e.context(format_args!("device {}", self.ordinal)))?;
         Ok(self.kernels.get_or_init(|| loaded))
     }
 

@@ -4,7 +4,7 @@
 
 use std::ffi::{c_uint, c_void, CString};
 
-use cudarc::driver::sys::{self, CUfunction, CUmodule};
+use cudarc::driver::sys::{self, CUdevice, CUdevice_attribute, CUfunction, CUjit_option, CUmodule};
 
 use super::stream::Stream;
 use super::{check, driver};
@@ -25,6 +25,74 @@ fn op_index(op: ElemOp) -> usize {
         ElemOp::Max => 2,
         ElemOp::Min => 3,
     }
+}
+
+/// The targets a PTX of ISA 8.0 may name, newest first, for [`load_module`]'s second try.
+const RETARGETS: [(i32, &str); 3] = [(90, "sm_90"), (80, "sm_80"), (75, "sm_75")];
+
+/// The module of kernels/reduce.ptx in the current context. Its `.target` is sm_70, the oldest
+/// GPU generation we support, so one text runs everywhere: PTX is compiled at load time for
+/// the GPU at hand. A driver whose compiler no longer takes that target (CUDA 13's toolkit
+/// compilers dropped Volta) gets a second try with the same text naming the newest target of
+/// [`RETARGETS`] that device `dev` runs; the kernels use nothing newer than sm_70's features.
+/// A failure says what the driver's compiler logged.
+fn load_module(dev: CUdevice) -> Result<CUmodule> {
+    let first = match load_ptx(PTX) {
+        Ok(m) => return Ok(m),
+        Err(e) => e,
+    };
+    let cc = compute_capability(dev)?;
+    let Some(&(_, target)) = RETARGETS.iter().find(|(t, _)| *t <= cc) else { return Err(first) };
+    let text = retarget(PTX, target).ok_or_else(|| Error::internal("kernels/reduce.ptx names no .target"))?;
+    match load_ptx(&text) {
+        Ok(m) => {
+            crate::info!(INIT, "the reduction kernels did not load as compiled for sm_70 ({}); they did for {target} \
+                                (this GPU: compute capability {}.{})", first.msg, cc / 10, cc % 10);
+            Ok(m)
+        }
+        Err(again) => Err(Error::new(again.code, format!("{}; for {target}: {}", first.msg, again.msg))),
+    }
+}
+
+/// `ptx` (NUL-terminated) with its `.target` line naming `target` instead.
+fn retarget(ptx: &str, target: &str) -> Option<String> {
+    let start = ptx.find("\n.target ")? + 1;
+    let end = start + ptx[start..].find('\n')?;
+    Some(format!("{}.target {target}{}", &ptx[..start], &ptx[end..]))
+}
+
+/// The compute capability of `dev`, as major * 10 + minor.
+fn compute_capability(dev: CUdevice) -> Result<i32> {
+    let get = |attr: CUdevice_attribute| -> Result<i32> {
+        let mut v = 0;
+        // SAFETY: `v` is a valid out-pointer; `dev` came from cuDeviceGet.
+        check(format_args!("cuDeviceGetAttribute({attr:?})"), unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) })?;
+        Ok(v)
+    };
+    Ok(get(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? * 10
+        + get(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?)
+}
+
+/// Loads NUL-terminated PTX text into the current context; a failure carries the first lines
+/// of the compiler's error log.
+fn load_ptx(ptx: &str) -> Result<CUmodule> {
+    let mut module: CUmodule = std::ptr::null_mut();
+    let mut log = vec![0u8; 4096];
+    let mut options = [CUjit_option::CU_JIT_ERROR_LOG_BUFFER, CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES];
+    // The driver reads the size from the pointer's value, as its documentation says.
+    let mut values: [*mut c_void; 2] = [log.as_mut_ptr().cast(), log.len() as *mut c_void];
+    // SAFETY: `ptx` is NUL-terminated text; `module` is a valid out-pointer; the two options'
+    // values are a buffer of `log.len()` bytes, which outlives the call, and that size.
+    let r = unsafe {
+        sys::cuModuleLoadDataEx(&mut module, ptx.as_ptr().cast(), options.len() as c_uint, options.as_mut_ptr(),
+                                values.as_mut_ptr())
+    };
+    check("cuModuleLoadDataEx(kernels/reduce.ptx)", r).map_err(|e| {
+        let text = String::from_utf8_lossy(&log[..log.iter().position(|&b| b == 0).unwrap_or(log.len())]).into_owned();
+        let said: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).take(3).collect();
+        if said.is_empty() { e } else { Error::new(e.code, format!("{}: {}", e.msg, said.join(" / "))) }
+    })?;
+    Ok(module)
 }
 
 /// Threads per block, and elements each thread handles before the grid stops growing.
@@ -51,14 +119,10 @@ unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
 impl Kernels {
-    /// Loads the module into the current context and looks up every kernel.
-    pub(super) fn load() -> Result<Kernels> {
+    /// Loads the module into the current context (of device `dev`) and looks up every kernel.
+    pub(super) fn load(dev: CUdevice) -> Result<Kernels> {
         driver("cuModuleLoadData", || {
-            let mut module: CUmodule = std::ptr::null_mut();
-            // SAFETY: PTX is NUL-terminated text; `module` is a valid out-pointer.
-            check("cuModuleLoadData(kernels/reduce.ptx)", unsafe {
-                sys::cuModuleLoadData(&mut module, PTX.as_ptr().cast())
-            })?;
+            let module = load_module(dev)?;
             let get = |name: String| -> Result<CUfunction> {
                 let c = CString::new(name.as_str()).map_err(|_| Error::internal("kernel name with NUL"))?;
                 let mut f: CUfunction = std::ptr::null_mut();
