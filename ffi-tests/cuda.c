@@ -615,6 +615,67 @@ static void p2p(void) {
   }
 }
 
+/* An all-to-all as PyTorch issues one with uneven splits: in one group, each rank sends a
+ * chunk to every rank, itself included, and receives one from each. The chunks between two
+ * ranks of a host are large enough to go direct; a rank's chunk to itself is staged, and runs
+ * on the worker's thread before the direct ones (it waits for no peer). Chunk sizes differ per
+ * pair; every value is checked. */
+static void p2p_all_to_all(void) {
+  test_step("p2p all-to-all");
+  const int n = g_env.nranks, round = 11;
+  const size_t base = 70000;
+  /* Chunk from rank f to rank t: base + 7f + 3t floats; f's send buffer holds its chunks in
+   * order of t, t's receive buffer the chunks it gets in order of f. */
+#define A2A_COUNT(f, t) (base + 7 * (size_t)(f) + 3 * (size_t)(t))
+  CUdeviceptr ds[MAX_LOCAL], dr[MAX_LOCAL];
+  float* h[MAX_LOCAL];
+  size_t total_send[MAX_LOCAL], total_recv[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    total_send[l] = total_recv[l] = 0;
+    for (int p = 0; p < n; p++) total_send[l] += A2A_COUNT(rank, p), total_recv[l] += A2A_COUNT(p, rank);
+    size_t most = total_send[l] > total_recv[l] ? total_send[l] : total_recv[l];
+    h[l] = host_alloc(most * sizeof(float));
+    for (size_t j = 0; j < total_send[l]; j++) h[l][j] = in_value(rank, j, round);
+    ds[l] = dev_alloc(total_send[l] * sizeof(float));
+    dr[l] = dev_alloc(total_recv[l] * sizeof(float));
+    CU(cu.MemcpyAsync(ds[l], (CUdeviceptr)(uintptr_t)h[l], total_send[l] * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    size_t so = 0, ro = 0;
+    for (int p = 0; p < n; p++) {
+      CHECK(ncclSend((const void*)(uintptr_t)(ds[l] + so * sizeof(float)), A2A_COUNT(rank, p), ncclFloat32, p,
+                     g_comms[l], g_streams[l]));
+      CHECK(ncclRecv((void*)(uintptr_t)(dr[l] + ro * sizeof(float)), A2A_COUNT(p, rank), ncclFloat32, p,
+                     g_comms[l], g_streams[l]));
+      so += A2A_COUNT(rank, p);
+      ro += A2A_COUNT(p, rank);
+    }
+  }
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], dr[l], total_recv[l] * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    size_t ro = 0;
+    for (int f = 0; f < n; f++) {
+      /* Where rank f's chunk to this rank starts in f's send buffer. */
+      size_t fo = 0, bad = 0;
+      for (int t = 0; t < rank; t++) fo += A2A_COUNT(f, t);
+      for (size_t j = 0; j < A2A_COUNT(f, rank); j++) bad += h[l][ro + j] != in_value(f, fo + j, round);
+      EXPECT(bad == 0, "p2p all-to-all rank %d: %zu wrong values from rank %d", rank, bad, f);
+      ro += A2A_COUNT(f, rank);
+    }
+    dev_free(ds[l]);
+    dev_free(dr[l]);
+    CU(cu.MemFreeHost(h[l]));
+  }
+#undef A2A_COUNT
+}
+
 /* How a rank of part P2PPairings issues its send to and receive from its partner. */
 enum { PAIR_GROUP, PAIR_SEND_FIRST, PAIR_RECV_FIRST, PAIR_GROUP_RECV_FIRST, PAIR_MODES };
 static const char* const pair_mode_name[PAIR_MODES] = {"group{send,recv}", "send;recv", "recv;send", "group{recv,send}"};
@@ -3361,7 +3422,7 @@ int main(int argc, char** argv) {
   }
   if (wanted("Collectives")) collectives();
   if (wanted("InPlace")) in_place();
-  if (wanted("P2P")) p2p();
+  if (wanted("P2P")) p2p(), p2p_all_to_all();
   if (wanted("Mixed")) mixed();
   if (wanted("P2PPairings")) p2p_pairings();
   if (wanted("HostInOrder")) host_buffers_in_order();

@@ -364,6 +364,13 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
         (true, true) => Ok(()),
         (true, false) => run_staged(comm, stream, staging, &host),
         (false, true) => ipc::run_p2p(comm, stream, direct, s, &direct_ops),
+        // Only this rank's sends to itself and receives from itself (an all-to-all as PyTorch
+        // issues it, by sends and receives): they wait for no peer, so they run first, on this
+        // thread, rather than on one spawned for them.
+        (false, false) if host.iter().all(|(op, _)| op.root == comm.rank) => {
+            run_staged(comm, stream, staging, &host)?;
+            ipc::run_p2p(comm, stream, direct, s, &direct_ops)
+        }
         (false, false) => std::thread::scope(|scope| {
             let staged = std::thread::Builder::new().name(format!("nccl-rs-staged-{}", comm.rank))
                 .spawn_scoped(scope, || {
