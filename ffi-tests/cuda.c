@@ -60,6 +60,7 @@
 #include <strings.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -775,7 +776,8 @@ static void p2p_pairings(void) {
 }
 
 /* Every local rank's input uploaded (through hin, pinned) to new device memory ds, then
- * all-reduced from there into `out`, host memory of the kind `what` names, and checked. */
+ * all-reduced from there into `out`, memory of the kind `what` names, and checked through a
+ * copy in pageable memory (the host must not touch device memory). */
 static void allreduce_to_host(size_t count, CUdeviceptr* ds, float** hin, float** out, const char* what) {
   for (int l = 0; l < g_env.local; l++) {
     ds[l] = dev_alloc(count * sizeof(float));
@@ -787,12 +789,17 @@ static void allreduce_to_host(size_t count, CUdeviceptr* ds, float** hin, float*
   for (int l = 0; l < g_env.local; l++)
     CHECK(ncclAllReduce((const void*)(uintptr_t)ds[l], out[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
   CHECK(ncclGroupEnd());
+  float* got = malloc(count * sizeof(float));
+  if (!got) abort();
   for (int l = 0; l < g_env.local; l++) {
     CU(cu.StreamSynchronize(g_streams[l]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)got, (CUdeviceptr)(uintptr_t)out[l], count * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
     size_t bad = 0;
-    for (size_t j = 0; j < count; j++) bad += out[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 5);
+    for (size_t j = 0; j < count; j++) bad += got[j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 5);
     EXPECT(bad == 0, "device/%s allreduce rank %d: %zu wrong values", what, g_env.first_rank + l, bad);
   }
+  free(got);
 }
 
 /* A device send buffer with a pinned host receive buffer, which peers cannot read: the
@@ -845,7 +852,7 @@ static void decline_one(void) {
   for (int l = 0; l < g_env.local; l++) {
     const int last = g_env.first_rank + l == g_env.nranks - 1;
     dout[l] = last ? 0 : dev_alloc(count * sizeof(float));
-    /* The pinned one is read by the host below; the device ones through host_alloc copies. */
+    /* (allreduce_to_host reads every output through a copy.) */
     out[l] = last ? host_alloc(count * sizeof(float)) : (float*)(uintptr_t)dout[l];
   }
   allreduce_to_host(count, ds, hin, out, "one rank's output pinned");
@@ -3392,6 +3399,29 @@ static void calls(void) {
   dev_free(b);
 }
 
+/* Part HostBlind (the stand-in driver only): the host cannot touch device memory. A read
+ * faults on a GPU without coherent CPU access, and the stand-in faults alike (its strict
+ * device memory), so a test or a library path that reads device memory on the host fails
+ * here as on the GPU. A child process reads a device buffer, and must die of it. */
+static void host_blind(void) {
+  if (!cu.StubThreadCalls) return;
+  test_step("host-blind");
+  CUdeviceptr d = dev_alloc(4096);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    signal(SIGSEGV, SIG_DFL);
+    signal(SIGBUS, SIG_DFL);
+    volatile const char* p = (const char*)(uintptr_t)d;
+    _exit(*p == 0x5a ? 3 : 4); /* reached only if the host could read it */
+  }
+  int status = 0;
+  EXPECT(pid > 0 && waitpid(pid, &status, 0) == pid, "fork or waitpid failed: %s", strerror(errno));
+  EXPECT(WIFSIGNALED(status) && (WTERMSIG(status) == SIGSEGV || WTERMSIG(status) == SIGBUS),
+         "the host read device memory (%s) without a fault: status %#x", g_vmm.on ? "cuMemMap" : "cuMemAlloc", status);
+  dev_free(d);
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
@@ -3440,6 +3470,7 @@ int main(int argc, char** argv) {
   if (wanted("Torch")) torch_like();
   if (wanted("Churn")) churn();
   if (wanted("Recycle")) recycle();
+  if (wanted("HostBlind")) host_blind();
   if (g_env.only && !strcasecmp(g_env.only, "Backlog")) backlog(); /* only when asked: 600 calls */
   if (g_env.only && !strcasecmp(g_env.only, "Pageable")) pageable();
   if (g_env.only && !strcasecmp(g_env.only, "Calls")) calls();

@@ -274,7 +274,7 @@ static void run_one_indirect(int kernel_type, const uint64_t *desc) {
       struct timespec slow = {delay_ms / 1000, (long)(delay_ms % 1000) * 1000000L};
       nanosleep(&slow, NULL);
     }
-    memmove((void *)(uintptr_t)w[1], (const void *)(uintptr_t)w[2], bytes);
+    memmove(dev_view(w[1]), dev_view(w[2]), bytes);
     return;
   }
   struct kernel inner = {"", code == 6 ? K_DIVIDE : K_REDUCE, (int)type, code == 6 ? 0 : (int)code - 2};
@@ -286,7 +286,7 @@ void kernel_run(const struct kernel *k, const uint64_t params[4]) {
   if (k->kind == K_INDIRECT) {
     /* params[2] descriptors, one per row of blocks (the rows run side by side on a GPU). */
     for (uint64_t row = 0; row < params[2]; row++)
-      run_one_indirect(k->type, (const uint64_t *)(uintptr_t)params[0] + 8 * row);
+      run_one_indirect(k->type, (const uint64_t *)dev_view(params[0]) + 8 * row);
     return;
   }
   if (k->kind == K_PREMUL_AT) {
@@ -297,7 +297,7 @@ void kernel_run(const struct kernel *k, const uint64_t params[4]) {
       abort();
     }
     uint64_t bits = 0;
-    memcpy(&bits, (const void *)(uintptr_t)params[2], es);
+    memcpy(&bits, dev_view(params[2]), es);
     struct kernel inner = {"", K_PREMUL, k->type, OP_PROD};
     const uint64_t at[4] = {params[0], params[1], bits, params[3]};
     kernel_run(&inner, at);
@@ -306,14 +306,15 @@ void kernel_run(const struct kernel *k, const uint64_t params[4]) {
   if (k->kind == K_WAIT) {
     /* The stream gate: poll the word (written by the host, maybe another process) until it
      * reaches the value, as a wrapping counter, like the GPU's one polling thread. */
-    const uint32_t *word = (const uint32_t *)(uintptr_t)params[0];
+    const uint32_t *word = dev_view(params[0]);
     const uint32_t value = (uint32_t)params[2];
     struct timespec pause = {0, 20000};
     while ((int32_t)(__atomic_load_n(word, __ATOMIC_ACQUIRE) - value) < 0) nanosleep(&pause, NULL);
     return;
   }
-  void *dst = (void *)(uintptr_t)params[0];
-  const void *a = (const void *)(uintptr_t)params[1], *b = (const void *)(uintptr_t)params[2];
+  /* (b is a scalar, not a pointer, for PreMulSum and the division.) */
+  void *dst = dev_view(params[0]);
+  const void *a = dev_view(params[1]), *b = kernel_pointers(k) == 3 ? dev_view(params[2]) : (const void *)(uintptr_t)params[2];
   uint64_t p2 = params[2], n = params[3];
   int t = k->type;
   switch (t) {

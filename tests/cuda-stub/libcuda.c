@@ -12,8 +12,10 @@
  *   its stream until the word satisfies the condition; cuStreamWriteValue32_v2 writes in order
  *   (streams.c).
  * - "Device memory" is a memfd mapping, so an IPC handle (pid, fd, id) opens in another process
- *   as the same bytes (through /proc/<pid>/fd). Addresses are host addresses (UVA): nothing
- *   stops the host from touching device memory, which a real driver would fault on (memory.c).
+ *   as the same bytes (through /proc/<pid>/fd). Addresses are host addresses (UVA), but the
+ *   host cannot touch device memory: it faults, as on a GPU, while the stand-in's streams and
+ *   kernels reach it through an alias (stub.h: strict device memory; memory.c, vmm.c).
+ *   NCCL_RS_STUB_HOST_SEES_DEVICE=1 lets the host read and write it, as before.
  *   A mapping of a peer's memory (IPC, or an imported allocation) keeps it alive after the
  *   peer frees it; nccl_rs_stub_peer_memory, not a driver call, counts what a process holds.
  * - cuModuleLoadData(Ex) accepts PTX text (it must contain ".version"); cuModuleGetFunction finds

@@ -106,8 +106,50 @@ int device_reaches(int dev, uintptr_t p) {
   return other < 0 || other == dev || peer_enabled(dev, other);
 }
 
-/* Shared memory of `size` bytes backed by a new memfd named after `id`. */
-static void *map_memfd(size_t size, uint64_t id, int *fd_out) {
+int strict_device(void) {
+  static int strict = -1;
+  if (strict < 0) strict = !env_int("NCCL_RS_STUB_HOST_SEES_DEVICE", 0);
+  return strict;
+}
+
+static int device_kind(enum mem_kind k) { return k == MEM_DEVICE || k == MEM_IPC || k == MEM_VMM; }
+
+void *dev_view(uintptr_t p) {
+  if (!p || !strict_device()) return (void *)p;
+  pthread_mutex_lock(&g_mem_lock);
+  struct range *r = mem_find(p);
+  int aliased = r && device_kind(r->kind);
+  pthread_mutex_unlock(&g_mem_lock);
+  return (void *)(aliased ? p - DEVICE_ALIAS : p);
+}
+
+void *map_device(int fd, size_t size) {
+  if (!strict_device()) {
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    return p == MAP_FAILED ? NULL : p;
+  }
+  void *p = mmap(NULL, size, PROT_NONE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return NULL;
+  void *want = (void *)((uintptr_t)p - DEVICE_ALIAS), *alias = MAP_FAILED;
+  if ((uintptr_t)p > DEVICE_ALIAS)
+    alias = mmap(want, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
+  if (alias != want) {
+    if (alias != MAP_FAILED) munmap(alias, size);
+    munmap(p, size);
+    fprintf(stderr, "cuda-stub: no room for the alias of device memory at %p\n", p);
+    return NULL;
+  }
+  return p;
+}
+
+void unmap_device(void *p, size_t size) {
+  munmap(p, size);
+  if (strict_device()) munmap((void *)((uintptr_t)p - DEVICE_ALIAS), size);
+}
+
+/* Shared memory of `size` bytes backed by a new memfd named after `id`: device memory
+ * (map_device) for MEM_DEVICE, else the host's. */
+static void *map_memfd(size_t size, uint64_t id, enum mem_kind kind, int *fd_out) {
   char name[64];
   snprintf(name, sizeof name, "nccl-rs-stub-%llu", (unsigned long long)id);
   int fd = memfd_create(name, MFD_CLOEXEC);
@@ -116,8 +158,14 @@ static void *map_memfd(size_t size, uint64_t id, int *fd_out) {
     close(fd);
     return NULL;
   }
-  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
+  void *p = NULL;
+  if (kind == MEM_DEVICE) {
+    p = map_device(fd, size);
+  } else {
+    p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) p = NULL;
+  }
+  if (!p) {
     close(fd);
     return NULL;
   }
@@ -131,7 +179,7 @@ static CUresult alloc_shared(CUdeviceptr *dptr, size_t size, enum mem_kind kind)
   pthread_mutex_lock(&g_mem_lock);
   uint64_t id = g_next_id++;
   int fd = -1;
-  void *p = map_memfd(size, id, &fd);
+  void *p = map_memfd(size, id, kind, &fd);
   if (p) mem_add((uintptr_t)p, size, kind, t_current->dev, fd, id);
   pthread_mutex_unlock(&g_mem_lock);
   if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -154,7 +202,8 @@ EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned flags
 }
 
 static void unmap(struct range *r) {
-  munmap((void *)r->base, r->size);
+  if (device_kind(r->kind)) unmap_device((void *)r->base, r->size);
+  else munmap((void *)r->base, r->size);
   if (r->fd >= 0) close(r->fd);
   free(r);
 }
@@ -336,11 +385,10 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
   int fd = open(path, O_RDWR | O_CLOEXEC);
   if (fd < 0) return CUDA_ERROR_MAP_FAILED;
   struct stat st;
-  void *p = MAP_FAILED;
-  if (fstat(fd, &st) == 0 && (uint64_t)st.st_size == h.size)
-    p = mmap(NULL, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void *p = NULL;
+  if (fstat(fd, &st) == 0 && (uint64_t)st.st_size == h.size) p = map_device(fd, h.size);
   close(fd);
-  if (p == MAP_FAILED) return CUDA_ERROR_MAP_FAILED;
+  if (!p) return CUDA_ERROR_MAP_FAILED;
   pthread_mutex_lock(&g_mem_lock);
   mem_add((uintptr_t)p, h.size, MEM_IPC, h.dev, -1, h.id);
   pthread_mutex_unlock(&g_mem_lock);

@@ -102,8 +102,8 @@ static int value_ready(uint32_t v, uint32_t value, unsigned cond) {
 
 static void run(struct op *op) {
   switch (op->kind) {
-    case OP_COPY: memmove(op->dst, op->src, op->n); break;
-    case OP_SET: memset(op->dst, op->byte, op->n); break;
+    case OP_COPY: memmove(dev_view((uintptr_t)op->dst), dev_view((uintptr_t)op->src), op->n); break;
+    case OP_SET: memset(dev_view((uintptr_t)op->dst), op->byte, op->n); break;
     case OP_RECORD: break; /* completed by the worker, with the stream's progress */
     case OP_WAIT_EVENT:
       pthread_mutex_lock(&op->ev->mu);
@@ -114,10 +114,11 @@ static void run(struct op *op) {
     case OP_WAIT_VALUE: {
       /* The writer may be the host, another stream or another process: poll, as the GPU does. */
       struct timespec pause = {0, 20000};
-      while (!value_ready(__atomic_load_n(op->word, __ATOMIC_ACQUIRE), op->value, op->cond)) nanosleep(&pause, NULL);
+      const uint32_t *word = dev_view((uintptr_t)op->word);
+      while (!value_ready(__atomic_load_n(word, __ATOMIC_ACQUIRE), op->value, op->cond)) nanosleep(&pause, NULL);
       break;
     }
-    case OP_WRITE_VALUE: __atomic_store_n(op->word, op->value, __ATOMIC_SEQ_CST); break;
+    case OP_WRITE_VALUE: __atomic_store_n((uint32_t *)dev_view((uintptr_t)op->word), op->value, __ATOMIC_SEQ_CST); break;
     case OP_KERNEL:
       t_kernel_dev = op->dev;
       kernel_run(op->kernel, op->params);
@@ -912,7 +913,7 @@ EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct
   CUresult r;
   if (from_pageable || (host_to_host && !capturing)) {
     if ((r = uncounted(cuStreamSynchronize(h))) != CUDA_SUCCESS) return r;
-    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    memmove(dev_view(dst), dev_view(src), n);
     return CUDA_SUCCESS;
   }
   struct op op = {.kind = OP_COPY, .dst = (void *)(uintptr_t)dst, .src = (const void *)(uintptr_t)src, .n = n};

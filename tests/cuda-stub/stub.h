@@ -113,6 +113,20 @@ int device_reaches(int dev, uintptr_t p);
 /* The device of the stream whose kernel the calling (stand-in) thread runs, or -1. */
 extern __thread int t_kernel_dev;
 
+/* Strict device memory (the default; NCCL_RS_STUB_HOST_SEES_DEVICE=1 turns it off): device
+ * memory (cuMemAlloc, IPC mappings, cuMemMap) is PROT_NONE at the addresses the driver hands
+ * out, so host code that touches it faults, as it would on a GPU; the stand-in's streams and
+ * kernels reach the same pages through an alias mapping at address - DEVICE_ALIAS. */
+#define DEVICE_ALIAS ((uintptr_t)1 << 45)
+int strict_device(void);
+/* Where the stand-in's device work reaches address p: its alias for strict device memory,
+ * else p itself (host, pinned and managed memory are the host's). */
+void *dev_view(uintptr_t p);
+/* Maps `size` bytes of `fd` as device memory at a new address (and its alias); NULL on failure. */
+void *map_device(int fd, size_t size);
+/* Unmaps device memory that map_device mapped. */
+void unmap_device(void *p, size_t size);
+
 struct phys;
 /* One allocation the driver made or mapped. */
 struct range {

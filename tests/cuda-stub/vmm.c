@@ -173,6 +173,17 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
   uintptr_t start = (uintptr_t)m, base = (start + align - 1) & ~(uintptr_t)(align - 1);
   if (base > start) munmap(m, base - start);
   if (start + total > base + size) munmap((void *)(base + size), start + total - (base + size));
+  if (strict_device()) {
+    /* The alias of strict device memory (stub.h), reserved alike. */
+    void *want = (void *)(base - DEVICE_ALIAS), *alias = MAP_FAILED;
+    if (base > DEVICE_ALIAS)
+      alias = mmap(want, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+    if (alias != want) {
+      if (alias != MAP_FAILED) munmap(alias, size);
+      munmap((void *)base, size);
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+  }
   struct resv *r = calloc(1, sizeof *r);
   if (!r) abort();
   pthread_mutex_lock(&g_mem_lock);
@@ -195,6 +206,7 @@ EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
   if (ok) {
     *pr = r->next;
     munmap((void *)(uintptr_t)ptr, size);
+    if (strict_device()) munmap((void *)((uintptr_t)ptr - DEVICE_ALIAS), size);
     free(r);
   }
   pthread_mutex_unlock(&g_mem_lock);
@@ -220,7 +232,9 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
   CUresult res = CUDA_SUCCESS;
   if (!ph || size > ph->size || !reserved(p, size) || mem_overlaps(p, size)) {
     res = CUDA_ERROR_INVALID_VALUE;
-  } else if (mmap((void *)p, size, PROT_NONE, MAP_SHARED | MAP_FIXED, ph->fd, 0) == MAP_FAILED) {
+  } else if (mmap((void *)p, size, PROT_NONE, MAP_SHARED | MAP_FIXED, ph->fd, 0) == MAP_FAILED ||
+             (strict_device() &&
+              mmap((void *)(p - DEVICE_ALIAS), size, PROT_NONE, MAP_SHARED | MAP_FIXED, ph->fd, 0) == MAP_FAILED)) {
     res = CUDA_ERROR_OUT_OF_MEMORY;
   } else {
     mem_add(p, size, MEM_VMM, ph->dev, -1, 0)->phys = ph;
@@ -263,6 +277,9 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     struct range *r = mem_take(a, 1u << MEM_VMM);
     /* Back to reserved, inaccessible addresses. */
     mmap((void *)r->base, r->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    if (strict_device())
+      mmap((void *)(r->base - DEVICE_ALIAS), r->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+           -1, 0);
     a += r->size;
     phys_put(r->phys);
     free(r);
@@ -285,7 +302,9 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
     else if (d->flags != ACCESS_NONE) return CUDA_ERROR_INVALID_VALUE;
   }
   pthread_mutex_lock(&g_mem_lock);
-  int ok = covered((uintptr_t)ptr, size) && mprotect((void *)(uintptr_t)ptr, size, prot) == 0;
+  /* Strict device memory: the host's view stays inaccessible; the device's (the alias) opens. */
+  uintptr_t view = strict_device() ? (uintptr_t)ptr - DEVICE_ALIAS : (uintptr_t)ptr;
+  int ok = covered((uintptr_t)ptr, size) && mprotect((void *)view, size, prot) == 0;
   pthread_mutex_unlock(&g_mem_lock);
   return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
