@@ -16,6 +16,8 @@
  *   host cannot touch device memory: it faults, as on a GPU, while the stand-in's streams and
  *   kernels reach it through an alias (stub.h: strict device memory; memory.c, vmm.c).
  *   NCCL_RS_STUB_HOST_SEES_DEVICE=1 lets the host read and write it, as before.
+ *   Opening an IPC handle again in a process returns the same mapping, counted, as the driver
+ *   documents (the last cuIpcCloseMemHandle unmaps it).
  *   A mapping of a peer's memory (IPC, or an imported allocation) keeps it alive after the
  *   peer frees it; nccl_rs_stub_peer_memory, not a driver call, counts what a process holds.
  * - cuModuleLoadData(Ex) accepts PTX text (it must contain ".version"); cuModuleGetFunction finds

@@ -64,7 +64,7 @@ int mem_overlaps(uintptr_t p, size_t n) {
 struct range *mem_add(uintptr_t base, size_t size, enum mem_kind kind, int dev, int fd, uint64_t id) {
   struct range *r = calloc(1, sizeof *r);
   if (!r) abort();
-  *r = (struct range){g_ranges, base, size, kind, dev, fd, id, g_next_buffer_id++, NULL};
+  *r = (struct range){g_ranges, base, size, kind, dev, fd, id, g_next_buffer_id++, NULL, 0, 0};
   g_ranges = r;
   return r;
 }
@@ -375,6 +375,18 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
   if (h.pid == getpid()) return CUDA_ERROR_INVALID_CONTEXT;
   /* For tests: GPUs without peer access to each other (NCCL_RS_STUB_NO_PEER_ACCESS=1). */
   if (env_int("NCCL_RS_STUB_NO_PEER_ACCESS", 0)) return CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
+  /* "If the memory handle has already been opened by the current context, the reference count
+   * on the handle is incremented by 1 and the existing device pointer is returned." */
+  pthread_mutex_lock(&g_mem_lock);
+  for (struct range *r = g_ranges; r; r = r->next) {
+    if (r->kind == MEM_IPC && r->owner_pid == h.pid && r->id == h.id) {
+      r->refs++;
+      *pdptr = (CUdeviceptr)r->base;
+      pthread_mutex_unlock(&g_mem_lock);
+      return CUDA_SUCCESS;
+    }
+  }
+  pthread_mutex_unlock(&g_mem_lock);
   char path[64], link[128], want[128];
   snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
   snprintf(want, sizeof want, "/memfd:nccl-rs-stub-%llu (deleted)", (unsigned long long)h.id);
@@ -390,7 +402,9 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
   close(fd);
   if (!p) return CUDA_ERROR_MAP_FAILED;
   pthread_mutex_lock(&g_mem_lock);
-  mem_add((uintptr_t)p, h.size, MEM_IPC, h.dev, -1, h.id);
+  struct range *added = mem_add((uintptr_t)p, h.size, MEM_IPC, h.dev, -1, h.id);
+  added->owner_pid = h.pid;
+  added->refs = 1;
   pthread_mutex_unlock(&g_mem_lock);
   *pdptr = (CUdeviceptr)(uintptr_t)p;
   return CUDA_SUCCESS;
@@ -401,10 +415,15 @@ EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
   REFUSE_DURING_CAPTURE("cuIpcCloseMemHandle");
   REQUIRE_CTX();
   pthread_mutex_lock(&g_mem_lock);
-  struct range *r = mem_take((uintptr_t)p, 1u << MEM_IPC);
+  /* The last close unmaps. */
+  struct range *open = mem_find((uintptr_t)p);
+  struct range *r = NULL;
+  if (open && open->kind == MEM_IPC && open->base == (uintptr_t)p && --open->refs == 0)
+    r = mem_take((uintptr_t)p, 1u << MEM_IPC);
+  int known = open && open->kind == MEM_IPC && open->base == (uintptr_t)p;
   pthread_mutex_unlock(&g_mem_lock);
-  if (!r) return CUDA_ERROR_INVALID_VALUE;
-  unmap(r);
+  if (!known) return CUDA_ERROR_INVALID_VALUE;
+  if (r) unmap(r);
   return CUDA_SUCCESS;
 }
 

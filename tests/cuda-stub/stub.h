@@ -139,6 +139,8 @@ struct range {
   uint64_t id;
   uint64_t buffer_id; /* CU_POINTER_ATTRIBUTE_BUFFER_ID: never reused in the process */
   struct phys *phys;  /* MEM_VMM: the physical allocation mapped here */
+  int owner_pid;      /* MEM_IPC: the exporting process (with `id`, which allocation) */
+  int refs;           /* MEM_IPC: opens not yet closed (the driver hands out one mapping) */
 };
 /* The table of ranges, under g_mem_lock (memory.c). */
 extern pthread_mutex_t g_mem_lock;
