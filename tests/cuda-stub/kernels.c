@@ -279,13 +279,14 @@ static void run_one_indirect(int kernel_type, const uint64_t *desc) {
   }
   struct kernel inner = {"", code == 6 ? K_DIVIDE : K_REDUCE, (int)type, code == 6 ? 0 : (int)code - 2};
   const uint64_t params[4] = {w[1], w[2], code == 6 ? w[5] : w[3], n};
-  kernel_run(&inner, params);
+  kernel_run(&inner, params, 1);
 }
 
-void kernel_run(const struct kernel *k, const uint64_t params[4]) {
+void kernel_run(const struct kernel *k, const uint64_t params[4], unsigned grid_y) {
   if (k->kind == K_INDIRECT) {
-    /* params[2] descriptors, one per row of blocks (the rows run side by side on a GPU). */
-    for (uint64_t row = 0; row < params[2]; row++)
+    /* params[2] descriptors, one per row of blocks (the rows run side by side on a GPU); a row
+     * past them does nothing, and a descriptor past the rows is not run. */
+    for (uint64_t row = 0; row < params[2] && row < grid_y; row++)
       run_one_indirect(k->type, (const uint64_t *)dev_view(params[0]) + 8 * row);
     return;
   }
@@ -300,7 +301,7 @@ void kernel_run(const struct kernel *k, const uint64_t params[4]) {
     memcpy(&bits, dev_view(params[2]), es);
     struct kernel inner = {"", K_PREMUL, k->type, OP_PROD};
     const uint64_t at[4] = {params[0], params[1], bits, params[3]};
-    kernel_run(&inner, at);
+    kernel_run(&inner, at, grid_y);
     return;
   }
   if (k->kind == K_WAIT) {

@@ -63,6 +63,7 @@ struct op {
   uint64_t order; /* in a graph, its place in the capture's issue order (from 1) */
   struct stream *owner; /* shared hardware queues: the stream it was issued on */
   int dev;              /* OP_KERNEL: the device it runs on (its stream's), -1 if unknown */
+  unsigned grid_y;      /* OP_KERNEL: rows of blocks (gridDim.y) */
 };
 
 struct queue;
@@ -121,7 +122,7 @@ static void run(struct op *op) {
     case OP_WRITE_VALUE: __atomic_store_n((uint32_t *)dev_view((uintptr_t)op->word), op->value, __ATOMIC_SEQ_CST); break;
     case OP_KERNEL:
       t_kernel_dev = op->dev;
-      kernel_run(op->kernel, op->params);
+      kernel_run(op->kernel, op->params, op->grid_y);
       t_kernel_dev = -1;
       break;
     case OP_HOST:
@@ -1168,13 +1169,16 @@ EXPORT CUresult cuLaunchKernel(const struct kernel *f, unsigned gx, unsigned gy,
   if (!kernel_valid(f)) return CUDA_ERROR_INVALID_HANDLE;
   /* A device whose reduction kernels fail to launch, for tests (the gate kernel still runs). */
   if (env_int("NCCL_RS_STUB_LAUNCH_FAILS", 0) && !kernel_is_gate(f)) return CUDA_ERROR_LAUNCH_FAILED;
-  if (!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024) return CUDA_ERROR_INVALID_VALUE;
+  /* The limits of every GPU since compute capability 3.0. */
+  if (!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024 || gx > 0x7fffffffu || gy > 65535 ||
+      gz > 65535 || bz > 64)
+    return CUDA_ERROR_INVALID_VALUE;
   if (extra) return CUDA_ERROR_NOT_SUPPORTED;
   if (!params) return CUDA_ERROR_INVALID_VALUE;
   struct stream *on;
   CUresult resolved = resolve(h, &on);
   if (resolved != CUDA_SUCCESS) return resolved;
-  struct op op = {.kind = OP_KERNEL, .kernel = f, .dev = on->ctx ? on->ctx->dev : -1};
+  struct op op = {.kind = OP_KERNEL, .kernel = f, .dev = on->ctx ? on->ctx->dev : -1, .grid_y = gy};
   for (int i = 0; i < 4; i++) memcpy(&op.params[i], params[i], sizeof(uint64_t));
   size_t bytes = kernel_reach(f, op.params);
   for (int i = 0; i < kernel_pointers(f) && op.params[3]; i++)

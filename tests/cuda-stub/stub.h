@@ -164,7 +164,8 @@ int kernel_is_gate(const struct kernel *k);
 /* How many of the parameters (dst, a, b) are pointers to n elements of elem_size bytes. */
 int kernel_pointers(const struct kernel *k);
 size_t kernel_reach(const struct kernel *k, const uint64_t params[4]);
-/* Runs kernel `k` with its four 64-bit parameters (dst, a, b|scalar|divisor, n). */
-void kernel_run(const struct kernel *k, const uint64_t params[4]);
+/* Runs kernel `k` with its four 64-bit parameters (dst, a, b|scalar|divisor, n), launched
+ * with `grid_y` rows of blocks (an indirect kernel's row runs one descriptor). */
+void kernel_run(const struct kernel *k, const uint64_t params[4], unsigned grid_y);
 
 #endif
