@@ -153,7 +153,12 @@ fn join_job(comm: &Comm, id: &UniqueId) -> Result<()> {
     });
     match &result {
         Ok(()) => {
-            crate::info!(INIT, "comm {:#x} rank {} nranks {} - Init COMPLETE", comm.hash, comm.rank, comm.nranks);
+            // NCCL's fields, for tools that read them; busId is NCCL's number for the PCI
+            // bus id, its hex digits run together ("0000:57:00.0" is 57000).
+            let bus_id = comm.ready_if_any().and_then(|r| r.peers.get(comm.rank))
+                .map_or(0, |p| bootstrap::topo::bus_id_number(&p.gpu.bus));
+            crate::info!(INIT, "comm {:p} rank {} nranks {} cudaDev {} nvmlDev {} busId {bus_id:x} commId {:#x} - Init COMPLETE",
+                         comm, comm.rank, comm.nranks, comm.cuda_dev, comm.cuda_dev, comm.hash);
             if comm.abort.load(Ordering::Acquire) {
                 comm.shutdown(); // destroyed or aborted while we were joining
             }

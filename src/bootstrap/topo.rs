@@ -128,9 +128,22 @@ pub fn distance(a: &GpuPlace, b: &GpuPlace) -> Option<Level> {
     Some(if below(&pa) <= 1 && below(&pb) <= 1 { Level::Pix } else { Level::Pxb })
 }
 
+/// NCCL's number for a PCI bus id (what its logs print as `busId`): the id's hex digits run
+/// together, so "0000:57:00.0" is 0x57000; 0 where there is none.
+pub fn bus_id_number(bus: &str) -> u64 {
+    bus.chars().filter_map(|c| c.to_digit(16)).fold(0u64, |n, d| n.wrapping_shl(4) | u64::from(d))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bus_ids_number_as_nccl_prints_them() {
+        assert_eq!(format!("{:x}", bus_id_number("0000:57:00.0")), "57000");
+        assert_eq!(format!("{:x}", bus_id_number("0001:3B:00.1")), "13b001");
+        assert_eq!(bus_id_number(""), 0);
+    }
 
     fn at(path: &str, numa: i32) -> GpuPlace {
         GpuPlace { bus: path.rsplit('/').next().unwrap_or_default().into(), path: path.into(), numa }
