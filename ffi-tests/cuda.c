@@ -3399,6 +3399,53 @@ static void calls(void) {
   dev_free(b);
 }
 
+/* Part CheckPointers (only when asked; run with NCCL_CHECK_POINTERS=1): as NCCL's check,
+ * a call on plain host memory, or on device memory of another device than the
+ * communicator's (where a second device exists), fails with ncclInvalidArgument and says
+ * why; a call on the communicator's device memory runs. */
+static void check_pointers(void) {
+  test_step("check pointers");
+  const size_t count = 1000;
+  float* plain = calloc(count, sizeof(float));
+  if (!plain) abort();
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t r = ncclAllReduce(plain, plain, count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]);
+    const char* why = ncclGetLastError(g_comms[l]);
+    EXPECT(r == ncclInvalidArgument && strstr(why, "sendbuff") && strstr(why, "plain host memory"),
+           "all-reduce on plain host memory: %s: %s", result_name(r), why);
+    r = ncclSend(plain, count, ncclFloat32, g_env.first_rank + l, g_comms[l], g_streams[l]);
+    why = ncclGetLastError(g_comms[l]);
+    EXPECT(r == ncclInvalidArgument && strstr(why, "plain host memory"), "send of plain host memory: %s: %s",
+           result_name(r), why);
+  }
+  free(plain);
+  int other = -1;
+  CUcontext ctx1 = NULL;
+  if (cu.DeviceGet(&other, g_device == 0 ? 1 : 0) == 0 && cu.PrimaryCtxRetain(&ctx1, other) == 0) {
+    CUdeviceptr far = 0;
+    CU(cu.CtxSetCurrent(ctx1));
+    CU(cu.MemAlloc(&far, count * sizeof(float)));
+    CU(cu.CtxSetCurrent(g_ctx));
+    for (int l = 0; l < g_env.local; l++) {
+      void* p = (void*)(uintptr_t)far;
+      ncclResult_t r = ncclAllReduce(p, p, count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]);
+      const char* why = ncclGetLastError(g_comms[l]);
+      char want[64];
+      snprintf(want, sizeof want, "memory of CUDA device %d", other);
+      EXPECT(r == ncclInvalidArgument && strstr(why, want), "all-reduce on device %d's memory: %s: %s", other,
+             result_name(r), why);
+    }
+    CU(cu.CtxSetCurrent(ctx1));
+    CU(cu.MemFree(far));
+    CU(cu.CtxSetCurrent(g_ctx));
+  } else {
+    tlog("check pointers: one device, no check of another device's memory");
+  }
+  CUdeviceptr d[MAX_LOCAL];
+  checked_allreduce(d, count, 13, "an all-reduce on the communicator's device memory, pointers checked");
+  for (int l = 0; l < g_env.local; l++) dev_free(d[l]);
+}
+
 /* Part HostBlind (the stand-in driver only): the host cannot touch device memory. A read
  * faults on a GPU without coherent CPU access, and the stand-in faults alike (its strict
  * device memory), so a test or a library path that reads device memory on the host fails
@@ -3487,6 +3534,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "Leaks")) leaks();
   if (g_env.only && !strcasecmp(g_env.only, "DroppedGroup")) dropped_group();
   if (g_env.only && !strcasecmp(g_env.only, "Ahead")) ahead();
+  if (g_env.only && !strcasecmp(g_env.only, "CheckPointers")) check_pointers();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

@@ -44,6 +44,7 @@ pub static ALL: &[Param] = &[
     p("NCCL_RS_DIRECT_ON_STREAM", "1", "CUDA mode: 0 runs the direct path's device work on the stream worker's stream, instead of kernels the caller's stream queues at call time"),
     p("NCCL_P2P_LEVEL", "", "CUDA mode: the farthest two GPUs of one host may be for ranks on them to read each other's device memory directly: LOC (never), NVL (the same GPU only: NVLink is not read), PIX, PXB, PHB, SYS (PCI distance from sysfs), or NCCL's legacy 0-4; unset: wherever CUDA IPC works"),
     p("NCCL_RS_TOPO_SYSFS", "/sys", "where NCCL_P2P_LEVEL's PCI distances are read (a sysfs tree; for tests)"),
+    p("NCCL_CHECK_POINTERS", "0", "CUDA mode: 1 checks every call's buffers, as NCCL does: plain host memory (which nccl-rs otherwise stages) and device memory of a device other than the communicator's fail the call with ncclInvalidArgument"),
     p("NCCL_ALGO", "", "all-reduce algorithms allowed, as NCCL spells them: Ring, Tree (also NVLS, PAT, CollNet*: our recursive doubling), ^ to exclude, allreduce:LIST;... per collective; unset, or both allowed, chooses by size"),
     p("NCCL_BUFFSIZE", "4194304", "bytes of staging buffer per connection to a peer"),
     p("NCCL_COMM_BLOCKING", "", "0: communicators are nonblocking unless their config says otherwise"),
@@ -203,6 +204,10 @@ pub fn direct_on_stream() -> bool {
 /// (`streamed::capture`).
 pub fn graph_capture() -> bool {
     int("NCCL_RS_GRAPH_CAPTURE") != 0
+}
+/// `NCCL_CHECK_POINTERS=1`: every call's buffers are checked (`api::coll::check_pointers`).
+pub fn check_pointers() -> bool {
+    int("NCCL_CHECK_POINTERS") != 0
 }
 /// `NCCL_RS_DIRECT_P2P` (on by default): the direct path for sends and receives (CUDA mode).
 pub fn direct_p2p() -> bool {

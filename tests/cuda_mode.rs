@@ -559,6 +559,20 @@ fn cuda_mode_a_rank_without_kernels() {
     }
 }
 
+/// NCCL_CHECK_POINTERS=1 refuses what NCCL's check refuses (plain host memory, another
+/// device's memory: ncclInvalidArgument, with the reason in ncclGetLastError), and lets the
+/// communicator's device memory through. The stand-in has two devices here.
+#[test]
+fn cuda_mode_check_pointers_refuses_what_nccl_refuses() {
+    let o = cuda_job().procs(2).env("NCCL_CHECK_POINTERS", "1").env("NCCL_RS_STUB_DEVICES", "2")
+        .arg("--only").arg("CheckPointers").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let stand_in = std::env::var_os("NCCL_TEST_REAL_DRIVER").is_none();
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(!stand_in || !p.log.contains("one device, no check"), "process {i} saw one device:\n{}", p.log);
+    }
+}
+
 /// A driver whose compiler refuses the PTX's sm_70 target (as CUDA 13's toolkit compilers
 /// dropped Volta) loads the same kernels compiled for the newest target the GPU runs (the
 /// stand-in's is 9.0), and collectives go direct as usual; one that refuses that target too

@@ -91,6 +91,36 @@ pub(crate) fn placement(regions: &[Region]) -> Result<Placement> {
     Ok(p)
 }
 
+/// NCCL_CHECK_POINTERS=1, in CUDA mode: each buffer of `op` must be memory the device
+/// addresses, and device memory of the communicator's own device, as NCCL's check asks
+/// (ncclInvalidArgument otherwise). Without it, plain host memory is staged, and a buffer of
+/// another device is read and written where it is, which needs peer access between the two.
+fn check_pointers(comm: &Comm, op: &Op) -> Result<()> {
+    use crate::device::cuda::{classify, PtrKind};
+    if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+        return Ok(());
+    }
+    let named = [("sendbuff", op.send), ("recvbuff", op.recv)];
+    for (name, r) in named.into_iter().filter(|(_, r)| !r.is_empty()) {
+        let at = r.addr();
+        match classify(at)? {
+            PtrKind::Device { ordinal } if ordinal != comm.cuda_dev => {
+                return Err(Error::invalid_arg(format!(
+                    "{}: {name} {at:#x} is memory of CUDA device {ordinal}, not of the communicator's device {} \
+                     (NCCL_CHECK_POINTERS=1)", op.describe(), comm.cuda_dev)));
+            }
+            PtrKind::Host => {
+                return Err(Error::invalid_arg(format!(
+                    "{}: {name} {at:#x} is not a valid pointer: plain host memory, which the device cannot address \
+                     (NCCL_CHECK_POINTERS=1; without it, nccl-rs stages such buffers through host memory)",
+                    op.describe())));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Validate and issue one call.
 pub fn enqueue(comm: Arc<Comm>, a: Args) -> Result<()> {
     let (op, placement) = validate(&comm, &a)?;
@@ -116,9 +146,17 @@ fn validate(comm: &Comm, a: &Args) -> Result<(Op, Placement)> {
     // the stream too. (resolve_op gives such a scalar only in device, pinned or managed memory.)
     let scalar = scalar_at.map_or(Region::EMPTY, |at| Region::user(at, 0, dt.size()));
     let placement = placement(&[send, recv, scalar])?; // (`streamed::Buffer`'s order)
-    // Collectives are numbered alike on every rank; point-to-point calls are not.
-    let seq = if a.kind.is_p2p() { 0 } else { comm.seq.fetch_add(1, Ordering::Relaxed) };
-    let op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq, scalar_at, of: None };
+    // (Named in a refusal by the number it would take.)
+    let next = if a.kind.is_p2p() { 0 } else { comm.seq.load(Ordering::Relaxed) };
+    let mut op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq: next, scalar_at, of: None };
+    if crate::params::check_pointers() {
+        check_pointers(comm, &op)?;
+    }
+    // Collectives are numbered alike on every rank (a refused call takes no number);
+    // point-to-point calls are not.
+    if !a.kind.is_p2p() {
+        op.seq = comm.seq.fetch_add(1, Ordering::Relaxed);
+    }
     crate::info!(COLL, "{}: rank {} send {:#x} recv {:#x}", op.describe(), comm.rank, send.addr(), recv.addr());
     Ok((op, placement))
 }
