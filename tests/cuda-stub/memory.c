@@ -210,6 +210,7 @@ static void unmap(struct range *r) {
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
   count_call(__func__);
+  device_sync(__func__);
   REFUSE_DURING_CAPTURE("cuMemFree_v2");
   note_worker_call("cuMemFree_v2");
   REQUIRE_INIT();
@@ -247,6 +248,7 @@ EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsign
 
 EXPORT CUresult cuMemFreeHost(void *p) {
   count_call(__func__);
+  device_sync(__func__);
   REFUSE_DURING_CAPTURE("cuMemFreeHost");
   note_worker_call("cuMemFreeHost");
   REQUIRE_INIT();
@@ -412,6 +414,7 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
 
 EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
   count_call(__func__);
+  device_sync(__func__);
   REFUSE_DURING_CAPTURE("cuIpcCloseMemHandle");
   REQUIRE_CTX();
   pthread_mutex_lock(&g_mem_lock);

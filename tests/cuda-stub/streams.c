@@ -143,6 +143,27 @@ static void complete_record(struct event *e, uint64_t seq) {
   event_unref(e);
 }
 
+/* Operations enqueued on, and completed by, every stream of the process (for device_sync). */
+static uint64_t g_ops_enqueued, g_ops_done;
+
+void device_sync(const char *call) {
+  static int on = -1;
+  if (on < 0) on = env_int("NCCL_RS_STUB_FREE_SYNCS", 0) != 0;
+  if (!on) return;
+  const uint64_t target = __atomic_load_n(&g_ops_enqueued, __ATOMIC_ACQUIRE);
+  struct timespec pause = {0, 1000000};
+  for (int waited_ms = 0; __atomic_load_n(&g_ops_done, __ATOMIC_ACQUIRE) < target; waited_ms++) {
+    if (waited_ms == 20000) {
+      char name[32] = "?";
+      pthread_getname_np(pthread_self(), name, sizeof name);
+      fprintf(stderr, "cuda-stub: %s on thread %s waited 20 s for this process's earlier device work, which does not "
+              "finish: a driver whose %s synchronizes would hang here\n", call, name, call);
+      abort();
+    }
+    nanosleep(&pause, NULL);
+  }
+}
+
 static void *worker(void *arg) {
   struct stream *s = arg;
   pthread_mutex_lock(&s->mu);
@@ -158,6 +179,7 @@ static void *worker(void *arg) {
     if (op->kind == OP_RECORD) complete_record(op->ev, op->seq);
     free(op);
     s->done++;
+    __atomic_fetch_add(&g_ops_done, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&s->cv);
   }
   pthread_mutex_unlock(&s->mu);
@@ -194,6 +216,7 @@ static void finish_op(struct stream *s, struct op *op) {
   pthread_mutex_lock(&s->mu);
   if (op->kind == OP_RECORD) complete_record(op->ev, op->seq);
   s->done++;
+  __atomic_fetch_add(&g_ops_done, 1, __ATOMIC_RELEASE);
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
   free(op);
@@ -206,6 +229,7 @@ static void *kernel_thread(void *arg) {
   pthread_mutex_lock(&s->mu);
   s->kernels_running--;
   s->done++;
+  __atomic_fetch_add(&g_ops_done, 1, __ATOMIC_RELEASE);
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
   free(op);
@@ -320,6 +344,7 @@ static CUresult enqueue(struct stream *h, const struct op *op) {
     pthread_mutex_lock(&s->q->mu);
     pthread_mutex_lock(&s->mu);
     s->enqueued++;
+    __atomic_fetch_add(&g_ops_enqueued, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&s->mu);
     if (s->q->tail) s->q->tail->next = o;
     else s->q->head = o;
@@ -333,6 +358,7 @@ static CUresult enqueue(struct stream *h, const struct op *op) {
   else s->head = o;
   s->tail = o;
   s->enqueued++;
+  __atomic_fetch_add(&g_ops_enqueued, 1, __ATOMIC_RELEASE);
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
   return CUDA_SUCCESS;

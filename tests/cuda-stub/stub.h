@@ -127,6 +127,12 @@ void *map_device(int fd, size_t size);
 /* Unmaps device memory that map_device mapped. */
 void unmap_device(void *p, size_t size);
 
+/* NCCL_RS_STUB_FREE_SYNCS=1: calls that free or unmap memory (cuMemFree, cuMemFreeHost,
+ * cuIpcCloseMemHandle, cuMemUnmap) first wait for the process's device work issued before
+ * them, as CUDA says they "may perform implicit synchronization"; one that waits 20 s names
+ * the call and its thread and aborts (on a GPU that synchronizes, it would hang). */
+void device_sync(const char *call);
+
 struct phys;
 /* One allocation the driver made or mapped. */
 struct range {

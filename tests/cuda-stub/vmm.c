@@ -268,6 +268,7 @@ static int covered(uintptr_t p, size_t n) {
 
 EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   count_call(__func__);
+  device_sync(__func__);
   REFUSE_DURING_CAPTURE("cuMemUnmap");
   REQUIRE_INIT();
   uintptr_t p = (uintptr_t)ptr;
