@@ -200,7 +200,8 @@ step perf-cuda-allreduce-2-graph 30 env NCCL_RS_GRAPH_CAPTURE=1 "$PREP/run/bin/n
 step perf-cuda-latency-1-graph 15 env NCCL_RS_GRAPH_CAPTURE=1 "$PREP/run/bin/nccl-rs-perf" allreduce -np 1 \
   --device 1 -G 10 -b 8 -e 8 -n 200 -w 5
 
-# 4. (c) The benchmark with device buffers, beside the device copy bandwidth and NVIDIA's NCCL.
+# 4. (c) The benchmark with device buffers, beside the device copy bandwidth (the tool measures
+#    cuMemcpyAsync device to device at each size after its sweep; latency.py at 1 GiB) and NVIDIA's NCCL.
 step perf-cuda-allreduce-2 50 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 # The same all-reduces on memory of the virtual memory API (PyTorch's expandable segments):
 # bandwidth, and the time in the call (which describes the allocations; a peer fetches their

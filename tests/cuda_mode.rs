@@ -1180,6 +1180,9 @@ fn perf_tool_runs_and_checks_device_buffers() {
         // And, per size, the time the calling thread spent in the calls.
         assert_eq!(text.lines().filter(|l| l.starts_with('#') && l.contains("us per call (in the call")).count(), 4,
                    "{op}: expected the time in the call for 4 sizes:\n{text}");
+        // And the device's own copy bandwidth at each size, measured beside them.
+        assert_eq!(text.lines().filter(|l| l.starts_with('#') && l.contains("device-to-device copy")).count(), 4,
+                   "{op}: expected the device copy bandwidth for 4 sizes:\n{text}");
     }
 }
 

@@ -223,6 +223,13 @@ pub fn run(o: &Opts, proc_index: usize, nprocs: usize) -> Result<(), String> {
                 println!("# {:>12} bytes: {} us per call (in the call; {})", r.bytes, per.join(" / "),
                          if per.len() > 1 { "out-of-place / in-place" } else { "as measured" });
             }
+            // The yardstick: a plain copy on the device, after the sweep (the other ranks
+            // idle), at each size.
+            for r in &rows {
+                if let Some(gbps) = ffi::copy_gbps(&ranks[0], r.bytes)? {
+                    println!("# {:>12} bytes: device-to-device copy {gbps:.2} GB/s (cuMemcpyAsync, bytes / time)", r.bytes);
+                }
+            }
         }
         if let Some(path) = &o.json {
             let doc = to_json(o, n, nprocs, &rows, avg_busbw, wrong);

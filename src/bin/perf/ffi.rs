@@ -165,6 +165,28 @@ impl Rank {
     }
 }
 
+/// Device mode: the device-to-device copy bandwidth at `bytes` on this rank's stream (its send
+/// buffer into its receive buffer, `cuMemcpyAsync`), as bytes over time in GB/s: what the
+/// tables stand beside, measured in the same run on the same device. None without device
+/// buffers.
+pub fn copy_gbps(r: &Rank, bytes: usize) -> Result<Option<f64>, String> {
+    let Some(d) = &r.dev else { return Ok(None) };
+    let len = bytes.min(r.send.len).min(r.recv.len);
+    if len == 0 {
+        return Ok(None);
+    }
+    let (dst, src) = (region(d.recv, len), region(d.send, len));
+    let times = ((1usize << 30) / len).clamp(3, 20);
+    d.stream.copy(dst, src).map_err(|e| e.msg)?;
+    d.stream.synchronize().map_err(|e| e.msg)?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..times {
+        d.stream.copy(dst, src).map_err(|e| e.msg)?;
+    }
+    d.stream.synchronize().map_err(|e| e.msg)?;
+    Ok(Some((len * times) as f64 / t0.elapsed().as_secs_f64() / 1e9))
+}
+
 /// Create this process's `local` communicators of an `n`-rank job and their buffers.
 pub fn init_ranks(o: &Opts, proc_index: usize, nprocs: usize, send_bytes: usize, recv_bytes: usize)
                   -> Result<Vec<Rank>, String> {
