@@ -1028,7 +1028,7 @@ static void premul_case(int pinned) {
     h[l] = host_alloc(count * sizeof(float));
     hs[l] = host_alloc(sizeof(float));
     for (size_t j = 0; j < count; j++) h[l][j] = in_value(rank, j, 3);
-    hs[l][0] = (float)(rank + 1);
+    hs[l][0] = (float)(rank + 2); /* (not 1: a one-rank job must scale too) */
     CHECK(ncclRedOpCreatePreMulSum(&ops[l], (void*)(uintptr_t)sc[l], ncclFloat32, ncclScalarDevice, g_comms[l]));
     CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
     /* The value goes through device memory: a copy between two host buffers (into a pinned
@@ -1051,7 +1051,7 @@ static void premul_case(int pinned) {
     size_t bad = 0;
     for (size_t j = 0; j < count; j++) {
       float want = 0;
-      for (int r = 0; r < g_env.nranks; r++) want += (float)(r + 1) * in_value(r, j, 3);
+      for (int r = 0; r < g_env.nranks; r++) want += (float)(r + 2) * in_value(r, j, 3);
       bad += h[l][j] != want;
     }
     EXPECT(bad == 0, "PreMulSum with %s scalars, rank %d: %zu wrong values", pinned ? "pinned" : "device",
@@ -1085,7 +1085,7 @@ static void premul_host_case(int mixed) {
     ncclRedOp_t ops[MAX_LOCAL];
     for (int l = 0; l < g_env.local; l++) {
       const int rank = g_env.first_rank + l;
-      float scalar = (float)(rank + 1);
+      float scalar = (float)(rank + 2); /* (not 1: a one-rank job must scale too) */
       ds[l] = dev_alloc(ns * sizeof(float));
       dr[l] = in_place ? ds[l] : dev_alloc(count * sizeof(float));
       h[l] = host_alloc(ns * sizeof(float));
@@ -1118,7 +1118,7 @@ static void premul_host_case(int mixed) {
       const size_t at = c == C_REDUCESCATTER ? (size_t)rank * count : 0;
       for (size_t j = 0; j < count && (c != C_REDUCE || rank == root); j++) {
         float want = 0;
-        for (int r = 0; r < n; r++) want += (float)(r + 1) * in_value(r, at + j, salt);
+        for (int r = 0; r < n; r++) want += (float)(r + 2) * in_value(r, at + j, salt);
         if (h[l][j] != want && bad++ == 0) first = j;
       }
       EXPECT(bad == 0, "PreMulSum %s%s with host scalars%s, rank %d: %zu wrong values, first at %zu", COLL_NAME[c],

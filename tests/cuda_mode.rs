@@ -1138,6 +1138,25 @@ fn cuda_mode_2_processes_of_2_ranks() {
     cuda_job().procs(2).local(2).arg("--quick").run();
 }
 
+/// A one-rank communicator's collectives are copies (or PreMulSum's scaling kernel) queued on
+/// the caller's stream: exact, and no stream worker is started for them (nor any wait).
+#[test]
+fn cuda_mode_one_rank_collectives_are_copies_on_the_stream() {
+    let perf = std::env::var("NCCL_RS_PERF").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nccl-rs-perf").to_string());
+    for (op, reduction) in [("allreduce", "sum"), ("allgather", "sum"), ("reducescatter", "premulsum"), ("alltoall", "sum")] {
+        let mut cmd = std::process::Command::new(&perf);
+        cmd.args([op, "-np", "1", "--device", "1", "-b", "8", "-e", "1M", "-f", "32", "-n", "2", "-w", "1", "-o", reduction]);
+        if std::env::var_os("NCCL_TEST_REAL_DRIVER").is_none() {
+            cmd.env("LD_LIBRARY_PATH", cuda_stub_dir());
+        }
+        let out = cmd.env_remove("NCCL_COMM_ID").env("NCCL_DEBUG", "INFO").output().expect("run nccl-rs-perf");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{op} failed:\n{text}");
+        assert!(text.contains("Out of bounds values : 0 OK"), "{op}: wrong results:\n{text}");
+        assert!(!text.contains("stream worker started"), "{op}: a one-rank communicator started its worker:\n{text}");
+    }
+}
+
 /// The benchmark tool with device buffers (`--device 1`; `--device 2`: of the virtual memory
 /// API, as PyTorch's expandable segments place them; `--device 3`: such memory peers cannot
 /// map; `-G 2`: calls captured into CUDA graphs, with NCCL_RS_GRAPH_CAPTURE=1; `-o premulsum`):
