@@ -72,6 +72,11 @@ fn in_child(name: &str, body: fn()) -> bool {
 /// Runs the test `name` in a child process against `driver`, with `env`; panics with its output
 /// unless it passed.
 fn run_child(name: &str, driver: Driver, env: &[(&str, &str)]) {
+    run_child_output(name, driver, env);
+}
+
+/// [`run_child`], returning the child's output.
+fn run_child_output(name: &str, driver: Driver, env: &[(&str, &str)]) -> String {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(CHILD, name);
     // The system's driver is found as the environment says (LD_LIBRARY_PATH, the loader's cache).
@@ -82,6 +87,7 @@ fn run_child(name: &str, driver: Driver, env: &[(&str, &str)]) {
     let (ok, output) = run_with_deadline(cmd, CHILD_DEADLINE);
     let ran = output.contains(&format!("test {name} ... ok"));
     assert!(ok && ran, "{name} against {driver:?} {env:?} failed:\n{output}");
+    output
 }
 
 /// Runs `cmd`, killing it after `deadline`; (exited 0, stdout + stderr).
@@ -513,6 +519,105 @@ fn check_ipc() {
     let got = download(&stream, buf.region());
     assert!(got[..IPC_LEN / 2].iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)));
     assert!(got[IPC_LEN / 2..].iter().all(|&b| b == 0xee), "the owner sees the peer's write");
+}
+
+/// Whether freeing and unmapping return while a stream of the process waits on host memory.
+/// CUDA says such calls "may perform implicit synchronization"; the stream worker closes
+/// stale peer mappings (`cuIpcCloseMemHandle`, `cuMemUnmap`) while callers' streams wait for
+/// it, which would hang on a driver where they wait (README, CUDA mode). Each call is made
+/// while a stream is held; a helper lets the stream go after 2 s whatever happens, so the test
+/// ends either way and fails naming the calls that waited. Against the stand-in's model of
+/// such a driver (`NCCL_RS_STUB_FREE_SYNCS=1`) every call must be seen to wait: the probe
+/// can fail.
+#[test]
+fn frees_and_unmaps_return_while_a_stream_waits() {
+    let name = "frees_and_unmaps_return_while_a_stream_waits";
+    if in_child(name, check_frees) {
+        return;
+    }
+    for driver in drivers() {
+        // What each call did, for the record (scripts/device-check.sh keeps the lines).
+        let output = run_child_output(name, driver, &[]);
+        for line in output.lines().filter(|l| l.starts_with("held-stream probe")) {
+            eprintln!("{driver:?} driver: {line}");
+        }
+    }
+    run_child(name, Driver::Stub, &[("NCCL_RS_STUB_FREE_SYNCS", "1"), (CASE, "expect-waits")]);
+}
+
+/// How long a probe holds its stream before letting it go.
+const HOLD: Duration = Duration::from_secs(2);
+
+/// Runs `call` while `stream` waits on word 0 of `flags` (let go after [`HOLD`] by a helper);
+/// whether `call` waited for the stream, printed.
+fn waits_for_held_stream(what: &str, stream: &Stream, flags: &MappedHost, call: impl FnOnce()) -> bool {
+    flags.word(0).store(0, Ordering::Release);
+    assert_eq!(stream.wait_value32(flags, 0, 1, WaitCond::Geq).unwrap(), MemOp::Enqueued);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let waited = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let end = Instant::now() + HOLD;
+            while Instant::now() < end && !done.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            flags.word(0).store(1, Ordering::Release);
+        });
+        let t0 = Instant::now();
+        call();
+        let took = t0.elapsed();
+        done.store(true, Ordering::Release);
+        took >= HOLD
+    });
+    stream.synchronize().unwrap();
+    // (On stderr: the harness's "test ... ok" line on stdout stays whole.)
+    eprintln!("held-stream probe: {what}: {}", if waited { "waited for the held stream" } else { "returned at once" });
+    waited
+}
+
+fn check_frees() {
+    let ctx = Context::primary(0).unwrap();
+    let stream = Stream::new(ctx).unwrap();
+    let flags = MappedHost::new(64).unwrap();
+    let expect_waits = std::env::var(CASE).as_deref() == Ok("expect-waits");
+    let mut waited = Vec::new();
+    if let Ok(hex) = std::env::var(IPC_HANDLE) {
+        // The peer: close a mapping of the owner's allocation while this process's stream waits.
+        let bytes: Vec<u8> = (0..64).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
+        let mapping = IpcMapping::open(&IpcHandle { bytes: bytes.try_into().unwrap() }).unwrap();
+        if waits_for_held_stream("cuIpcCloseMemHandle", &stream, &flags, || drop(mapping)) {
+            waited.push("cuIpcCloseMemHandle");
+        }
+    } else {
+        let buf = DeviceBuf::new(1 << 20);
+        if waits_for_held_stream("cuMemFree", &stream, &flags, || drop(buf)) {
+            waited.push("cuMemFree");
+        }
+        let pinned = MappedHost::new(1 << 20).unwrap();
+        if waits_for_held_stream("cuMemFreeHost", &stream, &flags, || drop(pinned)) {
+            waited.push("cuMemFreeHost");
+        }
+        let vmm = cuda::VmmAllocation::new(2 << 20, 2 << 20, false).unwrap();
+        if waits_for_held_stream("cuMemUnmap (and release)", &stream, &flags, || drop(vmm)) {
+            waited.push("cuMemUnmap");
+        }
+        // A peer process maps an allocation of this one and closes it while its stream waits.
+        let shared = DeviceBuf::new(1 << 20);
+        let handle = IpcHandle::of(shared.ptr).unwrap();
+        let hex: String = handle.bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let name = "frees_and_unmaps_return_while_a_stream_waits";
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(IPC_HANDLE, hex);
+        let (ok, output) = run_with_deadline(cmd, CHILD_DEADLINE);
+        assert!(ok && output.contains(&format!("test {name} ... ok")), "the peer process failed:\n{output}");
+        eprint!("{}", output.lines().filter(|l| l.starts_with("held-stream probe")).map(|l| format!("{l}\n")).collect::<String>());
+    }
+    if expect_waits {
+        assert!(waited.len() == if std::env::var_os(IPC_HANDLE).is_some() { 1 } else { 3 },
+                "the model of a driver whose frees synchronize: only {waited:?} waited");
+    } else {
+        assert!(waited.is_empty(), "{waited:?} waited for a stream held on host memory: the stream worker's closes of \
+                                   peer mappings would hang on this driver");
+    }
 }
 
 #[test]
