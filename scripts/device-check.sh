@@ -11,8 +11,9 @@
 #   1. the CUDA device layer against the real driver: contexts, streams, events, stream
 #      memory operations, pointer classification, IPC across processes, and every reduction
 #      kernel of kernels/reduce.ptx JIT-loaded by the real driver, bit-compared with host mode;
-#      and whether cuMemFree, cuMemFreeHost, cuMemUnmap and cuIpcCloseMemHandle wait for a
-#      stream held on host memory (the stream worker closes peer mappings while streams wait);
+#      and whether mapping and freeing (cuIpcOpen/CloseMemHandle, cuMemMap/Unmap, cuMemFree,
+#      cuMemFreeHost) wait for a stream held on host memory (the stream worker maps and closes
+#      peers' buffers while streams wait for it);
 #   2. (a) ffi-tests/cuda.c in CUDA mode (device buffers, the caller's streams, gated streams,
 #      in-place, p2p, graph capture refused by default) on 1, 2 and 4 ranks sharing the GPU,
 #      and the host-mode C programs on the GPU machine; (2a') how much device memory comes
@@ -135,9 +136,9 @@ export NCCL_TEST_REPO=$PWD NCCL_RS_PERF=$PWD/$PREP/run/bin/nccl-rs-perf
 # 1. The device layer against the real driver (the test binary also builds and uses the stub
 #    where cc exists; both must pass).
 step cuda-layer 60 "$PREP/run/bin/cuda_layer" --test-threads=1 --skip graphs
-# 1'. Whether freeing and unmapping wait for a stream held on host memory (if they do, the
-#    stream worker's closes of stale peer mappings hang): each call's answer, for the record.
-step held-stream-probe 30 "$PREP/run/bin/cuda_layer" --test-threads=1 --exact frees_and_unmaps_return_while_a_stream_waits \
+# 1'. Whether mapping and freeing wait for a stream held on host memory (if they do, the
+#    stream worker's maps and closes of peer buffers hang): each call's answer, for the record.
+step held-stream-probe 30 "$PREP/run/bin/cuda_layer" --test-threads=1 --exact maps_and_frees_return_while_a_stream_waits \
   --nocapture
 grep -E '^System driver: held-stream probe' "$OUT/held-stream-probe.log" | sed 's/^/# /' >> "$R"
 

@@ -521,17 +521,18 @@ fn check_ipc() {
     assert!(got[IPC_LEN / 2..].iter().all(|&b| b == 0xee), "the owner sees the peer's write");
 }
 
-/// Whether freeing and unmapping return while a stream of the process waits on host memory.
-/// CUDA says such calls "may perform implicit synchronization"; the stream worker closes
-/// stale peer mappings (`cuIpcCloseMemHandle`, `cuMemUnmap`) while callers' streams wait for
-/// it, which would hang on a driver where they wait (README, CUDA mode). Each call is made
+/// Whether mapping, freeing and unmapping return while a stream of the process waits on host
+/// memory. CUDA says frees "may perform implicit synchronization"; the stream worker maps
+/// peers' buffers (`cuIpcOpenMemHandle`, `cuMemMap`) and closes stale mappings
+/// (`cuIpcCloseMemHandle`, `cuMemUnmap`) while callers' streams wait for it, which would hang
+/// on a driver where they wait (README, CUDA mode). Each call is made
 /// while a stream is held; a helper lets the stream go after 2 s whatever happens, so the test
 /// ends either way and fails naming the calls that waited. Against the stand-in's model of
 /// such a driver (`NCCL_RS_STUB_FREE_SYNCS=1`) every call must be seen to wait: the probe
 /// can fail.
 #[test]
-fn frees_and_unmaps_return_while_a_stream_waits() {
-    let name = "frees_and_unmaps_return_while_a_stream_waits";
+fn maps_and_frees_return_while_a_stream_waits() {
+    let name = "maps_and_frees_return_while_a_stream_waits";
     if in_child(name, check_frees) {
         return;
     }
@@ -583,8 +584,12 @@ fn check_frees() {
     if let Ok(hex) = std::env::var(IPC_HANDLE) {
         // The peer: close a mapping of the owner's allocation while this process's stream waits.
         let bytes: Vec<u8> = (0..64).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
-        let mapping = IpcMapping::open(&IpcHandle { bytes: bytes.try_into().unwrap() }).unwrap();
-        if waits_for_held_stream("cuIpcCloseMemHandle", &stream, &flags, || drop(mapping)) {
+        let handle = IpcHandle { bytes: bytes.try_into().unwrap() };
+        let mut mapping = None;
+        if waits_for_held_stream("cuIpcOpenMemHandle", &stream, &flags, || mapping = Some(IpcMapping::open(&handle).unwrap())) {
+            waited.push("cuIpcOpenMemHandle");
+        }
+        if waits_for_held_stream("cuIpcCloseMemHandle", &stream, &flags, || drop(mapping.take())) {
             waited.push("cuIpcCloseMemHandle");
         }
     } else {
@@ -596,15 +601,19 @@ fn check_frees() {
         if waits_for_held_stream("cuMemFreeHost", &stream, &flags, || drop(pinned)) {
             waited.push("cuMemFreeHost");
         }
-        let vmm = cuda::VmmAllocation::new(2 << 20, 2 << 20, false).unwrap();
-        if waits_for_held_stream("cuMemUnmap (and release)", &stream, &flags, || drop(vmm)) {
+        let mut vmm = None;
+        let create = || vmm = Some(cuda::VmmAllocation::new(2 << 20, 2 << 20, false).unwrap());
+        if waits_for_held_stream("cuMemCreate, cuMemMap and cuMemSetAccess", &stream, &flags, create) {
+            waited.push("cuMemMap");
+        }
+        if waits_for_held_stream("cuMemUnmap (and release)", &stream, &flags, || drop(vmm.take())) {
             waited.push("cuMemUnmap");
         }
         // A peer process maps an allocation of this one and closes it while its stream waits.
         let shared = DeviceBuf::new(1 << 20);
         let handle = IpcHandle::of(shared.ptr).unwrap();
         let hex: String = handle.bytes.iter().map(|b| format!("{b:02x}")).collect();
-        let name = "frees_and_unmaps_return_while_a_stream_waits";
+        let name = "maps_and_frees_return_while_a_stream_waits";
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(IPC_HANDLE, hex);
         let (ok, output) = run_with_deadline(cmd, CHILD_DEADLINE);
@@ -612,8 +621,12 @@ fn check_frees() {
         eprint!("{}", output.lines().filter(|l| l.starts_with("held-stream probe")).map(|l| format!("{l}\n")).collect::<String>());
     }
     if expect_waits {
-        assert!(waited.len() == if std::env::var_os(IPC_HANDLE).is_some() { 1 } else { 3 },
-                "the model of a driver whose frees synchronize: only {waited:?} waited");
+        let frees: &[&str] = if std::env::var_os(IPC_HANDLE).is_some() {
+            &["cuIpcCloseMemHandle"]
+        } else {
+            &["cuMemFree", "cuMemFreeHost", "cuMemUnmap"]
+        };
+        assert_eq!(waited, frees, "the model of a driver whose frees (only) synchronize");
     } else {
         assert!(waited.is_empty(), "{waited:?} waited for a stream held on host memory: the stream worker's closes of \
                                    peer mappings would hang on this driver");
