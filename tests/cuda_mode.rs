@@ -573,6 +573,24 @@ fn cuda_mode_check_pointers_refuses_what_nccl_refuses() {
     }
 }
 
+/// Ranks on two hosts (one NCCL_HOSTID each, the processes of this machine): every part of
+/// the CUDA-mode program runs with the pair's data staged through host memory and a TCP
+/// connection (the network transport), never read directly, and exact. (Parts PeerPointers
+/// and RmaErrors expect the peers of one host: peer pointers, puts past a window refused at
+/// the call; `rma.c` checks what other hosts get, NULL and the target's error.)
+#[test]
+fn cuda_mode_ranks_on_two_hosts_stage_through_sockets() {
+    let o = cuda_job().procs(2).proc_env(0, "NCCL_HOSTID", "host-a").proc_env(1, "NCCL_HOSTID", "host-b")
+        .env("CUDA_TEST_SKIP", "PeerPointers,RmaErrors").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT,P2P")
+        .run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        let peer = 1 - i;
+        assert!(p.log.contains(&format!("rank {i} -> rank {peer} via Socket")), "process {i}: not over TCP:\n{}", p.log);
+        assert!(!p.log.contains("are read directly"), "process {i} read a peer on another host directly:\n{}", p.log);
+    }
+}
+
 /// A driver whose compiler refuses the PTX's sm_70 target (as CUDA 13's toolkit compilers
 /// dropped Volta) loads the same kernels compiled for the newest target the GPU runs (the
 /// stand-in's is 9.0), and collectives go direct as usual; one that refuses that target too
