@@ -299,3 +299,20 @@ fn launch_rows(f: CUfunction, args: [u64; 3], n: usize, rows: usize, stream: &St
         })
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The second try's text differs from the committed PTX in its target line only, and stays
+    /// NUL-terminated.
+    #[test]
+    fn retargeted_ptx_names_the_new_target_only() {
+        let text = retarget(PTX, "sm_90").expect("kernels/reduce.ptx names a .target");
+        assert!(PTX.contains("\n.target sm_70\n"), "the committed PTX's target changed: update RETARGETS");
+        assert!(text.contains("\n.target sm_90\n") && !text.contains("sm_70"));
+        assert_eq!(text.replace("\n.target sm_90\n", "\n.target sm_70\n"), PTX);
+        assert!(text.ends_with('\0'));
+        assert_eq!(retarget("no target here\n\0", "sm_90"), None);
+    }
+}
