@@ -580,6 +580,11 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> 
     }
 }
 
+/// The items of `v` whose `keep` is true, in order.
+fn kept<T>(v: Vec<T>, keep: &[bool]) -> Vec<T> {
+    v.into_iter().zip(keep).filter(|(_, k)| **k).map(|(x, _)| x).collect()
+}
+
 /// The first half of [`submit`]:/// The first half of [`submit`]: the operations' inputs staged into the pool and the events
 /// the worker waits for, on the callers' streams. A group over several communicators
 /// prepares every one before committing any: with streams sharing a hardware queue, one
@@ -614,6 +619,19 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
             "a group's operations on one communicator are captured into a CUDA graph only if they are all on \
              one stream")),
     }
+    // Sends to this rank itself, with their receives, are copies on the caller's stream (not in
+    // host-wait mode, whose calls return once done); the streams of what is left go on.
+    let (ops, streams, callers) = if s.host_wait {
+        (ops, streams, callers)
+    } else {
+        let pairs: Vec<(UserStream, &Stream)> = streams.iter().copied().zip(callers.iter()).collect();
+        let ops = alone::self_copies(comm, &pairs, ops)?;
+        if ops.is_empty() {
+            return Ok(None);
+        }
+        let used: Vec<bool> = streams.iter().map(|u| ops.iter().any(|o| o.stream == *u)).collect();
+        (ops, kept(streams, &used), kept(callers, &used))
+    };
     let lock = SubmitLock::acquire(s);
     let seq = {
         let state = s.state();

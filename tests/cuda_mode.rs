@@ -573,6 +573,19 @@ fn cuda_mode_check_pointers_refuses_what_nccl_refuses() {
     }
 }
 
+/// A rank's sends to itself in a group (an all-to-all as PyTorch issues one), with their
+/// receives, are device copies queued on the caller's stream, not staged through host memory:
+/// exact (part P2P's all-to-all checks every value), and said at TRACE.
+#[test]
+fn cuda_mode_sends_to_self_are_copies_on_the_stream() {
+    let o = cuda_job().procs(2).arg("--only").arg("P2P").env("NCCL_DEBUG", "TRACE").env("NCCL_DEBUG_SUBSYS", "P2P")
+        .run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        assert!(p.log.contains("send(s) to itself copied on the caller's stream"), "process {i}:\n{}", p.log);
+    }
+}
+
 /// Ranks on two hosts (one NCCL_HOSTID each, the processes of this machine): every part of
 /// the CUDA-mode program runs with the pair's data staged through host memory and a TCP
 /// connection (the network transport), never read directly, and exact. (Parts PeerPointers

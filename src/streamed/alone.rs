@@ -1,11 +1,13 @@
-//! The operations of a communicator of one rank (see [`queue`]): queued on their callers'
-//! streams as the copies (or the scaling) they are, without the stream worker.
+//! Operations that involve no peer, queued on their callers' streams as the copies (or the
+//! scaling) they are, without the stream worker: every collective of a communicator of one
+//! rank ([`queue`]), and a rank's sends to itself with their receives ([`self_copies`]).
 
 use super::StreamOp;
 use crate::comm::Comm;
 use crate::device::cuda::{Context, KeepCurrent, Stream, UserStream};
 use crate::device::host::Region;
 use crate::error::Result;
+use crate::plan::OpKind;
 use crate::types::RedOp;
 
 /// A communicator of one rank: each collective's output is its input (PreMulSum's scaled by
@@ -63,4 +65,41 @@ pub(super) fn queue(comm: &Comm, ops: &[StreamOp]) -> Result<bool> {
         crate::trace!(COLL, "rank 0: {} of a one-rank communicator queued on its stream", op.describe());
     }
     Ok(true)
+}
+
+/// A rank's sends to itself and receives from itself in one group on one communicator pair up
+/// in issue order, as NCCL matches them. A pair on one stream, of one size, whose copy is
+/// asynchronous (no plain host memory, not two host buffers), and whose receive buffer no
+/// other operation of the group reads or writes, is queued now (`callers`: the group's
+/// streams) as a device copy on that stream, ahead of the group's other work: it reads the
+/// send's buffer before any of the group's receives could write it, as a send reads its
+/// buffer in NCCL. Such pairs leave the group (an all-to-all's own part no longer goes
+/// through host memory); the others stay, for the usual path (which reports a mismatch).
+pub(super) fn self_copies(comm: &Comm, callers: &[(UserStream, &Stream)], ops: Vec<StreamOp>) -> Result<Vec<StreamOp>> {
+    let mine = |o: &StreamOp, kind: OpKind| o.op.kind == kind && o.op.root == comm.rank;
+    let sends: Vec<usize> = (0..ops.len()).filter(|&i| mine(&ops[i], OpKind::Send)).collect();
+    let recvs: Vec<usize> = (0..ops.len()).filter(|&i| mine(&ops[i], OpKind::Recv)).collect();
+    let mut gone = vec![false; ops.len()];
+    for (&si, &ri) in sends.iter().zip(&recvs) {
+        let (s, r) = (&ops[si], &ops[ri]);
+        let (src, dst) = (s.op.send, r.op.recv);
+        let both_host = s.placement.host & 0b01 != 0 && r.placement.host & 0b10 != 0;
+        let asynchronous = !(s.placement.pageable || r.placement.pageable || both_host);
+        let touched = |i: usize| i != si && i != ri && (ops[i].op.send.overlaps(dst) || ops[i].op.recv.overlaps(dst));
+        let overlapping = src.addr() != dst.addr() && src.overlaps(dst);
+        let Some((_, stream)) = callers.iter().find(|(u, _)| *u == s.stream) else { continue };
+        if s.stream != r.stream || src.len() != dst.len() || !asynchronous || overlapping || (0..ops.len()).any(touched) {
+            continue;
+        }
+        if src.addr() != dst.addr() {
+            stream.copy(dst, src)?;
+        }
+        gone[si] = true;
+        gone[ri] = true;
+    }
+    if gone.iter().any(|&g| g) {
+        crate::trace!(P2P, "rank {}: {} send(s) to itself copied on the caller's stream", comm.rank,
+                      gone.iter().filter(|&&g| g).count() / 2);
+    }
+    Ok(ops.into_iter().zip(gone).filter(|(_, g)| !g).map(|(o, _)| o).collect())
 }
