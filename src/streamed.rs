@@ -621,7 +621,9 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     }
     // Sends to this rank itself, with their receives, are copies on the caller's stream (not in
     // host-wait mode, whose calls return once done); the streams of what is left go on.
-    let (ops, streams, callers) = if s.host_wait {
+    // (A group over several streams runs after the work already on all of them, as NCCL's
+    // does: its copies are left to the usual path, which waits for every stream.)
+    let (ops, streams, callers) = if s.host_wait || streams.len() > 1 {
         (ops, streams, callers)
     } else {
         let pairs: Vec<(UserStream, &Stream)> = streams.iter().copied().zip(callers.iter()).collect();

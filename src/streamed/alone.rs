@@ -14,8 +14,8 @@ use crate::types::RedOp;
 /// its scalar; every other operator, Avg included, leaves one input as it is), so the group's
 /// collectives are queued on their callers' streams as copies (none in place) or the scaling
 /// kernel, and nothing else happens: no stream worker, no gate.
-/// Whether it did: not in host-wait mode (whose calls return once done), nor with sends and
-/// receives, plain host memory (a copy with it would wait for the stream on this thread), a
+/// Whether it did: not in host-wait mode (whose calls return once done), nor for a group over
+/// several streams, nor with sends and receives, plain host memory (a copy with it would wait for the stream on this thread), a
 /// stream that captures a CUDA graph (captures keep one set of rules whatever the size), or no
 /// reduction kernels for a PreMulSum: those take the usual path.
 pub(super) fn queue(comm: &Comm, ops: &[StreamOp]) -> Result<bool> {
@@ -24,12 +24,20 @@ pub(super) fn queue(comm: &Comm, ops: &[StreamOp]) -> Result<bool> {
     }
     // (A buffer of `Placement::host` is host memory: two of them would copy on this thread.)
     let eligible = |o: &StreamOp| !o.op.kind.is_p2p() && !o.placement.pageable && o.placement.host & 0b11 != 0b11;
-    if !ops.iter().all(eligible) {
+    // (A group over several streams runs after the work on all of them, as NCCL's does.)
+    let Some(first) = ops.first() else { return Ok(false) };
+    if !ops.iter().all(eligible) || ops.iter().any(|o| o.stream != first.stream) {
         return Ok(false);
     }
     let ctx = Context::primary(comm.cuda_dev)?;
     let _keep = KeepCurrent::new();
     ctx.make_current()?;
+    let stream = Stream::caller(ctx, first.stream);
+    // A capture (or the legacy stream beside one) takes the usual path: recorded as captures
+    // are, with the same rules, or refused.
+    if stream.is_capturing()? {
+        return Ok(false);
+    }
     let premul = ops.iter().any(|o| o.op.kind.reduces() && matches!(o.op.op, RedOp::PreMulSum(_)));
     let kernels = if premul {
         match ctx.kernels() {
@@ -39,25 +47,12 @@ pub(super) fn queue(comm: &Comm, ops: &[StreamOp]) -> Result<bool> {
     } else {
         None
     };
-    let mut streams: Vec<(UserStream, Stream)> = Vec::new();
     for o in ops {
-        if !streams.iter().any(|(u, _)| *u == o.stream) {
-            let st = Stream::caller(ctx, o.stream);
-            // A capture (or the legacy stream beside one) takes the usual path: recorded as
-            // captures are, with the same rules, or refused.
-            if st.is_capturing()? {
-                return Ok(false);
-            }
-            streams.push((o.stream, st));
-        }
-    }
-    for o in ops {
-        let Some((_, stream)) = streams.iter().find(|(u, _)| *u == o.stream) else { continue };
         let (op, dst, src) = (&o.op, o.op.recv, o.op.send);
         match (op.kind.reduces(), op.op, kernels) {
             (true, RedOp::PreMulSum(scalar), Some(k)) => match op.scalar_at {
-                Some(at) => k.premul_at(op.dt, dst, src, Region::user(at, 0, op.dt.size()), stream)?,
-                None => k.premul(op.dt, dst, src, scalar, stream)?,
+                Some(at) => k.premul_at(op.dt, dst, src, Region::user(at, 0, op.dt.size()), &stream)?,
+                None => k.premul(op.dt, dst, src, scalar, &stream)?,
             },
             _ if dst.addr() != src.addr() => stream.copy(dst, src)?,
             _ => {}
@@ -68,8 +63,9 @@ pub(super) fn queue(comm: &Comm, ops: &[StreamOp]) -> Result<bool> {
 }
 
 /// A rank's sends to itself and receives from itself in one group on one communicator pair up
-/// in issue order, as NCCL matches them. A pair on one stream, of one size, whose copy is
-/// asynchronous (no plain host memory, not two host buffers), and whose receive buffer no
+/// in issue order, as NCCL matches them. A pair on one stream (the caller passes groups on one
+/// stream only: a group on several runs after the work on all of them), of one size, whose
+/// copy is asynchronous (no plain host memory, not two host buffers), and whose receive buffer no
 /// other operation of the group reads or writes, is queued now (`callers`: the group's
 /// streams) as a device copy on that stream, ahead of the group's other work: it reads the
 /// send's buffer before any of the group's receives could write it, as a send reads its
