@@ -476,6 +476,24 @@ fn ipc_handles_map_the_same_bytes_in_another_process() {
 
 const IPC_LEN: usize = 1 << 20;
 
+/// In a peer process of an IPC test: the handle its owner passed (hex in IPC_HANDLE), if any.
+fn ipc_handle_from_env() -> Option<IpcHandle> {
+    let hex = std::env::var(IPC_HANDLE).ok()?;
+    let bytes: Vec<u8> = (0..64).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
+    Some(IpcHandle { bytes: bytes.try_into().unwrap() })
+}
+
+/// Runs this binary's test `name` as a peer process given `handle`; panics unless it passed.
+/// Its output.
+fn run_ipc_peer(name: &str, handle: &IpcHandle) -> String {
+    let hex: String = handle.bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(IPC_HANDLE, hex);
+    let (ok, output) = run_with_deadline(cmd, CHILD_DEADLINE);
+    assert!(ok && output.contains(&format!("test {name} ... ok")), "the peer process failed:\n{output}");
+    output
+}
+
 fn ipc_pattern(i: usize) -> u8 {
     (i * 13 + (i >> 9)) as u8
 }
@@ -483,10 +501,8 @@ fn ipc_pattern(i: usize) -> u8 {
 fn check_ipc() {
     let ctx = Context::primary(0).unwrap();
     let stream = Stream::new(ctx).unwrap();
-    if let Ok(hex) = std::env::var(IPC_HANDLE) {
+    if let Some(handle) = ipc_handle_from_env() {
         // The peer: open, read what the owner wrote, write the second half.
-        let bytes: Vec<u8> = (0..64).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
-        let handle = IpcHandle { bytes: bytes.try_into().unwrap() };
         let mapping = IpcMapping::open(&handle).unwrap();
         assert!(matches!(cuda::classify(mapping.addr()).unwrap(), PtrKind::Device { .. }));
         let region = device_region(mapping.addr(), IPC_LEN);
@@ -510,12 +526,7 @@ fn check_ipc() {
     let own = IpcMapping::open(&handle).err().expect("CUDA refuses to open a handle in its own process");
     assert_eq!(own.code, Code::UnhandledCudaError);
     assert!(own.msg.starts_with("cuIpcOpenMemHandle_v2: CUDA_ERROR_"), "{own}");
-    let hex: String = handle.bytes.iter().map(|b| format!("{b:02x}")).collect();
-    let name = "ipc_handles_map_the_same_bytes_in_another_process";
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(IPC_HANDLE, hex);
-    let (ok, output) = run_with_deadline(cmd, CHILD_DEADLINE);
-    assert!(ok && output.contains(&format!("test {name} ... ok")), "the peer process failed:\n{output}");
+    run_ipc_peer("ipc_handles_map_the_same_bytes_in_another_process", &handle);
     let got = download(&stream, buf.region());
     assert!(got[..IPC_LEN / 2].iter().enumerate().all(|(i, &b)| b == ipc_pattern(i)));
     assert!(got[IPC_LEN / 2..].iter().all(|&b| b == 0xee), "the owner sees the peer's write");
@@ -581,10 +592,8 @@ fn check_frees() {
     let flags = MappedHost::new(64).unwrap();
     let expect_waits = std::env::var(CASE).as_deref() == Ok("expect-waits");
     let mut waited = Vec::new();
-    if let Ok(hex) = std::env::var(IPC_HANDLE) {
-        // The peer: close a mapping of the owner's allocation while this process's stream waits.
-        let bytes: Vec<u8> = (0..64).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
-        let handle = IpcHandle { bytes: bytes.try_into().unwrap() };
+    if let Some(handle) = ipc_handle_from_env() {
+        // The peer: map and close the owner's allocation while this process's stream waits.
         let mut mapping = None;
         if waits_for_held_stream("cuIpcOpenMemHandle", &stream, &flags, || mapping = Some(IpcMapping::open(&handle).unwrap())) {
             waited.push("cuIpcOpenMemHandle");
@@ -611,13 +620,7 @@ fn check_frees() {
         }
         // A peer process maps an allocation of this one and closes it while its stream waits.
         let shared = DeviceBuf::new(1 << 20);
-        let handle = IpcHandle::of(shared.ptr).unwrap();
-        let hex: String = handle.bytes.iter().map(|b| format!("{b:02x}")).collect();
-        let name = "maps_and_frees_return_while_a_stream_waits";
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(IPC_HANDLE, hex);
-        let (ok, output) = run_with_deadline(cmd, CHILD_DEADLINE);
-        assert!(ok && output.contains(&format!("test {name} ... ok")), "the peer process failed:\n{output}");
+        let output = run_ipc_peer("maps_and_frees_return_while_a_stream_waits", &IpcHandle::of(shared.ptr).unwrap());
         eprint!("{}", output.lines().filter(|l| l.starts_with("held-stream probe")).map(|l| format!("{l}\n")).collect::<String>());
     }
     if expect_waits {
