@@ -585,7 +585,7 @@ fn kept<T>(v: Vec<T>, keep: &[bool]) -> Vec<T> {
     v.into_iter().zip(keep).filter(|(_, k)| **k).map(|(x, _)| x).collect()
 }
 
-/// The first half of [`submit`]:/// The first half of [`submit`]: the operations' inputs staged into the pool and the events
+/// The first half of [`submit`]: the operations' inputs staged into the pool and the events
 /// the worker waits for, on the callers' streams. A group over several communicators
 /// prepares every one before committing any: with streams sharing a hardware queue, one
 /// communicator's wait must not sit before another's inputs.
