@@ -216,7 +216,8 @@ step perf-cuda-allreduce-2 50 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --dev
 # descriptors at its first use of them).
 step perf-cuda-allreduce-2-vmm 40 "$PREP/run/bin/nccl-rs-perf" allreduce -np 2 --device 2 -b 64K -e 256M -f 8 -n 5 -w 1
 step perf-cuda-allgather-2 50 "$PREP/run/bin/nccl-rs-perf" allgather -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
-step perf-cuda-sendrecv-2 30 "$PREP/run/bin/nccl-rs-perf" sendrecv -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
+# (In place, sends past the device scratch go as bytes over TCP: the 1 GiB rows take seconds.)
+step perf-cuda-sendrecv-2 45 "$PREP/run/bin/nccl-rs-perf" sendrecv -np 2 --device 1 -b 1K -e 1G -f 8 -x 1G -n 5 -w 1
 step perf-cuda-sendrecv-2-staged 30 env NCCL_RS_DIRECT_P2P=0 "$PREP/run/bin/nccl-rs-perf" sendrecv -np 2 --device 1 \
   -b 64K -e 256M -f 8 -n 5 -w 1
 step perf-cuda-latency-1 20 "$PREP/run/bin/nccl-rs-perf" allreduce -np 1 --device 1 -b 8 -e 8 -n 2000 -w 50
