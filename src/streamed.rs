@@ -623,7 +623,8 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // host-wait mode, whose calls return once done); the streams of what is left go on.
     // (A group over several streams runs after the work already on all of them, as NCCL's
     // does: its copies are left to the usual path, which waits for every stream.)
-    let (ops, streams, callers) = if s.host_wait || streams.len() > 1 {
+    let to_itself = ops.iter().any(|o| o.op.kind.is_p2p() && o.op.root == comm.rank);
+    let (ops, streams, callers) = if s.host_wait || streams.len() > 1 || !to_itself {
         (ops, streams, callers)
     } else {
         let pairs: Vec<(UserStream, &Stream)> = streams.iter().copied().zip(callers.iter()).collect();
