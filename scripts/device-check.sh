@@ -127,6 +127,10 @@ say "# nccl-rs device check $(date -u +%FT%TZ) on $(hostname)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv,noheader 2>&1 | sed 's/^/# gpu: /' | tee -a "$R"
 # (compute mode must be Default: Exclusive_Process refuses the second process on the GPU)
 say "# env: CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset} CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-unset}"
+# The library was built elsewhere (glibc 2.34 or newer needed): say so at once if it cannot load here.
+say "# host: $(uname -sr), $(ldd --version 2>&1 | head -1)"
+missing=$(ldd "$PREP/lib/libnccl.so.2" 2>&1 | grep -E 'not found|GLIBC' | head -3)
+[ -n "$missing" ] && say "# libnccl.so.2 cannot load here: $missing"
 export LD_LIBRARY_PATH=$PWD/$PREP/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # The test binaries were built elsewhere: point them at this tree and the carried tool.
 export NCCL_TEST_REPO=$PWD NCCL_RS_PERF=$PWD/$PREP/run/bin/nccl-rs-perf
