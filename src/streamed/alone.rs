@@ -81,7 +81,11 @@ pub(super) fn self_copies(comm: &Comm, callers: &[(UserStream, &Stream)], ops: V
         let (src, dst) = (s.op.send, r.op.recv);
         let both_host = s.placement.host & 0b01 != 0 && r.placement.host & 0b10 != 0;
         let asynchronous = !(s.placement.pageable || r.placement.pageable || both_host);
-        let touched = |i: usize| i != si && i != ri && (ops[i].op.send.overlaps(dst) || ops[i].op.recv.overlaps(dst));
+        let scalar = |o: &StreamOp| o.op.scalar_at.map_or(Region::EMPTY, |at| Region::user(at, 0, o.op.dt.size()));
+        let touched = |i: usize| {
+            let o = &ops[i];
+            i != si && i != ri && (o.op.send.overlaps(dst) || o.op.recv.overlaps(dst) || scalar(o).overlaps(dst))
+        };
         let overlapping = src.addr() != dst.addr() && src.overlaps(dst);
         let Some((_, stream)) = callers.iter().find(|(u, _)| *u == s.stream) else { continue };
         if s.stream != r.stream || src.len() != dst.len() || !asynchronous || overlapping || (0..ops.len()).any(touched) {
