@@ -532,8 +532,8 @@ fn check_ipc() {
     assert!(got[IPC_LEN / 2..].iter().all(|&b| b == 0xee), "the owner sees the peer's write");
 }
 
-/// Whether mapping, freeing and unmapping return while a stream of the process waits on host
-/// memory. CUDA says frees "may perform implicit synchronization"; the stream worker maps
+/// Whether mapping, freeing and unmapping (and, for the record, allocating) return while a
+/// stream of the process waits on host memory. CUDA says frees "may perform implicit synchronization"; the stream worker maps
 /// peers' buffers (`cuIpcOpenMemHandle`, `cuMemMap`) and closes stale mappings
 /// (`cuIpcCloseMemHandle`, `cuMemUnmap`) while callers' streams wait for it, which would hang
 /// on a driver where they wait (README, CUDA mode). Each call is made
@@ -602,12 +602,16 @@ fn check_frees() {
             waited.push("cuIpcCloseMemHandle");
         }
     } else {
-        let buf = DeviceBuf::new(1 << 20);
-        if waits_for_held_stream("cuMemFree", &stream, &flags, || drop(buf)) {
+        // Allocations are reported, not asserted: the device scratch and the pinned pool grow
+        // on the calling thread, where a wait stalls the call but hangs nothing.
+        let mut buf = None;
+        waits_for_held_stream("cuMemAlloc", &stream, &flags, || buf = Some(DeviceBuf::new(1 << 20)));
+        if waits_for_held_stream("cuMemFree", &stream, &flags, || drop(buf.take())) {
             waited.push("cuMemFree");
         }
-        let pinned = MappedHost::new(1 << 20).unwrap();
-        if waits_for_held_stream("cuMemFreeHost", &stream, &flags, || drop(pinned)) {
+        let mut pinned = None;
+        waits_for_held_stream("cuMemHostAlloc", &stream, &flags, || pinned = Some(MappedHost::new(1 << 20).unwrap()));
+        if waits_for_held_stream("cuMemFreeHost", &stream, &flags, || drop(pinned.take())) {
             waited.push("cuMemFreeHost");
         }
         let mut vmm = None;
