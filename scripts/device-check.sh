@@ -134,6 +134,9 @@ missing=$(ldd "$PREP/lib/libnccl.so.2" 2>&1 | grep -E 'not found|GLIBC' | head -
 export LD_LIBRARY_PATH=$PWD/$PREP/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # The test binaries were built elsewhere: point them at this tree and the carried tool.
 export NCCL_TEST_REPO=$PWD NCCL_RS_PERF=$PWD/$PREP/run/bin/nccl-rs-perf
+# A CUDA-mode test job that hangs fails after 40 s with every thread's stack in its report
+# (tests/common: NCCL_TEST_STACKS_AT_DEADLINE), and the step's next test still runs.
+export NCCL_TEST_STACKS_AT_DEADLINE=1
 # Tests that make network namespaces need root and iproute2; where they are missing, they skip.
 { [ "$(id -u)" = 0 ] && command -v ip >/dev/null; } || export NCCL_TEST_SKIP_NETNS=1
 

@@ -680,6 +680,9 @@ impl Job {
             let expired = start.elapsed() > self.timeout;
             let grace_over = failed_at.is_some_and(|t| t.elapsed() > GRACE_AFTER_FAILURE);
             if expired || grace_over {
+                if expired && std::env::var_os("NCCL_TEST_STACKS_AT_DEADLINE").is_some() {
+                    procs.iter().filter(|p| p.status.is_none()).for_each(write_stacks);
+                }
                 for p in procs.iter_mut().filter(|p| p.status.is_none()) {
                     if let Some(child) = p.child.as_mut() {
                         let _ = child.kill();
@@ -799,6 +802,37 @@ fn describe_trigger(t: &Trigger) -> String {
     match &t.action {
         Action::Kill(v) => format!("SIGKILL process {v} {when}"),
         Action::Call(_) => format!("action {when}"),
+    }
+}
+
+/// `NCCL_TEST_STACKS_AT_DEADLINE=1` (scripts/device-check.sh): where a process that is still
+/// running at its job's deadline is, appended to its log before it is killed: every thread's
+/// stack (gdb, where installed) or the kernel's view of each thread.
+fn write_stacks(p: &Proc) {
+    let Some(pid) = p.child.as_ref().map(Child::id) else { return };
+    let gdb = Command::new("timeout")
+        .args(["8", "gdb", "-p", &pid.to_string(), "-batch", "-ex", "thread apply all bt 12"])
+        .stdin(Stdio::null())
+        .output();
+    let mut text = match gdb {
+        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("Thread") || l.starts_with('#'))
+            .take(300)
+            .map(|l| format!("{l}\n"))
+            .collect(),
+        _ => String::new(),
+    };
+    if text.is_empty() {
+        let tasks = fs::read_dir(format!("/proc/{pid}/task")).map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
+        for t in tasks {
+            let read = |f: &str| fs::read_to_string(t.path().join(f)).unwrap_or_default().trim().to_string();
+            text += &format!("{} wchan={}\n", read("comm"), read("wchan"));
+        }
+    }
+    if let Ok(mut log) = fs::OpenOptions::new().append(true).open(&p.log) {
+        use std::io::Write;
+        let _ = write!(log, "---- where process {pid} was at the deadline:\n{text}");
     }
 }
 
