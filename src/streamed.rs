@@ -580,11 +580,6 @@ pub fn submit(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<HostWait>> 
     }
 }
 
-/// The items of `v` whose `keep` is true, in order.
-fn kept<T>(v: Vec<T>, keep: &[bool]) -> Vec<T> {
-    v.into_iter().zip(keep).filter(|(_, k)| **k).map(|(x, _)| x).collect()
-}
-
 /// The first half of [`submit`]: the operations' inputs staged into the pool and the events
 /// the worker waits for, on the callers' streams. A group over several communicators
 /// prepares every one before committing any: with streams sharing a hardware queue, one
@@ -620,21 +615,17 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
              one stream")),
     }
     // Sends to this rank itself, with their receives, are copies on the caller's stream (not in
-    // host-wait mode, whose calls return once done); the streams of what is left go on.
-    // (A group over several streams runs after the work already on all of them, as NCCL's
-    // does: its copies are left to the usual path, which waits for every stream.)
+    // host-wait mode, whose calls return once done). Only for a group on one stream: one over
+    // several runs after the work already on all of them, as NCCL's does, which the usual path
+    // waits for. What is left is on that same stream.
     let to_itself = ops.iter().any(|o| o.op.kind.is_p2p() && o.op.root == comm.rank);
-    let (ops, streams, callers) = if s.host_wait || streams.len() > 1 || !to_itself {
-        (ops, streams, callers)
-    } else {
-        let pairs: Vec<(UserStream, &Stream)> = streams.iter().copied().zip(callers.iter()).collect();
-        let ops = alone::self_copies(comm, &pairs, ops)?;
-        if ops.is_empty() {
-            return Ok(None);
-        }
-        let used: Vec<bool> = streams.iter().map(|u| ops.iter().any(|o| o.stream == *u)).collect();
-        (ops, kept(streams, &used), kept(callers, &used))
+    let ops = match &callers[..] {
+        [one] if to_itself && !s.host_wait => alone::self_copies(comm, one, ops)?,
+        _ => ops,
     };
+    if ops.is_empty() {
+        return Ok(None);
+    }
     let lock = SubmitLock::acquire(s);
     let seq = {
         let state = s.state();

@@ -4,7 +4,7 @@
 
 use super::StreamOp;
 use crate::comm::Comm;
-use crate::device::cuda::{Context, KeepCurrent, Stream, UserStream};
+use crate::device::cuda::{Context, KeepCurrent, Stream};
 use crate::device::host::Region;
 use crate::error::Result;
 use crate::plan::OpKind;
@@ -62,16 +62,16 @@ pub(super) fn queue(comm: &Comm, ops: &[StreamOp]) -> Result<bool> {
     Ok(true)
 }
 
-/// A rank's sends to itself and receives from itself in one group on one communicator pair up
-/// in issue order, as NCCL matches them. A pair on one stream (the caller passes groups on one
-/// stream only: a group on several runs after the work on all of them), of one size, whose
-/// copy is asynchronous (no plain host memory, not two host buffers), and whose receive buffer no
-/// other operation of the group reads or writes, is queued now (`callers`: the group's
-/// streams) as a device copy on that stream, ahead of the group's other work: it reads the
+/// A rank's sends to itself and receives from itself in one group on one communicator, all on
+/// `stream` (the caller passes groups on one stream only: a group on several runs after the
+/// work on all of them), pair up in issue order, as NCCL matches them. A pair of one size,
+/// whose copy is asynchronous (no plain host memory, not two host buffers), and whose receive
+/// buffer no other operation of the group reads or writes (a PreMulSum scalar included), is
+/// queued now as a device copy on that stream, ahead of the group's other work: it reads the
 /// send's buffer before any of the group's receives could write it, as a send reads its
 /// buffer in NCCL. Such pairs leave the group (an all-to-all's own part no longer goes
 /// through host memory); the others stay, for the usual path (which reports a mismatch).
-pub(super) fn self_copies(comm: &Comm, callers: &[(UserStream, &Stream)], ops: Vec<StreamOp>) -> Result<Vec<StreamOp>> {
+pub(super) fn self_copies(comm: &Comm, stream: &Stream, ops: Vec<StreamOp>) -> Result<Vec<StreamOp>> {
     let mine = |o: &StreamOp, kind: OpKind| o.op.kind == kind && o.op.root == comm.rank;
     let sends: Vec<usize> = (0..ops.len()).filter(|&i| mine(&ops[i], OpKind::Send)).collect();
     let recvs: Vec<usize> = (0..ops.len()).filter(|&i| mine(&ops[i], OpKind::Recv)).collect();
@@ -87,8 +87,7 @@ pub(super) fn self_copies(comm: &Comm, callers: &[(UserStream, &Stream)], ops: V
             i != si && i != ri && (o.op.send.overlaps(dst) || o.op.recv.overlaps(dst) || scalar(o).overlaps(dst))
         };
         let overlapping = src.addr() != dst.addr() && src.overlaps(dst);
-        let Some((_, stream)) = callers.iter().find(|(u, _)| *u == s.stream) else { continue };
-        if s.stream != r.stream || src.len() != dst.len() || !asynchronous || overlapping || (0..ops.len()).any(touched) {
+        if src.len() != dst.len() || !asynchronous || overlapping || (0..ops.len()).any(touched) {
             continue;
         }
         if src.addr() != dst.addr() {
