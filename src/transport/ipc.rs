@@ -43,6 +43,7 @@ use std::sync::Arc;
 
 use share::{decode_segment, encode_segment, Maps, Published, Record, Shared, MAX_TABLE, RECORD_BYTES, SEG_BYTES};
 
+use crate::bootstrap::PeerInfo;
 use crate::comm::Comm;
 use crate::device::cuda::{self, Desc, Indirect, Segment, Stream};
 use crate::device::host::{ElemOp, Region, UserPtr};
@@ -69,12 +70,27 @@ pub struct Direct {
     /// Per peer: the direct sends to it and receives from it so far (they number messages).
     sent: Vec<u64>,
     received: Vec<u64>,
+    /// Per peer of this process on another device: whether this rank's kernels may read its
+    /// memory (`cuda::peer_access`, asked once here rather than under its lock per operation).
+    peer_device: Vec<Option<bool>>,
 }
 
 impl Direct {
     /// Bytes of peers' device memory this worker keeps mapped.
     pub fn mapped_bytes(&self) -> u64 {
         self.maps.bytes()
+    }
+
+    /// Whether this rank's kernels may read the device memory of `theirs` (rank `peer`) by
+    /// address: always, but for a rank of this process on another device without peer access.
+    fn reaches_device(&mut self, comm: &Comm, peer: usize, ours: &PeerInfo, theirs: &PeerInfo) -> bool {
+        if !theirs.same_process(ours) || theirs.cuda_dev == comm.cuda_dev {
+            return true;
+        }
+        if self.peer_device.len() <= peer {
+            self.peer_device.resize(comm.nranks.max(peer + 1), None);
+        }
+        *self.peer_device[peer].get_or_insert_with(|| cuda::peer_access(comm.cuda_dev, theirs.cuda_dev))
     }
 
     /// Closes every peer mapping (ncclCommSuspend with NCCL_SUSPEND_MEM): the peers'
@@ -348,7 +364,7 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
             continue;
         }
         let (theirs, ours) = (&ready.peers[p], &ready.peers[me]);
-        if theirs.same_process(ours) && !cuda::peer_access(comm.cuda_dev, theirs.cuda_dev) {
+        if !direct.reaches_device(comm, p, ours, theirs) {
             // Another device of this process, whose memory this one's kernels cannot read.
             crate::info!(P2P, "rank {me}: rank {p} is on device {} of this process, without peer access from device {}; \
                                staging through host memory", theirs.cuda_dev, comm.cuda_dev);
@@ -1012,7 +1028,7 @@ fn read_record(comm: &Comm, ready: &crate::comm::Ready, direct: &mut Direct, op:
     if table.len() != theirs.table as usize || table.len() > MAX_TABLE {
         return Err(Error::internal(format!("rank {me}: a record from rank {peer} with a table of {} entries", table.len())));
     }
-    if sender.same_process(ours) && !cuda::peer_access(comm.cuda_dev, sender.cuda_dev) {
+    if !direct.reaches_device(comm, peer, ours, sender) {
         // Another device of this process, whose memory this one's kernels cannot read.
         return Ok(Sender::Unmapped);
     }
