@@ -48,8 +48,10 @@
 //! documented or reported to synchronise). Everything such is done before a communicator's
 //! first wait is queued — its stream, the kernels, the completion word (from a slab allocated
 //! once per device), the pinned pool — and the worker stages through ordinary host memory,
-//! which it grows without the driver. CUDA IPC mappings are cached (`transport::ipc`). Pinned
-//! memory is never freed: a destroyed communicator's pool goes to the next one.
+//! which it grows without the driver. Peers' mappings (CUDA IPC, the virtual memory API) are
+//! cached (`transport::ipc`), and closed on a thread of their own (`cuda::OffThread`), never by
+//! the worker. Pinned memory is never freed: a destroyed communicator's pool goes to the next
+//! one.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -57,7 +59,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use crate::comm::Comm;
-use crate::device::cuda::{Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
+use crate::device::cuda::{self, Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
@@ -500,6 +502,12 @@ impl Streamed {
             return Err(Error::invalid_usage("communicator closed while ncclCommSuspend waited for its operations"));
         }
         drop(st);
+        // The worker handed its peer mappings to the closing thread: they are closed when this
+        // returns (the peers' freed allocations are then released).
+        if !cuda::settle_closing(CLOSING_LIMIT) {
+            crate::warn!("rank {}: ncclCommSuspend: peer mappings still closing after {} s (the driver waits for the \
+                          device to go idle)", comm.rank, CLOSING_LIMIT.as_secs());
+        }
         // Under the submit lock (a call on another thread would take a carve), in its context.
         self.lock_submits();
         let freed = {
@@ -538,10 +546,19 @@ impl Streamed {
         if let Some(h) = handle {
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
+                // Its peer mappings close on the closing thread: closed when destroy returns.
+                if !cuda::settle_closing(CLOSING_LIMIT) {
+                    crate::info!(INIT, "peer mappings still closing after {} s (the driver waits for the device to go \
+                                        idle)", CLOSING_LIMIT.as_secs());
+                }
             }
         }
     }
 }
+
+/// How long ncclCommSuspend and destroy wait for the peer mappings their worker let go to
+/// close (`cuda::OffThread`): a driver may make each close wait for the device to go idle.
+const CLOSING_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Before an operation runs on the calling thread (host buffers only): let the operations
 /// already issued on the communicator's streams finish, so every rank runs them in issue

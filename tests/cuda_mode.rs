@@ -774,6 +774,32 @@ fn cuda_mode_peer_mappings_closed_after_each_operation() {
     }
 }
 
+/// A driver whose `cuIpcCloseMemHandle` and `cuMemUnmap` wait for the device to go idle (the
+/// stand-in's NCCL_RS_STUB_FREE_SYNCS; CUDA says frees "may" synchronize): the stream worker
+/// closes no peer mapping itself, since a caller's stream may be waiting for that very worker
+/// (the process's closing thread does it, `cuda::OffThread`). Operations that map and close
+/// every time (NCCL_RS_PEER_MAPS=0), over CUDA IPC and the virtual memory API, then finish
+/// exact, and so does ncclCommSuspend. Before, the stand-in aborted such a run after 20 s in
+/// the worker's first close.
+#[test]
+fn cuda_mode_peer_mappings_close_off_the_worker() {
+    let runs = [("Collectives", "IPC"), ("Collectives", "VMM"), ("P2P", "IPC"), ("Suspend", "IPC")];
+    for (part, kind) in runs {
+        let job = cuda_job().procs(2).arg("--only").arg(part).env("NCCL_RS_STUB_FREE_SYNCS", "1")
+            .env("NCCL_RS_STUB_REPORT_WORKER_CALLS", "1").env("CUDA_TEST_VMM", if kind == "VMM" { "1" } else { "0" });
+        let job = if part == "Suspend" { job } else { job.env("NCCL_RS_PEER_MAPS", "0") };
+        let o = job.env("NCCL_DEBUG", "TRACE").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
+        assert!(o.ok(), "part {part} over {kind}: {}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            let closes = p.log.lines().filter(|l| l.contains("closed the peer mappings of the operation")).count();
+            assert!(part == "Suspend" || closes >= 5, "part {part} over {kind}, process {i}: {closes} closes:\n{}", p.log);
+            let by_worker: Vec<&str> = p.log.lines()
+                .filter(|l| l.contains("from the stream worker") && (l.contains("Close") || l.contains("Unmap"))).collect();
+            assert!(by_worker.is_empty(), "part {part} over {kind}, process {i}: {:?}", &by_worker[..by_worker.len().min(5)]);
+        }
+    }
+}
+
 /// ncclCommSuspend(NCCL_SUSPEND_MEM) closes the peer mappings the direct path keeps, which
 /// hold the peers' device memory alive after they free it (CUDA IPC, and allocations of the
 /// virtual memory API; processes of 2 ranks each too): ncclCommMemStats counts that memory as

@@ -142,9 +142,11 @@ void *map_device(int fd, size_t size) {
   return p;
 }
 
+/* The alias goes first: once the address the driver handed out is free, another thread may be
+ * handed it again and must find its alias's place free too. */
 void unmap_device(void *p, size_t size) {
-  munmap(p, size);
   if (strict_device()) munmap((void *)((uintptr_t)p - DEVICE_ALIAS), size);
+  munmap(p, size);
 }
 
 /* Shared memory of `size` bytes backed by a new memfd named after `id`: device memory
@@ -414,6 +416,7 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
 
 EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
   count_call(__func__);
+  note_worker_call(__func__);
   device_sync(__func__);
   REFUSE_DURING_CAPTURE("cuIpcCloseMemHandle");
   REQUIRE_CTX();

@@ -205,8 +205,8 @@ EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
   int ok = r && !mem_overlaps(ptr, size);
   if (ok) {
     *pr = r->next;
+    if (strict_device()) munmap((void *)((uintptr_t)ptr - DEVICE_ALIAS), size); /* alias first (unmap_device) */
     munmap((void *)(uintptr_t)ptr, size);
-    if (strict_device()) munmap((void *)((uintptr_t)ptr - DEVICE_ALIAS), size);
     free(r);
   }
   pthread_mutex_unlock(&g_mem_lock);
@@ -268,6 +268,7 @@ static int covered(uintptr_t p, size_t n) {
 
 EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   count_call(__func__);
+  note_worker_call(__func__);
   device_sync(__func__);
   REFUSE_DURING_CAPTURE("cuMemUnmap");
   REQUIRE_INIT();

@@ -16,6 +16,7 @@
 //! Driver calls that use "the current context" (allocation, the legacy NULL stream) must run on
 //! a thread where [`Context::make_current`] was called.
 
+mod closer;
 mod context;
 mod graph;
 mod ipc;
@@ -30,6 +31,7 @@ use cudarc::driver::sys::CUresult;
 
 use crate::error::{Code, Error, Result};
 
+pub use closer::{settle as settle_closing, OffThread};
 pub use context::{current_device, device_count, pci_bus_id, peer_access, relax_capture_mode, Context, KeepCurrent};
 pub use cudarc::driver::sys::CUstream;
 pub use graph::{Capture, GraphExec};

@@ -168,7 +168,10 @@ fn segment_request(s: &Segment) -> [u8; fdpass::REQUEST_BYTES] {
 /// One peer allocation mapped into this process (closed on drop), or a run of them.
 struct Mapped {
     key: Key,
-    mapping: Mapping,
+    /// Closed off the worker's thread (`cuda::OffThread`: a close may wait for the device).
+    _mapping: cuda::OffThread<Mapping>,
+    /// Where the allocation starts in this process.
+    addr: usize,
     size: usize,
     /// Its owner and its address there: a new handle at the same place means this one is gone.
     owner: (u32, u64),
@@ -340,7 +343,9 @@ impl Maps {
                     }
                 };
                 crate::trace!(P2P, "mapped {size} bytes of pid {their_pid}'s device memory at {:#x}", owner.1);
-                self.maps.push(Mapped { key: key.to_owned(), mapping, size, owner, used: self.epoch });
+                let addr = mapping.addr();
+                let _mapping = cuda::OffThread::new(mapping);
+                self.maps.push(Mapped { key: key.to_owned(), _mapping, addr, size, owner, used: self.epoch });
                 self.bytes = self.maps.iter().map(|m| m.size as u64).sum();
                 self.maps.len() - 1
             }
@@ -353,7 +358,7 @@ impl Maps {
         // SAFETY: inside the peer allocation this mapping holds open (checked just above); the
         // peer keeps the buffer until the final barrier, and a mapping used by the current
         // operation is not closed before the next one.
-        Ok(Region::user(unsafe { UserPtr::new((m.mapping.addr() + p.off as usize) as *const u8) }, 0, len))
+        Ok(Region::user(unsafe { UserPtr::new((m.addr + p.off as usize) as *const u8) }, 0, len))
     }
 }
 
