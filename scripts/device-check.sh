@@ -78,7 +78,7 @@ say() { echo "$*" | tee -a "$R"; }
 # processes (its own session), so one hang costs one step, not the run.
 BUDGET=${DEVICE_CHECK_BUDGET:-420} # (stack dumps and probes between steps take the rest of 7.5 min)
 # Where a step hangs: every thread's stack of each of its processes (gdb where installed, else
-# the kernel's view), written before the step is killed.
+# cuda-gdb for the first two, else the kernel's view), written before the step is killed.
 stacks() { # session-leader-pid name
   local p n=0
   for p in $(pgrep -s "$1"); do
@@ -86,6 +86,8 @@ stacks() { # session-leader-pid name
     { echo "== pid $p: $(tr '\0' ' ' < /proc/"$p"/cmdline 2>/dev/null | cut -c1-200)"
       if command -v gdb >/dev/null; then
         timeout 8 gdb -p "$p" -batch -ex 'thread apply all bt 12' 2>&1 | grep -E '^(Thread|#)' | head -300
+      elif command -v cuda-gdb >/dev/null && [ "$n" -le 2 ]; then # (the GPU image has only cuda-gdb)
+        timeout 10 cuda-gdb -p "$p" -batch -ex 'thread apply all bt 12' 2>&1 | grep -E '^(Thread|#)' | head -300
       else
         for t in /proc/"$p"/task/*; do echo "$(cat "$t"/comm 2>/dev/null) wchan=$(cat "$t"/wchan 2>/dev/null)"; done
       fi

@@ -807,22 +807,29 @@ fn describe_trigger(t: &Trigger) -> String {
 
 /// `NCCL_TEST_STACKS_AT_DEADLINE=1` (scripts/device-check.sh): where a process that is still
 /// running at its job's deadline is, appended to its log before it is killed: every thread's
-/// stack (gdb, where installed) or the kernel's view of each thread.
+/// stack (gdb, or cuda-gdb where only that is installed, as on the GPU machine's image) or the
+/// kernel's view of each thread.
 fn write_stacks(p: &Proc) {
     let Some(pid) = p.child.as_ref().map(Child::id) else { return };
-    let gdb = Command::new("timeout")
-        .args(["8", "gdb", "-p", &pid.to_string(), "-batch", "-ex", "thread apply all bt 12"])
-        .stdin(Stdio::null())
-        .output();
-    let mut text = match gdb {
-        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| l.starts_with("Thread") || l.starts_with('#'))
-            .take(300)
-            .map(|l| format!("{l}\n"))
-            .collect(),
-        _ => String::new(),
+    let backtrace = |gdb: &str, limit: &str| {
+        let out = Command::new("timeout")
+            .args([limit, gdb, "-p", &pid.to_string(), "-batch", "-ex", "thread apply all bt 12"])
+            .stdin(Stdio::null())
+            .output();
+        match out {
+            Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| l.starts_with("Thread") || l.starts_with('#'))
+                .take(300)
+                .map(|l| format!("{l}\n"))
+                .collect(),
+            _ => String::new(),
+        }
     };
+    let mut text = backtrace("gdb", "8");
+    if text.is_empty() {
+        text = backtrace("cuda-gdb", "12");
+    }
     if text.is_empty() {
         let tasks = fs::read_dir(format!("/proc/{pid}/task")).map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
         for t in tasks {
