@@ -145,8 +145,9 @@ export NCCL_TEST_STACKS_AT_DEADLINE=1
 # 1. The device layer against the real driver (the test binary also builds and uses the stub
 #    where cc exists; both must pass).
 step cuda-layer 60 "$PREP/run/bin/cuda_layer" --test-threads=1 --skip graphs
-# 1'. Whether mapping and freeing wait for a stream held on host memory (if they do, the
-#    stream worker's maps and closes of peer buffers hang): each call's answer, for the record.
+# 1'. Whether mapping and freeing wait for a stream held on host memory: each call's answer,
+#    for the record. It fails if a map waits (the stream worker maps peers' buffers while
+#    streams wait for it); closes and frees run on other threads, reported only.
 step held-stream-probe 30 "$PREP/run/bin/cuda_layer" --test-threads=1 --exact maps_and_frees_return_while_a_stream_waits \
   --nocapture
 grep -E '^System driver: held-stream probe' "$OUT/held-stream-probe.log" | sed 's/^/# /' >> "$R"

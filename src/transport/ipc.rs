@@ -20,8 +20,9 @@
 //! through host memory instead — for good, when a rank never can ([`agree`]).
 //!
 //! Mappings of peers' allocations are kept (as UCX's CUDA IPC cache does): opening and closing
-//! them per operation costs time, and unmapping while a caller's stream waits for the worker
-//! could stall in the driver. A peer's handle names one allocation, so a mapping is only used
+//! them per operation costs time. Closes run on a thread of their own (`cuda::OffThread`): one
+//! made while a caller's stream waits for the worker could stall in the driver, and the
+//! worker with it. A peer's handle names one allocation, so a mapping is only used
 //! while its owner publishes that allocation again. One is closed when its owner publishes a
 //! new allocation at the same address (the old one is gone), when more than `NCCL_RS_PEER_MAPS`
 //! (256) are open (the least recently used), and when the worker stops. The driver documents
