@@ -606,6 +606,23 @@ fn cuda_mode_ranks_on_two_hosts_stage_through_sockets() {
     }
 }
 
+/// Three processes, two on one host and one on another: a rank's sends and receives with its
+/// host's peer go direct while those with the other host's go through TCP, in the same
+/// batches (rings: a rank sends to one kind of peer and receives from the other). The worker
+/// runs the latter on one thread kept for them, started once, not one per call; exact.
+#[test]
+fn cuda_mode_direct_and_cross_host_sends_in_one_batch() {
+    let o = cuda_job().procs(3).proc_env(0, "NCCL_HOSTID", "host-a").proc_env(1, "NCCL_HOSTID", "host-a")
+        .proc_env(2, "NCCL_HOSTID", "host-b").arg("--only").arg("P2P").env("NCCL_DEBUG", "INFO")
+        .env("NCCL_DEBUG_SUBSYS", "INIT,P2P").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate().take(2) {
+        assert!(p.log.contains(&format!("rank {i} -> rank 2 via Socket")), "process {i}: not over TCP:\n{}", p.log);
+        let kept = p.log.matches("run beside direct ones, on a thread kept for them").count();
+        assert_eq!(kept, 1, "process {i}: staging threads started {kept} times:\n{}", p.log);
+    }
+}
+
 /// A driver whose compiler refuses the PTX's sm_70 target (as CUDA 13's toolkit compilers
 /// dropped Volta) loads the same kernels compiled for the newest target the GPU runs (the
 /// stand-in's is 9.0), and collectives go direct as usual; one that refuses that target too
@@ -1261,6 +1278,19 @@ fn perf_tool_runs_and_checks_device_buffers() {
         // And the device's own copy bandwidth at each size, measured beside them.
         assert_eq!(text.lines().filter(|l| l.starts_with('#') && l.contains("device-to-device copy")).count(), 4,
                    "{op}: expected the device copy bandwidth for 4 sizes:\n{text}");
+    }
+    // `--hosts 2`: of 3 processes, the first two on one host, the third on another (sockets).
+    let mut cmd = std::process::Command::new(&perf);
+    cmd.args(["sendrecv", "-np", "3", "--hosts", "2", "--device", "1", "-b", "8", "-e", "1M", "-f", "32", "-n", "2"]);
+    if std::env::var_os("NCCL_TEST_REAL_DRIVER").is_none() {
+        cmd.env("LD_LIBRARY_PATH", cuda_stub_dir());
+    }
+    let out = cmd.env_remove("NCCL_COMM_ID").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT").output()
+        .expect("run nccl-rs-perf");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("Out of bounds values : 0 OK"), "--hosts 2:\n{text}");
+    for (from, to, via) in [(0, 1, "Shm"), (1, 2, "Socket"), (2, 0, "Socket")] {
+        assert!(text.contains(&format!("rank {from} -> rank {to} via {via}")), "--hosts 2: {from} -> {to}:\n{text}");
     }
 }
 

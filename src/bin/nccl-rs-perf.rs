@@ -104,8 +104,15 @@ fn fork_ranks(o: &Opts, args: &[String]) -> ExitCode {
     };
     let comm_id = std::env::var("NCCL_COMM_ID").unwrap_or_else(|_| format!("127.0.0.1:{}", free_port()));
     let children: Vec<_> = (0..o.np)
-        .map(|p| Command::new(&exe).args(args).env("NCCL_RS_PERF_PROC", p.to_string())
-             .env("NCCL_RS_PERF_NPROCS", o.np.to_string()).env("NCCL_COMM_ID", &comm_id).spawn())
+        .map(|p| {
+            let mut c = Command::new(&exe);
+            c.args(args).env("NCCL_RS_PERF_PROC", p.to_string()).env("NCCL_RS_PERF_NPROCS", o.np.to_string())
+                .env("NCCL_COMM_ID", &comm_id);
+            if o.hosts > 0 {
+                c.env("NCCL_HOSTID", format!("nccl-rs-perf-host-{}", p * o.hosts / o.np));
+            }
+            c.spawn()
+        })
         .collect();
     let mut ok = true;
     for c in children {

@@ -8,12 +8,12 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use super::{capture, publish_failure, Batch, Path, Start, Streamed};
 use crate::comm::Comm;
-use crate::device::cuda::Stream;
+use crate::device::cuda::{Context, Stream};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
@@ -25,7 +25,8 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
     let mut direct = Direct::default();
     // Its queries, copies and mappings must not break a graph the application captures.
     crate::device::cuda::relax_capture_mode();
-    let stream = s.ctx.make_current().map(|()| stream);
+    // (Shared with the thread that stages beside direct operations: `Staging::helper`.)
+    let stream = s.ctx.make_current().map(|()| Arc::new(stream));
     loop {
         let next = {
             let mut st = s.state();
@@ -176,6 +177,56 @@ pub(crate) fn back_off(spins: &mut u32) {
 #[derive(Default)]
 struct Staging {
     plain: Vec<Vec<u8>>,
+    /// The thread that runs a batch's sends and receives through the host transports while
+    /// this one runs its direct ones (either may wait for what a peer does in the other),
+    /// started at the first such batch and kept, with staging of its own, until this goes.
+    helper: Option<Helper>,
+}
+
+/// See [`Staging::helper`]: the worker hands it a batch's staged sends and receives and takes
+/// its result once its own direct ones are done.
+struct Helper {
+    jobs: mpsc::Sender<Vec<Flagged>>,
+    results: mpsc::Receiver<Result<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Helper {
+    fn start(comm: &Arc<Comm>, stream: &Arc<Stream>, ctx: &'static Context) -> Result<Helper> {
+        let (jobs, todo) = mpsc::channel::<Vec<Flagged>>();
+        let (done, results) = mpsc::channel();
+        let rank = comm.rank;
+        let (comm, stream) = (comm.clone(), stream.clone());
+        let thread = std::thread::Builder::new().name(format!("nccl-rs-staged-{rank}")).spawn(move || {
+            crate::debug::set_rank(comm.rank as i32);
+            let current = ctx.make_current();
+            let mut staging = Staging::default();
+            for ops in todo {
+                let run = || run_staged(&comm, &stream, &mut staging, &ops);
+                let result = current.clone().and_then(|()| {
+                    catch_unwind(AssertUnwindSafe(run))
+                        .unwrap_or_else(|_| Err(Error::internal("staged sends and receives panicked")))
+                });
+                if done.send(result).is_err() {
+                    break;
+                }
+            }
+        });
+        let thread = thread.map_err(|e| Error::os("spawn a thread for staged sends and receives", e))?;
+        crate::info!(P2P, "rank {}: sends and receives through the host transports run beside direct ones, on a \
+                           thread kept for them", rank);
+        Ok(Helper { jobs, results, thread: Some(thread) })
+    }
+}
+
+impl Drop for Helper {
+    /// Its channel closed, the thread (idle: the worker waits for every job) ends.
+    fn drop(&mut self) {
+        self.jobs = mpsc::channel().0;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 impl Staging {
@@ -264,7 +315,7 @@ pub(crate) fn wait_for_stream(comm: &Comm, ops: &[Op], late: &str, mut done: imp
 /// (Peers waiting on this rank hear why after a second, from their own watch.)
 const STREAM_LATE: Duration = Duration::from_secs(10);
 
-fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
+fn run_batch(comm: &Arc<Comm>, stream: &Arc<Stream>, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
              batch: &Batch) -> Result<()> {
     comm.ready()?;
     // The wait for the callers' streams, once, as late as possible: a direct operation maps
@@ -371,22 +422,20 @@ fn run_batch(comm: &Arc<Comm>, stream: &Stream, s: &Streamed, staging: &mut Stag
             run_staged(comm, stream, staging, &host)?;
             ipc::run_p2p(comm, stream, direct, s, &direct_ops)
         }
-        (false, false) => std::thread::scope(|scope| {
-            let staged = std::thread::Builder::new().name(format!("nccl-rs-staged-{}", comm.rank))
-                .spawn_scoped(scope, || {
-                    crate::debug::set_rank(comm.rank as i32);
-                    s.ctx.make_current()?;
-                    run_staged(comm, stream, staging, &host)
-                })
-                .map_err(|e| Error::os("spawn a thread for staged sends and receives", e))?;
+        (false, false) => {
+            let helper = match &mut staging.helper {
+                Some(h) => h,
+                None => staging.helper.insert(Helper::start(comm, stream, s.ctx)?),
+            };
+            helper.jobs.send(host).map_err(|_| Error::internal("the staging thread is gone"))?;
             let result = ipc::run_p2p(comm, stream, direct, s, &direct_ops);
             if let Err(e) = &result {
                 // The staged ones may wait for peers that now never come.
                 publish_failure(comm, e);
             }
-            let staged = staged.join().unwrap_or_else(|_| Err(Error::internal("staged sends and receives panicked")));
+            let staged = helper.results.recv().unwrap_or_else(|_| Err(Error::internal("the staging thread is gone")));
             result.and(staged)
-        }),
+        }
     }
 }
 

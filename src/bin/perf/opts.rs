@@ -132,6 +132,8 @@ pub struct Opts {
     pub op: RedOp,
     pub root: i32,
     pub bind: bool,
+    /// Processes split into this many simulated hosts (`--hosts`; 0: as the machine says).
+    pub hosts: usize,
     /// CUDA mode: buffers in device memory, each rank on a stream of its own (`--device 1`).
     pub device: bool,
     /// ... of the virtual memory API, as PyTorch's expandable segments allocate it (`--device 2`).
@@ -166,6 +168,9 @@ as the baselines (../shared/scripts/baselines/mpi_allreduce_bench.c):
   -x LIST        extra sizes merged into the sweep (e.g. 64M,256M)
   --min-iters M  sizes over 1 MiB run max(M, N*1MiB/size) iterations, warmup likewise (min 2)
   --bind 0|1     pin process p to the p-th allowed CPU, like mpirun --bind-to core (0)
+  --hosts H      split the -np processes into H hosts as NCCL tells them apart (NCCL_HOSTID
+                 per process, in consecutive runs): pairs across them go through sockets as
+                 between machines (0: the machine's own identity for all)
   --device 0|1|2|3 CUDA mode: buffers on the current device (0), a stream per rank; each timed
                  call ends with cuStreamSynchronize; 2: the buffers in 20 MiB allocations of the
                  virtual memory API, as PyTorch's expandable segments place tensors; 3: the same
@@ -246,6 +251,7 @@ fn defaults() -> Opts {
         op: RedOp { id: 0, name: "sum" },
         root: 0,
         bind: false,
+        hosts: 0,
         device: false,
         vmm: false,
         private: false,
@@ -297,6 +303,7 @@ pub fn parse_args(args: &[String]) -> Result<Opts, String> {
             "-o" => o.op = redop(v).ok_or_else(bad)?,
             "-r" => o.root = v.parse().map_err(|_| bad())?,
             "--bind" => o.bind = num()? != 0,
+            "--hosts" => o.hosts = num()?,
             "--device" => {
                 let d = num()?;
                 if d > 3 {
