@@ -155,6 +155,11 @@ fn check(c: &Case, algo: Option<Algo>, rendezvous: bool) {
                     recv = send.sub(r * count * 4, count * 4);
                     out_in_send[r] = Some(r * count);
                 }
+                // (No in-place form in NCCL; one buffer for both still works.)
+                OpKind::AlltoAll => {
+                    recv = send;
+                    out_in_send[r] = Some(0);
+                }
                 _ => {}
             }
         }

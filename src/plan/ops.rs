@@ -263,6 +263,15 @@ pub fn plan_into(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops:
                 send = scaled;
             }
         }
+        if op.kind == OpKind::AlltoAll && send.overlaps(op.recv) {
+            // In place (NCCL defines no such all-to-all, but a caller may pass one buffer):
+            // peers' blocks would land in it before this rank has sent from it, so the blocks
+            // go from a copy.
+            let copy = b.scratch(send.len());
+            let done = b.copy(copy, send, &[]);
+            b.set_fence(done);
+            send = copy;
+        }
         let red = reduction(op.op, op.dt, nranks);
         algo::build(b, rank, nranks, op, send, red, algo);
     }

@@ -271,8 +271,9 @@ pub(super) fn stage_buffers(o: &StreamOp, take: impl FnMut(usize) -> Region) -> 
 }
 
 /// How `op` is in place, if it is and its plans run it in place (the kinds `algo::sim` checks
-/// in place; an all-to-all has no in-place form in NCCL, and its plan needs both buffers):
-/// the input inside the output (true) or the output inside the input, at that offset.
+/// in place; an all-to-all has no in-place form in NCCL, and its plan reads one buffer given
+/// for both from a copy): the input inside the output (true) or the output inside the input,
+/// at that offset.
 fn in_place(op: &Op) -> Option<(bool, usize)> {
     use crate::plan::OpKind::*;
     if !matches!(op.kind, AllReduce | Broadcast | Reduce | AllGather | ReduceScatter | Gather | Scatter) {
