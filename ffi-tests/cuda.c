@@ -2121,9 +2121,11 @@ static int fault(void) {
 
 /* Ranks 0 and 1 group a large all-reduce with a send/receive between them; the others issue
  * the all-reduce alone. Every rank must still take the same path for the all-reduce. */
-static void group_mix(void) {
-  test_step("group-mix");
-  if (g_env.nranks < 3) return;
+/* Round 1 issues the sends and receives first: their steps on the stream must still come
+ * after the all-reduce's, in the order the worker opens them (it runs a group's collectives
+ * first); queued in issue order, the stream waited at the receive's gate while the worker
+ * waited for the all-reduce's flag. */
+static void group_mix_round(int round) {
   const size_t count = 100000, pc = 70000;
   CUdeviceptr d[MAX_LOCAL], ps[MAX_LOCAL], pr[MAX_LOCAL];
   float* h[MAX_LOCAL];
@@ -2140,11 +2142,14 @@ static void group_mix(void) {
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) {
     int rank = g_env.first_rank + l;
-    CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
+    if (round == 0)
+      CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
     if (rank < 2) {
       CHECK(ncclSend((void*)(uintptr_t)ps[l], pc, ncclFloat32, 1 - rank, g_comms[l], g_streams[l]));
       CHECK(ncclRecv((void*)(uintptr_t)pr[l], pc, ncclFloat32, 1 - rank, g_comms[l], g_streams[l]));
     }
+    if (round == 1)
+      CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
   }
   CHECK(ncclGroupEnd());
   for (int l = 0; l < g_env.local; l++) {
@@ -2153,7 +2158,7 @@ static void group_mix(void) {
     CU(cu.StreamSynchronize(g_streams[l]));
     size_t bad = 0;
     for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, 0, j, 21);
-    EXPECT(bad == 0, "all-reduce grouped with p2p on some ranks, rank %d: %zu wrong values", rank, bad);
+    EXPECT(bad == 0, "all-reduce grouped with p2p on some ranks (round %d), rank %d: %zu wrong values", round, rank, bad);
     if (rank < 2) {
       CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], pr[l], pc * sizeof(float), g_streams[l]));
       CU(cu.StreamSynchronize(g_streams[l]));
@@ -2166,6 +2171,13 @@ static void group_mix(void) {
     dev_free(pr[l]);
     CU(cu.MemFreeHost(h[l]));
   }
+}
+
+static void group_mix(void) {
+  test_step("group-mix");
+  if (g_env.nranks < 3) return;
+  group_mix_round(0);
+  group_mix_round(1);
 }
 
 /* More direct all-reduces queued ahead of their stream than a communicator has slots for the
@@ -3469,6 +3481,299 @@ static void host_blind(void) {
   dev_free(d);
 }
 
+/* ---- Soak: a seeded random sequence of calls, issued back to back ----------------------------
+ * CUDA_TEST_SEED (1 unless set) seeds a generator every process runs alike, so every rank
+ * issues the same calls. Each rank has SOAK_BUFS uint32 buffers of SOAK_CAP elements, the last
+ * in pinned host memory, the others device memory (CUDA_TEST_VMM: of the virtual memory API),
+ * and two streams. Every process models all ranks' buffers on the host (uint32 arithmetic
+ * wraps alike there and on the device) and compares its own ranks' buffers with the model,
+ * every value, after every SOAK_EVERY calls. The calls: all-reduce, reduce, broadcast,
+ * all-gather, reduce-scatter, all-to-all (sum, prod, max or min), in place or not; sends and
+ * receives around the ring by a random shift (0: to itself), in place or not; some steps two
+ * calls in one group, on disjoint buffers, each on either stream. Counts from 1 element to the
+ * buffer's size, log-uniform, so that small ones are staged and large ones go direct or
+ * through the device scratch. Nothing is synchronised between calls: a stream that switches
+ * waits for the other one with an event, as an application does. A reduce's or broadcast's
+ * non-root output and the rest of every buffer must stay as they were. */
+#define SOAK_BUFS 5
+#define SOAK_CAP ((size_t)1 << 18)
+#define SOAK_EVERY 12
+enum { S_ALLREDUCE, S_REDUCE, S_BCAST, S_ALLGATHER, S_REDUCESCATTER, S_ALLTOALL, S_SENDRECV, S_KINDS };
+static const char* const SOAK_NAME[S_KINDS] = {"AllReduce", "Reduce", "Broadcast", "AllGather", "ReduceScatter",
+                                              "AlltoAll", "SendRecv"};
+typedef struct {
+  int kind, red, in_place, a, b, root, shift, stream;
+  size_t count;
+} soak_op;
+
+static uint64_t g_soak_rng;
+static uint32_t soak_next(void) {
+  g_soak_rng ^= g_soak_rng >> 12;
+  g_soak_rng ^= g_soak_rng << 25;
+  g_soak_rng ^= g_soak_rng >> 27;
+  return (uint32_t)((g_soak_rng * 2685821657736338717ull) >> 32);
+}
+
+static uint32_t soak_reduce(int red, uint32_t x, uint32_t y) {
+  switch (red) {
+    case ncclSum: return x + y;
+    case ncclProd: return x * y;
+    case ncclMax: return x > y ? x : y;
+    default: return x < y ? x : y;
+  }
+}
+
+/* A random call on buffers `a` and `b` (the same one in place). */
+static soak_op soak_pick(int n, int a, int b) {
+  soak_op o;
+  memset(&o, 0, sizeof o);
+  o.kind = (int)(soak_next() % S_KINDS);
+  o.red = (int)(soak_next() % 4);
+  o.in_place = a == b;
+  o.a = a;
+  o.b = b;
+  o.root = (int)(soak_next() % (unsigned)n);
+  o.shift = (int)(soak_next() % (unsigned)n);
+  o.stream = (int)(soak_next() % 2);
+  int wide = o.kind == S_ALLGATHER || o.kind == S_REDUCESCATTER || o.kind == S_ALLTOALL;
+  size_t most = wide ? SOAK_CAP / (size_t)n : SOAK_CAP;
+  size_t c = 1 + soak_next() % ((size_t)1 << (soak_next() % 19));
+  o.count = c < most ? c : most;
+  return o;
+}
+
+static void soak_describe(const soak_op* o, char* out, size_t len) {
+  snprintf(out, len, "%s%s count %zu, buffers %d->%d, op %d, root %d, shift %d, stream %d", SOAK_NAME[o->kind],
+           o->in_place ? " in place" : "", o->count, o->a, o->b, o->red, o->root, o->shift, o->stream);
+}
+
+/* The model: every rank's buffers, flat. */
+static uint32_t* g_soak_model;
+static size_t soak_at(int r, int b, size_t j) { return ((size_t)r * SOAK_BUFS + (size_t)b) * SOAK_CAP + j; }
+
+/* What `o` does to every rank's buffers, in the model (`tmp`: n * SOAK_CAP scratch). */
+static void soak_apply(const soak_op* o, int n, uint32_t* tmp) {
+  uint32_t* m = g_soak_model;
+  const size_t c = o->count;
+  switch (o->kind) {
+    case S_ALLREDUCE:
+    case S_REDUCE:
+      for (size_t j = 0; j < c; j++) {
+        uint32_t v = m[soak_at(0, o->a, j)];
+        for (int r = 1; r < n; r++) v = soak_reduce(o->red, v, m[soak_at(r, o->a, j)]);
+        tmp[j] = v;
+      }
+      for (int r = 0; r < n; r++)
+        if (o->kind == S_ALLREDUCE || r == o->root) memcpy(&m[soak_at(r, o->b, 0)], tmp, c * 4);
+      break;
+    case S_BCAST:
+      memcpy(tmp, &m[soak_at(o->root, o->a, 0)], c * 4);
+      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], tmp, c * 4);
+      break;
+    case S_ALLGATHER: /* in place: each rank's input is its block of the output */
+      for (int k = 0; k < n; k++)
+        memcpy(&tmp[(size_t)k * c], &m[o->in_place ? soak_at(k, o->b, (size_t)k * c) : soak_at(k, o->a, 0)], c * 4);
+      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], tmp, (size_t)n * c * 4);
+      break;
+    case S_REDUCESCATTER: /* in place: each rank's output is its block of the input */
+      for (int r = 0; r < n; r++)
+        for (size_t j = 0; j < c; j++) {
+          uint32_t v = m[soak_at(0, o->a, (size_t)r * c + j)];
+          for (int k = 1; k < n; k++) v = soak_reduce(o->red, v, m[soak_at(k, o->a, (size_t)r * c + j)]);
+          tmp[(size_t)r * c + j] = v;
+        }
+      for (int r = 0; r < n; r++)
+        memcpy(&m[soak_at(r, o->b, o->in_place ? (size_t)r * c : 0)], &tmp[(size_t)r * c], c * 4);
+      break;
+    case S_ALLTOALL: {
+      /* Block k of rank r's output is block r of rank k's input; one rank's output at a time
+       * (in place, the inputs are read from a copy). */
+      uint32_t* in = malloc((size_t)n * n * c * 4);
+      if (!in) exit(1);
+      for (int k = 0; k < n; k++) memcpy(&in[(size_t)k * n * c], &m[soak_at(k, o->a, 0)], (size_t)n * c * 4);
+      for (int r = 0; r < n; r++)
+        for (int k = 0; k < n; k++)
+          memcpy(&m[soak_at(r, o->b, (size_t)k * c)], &in[(size_t)k * n * c + (size_t)r * c], c * 4);
+      free(in);
+      break;
+    }
+    case S_SENDRECV:
+      for (int r = 0; r < n; r++) memcpy(&tmp[(size_t)r * c], &m[soak_at((r + n - o->shift) % n, o->a, 0)], c * 4);
+      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], &tmp[(size_t)r * c], c * 4);
+      break;
+  }
+}
+
+typedef struct {
+  CUdeviceptr buf[MAX_LOCAL][SOAK_BUFS];
+  CUstream st[MAX_LOCAL][2];
+  void* ev[MAX_LOCAL][2];
+  int used[MAX_LOCAL][2]; /* work queued on the stream since the other one last waited for it */
+} soak_state;
+
+/* Stream `s` of local rank `l`, after whatever the other stream of the rank holds. */
+static CUstream soak_stream(soak_state* S, int l, int s) {
+  int t = 1 - s;
+  if (S->used[l][t]) {
+    CU(cu.EventRecord(S->ev[l][t], S->st[l][t]));
+    CU(cu.StreamWaitEvent(S->st[l][s], S->ev[l][t], 0));
+    S->used[l][t] = 0;
+  }
+  S->used[l][s] = 1;
+  return S->st[l][s];
+}
+
+static void soak_issue(soak_state* S, const soak_op* o, int l) {
+  const int n = g_env.nranks, r = g_env.first_rank + l;
+  const size_t c = o->count;
+  CUdeviceptr A = S->buf[l][o->a], B = S->buf[l][o->b];
+  CUstream st = S->st[l][o->stream]; /* (ordered after the other stream: `soak`) */
+  ncclComm_t comm = g_comms[l];
+  void* a = (void*)(uintptr_t)A;
+  void* b = (void*)(uintptr_t)B;
+  ncclRedOp_t red = (ncclRedOp_t)o->red;
+  switch (o->kind) {
+    case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, ncclUint32, red, comm, st)); break;
+    case S_REDUCE: CHECK(ncclReduce(a, b, c, ncclUint32, red, o->root, comm, st)); break;
+    case S_BCAST: CHECK(ncclBroadcast(a, b, c, ncclUint32, o->root, comm, st)); break;
+    case S_ALLGATHER:
+      CHECK(ncclAllGather(o->in_place ? (void*)(uintptr_t)(B + (CUdeviceptr)r * c * 4) : a, b, c, ncclUint32, comm, st));
+      break;
+    case S_REDUCESCATTER:
+      CHECK(ncclReduceScatter(a, o->in_place ? (void*)(uintptr_t)(A + (CUdeviceptr)r * c * 4) : b, c, ncclUint32, red,
+                              comm, st));
+      break;
+    case S_ALLTOALL: CHECK(ncclAlltoAll(a, b, c, ncclUint32, comm, st)); break;
+    case S_SENDRECV:
+      CHECK(ncclGroupStart());
+      CHECK(ncclSend(a, c, ncclUint32, (r + o->shift) % n, comm, st));
+      CHECK(ncclRecv(b, c, ncclUint32, (r + n - o->shift) % n, comm, st));
+      CHECK(ncclGroupEnd());
+      break;
+  }
+}
+
+/* Compares every buffer of this process's ranks with the model; 0 if any differs. */
+static int soak_compare(soak_state* S, uint32_t* host, int first, int last, char (*said)[160]) {
+  int ok = 1;
+  for (int l = 0; l < g_env.local; l++) {
+    int r = g_env.first_rank + l;
+    CUstream st = soak_stream(S, l, 0);
+    for (int b = 0; b < SOAK_BUFS && ok; b++) {
+      const uint32_t* got = (const uint32_t*)(uintptr_t)S->buf[l][b];
+      if (b < SOAK_BUFS - 1) {
+        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)host, S->buf[l][b], SOAK_CAP * 4, st));
+        got = host;
+      }
+      CU(cu.StreamSynchronize(st));
+      size_t bad = 0, at = 0;
+      for (size_t j = 0; j < SOAK_CAP; j++)
+        if (got[j] != g_soak_model[soak_at(r, b, j)] && bad++ == 0) at = j;
+      if (bad) {
+        EXPECT(0, "soak (CUDA_TEST_SEED=%s), calls %d-%d: rank %d buffer %d: %zu wrong values, first at %zu: %u, expected %u",
+               getenv("CUDA_TEST_SEED") ? getenv("CUDA_TEST_SEED") : "1", first, last, r, b, bad, at, got[at],
+               g_soak_model[soak_at(r, b, at)]);
+        for (int k = first; k <= last; k++) tlog("soak call %d: %s", k, said[k - first]);
+        ok = 0;
+      }
+    }
+  }
+  return ok;
+}
+
+static void soak(void) {
+  test_step("soak");
+  const int n = g_env.nranks;
+  const char* seed = getenv("CUDA_TEST_SEED");
+  const char* steps_env = getenv("CUDA_TEST_SOAK_STEPS");
+  const int steps = steps_env && *steps_env ? atoi(steps_env) : 48;
+  const char* every_env = getenv("CUDA_TEST_SOAK_EVERY"); /* (to find the call that went wrong) */
+  const int every = every_env && atoi(every_env) > 0 && atoi(every_env) <= SOAK_EVERY ? atoi(every_env) : SOAK_EVERY;
+  g_soak_rng = 0x9E3779B97F4A7C15ull ^ (uint64_t)(seed && *seed ? atoll(seed) : 1);
+  g_soak_model = malloc((size_t)n * SOAK_BUFS * SOAK_CAP * 4);
+  uint32_t* tmp = malloc((size_t)n * SOAK_CAP * 4);
+  uint32_t* host = host_alloc(SOAK_CAP * 4);
+  if (!g_soak_model || !tmp) exit(1);
+  for (int r = 0; r < n; r++)
+    for (int b = 0; b < SOAK_BUFS; b++)
+      for (size_t j = 0; j < SOAK_CAP; j++) {
+        uint32_t v = (uint32_t)(r * 2654435761u) ^ (uint32_t)(b * 40503u) ^ (uint32_t)(j * 2246822519u);
+        g_soak_model[soak_at(r, b, j)] = v ^ (v >> 15) ^ (uint32_t)g_soak_rng;
+      }
+  soak_state S;
+  memset(&S, 0, sizeof S);
+  for (int l = 0; l < g_env.local; l++) {
+    int r = g_env.first_rank + l;
+    for (int s = 0; s < 2; s++) {
+      CU(cu.EventCreate(&S.ev[l][s], CU_EVENT_DISABLE_TIMING));
+      if (s == 0) S.st[l][s] = g_streams[l];
+      else CU(cu.StreamCreate(&S.st[l][s], CU_STREAM_NON_BLOCKING));
+    }
+    for (int b = 0; b < SOAK_BUFS; b++) {
+      S.buf[l][b] = b < SOAK_BUFS - 1 ? dev_alloc(SOAK_CAP * 4) : (CUdeviceptr)(uintptr_t)host_alloc(SOAK_CAP * 4);
+      if (b < SOAK_BUFS - 1) {
+        memcpy(host, &g_soak_model[soak_at(r, b, 0)], SOAK_CAP * 4);
+        CU(cu.MemcpyAsync(S.buf[l][b], (CUdeviceptr)(uintptr_t)host, SOAK_CAP * 4, S.st[l][0]));
+        CU(cu.StreamSynchronize(S.st[l][0]));
+      } else {
+        memcpy((void*)(uintptr_t)S.buf[l][b], &g_soak_model[soak_at(r, b, 0)], SOAK_CAP * 4);
+      }
+    }
+    S.used[l][0] = 1;
+  }
+  char said[SOAK_EVERY * 2][160];
+  int first = 0, call = 0, ok = 1;
+  for (int step = 0; step < steps && ok; step++) {
+    /* One call, or two in a group on disjoint buffers: a shuffle of the buffers. */
+    int perm[SOAK_BUFS];
+    for (int k = 0; k < SOAK_BUFS; k++) perm[k] = k;
+    for (int k = SOAK_BUFS - 1; k > 0; k--) {
+      int j = (int)(soak_next() % (unsigned)(k + 1)), t = perm[k];
+      perm[k] = perm[j];
+      perm[j] = t;
+    }
+    int pair = soak_next() % 4 == 0;
+    soak_op ops[2];
+    ops[0] = soak_pick(n, perm[0], soak_next() % 3 == 0 ? perm[0] : perm[1]);
+    if (pair) ops[1] = soak_pick(n, perm[2], soak_next() % 3 == 0 ? perm[2] : perm[3]);
+    /* Each stream a call uses waits for the other's work first (an event recorded inside the
+     * group would not cover the group's calls), and the other waits for it before its next. */
+    for (int l = 0; l < g_env.local; l++)
+      for (int k = 0; k <= pair; k++) soak_stream(&S, l, ops[k].stream);
+    CHECK(ncclGroupStart());
+    for (int k = 0; k <= pair; k++)
+      for (int l = 0; l < g_env.local; l++) soak_issue(&S, &ops[k], l);
+    CHECK(ncclGroupEnd());
+    for (int l = 0; l < g_env.local; l++)
+      for (int k = 0; k <= pair; k++) S.used[l][ops[k].stream] = 1;
+    for (int k = 0; k <= pair; k++) {
+      soak_apply(&ops[k], n, tmp);
+      soak_describe(&ops[k], said[call - first], sizeof said[0]);
+      if (getenv("CUDA_TEST_SOAK_TRACE")) tlog("soak call %d issued: %s", call, said[call - first]);
+      if (k == 1) strncat(said[call - first], " (grouped with the call before)", sizeof said[0] - strlen(said[call - first]) - 1);
+      call++;
+    }
+    if (call - first >= every || step == steps - 1) {
+      ok = soak_compare(&S, host, first, call - 1, said);
+      first = call;
+    }
+  }
+  expect_no_async_error("soak");
+  if (ok) tlog("Soak: %d calls checked against the model", call);
+  for (int l = 0; l < g_env.local; l++) {
+    for (int s = 0; s < 2; s++) CU(cu.StreamSynchronize(S.st[l][s]));
+    for (int b = 0; b < SOAK_BUFS; b++) {
+      if (b < SOAK_BUFS - 1) dev_free(S.buf[l][b]);
+      else CU(cu.MemFreeHost((void*)(uintptr_t)S.buf[l][b]));
+    }
+    CU(cu.StreamDestroy(S.st[l][1]));
+    for (int s = 0; s < 2; s++) CU(cu.EventDestroy(S.ev[l][s]));
+  }
+  CU(cu.MemFreeHost(host));
+  free(tmp);
+  free(g_soak_model);
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   load_driver();
@@ -3535,6 +3840,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "DroppedGroup")) dropped_group();
   if (g_env.only && !strcasecmp(g_env.only, "Ahead")) ahead();
   if (g_env.only && !strcasecmp(g_env.only, "CheckPointers")) check_pointers();
+  if (wanted("Soak")) soak();
   for (int l = 0; l < g_env.local; l++) CU(cu.StreamDestroy(g_streams[l]));
   destroy_comms(g_comms);
   return test_finish();

@@ -482,7 +482,10 @@ fn cuda_mode_ranks_set_up_differently_agree() {
 }
 
 /// Three processes: two group a large all-reduce with a send/receive between them, the third
-/// issues the all-reduce alone; all must take the same path for it.
+/// issues the all-reduce alone; all must take the same path for it. Then with the send and
+/// receive issued before the all-reduce in the group: their steps on the stream still come
+/// after the all-reduce's (before, the stream waited at the receive's gate while the worker
+/// waited for the all-reduce: a hang, found by part Soak).
 #[test]
 fn cuda_mode_3_processes_group_mix() {
     cuda_job().procs(3).arg("--only").arg("GroupMix").run();
@@ -603,6 +606,41 @@ fn cuda_mode_ranks_on_two_hosts_stage_through_sockets() {
         let peer = 1 - i;
         assert!(p.log.contains(&format!("rank {i} -> rank {peer} via Socket")), "process {i}: not over TCP:\n{}", p.log);
         assert!(!p.log.contains("are read directly"), "process {i} read a peer on another host directly:\n{}", p.log);
+    }
+}
+
+/// Part Soak: a seeded random sequence of calls (every collective, sends and receives around
+/// the ring, in place or not, some two to a group, on two streams per rank ordered by events,
+/// counts from 1 element to 1 MiB), issued back to back with nothing synchronised between
+/// them, every buffer of every rank compared with a host model of all ranks after every 12
+/// calls (ffi-tests/cuda.c says more). As 2 processes, 2 processes of 2 ranks (ranks of one
+/// process too), 3 processes with buffers of the virtual memory API, and 3 processes staging
+/// everything (NCCL_P2P_DISABLE=1); a different seed each. (To hunt with more:
+/// `NCCL_TEST_SOAK_SEEDS=1-50`, each job with each seed; `CUDA_TEST_SOAK_EVERY=1` compares
+/// after every call, to name the one that went wrong.)
+#[test]
+fn cuda_mode_random_call_sequences_match_a_host_model() {
+    let jobs = [("2 processes", 1), ("2 processes x 2 ranks", 2), ("3 processes, virtual memory API", 3),
+                ("3 processes, staged", 4)];
+    let hunt = std::env::var("NCCL_TEST_SOAK_SEEDS").ok().and_then(|v| {
+        let (a, b) = v.split_once('-')?;
+        Some(a.parse::<u32>().ok()?..=b.parse::<u32>().ok()?)
+    });
+    for (what, seed) in jobs {
+        for seed in hunt.clone().unwrap_or(seed..=seed) {
+            let job = match what {
+                "2 processes" => cuda_job().procs(2),
+                "2 processes x 2 ranks" => cuda_job().procs(2).local(2),
+                "3 processes, virtual memory API" => cuda_job().procs(3).env("CUDA_TEST_VMM", "1"),
+                _ => cuda_job().procs(3).env("NCCL_P2P_DISABLE", "1"),
+            };
+            let o = job.arg("--only").arg("Soak").env("CUDA_TEST_SEED", &seed.to_string()).run_outcome();
+            assert!(o.ok(), "{what} (CUDA_TEST_SEED={seed}): {}", o.report);
+            for (i, p) in o.procs.iter().enumerate() {
+                assert!(p.log.contains("calls checked against the model"), "{what}, process {i}: the soak did not run \
+                                                                          whole:\n{}", p.log);
+            }
+        }
     }
 }
 
@@ -1088,9 +1126,12 @@ fn cuda_mode_one_hardware_queue() {
             }
         }
     }
+    // (Part Soak is left out with the direct path: its reduce into pinned memory on the root
+    // is the operation in which the ranks learn that such reduces never go direct, which the
+    // others then stage on the worker's stream: a known limit, README.)
     for gate in ["memop", "kernel"] {
         for job in [cuda_job().procs(2), cuda_job().local(2).arg("--quick")] {
-            let skip = if gate == "memop" { "RmaPageable" } else { "" };
+            let skip = if gate == "memop" { "RmaPageable,Soak" } else { "Soak" };
             let o = one_queue(job).env("NCCL_RS_HOST_WAIT", "0").env("NCCL_RS_STREAM_GATE", gate)
                 .env("CUDA_TEST_SKIP", skip).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P").run_outcome();
             assert!(o.ok(), "{gate} gate, one hardware queue, direct on the callers' streams: {}", o.report);

@@ -84,8 +84,15 @@ impl Prepared {
             };
             Some(OnStream { ticket, shape })
         }).collect();
-        for (i, d) in self.direct.iter().enumerate() {
-            let Some(d) = d else { continue };
+        // In the order the worker opens their gates: the collectives, in issue order, then the
+        // sends and receives (`worker::run_batch`). A receive's step queued ahead of a
+        // collective's on the same stream would hold that stream at a gate the worker opens
+        // only after the collective's, whose flag it waits for.
+        let p2p_last = |i: &usize| self.ops.get(*i).is_some_and(|o| o.kind.is_p2p());
+        let mut order: Vec<usize> = (0..self.direct.len()).collect();
+        order.sort_by_key(p2p_last);
+        for i in order {
+            let Some(d) = &self.direct[i] else { continue };
             let mut first = 0;
             for (k, phase) in d.shape.iter().enumerate() {
                 let value = d.ticket.step_value(k + 1);

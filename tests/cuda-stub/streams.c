@@ -116,7 +116,17 @@ static void run(struct op *op) {
       /* The writer may be the host, another stream or another process: poll, as the GPU does. */
       struct timespec pause = {0, 20000};
       const uint32_t *word = dev_view((uintptr_t)op->word);
-      while (!value_ready(__atomic_load_n(word, __ATOMIC_ACQUIRE), op->value, op->cond)) nanosleep(&pause, NULL);
+      /* (Said once after 10 s: which word a hung stream waits on, for what, and what it holds.) */
+      struct timespec t0;
+      clock_gettime(CLOCK_MONOTONIC, &t0);
+      int said = 0;
+      for (long polls = 1; !value_ready(__atomic_load_n(word, __ATOMIC_ACQUIRE), op->value, op->cond); polls++) {
+        struct timespec t;
+        if (!said && polls % 1024 == 0 && clock_gettime(CLOCK_MONOTONIC, &t) == 0 && t.tv_sec - t0.tv_sec >= 10 && (said = 1))
+          fprintf(stderr, "cuda-stub: a stream has waited 10 s on the word at %p for %u (condition %u); it holds %u\n",
+                  (void *)(uintptr_t)op->word, op->value, op->cond, __atomic_load_n(word, __ATOMIC_ACQUIRE));
+        nanosleep(&pause, NULL);
+      }
       break;
     }
     case OP_WRITE_VALUE: __atomic_store_n((uint32_t *)dev_view((uintptr_t)op->word), op->value, __ATOMIC_SEQ_CST); break;
