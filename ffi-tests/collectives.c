@@ -14,6 +14,7 @@
  * root*count on the root. AlltoAll has no in-place form.
  */
 #include "common.h"
+#include "soak.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -569,6 +570,88 @@ static void large(void) {
   tlog("Large: done in %.2f s", now_s() - t0);
 }
 
+/* Part Soak (soak.h) in host mode: the same seeded random calls on host buffers, every
+ * buffer of this process's ranks compared with the model after every SOAK_EVERY calls.
+ * NCCL_TEST_SEED (1 unless set) seeds it; NCCL_TEST_SOAK_STEPS (40, 16 with --quick) says how
+ * many steps. */
+static void soak(void) {
+  if (!wanted("Soak")) return;
+  test_step("soak");
+  const int n = g_env.nranks;
+  const char* seed = getenv("NCCL_TEST_SEED");
+  const char* steps_env = getenv("NCCL_TEST_SOAK_STEPS");
+  const int steps = steps_env && *steps_env ? atoi(steps_env) : g_env.quick ? 16 : 40;
+  soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
+  uint32_t* tmp = malloc((size_t)n * SOAK_CAP * 4);
+  uint32_t* buf[MAX_LOCAL][SOAK_BUFS];
+  if (!tmp) exit(1);
+  for (int l = 0; l < g_env.local; l++)
+    for (int b = 0; b < SOAK_BUFS; b++) {
+      buf[l][b] = malloc(SOAK_CAP * 4);
+      if (!buf[l][b]) exit(1);
+      memcpy(buf[l][b], &g_soak_model[soak_at(g_env.first_rank + l, b, 0)], SOAK_CAP * 4);
+    }
+  char said[SOAK_EVERY * 2][160];
+  int first = 0, call = 0, ok = 1;
+  for (int step = 0; step < steps && ok; step++) {
+    soak_op ops[2];
+    const int calls = soak_step(n, ops);
+    CHECK(ncclGroupStart());
+    for (int k = 0; k < calls; k++)
+      for (int l = 0; l < g_env.local; l++) {
+        const soak_op* o = &ops[k];
+        const int r = g_env.first_rank + l;
+        const size_t c = o->count;
+        uint32_t *a = buf[l][o->a], *b = buf[l][o->b];
+        ncclComm_t comm = g_comms[l];
+        ncclRedOp_t red = (ncclRedOp_t)o->red;
+        switch (o->kind) {
+          case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, ncclUint32, red, comm, TEST_STREAM)); break;
+          case S_REDUCE: CHECK(ncclReduce(a, b, c, ncclUint32, red, o->root, comm, TEST_STREAM)); break;
+          case S_BCAST: CHECK(ncclBroadcast(a, b, c, ncclUint32, o->root, comm, TEST_STREAM)); break;
+          case S_ALLGATHER:
+            CHECK(ncclAllGather(o->in_place ? b + (size_t)r * c : a, b, c, ncclUint32, comm, TEST_STREAM));
+            break;
+          case S_REDUCESCATTER:
+            CHECK(ncclReduceScatter(a, o->in_place ? a + (size_t)r * c : b, c, ncclUint32, red, comm, TEST_STREAM));
+            break;
+          case S_ALLTOALL: CHECK(ncclAlltoAll(a, b, c, ncclUint32, comm, TEST_STREAM)); break;
+          case S_SENDRECV:
+            CHECK(ncclSend(a, c, ncclUint32, (r + o->shift) % n, comm, TEST_STREAM));
+            CHECK(ncclRecv(b, c, ncclUint32, (r + n - o->shift) % n, comm, TEST_STREAM));
+            break;
+        }
+      }
+    CHECK(ncclGroupEnd());
+    for (int k = 0; k < calls; k++, call++) {
+      soak_apply(&ops[k], n, tmp);
+      soak_describe(&ops[k], said[call - first], sizeof said[0]);
+    }
+    const char* every = getenv("NCCL_TEST_SOAK_EVERY"); /* (to find the call that went wrong) */
+    if (call - first < (every && atoi(every) > 0 ? atoi(every) : SOAK_EVERY) && step < steps - 1) continue;
+    for (int l = 0; l < g_env.local && ok; l++)
+      for (int b = 0; b < SOAK_BUFS && ok; b++) {
+        const int r = g_env.first_rank + l;
+        size_t bad = 0, at = 0;
+        for (size_t j = 0; j < SOAK_CAP; j++)
+          if (buf[l][b][j] != g_soak_model[soak_at(r, b, j)] && bad++ == 0) at = j;
+        if (bad) {
+          EXPECT(0, "soak (NCCL_TEST_SEED=%s), calls %d-%d: rank %d buffer %d: %zu wrong values, first at %zu: %u, "
+                 "expected %u", seed ? seed : "1", first, call - 1, r, b, bad, at, buf[l][b][at],
+                 g_soak_model[soak_at(r, b, at)]);
+          for (int k = first; k < call; k++) tlog("soak call %d: %s", k, said[k - first]);
+          ok = 0;
+        }
+      }
+    first = call;
+  }
+  if (ok) tlog("Soak: %d calls checked against the model", call);
+  for (int l = 0; l < g_env.local; l++)
+    for (int b = 0; b < SOAK_BUFS; b++) free(buf[l][b]);
+  free(tmp);
+  free(g_soak_model);
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   double t0 = now_s();
@@ -579,6 +662,7 @@ int main(int argc, char** argv) {
   avg_range();
   fused();
   large();
+  soak();
   destroy_comms(g_comms);
   tlog("total %.2f s", now_s() - t0);
   return test_finish();

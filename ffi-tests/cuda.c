@@ -49,6 +49,7 @@
  * only synchronisation the program does.
  */
 #include "common.h"
+#include "soak.h"
 
 #include <dirent.h>
 #include <dlfcn.h>
@@ -3481,129 +3482,14 @@ static void host_blind(void) {
   dev_free(d);
 }
 
-/* ---- Soak: a seeded random sequence of calls, issued back to back ----------------------------
- * CUDA_TEST_SEED (1 unless set) seeds a generator every process runs alike, so every rank
- * issues the same calls. Each rank has SOAK_BUFS uint32 buffers of SOAK_CAP elements, the last
- * in pinned host memory, the others device memory (CUDA_TEST_VMM: of the virtual memory API),
- * and two streams. Every process models all ranks' buffers on the host (uint32 arithmetic
- * wraps alike there and on the device) and compares its own ranks' buffers with the model,
- * every value, after every SOAK_EVERY calls. The calls: all-reduce, reduce, broadcast,
- * all-gather, reduce-scatter, all-to-all (sum, prod, max or min), in place or not; sends and
- * receives around the ring by a random shift (0: to itself), in place or not; some steps two
- * calls in one group, on disjoint buffers, each on either stream. Counts from 1 element to the
- * buffer's size, log-uniform, so that small ones are staged and large ones go direct or
- * through the device scratch. Nothing is synchronised between calls: a stream that switches
- * waits for the other one with an event, as an application does. A reduce's or broadcast's
- * non-root output and the rest of every buffer must stay as they were. */
-#define SOAK_BUFS 5
-#define SOAK_CAP ((size_t)1 << 18)
-#define SOAK_EVERY 12
-enum { S_ALLREDUCE, S_REDUCE, S_BCAST, S_ALLGATHER, S_REDUCESCATTER, S_ALLTOALL, S_SENDRECV, S_KINDS };
-static const char* const SOAK_NAME[S_KINDS] = {"AllReduce", "Reduce", "Broadcast", "AllGather", "ReduceScatter",
-                                              "AlltoAll", "SendRecv"};
-typedef struct {
-  int kind, red, in_place, a, b, root, shift, stream;
-  size_t count;
-} soak_op;
-
-static uint64_t g_soak_rng;
-static uint32_t soak_next(void) {
-  g_soak_rng ^= g_soak_rng >> 12;
-  g_soak_rng ^= g_soak_rng << 25;
-  g_soak_rng ^= g_soak_rng >> 27;
-  return (uint32_t)((g_soak_rng * 2685821657736338717ull) >> 32);
-}
-
-static uint32_t soak_reduce(int red, uint32_t x, uint32_t y) {
-  switch (red) {
-    case ncclSum: return x + y;
-    case ncclProd: return x * y;
-    case ncclMax: return x > y ? x : y;
-    default: return x < y ? x : y;
-  }
-}
-
-/* A random call on buffers `a` and `b` (the same one in place). */
-static soak_op soak_pick(int n, int a, int b) {
-  soak_op o;
-  memset(&o, 0, sizeof o);
-  o.kind = (int)(soak_next() % S_KINDS);
-  o.red = (int)(soak_next() % 4);
-  o.in_place = a == b;
-  o.a = a;
-  o.b = b;
-  o.root = (int)(soak_next() % (unsigned)n);
-  o.shift = (int)(soak_next() % (unsigned)n);
-  o.stream = (int)(soak_next() % 2);
-  int wide = o.kind == S_ALLGATHER || o.kind == S_REDUCESCATTER || o.kind == S_ALLTOALL;
-  size_t most = wide ? SOAK_CAP / (size_t)n : SOAK_CAP;
-  size_t c = 1 + soak_next() % ((size_t)1 << (soak_next() % 19));
-  o.count = c < most ? c : most;
-  return o;
-}
-
-static void soak_describe(const soak_op* o, char* out, size_t len) {
-  snprintf(out, len, "%s%s count %zu, buffers %d->%d, op %d, root %d, shift %d, stream %d", SOAK_NAME[o->kind],
-           o->in_place ? " in place" : "", o->count, o->a, o->b, o->red, o->root, o->shift, o->stream);
-}
-
-/* The model: every rank's buffers, flat. */
-static uint32_t* g_soak_model;
-static size_t soak_at(int r, int b, size_t j) { return ((size_t)r * SOAK_BUFS + (size_t)b) * SOAK_CAP + j; }
-
-/* What `o` does to every rank's buffers, in the model (`tmp`: n * SOAK_CAP scratch). */
-static void soak_apply(const soak_op* o, int n, uint32_t* tmp) {
-  uint32_t* m = g_soak_model;
-  const size_t c = o->count;
-  switch (o->kind) {
-    case S_ALLREDUCE:
-    case S_REDUCE:
-      for (size_t j = 0; j < c; j++) {
-        uint32_t v = m[soak_at(0, o->a, j)];
-        for (int r = 1; r < n; r++) v = soak_reduce(o->red, v, m[soak_at(r, o->a, j)]);
-        tmp[j] = v;
-      }
-      for (int r = 0; r < n; r++)
-        if (o->kind == S_ALLREDUCE || r == o->root) memcpy(&m[soak_at(r, o->b, 0)], tmp, c * 4);
-      break;
-    case S_BCAST:
-      memcpy(tmp, &m[soak_at(o->root, o->a, 0)], c * 4);
-      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], tmp, c * 4);
-      break;
-    case S_ALLGATHER: /* in place: each rank's input is its block of the output */
-      for (int k = 0; k < n; k++)
-        memcpy(&tmp[(size_t)k * c], &m[o->in_place ? soak_at(k, o->b, (size_t)k * c) : soak_at(k, o->a, 0)], c * 4);
-      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], tmp, (size_t)n * c * 4);
-      break;
-    case S_REDUCESCATTER: /* in place: each rank's output is its block of the input */
-      for (int r = 0; r < n; r++)
-        for (size_t j = 0; j < c; j++) {
-          uint32_t v = m[soak_at(0, o->a, (size_t)r * c + j)];
-          for (int k = 1; k < n; k++) v = soak_reduce(o->red, v, m[soak_at(k, o->a, (size_t)r * c + j)]);
-          tmp[(size_t)r * c + j] = v;
-        }
-      for (int r = 0; r < n; r++)
-        memcpy(&m[soak_at(r, o->b, o->in_place ? (size_t)r * c : 0)], &tmp[(size_t)r * c], c * 4);
-      break;
-    case S_ALLTOALL: {
-      /* Block k of rank r's output is block r of rank k's input; one rank's output at a time
-       * (in place, the inputs are read from a copy). */
-      uint32_t* in = malloc((size_t)n * n * c * 4);
-      if (!in) exit(1);
-      for (int k = 0; k < n; k++) memcpy(&in[(size_t)k * n * c], &m[soak_at(k, o->a, 0)], (size_t)n * c * 4);
-      for (int r = 0; r < n; r++)
-        for (int k = 0; k < n; k++)
-          memcpy(&m[soak_at(r, o->b, (size_t)k * c)], &in[(size_t)k * n * c + (size_t)r * c], c * 4);
-      free(in);
-      break;
-    }
-    case S_SENDRECV:
-      for (int r = 0; r < n; r++) memcpy(&tmp[(size_t)r * c], &m[soak_at((r + n - o->shift) % n, o->a, 0)], c * 4);
-      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], &tmp[(size_t)r * c], c * 4);
-      break;
-  }
-}
-
+/* ---- Soak: a seeded random sequence of calls (soak.h), issued back to back ------------------
+ * CUDA_TEST_SEED (1 unless set) seeds it. Each rank's buffers are device memory
+ * (CUDA_TEST_VMM: of the virtual memory API) but the last, in pinned host memory; each call
+ * goes on either of two streams per rank. Nothing is synchronised between calls: a stream
+ * that switches waits for the other one with an event, as an application does. This process
+ * compares its ranks' buffers with the model, every value, after every SOAK_EVERY calls.
+ * Counts are log-uniform, so that small calls are staged and large ones go direct or through
+ * the device scratch. */
 typedef struct {
   CUdeviceptr buf[MAX_LOCAL][SOAK_BUFS];
   CUstream st[MAX_LOCAL][2];
@@ -3689,17 +3575,10 @@ static void soak(void) {
   const int steps = steps_env && *steps_env ? atoi(steps_env) : 48;
   const char* every_env = getenv("CUDA_TEST_SOAK_EVERY"); /* (to find the call that went wrong) */
   const int every = every_env && atoi(every_env) > 0 && atoi(every_env) <= SOAK_EVERY ? atoi(every_env) : SOAK_EVERY;
-  g_soak_rng = 0x9E3779B97F4A7C15ull ^ (uint64_t)(seed && *seed ? atoll(seed) : 1);
-  g_soak_model = malloc((size_t)n * SOAK_BUFS * SOAK_CAP * 4);
+  soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
   uint32_t* tmp = malloc((size_t)n * SOAK_CAP * 4);
   uint32_t* host = host_alloc(SOAK_CAP * 4);
-  if (!g_soak_model || !tmp) exit(1);
-  for (int r = 0; r < n; r++)
-    for (int b = 0; b < SOAK_BUFS; b++)
-      for (size_t j = 0; j < SOAK_CAP; j++) {
-        uint32_t v = (uint32_t)(r * 2654435761u) ^ (uint32_t)(b * 40503u) ^ (uint32_t)(j * 2246822519u);
-        g_soak_model[soak_at(r, b, j)] = v ^ (v >> 15) ^ (uint32_t)g_soak_rng;
-      }
+  if (!tmp) exit(1);
   soak_state S;
   memset(&S, 0, sizeof S);
   for (int l = 0; l < g_env.local; l++) {
@@ -3724,18 +3603,8 @@ static void soak(void) {
   char said[SOAK_EVERY * 2][160];
   int first = 0, call = 0, ok = 1;
   for (int step = 0; step < steps && ok; step++) {
-    /* One call, or two in a group on disjoint buffers: a shuffle of the buffers. */
-    int perm[SOAK_BUFS];
-    for (int k = 0; k < SOAK_BUFS; k++) perm[k] = k;
-    for (int k = SOAK_BUFS - 1; k > 0; k--) {
-      int j = (int)(soak_next() % (unsigned)(k + 1)), t = perm[k];
-      perm[k] = perm[j];
-      perm[j] = t;
-    }
-    int pair = soak_next() % 4 == 0;
     soak_op ops[2];
-    ops[0] = soak_pick(n, perm[0], soak_next() % 3 == 0 ? perm[0] : perm[1]);
-    if (pair) ops[1] = soak_pick(n, perm[2], soak_next() % 3 == 0 ? perm[2] : perm[3]);
+    const int pair = soak_step(n, ops) - 1;
     /* Each stream a call uses waits for the other's work first (an event recorded inside the
      * group would not cover the group's calls), and the other waits for it before its next. */
     for (int l = 0; l < g_env.local; l++)

@@ -1,6 +1,6 @@
 //! Operations as the planner receives them, and the plan of a whole group on one communicator.
 
-use super::{Builder, Reduction};
+use super::{Builder, Reduction, Ref};
 use crate::algo::{self, Algo};
 use crate::device::host::{ElemOp, Region};
 use crate::error::{Error, Result};
@@ -279,18 +279,37 @@ pub fn plan_into(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops:
 }
 
 fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
+    let p2p = || ops.iter().filter(|o| o.kind.is_p2p() && o.count > 0);
+    // A send from a buffer a receive of the group writes (an in-place exchange, as nccl-tests'
+    // sendrecv in place): the receive may land before the peer has what was there. Such sends
+    // go from copies taken first (one after the other), and every receive into one of their
+    // buffers waits for the last copy.
+    let written = |r: Region| p2p().any(|o| o.kind == OpKind::Recv && o.recv.overlaps(r));
+    let mut copies: Vec<Option<Region>> = Vec::new();
+    let mut copied = Ref::NONE;
+    for op in p2p() {
+        let copy = (op.kind == OpKind::Send && written(op.send)).then(|| {
+            b.begin(op.stamp());
+            let copy = b.scratch(op.send.len());
+            copied = b.copy(copy, op.send, &[copied]);
+            copy
+        });
+        copies.push(copy);
+    }
     let mut self_sends = Vec::new();
     let mut self_recvs = Vec::new();
-    for op in ops.iter().filter(|o| o.kind.is_p2p() && o.count > 0) {
+    for (op, copy) in p2p().zip(&copies) {
         b.begin(op.stamp());
+        let send = copy.unwrap_or(op.send);
         match (op.kind, op.root == rank) {
-            (OpKind::Send, true) => self_sends.push(op),
+            (OpKind::Send, true) => self_sends.push((op, send)),
             (OpKind::Recv, true) => self_recvs.push(op),
             (OpKind::Send, false) => {
-                b.send(op.root, op.send, &[]);
+                b.send(op.root, send, &[if copy.is_some() { copied } else { Ref::NONE }]);
             }
             _ => {
-                b.recv(op.root, op.recv, &[]);
+                let overwrites = p2p().any(|o| o.kind == OpKind::Send && o.send.overlaps(op.recv));
+                b.recv(op.root, op.recv, &[if overwrites { copied } else { Ref::NONE }]);
             }
         }
     }
@@ -301,13 +320,13 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
             self_recvs.len()
         )));
     }
-    for (s, r) in self_sends.iter().zip(&self_recvs) {
+    for ((s, send), r) in self_sends.iter().zip(&self_recvs) {
         if s.send.len() != r.recv.len() {
             return Err(Error::invalid_usage(format!(
                 "rank {rank} sends {} bytes to itself but receives {} bytes", s.send.len(), r.recv.len())));
         }
         b.begin(s.stamp());
-        b.copy(r.recv, s.send, &[]);
+        b.copy(r.recv, *send, &[copied]);
     }
     Ok(())
 }
