@@ -584,7 +584,11 @@ static void soak(void) {
   soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
   uint32_t* tmp = malloc((size_t)n * SOAK_CAP * 4);
   uint32_t* buf[MAX_LOCAL][SOAK_BUFS];
+  ncclComm_t split[MAX_LOCAL];
   if (!tmp) exit(1);
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSplit(g_comms[l], 0, g_env.first_rank + l, &split[l], NULL));
+  CHECK(ncclGroupEnd());
   for (int l = 0; l < g_env.local; l++)
     for (int b = 0; b < SOAK_BUFS; b++) {
       buf[l][b] = malloc(SOAK_CAP * 4);
@@ -603,7 +607,7 @@ static void soak(void) {
         const int r = g_env.first_rank + l;
         const size_t c = o->count;
         uint32_t *a = buf[l][o->a], *b = buf[l][o->b];
-        ncclComm_t comm = g_comms[l];
+        ncclComm_t comm = o->comm ? split[l] : g_comms[l];
         ncclRedOp_t red = (ncclRedOp_t)o->red;
         switch (o->kind) {
           case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, ncclUint32, red, comm, TEST_STREAM)); break;
@@ -646,8 +650,10 @@ static void soak(void) {
     first = call;
   }
   if (ok) tlog("Soak: %d calls checked against the model", call);
-  for (int l = 0; l < g_env.local; l++)
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclCommDestroy(split[l]));
     for (int b = 0; b < SOAK_BUFS; b++) free(buf[l][b]);
+  }
   free(tmp);
   free(g_soak_model);
 }

@@ -3491,6 +3491,7 @@ static void host_blind(void) {
  * Counts are log-uniform, so that small calls are staged and large ones go direct or through
  * the device scratch. */
 typedef struct {
+  ncclComm_t split[MAX_LOCAL]; /* the second communicator (soak.h) */
   CUdeviceptr buf[MAX_LOCAL][SOAK_BUFS];
   CUstream st[MAX_LOCAL][2];
   void* ev[MAX_LOCAL][2];
@@ -3514,7 +3515,7 @@ static void soak_issue(soak_state* S, const soak_op* o, int l) {
   const size_t c = o->count;
   CUdeviceptr A = S->buf[l][o->a], B = S->buf[l][o->b];
   CUstream st = S->st[l][o->stream]; /* (ordered after the other stream: `soak`) */
-  ncclComm_t comm = g_comms[l];
+  ncclComm_t comm = o->comm ? S->split[l] : g_comms[l];
   void* a = (void*)(uintptr_t)A;
   void* b = (void*)(uintptr_t)B;
   ncclRedOp_t red = (ncclRedOp_t)o->red;
@@ -3581,6 +3582,9 @@ static void soak(void) {
   if (!tmp) exit(1);
   soak_state S;
   memset(&S, 0, sizeof S);
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSplit(g_comms[l], 0, g_env.first_rank + l, &S.split[l], NULL));
+  CHECK(ncclGroupEnd());
   for (int l = 0; l < g_env.local; l++) {
     int r = g_env.first_rank + l;
     for (int s = 0; s < 2; s++) {
@@ -3636,6 +3640,7 @@ static void soak(void) {
       else CU(cu.MemFreeHost((void*)(uintptr_t)S.buf[l][b]));
     }
     CU(cu.StreamDestroy(S.st[l][1]));
+    CHECK(ncclCommDestroy(S.split[l]));
     for (int s = 0; s < 2; s++) CU(cu.EventDestroy(S.ev[l][s]));
   }
   CU(cu.MemFreeHost(host));

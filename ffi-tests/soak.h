@@ -5,9 +5,10 @@
  * and in the library, so results compare exactly. The calls: all-reduce, reduce, broadcast,
  * all-gather, reduce-scatter, all-to-all (sum, prod, max or min), in place or not; sends and
  * receives around the ring by a random shift (0: to itself), in place or not; some steps two
- * calls in one group, on disjoint buffers. Counts from 1 element to the buffer's size,
- * log-uniform. A reduce's non-root output and the rest of every buffer must stay as they
- * were. Static functions: each program includes it once. */
+ * calls in one group, on disjoint buffers; each call on either of two communicators of the
+ * same ranks (the second split from the first, ranks numbered alike). Counts from 1 element
+ * to the buffer's size, log-uniform. A reduce's non-root output and the rest of every buffer
+ * must stay as they were. Static functions: each program includes it once. */
 #ifndef NCCL_RS_FFI_SOAK_H
 #define NCCL_RS_FFI_SOAK_H
 
@@ -23,7 +24,7 @@ enum { S_ALLREDUCE, S_REDUCE, S_BCAST, S_ALLGATHER, S_REDUCESCATTER, S_ALLTOALL,
 static const char* const SOAK_NAME[S_KINDS] = {"AllReduce", "Reduce", "Broadcast", "AllGather", "ReduceScatter",
                                               "AlltoAll", "SendRecv"};
 typedef struct {
-  int kind, red, in_place, a, b, root, shift, stream;
+  int kind, red, in_place, a, b, root, shift, stream, comm;
   size_t count;
 } soak_op;
 
@@ -56,6 +57,7 @@ static soak_op soak_pick(int n, int a, int b) {
   o.root = (int)(soak_next() % (unsigned)n);
   o.shift = (int)(soak_next() % (unsigned)n);
   o.stream = (int)(soak_next() % 2);
+  o.comm = (int)(soak_next() % 2);
   int wide = o.kind == S_ALLGATHER || o.kind == S_REDUCESCATTER || o.kind == S_ALLTOALL;
   size_t most = wide ? SOAK_CAP / (size_t)n : SOAK_CAP;
   size_t c = 1 + soak_next() % ((size_t)1 << (soak_next() % 19));
@@ -64,8 +66,9 @@ static soak_op soak_pick(int n, int a, int b) {
 }
 
 static void soak_describe(const soak_op* o, char* out, size_t len) {
-  snprintf(out, len, "%s%s count %zu, buffers %d->%d, op %d, root %d, shift %d, stream %d", SOAK_NAME[o->kind],
-           o->in_place ? " in place" : "", o->count, o->a, o->b, o->red, o->root, o->shift, o->stream);
+  snprintf(out, len, "%s%s count %zu, buffers %d->%d, op %d, root %d, shift %d, stream %d, communicator %d",
+           SOAK_NAME[o->kind], o->in_place ? " in place" : "", o->count, o->a, o->b, o->red, o->root, o->shift,
+           o->stream, o->comm);
 }
 
 /* The model: every rank's buffers, flat. */
