@@ -624,6 +624,12 @@ static void soak(void) {
             CHECK(ncclSend(a, c, ncclUint32, (r + o->shift) % n, comm, TEST_STREAM));
             CHECK(ncclRecv(b, c, ncclUint32, (r + n - o->shift) % n, comm, TEST_STREAM));
             break;
+          case S_ALLTOALLV:
+            for (int p = 0; p < n; p++) {
+              CHECK(ncclSend(a + soak_a2av_offset(o, r, p, 1), soak_a2av_count(o, r, p), ncclUint32, p, comm, TEST_STREAM));
+              CHECK(ncclRecv(b + soak_a2av_offset(o, p, r, 0), soak_a2av_count(o, p, r), ncclUint32, p, comm, TEST_STREAM));
+            }
+            break;
         }
       }
     CHECK(ncclGroupEnd());

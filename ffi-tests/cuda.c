@@ -3537,6 +3537,16 @@ static void soak_issue(soak_state* S, const soak_op* o, int l) {
       CHECK(ncclRecv(b, c, ncclUint32, (r + n - o->shift) % n, comm, st));
       CHECK(ncclGroupEnd());
       break;
+    case S_ALLTOALLV:
+      CHECK(ncclGroupStart());
+      for (int p = 0; p < n; p++) {
+        CHECK(ncclSend((void*)(uintptr_t)(A + soak_a2av_offset(o, r, p, 1) * 4), soak_a2av_count(o, r, p), ncclUint32, p,
+                       comm, st));
+        CHECK(ncclRecv((void*)(uintptr_t)(B + soak_a2av_offset(o, p, r, 0) * 4), soak_a2av_count(o, p, r), ncclUint32, p,
+                       comm, st));
+      }
+      CHECK(ncclGroupEnd());
+      break;
   }
 }
 

@@ -20,9 +20,9 @@
 #define SOAK_BUFS 5
 #define SOAK_CAP ((size_t)1 << 18)
 #define SOAK_EVERY 12
-enum { S_ALLREDUCE, S_REDUCE, S_BCAST, S_ALLGATHER, S_REDUCESCATTER, S_ALLTOALL, S_SENDRECV, S_KINDS };
-static const char* const SOAK_NAME[S_KINDS] = {"AllReduce", "Reduce", "Broadcast", "AllGather", "ReduceScatter",
-                                              "AlltoAll", "SendRecv"};
+enum { S_ALLREDUCE, S_REDUCE, S_BCAST, S_ALLGATHER, S_REDUCESCATTER, S_ALLTOALL, S_SENDRECV, S_ALLTOALLV, S_KINDS };
+static const char* const SOAK_NAME[S_KINDS] = {"AllReduce", "Reduce",   "Broadcast", "AllGather", "ReduceScatter",
+                                              "AlltoAll",  "SendRecv", "AlltoAllv"};
 typedef struct {
   int kind, red, in_place, a, b, root, shift, stream, comm;
   size_t count;
@@ -58,11 +58,28 @@ static soak_op soak_pick(int n, int a, int b) {
   o.shift = (int)(soak_next() % (unsigned)n);
   o.stream = (int)(soak_next() % 2);
   o.comm = (int)(soak_next() % 2);
-  int wide = o.kind == S_ALLGATHER || o.kind == S_REDUCESCATTER || o.kind == S_ALLTOALL;
+  int wide = o.kind == S_ALLGATHER || o.kind == S_REDUCESCATTER || o.kind == S_ALLTOALL || o.kind == S_ALLTOALLV;
   size_t most = wide ? SOAK_CAP / (size_t)n : SOAK_CAP;
   size_t c = 1 + soak_next() % ((size_t)1 << (soak_next() % 19));
   o.count = c < most ? c : most;
   return o;
+}
+
+/* An all-to-all as PyTorch issues one with uneven splits (S_ALLTOALLV): in one group, rank s
+ * sends soak_a2av_count(o, s, d) elements to every rank d, itself included, its blocks side by
+ * side from the start of buffer a; rank d receives them side by side, by sender, from the
+ * start of buffer b. Each count is at most o->count, so each side fits n * o->count. */
+static size_t soak_a2av_count(const soak_op* o, int s, int d) {
+  size_t half = o->count / 2;
+  return half + ((size_t)s * 7 + (size_t)d * 3 + (size_t)o->shift) % (o->count - half + 1);
+}
+
+/* Where rank s's block for rank d starts in its input (`send`), or rank d's block from rank s
+ * in its output. */
+static size_t soak_a2av_offset(const soak_op* o, int s, int d, int send) {
+  size_t at = 0;
+  for (int k = 0; k < (send ? d : s); k++) at += send ? soak_a2av_count(o, s, k) : soak_a2av_count(o, k, d);
+  return at;
 }
 
 static void soak_describe(const soak_op* o, char* out, size_t len) {
@@ -118,6 +135,17 @@ static void soak_apply(const soak_op* o, int n, uint32_t* tmp) {
       for (int r = 0; r < n; r++)
         for (int k = 0; k < n; k++)
           memcpy(&m[soak_at(r, o->b, (size_t)k * c)], &in[(size_t)k * n * c + (size_t)r * c], c * 4);
+      free(in);
+      break;
+    }
+    case S_ALLTOALLV: {
+      uint32_t* in = malloc((size_t)n * SOAK_CAP * 4);
+      if (!in) exit(1);
+      for (int k = 0; k < n; k++) memcpy(&in[(size_t)k * SOAK_CAP], &m[soak_at(k, o->a, 0)], SOAK_CAP * 4);
+      for (int d = 0; d < n; d++)
+        for (int k = 0; k < n; k++)
+          memcpy(&m[soak_at(d, o->b, soak_a2av_offset(o, k, d, 0))],
+                 &in[(size_t)k * SOAK_CAP + soak_a2av_offset(o, k, d, 1)], soak_a2av_count(o, k, d) * 4);
       free(in);
       break;
     }
