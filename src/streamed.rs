@@ -60,7 +60,7 @@ use std::thread::JoinHandle;
 
 use crate::comm::Comm;
 use crate::device::cuda::{self, Context, Event, KeepCurrent, Kernels, MappedHost, MemOp, Stream, UserStream, WaitCond};
-use crate::device::host::Region;
+use crate::device::host::{Region, RegionSet};
 use crate::error::{Error, Result};
 use crate::plan::{Op, OpKind};
 use crate::transport::ipc::{self, Routes};
@@ -728,7 +728,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
 /// never do.
 fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
     let off = s.direct_off.load(Ordering::Relaxed);
-    let received = Received::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
+    let received = RegionSet::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
     ops.iter()
         .map(|o| {
             let p2p = o.op.kind.is_p2p();
@@ -780,7 +780,7 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
     if !ops.iter().zip(paths.iter()).any(|(o, p)| declined(o, p)) || scratch_off() {
         return Ok(copied);
     }
-    let received = Received::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
+    let received = RegionSet::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
     s.recycle(s.scratch.lock().unwrap_or_else(|p| p.into_inner()).reclaim());
     for (i, (o, path)) in ops.iter_mut().zip(paths.iter_mut()).enumerate() {
         if !declined(o, path) {
@@ -886,7 +886,7 @@ enum CopyIn {
 /// output, copied out), or None if that does not help. Only buffers the device copies
 /// asynchronously (device, pinned or managed memory; plain host memory is never on the direct
 /// path) are copied. `n`: the communicator's ranks.
-fn copies(op: &Op, n: usize, received: &Received, routes: &Routes) -> Option<(CopyIn, bool)> {
+fn copies(op: &Op, n: usize, received: &RegionSet, routes: &Routes) -> Option<(CopyIn, bool)> {
     let reachable = |r: Region| crate::device::cuda::classify(r.addr()).is_ok_and(|k| k.stream_ordered());
     let unreadable = |r: Region| !r.is_empty() && !ipc::publishable(r, routes) && reachable(r);
     // Peers read an all-reduce's output too: it runs on a copy (in place if its input is one
@@ -927,34 +927,6 @@ fn scale(s: &Streamed, caller: &Stream, op: Op, to: Region, by: Factor) -> Resul
     match by {
         Factor::Value(v) => k.premul(op.dt, to, from, v, caller),
         Factor::At(at) => k.premul_at(op.dt, to, from, at, caller),
-    }
-}
-
-/// The buffers a batch's receives write, to tell whether a send's buffer overlaps one of them
-/// in O(log n) (a group of all-to-all sends and receives holds two per peer).
-pub(super) struct Received {
-    /// Sorted by start, each with the furthest end of it and those before it.
-    starts: Vec<(usize, usize)>,
-}
-
-impl Received {
-    pub(super) fn new(written: impl Iterator<Item = Region>) -> Received {
-        let mut regions: Vec<(usize, usize)> = written.filter(|r| !r.is_empty())
-            .map(|r| (r.addr(), r.addr() + r.len()))
-            .collect();
-        regions.sort_unstable();
-        let mut furthest = 0;
-        for r in &mut regions {
-            furthest = furthest.max(r.1);
-            r.1 = furthest;
-        }
-        Received { starts: regions }
-    }
-
-    pub(super) fn overlaps(&self, r: Region) -> bool {
-        // The receives starting before `r` ends; one of them reaches into it if the furthest does.
-        let before = self.starts.partition_point(|&(start, _)| start < r.addr() + r.len());
-        !r.is_empty() && before > 0 && self.starts[before - 1].1 > r.addr()
     }
 }
 

@@ -2,7 +2,7 @@
 
 use super::{Builder, Reduction, Ref};
 use crate::algo::{self, Algo};
-use crate::device::host::{ElemOp, Region};
+use crate::device::host::{ElemOp, Region, RegionSet};
 use crate::error::{Error, Result};
 use crate::transport::{Stamp, STAMP_BYTES};
 use crate::types::{BuiltinOp, DataType, RedOp, Scalar};
@@ -284,11 +284,12 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
     // sendrecv in place): the receive may land before the peer has what was there. Such sends
     // go from copies taken first (one after the other), and every receive into one of their
     // buffers waits for the last copy.
-    let written = |r: Region| p2p().any(|o| o.kind == OpKind::Recv && o.recv.overlaps(r));
+    let both = p2p().any(|o| o.kind == OpKind::Send) && p2p().any(|o| o.kind == OpKind::Recv);
+    let written = RegionSet::new(p2p().filter(|o| both && o.kind == OpKind::Recv).map(|o| o.recv));
     let mut copies: Vec<Option<Region>> = Vec::new();
     let mut copied = Ref::NONE;
     for op in p2p() {
-        let copy = (op.kind == OpKind::Send && written(op.send)).then(|| {
+        let copy = (op.kind == OpKind::Send && written.overlaps(op.send)).then(|| {
             b.begin(op.stamp());
             let copy = b.scratch(op.send.len());
             copied = b.copy(copy, op.send, &[copied]);
@@ -296,6 +297,7 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
         });
         copies.push(copy);
     }
+    let overwritten = RegionSet::new(p2p().zip(&copies).filter(|(_, c)| c.is_some()).map(|(o, _)| o.send));
     let mut self_sends = Vec::new();
     let mut self_recvs = Vec::new();
     for (op, copy) in p2p().zip(&copies) {
@@ -308,8 +310,7 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
                 b.send(op.root, send, &[if copy.is_some() { copied } else { Ref::NONE }]);
             }
             _ => {
-                let overwrites = p2p().any(|o| o.kind == OpKind::Send && o.send.overlaps(op.recv));
-                b.recv(op.root, op.recv, &[if overwrites { copied } else { Ref::NONE }]);
+                b.recv(op.root, op.recv, &[if overwritten.overlaps(op.recv) { copied } else { Ref::NONE }]);
             }
         }
     }

@@ -467,7 +467,7 @@ fn read_scalar(stream: &Stream, op: &mut Op, pooled: Option<Region>) -> Result<(
 /// is in carves of its pool, which overlap nothing else (a buffer in host memory it left where
 /// it is: `Placement::on_host`). Per operation: the copy of its input, if it took one.
 fn take_overwritten_sends(stream: &Stream, ops: &[Op]) -> Result<Vec<Option<Vec<u8>>>> {
-    let written = super::Received::new(ops.iter().filter(|o| o.kind == OpKind::Recv).map(|o| o.recv));
+    let written = crate::device::host::RegionSet::new(ops.iter().filter(|o| o.kind == OpKind::Recv).map(|o| o.recv));
     let mut taken: Vec<Option<Vec<u8>>> = (0..ops.len()).map(|_| None).collect();
     let mut queued = false;
     for (i, op) in ops.iter().enumerate() {

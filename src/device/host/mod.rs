@@ -196,6 +196,33 @@ pub fn premul(dt: DataType, dst: Region, src: Region, scalar: Scalar) {
 
 pub use reduce::avg_scalar;
 
+/// Regions (a group's receive buffers, say), to tell whether another one overlaps any of them
+/// in O(log n): a group of all-to-all sends and receives holds two per peer.
+pub struct RegionSet {
+    /// Sorted by start, each with the furthest end of it and those before it.
+    starts: Vec<(usize, usize)>,
+}
+
+impl RegionSet {
+    pub fn new(regions: impl Iterator<Item = Region>) -> RegionSet {
+        let mut starts: Vec<(usize, usize)> = regions.filter(|r| !r.is_empty()).map(|r| (r.addr, r.addr + r.len)).collect();
+        starts.sort_unstable();
+        let mut furthest = 0;
+        for r in &mut starts {
+            furthest = furthest.max(r.1);
+            r.1 = furthest;
+        }
+        RegionSet { starts }
+    }
+
+    pub fn overlaps(&self, r: Region) -> bool {
+        // The regions starting before `r` ends; one of them reaches into it if the furthest does.
+        let before = self.starts.partition_point(|&(start, _)| start < r.addr + r.len);
+        !r.is_empty() && before > 0 && self.starts[before - 1].1 > r.addr
+    }
+}
+
+
 /// dst[i] <- dst[i] / divisor (ncclAvg's last step).
 pub fn divide(dt: DataType, dst: Region, divisor: u64) {
     let n = dst.len / dt.size();
@@ -249,6 +276,20 @@ pub fn free(p: *mut c_void) -> Result<()> {
 #[cfg(test)]
 mod copy_tests {
     use super::*;
+
+    /// A region overlaps the set if it shares a byte with any member, however the members lie
+    /// (nested, out of order, touching); empty regions overlap nothing.
+    #[test]
+    fn region_sets_tell_overlaps() {
+        let mut buf = vec![0u8; 100];
+        let all = Region::owned(&mut buf);
+        let set = RegionSet::new([all.sub(60, 10), all.sub(10, 40), all.sub(20, 5), all.sub(0, 0)].into_iter());
+        for (off, len, want) in [(0, 10, false), (0, 11, true), (49, 1, true), (50, 10, false), (55, 6, true),
+                                 (69, 5, true), (70, 30, false), (30, 0, false)] {
+            assert_eq!(set.overlaps(all.sub(off, len)), want, "{off}+{len}");
+        }
+        assert!(!RegionSet::new(std::iter::empty()).overlaps(all));
+    }
 
     /// Large copies take the non-temporal path: every alignment of both ends and lengths that
     /// are not multiples of its 128-byte step land exactly, and nothing outside is touched.
