@@ -600,6 +600,13 @@ static void soak(void) {
   for (int step = 0; step < steps && ok; step++) {
     soak_op ops[2];
     const int calls = soak_step(n, ops);
+    ncclRedOp_t premul[2][MAX_LOCAL];
+    for (int k = 0; k < calls; k++)
+      for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++) {
+        uint32_t scalar = soak_scalar(ops[k].shift, g_env.first_rank + l);
+        CHECK(ncclRedOpCreatePreMulSum(&premul[k][l], &scalar, ncclUint32, ncclScalarHostImmediate,
+                                       ops[k].comm ? split[l] : g_comms[l]));
+      }
     CHECK(ncclGroupStart());
     for (int k = 0; k < calls; k++)
       for (int l = 0; l < g_env.local; l++) {
@@ -608,7 +615,7 @@ static void soak(void) {
         const size_t c = o->count;
         uint32_t *a = buf[l][o->a], *b = buf[l][o->b];
         ncclComm_t comm = o->comm ? split[l] : g_comms[l];
-        ncclRedOp_t red = (ncclRedOp_t)o->red;
+        ncclRedOp_t red = o->red == SOAK_PREMUL ? premul[k][l] : (ncclRedOp_t)o->red;
         switch (o->kind) {
           case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, ncclUint32, red, comm, TEST_STREAM)); break;
           case S_REDUCE: CHECK(ncclReduce(a, b, c, ncclUint32, red, o->root, comm, TEST_STREAM)); break;
@@ -633,6 +640,9 @@ static void soak(void) {
         }
       }
     CHECK(ncclGroupEnd());
+    for (int k = 0; k < calls; k++)
+      for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++)
+        CHECK(ncclRedOpDestroy(premul[k][l], ops[k].comm ? split[l] : g_comms[l]));
     for (int k = 0; k < calls; k++, call++) {
       soak_apply(&ops[k], n, tmp);
       soak_describe(&ops[k], said[call - first], sizeof said[0]);

@@ -3492,6 +3492,11 @@ static void host_blind(void) {
  * the device scratch. */
 typedef struct {
   ncclComm_t split[MAX_LOCAL]; /* the second communicator (soak.h) */
+  /* PreMulSums: the operator of each call of the step, and scalars in device memory (a slot
+   * per call, uploaded in stream order from pinned memory). */
+  ncclRedOp_t premul[2][MAX_LOCAL];
+  CUdeviceptr scalars[MAX_LOCAL];
+  uint32_t* scalars_up[MAX_LOCAL];
   CUdeviceptr buf[MAX_LOCAL][SOAK_BUFS];
   CUstream st[MAX_LOCAL][2];
   void* ev[MAX_LOCAL][2];
@@ -3510,7 +3515,9 @@ static CUstream soak_stream(soak_state* S, int l, int s) {
   return S->st[l][s];
 }
 
-static void soak_issue(soak_state* S, const soak_op* o, int l) {
+#define SOAK_SCALAR_SLOTS 64
+
+static void soak_issue(soak_state* S, const soak_op* o, int k, int l) {
   const int n = g_env.nranks, r = g_env.first_rank + l;
   const size_t c = o->count;
   CUdeviceptr A = S->buf[l][o->a], B = S->buf[l][o->b];
@@ -3518,7 +3525,7 @@ static void soak_issue(soak_state* S, const soak_op* o, int l) {
   ncclComm_t comm = o->comm ? S->split[l] : g_comms[l];
   void* a = (void*)(uintptr_t)A;
   void* b = (void*)(uintptr_t)B;
-  ncclRedOp_t red = (ncclRedOp_t)o->red;
+  ncclRedOp_t red = o->red == SOAK_PREMUL ? S->premul[k][l] : (ncclRedOp_t)o->red;
   switch (o->kind) {
     case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, ncclUint32, red, comm, st)); break;
     case S_REDUCE: CHECK(ncclReduce(a, b, c, ncclUint32, red, o->root, comm, st)); break;
@@ -3602,6 +3609,8 @@ static void soak(void) {
       if (s == 0) S.st[l][s] = g_streams[l];
       else CU(cu.StreamCreate(&S.st[l][s], CU_STREAM_NON_BLOCKING));
     }
+    S.scalars[l] = dev_alloc(SOAK_SCALAR_SLOTS * 4);
+    S.scalars_up[l] = host_alloc(SOAK_SCALAR_SLOTS * 4);
     for (int b = 0; b < SOAK_BUFS; b++) {
       S.buf[l][b] = b < SOAK_BUFS - 1 ? dev_alloc(SOAK_CAP * 4) : (CUdeviceptr)(uintptr_t)host_alloc(SOAK_CAP * 4);
       if (b < SOAK_BUFS - 1) {
@@ -3623,10 +3632,28 @@ static void soak(void) {
      * group would not cover the group's calls), and the other waits for it before its next. */
     for (int l = 0; l < g_env.local; l++)
       for (int k = 0; k <= pair; k++) soak_stream(&S, l, ops[k].stream);
+    /* A PreMulSum's scalar as a host value, or in device memory the call's stream wrote. */
+    for (int k = 0; k <= pair; k++)
+      for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++) {
+        const int slot = (call + k) % SOAK_SCALAR_SLOTS;
+        uint32_t* up = &S.scalars_up[l][slot];
+        *up = soak_scalar(ops[k].shift, g_env.first_rank + l);
+        ncclComm_t comm = ops[k].comm ? S.split[l] : g_comms[l];
+        if (ops[k].device_scalar) {
+          CUdeviceptr at = S.scalars[l] + (CUdeviceptr)slot * 4;
+          CU(cu.MemcpyAsync(at, (CUdeviceptr)(uintptr_t)up, 4, S.st[l][ops[k].stream]));
+          CHECK(ncclRedOpCreatePreMulSum(&S.premul[k][l], (void*)(uintptr_t)at, ncclUint32, ncclScalarDevice, comm));
+        } else {
+          CHECK(ncclRedOpCreatePreMulSum(&S.premul[k][l], up, ncclUint32, ncclScalarHostImmediate, comm));
+        }
+      }
     CHECK(ncclGroupStart());
     for (int k = 0; k <= pair; k++)
-      for (int l = 0; l < g_env.local; l++) soak_issue(&S, &ops[k], l);
+      for (int l = 0; l < g_env.local; l++) soak_issue(&S, &ops[k], k, l);
     CHECK(ncclGroupEnd());
+    for (int k = 0; k <= pair; k++)
+      for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++)
+        CHECK(ncclRedOpDestroy(S.premul[k][l], ops[k].comm ? S.split[l] : g_comms[l]));
     for (int l = 0; l < g_env.local; l++)
       for (int k = 0; k <= pair; k++) S.used[l][ops[k].stream] = 1;
     for (int k = 0; k <= pair; k++) {
@@ -3651,6 +3678,8 @@ static void soak(void) {
     }
     CU(cu.StreamDestroy(S.st[l][1]));
     CHECK(ncclCommDestroy(S.split[l]));
+    dev_free(S.scalars[l]);
+    CU(cu.MemFreeHost(S.scalars_up[l]));
     for (int s = 0; s < 2; s++) CU(cu.EventDestroy(S.ev[l][s]));
   }
   CU(cu.MemFreeHost(host));

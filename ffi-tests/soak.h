@@ -3,7 +3,8 @@
  * every process the same sequence, so every rank issues the same calls. Each rank has
  * SOAK_BUFS uint32 buffers of SOAK_CAP elements; uint32 arithmetic wraps alike in the model
  * and in the library, so results compare exactly. The calls: all-reduce, reduce, broadcast,
- * all-gather, reduce-scatter, all-to-all (sum, prod, max or min), in place or not; sends and
+ * all-gather, reduce-scatter, all-to-all (sum, prod, max, min, or a PreMulSum whose scalar
+ * differs per rank), in place or not; sends and
  * receives around the ring by a random shift (0: to itself), in place or not; some steps two
  * calls in one group, on disjoint buffers; each call on either of two communicators of the
  * same ranks (the second split from the first, ranks numbered alike). Counts from 1 element
@@ -25,6 +26,7 @@ static const char* const SOAK_NAME[S_KINDS] = {"AllReduce", "Reduce",   "Broadca
                                               "AlltoAll",  "SendRecv", "AlltoAllv"};
 typedef struct {
   int kind, red, in_place, a, b, root, shift, stream, comm;
+  int device_scalar; /* (SOAK_PREMUL) its scalar in device memory, where the program has some */
   size_t count;
 } soak_op;
 
@@ -36,9 +38,21 @@ static uint32_t soak_next(void) {
   return (uint32_t)((g_soak_rng * 2685821657736338717ull) >> 32);
 }
 
+/* The reductions: ncclSum, ncclProd, ncclMax, ncclMin, and a PreMulSum whose scalar differs
+ * per rank (soak_scalar). */
+#define SOAK_PREMUL 4
+
+static uint32_t soak_scalar(int shift, int r) { return (uint32_t)(shift + 1) * 2654435761u + (uint32_t)r * 40503u; }
+
+/* Rank r's contribution to a reduction: its value, or for a PreMulSum, times its scalar. */
+static uint32_t soak_term(const soak_op* o, int r, uint32_t x) {
+  return o->red == SOAK_PREMUL ? x * soak_scalar(o->shift, r) : x;
+}
+
 static uint32_t soak_reduce(int red, uint32_t x, uint32_t y) {
   switch (red) {
-    case ncclSum: return x + y;
+    case ncclSum:
+    case SOAK_PREMUL: return x + y;
     case ncclProd: return x * y;
     case ncclMax: return x > y ? x : y;
     default: return x < y ? x : y;
@@ -50,7 +64,8 @@ static soak_op soak_pick(int n, int a, int b) {
   soak_op o;
   memset(&o, 0, sizeof o);
   o.kind = (int)(soak_next() % S_KINDS);
-  o.red = (int)(soak_next() % 4);
+  o.red = (int)(soak_next() % 5);
+  o.device_scalar = (int)(soak_next() % 2);
   o.in_place = a == b;
   o.a = a;
   o.b = b;
@@ -100,8 +115,8 @@ static void soak_apply(const soak_op* o, int n, uint32_t* tmp) {
     case S_ALLREDUCE:
     case S_REDUCE:
       for (size_t j = 0; j < c; j++) {
-        uint32_t v = m[soak_at(0, o->a, j)];
-        for (int r = 1; r < n; r++) v = soak_reduce(o->red, v, m[soak_at(r, o->a, j)]);
+        uint32_t v = soak_term(o, 0, m[soak_at(0, o->a, j)]);
+        for (int r = 1; r < n; r++) v = soak_reduce(o->red, v, soak_term(o, r, m[soak_at(r, o->a, j)]));
         tmp[j] = v;
       }
       for (int r = 0; r < n; r++)
@@ -119,8 +134,9 @@ static void soak_apply(const soak_op* o, int n, uint32_t* tmp) {
     case S_REDUCESCATTER: /* in place: each rank's output is its block of the input */
       for (int r = 0; r < n; r++)
         for (size_t j = 0; j < c; j++) {
-          uint32_t v = m[soak_at(0, o->a, (size_t)r * c + j)];
-          for (int k = 1; k < n; k++) v = soak_reduce(o->red, v, m[soak_at(k, o->a, (size_t)r * c + j)]);
+          uint32_t v = soak_term(o, 0, m[soak_at(0, o->a, (size_t)r * c + j)]);
+          for (int k = 1; k < n; k++)
+            v = soak_reduce(o->red, v, soak_term(o, k, m[soak_at(k, o->a, (size_t)r * c + j)]));
           tmp[(size_t)r * c + j] = v;
         }
       for (int r = 0; r < n; r++)
