@@ -286,9 +286,10 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
     // buffers waits for the last copy.
     let both = p2p().any(|o| o.kind == OpKind::Send) && p2p().any(|o| o.kind == OpKind::Recv);
     let written = RegionSet::new(p2p().filter(|o| both && o.kind == OpKind::Recv).map(|o| o.recv));
+    // (Per operation, its copy; none kept for a group without both.)
     let mut copies: Vec<Option<Region>> = Vec::new();
     let mut copied = Ref::NONE;
-    for op in p2p() {
+    for op in p2p().filter(|_| both) {
         let copy = (op.kind == OpKind::Send && written.overlaps(op.send)).then(|| {
             b.begin(op.stamp());
             let copy = b.scratch(op.send.len());
@@ -300,8 +301,9 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
     let overwritten = RegionSet::new(p2p().zip(&copies).filter(|(_, c)| c.is_some()).map(|(o, _)| o.send));
     let mut self_sends = Vec::new();
     let mut self_recvs = Vec::new();
-    for (op, copy) in p2p().zip(&copies) {
+    for (k, op) in p2p().enumerate() {
         b.begin(op.stamp());
+        let copy = copies.get(k).copied().flatten();
         let send = copy.unwrap_or(op.send);
         match (op.kind, op.root == rank) {
             (OpKind::Send, true) => self_sends.push((op, send)),
