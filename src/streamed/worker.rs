@@ -219,6 +219,24 @@ impl Helper {
     }
 }
 
+/// A job handed to the [`Helper`], whose result is yet to be taken.
+struct Pending<'a>(&'a Helper);
+
+impl Pending<'_> {
+    fn result(self) -> Result<()> {
+        let r = self.0.results.recv().unwrap_or_else(|_| Err(Error::internal("the staging thread is gone")));
+        std::mem::forget(self);
+        r
+    }
+}
+
+impl Drop for Pending<'_> {
+    /// Unwinding past a job: wait for its result.
+    fn drop(&mut self) {
+        let _ = self.0.results.recv();
+    }
+}
+
 impl Drop for Helper {
     /// Its channel closed, the thread (idle: the worker waits for every job) ends.
     fn drop(&mut self) {
@@ -428,13 +446,15 @@ fn run_batch(comm: &Arc<Comm>, stream: &Arc<Stream>, s: &Streamed, staging: &mut
                 None => staging.helper.insert(Helper::start(comm, stream, s.ctx)?),
             };
             helper.jobs.send(host).map_err(|_| Error::internal("the staging thread is gone"))?;
+            // Its result is taken even if the direct ones panic (the worker catches that), so
+            // that the next batch's is not this one's.
+            let pending = Pending(helper);
             let result = ipc::run_p2p(comm, stream, direct, s, &direct_ops);
             if let Err(e) = &result {
                 // The staged ones may wait for peers that now never come.
                 publish_failure(comm, e);
             }
-            let staged = helper.results.recv().unwrap_or_else(|_| Err(Error::internal("the staging thread is gone")));
-            result.and(staged)
+            result.and(pending.result())
         }
     }
 }
