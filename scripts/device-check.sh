@@ -132,7 +132,12 @@ say "# env: CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset} CU
 # The library was built elsewhere (glibc 2.34 or newer needed): say so at once if it cannot load here.
 say "# host: $(uname -sr), $(ldd --version 2>&1 | head -1)"
 missing=$(ldd "$PREP/lib/libnccl.so.2" 2>&1 | grep -E 'not found|GLIBC' | head -3)
-[ -n "$missing" ] && say "# libnccl.so.2 cannot load here: $missing"
+if [ -n "$missing" ]; then
+  # Every step would fail at once: stop, and keep the device time for a build that loads.
+  say "# libnccl.so.2 cannot load here: $missing"
+  say "# stopped: nothing can run; prepare again with a toolchain for this glibc"
+  exit 2
+fi
 export LD_LIBRARY_PATH=$PWD/$PREP/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # The test binaries were built elsewhere: point them at this tree and the carried tool.
 export NCCL_TEST_REPO=$PWD NCCL_RS_PERF=$PWD/$PREP/run/bin/nccl-rs-perf
