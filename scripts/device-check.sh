@@ -52,16 +52,33 @@ PREP=.device
 
 if [ "${1:-}" = "--prepare" ]; then
   set -e
-  cargo build --release --lib --bins
-  cargo test --release --no-run --test cuda_layer --test ffi --test cuda_mode 2>&1 | tail -3
+  # Built against glibc 2.28 (cargo-zigbuild, installed from PyPI into target/zigtools), so
+  # that it loads on an older GPU image than this machine; with no PyPI, natively (2.34+).
+  TRIPLE=x86_64-unknown-linux-gnu
+  ZIG=target/zigtools
+  if [ ! -x "$ZIG/bin/cargo-zigbuild" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --target "$ZIG" cargo-zigbuild >/dev/null 2>&1 || true
+  fi
+  if [ -x "$ZIG/bin/cargo-zigbuild" ]; then
+    PATH=$PWD/$ZIG/bin:$PATH PYTHONPATH=$PWD/$ZIG cargo zigbuild --release --target "$TRIPLE.2.28" --lib --bins \
+      --test cuda_layer --test ffi --test cuda_mode 2>&1 | tail -2
+    OUTDIR=target/$TRIPLE/release
+  else
+    echo "cargo-zigbuild unavailable: building for this machine's glibc"
+    cargo build --release --lib --bins
+    cargo test --release --no-run --test cuda_layer --test ffi --test cuda_mode 2>&1 | tail -3
+    OUTDIR=target/release
+  fi
   rm -rf "$PREP" && mkdir -p "$PREP/run/bin" "$PREP/lib"
-  cp target/release/deps/libnccl.so "$PREP/lib/libnccl.so.2"
+  cp "$OUTDIR/deps/libnccl.so" "$PREP/lib/libnccl.so.2"
   ln -sfn libnccl.so.2 "$PREP/lib/libnccl.so"
-  cp target/release/nccl-rs-perf "$PREP/run/bin/"
+  cp "$OUTDIR/nccl-rs-perf" "$PREP/run/bin/"
   for t in cuda_layer ffi cuda_mode; do
-    f=$(ls -t target/release/deps/$t-* | grep -v '\.d$' | head -1)
+    f=$(ls -t "$OUTDIR"/deps/$t-* | grep -v '\.d$' | head -1)
     cp "$f" "$PREP/run/bin/$t"
   done
+  echo "needs glibc $(objdump -T "$PREP"/lib/libnccl.so.2 "$PREP"/run/bin/* | grep -oE 'GLIBC_[0-9.]+' | sort -t. -k2,2n -u \
+    | tail -1 | cut -d_ -f2)"
   # Debug info is most of the size; the carry limit is 64 MiB in all. Symbols stay.
   strip --strip-debug "$PREP"/run/bin/* "$PREP/lib/libnccl.so.2"
   du -sh "$PREP"
@@ -129,7 +146,8 @@ say "# nccl-rs device check $(date -u +%FT%TZ) on $(hostname)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv,noheader 2>&1 | sed 's/^/# gpu: /' | tee -a "$R"
 # (compute mode must be Default: Exclusive_Process refuses the second process on the GPU)
 say "# env: CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset} CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-unset}"
-# The library was built elsewhere (glibc 2.34 or newer needed): say so at once if it cannot load here.
+# The library was built elsewhere (for glibc 2.28 when prepared with cargo-zigbuild, else this
+# machine's 2.34+): say so at once if it cannot load here.
 say "# host: $(uname -sr), $(ldd --version 2>&1 | head -1)"
 missing=$(ldd "$PREP/lib/libnccl.so.2" 2>&1 | grep -E 'not found|GLIBC' | head -3)
 if [ -n "$missing" ]; then
