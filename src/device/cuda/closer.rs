@@ -14,19 +14,19 @@ use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::{current_device, Context};
+use super::Context;
 
-/// `T`, dropped on the closing thread (in the context of the device current where it was
-/// made) rather than where the value goes.
+/// `T`, dropped on the closing thread (in the primary context of its device) rather than where
+/// the value goes.
 pub struct OffThread<T: Send + 'static> {
     value: Option<T>,
-    device: Option<i32>,
+    device: i32,
 }
 
 impl<T: Send + 'static> OffThread<T> {
-    /// `value`, to be dropped in the context current on the calling thread now.
-    pub fn new(value: T) -> OffThread<T> {
-        OffThread { value: Some(value), device: current_device().ok().flatten() }
+    /// `value`, to be dropped in the primary context of `device`.
+    pub fn new(value: T, device: i32) -> OffThread<T> {
+        OffThread { value: Some(value), device }
     }
 }
 
@@ -42,7 +42,7 @@ impl<T: Send + 'static> Drop for OffThread<T> {
 /// dropped so far.
 #[derive(Default)]
 struct Queue {
-    items: VecDeque<(Option<i32>, Box<dyn Send>)>,
+    items: VecDeque<(i32, Box<dyn Send>)>,
     handed: u64,
     dropped: u64,
     /// The thread could not be started: values are dropped where they are handed over.
@@ -70,7 +70,7 @@ fn closer() -> &'static Closer {
     c
 }
 
-fn hand_over(device: Option<i32>, value: Box<dyn Send>) {
+fn hand_over(device: i32, value: Box<dyn Send>) {
     let c = closer();
     let mut q = c.queue.lock().unwrap_or_else(|p| p.into_inner());
     if q.inline {
@@ -101,11 +101,9 @@ fn closing(c: &'static Closer) {
     }
 }
 
-fn drop_in(device: Option<i32>, value: Box<dyn Send>) {
-    if let Some(d) = device {
-        // (If the context cannot be made current, the close fails in the driver and says so.)
-        let _ = Context::primary(d);
-    }
+fn drop_in(device: i32, value: Box<dyn Send>) {
+    // (If the context cannot be made current, the close fails in the driver and says so.)
+    let _ = Context::primary(device);
     drop(value);
 }
 

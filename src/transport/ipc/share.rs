@@ -344,7 +344,7 @@ impl Maps {
                 };
                 crate::trace!(P2P, "mapped {size} bytes of pid {their_pid}'s device memory at {:#x}", owner.1);
                 let addr = mapping.addr();
-                let _mapping = cuda::OffThread::new(mapping);
+                let _mapping = cuda::OffThread::new(mapping, device);
                 self.maps.push(Mapped { key: key.to_owned(), _mapping, addr, size, owner, used: self.epoch });
                 self.bytes = self.maps.iter().map(|m| m.size as u64).sum();
                 self.maps.len() - 1
