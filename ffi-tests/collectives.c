@@ -652,9 +652,7 @@ static void soak(void) {
     for (int l = 0; l < g_env.local && ok; l++)
       for (int b = 0; b < SOAK_BUFS && ok; b++) {
         const int r = g_env.first_rank + l;
-        size_t bad = 0, at = 0;
-        for (size_t j = 0; j < SOAK_CAP; j++)
-          if (buf[l][b][j] != g_soak_model[soak_at(r, b, j)] && bad++ == 0) at = j;
+        size_t at = 0, bad = soak_mismatches(buf[l][b], r, b, &at);
         if (bad) {
           EXPECT(0, "soak (NCCL_TEST_SEED=%s), calls %d-%d: rank %d buffer %d: %zu wrong values, first at %zu: %u, "
                  "expected %u", seed ? seed : "1", first, call - 1, r, b, bad, at, buf[l][b][at],

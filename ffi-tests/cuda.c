@@ -3570,9 +3570,7 @@ static int soak_compare(soak_state* S, uint32_t* host, int first, int last, char
         got = host;
       }
       CU(cu.StreamSynchronize(st));
-      size_t bad = 0, at = 0;
-      for (size_t j = 0; j < SOAK_CAP; j++)
-        if (got[j] != g_soak_model[soak_at(r, b, j)] && bad++ == 0) at = j;
+      size_t at = 0, bad = soak_mismatches(got, r, b, &at);
       if (bad) {
         EXPECT(0, "soak (CUDA_TEST_SEED=%s), calls %d-%d: rank %d buffer %d: %zu wrong values, first at %zu: %u, expected %u",
                getenv("CUDA_TEST_SEED") ? getenv("CUDA_TEST_SEED") : "1", first, last, r, b, bad, at, got[at],

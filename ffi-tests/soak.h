@@ -172,6 +172,15 @@ static void soak_apply(const soak_op* o, int n, uint32_t* tmp) {
   }
 }
 
+/* How many of buffer b of rank r (`got`, SOAK_CAP elements) differ from the model; the first at
+ * `*at`. */
+static size_t soak_mismatches(const uint32_t* got, int r, int b, size_t* at) {
+  size_t bad = 0;
+  for (size_t j = 0; j < SOAK_CAP; j++)
+    if (got[j] != g_soak_model[soak_at(r, b, j)] && bad++ == 0) *at = j;
+  return bad;
+}
+
 /* Seeds the sequence and fills the model of `n` ranks with the initial values. */
 static void soak_begin(int n, uint64_t seed) {
   g_soak_rng = 0x9E3779B97F4A7C15ull ^ seed;
