@@ -582,8 +582,8 @@ static void soak(void) {
   const char* steps_env = getenv("NCCL_TEST_SOAK_STEPS");
   const int steps = steps_env && *steps_env ? atoi(steps_env) : g_env.quick ? 16 : 40;
   soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
-  uint32_t* tmp = malloc((size_t)n * SOAK_CAP * 4);
-  uint32_t* buf[MAX_LOCAL][SOAK_BUFS];
+  uint8_t* tmp = malloc((size_t)n * SOAK_BYTES);
+  uint8_t* buf[MAX_LOCAL][SOAK_BUFS];
   ncclComm_t split[MAX_LOCAL];
   if (!tmp) exit(1);
   CHECK(ncclGroupStart());
@@ -591,9 +591,9 @@ static void soak(void) {
   CHECK(ncclGroupEnd());
   for (int l = 0; l < g_env.local; l++)
     for (int b = 0; b < SOAK_BUFS; b++) {
-      buf[l][b] = malloc(SOAK_CAP * 4);
+      buf[l][b] = malloc(SOAK_BYTES);
       if (!buf[l][b]) exit(1);
-      memcpy(buf[l][b], &g_soak_model[soak_at(g_env.first_rank + l, b, 0)], SOAK_CAP * 4);
+      memcpy(buf[l][b], &g_soak_model[soak_at(g_env.first_rank + l, b, 0)], SOAK_BYTES);
     }
   char said[SOAK_EVERY * 2][160];
   int first = 0, call = 0, ok = 1;
@@ -603,8 +603,8 @@ static void soak(void) {
     ncclRedOp_t premul[2][MAX_LOCAL];
     for (int k = 0; k < calls; k++)
       for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++) {
-        uint32_t scalar = soak_scalar(ops[k].shift, g_env.first_rank + l);
-        CHECK(ncclRedOpCreatePreMulSum(&premul[k][l], &scalar, ncclUint32, ncclScalarHostImmediate,
+        uint64_t scalar = soak_scalar(ops[k].shift, g_env.first_rank + l); /* (its low bytes: little-endian) */
+        CHECK(ncclRedOpCreatePreMulSum(&premul[k][l], &scalar, SOAK_TYPES[ops[k].type].dt, ncclScalarHostImmediate,
                                        ops[k].comm ? split[l] : g_comms[l]));
       }
     CHECK(ncclGroupStart());
@@ -612,29 +612,36 @@ static void soak(void) {
       for (int l = 0; l < g_env.local; l++) {
         const soak_op* o = &ops[k];
         const int r = g_env.first_rank + l;
-        const size_t c = o->count;
-        uint32_t *a = buf[l][o->a], *b = buf[l][o->b];
+        const size_t c = o->count, s = soak_size(o);
+        const ncclDataType_t dt = SOAK_TYPES[o->type].dt;
+        uint8_t *a = buf[l][o->a], *b = buf[l][o->b];
         ncclComm_t comm = o->comm ? split[l] : g_comms[l];
         ncclRedOp_t red = o->red == SOAK_PREMUL ? premul[k][l] : (ncclRedOp_t)o->red;
         switch (o->kind) {
-          case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, ncclUint32, red, comm, TEST_STREAM)); break;
-          case S_REDUCE: CHECK(ncclReduce(a, b, c, ncclUint32, red, o->root, comm, TEST_STREAM)); break;
-          case S_BCAST: CHECK(ncclBroadcast(a, b, c, ncclUint32, o->root, comm, TEST_STREAM)); break;
+          case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, dt, red, comm, TEST_STREAM)); break;
+          case S_REDUCE: CHECK(ncclReduce(a, b, c, dt, red, o->root, comm, TEST_STREAM)); break;
+          case S_BCAST: CHECK(ncclBroadcast(a, b, c, dt, o->root, comm, TEST_STREAM)); break;
           case S_ALLGATHER:
-            CHECK(ncclAllGather(o->in_place ? b + (size_t)r * c : a, b, c, ncclUint32, comm, TEST_STREAM));
+            CHECK(ncclAllGather(o->in_place ? b + (size_t)r * c * s : a, b, c, dt, comm, TEST_STREAM));
             break;
           case S_REDUCESCATTER:
-            CHECK(ncclReduceScatter(a, o->in_place ? a + (size_t)r * c : b, c, ncclUint32, red, comm, TEST_STREAM));
+            CHECK(ncclReduceScatter(a, o->in_place ? a + (size_t)r * c * s : b, c, dt, red, comm, TEST_STREAM));
             break;
-          case S_ALLTOALL: CHECK(ncclAlltoAll(a, b, c, ncclUint32, comm, TEST_STREAM)); break;
+          case S_ALLTOALL: CHECK(ncclAlltoAll(a, b, c, dt, comm, TEST_STREAM)); break;
+          case S_GATHER:
+            CHECK(ncclGather(o->in_place ? b + (size_t)r * c * s : a, b, c, dt, o->root, comm, TEST_STREAM));
+            break;
+          case S_SCATTER:
+            CHECK(ncclScatter(a, o->in_place ? a + (size_t)r * c * s : b, c, dt, o->root, comm, TEST_STREAM));
+            break;
           case S_SENDRECV:
-            CHECK(ncclSend(a, c, ncclUint32, (r + o->shift) % n, comm, TEST_STREAM));
-            CHECK(ncclRecv(b, c, ncclUint32, (r + n - o->shift) % n, comm, TEST_STREAM));
+            CHECK(ncclSend(a, c, dt, (r + o->shift) % n, comm, TEST_STREAM));
+            CHECK(ncclRecv(b, c, dt, (r + n - o->shift) % n, comm, TEST_STREAM));
             break;
           case S_ALLTOALLV:
             for (int p = 0; p < n; p++) {
-              CHECK(ncclSend(a + soak_a2av_offset(o, r, p, 1), soak_a2av_count(o, r, p), ncclUint32, p, comm, TEST_STREAM));
-              CHECK(ncclRecv(b + soak_a2av_offset(o, p, r, 0), soak_a2av_count(o, p, r), ncclUint32, p, comm, TEST_STREAM));
+              CHECK(ncclSend(a + soak_a2av_offset(o, r, p, 1) * s, soak_a2av_count(o, r, p), dt, p, comm, TEST_STREAM));
+              CHECK(ncclRecv(b + soak_a2av_offset(o, p, r, 0) * s, soak_a2av_count(o, p, r), dt, p, comm, TEST_STREAM));
             }
             break;
         }
@@ -654,7 +661,7 @@ static void soak(void) {
         const int r = g_env.first_rank + l;
         size_t at = 0, bad = soak_mismatches(buf[l][b], r, b, &at);
         if (bad) {
-          EXPECT(0, "soak (NCCL_TEST_SEED=%s), calls %d-%d: rank %d buffer %d: %zu wrong values, first at %zu: %u, "
+          EXPECT(0, "soak (NCCL_TEST_SEED=%s), calls %d-%d: rank %d buffer %d: %zu wrong bytes, first at %zu: %u, "
                  "expected %u", seed ? seed : "1", first, call - 1, r, b, bad, at, buf[l][b][at],
                  g_soak_model[soak_at(r, b, at)]);
           for (int k = first; k < call; k++) tlog("soak call %d: %s", k, said[k - first]);

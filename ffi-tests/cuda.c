@@ -3496,7 +3496,7 @@ typedef struct {
    * per call, uploaded in stream order from pinned memory). */
   ncclRedOp_t premul[2][MAX_LOCAL];
   CUdeviceptr scalars[MAX_LOCAL];
-  uint32_t* scalars_up[MAX_LOCAL];
+  uint64_t* scalars_up[MAX_LOCAL];
   CUdeviceptr buf[MAX_LOCAL][SOAK_BUFS];
   CUstream st[MAX_LOCAL][2];
   void* ev[MAX_LOCAL][2];
@@ -3519,7 +3519,8 @@ static CUstream soak_stream(soak_state* S, int l, int s) {
 
 static void soak_issue(soak_state* S, const soak_op* o, int k, int l) {
   const int n = g_env.nranks, r = g_env.first_rank + l;
-  const size_t c = o->count;
+  const size_t c = o->count, s = soak_size(o);
+  const ncclDataType_t dt = SOAK_TYPES[o->type].dt;
   CUdeviceptr A = S->buf[l][o->a], B = S->buf[l][o->b];
   CUstream st = S->st[l][o->stream]; /* (ordered after the other stream: `soak`) */
   ncclComm_t comm = o->comm ? S->split[l] : g_comms[l];
@@ -3527,29 +3528,35 @@ static void soak_issue(soak_state* S, const soak_op* o, int k, int l) {
   void* b = (void*)(uintptr_t)B;
   ncclRedOp_t red = o->red == SOAK_PREMUL ? S->premul[k][l] : (ncclRedOp_t)o->red;
   switch (o->kind) {
-    case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, ncclUint32, red, comm, st)); break;
-    case S_REDUCE: CHECK(ncclReduce(a, b, c, ncclUint32, red, o->root, comm, st)); break;
-    case S_BCAST: CHECK(ncclBroadcast(a, b, c, ncclUint32, o->root, comm, st)); break;
+    case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, dt, red, comm, st)); break;
+    case S_REDUCE: CHECK(ncclReduce(a, b, c, dt, red, o->root, comm, st)); break;
+    case S_BCAST: CHECK(ncclBroadcast(a, b, c, dt, o->root, comm, st)); break;
     case S_ALLGATHER:
-      CHECK(ncclAllGather(o->in_place ? (void*)(uintptr_t)(B + (CUdeviceptr)r * c * 4) : a, b, c, ncclUint32, comm, st));
+      CHECK(ncclAllGather(o->in_place ? (void*)(uintptr_t)(B + (CUdeviceptr)r * c * s) : a, b, c, dt, comm, st));
       break;
     case S_REDUCESCATTER:
-      CHECK(ncclReduceScatter(a, o->in_place ? (void*)(uintptr_t)(A + (CUdeviceptr)r * c * 4) : b, c, ncclUint32, red,
+      CHECK(ncclReduceScatter(a, o->in_place ? (void*)(uintptr_t)(A + (CUdeviceptr)r * c * s) : b, c, dt, red,
                               comm, st));
       break;
-    case S_ALLTOALL: CHECK(ncclAlltoAll(a, b, c, ncclUint32, comm, st)); break;
+    case S_ALLTOALL: CHECK(ncclAlltoAll(a, b, c, dt, comm, st)); break;
+    case S_GATHER:
+      CHECK(ncclGather(o->in_place ? (void*)(uintptr_t)(B + (CUdeviceptr)r * c * s) : a, b, c, dt, o->root, comm, st));
+      break;
+    case S_SCATTER:
+      CHECK(ncclScatter(a, o->in_place ? (void*)(uintptr_t)(A + (CUdeviceptr)r * c * s) : b, c, dt, o->root, comm, st));
+      break;
     case S_SENDRECV:
       CHECK(ncclGroupStart());
-      CHECK(ncclSend(a, c, ncclUint32, (r + o->shift) % n, comm, st));
-      CHECK(ncclRecv(b, c, ncclUint32, (r + n - o->shift) % n, comm, st));
+      CHECK(ncclSend(a, c, dt, (r + o->shift) % n, comm, st));
+      CHECK(ncclRecv(b, c, dt, (r + n - o->shift) % n, comm, st));
       CHECK(ncclGroupEnd());
       break;
     case S_ALLTOALLV:
       CHECK(ncclGroupStart());
       for (int p = 0; p < n; p++) {
-        CHECK(ncclSend((void*)(uintptr_t)(A + soak_a2av_offset(o, r, p, 1) * 4), soak_a2av_count(o, r, p), ncclUint32, p,
+        CHECK(ncclSend((void*)(uintptr_t)(A + soak_a2av_offset(o, r, p, 1) * s), soak_a2av_count(o, r, p), dt, p,
                        comm, st));
-        CHECK(ncclRecv((void*)(uintptr_t)(B + soak_a2av_offset(o, p, r, 0) * 4), soak_a2av_count(o, p, r), ncclUint32, p,
+        CHECK(ncclRecv((void*)(uintptr_t)(B + soak_a2av_offset(o, p, r, 0) * s), soak_a2av_count(o, p, r), dt, p,
                        comm, st));
       }
       CHECK(ncclGroupEnd());
@@ -3558,21 +3565,21 @@ static void soak_issue(soak_state* S, const soak_op* o, int k, int l) {
 }
 
 /* Compares every buffer of this process's ranks with the model; 0 if any differs. */
-static int soak_compare(soak_state* S, uint32_t* host, int first, int last, char (*said)[160]) {
+static int soak_compare(soak_state* S, uint8_t* host, int first, int last, char (*said)[160]) {
   int ok = 1;
   for (int l = 0; l < g_env.local; l++) {
     int r = g_env.first_rank + l;
     CUstream st = soak_stream(S, l, 0);
     for (int b = 0; b < SOAK_BUFS && ok; b++) {
-      const uint32_t* got = (const uint32_t*)(uintptr_t)S->buf[l][b];
+      const uint8_t* got = (const uint8_t*)(uintptr_t)S->buf[l][b];
       if (b < SOAK_BUFS - 1) {
-        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)host, S->buf[l][b], SOAK_CAP * 4, st));
+        CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)host, S->buf[l][b], SOAK_BYTES, st));
         got = host;
       }
       CU(cu.StreamSynchronize(st));
       size_t at = 0, bad = soak_mismatches(got, r, b, &at);
       if (bad) {
-        EXPECT(0, "soak (CUDA_TEST_SEED=%s), calls %d-%d: rank %d buffer %d: %zu wrong values, first at %zu: %u, expected %u",
+        EXPECT(0, "soak (CUDA_TEST_SEED=%s), calls %d-%d: rank %d buffer %d: %zu wrong bytes, first at %zu: %u, expected %u",
                getenv("CUDA_TEST_SEED") ? getenv("CUDA_TEST_SEED") : "1", first, last, r, b, bad, at, got[at],
                g_soak_model[soak_at(r, b, at)]);
         for (int k = first; k <= last; k++) tlog("soak call %d: %s", k, said[k - first]);
@@ -3592,8 +3599,8 @@ static void soak(void) {
   const char* every_env = getenv("CUDA_TEST_SOAK_EVERY"); /* (to find the call that went wrong) */
   const int every = every_env && atoi(every_env) > 0 && atoi(every_env) <= SOAK_EVERY ? atoi(every_env) : SOAK_EVERY;
   soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
-  uint32_t* tmp = malloc((size_t)n * SOAK_CAP * 4);
-  uint32_t* host = host_alloc(SOAK_CAP * 4);
+  uint8_t* tmp = malloc((size_t)n * SOAK_BYTES);
+  uint8_t* host = host_alloc(SOAK_BYTES);
   if (!tmp) exit(1);
   soak_state S;
   memset(&S, 0, sizeof S);
@@ -3607,16 +3614,16 @@ static void soak(void) {
       if (s == 0) S.st[l][s] = g_streams[l];
       else CU(cu.StreamCreate(&S.st[l][s], CU_STREAM_NON_BLOCKING));
     }
-    S.scalars[l] = dev_alloc(SOAK_SCALAR_SLOTS * 4);
-    S.scalars_up[l] = host_alloc(SOAK_SCALAR_SLOTS * 4);
+    S.scalars[l] = dev_alloc(SOAK_SCALAR_SLOTS * 8);
+    S.scalars_up[l] = host_alloc(SOAK_SCALAR_SLOTS * 8);
     for (int b = 0; b < SOAK_BUFS; b++) {
-      S.buf[l][b] = b < SOAK_BUFS - 1 ? dev_alloc(SOAK_CAP * 4) : (CUdeviceptr)(uintptr_t)host_alloc(SOAK_CAP * 4);
+      S.buf[l][b] = b < SOAK_BUFS - 1 ? dev_alloc(SOAK_BYTES) : (CUdeviceptr)(uintptr_t)host_alloc(SOAK_BYTES);
       if (b < SOAK_BUFS - 1) {
-        memcpy(host, &g_soak_model[soak_at(r, b, 0)], SOAK_CAP * 4);
-        CU(cu.MemcpyAsync(S.buf[l][b], (CUdeviceptr)(uintptr_t)host, SOAK_CAP * 4, S.st[l][0]));
+        memcpy(host, &g_soak_model[soak_at(r, b, 0)], SOAK_BYTES);
+        CU(cu.MemcpyAsync(S.buf[l][b], (CUdeviceptr)(uintptr_t)host, SOAK_BYTES, S.st[l][0]));
         CU(cu.StreamSynchronize(S.st[l][0]));
       } else {
-        memcpy((void*)(uintptr_t)S.buf[l][b], &g_soak_model[soak_at(r, b, 0)], SOAK_CAP * 4);
+        memcpy((void*)(uintptr_t)S.buf[l][b], &g_soak_model[soak_at(r, b, 0)], SOAK_BYTES);
       }
     }
     S.used[l][0] = 1;
@@ -3634,15 +3641,16 @@ static void soak(void) {
     for (int k = 0; k <= pair; k++)
       for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++) {
         const int slot = (call + k) % SOAK_SCALAR_SLOTS;
-        uint32_t* up = &S.scalars_up[l][slot];
+        uint64_t* up = &S.scalars_up[l][slot]; /* (its low bytes: little-endian) */
         *up = soak_scalar(ops[k].shift, g_env.first_rank + l);
+        const ncclDataType_t dt = SOAK_TYPES[ops[k].type].dt;
         ncclComm_t comm = ops[k].comm ? S.split[l] : g_comms[l];
         if (ops[k].device_scalar) {
-          CUdeviceptr at = S.scalars[l] + (CUdeviceptr)slot * 4;
-          CU(cu.MemcpyAsync(at, (CUdeviceptr)(uintptr_t)up, 4, S.st[l][ops[k].stream]));
-          CHECK(ncclRedOpCreatePreMulSum(&S.premul[k][l], (void*)(uintptr_t)at, ncclUint32, ncclScalarDevice, comm));
+          CUdeviceptr at = S.scalars[l] + (CUdeviceptr)slot * 8;
+          CU(cu.MemcpyAsync(at, (CUdeviceptr)(uintptr_t)up, soak_size(&ops[k]), S.st[l][ops[k].stream]));
+          CHECK(ncclRedOpCreatePreMulSum(&S.premul[k][l], (void*)(uintptr_t)at, dt, ncclScalarDevice, comm));
         } else {
-          CHECK(ncclRedOpCreatePreMulSum(&S.premul[k][l], up, ncclUint32, ncclScalarHostImmediate, comm));
+          CHECK(ncclRedOpCreatePreMulSum(&S.premul[k][l], up, dt, ncclScalarHostImmediate, comm));
         }
       }
     CHECK(ncclGroupStart());

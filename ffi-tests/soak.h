@@ -1,14 +1,14 @@
 /* A seeded random sequence of collectives and sends/receives, and a host model of what they
  * do to every rank's buffers (ffi-tests/cuda.c and collectives.c, part Soak). A seed gives
  * every process the same sequence, so every rank issues the same calls. Each rank has
- * SOAK_BUFS uint32 buffers of SOAK_CAP elements; uint32 arithmetic wraps alike in the model
- * and in the library, so results compare exactly. The calls: all-reduce, reduce, broadcast,
- * all-gather, reduce-scatter, all-to-all (sum, prod, max, min, or a PreMulSum whose scalar
- * differs per rank), in place or not; sends and
+ * SOAK_BUFS buffers of SOAK_BYTES; each call has a datatype (soak_type: every integer type in
+ * reductions, every type in the calls that move bytes). The calls: all-reduce, reduce,
+ * broadcast, all-gather, reduce-scatter, all-to-all, gather, scatter (sum, prod, max, min, avg,
+ * or a PreMulSum whose scalar differs per rank), in place or not; sends and
  * receives around the ring by a random shift (0: to itself), in place or not; some steps two
  * calls in one group, on disjoint buffers; each call on either of two communicators of the
  * same ranks (the second split from the first, ranks numbered alike). Counts from 1 element
- * to the buffer's size, log-uniform. A reduce's non-root output and the rest of every buffer
+ * to the buffer's size, log-uniform (and now and then 0). A reduce's non-root output and the rest of every buffer
  * must stay as they were. Static functions: each program includes it once. */
 #ifndef NCCL_RS_FFI_SOAK_H
 #define NCCL_RS_FFI_SOAK_H
@@ -19,15 +19,33 @@
 #include <string.h>
 
 #define SOAK_BUFS 5
-#define SOAK_CAP ((size_t)1 << 18)
+#define SOAK_BYTES ((size_t)1 << 20) /* each buffer */
 #define SOAK_EVERY 12
-enum { S_ALLREDUCE, S_REDUCE, S_BCAST, S_ALLGATHER, S_REDUCESCATTER, S_ALLTOALL, S_SENDRECV, S_ALLTOALLV, S_KINDS };
-static const char* const SOAK_NAME[S_KINDS] = {"AllReduce", "Reduce",   "Broadcast", "AllGather", "ReduceScatter",
-                                              "AlltoAll",  "SendRecv", "AlltoAllv"};
+enum { S_ALLREDUCE, S_REDUCE, S_BCAST, S_ALLGATHER, S_REDUCESCATTER, S_ALLTOALL, S_SENDRECV, S_ALLTOALLV, S_GATHER, S_SCATTER, S_KINDS };
+static const char* const SOAK_NAME[S_KINDS] = {"AllReduce", "Reduce",    "Broadcast", "AllGather", "ReduceScatter",
+                                              "AlltoAll",  "SendRecv",  "AlltoAllv", "Gather",    "Scatter"};
+
+/* The datatypes: integers in every call (their arithmetic wraps alike in the model and the
+ * library, so every value compares exactly), floating-point types in the calls that only move
+ * bytes (random bytes are no numbers to reduce exactly). */
 typedef struct {
-  int kind, red, in_place, a, b, root, shift, stream, comm;
+  ncclDataType_t dt;
+  int size, is_signed, is_float;
+  const char* name;
+} soak_type;
+static const soak_type SOAK_TYPES[] = {
+    {ncclInt8, 1, 1, 0, "int8"},           {ncclUint8, 1, 0, 0, "uint8"},         {ncclInt32, 4, 1, 0, "int32"},
+    {ncclUint32, 4, 0, 0, "uint32"},       {ncclInt64, 8, 1, 0, "int64"},         {ncclUint64, 8, 0, 0, "uint64"},
+    {ncclFloat16, 2, 1, 1, "float16"},     {ncclBfloat16, 2, 1, 1, "bfloat16"},   {ncclFloat32, 4, 1, 1, "float32"},
+    {ncclFloat64, 8, 1, 1, "float64"},     {ncclFloat8e4m3, 1, 1, 1, "fp8e4m3"},  {ncclFloat8e5m2, 1, 1, 1, "fp8e5m2"},
+};
+#define SOAK_INT_TYPES 6 /* the first ones */
+#define SOAK_TYPE_COUNT ((int)(sizeof SOAK_TYPES / sizeof SOAK_TYPES[0]))
+
+typedef struct {
+  int kind, red, in_place, a, b, root, shift, stream, comm, type;
   int device_scalar; /* (SOAK_PREMUL) its scalar in device memory, where the program has some */
-  size_t count;
+  size_t count;      /* elements of SOAK_TYPES[type] */
 } soak_op;
 
 static uint64_t g_soak_rng;
@@ -38,24 +56,45 @@ static uint32_t soak_next(void) {
   return (uint32_t)((g_soak_rng * 2685821657736338717ull) >> 32);
 }
 
-/* The reductions: ncclSum, ncclProd, ncclMax, ncclMin, and a PreMulSum whose scalar differs
- * per rank (soak_scalar). */
-#define SOAK_PREMUL 4
+/* The reductions: ncclSum, ncclProd, ncclMax, ncclMin, ncclAvg (integers: the wrapped sum
+ * divided, truncating, by the rank count), and a PreMulSum whose scalar differs per rank
+ * (soak_scalar). */
+#define SOAK_PREMUL 5
 
-static uint32_t soak_scalar(int shift, int r) { return (uint32_t)(shift + 1) * 2654435761u + (uint32_t)r * 40503u; }
+/* Rank r's PreMulSum scalar: its low o's-size bytes are the value (little-endian), so a pointer
+ * to it is a pointer to a scalar of the call's type. */
+static uint64_t soak_scalar(int shift, int r) {
+  uint64_t lo = (uint32_t)(shift + 1) * 2654435761u + (uint32_t)r * 40503u;
+  return lo | (uint64_t)((uint32_t)(r + 3) * 2246822519u) << 32;
+}
+
+static size_t soak_size(const soak_op* o) { return (size_t)SOAK_TYPES[o->type].size; }
+
+/* An element of the call's type, as the low bits of a uint64 (and back). */
+static uint64_t soak_get(const uint8_t* p, size_t size) {
+  uint64_t v = 0;
+  memcpy(&v, p, size);
+  return v;
+}
+static void soak_put(uint8_t* p, size_t size, uint64_t v) { memcpy(p, &v, size); }
+static uint64_t soak_mask(size_t size) { return size == 8 ? ~0ull : (1ull << (8 * size)) - 1; }
+static int64_t soak_signed(uint64_t v, size_t size) {
+  return size == 8 ? (int64_t)v : (int64_t)(v << (64 - 8 * size)) >> (64 - 8 * size);
+}
 
 /* Rank r's contribution to a reduction: its value, or for a PreMulSum, times its scalar. */
-static uint32_t soak_term(const soak_op* o, int r, uint32_t x) {
+static uint64_t soak_term(const soak_op* o, int r, uint64_t x) {
   return o->red == SOAK_PREMUL ? x * soak_scalar(o->shift, r) : x;
 }
 
-static uint32_t soak_reduce(int red, uint32_t x, uint32_t y) {
-  switch (red) {
-    case ncclSum:
-    case SOAK_PREMUL: return x + y;
+static uint64_t soak_reduce(const soak_op* o, uint64_t x, uint64_t y) {
+  const size_t size = soak_size(o);
+  const int sgn = SOAK_TYPES[o->type].is_signed;
+  switch (o->red) {
     case ncclProd: return x * y;
-    case ncclMax: return x > y ? x : y;
-    default: return x < y ? x : y;
+    case ncclMax: return sgn ? (soak_signed(x, size) > soak_signed(y, size) ? x : y) : ((x & soak_mask(size)) > (y & soak_mask(size)) ? x : y);
+    case ncclMin: return sgn ? (soak_signed(x, size) < soak_signed(y, size) ? x : y) : ((x & soak_mask(size)) < (y & soak_mask(size)) ? x : y);
+    default: return x + y; /* sum, avg (divided at the end), PreMulSum */
   }
 }
 
@@ -64,7 +103,7 @@ static soak_op soak_pick(int n, int a, int b) {
   soak_op o;
   memset(&o, 0, sizeof o);
   o.kind = (int)(soak_next() % S_KINDS);
-  o.red = (int)(soak_next() % 5);
+  o.red = (int)(soak_next() % 6);
   o.device_scalar = (int)(soak_next() % 2);
   o.in_place = a == b;
   o.a = a;
@@ -73,10 +112,13 @@ static soak_op soak_pick(int n, int a, int b) {
   o.shift = (int)(soak_next() % (unsigned)n);
   o.stream = (int)(soak_next() % 2);
   o.comm = (int)(soak_next() % 2);
-  int wide = o.kind == S_ALLGATHER || o.kind == S_REDUCESCATTER || o.kind == S_ALLTOALL || o.kind == S_ALLTOALLV;
-  size_t most = wide ? SOAK_CAP / (size_t)n : SOAK_CAP;
+  int reduces = o.kind == S_ALLREDUCE || o.kind == S_REDUCE || o.kind == S_REDUCESCATTER;
+  o.type = (int)(soak_next() % (unsigned)(reduces ? SOAK_INT_TYPES : SOAK_TYPE_COUNT));
+  int wide = o.kind == S_ALLGATHER || o.kind == S_REDUCESCATTER || o.kind == S_ALLTOALL || o.kind == S_ALLTOALLV ||
+             o.kind == S_GATHER || o.kind == S_SCATTER;
+  size_t most = SOAK_BYTES / soak_size(&o) / (wide ? (size_t)n : 1);
   size_t c = 1 + soak_next() % ((size_t)1 << (soak_next() % 19));
-  o.count = c < most ? c : most;
+  o.count = soak_next() % 64 == 0 ? 0 : c < most ? c : most; /* (0: legal, does nothing) */
   return o;
 }
 
@@ -98,85 +140,97 @@ static size_t soak_a2av_offset(const soak_op* o, int s, int d, int send) {
 }
 
 static void soak_describe(const soak_op* o, char* out, size_t len) {
-  snprintf(out, len, "%s%s count %zu, buffers %d->%d, op %d, root %d, shift %d, stream %d, communicator %d",
-           SOAK_NAME[o->kind], o->in_place ? " in place" : "", o->count, o->a, o->b, o->red, o->root, o->shift,
-           o->stream, o->comm);
+  snprintf(out, len, "%s%s %zu %s, buffers %d->%d, op %d, root %d, shift %d, stream %d, communicator %d",
+           SOAK_NAME[o->kind], o->in_place ? " in place" : "", o->count, SOAK_TYPES[o->type].name, o->a, o->b, o->red,
+           o->root, o->shift, o->stream, o->comm);
 }
 
 /* The model: every rank's buffers, flat. */
-static uint32_t* g_soak_model;
-static size_t soak_at(int r, int b, size_t j) { return ((size_t)r * SOAK_BUFS + (size_t)b) * SOAK_CAP + j; }
+static uint8_t* g_soak_model;
+/* Byte `at` of buffer b of rank r in the model. */
+static size_t soak_at(int r, int b, size_t at) { return ((size_t)r * SOAK_BUFS + (size_t)b) * SOAK_BYTES + at; }
 
-/* What `o` does to every rank's buffers, in the model (`tmp`: n * SOAK_CAP scratch). */
-static void soak_apply(const soak_op* o, int n, uint32_t* tmp) {
-  uint32_t* m = g_soak_model;
-  const size_t c = o->count;
+/* The reduction over every rank of the element at byte `at` of buffer a, as the library
+ * computes it in the call's type. */
+static uint64_t soak_reduce_at(const soak_op* o, int n, size_t at) {
+  const size_t size = soak_size(o);
+  uint64_t v = soak_term(o, 0, soak_get(&g_soak_model[soak_at(0, o->a, at)], size));
+  for (int r = 1; r < n; r++) v = soak_reduce(o, v, soak_term(o, r, soak_get(&g_soak_model[soak_at(r, o->a, at)], size)));
+  v &= soak_mask(size);
+  if (o->red == ncclAvg) v = SOAK_TYPES[o->type].is_signed ? (uint64_t)(soak_signed(v, size) / n) : v / (uint64_t)n;
+  return v & soak_mask(size);
+}
+
+/* What `o` does to every rank's buffers, in the model (`tmp`: n * SOAK_BYTES scratch). */
+static void soak_apply(const soak_op* o, int n, uint8_t* tmp) {
+  uint8_t* m = g_soak_model;
+  const size_t s = soak_size(o), c = o->count, len = c * s;
   switch (o->kind) {
     case S_ALLREDUCE:
     case S_REDUCE:
-      for (size_t j = 0; j < c; j++) {
-        uint32_t v = soak_term(o, 0, m[soak_at(0, o->a, j)]);
-        for (int r = 1; r < n; r++) v = soak_reduce(o->red, v, soak_term(o, r, m[soak_at(r, o->a, j)]));
-        tmp[j] = v;
-      }
+      for (size_t j = 0; j < c; j++) soak_put(&tmp[j * s], s, soak_reduce_at(o, n, j * s));
       for (int r = 0; r < n; r++)
-        if (o->kind == S_ALLREDUCE || r == o->root) memcpy(&m[soak_at(r, o->b, 0)], tmp, c * 4);
+        if (o->kind == S_ALLREDUCE || r == o->root) memcpy(&m[soak_at(r, o->b, 0)], tmp, len);
       break;
     case S_BCAST:
-      memcpy(tmp, &m[soak_at(o->root, o->a, 0)], c * 4);
-      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], tmp, c * 4);
+      memcpy(tmp, &m[soak_at(o->root, o->a, 0)], len);
+      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], tmp, len);
       break;
     case S_ALLGATHER: /* in place: each rank's input is its block of the output */
       for (int k = 0; k < n; k++)
-        memcpy(&tmp[(size_t)k * c], &m[o->in_place ? soak_at(k, o->b, (size_t)k * c) : soak_at(k, o->a, 0)], c * 4);
-      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], tmp, (size_t)n * c * 4);
+        memcpy(&tmp[(size_t)k * len], &m[o->in_place ? soak_at(k, o->b, (size_t)k * len) : soak_at(k, o->a, 0)], len);
+      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], tmp, (size_t)n * len);
       break;
     case S_REDUCESCATTER: /* in place: each rank's output is its block of the input */
+      for (size_t j = 0; j < (size_t)n * c; j++) soak_put(&tmp[j * s], s, soak_reduce_at(o, n, j * s));
       for (int r = 0; r < n; r++)
-        for (size_t j = 0; j < c; j++) {
-          uint32_t v = soak_term(o, 0, m[soak_at(0, o->a, (size_t)r * c + j)]);
-          for (int k = 1; k < n; k++)
-            v = soak_reduce(o->red, v, soak_term(o, k, m[soak_at(k, o->a, (size_t)r * c + j)]));
-          tmp[(size_t)r * c + j] = v;
-        }
-      for (int r = 0; r < n; r++)
-        memcpy(&m[soak_at(r, o->b, o->in_place ? (size_t)r * c : 0)], &tmp[(size_t)r * c], c * 4);
+        memcpy(&m[soak_at(r, o->b, o->in_place ? (size_t)r * len : 0)], &tmp[(size_t)r * len], len);
       break;
     case S_ALLTOALL: {
       /* Block k of rank r's output is block r of rank k's input; one rank's output at a time
        * (in place, the inputs are read from a copy). */
-      uint32_t* in = malloc((size_t)n * n * c * 4);
+      uint8_t* in = malloc((size_t)n * n * len);
       if (!in) exit(1);
-      for (int k = 0; k < n; k++) memcpy(&in[(size_t)k * n * c], &m[soak_at(k, o->a, 0)], (size_t)n * c * 4);
+      for (int k = 0; k < n; k++) memcpy(&in[(size_t)k * n * len], &m[soak_at(k, o->a, 0)], (size_t)n * len);
       for (int r = 0; r < n; r++)
         for (int k = 0; k < n; k++)
-          memcpy(&m[soak_at(r, o->b, (size_t)k * c)], &in[(size_t)k * n * c + (size_t)r * c], c * 4);
+          memcpy(&m[soak_at(r, o->b, (size_t)k * len)], &in[(size_t)k * n * len + (size_t)r * len], len);
       free(in);
       break;
     }
     case S_ALLTOALLV: {
-      uint32_t* in = malloc((size_t)n * SOAK_CAP * 4);
+      uint8_t* in = malloc((size_t)n * SOAK_BYTES);
       if (!in) exit(1);
-      for (int k = 0; k < n; k++) memcpy(&in[(size_t)k * SOAK_CAP], &m[soak_at(k, o->a, 0)], SOAK_CAP * 4);
+      for (int k = 0; k < n; k++) memcpy(&in[(size_t)k * SOAK_BYTES], &m[soak_at(k, o->a, 0)], SOAK_BYTES);
       for (int d = 0; d < n; d++)
         for (int k = 0; k < n; k++)
-          memcpy(&m[soak_at(d, o->b, soak_a2av_offset(o, k, d, 0))],
-                 &in[(size_t)k * SOAK_CAP + soak_a2av_offset(o, k, d, 1)], soak_a2av_count(o, k, d) * 4);
+          memcpy(&m[soak_at(d, o->b, soak_a2av_offset(o, k, d, 0) * s)],
+                 &in[(size_t)k * SOAK_BYTES + soak_a2av_offset(o, k, d, 1) * s], soak_a2av_count(o, k, d) * s);
       free(in);
       break;
     }
     case S_SENDRECV:
-      for (int r = 0; r < n; r++) memcpy(&tmp[(size_t)r * c], &m[soak_at((r + n - o->shift) % n, o->a, 0)], c * 4);
-      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], &tmp[(size_t)r * c], c * 4);
+      for (int r = 0; r < n; r++) memcpy(&tmp[(size_t)r * len], &m[soak_at((r + n - o->shift) % n, o->a, 0)], len);
+      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], &tmp[(size_t)r * len], len);
+      break;
+    case S_GATHER: /* in place: each rank's input is its block of buffer b; only the root's b changes */
+      for (int k = 0; k < n; k++)
+        memcpy(&tmp[(size_t)k * len], &m[o->in_place ? soak_at(k, o->b, (size_t)k * len) : soak_at(k, o->a, 0)], len);
+      memcpy(&m[soak_at(o->root, o->b, 0)], tmp, (size_t)n * len);
+      break;
+    case S_SCATTER: /* in place: each rank's output is its block of buffer a */
+      memcpy(tmp, &m[soak_at(o->root, o->a, 0)], (size_t)n * len);
+      for (int r = 0; r < n; r++)
+        memcpy(&m[o->in_place ? soak_at(r, o->a, (size_t)r * len) : soak_at(r, o->b, 0)], &tmp[(size_t)r * len], len);
       break;
   }
 }
 
-/* How many of buffer b of rank r (`got`, SOAK_CAP elements) differ from the model; the first at
+/* How many bytes of buffer b of rank r (`got`, SOAK_BYTES) differ from the model; the first at
  * `*at`. */
-static size_t soak_mismatches(const uint32_t* got, int r, int b, size_t* at) {
+static size_t soak_mismatches(const uint8_t* got, int r, int b, size_t* at) {
   size_t bad = 0;
-  for (size_t j = 0; j < SOAK_CAP; j++)
+  for (size_t j = 0; j < SOAK_BYTES; j++)
     if (got[j] != g_soak_model[soak_at(r, b, j)] && bad++ == 0) *at = j;
   return bad;
 }
@@ -184,13 +238,14 @@ static size_t soak_mismatches(const uint32_t* got, int r, int b, size_t* at) {
 /* Seeds the sequence and fills the model of `n` ranks with the initial values. */
 static void soak_begin(int n, uint64_t seed) {
   g_soak_rng = 0x9E3779B97F4A7C15ull ^ seed;
-  g_soak_model = malloc((size_t)n * SOAK_BUFS * SOAK_CAP * 4);
+  g_soak_model = malloc((size_t)n * SOAK_BUFS * SOAK_BYTES);
   if (!g_soak_model) exit(1);
   for (int r = 0; r < n; r++)
     for (int b = 0; b < SOAK_BUFS; b++)
-      for (size_t j = 0; j < SOAK_CAP; j++) {
+      for (size_t j = 0; j < SOAK_BYTES / 4; j++) {
         uint32_t v = (uint32_t)(r * 2654435761u) ^ (uint32_t)(b * 40503u) ^ (uint32_t)(j * 2246822519u);
-        g_soak_model[soak_at(r, b, j)] = v ^ (v >> 15) ^ (uint32_t)g_soak_rng;
+        v = v ^ (v >> 15) ^ (uint32_t)g_soak_rng;
+        memcpy(&g_soak_model[soak_at(r, b, j * 4)], &v, 4);
       }
 }
 

@@ -611,7 +611,8 @@ fn cuda_mode_ranks_on_two_hosts_stage_through_sockets() {
 
 /// Part Soak: a seeded random sequence of calls (every collective, sends and receives around
 /// the ring, in place or not, some two to a group, on two streams per rank ordered by events,
-/// counts from 1 element to 1 MiB), issued back to back with nothing synchronised between
+/// counts from 1 element to 1 MiB; reductions on every integer type with every op, avg and
+/// PreMulSum included, the other calls on every type), issued back to back with nothing synchronised between
 /// them, every buffer of every rank compared with a host model of all ranks after every 12
 /// calls (ffi-tests/cuda.c says more). As 2 processes, 2 processes of 2 ranks (ranks of one
 /// process too), 3 processes with buffers of the virtual memory API, and 3 processes staging
