@@ -203,9 +203,10 @@ fn connect_root(id: &UniqueId, deadline: Instant, abort: &AtomicBool) -> Result<
         if abort.load(Ordering::Acquire) {
             return Err(Error::invalid_usage("communicator aborted during init"));
         }
-        match TcpStream::connect_timeout(&id.root, Duration::from_secs(2)) {
+        match crate::transport::socket::dial(&id.root, Duration::from_secs(2)) {
             Ok(s) => return Ok(s),
-            // With NCCL_COMM_ID rank 0 may not have started the root yet: keep trying.
+            // With NCCL_COMM_ID rank 0 may not have started the root yet: keep trying (a
+            // connection that reached itself included: `dial`).
             Err(_) if id.rank0_hosts_root && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(20));
             }
@@ -282,6 +283,20 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
 }
 
 fn bind_reusable(addr: SocketAddr) -> Result<TcpListener> {
-    // std sets SO_REUSEADDR on Unix listeners, so a root restarted on the same port binds.
-    TcpListener::bind(addr).map_err(|e| Error::os(format!("bootstrap: rank 0 cannot host the root at {addr} (NCCL_COMM_ID)"), e))
+    // std sets SO_REUSEADDR on Unix listeners, so a root restarted on the same port binds. A
+    // rank that dials the port before it listens may hold it for a moment with a connection to
+    // itself (`transport::socket::dial` drops those): the port in use is tried again briefly.
+    let until = Instant::now() + BIND_RETRY;
+    loop {
+        match TcpListener::bind(addr) {
+            Ok(l) => return Ok(l),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(Error::os(format!("bootstrap: rank 0 cannot host the root at {addr} (NCCL_COMM_ID)"), e)),
+        }
+    }
 }
+
+/// How long rank 0 tries again to bind the root's port (`NCCL_COMM_ID`) while it is in use.
+const BIND_RETRY: Duration = Duration::from_secs(1);

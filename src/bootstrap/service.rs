@@ -96,7 +96,7 @@ impl Service {
 
     fn open(&self, peer: usize, kind: u8, tag: u32, payload: &[u8]) -> Result<TcpStream> {
         let addr = self.peer_addr(peer)?;
-        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+        let mut s = crate::transport::socket::dial(&addr, Duration::from_secs(10))
             .map_err(|e| Error::remote(format!("bootstrap: cannot reach rank {peer} at {addr}: {e}")))?;
         let _ = s.set_nodelay(true);
         let mut w = Writer::default();
@@ -108,7 +108,7 @@ impl Service {
     /// Is `peer`'s process still there? (Its service accepts a connection within `timeout`.)
     pub fn ping(&self, peer: usize, timeout: Duration) -> Result<()> {
         let addr = self.peer_addr(peer)?;
-        let mut s = TcpStream::connect_timeout(&addr, timeout)
+        let mut s = crate::transport::socket::dial(&addr, timeout)
             .map_err(|e| Error::remote(format!("rank {peer} at {addr} does not answer: {e}")))?;
         let mut w = Writer::default();
         w.u64(self.shared.magic).u8(KIND_PING).u32(self.rank()).u32(0).bytes(&[]);

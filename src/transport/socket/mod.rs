@@ -7,7 +7,8 @@
 pub mod ifaces;
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
 
 use super::{Kind, RecvConn, SendConn, Sent, Stamp, STAMP_BYTES};
 
@@ -36,6 +37,26 @@ pub fn set_liveness(stream: &TcpStream, timeout: std::time::Duration) {
     set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, &intvl.to_ne_bytes());
     set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, &cnt.to_ne_bytes());
     set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, &ms.to_ne_bytes());
+}
+
+/// `TcpStream::connect_timeout`, refusing a connection to itself. Connecting to a port of this
+/// host where nothing listens yet (the root of `NCCL_COMM_ID` before rank 0 starts it, a dead
+/// peer's service) may be answered by TCP's simultaneous open when the kernel happens to pick
+/// that very port as the source: the socket is then connected to itself, reads back what it
+/// writes, and holds the port the listener was to bind. Such a connection is closed and reported
+/// as refused, so callers that retry try again.
+pub fn dial(addr: &SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    not_to_itself(TcpStream::connect_timeout(addr, timeout)?)
+}
+
+fn not_to_itself(s: TcpStream) -> std::io::Result<TcpStream> {
+    match (s.local_addr(), s.peer_addr()) {
+        (Ok(local), Ok(peer)) if local == peer => Err(std::io::Error::new(
+            ErrorKind::ConnectionRefused,
+            format!("nothing listens at {peer} (the connection reached itself)"),
+        )),
+        _ => Ok(s),
+    }
 }
 
 fn lost(peer: usize, e: impl std::fmt::Display) -> Error {
@@ -182,5 +203,53 @@ impl RecvConn for SocketRecv {
     }
     fn mem_bytes(&self) -> u64 {
         self.body.capacity() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::FromRawFd;
+
+    /// A socket bound to a port of 127.0.0.1 and connected to that same address: what TCP's
+    /// simultaneous open makes of a connect that picks the port it dials as its source.
+    fn connected_to_itself() -> TcpStream {
+        let addr = |port: u16| libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr { s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be() },
+            sin_zero: [0; 8],
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        // SAFETY: plain socket calls on a descriptor this function owns; every sockaddr passed
+        // is a sockaddr_in of `len` bytes that outlives the call.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+            let mut bound = addr(0);
+            assert_eq!(libc::bind(fd, (&bound as *const libc::sockaddr_in).cast(), len), 0, "bind");
+            let mut got = len;
+            assert_eq!(libc::getsockname(fd, (&mut bound as *mut libc::sockaddr_in).cast(), &mut got), 0);
+            let to = addr(u16::from_be(bound.sin_port));
+            assert_eq!(libc::connect(fd, (&to as *const libc::sockaddr_in).cast(), len), 0,
+                       "connect to itself: {}", std::io::Error::last_os_error());
+            TcpStream::from_raw_fd(fd)
+        }
+    }
+
+    #[test]
+    fn a_connection_to_itself_is_refused() {
+        let s = connected_to_itself();
+        assert_eq!(s.local_addr().unwrap(), s.peer_addr().unwrap(), "the setup makes a self-connection");
+        let e = not_to_itself(s).expect_err("a connection to itself must be refused");
+        assert_eq!(e.kind(), ErrorKind::ConnectionRefused);
+        assert!(e.to_string().contains("reached itself"), "{e}");
+    }
+
+    #[test]
+    fn an_ordinary_connection_passes() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = dial(&l.local_addr().unwrap(), Duration::from_secs(5)).expect("a listener is there");
+        assert_eq!(s.peer_addr().unwrap(), l.local_addr().unwrap());
     }
 }
