@@ -586,9 +586,13 @@ static void soak(void) {
   uint8_t* buf[MAX_LOCAL][SOAK_BUFS];
   ncclComm_t split[MAX_LOCAL];
   if (!tmp) exit(1);
+  /* The second communicator is nonblocking: its calls may answer ncclInProgress, and a step
+   * waits for it (ncclCommGetAsyncError) before the next, as NCCL asks. */
+  ncclConfig_t nonblocking = NCCL_CONFIG_INITIALIZER;
+  nonblocking.blocking = 0;
   CHECK(ncclGroupStart());
-  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSplit(g_comms[l], 0, g_env.first_rank + l, &split[l], NULL));
-  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSplit(g_comms[l], 0, g_env.first_rank + l, &split[l], &nonblocking));
+  CHECK(finish_async(ncclGroupEnd(), split, g_env.local));
   for (int l = 0; l < g_env.local; l++)
     for (int b = 0; b < SOAK_BUFS; b++) {
       buf[l][b] = malloc(SOAK_BYTES);
@@ -604,8 +608,9 @@ static void soak(void) {
     for (int k = 0; k < calls; k++)
       for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++) {
         uint64_t scalar = soak_scalar(ops[k].shift, g_env.first_rank + l); /* (its low bytes: little-endian) */
-        CHECK(ncclRedOpCreatePreMulSum(&premul[k][l], &scalar, SOAK_TYPES[ops[k].type].dt, ncclScalarHostImmediate,
-                                       ops[k].comm ? split[l] : g_comms[l]));
+        ncclComm_t comm = ops[k].comm ? split[l] : g_comms[l];
+        CHECK(finish_async(ncclRedOpCreatePreMulSum(&premul[k][l], &scalar, SOAK_TYPES[ops[k].type].dt,
+                                                    ncclScalarHostImmediate, comm), &comm, 1));
       }
     CHECK(ncclGroupStart());
     for (int k = 0; k < calls; k++)
@@ -646,10 +651,12 @@ static void soak(void) {
             break;
         }
       }
-    CHECK(ncclGroupEnd());
+    CHECK(finish_async(ncclGroupEnd(), split, g_env.local));
     for (int k = 0; k < calls; k++)
-      for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++)
-        CHECK(ncclRedOpDestroy(premul[k][l], ops[k].comm ? split[l] : g_comms[l]));
+      for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++) {
+        ncclComm_t comm = ops[k].comm ? split[l] : g_comms[l];
+        CHECK(finish_async(ncclRedOpDestroy(premul[k][l], comm), &comm, 1));
+      }
     for (int k = 0; k < calls; k++, call++) {
       soak_apply(&ops[k], n, tmp);
       soak_describe(&ops[k], said[call - first], sizeof said[0]);
@@ -679,6 +686,84 @@ static void soak(void) {
   free(g_soak_model);
 }
 
+/* Part Nonblocking: on a communicator with config.blocking = 0, a collective on host buffers
+ * returns ncclInProgress at once, even while a peer has yet to make the call, and completes in
+ * the background (ncclCommGetAsyncError: ncclInProgress, then ncclSuccess), as NCCL's do. The
+ * last rank joins only after a blocking barrier on the other communicator that the others
+ * reach after their call returned: a call that waited for it would never return. Then the
+ * pattern NCCL documents for faults: a call the last rank never makes, polled, and
+ * ncclCommAbort, which returns. */
+static void nonblocking(void) {
+  if (!wanted("Nonblocking")) return;
+  test_step("nonblocking");
+  const int n = g_env.nranks, last = n - 1;
+  const size_t count = (size_t)1 << 16;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t nb[MAX_LOCAL];
+  CHECK(make_comms_config("nonblocking", nb, &cfg));
+  int32_t* buf[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    buf[l] = malloc(count * 4);
+    if (!buf[l]) exit(1);
+    for (size_t j = 0; j < count; j++) buf[l][j] = g_env.first_rank + l + 1 + (int32_t)(j % 7);
+  }
+  /* Issued by every rank but the last (`late`: the last's turn). */
+  for (int late = 0; late < 2; late++) {
+    int issued = 0;
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      if ((g_env.first_rank + l == last) == late) {
+        CHECK(ncclAllReduce(buf[l], buf[l], count, ncclInt32, ncclSum, nb[l], TEST_STREAM));
+        issued++;
+      }
+    ncclResult_t r = ncclGroupEnd();
+    if (issued) {
+      EXPECT(r == ncclInProgress, "a nonblocking all-reduce%s returned %s, not ncclInProgress",
+             late ? "" : " a peer has yet to join", result_name(r));
+      for (int l = 0; l < g_env.local && !late; l++) {
+        ncclResult_t state = ncclInternalError;
+        CHECK(ncclCommGetAsyncError(nb[l], &state));
+        EXPECT(g_env.first_rank + l == last || state == ncclInProgress,
+               "rank %d: state %s while the last rank has not joined", g_env.first_rank + l, result_name(state));
+      }
+    }
+    if (!late) EXPECT(allreduce_sum_int(g_comms, 1) == n, "the barrier on the blocking communicator");
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    const int rank = g_env.first_rank + l;
+    ncclResult_t state = wait_comm(nb[l]);
+    EXPECT(state == ncclSuccess, "rank %d: the nonblocking all-reduce ended in %s: %s", rank, result_name(state),
+           ncclGetLastError(nb[l]) ? ncclGetLastError(nb[l]) : "");
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++)
+      if (buf[l][j] != n * (int32_t)(j % 7) + n * (n + 1) / 2) bad++;
+    EXPECT(bad == 0, "rank %d: %zu wrong values after the nonblocking all-reduce", rank, bad);
+  }
+  /* The last rank never makes this call: the others poll, then abort. */
+  CHECK(ncclGroupStart());
+  int issued = 0;
+  for (int l = 0; l < g_env.local; l++)
+    if (g_env.first_rank + l != last) {
+      CHECK(ncclAllReduce(buf[l], buf[l], count, ncclInt32, ncclSum, nb[l], TEST_STREAM));
+      issued++;
+    }
+  ncclResult_t r = ncclGroupEnd();
+  EXPECT(!issued || r == ncclInProgress, "an all-reduce the last rank never makes returned %s", result_name(r));
+  for (int l = 0; l < g_env.local && issued; l++) {
+    ncclResult_t state = ncclInternalError;
+    CHECK(ncclCommGetAsyncError(nb[l], &state));
+    EXPECT(g_env.first_rank + l == last || state == ncclInProgress, "rank %d: state %s, the last rank away",
+           g_env.first_rank + l, result_name(state));
+  }
+  EXPECT(allreduce_sum_int(g_comms, 1) == n, "the barrier before the abort");
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclCommAbort(nb[l]));
+    free(buf[l]);
+  }
+  tlog("Nonblocking: in progress at once, done in the background, aborted while waiting");
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   double t0 = now_s();
@@ -690,6 +775,7 @@ int main(int argc, char** argv) {
   fused();
   large();
   soak();
+  nonblocking();
   destroy_comms(g_comms);
   tlog("total %.2f s", now_s() - t0);
   return test_finish();

@@ -3604,9 +3604,14 @@ static void soak(void) {
   if (!tmp) exit(1);
   soak_state S;
   memset(&S, 0, sizeof S);
+  /* The second communicator is nonblocking: a call on it may answer ncclInProgress, and a
+   * step waits for it (ncclCommGetAsyncError) before the next, as NCCL asks. */
+  ncclConfig_t nonblocking = NCCL_CONFIG_INITIALIZER;
+  nonblocking.blocking = 0;
   CHECK(ncclGroupStart());
-  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSplit(g_comms[l], 0, g_env.first_rank + l, &S.split[l], NULL));
-  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclCommSplit(g_comms[l], 0, g_env.first_rank + l, &S.split[l], &nonblocking));
+  CHECK(finish_async(ncclGroupEnd(), S.split, g_env.local));
   for (int l = 0; l < g_env.local; l++) {
     int r = g_env.first_rank + l;
     for (int s = 0; s < 2; s++) {
@@ -3648,18 +3653,21 @@ static void soak(void) {
         if (ops[k].device_scalar) {
           CUdeviceptr at = S.scalars[l] + (CUdeviceptr)slot * 8;
           CU(cu.MemcpyAsync(at, (CUdeviceptr)(uintptr_t)up, soak_size(&ops[k]), S.st[l][ops[k].stream]));
-          CHECK(ncclRedOpCreatePreMulSum(&S.premul[k][l], (void*)(uintptr_t)at, dt, ncclScalarDevice, comm));
+          CHECK(finish_async(ncclRedOpCreatePreMulSum(&S.premul[k][l], (void*)(uintptr_t)at, dt, ncclScalarDevice, comm),
+                             &comm, 1));
         } else {
-          CHECK(ncclRedOpCreatePreMulSum(&S.premul[k][l], up, dt, ncclScalarHostImmediate, comm));
+          CHECK(finish_async(ncclRedOpCreatePreMulSum(&S.premul[k][l], up, dt, ncclScalarHostImmediate, comm), &comm, 1));
         }
       }
     CHECK(ncclGroupStart());
     for (int k = 0; k <= pair; k++)
       for (int l = 0; l < g_env.local; l++) soak_issue(&S, &ops[k], k, l);
-    CHECK(ncclGroupEnd());
+    CHECK(finish_async(ncclGroupEnd(), S.split, g_env.local));
     for (int k = 0; k <= pair; k++)
-      for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++)
-        CHECK(ncclRedOpDestroy(S.premul[k][l], ops[k].comm ? S.split[l] : g_comms[l]));
+      for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++) {
+        ncclComm_t comm = ops[k].comm ? S.split[l] : g_comms[l];
+        CHECK(finish_async(ncclRedOpDestroy(S.premul[k][l], comm), &comm, 1));
+      }
     for (int l = 0; l < g_env.local; l++)
       for (int k = 0; k <= pair; k++) S.used[l][ops[k].stream] = 1;
     for (int k = 0; k <= pair; k++) {

@@ -7,7 +7,7 @@
  * or a PreMulSum whose scalar differs per rank), in place or not; sends and
  * receives around the ring by a random shift (0: to itself), in place or not; some steps two
  * calls in one group, on disjoint buffers; each call on either of two communicators of the
- * same ranks (the second split from the first, ranks numbered alike). Counts from 1 element
+ * same ranks (the second split from the first, nonblocking, ranks numbered alike). Counts from 1 element
  * to the buffer's size, log-uniform (and now and then 0). A reduce's non-root output and the rest of every buffer
  * must stay as they were. Static functions: each program includes it once. */
 #ifndef NCCL_RS_FFI_SOAK_H

@@ -18,6 +18,8 @@ use crate::proxy::{self, Job, JobBufs};
 use crate::streamed::{Placement, StreamOp};
 use crate::transport::{self, Ctx};
 
+pub mod background;
+
 /// Work that needs every rank of the group at once (split, shrink): run in parallel threads.
 pub type Deferred = Box<dyn FnOnce() -> Result<()> + Send>;
 
@@ -77,6 +79,12 @@ pub fn end() -> Result<()> {
         }
         return Err(e);
     }
+    // Operations on host buffers of nonblocking communicators only: on a thread of their own.
+    if group.inits.is_empty() && group.deferred.is_empty() && group.rma.is_empty() && !group.ops.is_empty()
+        && background::eligible(group.ops.iter().map(|q| (&*q.comm, q.placement.device)))
+    {
+        return run_in_background(group.ops);
+    }
     // A nonblocking init finishes in the background (ncclInProgress); the group's other work is
     // on communicators that are ready (an operation on one being initialised fails at its call)
     // and runs now, as in a group without the init.
@@ -119,8 +127,29 @@ pub fn end() -> Result<()> {
     Ok(())
 }
 
+/// Start a group's operations in the background (`background`): ncclInProgress.
+fn run_in_background(ops: Vec<Queued>) -> Result<()> {
+    let mut comms: Vec<Arc<Comm>> = Vec::new();
+    for q in &ops {
+        if !comms.iter().any(|c| Arc::ptr_eq(c, &q.comm)) {
+            comms.push(q.comm.clone());
+        }
+    }
+    let ops: Vec<(Arc<Comm>, Op)> = ops.into_iter().map(|q| (q.comm, q.op)).collect();
+    background::start(comms, Box::new(move || {
+        for (c, _) in &ops {
+            crate::streamed::drain(c);
+        }
+        execute(ops)
+    }))
+}
+
 /// Run the operations of a closed group.
 fn run_ops(ops: Vec<Queued>) -> Result<()> {
+    // After what nonblocking communicators of the group still run in the background.
+    for q in &ops {
+        background::wait_idle(&q.comm);
+    }
     if !ops.iter().any(|q| q.placement.device) {
         // Host buffers only (no allocation): after what the communicators' streams already hold.
         for q in &ops {
@@ -266,6 +295,10 @@ pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, placement: Placement)
     if queued {
         return Ok(());
     }
+    if background::eligible(std::iter::once((&*comm, placement.device))) {
+        return run_in_background(vec![Queued { comm, op, stream, placement }]);
+    }
+    background::wait_idle(&comm);
     if placement.device {
         let o = StreamOp { op, stream, placement };
         return crate::streamed::submit(&comm, vec![o]).map(|w| w.into_iter().for_each(|w| w.wait()));

@@ -84,6 +84,19 @@ fn collectives_random_call_sequences_match_a_host_model() {
     }
 }
 
+/// Part Nonblocking (ffi-tests/collectives.c): on a nonblocking communicator a collective on
+/// host buffers returns ncclInProgress at once while a peer has yet to join, completes in the
+/// background (ncclCommGetAsyncError: in progress, then success, exact), and ncclCommAbort
+/// returns while one waits for a rank that never calls. As 2 and 3 processes, 3 ranks of one
+/// process driven by one thread, and 2 processes of 2 ranks. Before, the call itself waited
+/// for the late rank, which waited for the caller: a hang.
+#[test]
+fn collectives_nonblocking_calls_return_at_once() {
+    for (procs, local) in [(2, 1), (3, 1), (1, 3), (2, 2)] {
+        Job::new("collectives").procs(procs).local(local).arg("--only").arg("Nonblocking").run();
+    }
+}
+
 #[test]
 fn collectives_8_processes_quick() {
     Job::new("collectives").procs(8).arg("--quick").run();

@@ -178,14 +178,18 @@ pub fn finalize(comm: &Comm) -> Result<()> {
     if comm.finalized.swap(true, Ordering::AcqRel) {
         return Err(Error::invalid_arg("communicator was already finalized"));
     }
-    // Flush what was issued on streams (CUDA mode); host-mode calls have completed already.
+    // Flush what was issued on streams (CUDA mode) and what a nonblocking communicator runs
+    // in the background; other host-mode calls have completed already.
+    crate::group::background::wait_idle(comm);
     crate::streamed::drain(comm);
     comm.rma.drain();
     Ok(())
 }
 
 pub fn destroy(comm: Arc<Comm>) -> Result<()> {
-    // As ncclCommFinalize: operations already issued on streams complete first.
+    // As ncclCommFinalize: operations already issued on streams, or running in the
+    // background, complete first.
+    crate::group::background::wait_idle(&comm);
     crate::streamed::drain(&comm);
     comm.rma.drain();
     comm.abort.store(true, Ordering::Release);
@@ -195,6 +199,9 @@ pub fn destroy(comm: Arc<Comm>) -> Result<()> {
 
 pub fn abort(comm: Arc<Comm>) -> Result<()> {
     comm.abort.store(true, Ordering::Release);
+    // Operations running in the background stop at the flag (within the progress engine's
+    // check interval) and let go of the connections.
+    crate::group::background::wait_idle(&comm);
     comm.shutdown();
     Ok(())
 }

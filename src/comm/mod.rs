@@ -168,6 +168,8 @@ pub struct Comm {
     pub streamed: OnceLock<Arc<crate::streamed::Streamed>>,
     /// One-sided operations: connections to targets, signals that came.
     pub rma: crate::api::rma::Rma,
+    /// Nonblocking communicators: operations on host buffers running on threads of their own.
+    pub background: crate::group::background::Background,
 }
 
 impl Comm {
@@ -192,6 +194,7 @@ impl Comm {
             seq: AtomicU64::new(0),
             streamed: OnceLock::new(),
             rma: crate::api::rma::Rma::new(hash, rank, nranks, cuda_dev, rma_shape),
+            background: Default::default(),
         }
     }
 
@@ -213,6 +216,19 @@ impl Comm {
             *slot = Some(e.clone());
             self.async_code.store(e.code as i32, Ordering::Release);
         }
+    }
+
+    /// Operations started in the background (`group::background`): `ncclInProgress` until
+    /// they are done, unless an error is recorded.
+    pub fn set_in_progress(&self) {
+        let _ = self.async_code.compare_exchange(Code::Success as i32, Code::InProgress as i32, Ordering::AcqRel,
+                                                 Ordering::Acquire);
+    }
+
+    /// The background operations are done: `ncclSuccess`, unless an error is recorded.
+    pub fn clear_in_progress(&self) {
+        let _ = self.async_code.compare_exchange(Code::InProgress as i32, Code::Success as i32, Ordering::AcqRel,
+                                                 Ordering::Acquire);
     }
 
     pub fn async_code(&self) -> Code {

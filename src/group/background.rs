@@ -1,0 +1,123 @@
+//! Nonblocking communicators (`config.blocking = 0`) with host buffers: a group's operations
+//! run on a thread of their own, and the call returns `ncclInProgress` at once, as NCCL's
+//! do. `ncclCommGetAsyncError` says `ncclInProgress` until they are done, then `ncclSuccess`
+//! or their error; `ncclCommAbort` from the calling thread stops them. So the fault-tolerance
+//! pattern NCCL documents (issue, poll with a deadline, abort) works in host mode too, instead
+//! of the call itself waiting for a late or lost peer.
+//!
+//! Each communicator's operations run in issue order: a job waits for the earlier jobs of
+//! every communicator it uses (tickets taken under one lock, so two jobs on overlapping sets
+//! never wait for each other). Anything else that runs operations on a communicator — a
+//! group mixing blocking and nonblocking communicators, device buffers, finalize, destroy,
+//! abort — first waits until its earlier jobs are done (`wait_idle`).
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use crate::comm::Comm;
+use crate::error::{Error, Result};
+
+/// One communicator's background jobs: how many were issued, how many are done.
+#[derive(Default)]
+pub struct Background {
+    state: Mutex<Counts>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct Counts {
+    issued: u64,
+    done: u64,
+}
+
+/// Taken while a job takes its tickets on every communicator it uses.
+static ISSUE: Mutex<()> = Mutex::new(());
+
+impl Background {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A ticket for the next job; the communicator is in progress until every job is done.
+    fn issue(&self, comm: &Comm) -> u64 {
+        let mut c = self.lock();
+        c.issued += 1;
+        comm.set_in_progress();
+        c.issued - 1
+    }
+
+    /// Wait until the jobs issued before ticket `t` are done.
+    fn wait_turn(&self, t: u64) {
+        let mut c = self.lock();
+        while c.done < t {
+            c = self.changed.wait(c).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn finish(&self, comm: &Comm) {
+        let mut c = self.lock();
+        c.done += 1;
+        if c.done == c.issued {
+            comm.clear_in_progress();
+        }
+        self.changed.notify_all();
+    }
+}
+
+/// Wait until every job issued on `comm` so far is done (they end on their own: an abort
+/// stops them within the progress engine's check interval).
+pub fn wait_idle(comm: &Comm) {
+    let b = &comm.background;
+    let mut c = b.lock();
+    let upto = c.issued;
+    while c.done < upto {
+        c = b.changed.wait(c).unwrap_or_else(|p| p.into_inner());
+    }
+}
+
+/// Whether a group of these operations runs in the background: host buffers only, every
+/// communicator nonblocking.
+pub fn eligible<'a>(mut ops: impl Iterator<Item = (&'a Comm, bool)>) -> bool {
+    ops.all(|(c, device)| !device && !c.config.blocking)
+}
+
+/// Start `run` on a thread of its own after the earlier jobs of `comms`, and return
+/// `ncclInProgress`. Its error goes to every communicator of the group
+/// (`ncclCommGetAsyncError`; the first one recorded on each wins).
+pub fn start(comms: Vec<Arc<Comm>>, run: Box<dyn FnOnce() -> Result<()> + Send>) -> Result<()> {
+    for c in &comms {
+        c.ready()?;
+    }
+    let tickets: Vec<u64> = {
+        let _g = ISSUE.lock().unwrap_or_else(|p| p.into_inner());
+        comms.iter().map(|c| c.background.issue(c)).collect()
+    };
+    let shown = crate::debug::shown_rank();
+    let job_comms = comms.clone();
+    let spawned = std::thread::Builder::new().name("nccl-rs-nonblock".into()).spawn(move || {
+        crate::debug::set_rank(shown);
+        for (c, &t) in job_comms.iter().zip(&tickets) {
+            c.background.wait_turn(t);
+        }
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
+        let failed = match ran {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(p) => Some(Error::internal(format!("operation thread panicked: {}", crate::abi::panic_message(&*p)))),
+        };
+        for c in &job_comms {
+            if let Some(e) = &failed {
+                c.set_async_error(e);
+            }
+            c.background.finish(c);
+        }
+    });
+    if let Err(e) = spawned {
+        let e = Error::os("spawn a thread for a nonblocking communicator's operations", e);
+        for c in &comms {
+            c.set_async_error(&e);
+            c.background.finish(c);
+        }
+        return Err(e);
+    }
+    Err(Error::in_progress())
+}
