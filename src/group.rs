@@ -236,10 +236,7 @@ pub fn run_parallel(work: Vec<Deferred>) -> Result<()> {
 }
 
 fn run_init_list(inits: &[(Arc<Comm>, UniqueId)]) -> Result<()> {
-    run_parallel(inits.iter().map(|(c, id)| {
-        let (c, id) = (c.clone(), *id);
-        Box::new(move || crate::api::init::run_init(&c, &id)) as Deferred
-    }).collect())
+    crate::api::init::run_together(inits)
 }
 
 /// ncclGroupSimulateEnd: close the group without running it and estimate its time (seconds):

@@ -526,3 +526,44 @@ fn hostile_connections_to_root_nccl_comm_id() {
 fn hostile_flood_of_half_open_connections() {
     hostile("hostile_flood_of_half_open_connections", false, 400, 40);
 }
+
+// ---- NCCL_COMM_ID's port held by another program -------------------------------------------
+
+/// Another program listens at NCCL_COMM_ID's address and never answers (held by this test).
+fn foreign_listener() -> (std::net::TcpListener, String) {
+    let addr = format!("127.0.0.1:{}", free_tcp_port());
+    let l = std::net::TcpListener::bind(&addr).expect("binding the foreign listener");
+    (l, addr)
+}
+
+/// ncclCommInitAll of 3 ranks while another program holds NCCL_COMM_ID's port: rank 0 cannot
+/// host the root, and ranks 1 and 2, which reached the other program instead, stop too
+/// instead of waiting for an answer forever (they did: the call hung). The call returns rank
+/// 0's error, and the others say why they stopped.
+#[test]
+fn init_all_stops_every_rank_when_rank_0_cannot_host_the_root() {
+    let (_held, addr) = foreign_listener();
+    let o = Job::new("faults").local(3).arg("--only").arg("hello").env("NCCL_COMM_ID", &addr)
+        .env("NCCL_DEBUG", "WARN").timeout_s(30).run_outcome();
+    let p = &o.procs[0];
+    let ok = !o.timed_out && !p.killed_at_deadline && !p.exited_0()
+        && p.log.contains("ncclCommInitAll") && p.log.contains("cannot host the root")
+        && p.log.contains("rank 1 of 3: init stopped: rank 0 of the same call failed")
+        && p.log.contains("rank 2 of 3: init stopped: rank 0 of the same call failed");
+    judge("init_all_stops_every_rank_when_rank_0_cannot_host_the_root", &o, ok, String::new());
+}
+
+/// A rank whose NCCL_COMM_ID address is another program's, which accepts and says nothing,
+/// says so at WARN (a root of ours answers within half of NCCL_INIT_TIMEOUT_S, at most 10 s)
+/// and fails at NCCL_INIT_TIMEOUT_S naming the silence.
+#[test]
+fn a_silent_program_at_nccl_comm_id_is_named() {
+    let (_held, addr) = foreign_listener();
+    let o = Job::new("faults").procs(2).arg("--only").arg("hello").env("NCCL_COMM_ID", &addr)
+        .env("NCCL_DEBUG", "WARN").env("NCCL_INIT_TIMEOUT_S", "4").timeout_s(30).run_outcome();
+    let silent = format!("the root at {addr} has said nothing in 3 s");
+    let ok = !o.timed_out && o.procs.iter().all(|p| !p.exited_0() && !p.killed_at_deadline)
+        && o.procs[1].log.contains(&silent) && o.procs[1].log.contains("no answer from the root within 6 s")
+        && o.procs[0].log.contains("cannot host the root");
+    judge("a_silent_program_at_nccl_comm_id_is_named", &o, ok, String::new());
+}

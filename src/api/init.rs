@@ -80,15 +80,46 @@ pub fn init_all(devs: &[i32]) -> Result<Vec<Handle>> {
 /// Initialise several communicators of this process concurrently (they rendezvous with each
 /// other, so they cannot run one after the other on one thread).
 pub fn run_inits(comms: &[Arc<Comm>], id: &UniqueId) -> Result<()> {
-    let work = comms.iter().map(|c| {
-        let (c, id) = (c.clone(), *id);
-        Box::new(move || run_init(&c, &id)) as crate::group::Deferred
-    }).collect();
-    let result = crate::group::run_parallel(work);
+    let list: Vec<(Arc<Comm>, UniqueId)> = comms.iter().map(|c| (c.clone(), *id)).collect();
+    let result = run_together(&list);
     if result.is_err() {
         comms.iter().for_each(|c| c.shutdown());
     }
     result
+}
+
+/// The inits of one group (or ncclCommInitAll), in parallel. When one fails on its own (rank 0
+/// cannot host the root, a root that is not ours), the others stop too rather than wait for a
+/// job that cannot form: each gets that failure as its error, named, and returns. The error
+/// returned is that first failure.
+pub fn run_together(list: &[(Arc<Comm>, UniqueId)]) -> Result<()> {
+    let cause: Arc<std::sync::Mutex<Option<Error>>> = Arc::default();
+    let all: Vec<Arc<Comm>> = list.iter().map(|(c, _)| c.clone()).collect();
+    let work = list.iter().map(|(c, id)| {
+        let (c, id, all, cause) = (c.clone(), *id, all.clone(), cause.clone());
+        Box::new(move || {
+            let r = run_init(&c, &id);
+            if let Err(e) = &r {
+                let mut first = cause.lock().unwrap_or_else(|p| p.into_inner());
+                if first.is_none() && !c.abort.load(Ordering::Acquire) {
+                    *first = Some(e.clone());
+                    for other in all.iter().filter(|o| !Arc::ptr_eq(o, &c)) {
+                        other.set_async_error(&Error::new(e.code, format!(
+                            "rank {} of {}: init stopped: rank {} of the same call failed: {}",
+                            other.rank, other.nranks, c.rank, e.msg)));
+                        other.abort.store(true, Ordering::Release);
+                    }
+                }
+            }
+            r
+        }) as crate::group::Deferred
+    }).collect();
+    let result = crate::group::run_parallel(work);
+    let first = cause.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match first {
+        Some(e) => Err(e),
+        None => result,
+    }
 }
 
 pub fn spawn_init(comm: Arc<Comm>, id: UniqueId) -> Result<()> {

@@ -256,9 +256,24 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     } else {
         Error::remote(format!("bootstrap: lost the connection to the root at {}: {}", id.root, e.msg))
     };
+    // A root of ours answers, or names the ranks it waits for, within `warn_after`: silence
+    // for half as long again means another program listens at its address (an NCCL_COMM_ID
+    // port in use), said once at WARN; the wait goes on (it may end at NCCL_INIT_TIMEOUT_S).
+    let speaks_within = timeout.map_or(Duration::from_secs(10), |t| (t / 2).min(Duration::from_secs(10)));
+    let mut quiet_until = Some(Instant::now() + speaks_within * 3 / 2);
     let reply = loop {
-        wait_readable(&mut s, reply_deadline, abort)
-            .map_err(|e| if e.code == crate::error::Code::InvalidUsage { e } else { no_answer(e) })?;
+        let until = quiet_until.map_or(reply_deadline, |q| q.min(reply_deadline));
+        match wait_readable(&mut s, until, abort) {
+            Err(e) if e.code != crate::error::Code::InvalidUsage && Instant::now() < reply_deadline
+                && quiet_until.take().is_some() => {
+                crate::warn!("rank {rank}: bootstrap: the root at {} has said nothing in {} s (ours answers within {} s): \
+                              is another program listening there (NCCL_COMM_ID's port in use)?",
+                             id.root, (speaks_within * 3 / 2).as_secs(), speaks_within.as_secs());
+                continue;
+            }
+            r => r.map_err(|e| if e.code == crate::error::Code::InvalidUsage { e } else { no_answer(e) })?,
+        }
+        quiet_until = None;
         let frame = read_frame(&mut s, reply_deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)))
             .map_err(no_answer)?;
         let mut r = Reader::new(&frame);
