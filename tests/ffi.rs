@@ -97,6 +97,18 @@ fn collectives_nonblocking_calls_return_at_once() {
     }
 }
 
+/// The same with NCCL_COMM_ID, which gives every communicator the same unique id (and so the
+/// same hash): the nonblocking communicator's first all-reduce connects its ranks while the
+/// other communicator's barrier connects the same pairs. Both used to name their shared-memory
+/// segment alike ("File exists"): the names now carry the receiving rank's bootstrap port.
+#[test]
+fn collectives_nonblocking_with_one_nccl_comm_id() {
+    for procs in [2, 3] {
+        let addr = format!("127.0.0.1:{}", free_tcp_port());
+        Job::new("collectives").procs(procs).arg("--only").arg("Nonblocking").env("NCCL_COMM_ID", &addr).run();
+    }
+}
+
 #[test]
 fn collectives_8_processes_quick() {
     Job::new("collectives").procs(8).arg("--quick").run();

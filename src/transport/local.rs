@@ -10,7 +10,8 @@ use super::ring::{ring_bytes, Mapping, RingRecv, RingSend};
 use super::Kind;
 use crate::error::{Error, Result};
 
-type Key = (u64, usize, usize);
+/// (communicator hash, receiver's bootstrap port, from, to).
+type Key = (u64, u16, usize, usize);
 
 struct Table {
     rings: Mutex<HashMap<Key, Arc<Mapping>>>,
@@ -22,19 +23,22 @@ fn table() -> &'static Table {
     T.get_or_init(|| Table { rings: Mutex::new(HashMap::new()), posted: Condvar::new() })
 }
 
-pub fn offer(hash: u64, from: usize, to: usize, slice: usize) -> Result<RingSend> {
+/// The ring rank `from` offers rank `to`, whose bootstrap service listens on `to_port` (which
+/// tells apart communicators of the same hash: see `shm::name_for`).
+pub fn offer(hash: u64, from: usize, to: usize, to_port: u16, slice: usize) -> Result<RingSend> {
     let map = Arc::new(Mapping::new(ring_bytes(slice), None)?);
     let t = table();
-    t.rings.lock().unwrap_or_else(|p| p.into_inner()).insert((hash, from, to), map.clone());
+    t.rings.lock().unwrap_or_else(|p| p.into_inner()).insert((hash, to_port, from, to), map.clone());
     t.posted.notify_all();
     Ok(RingSend::new(map, slice, Kind::Local, None))
 }
 
-pub fn accept(hash: u64, from: usize, to: usize, slice: usize, deadline: Instant, abort: &AtomicBool) -> Result<RingRecv> {
+pub fn accept(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, deadline: Instant, abort: &AtomicBool)
+              -> Result<RingRecv> {
     let t = table();
     let mut rings = t.rings.lock().unwrap_or_else(|p| p.into_inner());
     loop {
-        if let Some(map) = rings.remove(&(hash, from, to)) {
+        if let Some(map) = rings.remove(&(hash, to_port, from, to)) {
             return Ok(RingRecv::new(map, slice, Kind::Local, None));
         }
         if abort.load(Ordering::Acquire) {

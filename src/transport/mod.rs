@@ -162,9 +162,9 @@ pub fn offer(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
     let me = &ctx.peers[ctx.rank];
     let other = &ctx.peers[peer];
     let conn: Box<dyn SendConn> = match choose(me, other) {
-        Kind::Local => Box::new(local::offer(ctx.hash, ctx.rank, peer, ctx.slice)?),
+        Kind::Local => Box::new(local::offer(ctx.hash, ctx.rank, peer, other.addr.port(), ctx.slice)?),
         Kind::Shm => {
-            let (conn, name) = shm::create(ctx.hash, ctx.rank, peer, ctx.slice, other.pid)?;
+            let (conn, name) = shm::create(ctx.hash, ctx.rank, peer, other.addr.port(), ctx.slice, other.pid)?;
             ctx.service.send(peer, TAG_SHM, name.as_bytes())?;
             Box::new(conn)
         }
@@ -187,12 +187,12 @@ pub fn accept(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
     let me = &ctx.peers[ctx.rank];
     let other = &ctx.peers[peer];
     let conn: Box<dyn RecvConn> = match choose(me, other) {
-        Kind::Local => Box::new(local::accept(ctx.hash, peer, ctx.rank, ctx.slice, ctx.deadline, ctx.abort)?),
+        Kind::Local => Box::new(local::accept(ctx.hash, peer, ctx.rank, me.addr.port(), ctx.slice, ctx.deadline, ctx.abort)?),
         Kind::Shm => {
             let opened = ctx.service.recv(peer, TAG_SHM, ctx.deadline, ctx.abort)
                 .and_then(|name| shm::open(&String::from_utf8_lossy(&name), ctx.slice, other.pid));
             if opened.is_err() {
-                shm::remove_expected(ctx.hash, peer, ctx.rank, other.pid);
+                shm::remove_expected(ctx.hash, peer, ctx.rank, other.pid, me.addr.port());
             }
             Box::new(opened?)
         }

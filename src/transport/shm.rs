@@ -43,18 +43,21 @@ impl Drop for ShmSend {
     }
 }
 
-/// The segment rank `from` (process `pid`) creates for rank `to`.
-pub fn name_for(hash: u64, from: usize, to: usize, pid: u32) -> String {
-    format!("{PREFIX}{hash:016x}-{from}-{to}-{pid}")
+/// The segment rank `from` (process `pid`) creates for rank `to`, whose bootstrap service
+/// listens on `to_port`. The port tells apart communicators with the same hash (NCCL_COMM_ID
+/// gives every communicator the same unique id) that connect the same pair at once: each
+/// rank has a service, and so a port, of its own.
+pub fn name_for(hash: u64, from: usize, to: usize, pid: u32, to_port: u16) -> String {
+    format!("{PREFIX}{hash:016x}-{from}-{to}-{pid}-{to_port}")
 }
 
 /// A receiver whose sender died before handing over its segment removes it (survivors clean up).
-pub fn remove_expected(hash: u64, from: usize, to: usize, pid: u32) {
-    let _ = std::fs::remove_file(format!("/dev/shm/{}", name_for(hash, from, to, pid)));
+pub fn remove_expected(hash: u64, from: usize, to: usize, pid: u32, to_port: u16) {
+    let _ = std::fs::remove_file(format!("/dev/shm/{}", name_for(hash, from, to, pid, to_port)));
 }
 
-pub fn create(hash: u64, from: usize, to: usize, slice: usize, peer_pid: u32) -> Result<(ShmSend, String)> {
-    let name = name_for(hash, from, to, std::process::id());
+pub fn create(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, peer_pid: u32) -> Result<(ShmSend, String)> {
+    let name = name_for(hash, from, to, std::process::id(), to_port);
     let path = format!("/dev/shm/{name}");
     let len = ring_bytes(slice);
     let file = std::fs::OpenOptions::new()
