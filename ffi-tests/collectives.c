@@ -690,9 +690,9 @@ static void soak(void) {
  * returns ncclInProgress at once, even while a peer has yet to make the call, and completes in
  * the background (ncclCommGetAsyncError: ncclInProgress, then ncclSuccess), as NCCL's do. The
  * last rank joins only after a blocking barrier on the other communicator that the others
- * reach after their call returned: a call that waited for it would never return. Then the
- * pattern NCCL documents for faults: a call the last rank never makes, polled, and
- * ncclCommAbort, which returns. */
+ * reach after their call returned: a call that waited for it would never return; so does
+ * ncclCommFinalize behind it. Then the pattern NCCL documents for faults: a call the last
+ * rank never makes, polled, and ncclCommAbort, which returns. */
 static void nonblocking(void) {
   if (!wanted("Nonblocking")) return;
   test_step("nonblocking");
@@ -721,6 +721,12 @@ static void nonblocking(void) {
     if (issued) {
       EXPECT(r == ncclInProgress, "a nonblocking all-reduce%s returned %s, not ncclInProgress",
              late ? "" : " a peer has yet to join", result_name(r));
+      /* Finalize too returns at once, done after the all-reduce. */
+      for (int l = 0; l < g_env.local; l++)
+        if ((g_env.first_rank + l == last) == late) {
+          r = ncclCommFinalize(nb[l]);
+          EXPECT(r == ncclInProgress, "ncclCommFinalize behind an all-reduce in progress returned %s", result_name(r));
+        }
       for (int l = 0; l < g_env.local && !late; l++) {
         ncclResult_t state = ncclInternalError;
         CHECK(ncclCommGetAsyncError(nb[l], &state));
@@ -739,7 +745,9 @@ static void nonblocking(void) {
     for (size_t j = 0; j < count; j++)
       if (buf[l][j] != n * (int32_t)(j % 7) + n * (n + 1) / 2) bad++;
     EXPECT(bad == 0, "rank %d: %zu wrong values after the nonblocking all-reduce", rank, bad);
+    CHECK(ncclCommDestroy(nb[l]));
   }
+  CHECK(make_comms_config("nonblocking-2", nb, &cfg));
   /* The last rank never makes this call: the others poll, then abort. */
   CHECK(ncclGroupStart());
   int issued = 0;
@@ -761,7 +769,7 @@ static void nonblocking(void) {
     CHECK(ncclCommAbort(nb[l]));
     free(buf[l]);
   }
-  tlog("Nonblocking: in progress at once, done in the background, aborted while waiting");
+  tlog("Nonblocking: in progress at once, done in the background, finalized, aborted while waiting");
 }
 
 int main(int argc, char** argv) {

@@ -100,7 +100,7 @@ export! {
         if comm.is_null() {
             return Ok(()); // NCCL: finalizing NULL is a no-op, like destroying it.
         }
-        init::finalize(&*handle::get(comm)?)
+        init::finalize(&handle::get(comm)?)
     }
     fn ncclCommDestroy(comm: ncclComm_t) {
         if comm.is_null() {

@@ -205,9 +205,19 @@ fn join_job(comm: &Comm, id: &UniqueId) -> Result<()> {
 
 /// Host mode: every operation has completed when its call returned, so nothing is left to
 /// flush.
-pub fn finalize(comm: &Comm) -> Result<()> {
+pub fn finalize(comm: &Arc<Comm>) -> Result<()> {
     if comm.finalized.swap(true, Ordering::AcqRel) {
         return Err(Error::invalid_arg("communicator was already finalized"));
+    }
+    if !comm.config.blocking {
+        // As NCCL's: ncclInProgress, done once what was issued before it is (polled with
+        // ncclCommGetAsyncError; ncclCommAbort stops it).
+        let c = comm.clone();
+        return crate::group::background::start_anyway(vec![comm.clone()], Box::new(move || {
+            crate::streamed::drain(&c);
+            c.rma.drain();
+            Ok(())
+        }));
     }
     // Flush what was issued on streams (CUDA mode) and what a nonblocking communicator runs
     // in the background; other host-mode calls have completed already.

@@ -8,8 +8,10 @@
 //! Each communicator's operations run in issue order: a job waits for the earlier jobs of
 //! every communicator it uses (tickets taken under one lock, so two jobs on overlapping sets
 //! never wait for each other). Anything else that runs operations on a communicator — a
-//! group mixing blocking and nonblocking communicators, device buffers, finalize, destroy,
-//! abort — first waits until its earlier jobs are done (`wait_idle`).
+//! group mixing blocking and nonblocking communicators, device buffers, destroy, abort —
+//! first waits until its earlier jobs are done (`wait_idle`). A nonblocking communicator's
+//! ncclCommFinalize is a job of its own: it returns `ncclInProgress`, and the state turns to
+//! `ncclSuccess` once everything issued before it is done.
 
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -87,6 +89,11 @@ pub fn start(comms: Vec<Arc<Comm>>, run: Box<dyn FnOnce() -> Result<()> + Send>)
     for c in &comms {
         c.ready()?;
     }
+    start_anyway(comms, run)
+}
+
+/// [`start`] whatever state the communicators are in (ncclCommFinalize).
+pub fn start_anyway(comms: Vec<Arc<Comm>>, run: Box<dyn FnOnce() -> Result<()> + Send>) -> Result<()> {
     let tickets: Vec<u64> = {
         let _g = ISSUE.lock().unwrap_or_else(|p| p.into_inner());
         comms.iter().map(|c| c.background.issue(c)).collect()
