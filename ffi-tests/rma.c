@@ -218,6 +218,49 @@ static void order(void) {
   close_windows(g_comms, w, "Order: a window");
 }
 
+/* Windows of two communicators made from the same unique id (NCCL_COMM_ID gives every
+ * communicator the same; this part runs only with it set, one rank per process, 3 ranks or
+ * more): the world, and a pair of its first two ranks. Ranks 0 and 1 register a window on the
+ * pair first, then one on the world; the others only the world's. The last rank puts into
+ * rank 0's world window: it must land there, and the pair's window stay as it was. Windows
+ * used to be numbered per (hash, rank), which both communicators of rank 0 share, so rank 0's
+ * world window was its second where the last rank's was its first: the put landed in the
+ * pair's. */
+static void same_id(void) {
+  if (!wanted("SameId") || !getenv("NCCL_COMM_ID") || g_env.local != 1 || g_env.nranks < 3) return;
+  test_step("SameId");
+  const int me = g_env.first_rank, last = g_env.nranks - 1;
+  const size_t count = 1024;
+  ncclComm_t pair = NULL;
+  window_t p, w;
+  if (me < 2) {
+    ncclUniqueId id;
+    CHECK(ncclGetUniqueId(&id));
+    CHECK(ncclCommInitRank(&pair, 2, id, me));
+    open_windows(&pair, &p, count * 4, NCCL_WIN_COLL_SYMMETRIC);
+  }
+  open_windows(g_comms, &w, count * 4, NCCL_WIN_COLL_SYMMETRIC);
+  uint32_t* v = malloc(count * 4);
+  for (size_t j = 0; j < count; j++) v[j] = 7000u + (uint32_t)j;
+  if (me == last) CHECK(ncclPutSignal(v, count, ncclUint32, 0, w.win, 0, 0, 0, 0, g_comms[0], TEST_STREAM));
+  if (me == 0) {
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = last, .sigIdx = 0, .ctx = 0};
+    CHECK(ncclWaitSignal(1, &d, g_comms[0], TEST_STREAM));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += ((const uint32_t*)w.ptr)[j] != 7000u + (uint32_t)j;
+    EXPECT(bad == 0, "SameId: %zu of %zu elements of rank 0's world window are not rank %d's put", bad, count, last);
+    EXPECT(gbuf_poison_intact(&p.buf, 0x3a3au, 0, count * 4),
+           "SameId: rank %d's put into rank 0's world window changed its window on the pair", last);
+  }
+  free(v);
+  allreduce_sum_int(g_comms, 0);
+  close_windows(g_comms, &w, "SameId: a world window");
+  if (pair) {
+    close_windows(&pair, &p, "SameId: a window on the pair");
+    CHECK(ncclCommDestroy(pair));
+  }
+}
+
 /* Signals are counted per (context, signal index, sender), with numRmaCtx and numRmaSig from
  * the config, and a wait consumes what it waited for. */
 static void signals(void) {
@@ -533,6 +576,7 @@ int main(int argc, char** argv) {
   all_to_all();
   barrier();
   order();
+  same_id();
   signals();
   errors();
   properties();

@@ -266,6 +266,19 @@ fn rma_all_to_all_64_ranks_16_processes_x_4() {
     Job::new("rma").procs(16).local(4).arg("--quick").arg("--only").arg("AllToAll").timeout_s(240).run();
 }
 
+/// Part SameId (ffi-tests/rma.c): windows of two communicators of one NCCL_COMM_ID (the same
+/// unique id, so the same hash), the world and a pair of its ranks 0 and 1, registered in a
+/// different order on the pair's ranks than on the others: a put into rank 0's world window
+/// lands there, not in its window on the pair (it did before windows were numbered per
+/// communicator rather than per hash).
+#[test]
+fn rma_windows_of_communicators_with_one_id_stay_apart() {
+    for procs in [3, 4] {
+        let addr = format!("127.0.0.1:{}", free_tcp_port());
+        Job::new("rma").procs(procs).arg("--only").arg("SameId").env("NCCL_COMM_ID", &addr).run();
+    }
+}
+
 #[test]
 fn rma_2_processes() {
     Job::new("rma").procs(2).run();

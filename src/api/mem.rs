@@ -50,7 +50,7 @@ pub fn free(ptr: *mut c_void) -> Result<()> {
 /// CFT_COUNTED); any other bit is refused.
 const WIN_FLAGS: i32 = 0x0f;
 
-/// A registered window: its communicator (hash and rank), its buffer, and its ordinal: the
+/// A registered window: its communicator (`Comm::serial` and rank), its buffer, and its ordinal: the
 /// number of windows the rank registered on the communicator before it. Registration is
 /// collective, so an ordinal names the same window on every rank; one-sided operations use it
 /// to name the target's window.
@@ -66,10 +66,10 @@ pub struct Window {
 
 const WIN_COLL_SYMMETRIC: i32 = 0x01;
 
-/// A window's name on every rank: its communicator (hash, rank) and ordinal.
+/// A window's name in this process: its communicator (serial, rank) and ordinal.
 type WindowKey = ((u64, usize), u64);
 
-/// Live windows by name, their tokens, and the next ordinal per communicator (hash, rank). A
+/// Live windows by name, their tokens, and the next ordinal per communicator (serial, rank). A
 /// token is leaked on purpose, as communicator handles are: its address is never reused, so a
 /// deregistered window stays an error.
 #[derive(Default)]
@@ -99,7 +99,8 @@ pub fn window_register(comm: &std::sync::Arc<Comm>, buff: UserPtr, size: usize, 
     }
     comm.ready()?;
     let token = Box::leak(Box::new(0u64)) as *mut u64 as usize;
-    let key = (comm.hash, comm.rank);
+    // (Not the hash: communicators of one unique id, NCCL_COMM_ID's, share it.)
+    let key = (comm.serial, comm.rank);
     let mut guard = windows();
     let reg = guard.get_or_insert_with(Default::default);
     let next = reg.next.entry(key).or_insert(0);
@@ -119,7 +120,7 @@ pub fn window_register(comm: &std::sync::Arc<Comm>, buff: UserPtr, size: usize, 
 pub fn window_of(comm: &Comm, token: usize) -> Result<Window> {
     let w = windows().as_ref().and_then(|m| m.by_token.get(&token).and_then(|k| m.live.get(k)).copied());
     match w {
-        Some(w) if w.comm == (comm.hash, comm.rank) => Ok(w),
+        Some(w) if w.comm == (comm.serial, comm.rank) => Ok(w),
         Some(_) => Err(Error::invalid_arg(format!("window {token:#x} belongs to another communicator"))),
         None => Err(Error::invalid_arg(format!("{token:#x} is not a window (deregistered, or never registered)"))),
     }
@@ -136,7 +137,7 @@ pub fn window_and_comm(token: usize) -> Result<(std::sync::Arc<Comm>, Window)> {
         "{token:#x} is not a window of a live communicator (deregistered, or never registered)")))
 }
 
-/// What became of the window a rank registered `ordinal`-th on a communicator (hash, rank).
+/// What became of the window a rank registered `ordinal`-th on a communicator (serial, rank).
 pub enum Lookup {
     Live(Window),
     /// Registered, then deregistered.
@@ -145,7 +146,7 @@ pub enum Lookup {
     NotYet,
 }
 
-/// The window registered `ordinal`-th by `comm` (hash, rank), waiting for its registration
+/// The window registered `ordinal`-th by `comm` (serial, rank), waiting for its registration
 /// while `wait` says so (a put may arrive before its target registered the window).
 pub fn window_by_ordinal(comm: (u64, usize), ordinal: u64, mut wait: impl FnMut() -> bool) -> Lookup {
     let mut guard = windows();

@@ -52,7 +52,7 @@ pub struct Rma {
 }
 
 struct Inner {
-    /// The communicator (hash, rank): whose windows puts land in.
+    /// The communicator (`Comm::serial`, rank): whose windows puts land in.
     comm: (u64, usize),
     /// Its device (CUDA mode) and the shape of its signals (contexts, signals, ranks).
     cuda_dev: i32,
@@ -142,10 +142,10 @@ const PROBE_EVERY: Duration = Duration::from_secs(1);
 
 impl Rma {
     /// `shape`: the config's contexts and signals per context.
-    pub fn new(hash: u64, rank: usize, nranks: usize, cuda_dev: i32, shape: (u32, u32)) -> Rma {
+    pub fn new(serial: u64, rank: usize, nranks: usize, cuda_dev: i32, shape: (u32, u32)) -> Rma {
         Rma {
             inner: Arc::new(Inner {
-                comm: (hash, rank),
+                comm: (serial, rank),
                 cuda_dev,
                 shape: (shape.0, shape.1, nranks),
                 state: Mutex::new(State::default()),

@@ -145,8 +145,11 @@ pub struct Comm {
     pub nranks: usize,
     pub cuda_dev: i32,
     pub config: Config,
-    /// Identifies the communicator across ranks (derived from the unique id).
+    /// Identifies the communicator across ranks (derived from the unique id; with NCCL_COMM_ID
+    /// every communicator has the same, as in NCCL).
     pub hash: u64,
+    /// Identifies it among this process's communicators (windows are registered under it).
+    pub serial: u64,
     ready: OnceLock<Ready>,
     /// `ncclSuccess`, `ncclInProgress` while a nonblocking init or operation runs, or the error.
     async_code: AtomicI32,
@@ -175,12 +178,15 @@ pub struct Comm {
 impl Comm {
     pub fn new(rank: usize, nranks: usize, cuda_dev: i32, config: Config, hash: u64) -> Comm {
         let rma_shape = (config.rma_contexts, config.rma_signals);
+        static SERIAL: AtomicU64 = AtomicU64::new(1);
+        let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
         Comm {
             rank,
             nranks,
             cuda_dev,
             config,
             hash,
+            serial,
             ready: OnceLock::new(),
             async_code: AtomicI32::new(Code::InProgress as i32),
             async_error: Mutex::new(None),
@@ -193,7 +199,7 @@ impl Comm {
             next_user_op: AtomicI32::new(crate::types::BuiltinOp::ALL.len() as i32),
             seq: AtomicU64::new(0),
             streamed: OnceLock::new(),
-            rma: crate::api::rma::Rma::new(hash, rank, nranks, cuda_dev, rma_shape),
+            rma: crate::api::rma::Rma::new(serial, rank, nranks, cuda_dev, rma_shape),
             background: Default::default(),
         }
     }
