@@ -238,11 +238,19 @@ pub fn destroy(comm: Arc<Comm>) -> Result<()> {
     Ok(())
 }
 
+/// How long ncclCommAbort waits for the communicator's background operations to stop.
+const ABORT_WAITS: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub fn abort(comm: Arc<Comm>) -> Result<()> {
     comm.abort.store(true, Ordering::Release);
     // Operations running in the background stop at the flag (within the progress engine's
-    // check interval) and let go of the connections.
-    crate::group::background::wait_idle(&comm);
+    // check interval) and let go of the connections. One still waiting for its turn behind
+    // another communicator's (a group over several) finds the flag when it starts, and runs
+    // nothing: abort does not wait for it.
+    if !crate::group::background::wait_idle_for(&comm, ABORT_WAITS) {
+        crate::warn!("rank {}: ncclCommAbort: operations issued in the background still wait behind another \
+                      communicator's after {} s; they will stop when they start", comm.rank, ABORT_WAITS.as_secs());
+    }
     comm.shutdown();
     Ok(())
 }

@@ -76,6 +76,22 @@ pub fn wait_idle(comm: &Comm) {
     }
 }
 
+/// [`wait_idle`] for at most `limit`; whether they are done.
+pub fn wait_idle_for(comm: &Comm, limit: std::time::Duration) -> bool {
+    let b = &comm.background;
+    let until = std::time::Instant::now() + limit;
+    let mut c = b.lock();
+    let upto = c.issued;
+    while c.done < upto {
+        let now = std::time::Instant::now();
+        if now >= until {
+            return false;
+        }
+        c = b.changed.wait_timeout(c, until - now).unwrap_or_else(|p| p.into_inner()).0;
+    }
+    true
+}
+
 /// Whether a group of these operations runs in the background: host buffers only, every
 /// communicator nonblocking.
 pub fn eligible<'a>(mut ops: impl Iterator<Item = (&'a Comm, bool)>) -> bool {
