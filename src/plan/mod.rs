@@ -47,6 +47,17 @@ pub struct Ref {
 
 impl Ref {
     pub const NONE: Ref = Ref { first: 0, n: 0 };
+
+    /// Its last unit alone. A step that depends on a `Ref` of as many units as it has waits
+    /// for the matching unit (pipelining: right where both cover the same bytes in order); on
+    /// this one it waits for the last, and so for everything queued locally before it (local
+    /// steps run in order): use it where the bytes differ.
+    pub fn last(self) -> Ref {
+        match self.n {
+            0 => self,
+            n => Ref { first: self.first + n - 1, n: 1 },
+        }
+    }
 }
 
 /// Reduction parameters of an operation as algorithms see them.

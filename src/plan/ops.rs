@@ -293,7 +293,11 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
         let copy = (op.kind == OpKind::Send && written.overlaps(op.send)).then(|| {
             b.begin(op.stamp());
             let copy = b.scratch(op.send.len());
-            copied = b.copy(copy, op.send, &[copied]);
+            // Every copy waits for the whole of the ones before, and the sends and receives
+            // below for the whole of the last (`Ref::last`): their bytes are other bytes, so a
+            // matching slice would say nothing (a receive's second slice landed before the
+            // copy of what it overwrote: found with small slices, NCCL_BUFFSIZE=65536).
+            copied = b.copy(copy, op.send, &[copied]).last();
             copy
         });
         copies.push(copy);
@@ -337,6 +341,31 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::Step;
+
+    /// An in-place exchange whose receive lands one slice further on than its send starts
+    /// (as in an uneven all-to-all by sends and receives): each slice of the receive
+    /// overwrites bytes a later slice of the send's copy takes, so every unit of the receive
+    /// and of the send waits for the whole copy, not for its matching slice. (With matching
+    /// slices, NCCL_BUFFSIZE=65536 made a random-call soak send overwritten bytes.)
+    #[test]
+    fn exchanges_in_place_wait_for_the_whole_copy() {
+        const SLICE: usize = 256;
+        let mut buf = vec![0u8; 4 * SLICE];
+        let r = Region::owned(&mut buf);
+        let op = |kind, send: Region, recv: Region, seq| Op { kind, dt: DataType::Uint8,
+            op: RedOp::Builtin(BuiltinOp::Sum), count: 3 * SLICE, root: 1, send, recv, seq, scalar_at: None, of: None };
+        let ops = [op(OpKind::Send, r.sub(0, 3 * SLICE), Region::EMPTY, 1),
+                   op(OpKind::Recv, Region::EMPTY, r.sub(SLICE, 3 * SLICE), 2)];
+        let b = plan_group(0, 2, SLICE, &ops, None).expect("a plan");
+        let last_copy = b.units.iter().rposition(|u| matches!(u.step, Step::Copy { .. })).expect("the send is copied");
+        let transfers: Vec<_> = b.units.iter().filter(|u| matches!(u.step, Step::Send { .. } | Step::Recv { .. })).collect();
+        assert_eq!(transfers.len(), 6, "3 slices each way");
+        for u in transfers {
+            assert!(u.deps.contains(&(last_copy as u32)), "{:?} waits for {:?}, not the copy's last unit {last_copy}",
+                    u.step, u.deps);
+        }
+    }
 
     /// Launches of one captured operation differ from each other and from every operation
     /// called outside a graph, and say which they are.
