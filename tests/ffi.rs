@@ -103,6 +103,20 @@ fn collectives_nonblocking_calls_return_at_once() {
     }
 }
 
+/// A nonblocking communicator's operations run on threads kept for them, not on a thread
+/// started per call: part Soak issues about half of its 100 steps on its nonblocking
+/// communicator, one after the other, and each process starts a few threads at most.
+#[test]
+fn nonblocking_calls_reuse_their_threads() {
+    let o = Job::new("collectives").procs(2).arg("--only").arg("Soak").env("NCCL_TEST_SOAK_STEPS", "100")
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for (i, p) in o.procs.iter().enumerate() {
+        let started = p.log.matches("for nonblocking communicators' operations").count();
+        assert!((1..=8).contains(&started), "process {i} started {started} threads for about 50 calls:\n{}", p.log);
+    }
+}
+
 /// The same with NCCL_COMM_ID, which gives every communicator the same unique id (and so the
 /// same hash): the nonblocking communicator's first all-reduce connects its ranks while the
 /// other communicator's barrier connects the same pairs. Both used to name their shared-memory

@@ -1,6 +1,6 @@
 //! Nonblocking communicators (`config.blocking = 0`) with host buffers: a group's operations
-//! run on a thread of their own, and the call returns `ncclInProgress` at once, as NCCL's
-//! do. `ncclCommGetAsyncError` says `ncclInProgress` until they are done, then `ncclSuccess`
+//! run on a thread of their own (kept for later ones: `on_a_thread`), and the call returns
+//! `ncclInProgress` at once, as NCCL's do. `ncclCommGetAsyncError` says `ncclInProgress` until they are done, then `ncclSuccess`
 //! or their error; `ncclCommAbort` from the calling thread stops them. So the fault-tolerance
 //! pattern NCCL documents (issue, poll with a deadline, abort) works in host mode too, instead
 //! of the call itself waiting for a late or lost peer.
@@ -116,7 +116,7 @@ pub fn start_anyway(comms: Vec<Arc<Comm>>, run: Box<dyn FnOnce() -> Result<()> +
     };
     let shown = crate::debug::shown_rank();
     let job_comms = comms.clone();
-    let spawned = std::thread::Builder::new().name("nccl-rs-nonblock".into()).spawn(move || {
+    let spawned = on_a_thread(Box::new(move || {
         crate::debug::set_rank(shown);
         for (c, &t) in job_comms.iter().zip(&tickets) {
             c.background.wait_turn(t);
@@ -133,7 +133,7 @@ pub fn start_anyway(comms: Vec<Arc<Comm>>, run: Box<dyn FnOnce() -> Result<()> +
             }
             c.background.finish(c);
         }
-    });
+    }));
     if let Err(e) = spawned {
         let e = Error::os("spawn a thread for a nonblocking communicator's operations", e);
         for c in &comms {
@@ -143,4 +143,65 @@ pub fn start_anyway(comms: Vec<Arc<Comm>>, run: Box<dyn FnOnce() -> Result<()> +
         return Err(e);
     }
     Err(Error::in_progress())
+}
+
+type Task = Box<dyn FnOnce() + Send>;
+
+/// Threads that ran a job and wait for the next (each with its number): jobs run on them
+/// rather than on a thread started per call. Jobs may wait for each other (ranks of this
+/// process), so each runs on a thread of its own: one is started when none is idle.
+static IDLE: Mutex<Vec<(u64, std::sync::mpsc::Sender<Task>)>> = Mutex::new(Vec::new());
+/// How long an idle thread waits for a job before it ends.
+const IDLE_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
+fn idle() -> std::sync::MutexGuard<'static, Vec<(u64, std::sync::mpsc::Sender<Task>)>> {
+    IDLE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Run `task` on an idle thread, or on a new one.
+fn on_a_thread(task: Task) -> std::io::Result<()> {
+    let mut task = task;
+    loop {
+        let Some((_, tx)) = idle().pop() else { break };
+        // A thread takes what is sent to it once it is taken off the list (`serve`); only one
+        // that died (it cannot: tasks catch their panics) would hand the task back.
+        match tx.send(task) {
+            Ok(()) => return Ok(()),
+            Err(std::sync::mpsc::SendError(t)) => task = t,
+        }
+    }
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let me = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::thread::Builder::new().name("nccl-rs-nonblock".into()).spawn(move || serve(me, task))?;
+    crate::info!(INIT, "started thread {me} for nonblocking communicators' operations");
+    Ok(())
+}
+
+/// A thread's life: run its task, offer itself for the next, and end after `IDLE_FOR`
+/// without one. Once taken off the list by a caller it waits for that caller's task.
+fn serve(me: u64, first: Task) {
+    let (tx, rx) = std::sync::mpsc::channel::<Task>();
+    let mut next = Some(first);
+    while let Some(task) = next.take() {
+        task();
+        idle().push((me, tx.clone()));
+        next = match rx.recv_timeout(IDLE_FOR) {
+            Ok(t) => Some(t),
+            Err(_) => {
+                let mut list = idle();
+                match list.iter().position(|(n, _)| *n == me) {
+                    // Nobody took it: it ends.
+                    Some(k) => {
+                        list.remove(k);
+                        None
+                    }
+                    // A caller took it and sends (or sent) its task.
+                    None => {
+                        drop(list);
+                        rx.recv().ok()
+                    }
+                }
+            }
+        };
+    }
 }
