@@ -1,9 +1,10 @@
 //! Nonblocking communicators (`config.blocking = 0`) with host buffers: a group's operations
 //! run on a thread of their own (kept for later ones: `on_a_thread`), and the call returns
-//! `ncclInProgress` at once, as NCCL's do. `ncclCommGetAsyncError` says `ncclInProgress` until they are done, then `ncclSuccess`
-//! or their error; `ncclCommAbort` from the calling thread stops them. So the fault-tolerance
-//! pattern NCCL documents (issue, poll with a deadline, abort) works in host mode too, instead
-//! of the call itself waiting for a late or lost peer.
+//! `ncclInProgress` at once, as NCCL's do. `ncclCommGetAsyncError` says `ncclInProgress`
+//! until they are done, then `ncclSuccess` or their error; `ncclCommAbort` from the calling
+//! thread stops them. So the fault-tolerance pattern NCCL documents (issue, poll with a
+//! deadline, abort) works in host mode too, instead of the call itself waiting for a late or
+//! lost peer.
 //!
 //! Each communicator's operations run in issue order: a job waits for the earlier jobs of
 //! every communicator it uses (tickets taken under one lock, so two jobs on overlapping sets
@@ -68,26 +69,34 @@ impl Background {
 /// Wait until every job issued on `comm` so far is done (they end on their own: an abort
 /// stops them within the progress engine's check interval).
 pub fn wait_idle(comm: &Comm) {
-    let b = &comm.background;
-    let mut c = b.lock();
-    let upto = c.issued;
-    while c.done < upto {
-        c = b.changed.wait(c).unwrap_or_else(|p| p.into_inner());
-    }
+    wait_done(comm, None);
 }
 
 /// [`wait_idle`] for at most `limit`; whether they are done.
 pub fn wait_idle_for(comm: &Comm, limit: std::time::Duration) -> bool {
+    wait_done(comm, Some(std::time::Instant::now() + limit))
+}
+
+fn wait_done(comm: &Comm, until: Option<std::time::Instant>) -> bool {
+    // Only nonblocking communicators have jobs: every call on a blocking one comes here, and
+    // takes no lock.
+    if comm.config.blocking {
+        return true;
+    }
     let b = &comm.background;
-    let until = std::time::Instant::now() + limit;
     let mut c = b.lock();
     let upto = c.issued;
     while c.done < upto {
-        let now = std::time::Instant::now();
-        if now >= until {
-            return false;
-        }
-        c = b.changed.wait_timeout(c, until - now).unwrap_or_else(|p| p.into_inner()).0;
+        c = match until {
+            None => b.changed.wait(c).unwrap_or_else(|p| p.into_inner()),
+            Some(until) => {
+                let now = std::time::Instant::now();
+                if now >= until {
+                    return false;
+                }
+                b.changed.wait_timeout(c, until - now).unwrap_or_else(|p| p.into_inner()).0
+            }
+        };
     }
     true
 }
