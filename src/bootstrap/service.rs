@@ -101,7 +101,10 @@ impl Service {
         let _ = s.set_nodelay(true);
         let mut w = Writer::default();
         w.u64(self.shared.magic).u8(kind).u32(self.rank()).u32(tag).bytes(payload);
-        write_frame(&mut s, &w.buf).map_err(|e| e.context(format!("bootstrap: rank {peer}")))?;
+        // The peer's listener took the connection but the peer is gone by the time it is
+        // written to (it exited meanwhile: reset, broken pipe): a lost peer, as a refused
+        // connection above is, not a fault of this rank.
+        write_frame(&mut s, &w.buf).map_err(|e| Error::remote(format!("bootstrap: rank {peer} at {addr}: {}", e.msg)))?;
         Ok(s)
     }
 
