@@ -91,6 +91,32 @@ fn every_collective_across_processes() {
     }
 }
 
+/// Nonblocking communicators (`--nonblocking 1`, and `NCCL_COMM_BLOCKING=0` without it): calls
+/// return ncclInProgress and the tool waits by polling ncclCommGetAsyncError; every collective
+/// checked, the time in the calls reported.
+#[test]
+fn nonblocking_communicators() {
+    for coll in ["allreduce", "allgather", "reducescatter", "broadcast", "alltoall", "sendrecv"] {
+        for layout in [["-np", "2"], ["-t", "3"]] {
+            let text = perf(&[coll, layout[0], layout[1], "-b", "8", "-e", "64K", "-f", "16", "-n", "2", "-w", "1",
+                              "--nonblocking", "1", "-r", "1"]);
+            checked(&text, &format!("{coll} {layout:?} nonblocking"));
+            assert!(text.contains("nonblocking communicators"), "{coll}: the header does not say nonblocking:\n{text}");
+            assert!(text.contains("us per call (in the call"), "{coll}: no time in the calls:\n{text}");
+        }
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_nccl-rs-perf"))
+        .args(["allreduce", "-np", "2", "-b", "8", "-e", "4K", "-f", "8", "-n", "2", "-w", "1"])
+        .env_remove("NCCL_COMM_ID")
+        .env_remove("LD_LIBRARY_PATH")
+        .env("NCCL_COMM_BLOCKING", "0")
+        .output()
+        .expect("run nccl-rs-perf");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "NCCL_COMM_BLOCKING=0 failed:\n{text}");
+    checked(&text, "NCCL_COMM_BLOCKING=0");
+}
+
 /// The baselines' table (one row per size, the collective's name first), pinned processes.
 #[test]
 fn baselines_table_and_binding() {

@@ -103,9 +103,10 @@ fn buffers(o: &Opts) -> String {
         (true, true, false) => "device (virtual memory API, 20 MiB allocations)",
         (true, true, true) => "device (virtual memory API, 20 MiB allocations peers cannot map)",
     };
+    let comms = if o.nonblocking { ", nonblocking communicators" } else { "" };
     match o.graph {
-        0 => format!("{mode} mode, {place} buffers"),
-        g => format!("{mode} mode, {place} buffers, each call captured into a CUDA graph launched {g} time(s) per iteration"),
+        0 => format!("{mode} mode, {place} buffers{comms}"),
+        g => format!("{mode} mode, {place} buffers{comms}, each call captured into a CUDA graph launched {g} time(s) per iteration"),
     }
 }
 
@@ -215,9 +216,10 @@ pub fn run(o: &Opts, proc_index: usize, nprocs: usize) -> Result<(), String> {
         println!("# Out of bounds values : {} {}", wrong, if wrong == 0 { "OK" } else { "FAILED" });
         println!("# Avg bus bandwidth    : {avg_busbw:.4}");
         println!("#");
-        if o.device {
-            // With device buffers a call only queues its work; this is what it costs the
-            // calling thread (process 0's, median), next to the time the work takes.
+        if o.device || o.nonblocking {
+            // With device buffers (or on nonblocking communicators) a call only queues its
+            // work; this is what it costs the calling thread (process 0's, median), next to the
+            // time the work takes.
             for r in &rows {
                 let per: Vec<String> = r.cells.iter().map(|c| format!("{:.2}", c.call_us)).collect();
                 println!("# {:>12} bytes: {} us per call (in the call; {})", r.bytes, per.join(" / "),
@@ -225,7 +227,7 @@ pub fn run(o: &Opts, proc_index: usize, nprocs: usize) -> Result<(), String> {
             }
             // The yardstick: a plain copy on the device, after the sweep (the other ranks
             // idle), at each size.
-            for r in &rows {
+            for r in rows.iter().filter(|_| o.device) {
                 if let Some(gbps) = ffi::copy_gbps(&ranks[0], r.bytes)? {
                     println!("# {:>12} bytes: device-to-device copy {gbps:.2} GB/s (cuMemcpyAsync, bytes / time)", r.bytes);
                 }

@@ -37,6 +37,42 @@ pub fn check(r: ncclResult_t, what: &str) -> Result<(), String> {
     Err(format!("{what} failed (ncclResult {}): {msg}", r.0))
 }
 
+const IN_PROGRESS: i32 = 7;
+
+/// [`check`] for a call on nonblocking communicators: whether it returned `ncclInProgress`
+/// (the operation goes on; [`settle`] waits for it).
+pub fn check_pending(r: ncclResult_t, what: &str) -> Result<bool, String> {
+    if r.0 == IN_PROGRESS {
+        return Ok(true);
+    }
+    check(r, what).map(|()| false)
+}
+
+/// Wait until none of `comms` is in progress, as NCCL documents for nonblocking communicators:
+/// poll `ncclCommGetAsyncError` (spinning, then yielding: the tool measures the handoff); the
+/// first error any reports fails the wait with its message.
+pub fn settle(comms: impl IntoIterator<Item = ncclComm_t>, what: &str) -> Result<(), String> {
+    for comm in comms {
+        let mut polls = 0u32;
+        loop {
+            let mut state = ncclResult_t(0);
+            check(ncclCommGetAsyncError(comm, &mut state), "ncclCommGetAsyncError")?;
+            match state.0 {
+                0 => break,
+                IN_PROGRESS => {}
+                _ => return check(state, what),
+            }
+            polls += 1;
+            if polls < 1024 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A page-aligned, pre-touched host buffer, as the baselines allocate theirs
 /// (`aligned_alloc(4096, ...)` and `memset`), so no tool pays page faults another does not.
 pub struct Buf {
@@ -193,20 +229,36 @@ pub fn init_ranks(o: &Opts, proc_index: usize, nprocs: usize, send_bytes: usize,
     let local = o.threads;
     let n = nprocs * local;
     let mut comms: Vec<ncclComm_t> = vec![null_mut(); local];
-    if nprocs == 1 {
+    let pending = if o.nonblocking {
+        // ncclCommInitAll takes no config: every rank joins through ncclCommInitRankConfig.
+        let mut config = ncclConfig_t::INITIALIZER;
+        config.blocking = 0;
+        let mut id = ncclUniqueId { internal: [0; 128] };
+        check(ncclGetUniqueId(&mut id), "ncclGetUniqueId (NCCL_COMM_ID must be set for several processes)")?;
+        check(ncclGroupStart(), "ncclGroupStart")?;
+        for (l, c) in comms.iter_mut().enumerate() {
+            check_pending(ncclCommInitRankConfig(c, n as i32, id, (proc_index * local + l) as i32, &mut config),
+                          "ncclCommInitRankConfig")?;
+        }
+        check_pending(ncclGroupEnd(), "ncclGroupEnd")?
+    } else if nprocs == 1 {
         // Device buffers: every rank on device 0 (nccl-rs lets ranks share a GPU); host
         // buffers: NCCL's default device list.
         let zeros = vec![0i32; local];
         let devs = if o.device { zeros.as_ptr() } else { std::ptr::null() };
-        check(ncclCommInitAll(comms.as_mut_ptr(), local as i32, devs), "ncclCommInitAll")?;
+        check_pending(ncclCommInitAll(comms.as_mut_ptr(), local as i32, devs), "ncclCommInitAll")?
     } else {
         let mut id = ncclUniqueId { internal: [0; 128] };
         check(ncclGetUniqueId(&mut id), "ncclGetUniqueId (NCCL_COMM_ID must be set for several processes)")?;
         check(ncclGroupStart(), "ncclGroupStart")?;
         for (l, c) in comms.iter_mut().enumerate() {
-            check(ncclCommInitRank(c, n as i32, id, (proc_index * local + l) as i32), "ncclCommInitRank")?;
+            check_pending(ncclCommInitRank(c, n as i32, id, (proc_index * local + l) as i32), "ncclCommInitRank")?;
         }
-        check(ncclGroupEnd(), "ncclGroupEnd")?;
+        check_pending(ncclGroupEnd(), "ncclGroupEnd")?
+    };
+    // (NCCL_COMM_BLOCKING=0 makes communicators without a config nonblocking too.)
+    if pending {
+        settle(comms.iter().copied(), "communicator initialisation")?;
     }
     comms.into_iter().enumerate().map(|(l, comm)| Ok(Rank {
         comm,
@@ -242,6 +294,11 @@ pub fn destroy(ranks: Vec<Rank>) -> Result<(), String> {
     for r in ranks {
         if let Some(op) = r.premul {
             check(ncclRedOpDestroy(op, r.comm), "ncclRedOpDestroy")?;
+        }
+        // A nonblocking communicator is finalized first, as NCCL documents (a blocking one's
+        // ncclCommFinalize returns when it is done).
+        if check_pending(ncclCommFinalize(r.comm), "ncclCommFinalize")? {
+            settle([r.comm], "ncclCommFinalize")?;
         }
         check(ncclCommDestroy(r.comm), "ncclCommDestroy")?;
     }
@@ -307,25 +364,30 @@ pub fn step(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool
         return launch(o, ranks, o.graph);
     }
     let t0 = std::time::Instant::now();
-    issue_all(o, ranks, n, count, in_place)?;
+    let pending = issue_all(o, ranks, n, count, in_place)?;
     let in_calls = t0.elapsed().as_secs_f64();
+    if pending {
+        settle(ranks.iter().map(|r| r.comm), o.coll.name())?;
+    }
     sync_all(o, ranks)?;
     Ok(in_calls)
 }
 
 /// One call per local rank, in one group when there are several (as nccl-tests does).
-fn issue_all(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool) -> Result<(), String> {
+/// Whether some call returned `ncclInProgress` (nonblocking communicators): see [`settle`].
+fn issue_all(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: bool) -> Result<bool, String> {
     let grouped = ranks.len() > 1;
     if grouped {
         check(ncclGroupStart(), "ncclGroupStart")?;
     }
+    let mut pending = false;
     for r in ranks.iter_mut() {
-        check(issue(o, r, n, count, in_place), o.coll.name())?;
+        pending |= check_pending(issue(o, r, n, count, in_place), o.coll.name())?;
     }
     if grouped {
-        check(ncclGroupEnd(), "ncclGroupEnd")?;
+        pending |= check_pending(ncclGroupEnd(), "ncclGroupEnd")?;
     }
-    Ok(())
+    Ok(pending)
 }
 
 /// Device mode: a call has finished when its stream has.
@@ -353,7 +415,10 @@ pub fn capture(o: &Opts, ranks: &mut [Rank], n: usize, count: usize, in_place: b
         }
     }
     if issued.is_ok() {
-        issued = issue_all(o, ranks, n, count, in_place);
+        issued = issue_all(o, ranks, n, count, in_place).and_then(|pending| match pending {
+            true => settle(ranks.iter().map(|r| r.comm), o.coll.name()),
+            false => Ok(()),
+        });
     }
     // Every capture begun ends, whatever happened: a stream left capturing would break the rest.
     let mut ended = Ok(());
@@ -404,12 +469,16 @@ fn allreduce_each<T>(ranks: &[Rank], bufs: &mut [Vec<T>], dt: ncclDataType_t, op
     if grouped {
         check(ncclGroupStart(), "ncclGroupStart")?;
     }
+    let mut pending = false;
     for (r, b) in ranks.iter().zip(bufs.iter_mut()) {
         let p = b.as_mut_ptr() as *mut c_void;
-        check(ncclAllReduce(p, p, b.len(), dt, op, r.comm, null_mut()), what)?;
+        pending |= check_pending(ncclAllReduce(p, p, b.len(), dt, op, r.comm, null_mut()), what)?;
     }
     if grouped {
-        check(ncclGroupEnd(), "ncclGroupEnd")?;
+        pending |= check_pending(ncclGroupEnd(), "ncclGroupEnd")?;
+    }
+    if pending {
+        settle(ranks.iter().map(|r| r.comm), what)?;
     }
     Ok(())
 }

@@ -144,6 +144,9 @@ pub struct Opts {
     /// `-G N` (nccl-tests' flag): each rank's call captured into a CUDA graph once per size and
     /// mode, each iteration N launches of it; 0: calls.
     pub graph: usize,
+    /// Nonblocking communicators (`--nonblocking 1`, `config.blocking = 0`): a call returning
+    /// `ncclInProgress` is waited for by polling `ncclCommGetAsyncError`, as NCCL documents.
+    pub nonblocking: bool,
     pub table: Table,
     /// The baselines' table measures the in-place call instead (`--in-place 1`).
     pub in_place: bool,
@@ -178,6 +181,9 @@ as the baselines (../shared/scripts/baselines/mpi_allreduce_bench.c):
   -G N           with --device: each rank's call captured into a CUDA graph (once per size and
                  mode), each timed iteration N launches of it, the time shown per launch
                  (nccl-tests' flag; nccl-rs records calls into graphs with NCCL_RS_GRAPH_CAPTURE=1)
+  --nonblocking 0|1 communicators made with config.blocking = 0; a call that returns
+                 ncclInProgress is waited for by polling ncclCommGetAsyncError (as with
+                 NCCL_COMM_BLOCKING=0); the time in the calls is shown below the table
   --table nccl-tests|baselines   output format (nccl-tests); baselines: out-of-place only
   --in-place 0|1 the baselines' table measures the in-place call (0); MPI_Bcast and Gloo's
                  broadcast have one buffer, so their equivalent is an in-place ncclBroadcast
@@ -256,6 +262,7 @@ fn defaults() -> Opts {
         vmm: false,
         private: false,
         graph: 0,
+        nonblocking: false,
         table: Table::NcclTests,
         in_place: false,
         json: None,
@@ -312,6 +319,7 @@ pub fn parse_args(args: &[String]) -> Result<Opts, String> {
                 (o.device, o.vmm, o.private) = (d != 0, d >= 2, d == 3);
             }
             "-G" => o.graph = num()?,
+            "--nonblocking" => o.nonblocking = num()? != 0,
             "--table" => o.table = match v.as_str() {
                 "nccl-tests" => Table::NcclTests,
                 "baselines" => Table::Baselines,
