@@ -535,6 +535,97 @@ static void host_wait(void) {
   CU(cu.StreamDestroy(side));
 }
 
+/* Host-wait mode on nonblocking communicators: a call does not wait for its operation, it
+ * returns ncclInProgress at once (even while a peer has yet to make it) and the communicator
+ * says ncclInProgress until the operation is done, as with host buffers. The last rank joins
+ * only after a blocking barrier the others reach once their calls returned: a call that
+ * waited would never return. Then a call the last rank never makes, polled, and aborted. */
+static void host_wait_nonblocking(void) {
+  test_step("host-wait-nonblocking");
+  const int n = g_env.nranks, last = n - 1;
+  const size_t counts[2] = {1000, 100000}; /* staged, direct */
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t nb[MAX_LOCAL];
+  CHECK(make_comms_config("host-wait-nonblocking", nb, &cfg));
+  CUdeviceptr d[MAX_LOCAL][2];
+  float* h[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    h[l] = host_alloc(counts[1] * sizeof(float));
+    for (int k = 0; k < 2; k++) {
+      d[l][k] = dev_alloc(counts[k] * sizeof(float));
+      for (size_t j = 0; j < counts[k]; j++) h[l][j] = in_value(g_env.first_rank + l, j, 11 + k);
+      CU(cu.MemcpyAsync(d[l][k], (CUdeviceptr)(uintptr_t)h[l], counts[k] * sizeof(float), g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l]));
+    }
+  }
+  /* Round k: one all-reduce of counts[k] (k = 1: in a group even with one local rank). */
+  for (int k = 0; k < 2; k++)
+    for (int late = 0; late < 2; late++) {
+      int issued = 0;
+      ncclResult_t r = ncclSuccess;
+      if (k == 1 || g_env.local > 1) CHECK(ncclGroupStart());
+      for (int l = 0; l < g_env.local; l++)
+        if ((g_env.first_rank + l == last) == late) {
+          r = ncclAllReduce((void*)(uintptr_t)d[l][k], (void*)(uintptr_t)d[l][k], counts[k], ncclFloat32, ncclSum,
+                            nb[l], g_streams[l]);
+          EXPECT(r == ncclSuccess || r == ncclInProgress, "the all-reduce of %zu returned %s", counts[k], result_name(r));
+          issued++;
+        }
+      if (k == 1 || g_env.local > 1) r = ncclGroupEnd();
+      if (issued) {
+        EXPECT(r == ncclInProgress, "host-wait mode: a nonblocking all-reduce of %zu%s returned %s, not ncclInProgress",
+               counts[k], late ? "" : " a peer has yet to join", result_name(r));
+        for (int l = 0; l < g_env.local && !late; l++) {
+          ncclResult_t state = ncclInternalError;
+          CHECK(ncclCommGetAsyncError(nb[l], &state));
+          EXPECT(g_env.first_rank + l == last || state == ncclInProgress,
+                 "rank %d: state %s while the last rank has not joined", g_env.first_rank + l, result_name(state));
+        }
+      }
+      if (!late) EXPECT(allreduce_sum_int(g_comms, 1) == n, "the barrier on the blocking communicator");
+    }
+  for (int l = 0; l < g_env.local; l++) {
+    const int rank = g_env.first_rank + l;
+    ncclResult_t state = wait_comm(nb[l]);
+    EXPECT(state == ncclSuccess, "rank %d: the nonblocking all-reduces ended in %s: %s", rank, result_name(state),
+           ncclGetLastError(nb[l]) ? ncclGetLastError(nb[l]) : "");
+    for (int k = 0; k < 2; k++) {
+      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l][k], counts[k] * sizeof(float), g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l]));
+      size_t bad = 0;
+      for (size_t j = 0; j < counts[k]; j++) bad += h[l][j] != expected(C_ALLREDUCE, counts[k], n, 0, j, 11 + k);
+      EXPECT(bad == 0, "rank %d: %zu wrong values after the nonblocking all-reduce of %zu", rank, bad, counts[k]);
+    }
+  }
+  /* The last rank never makes this call: the others poll, then abort. */
+  int issued = 0;
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  ncclResult_t r = ncclSuccess;
+  for (int l = 0; l < g_env.local; l++)
+    if (g_env.first_rank + l != last) {
+      r = ncclAllReduce((void*)(uintptr_t)d[l][1], (void*)(uintptr_t)d[l][1], counts[1], ncclFloat32, ncclSum, nb[l],
+                        g_streams[l]);
+      issued++;
+    }
+  if (g_env.local > 1) r = ncclGroupEnd();
+  EXPECT(!issued || r == ncclInProgress, "an all-reduce the last rank never makes returned %s", result_name(r));
+  EXPECT(allreduce_sum_int(g_comms, 1) == n, "the barrier before the abort");
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t state = ncclInternalError;
+    CHECK(ncclCommGetAsyncError(nb[l], &state));
+    EXPECT(g_env.first_rank + l == last || state == ncclInProgress, "rank %d: state %s, the last rank away",
+           g_env.first_rank + l, result_name(state));
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclCommAbort(nb[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    for (int k = 0; k < 2; k++) dev_free(d[l][k]);
+    CU(cu.MemFreeHost(h[l]));
+  }
+  tlog("HostWaitNonblocking: in progress at once, done in the background, aborted while waiting");
+}
+
 static void gated(void) {
   test_step("gated");
   run_coll(C_ALLREDUCE, 1000, 0, 1, 1);
@@ -3726,6 +3817,7 @@ int main(int argc, char** argv) {
   if (getenv("CUDA_TEST_SHRINK_STUCK")) return shrink_stuck();
   if (host_wait_mode()) {
     host_wait();
+    if (wanted("HostWaitNonblocking")) host_wait_nonblocking();
   } else if (wanted("Gated")) {
     gated();
   }

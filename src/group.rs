@@ -161,6 +161,12 @@ fn run_ops(ops: Vec<Queued>) -> Result<()> {
     // group on its stream worker (its sends and receives may pair up with each other). Those
     // are queued first: the worker runs them while this thread runs the others.
     let device_comms: Vec<*const Comm> = ops.iter().filter(|q| q.placement.device).map(|q| Arc::as_ptr(&q.comm)).collect();
+    let mut comms: Vec<Arc<Comm>> = Vec::new();
+    for q in &ops {
+        if !comms.iter().any(|c| Arc::ptr_eq(c, &q.comm)) {
+            comms.push(q.comm.clone());
+        }
+    }
     let (on_stream, host): (Vec<Queued>, Vec<Queued>) =
         ops.into_iter().partition(|q| device_comms.contains(&Arc::as_ptr(&q.comm)));
     let mut per_comm: Vec<(Arc<Comm>, Vec<StreamOp>)> = Vec::new();
@@ -184,6 +190,19 @@ fn run_ops(ops: Vec<Queued>) -> Result<()> {
     }
     let host_waits = crate::streamed::commit_all(prepared)?;
     drop(keep);
+    // Host-wait mode on nonblocking communicators only: the waits (and the host-buffer part)
+    // in the background, and ncclInProgress until they are done, instead of this call waiting.
+    if !host_waits.is_empty() && comms.iter().all(|c| !c.config.blocking) {
+        let host: Vec<(Arc<Comm>, Op)> = host.into_iter().map(|q| (q.comm, q.op)).collect();
+        return background::start_anyway(comms, Box::new(move || {
+            for (c, _) in &host {
+                crate::streamed::drain(c);
+            }
+            let hosted = execute(host);
+            host_waits.into_iter().for_each(crate::streamed::HostWait::wait);
+            hosted
+        }));
+    }
     for q in &host {
         crate::streamed::drain(&q.comm);
     }
@@ -298,7 +317,17 @@ pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, placement: Placement)
     background::wait_idle(&comm);
     if placement.device {
         let o = StreamOp { op, stream, placement };
-        return crate::streamed::submit(&comm, vec![o]).map(|w| w.into_iter().for_each(|w| w.wait()));
+        return match crate::streamed::submit(&comm, vec![o])? {
+            // Host-wait mode on a nonblocking communicator: waited for in the background.
+            Some(w) if !comm.config.blocking => background::start_anyway(vec![comm], Box::new(move || {
+                w.wait();
+                Ok(())
+            })),
+            w => {
+                w.into_iter().for_each(crate::streamed::HostWait::wait);
+                Ok(())
+            }
+        };
     }
     crate::streamed::drain(&comm);
     execute_one(comm, op)

@@ -32,7 +32,7 @@ pub static ALL: &[Param] = &[
     p("NCCL_CMA_DISABLE", "0", "1: processes of one host always copy through shared memory, never read each other's buffers (CMA)"),
     p("NCCL_P2P_DISABLE", "0", "1: never copy directly between ranks of one process or GPU peers"),
     p("NCCL_RS_DIRECT_P2P", "1", "0: CUDA mode sends/receives between ranks of a host are staged through host memory instead of read from the sender's buffer directly"),
-    p("NCCL_RS_HOST_WAIT", "", "1: CUDA mode calls return once their operation is done instead of making the stream wait for it; 0: never; unset: when CUDA_DEVICE_MAX_CONNECTIONS is below 8"),
+    p("NCCL_RS_HOST_WAIT", "", "1: CUDA mode calls return once their operation is done instead of making the stream wait for it (on nonblocking communicators they return ncclInProgress at once, and the communicator is in progress until then); 0: never; unset: when CUDA_DEVICE_MAX_CONNECTIONS is below 8"),
     p("NCCL_RS_STREAM_GATE", "memop", "CUDA mode: how a caller's stream waits for its operation (and ncclWaitSignal for its signals): memop (cuStreamWaitValue32) or kernel (a one-thread polling kernel, which stalls no hardware queue other streams share)"),
     p("NCCL_RS_CALLER_STAGING", "1", "CUDA mode: 0 makes the stream worker stage every operation on its own stream, instead of the caller's stream copying small operations through a pinned pool at call time"),
     p("NCCL_RS_DIRECT_MIN", "65536", "CUDA mode: bytes (count x datatype size) from which collectives between ranks of one host read each other's device buffers directly; smaller ones are staged through host memory (must be alike on every rank)"),

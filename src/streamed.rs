@@ -413,7 +413,8 @@ impl Streamed {
         crate::info!(INIT, "rank {}: CUDA mode on device {}, stream worker started", comm.rank, comm.cuda_dev);
         if host_wait {
             crate::info!(INIT, "rank {}: calls on device memory wait on the host until done (NCCL_RS_HOST_WAIT=1, or \
-                                CUDA_DEVICE_MAX_CONNECTIONS below 8 and NCCL_RS_HOST_WAIT unset)", comm.rank);
+                                CUDA_DEVICE_MAX_CONNECTIONS below 8 and NCCL_RS_HOST_WAIT unset){}", comm.rank,
+                         if comm.config.blocking { "" } else { "; nonblocking: ncclInProgress until then" });
         } else if gate_kernel.is_some() {
             crate::info!(INIT, "rank {}: callers' streams wait for operations with a polling kernel", comm.rank);
         }

@@ -513,9 +513,15 @@ fn cuda_mode_3_processes_torch_like() {
 
 /// Host-wait mode (a call returns once its operation is done), asked for or taken because
 /// CUDA_DEVICE_MAX_CONNECTIONS is low (Megatron-LM's 1): every part passes, as processes and
-/// as ranks of one process (whose group must be submitted whole before anyone waits).
+/// as ranks of one process (whose group must be submitted whole before anyone waits). On
+/// nonblocking communicators (part HostWaitNonblocking, also on 3 processes, 2 of 2 ranks)
+/// calls return ncclInProgress at once instead, even while a peer has yet to make them, and
+/// ncclCommAbort ends one a peer never makes.
 #[test]
 fn cuda_mode_host_wait() {
+    for job in [cuda_job().procs(3), cuda_job().procs(2).local(2)] {
+        job.env("NCCL_RS_HOST_WAIT", "1").arg("--only").arg("HostWaitNonblocking").run();
+    }
     for (k, v) in [("NCCL_RS_HOST_WAIT", "1"), ("CUDA_DEVICE_MAX_CONNECTIONS", "1")] {
         for job in [cuda_job().procs(2).arg("--quick"), cuda_job().local(2).arg("--quick")] {
             let o = job.env(k, v).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT").run_outcome();

@@ -1,6 +1,8 @@
 //! Nonblocking communicators (`config.blocking = 0`) with host buffers: a group's operations
 //! run on a thread of their own (kept for later ones: `on_a_thread`), and the call returns
-//! `ncclInProgress` at once, as NCCL's do. `ncclCommGetAsyncError` says `ncclInProgress`
+//! `ncclInProgress` at once, as NCCL's do. In CUDA mode's host-wait mode the operations on
+//! device buffers are queued by the call and only the wait for them (with the group's
+//! host-buffer part) is such a job. `ncclCommGetAsyncError` says `ncclInProgress`
 //! until they are done, then `ncclSuccess` or their error; `ncclCommAbort` from the calling
 //! thread stops them. So the fault-tolerance pattern NCCL documents (issue, poll with a
 //! deadline, abort) works in host mode too, instead of the call itself waiting for a late or
