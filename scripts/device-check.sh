@@ -216,9 +216,13 @@ if python3 -c 'import torch' 2>/dev/null; then
   step torch-expandable-segments 60 bash -c "
     export MASTER_ADDR=127.0.0.1 MASTER_PORT=29537 WORLD_SIZE=2 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=P2P
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    # (SYS: as unset for ranks of one GPU, and it makes each rank ask NVML for its NVLinks.)
+    export NCCL_P2P_LEVEL=SYS
     for r in 0 1; do RANK=\$r LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & done; wait
     python3 $OUT/torch_check.py compare"
   grep -m1 -o 'CUDA device [0-9]*: PCI.*' "$OUT/torch-expandable-segments.log" | sed 's/^/# gpu place (NCCL_P2P_LEVEL): /' >> "$R"
+  grep -m1 -oE 'CUDA device [0-9]*: ([0-9]+ active NVLink|no active NVLink|NVLinks unknown).*' \
+    "$OUT/torch-expandable-segments.log" | sed 's/^/# nvlinks (NVML): /' >> "$R"
   say "# torch expandable segments: $(grep -c 'are read directly' "$OUT/torch-expandable-segments.log") ranks read \
 directly, $(grep -c 'cannot map\|cannot receive' "$OUT/torch-expandable-segments.log") refusals; \
 $(grep -m1 -o 'cannot [a-z]* rank.*' "$OUT/torch-expandable-segments.log" | cut -c1-160)"

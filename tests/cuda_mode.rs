@@ -210,6 +210,81 @@ fn cuda_mode_p2p_level_follows_pci_distance() {
     assert!(o.procs.iter().all(|p| p.log.contains("are read directly")), "NVL, one GPU: not direct:\n{}", o.report);
 }
 
+/// NVLink (NVML's answers, from its stand-in: NCCL_RS_STUB_NVLINKS) outranks the PCI path:
+/// under NCCL_P2P_LEVEL=NVL (or PIX) two GPUs PHB apart on PCI go direct when an active
+/// NVLink joins them (listed by either end) or both reach NVSwitches (named by NVML, or by the
+/// remote's PCI class where NVML cannot say), and stage when their links reach other GPUs.
+/// Every rank says what its GPU's links reach. Exact every time.
+#[test]
+fn cuda_mode_p2p_level_nvl_follows_nvlinks() {
+    if !stand_in_only("cuda_mode_p2p_level_nvl_follows_nvlinks") {
+        return;
+    }
+    let root = std::env::temp_dir().join(format!("nccl-rs-sysfs-nvl-{}", std::process::id()));
+    let gpus = [("0000:04:00.0", "pci0000:00/0000:00:01.0/0000:04:00.0"), ("0000:09:00.0", "pci0000:00/0000:00:02.0/0000:09:00.0"),
+                ("0000:90:00.0", "pci0000:00/0000:00:03.0/0000:90:00.0")];
+    for (bus, path) in gpus {
+        let dev = root.join("devices").join(path);
+        std::fs::create_dir_all(&dev).expect("a temporary directory");
+        std::fs::write(dev.join("numa_node"), "0\n").expect("a file");
+        // The third is the NVSwitch: a PCI bridge of class "other".
+        std::fs::write(dev.join("class"), if bus.ends_with("90:00.0") { "0x068000\n" } else { "0x030200\n" }).expect("a file");
+        std::fs::create_dir_all(root.join("bus/pci/devices")).expect("a temporary directory");
+        let _ = std::os::unix::fs::symlink(&dev, root.join("bus/pci/devices").join(bus));
+    }
+    let sysfs = root.to_string_lossy().into_owned();
+    // (what, NCCL_P2P_LEVEL, NVML's stand-in's settings, direct, what each process says of its links)
+    type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], bool, [&'a str; 2]);
+    let cases: [Case; 6] = [
+        ("NVLink between them", "NVL", &[("NCCL_RS_STUB_NVLINKS", "0000:04:00.0>0000:09:00.0;0000:09:00.0>0000:04:00.0")], true,
+         ["1 active NVLink(s) to 0000:09:00.0", "1 active NVLink(s) to 0000:04:00.0"]),
+        ("listed by one end only", "NVL", &[("NCCL_RS_STUB_NVLINKS", "00000000:04:00.0>00000000:09:00.0")], true,
+         ["1 active NVLink(s) to 0000:09:00.0", "no active NVLink"]),
+        ("both on NVSwitches", "NVL", &[("NCCL_RS_STUB_NVLINKS", "0000:04:00.0>switch;0000:04:00.0>switch;0000:09:00.0>switch")], true,
+         ["2 active NVLink(s) to no GPU, and NVSwitch", "1 active NVLink(s) to no GPU, and NVSwitch"]),
+        ("switches by PCI class", "NVL", &[("NCCL_RS_STUB_NVLINKS", "0000:04:00.0>switch;0000:09:00.0>switch"),
+                                           ("NCCL_RS_STUB_NVML_NO_TYPE", "1")], true,
+         ["to no GPU, and NVSwitch", "to no GPU, and NVSwitch"]),
+        ("NVLinks to other GPUs", "NVL", &[("NCCL_RS_STUB_NVLINKS", "0000:04:00.0>0000:0b:00.0;0000:09:00.0>0000:0c:00.0")], false,
+         ["1 active NVLink(s) to 0000:0b:00.0", "1 active NVLink(s) to 0000:0c:00.0"]),
+        ("NVLink under PIX", "PIX", &[("NCCL_RS_STUB_NVLINKS", "0000:04:00.0>0000:09:00.0")], true,
+         ["1 active NVLink(s) to 0000:09:00.0", "no active NVLink"]),
+    ];
+    for (what, level, env, direct, said) in cases {
+        let mut job = cuda_job().procs(2).arg("--quick").env("NCCL_RS_STUB_DEVICES", "2")
+            .env("NCCL_RS_STUB_PCI_BUS_IDS", "0000:04:00.0,0000:09:00.0").env("NCCL_RS_TOPO_SYSFS", &sysfs)
+            .env("NCCL_P2P_LEVEL", level).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
+            .env("CUDA_TEST_PEER_ACCESS", if direct { "1" } else { "0" });
+        for (k, v) in env {
+            job = job.env(k, v);
+        }
+        for p in 0..2 {
+            job = job.proc_env(p, "NCCL_TEST_CUDA_DEVICE", &p.to_string());
+        }
+        let o = job.run_outcome();
+        assert!(o.ok(), "{what}: {}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert!(p.log.contains(said[i]), "{what}, process {i}: its NVLinks not read or not said ({}):\n{}", said[i], p.log);
+            assert_eq!(p.log.contains("are read directly"), direct, "{what}, process {i}:\n{}", p.log);
+            if !direct {
+                assert!(p.log.contains("is PHB from this rank's"), "{what}, process {i}: the reason not said:\n{}", p.log);
+            }
+        }
+    }
+    // Without NVML (the stand-in's, unset: "not loaded") a rank says so and goes by PCI.
+    let o = cuda_job().procs(2).arg("--quick").env("NCCL_RS_STUB_DEVICES", "2")
+        .env("NCCL_RS_STUB_PCI_BUS_IDS", "0000:04:00.0,0000:09:00.0").env("NCCL_RS_TOPO_SYSFS", &sysfs)
+        .env("NCCL_P2P_LEVEL", "NVL").env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "P2P")
+        .env("CUDA_TEST_PEER_ACCESS", "0").proc_env(0, "NCCL_TEST_CUDA_DEVICE", "0").proc_env(1, "NCCL_TEST_CUDA_DEVICE", "1")
+        .run_outcome();
+    let _ = std::fs::remove_dir_all(&root);
+    assert!(o.ok(), "no NVML: {}", o.report);
+    for p in &o.procs {
+        assert!(p.log.contains("NVLinks unknown (nvmlInit_v2 failed"), "no NVML: not said:\n{}", p.log);
+        assert!(!p.log.contains("are read directly"), "no NVML: direct:\n{}", p.log);
+    }
+}
+
 /// One rank declines the direct path for one operation (its output is pinned memory, and
 /// NCCL_RS_INPLACE_SCRATCH=0: no device copy of it) while its peers offer device buffers:
 /// every rank stages that one, exact, and goes direct again on the next; nobody concludes

@@ -151,9 +151,29 @@ fn gpu_place(cuda_dev: i32) -> bootstrap::topo::GpuPlace {
     }
     match crate::device::cuda::pci_bus_id(cuda_dev) {
         Ok(bus) => {
-            let place = bootstrap::topo::GpuPlace::of_bus_id(&params::text("NCCL_RS_TOPO_SYSFS"), &bus);
+            let sysfs = params::text("NCCL_RS_TOPO_SYSFS");
+            let mut place = bootstrap::topo::GpuPlace::of_bus_id(&sysfs, &bus);
             let path = if place.path.is_empty() { "not found in sysfs" } else { &place.path };
             crate::info!(P2P, "CUDA device {cuda_dev}: PCI {} ({path}), NUMA node {}", place.bus_id(), place.numa);
+            // NVLinks matter only against a level (`PeerInfo::direct_with`): NVML, whose
+            // initialisation may take a while, is asked only then. (A peer without a level
+            // publishes none: its pairs weigh only the links this rank lists.)
+            if params::p2p_level().is_none() {
+                return place;
+            }
+            let t0 = std::time::Instant::now();
+            let links = crate::device::cuda::nvml::nvlinks(&place.bus, &sysfs);
+            let took = format!("NVML, {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
+            match links {
+                Ok(links) if links.active > 0 => {
+                    crate::info!(P2P, "CUDA device {cuda_dev}: {} active NVLink(s) to {}{} ({took})", links.active,
+                                 if links.gpus.is_empty() { "no GPU".to_string() } else { links.gpus.join(", ") },
+                                 if links.switch { ", and NVSwitch" } else { "" });
+                    (place.nvlink, place.nvswitch) = (links.gpus, links.switch);
+                }
+                Ok(_) => crate::info!(P2P, "CUDA device {cuda_dev}: no active NVLink ({took})"),
+                Err(why) => crate::info!(P2P, "CUDA device {cuda_dev}: NVLinks unknown ({why}): PCI distances only"),
+            }
             place
         }
         Err(e) => {

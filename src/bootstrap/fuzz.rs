@@ -47,7 +47,8 @@ fn info() -> PeerInfo {
         nsocks: 2,
         links: super::Links { p2p: true, shm: false, direct: true, direct_p2p: true, direct_min: 65536,
                              algo: Some(crate::algo::Algo::Tree), level: Some(super::topo::Level::Pxb) },
-        gpu: super::topo::GpuPlace { bus: "0000:3b:00.0".into(), path: "pci0000:3a/0000:3b:00.0".into(), numa: 1 },
+        gpu: super::topo::GpuPlace { bus: "0000:3b:00.0".into(), path: "pci0000:3a/0000:3b:00.0".into(), numa: 1,
+                                     nvlink: vec!["0000:5e:00.0".into(), "0000:86:00.0".into()], nvswitch: true },
     }
 }
 

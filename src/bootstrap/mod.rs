@@ -127,7 +127,11 @@ impl PeerInfo {
             .u32(self.slice)
             .u32(self.nsocks);
         self.links.encode(w);
-        w.str(&self.gpu.bus).str(&self.gpu.path).u32(self.gpu.numa as u32);
+        w.str(&self.gpu.bus).str(&self.gpu.path).u32(self.gpu.numa as u32).u32(self.gpu.nvlink.len() as u32);
+        for g in &self.gpu.nvlink {
+            w.str(g);
+        }
+        w.u8(u8::from(self.gpu.nvswitch));
     }
     pub fn decode(r: &mut Reader<'_>) -> Result<PeerInfo> {
         let rank = r.u32()? as usize;
@@ -139,7 +143,11 @@ impl PeerInfo {
         let slice = r.u32()?;
         let nsocks = r.u32()?;
         let links = Links::decode(r)?;
-        let gpu = topo::GpuPlace { bus: r.str()?, path: r.str()?, numa: r.u32()? as i32 };
+        let (bus, path, numa) = (r.str()?, r.str()?, r.u32()? as i32);
+        // (Bounded by what the message holds: each id is at least its length field.)
+        let nvlinks = r.u32()? as usize;
+        let nvlink = (0..nvlinks).map(|_| r.str()).collect::<Result<Vec<_>>>()?;
+        let gpu = topo::GpuPlace { bus, path, numa, nvlink, nvswitch: r.u8()? != 0 };
         Ok(PeerInfo { rank, pid, cuda_dev, host_hash, hostname, addr, slice, nsocks, links, gpu })
     }
     pub fn same_host(&self, other: &PeerInfo) -> bool {

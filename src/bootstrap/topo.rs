@@ -5,8 +5,10 @@
 //! Each rank reads its own GPU's place from sysfs (the device's path under `/sys/devices`
 //! and its NUMA node) and publishes it with its other facts at init; every rank then computes
 //! the same distance for a pair from the same two published places, so both ends always
-//! choose alike. nccl-rs reads no NVLink topology: two different GPUs are as far apart as
-//! their PCI paths say, so `NVL` allows the direct path between ranks of one GPU only.
+//! choose alike. Two GPUs joined by an active NVLink, or both linked to NVSwitches, are `NVL`
+//! apart whatever their PCI paths (NVML says which, `device::cuda::nvml`, and each rank
+//! publishes what its GPU's links reach); where NVML cannot say, they are as far apart as
+//! their PCI paths say.
 
 /// How far apart two GPUs are (and the levels of `NCCL_P2P_LEVEL`), nearest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -75,6 +77,9 @@ pub struct GpuPlace {
     pub bus: String,
     pub path: String,
     pub numa: i32,
+    /// The GPUs its active NVLinks reach (their bus ids), and whether some reach an NVSwitch.
+    pub nvlink: Vec<String>,
+    pub nvswitch: bool,
 }
 
 impl GpuPlace {
@@ -91,7 +96,7 @@ impl GpuPlace {
             p.strip_prefix(&devices).map(str::to_owned)
         });
         let numa = std::fs::read_to_string(format!("{link}/numa_node")).ok().and_then(|s| s.trim().parse().ok());
-        GpuPlace { bus, path: path.unwrap_or_default(), numa: numa.unwrap_or(-1) }
+        GpuPlace { bus, path: path.unwrap_or_default(), numa: numa.unwrap_or(-1), nvlink: Vec::new(), nvswitch: false }
     }
 
     /// For logs: its bus id, or "?".
@@ -105,6 +110,10 @@ impl GpuPlace {
 pub fn distance(a: &GpuPlace, b: &GpuPlace) -> Option<Level> {
     if !a.bus.is_empty() && a.bus == b.bus {
         return Some(Level::Loc);
+    }
+    if (a.nvswitch && b.nvswitch) || (!b.bus.is_empty() && a.nvlink.contains(&b.bus))
+        || (!a.bus.is_empty() && b.nvlink.contains(&a.bus)) {
+        return Some(Level::Nvl);
     }
     if a.path.is_empty() || b.path.is_empty() {
         return None;
@@ -146,7 +155,7 @@ mod tests {
     }
 
     fn at(path: &str, numa: i32) -> GpuPlace {
-        GpuPlace { bus: path.rsplit('/').next().unwrap_or_default().into(), path: path.into(), numa }
+        GpuPlace { bus: path.rsplit('/').next().unwrap_or_default().into(), path: path.into(), numa, ..GpuPlace::default() }
     }
 
     #[test]
@@ -189,6 +198,30 @@ mod tests {
         assert_eq!(distance(&bus_only, &sw_b), None);
     }
 
+    /// NVLink outranks the PCI path, from either end's list (each rank lists what its own
+    /// GPU's links reach), or both GPUs on NVSwitches; one GPU is still LOC.
+    #[test]
+    fn nvlinks_make_gpus_nvl_apart() {
+        let linked = |g: &GpuPlace, to: &[&GpuPlace], switch: bool| GpuPlace {
+            nvlink: to.iter().map(|t| t.bus.clone()).collect(),
+            nvswitch: switch,
+            ..g.clone()
+        };
+        let a = at("pci0000:00/0000:00:01.0/0000:04:00.0", 0);
+        let b = at("pci0000:c0/0000:c0:01.0/0000:c1:00.0", 1);
+        let c = at("pci0000:80/0000:80:01.0/0000:81:00.0", 1);
+        assert_eq!(distance(&a, &b), Some(Level::Sys));
+        let a_to_b = linked(&a, &[&b], false);
+        assert_eq!(distance(&a_to_b, &b), Some(Level::Nvl));
+        assert_eq!(distance(&b, &a_to_b), Some(Level::Nvl), "alike from both ends");
+        assert_eq!(distance(&a_to_b, &c), Some(Level::Sys), "c is not linked");
+        let (sa, sc) = (linked(&a, &[], true), linked(&c, &[], true));
+        assert_eq!(distance(&sa, &sc), Some(Level::Nvl), "both on NVSwitches");
+        assert_eq!(distance(&sa, &b), Some(Level::Sys), "only one on a switch");
+        assert_eq!(distance(&sa, &linked(&a, &[], true)), Some(Level::Loc));
+        assert!(Level::Nvl <= Level::Pix, "an NVLink pair is direct wherever a PIX one is");
+    }
+
     /// A sysfs laid out as Linux lays it out (devices under `devices/`, links to them under
     /// `bus/pci/devices/`, a `numa_node` file each).
     #[test]
@@ -204,6 +237,6 @@ mod tests {
         let gone = GpuPlace::of_bus_id(&root_s, "0000:5e:00.0");
         let _ = std::fs::remove_dir_all(&root);
         assert_eq!(place, at("pci0000:3a/0000:3a:00.0/0000:3b:00.0", 1));
-        assert_eq!(gone, GpuPlace { bus: "0000:5e:00.0".into(), path: String::new(), numa: -1 });
+        assert_eq!(gone, GpuPlace { bus: "0000:5e:00.0".into(), numa: -1, ..GpuPlace::default() });
     }
 }

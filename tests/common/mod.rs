@@ -1204,6 +1204,16 @@ pub fn cuda_stub_dir() -> &'static Path {
         if fs::symlink_metadata(&link).is_err() {
             let _ = std::os::unix::fs::symlink("libcuda.so.1", &link);
         }
+        // NVML's stand-in beside it (tests/cuda-stub/nvml: NVLink answers for the tests that ask).
+        let tmp = dir.join(format!("libnvidia-ml.so.1.{}", std::process::id()));
+        let out = Command::new(&cc)
+            .args(["-Wall", "-Wextra", "-Werror", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-o"])
+            .arg(&tmp)
+            .arg(repo.join("tests/cuda-stub/nvml/libnvidia-ml.c"))
+            .output()
+            .unwrap_or_else(|e| panic!("running {cc}: {e}"));
+        assert!(out.status.success(), "building the stub NVML failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        fs::rename(&tmp, dir.join("libnvidia-ml.so.1")).expect("rename the stub");
         dir
     })
 }

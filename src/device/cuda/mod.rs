@@ -22,6 +22,7 @@ mod graph;
 mod ipc;
 mod kernels;
 mod memory;
+pub mod nvml;
 mod stream;
 mod vmm;
 
