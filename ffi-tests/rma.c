@@ -261,6 +261,88 @@ static void same_id(void) {
   }
 }
 
+/* Nonblocking communicators (host mode): one-sided calls take their place among the
+ * communicator's operations. Every rank but the last all-reduces its buffer in place (the
+ * call returns ncclInProgress: the last rank has yet to join) and puts that buffer into the
+ * next rank's window; only then does the last rank join, after a barrier on the blocking
+ * communicator that the others reach once their calls returned. A put that ran at its call
+ * would send the buffer before the all-reduce wrote it; one that waited for the all-reduce
+ * in the call would never return. */
+static void nonblocking(void) {
+  if (!wanted("Nonblocking")) return;
+  test_step("Nonblocking");
+  const int n = g_env.nranks, last = n - 1;
+  const size_t count = 4096;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t nb[MAX_LOCAL];
+  CHECK(make_comms_config("rma-nonblocking", nb, &cfg));
+  window_t w[MAX_LOCAL];
+  int32_t* buf[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    w[l].bytes = count * 4;
+    w[l].ptr = gbuf_alloc(&w[l].buf, count * 4);
+    gbuf_poison(&w[l].buf, 0x3a3au);
+    buf[l] = malloc(count * 4);
+    if (!buf[l]) exit(1);
+    for (size_t j = 0; j < count; j++) buf[l][j] = me_of(l) + 1 + (int32_t)(j % 5);
+  }
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  ncclResult_t r = ncclSuccess;
+  for (int l = 0; l < g_env.local; l++) {
+    r = ncclCommWindowRegister(nb[l], w[l].ptr, count * 4, &w[l].win, NCCL_WIN_COLL_SYMMETRIC);
+    EXPECT(r == ncclSuccess || r == ncclInProgress, "window registration returned %s", result_name(r));
+  }
+  if (g_env.local > 1) r = ncclGroupEnd();
+  CHECK(finish_async(r, nb, g_env.local));
+  for (int late = 0; late < 2; late++) {
+    int issued = 0;
+    if (g_env.local > 1) CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      if ((me_of(l) == last) == late) {
+        r = ncclAllReduce(buf[l], buf[l], count, ncclInt32, ncclSum, nb[l], TEST_STREAM);
+        EXPECT(r == ncclSuccess || r == ncclInProgress, "the all-reduce returned %s", result_name(r));
+        issued++;
+      }
+    if (g_env.local > 1) r = ncclGroupEnd();
+    EXPECT(!issued || late || r == ncclInProgress, "an all-reduce a peer has yet to join returned %s", result_name(r));
+    for (int l = 0; l < g_env.local; l++)
+      if ((me_of(l) == last) == late) {
+        r = ncclPutSignal(buf[l], count, ncclInt32, next_of(me_of(l)), w[l].win, 0, 0, 0, 0, nb[l], TEST_STREAM);
+        EXPECT(late || r == ncclInProgress, "rank %d: a put behind an all-reduce in progress returned %s", me_of(l),
+               result_name(r));
+      }
+    if (!late) EXPECT(allreduce_sum_int(g_comms, 1) == n, "the barrier on the blocking communicator");
+  }
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = prev_of(me_of(l)), .sigIdx = 0, .ctx = 0};
+    r = ncclWaitSignal(1, &d, nb[l], TEST_STREAM);
+    EXPECT(r == ncclSuccess || r == ncclInProgress, "the wait returned %s", result_name(r));
+  }
+  if (g_env.local > 1) r = ncclGroupEnd();
+  EXPECT(r == ncclSuccess || r == ncclInProgress, "the waits returned %s", result_name(r));
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t state = wait_comm(nb[l]);
+    EXPECT(state == ncclSuccess, "rank %d: the nonblocking calls ended in %s: %s", me_of(l), result_name(state),
+           ncclGetLastError(nb[l]) ? ncclGetLastError(nb[l]) : "");
+    size_t bad = 0;
+    const int32_t* got = w[l].ptr;
+    for (size_t j = 0; j < count; j++) bad += got[j] != n * (n + 1) / 2 + n * (int32_t)(j % 5);
+    EXPECT(bad == 0, "rank %d: %zu of %zu elements of its window are not rank %d's all-reduced buffer (first: %d)",
+           me_of(l), bad, count, prev_of(me_of(l)), got[0]);
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    check_guards("Nonblocking: a window", &w[l].buf);
+    r = ncclCommWindowDeregister(nb[l], w[l].win);
+    CHECK(finish_async(r, &nb[l], 1));
+    gbuf_free(&w[l].buf);
+    free(buf[l]);
+    CHECK(ncclCommDestroy(nb[l]));
+  }
+  tlog("Nonblocking: puts in order behind all-reduces in progress");
+}
+
 /* Signals are counted per (context, signal index, sender), with numRmaCtx and numRmaSig from
  * the config, and a wait consumes what it waited for. */
 static void signals(void) {
@@ -577,6 +659,7 @@ int main(int argc, char** argv) {
   barrier();
   order();
   same_id();
+  nonblocking();
   signals();
   errors();
   properties();

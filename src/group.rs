@@ -79,11 +79,15 @@ pub fn end() -> Result<()> {
         }
         return Err(e);
     }
-    // Operations on host buffers of nonblocking communicators only: on a thread of their own.
-    if group.inits.is_empty() && group.deferred.is_empty() && group.rma.is_empty() && !group.ops.is_empty()
-        && background::eligible(group.ops.iter().map(|q| (&*q.comm, q.placement.device)))
+    // Operations on host buffers of nonblocking communicators only (host mode's one-sided
+    // operations too): on a thread of their own.
+    let host_mode = matches!(crate::device::mode::current(), crate::device::mode::Mode::Host);
+    if group.inits.is_empty() && group.deferred.is_empty() && (group.rma.is_empty() || host_mode)
+        && !(group.ops.is_empty() && group.rma.is_empty())
+        && background::eligible(group.ops.iter().map(|q| (&*q.comm, q.placement.device))
+            .chain(group.rma.iter().map(|(c, _)| (&**c, false))))
     {
-        return run_in_background(group.ops);
+        return run_in_background(group.ops, group.rma);
     }
     // A nonblocking init finishes in the background (ncclInProgress); the group's other work is
     // on communicators that are ready (an operation on one being initialised fails at its call)
@@ -118,6 +122,8 @@ pub fn end() -> Result<()> {
     // Puts and signals first: they never wait for their targets, and a wait of this group (or
     // of a rank this thread drives) may need them.
     let (waits, issues): (Vec<_>, Vec<_>) = group.rma.into_iter().partition(|(_, op)| op.is_wait());
+    // (After what nonblocking communicators still run in the background, as operations.)
+    issues.iter().for_each(|(c, _)| background::wait_idle(c));
     issues.iter().try_for_each(|(c, op)| crate::api::rma::run(c, op))?;
     run_ops(group.ops)?;
     waits.iter().try_for_each(|(c, op)| crate::api::rma::run(c, op))?;
@@ -127,21 +133,39 @@ pub fn end() -> Result<()> {
     Ok(())
 }
 
-/// Start a group's operations in the background (`background`): ncclInProgress.
-fn run_in_background(ops: Vec<Queued>) -> Result<()> {
+/// Start a group's operations (and host mode's one-sided operations, in the order a group
+/// runs them: puts and signals, operations, waits) in the background (`background`):
+/// ncclInProgress.
+fn run_in_background(ops: Vec<Queued>, rma: Vec<(Arc<Comm>, crate::api::rma::RmaOp)>) -> Result<()> {
     let mut comms: Vec<Arc<Comm>> = Vec::new();
-    for q in &ops {
-        if !comms.iter().any(|c| Arc::ptr_eq(c, &q.comm)) {
-            comms.push(q.comm.clone());
+    for c in ops.iter().map(|q| &q.comm).chain(rma.iter().map(|(c, _)| c)) {
+        if !comms.iter().any(|k| Arc::ptr_eq(k, c)) {
+            comms.push(c.clone());
         }
     }
     let ops: Vec<(Arc<Comm>, Op)> = ops.into_iter().map(|q| (q.comm, q.op)).collect();
+    let (waits, issues): (Vec<_>, Vec<_>) = rma.into_iter().partition(|(_, op)| op.is_wait());
     background::start(comms, Box::new(move || {
         for (c, _) in &ops {
             crate::streamed::drain(c);
         }
-        execute(ops)
+        issues.iter().try_for_each(|(c, op)| crate::api::rma::run(c, op))?;
+        if !ops.is_empty() {
+            execute(ops)?;
+        }
+        waits.iter().try_for_each(|(c, op)| crate::api::rma::run(c, op))
     }))
+}
+
+/// Host mode: a one-sided operation outside a group on a nonblocking communicator runs in the
+/// background after the communicator's earlier operations (ncclInProgress), as they do; on a
+/// blocking one, now. Whether it went to the background (else: run it now).
+pub fn rma_in_background(comm: &Arc<Comm>, op: crate::api::rma::RmaOp) -> std::result::Result<Result<()>, crate::api::rma::RmaOp> {
+    let host_mode = matches!(crate::device::mode::current(), crate::device::mode::Mode::Host);
+    if !host_mode || comm.config.blocking {
+        return Err(op);
+    }
+    Ok(run_in_background(Vec::new(), vec![(comm.clone(), op)]))
 }
 
 /// Run the operations of a closed group.
@@ -312,7 +336,7 @@ pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, placement: Placement)
         return Ok(());
     }
     if background::eligible(std::iter::once((&*comm, placement.device))) {
-        return run_in_background(vec![Queued { comm, op, stream, placement }]);
+        return run_in_background(vec![Queued { comm, op, stream, placement }], Vec::new());
     }
     background::wait_idle(&comm);
     if placement.device {

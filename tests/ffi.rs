@@ -299,6 +299,17 @@ fn rma_windows_of_communicators_with_one_id_stay_apart() {
     }
 }
 
+/// Part Nonblocking (ffi-tests/rma.c): in host mode, a put on a nonblocking communicator
+/// behind an all-reduce still in progress (a peer has yet to join) returns ncclInProgress and
+/// goes after it, sending the reduced buffer. Before, it ran at its call and sent the buffer
+/// as it was.
+#[test]
+fn rma_on_nonblocking_communicators_keeps_its_place() {
+    for (procs, local) in [(3, 1), (1, 3), (2, 2)] {
+        Job::new("rma").procs(procs).local(local).arg("--only").arg("Nonblocking").run();
+    }
+}
+
 #[test]
 fn rma_2_processes() {
     Job::new("rma").procs(2).run();

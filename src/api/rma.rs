@@ -608,13 +608,17 @@ pub fn wait(comm: &Comm, descs: Vec<WaitDesc>, stream: UserStream) -> Result<Rma
 pub fn enqueue(comm: Arc<Comm>, op: RmaOp) -> Result<()> {
     match crate::group::add_rma(comm, op) {
         None => Ok(()),
-        Some((comm, op)) => run(&comm, &op),
+        Some((comm, op)) => match crate::group::rma_in_background(&comm, op) {
+            Ok(started) => started,
+            Err(op) => run(&comm, &op),
+        },
     }
 }
 
 /// Run one call. Host mode, on this thread: a put or signal is on its way when this returns
-/// (the source buffer may be reused); a wait returns once its signals have come. CUDA mode: in
-/// the order of the call's stream (`stream`).
+/// (the source buffer may be reused); a wait returns once its signals have come (on a
+/// nonblocking communicator this runs in the background, after its earlier operations:
+/// `group::rma_in_background`). CUDA mode: in the order of the call's stream (`stream`).
 pub fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
     let ready = comm.ready()?;
     if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
