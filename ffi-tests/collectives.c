@@ -727,14 +727,8 @@ static void nonblocking(void) {
           r = ncclCommFinalize(nb[l]);
           EXPECT(r == ncclInProgress, "ncclCommFinalize behind an all-reduce in progress returned %s", result_name(r));
         }
-      for (int l = 0; l < g_env.local && !late; l++) {
-        ncclResult_t state = ncclInternalError;
-        CHECK(ncclCommGetAsyncError(nb[l], &state));
-        EXPECT(g_env.first_rank + l == last || state == ncclInProgress,
-               "rank %d: state %s while the last rank has not joined", g_env.first_rank + l, result_name(state));
-      }
     }
-    if (!late) EXPECT(allreduce_sum_int(g_comms, 1) == n, "the barrier on the blocking communicator");
+    if (!late) expect_in_progress_then_barrier(nb, g_comms);
   }
   for (int l = 0; l < g_env.local; l++) {
     const int rank = g_env.first_rank + l;

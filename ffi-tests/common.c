@@ -332,6 +332,18 @@ ncclResult_t make_comms_config(const char* tag, ncclComm_t* comms, ncclConfig_t*
   return finish_async(r, comms, g_env.local);
 }
 
+void expect_in_progress_then_barrier(ncclComm_t* comms, ncclComm_t* world) {
+  const int last = g_env.nranks - 1;
+  for (int l = 0; l < g_env.local; l++) {
+    if (g_env.first_rank + l == last) continue;
+    ncclResult_t state = ncclInternalError;
+    CHECK(ncclCommGetAsyncError(comms[l], &state));
+    EXPECT(state == ncclInProgress, "rank %d: state %s while the last rank has not joined", g_env.first_rank + l,
+           result_name(state));
+  }
+  EXPECT(allreduce_sum_int(world, 1) == g_env.nranks, "the barrier on the blocking communicator");
+}
+
 void destroy_comms(ncclComm_t* comms) {
   for (int l = 0; l < g_env.local; l++) {
     CHECK(ncclCommDestroy(comms[l]));

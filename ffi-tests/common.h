@@ -95,6 +95,10 @@ ncclResult_t wait_comm(ncclComm_t comm);
 /* For a call on nonblocking communicators: ncclSuccess as is, ncclInProgress -> wait every
  * comm in `comms` (n of them), anything else as is. */
 ncclResult_t finish_async(ncclResult_t r, ncclComm_t* comms, int n);
+/* The late-peer check of the nonblocking parts: each local rank's communicator (`comms`) but
+ * the last rank's still says ncclInProgress; then a barrier on the blocking `world`, which
+ * the last rank reaches only before it joins. */
+void expect_in_progress_then_barrier(ncclComm_t* comms, ncclComm_t* world);
 
 /* A sum allreduce of one int32 over all ranks (one call per local comm, grouped). */
 int allreduce_sum_int(ncclComm_t* comms, int local_value);

@@ -573,17 +573,9 @@ static void host_wait_nonblocking(void) {
           issued++;
         }
       if (k == 1 || g_env.local > 1) r = ncclGroupEnd();
-      if (issued) {
-        EXPECT(r == ncclInProgress, "host-wait mode: a nonblocking all-reduce of %zu%s returned %s, not ncclInProgress",
-               counts[k], late ? "" : " a peer has yet to join", result_name(r));
-        for (int l = 0; l < g_env.local && !late; l++) {
-          ncclResult_t state = ncclInternalError;
-          CHECK(ncclCommGetAsyncError(nb[l], &state));
-          EXPECT(g_env.first_rank + l == last || state == ncclInProgress,
-                 "rank %d: state %s while the last rank has not joined", g_env.first_rank + l, result_name(state));
-        }
-      }
-      if (!late) EXPECT(allreduce_sum_int(g_comms, 1) == n, "the barrier on the blocking communicator");
+      EXPECT(!issued || r == ncclInProgress, "host-wait mode: a nonblocking all-reduce of %zu%s returned %s, not "
+             "ncclInProgress", counts[k], late ? "" : " a peer has yet to join", result_name(r));
+      if (!late) expect_in_progress_then_barrier(nb, g_comms);
     }
   for (int l = 0; l < g_env.local; l++) {
     const int rank = g_env.first_rank + l;

@@ -85,23 +85,33 @@ EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char* id, nvmlDevice_
   return NVML_SUCCESS;
 }
 
-EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned link, unsigned* isActive) {
+/* The checks every link query makes (`out`: its output pointer), then the link's remote end
+ * (*remote: NULL if none; *any: whether the device has links). */
+static nvmlReturn_t link_query(nvmlDevice_t device, unsigned link, const void* out, char buf[32], const char** remote,
+                               int* any) {
   if (!g_init) return NVML_ERROR_DRIVER_NOT_LOADED;
-  if (!device || !isActive || link >= MAX_LINKS) return NVML_ERROR_INVALID_ARGUMENT;
+  if (!device || !out || link >= MAX_LINKS) return NVML_ERROR_INVALID_ARGUMENT;
+  *remote = remote_of(device->bus, link, buf, any);
+  return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned link, unsigned* isActive) {
   char out[32];
+  const char* r = NULL;
   int any = 0;
-  const char* r = remote_of(device->bus, link, out, &any);
+  nvmlReturn_t e = link_query(device, link, isActive, out, &r, &any);
+  if (e != NVML_SUCCESS) return e;
   if (!any) return NVML_ERROR_NOT_SUPPORTED; /* a GPU without NVLink */
   *isActive = r != NULL;
   return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned link, nvmlPciInfo_t* pci) {
-  if (!g_init) return NVML_ERROR_DRIVER_NOT_LOADED;
-  if (!device || !pci || link >= MAX_LINKS) return NVML_ERROR_INVALID_ARGUMENT;
   char out[32];
+  const char* r = NULL;
   int any = 0;
-  const char* r = remote_of(device->bus, link, out, &any);
+  nvmlReturn_t e = link_query(device, link, pci, out, &r, &any);
+  if (e != NVML_SUCCESS) return e;
   if (!r) return any ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_NOT_SUPPORTED;
   unsigned domain, bus, dev, fn;
   sscanf(r, "%x:%x:%x.%x", &domain, &bus, &dev, &fn);
@@ -115,13 +125,13 @@ EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, uns
 
 /* nvmlIntNvLinkDeviceType_t: 0 GPU, 1 IBM NPU, 2 switch. */
 EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned link, unsigned* type) {
-  if (!g_init) return NVML_ERROR_DRIVER_NOT_LOADED;
   const char* no_type = getenv("NCCL_RS_STUB_NVML_NO_TYPE");
-  if (no_type && atoi(no_type)) return NVML_ERROR_FUNCTION_NOT_FOUND;
-  if (!device || !type || link >= MAX_LINKS) return NVML_ERROR_INVALID_ARGUMENT;
+  if (g_init && no_type && atoi(no_type)) return NVML_ERROR_FUNCTION_NOT_FOUND;
   char out[32];
+  const char* r = NULL;
   int any = 0;
-  const char* r = remote_of(device->bus, link, out, &any);
+  nvmlReturn_t e = link_query(device, link, type, out, &r, &any);
+  if (e != NVML_SUCCESS) return e;
   if (!r) return NVML_ERROR_INVALID_ARGUMENT;
   *type = !strcmp(r, "0000:90:00.0") ? 2 : 0;
   return NVML_SUCCESS;
