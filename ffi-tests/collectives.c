@@ -570,8 +570,9 @@ static void large(void) {
   tlog("Large: done in %.2f s", now_s() - t0);
 }
 
-/* Part Soak (soak.h) in host mode: the same seeded random calls on host buffers, every
- * buffer of this process's ranks compared with the model after every SOAK_EVERY calls.
+/* Part Soak (soak.h) in host mode: the same seeded random calls on host buffers, puts into
+ * windows over them included, every buffer of this process's ranks compared with the model
+ * after every SOAK_EVERY calls.
  * NCCL_TEST_SEED (1 unless set) seeds it; NCCL_TEST_SOAK_STEPS (40, 16 with --quick) says how
  * many steps. */
 static void soak(void) {
@@ -581,10 +582,15 @@ static void soak(void) {
   const char* seed = getenv("NCCL_TEST_SEED");
   const char* steps_env = getenv("NCCL_TEST_SOAK_STEPS");
   const int steps = steps_env && *steps_env ? atoi(steps_env) : g_env.quick ? 16 : 40;
+  /* (NCCL_TEST_SOAK_RMA=0 leaves puts out: with a CUDA driver on the path the library runs
+   * them in stream order, which this program, written for host mode, does not wait for.) */
+  const char* rma = getenv("NCCL_TEST_SOAK_RMA");
+  g_soak_rma = !(rma && *rma && atoi(rma) == 0);
   soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
   uint8_t* tmp = malloc((size_t)n * SOAK_BYTES);
   uint8_t* buf[MAX_LOCAL][SOAK_BUFS];
   ncclComm_t split[MAX_LOCAL];
+  ncclWindow_t win[MAX_LOCAL][2][SOAK_BUFS]; /* every buffer, on either communicator */
   if (!tmp) exit(1);
   /* The second communicator is nonblocking: its calls may answer ncclInProgress, and a step
    * waits for it (ncclCommGetAsyncError) before the next, as NCCL asks. */
@@ -599,6 +605,14 @@ static void soak(void) {
       if (!buf[l][b]) exit(1);
       memcpy(buf[l][b], &g_soak_model[soak_at(g_env.first_rank + l, b, 0)], SOAK_BYTES);
     }
+  for (int k = 0; k < 2; k++) {
+    ncclComm_t* comms = k ? split : g_comms;
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      for (int b = 0; b < SOAK_BUFS; b++)
+        CHECK(ncclCommWindowRegister(comms[l], buf[l][b], SOAK_BYTES, &win[l][k][b], NCCL_WIN_COLL_SYMMETRIC));
+    CHECK(finish_async(ncclGroupEnd(), comms, g_env.local));
+  }
   char said[SOAK_EVERY * 2][160];
   int first = 0, call = 0, ok = 1;
   for (int step = 0; step < steps && ok; step++) {
@@ -612,6 +626,9 @@ static void soak(void) {
         CHECK(finish_async(ncclRedOpCreatePreMulSum(&premul[k][l], &scalar, SOAK_TYPES[ops[k].type].dt,
                                                     ncclScalarHostImmediate, comm), &comm, 1));
       }
+    /* A put lands whenever its sender gets to it: a rank still checking the last step's
+     * buffers would see it early. So, as a program must, every rank gets here first. */
+    if (ops[0].kind == S_PUT || (calls > 1 && ops[1].kind == S_PUT)) allreduce_sum_int(g_comms, 0);
     CHECK(ncclGroupStart());
     for (int k = 0; k < calls; k++)
       for (int l = 0; l < g_env.local; l++) {
@@ -649,6 +666,12 @@ static void soak(void) {
               CHECK(ncclRecv(b + soak_a2av_offset(o, p, r, 0) * s, soak_a2av_count(o, p, r), dt, p, comm, TEST_STREAM));
             }
             break;
+          case S_PUT: {
+            CHECK(ncclPutSignal(a, c, dt, (r + o->shift) % n, win[l][o->comm][o->b], 0, 0, 0, 0, comm, TEST_STREAM));
+            ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = (r + n - o->shift) % n, .sigIdx = 0, .ctx = 0};
+            CHECK(ncclWaitSignal(1, &d, comm, TEST_STREAM));
+            break;
+          }
         }
       }
     CHECK(finish_async(ncclGroupEnd(), split, g_env.local));
@@ -678,6 +701,13 @@ static void soak(void) {
     first = call;
   }
   if (ok) tlog("Soak: %d calls checked against the model", call);
+  for (int k = 0; k < 2; k++) {
+    ncclComm_t* comms = k ? split : g_comms;
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      for (int b = 0; b < SOAK_BUFS; b++) CHECK(ncclCommWindowDeregister(comms[l], win[l][k][b]));
+    CHECK(finish_async(ncclGroupEnd(), comms, g_env.local));
+  }
   for (int l = 0; l < g_env.local; l++) {
     CHECK(ncclCommDestroy(split[l]));
     for (int b = 0; b < SOAK_BUFS; b++) free(buf[l][b]);

@@ -5,7 +5,8 @@
  * reductions, every type in the calls that move bytes). The calls: all-reduce, reduce,
  * broadcast, all-gather, reduce-scatter, all-to-all, gather, scatter (sum, prod, max, min, avg,
  * or a PreMulSum whose scalar differs per rank), in place or not; sends and
- * receives around the ring by a random shift (0: to itself), in place or not; some steps two
+ * receives around the ring by a random shift (0: to itself), in place or not; where the
+ * program asks (g_soak_rma), puts into windows around the ring likewise; some steps two
  * calls in one group, on disjoint buffers; each call on either of two communicators of the
  * same ranks (the second split from the first, nonblocking, ranks numbered alike). Counts from 1 element
  * to the buffer's size, log-uniform (and now and then 0). A reduce's non-root output and the rest of every buffer
@@ -21,9 +22,15 @@
 #define SOAK_BUFS 5
 #define SOAK_BYTES ((size_t)1 << 20) /* each buffer */
 #define SOAK_EVERY 12
-enum { S_ALLREDUCE, S_REDUCE, S_BCAST, S_ALLGATHER, S_REDUCESCATTER, S_ALLTOALL, S_SENDRECV, S_ALLTOALLV, S_GATHER, S_SCATTER, S_KINDS };
+enum { S_ALLREDUCE, S_REDUCE, S_BCAST, S_ALLGATHER, S_REDUCESCATTER, S_ALLTOALL, S_SENDRECV, S_ALLTOALLV, S_GATHER, S_SCATTER,
+       S_PUT, S_KINDS };
 static const char* const SOAK_NAME[S_KINDS] = {"AllReduce", "Reduce",    "Broadcast", "AllGather", "ReduceScatter",
-                                              "AlltoAll",  "SendRecv",  "AlltoAllv", "Gather",    "Scatter"};
+                                              "AlltoAll",  "SendRecv",  "AlltoAllv", "Gather",    "Scatter", "PutSignal"};
+/* Whether the program issues one-sided calls (S_PUT: ncclPutSignal of buffer a into the
+ * window over buffer b of the rank `shift` ahead, and ncclWaitSignal for the one from the
+ * rank `shift` behind, in one group; every buffer a window on both communicators). Set before
+ * soak_begin; programs that leave it 0 get the sequences they always got. */
+static int g_soak_rma;
 
 /* The datatypes: integers in every call (their arithmetic wraps alike in the model and the
  * library, so every value compares exactly), floating-point types in the calls that only move
@@ -102,7 +109,10 @@ static uint64_t soak_reduce(const soak_op* o, uint64_t x, uint64_t y) {
 static soak_op soak_pick(int n, int a, int b) {
   soak_op o;
   memset(&o, 0, sizeof o);
-  o.kind = (int)(soak_next() % S_KINDS);
+  o.kind = (int)(soak_next() % (unsigned)(g_soak_rma ? S_KINDS : S_PUT));
+  /* A put of a buffer into the same buffer of another rank races with that rank's put into
+   * it (nothing orders one rank's read against another's write, in NCCL either): a send. */
+  if (o.kind == S_PUT && a == b) o.kind = S_SENDRECV;
   o.red = (int)(soak_next() % 6);
   o.device_scalar = (int)(soak_next() % 2);
   o.in_place = a == b;
@@ -209,7 +219,8 @@ static void soak_apply(const soak_op* o, int n, uint8_t* tmp) {
       free(in);
       break;
     }
-    case S_SENDRECV:
+    case S_SENDRECV: /* and a put: rank r's buffer a into the window over buffer b of rank r + shift */
+    case S_PUT:
       for (int r = 0; r < n; r++) memcpy(&tmp[(size_t)r * len], &m[soak_at((r + n - o->shift) % n, o->a, 0)], len);
       for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], &tmp[(size_t)r * len], len);
       break;

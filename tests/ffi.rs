@@ -68,7 +68,8 @@ fn collectives_4_processes() {
 }
 
 /// Part Soak in host mode (ffi-tests/soak.h): seeded random calls, every collective and ring
-/// sends/receives, in place or not, some two to a group, reductions on every integer type
+/// sends/receives, in place or not, puts into windows around the ring (ncclPutSignal and
+/// ncclWaitSignal), some two to a group, reductions on every integer type
 /// with every op (avg and PreMulSum too), each rank's buffers compared with a
 /// host model of all ranks after every 12 calls; as 3 processes, 3 ranks of one process and
 /// 2 processes of 2 ranks, several seeds each (every default run of the program also runs it,
