@@ -125,9 +125,15 @@ pub fn end() -> Result<()> {
     // (After what nonblocking communicators still run in the background, as operations.)
     issues.iter().for_each(|(c, _)| background::wait_idle(c));
     issues.iter().try_for_each(|(c, op)| crate::api::rma::run(c, op))?;
-    run_ops(group.ops)?;
+    // Host-wait mode may leave the operations of nonblocking communicators to the background
+    // (ncclInProgress): the group's waits still run.
+    let ran = run_ops(group.ops);
+    let ops_pending = matches!(&ran, Err(e) if e.code == crate::error::Code::InProgress);
+    if !ops_pending {
+        ran?;
+    }
     waits.iter().try_for_each(|(c, op)| crate::api::rma::run(c, op))?;
-    if init_pending {
+    if init_pending || ops_pending {
         return Err(Error::in_progress());
     }
     Ok(())
