@@ -3571,6 +3571,8 @@ static void host_blind(void) {
  * goes on either of two streams per rank. Nothing is synchronised between calls: a stream
  * that switches waits for the other one with an event, as an application does. This process
  * compares its ranks' buffers with the model, every value, after every SOAK_EVERY calls.
+ * Every buffer is a window on both communicators, and puts into them are among the calls
+ * (CUDA_TEST_SOAK_RMA=0: none).
  * Counts are log-uniform, so that small calls are staged and large ones go direct or through
  * the device scratch. */
 typedef struct {
@@ -3584,6 +3586,7 @@ typedef struct {
   CUstream st[MAX_LOCAL][2];
   void* ev[MAX_LOCAL][2];
   int used[MAX_LOCAL][2]; /* work queued on the stream since the other one last waited for it */
+  ncclWindow_t win[MAX_LOCAL][2][SOAK_BUFS]; /* every buffer a window, on either communicator */
 } soak_state;
 
 /* Stream `s` of local rank `l`, after whatever the other stream of the rank holds. */
@@ -3644,6 +3647,12 @@ static void soak_issue(soak_state* S, const soak_op* o, int k, int l) {
       }
       CHECK(ncclGroupEnd());
       break;
+    case S_PUT: {
+      CHECK(ncclPutSignal(a, c, dt, (r + o->shift) % n, S->win[l][o->comm][o->b], 0, 0, 0, 0, comm, st));
+      ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = (r + n - o->shift) % n, .sigIdx = 0, .ctx = 0};
+      CHECK(ncclWaitSignal(1, &d, comm, st));
+      break;
+    }
   }
 }
 
@@ -3681,6 +3690,8 @@ static void soak(void) {
   const int steps = steps_env && *steps_env ? atoi(steps_env) : 48;
   const char* every_env = getenv("CUDA_TEST_SOAK_EVERY"); /* (to find the call that went wrong) */
   const int every = every_env && atoi(every_env) > 0 && atoi(every_env) <= SOAK_EVERY ? atoi(every_env) : SOAK_EVERY;
+  const char* rma = getenv("CUDA_TEST_SOAK_RMA"); /* 0: no puts */
+  g_soak_rma = !(rma && *rma && atoi(rma) == 0);
   soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
   uint8_t* tmp = malloc((size_t)n * SOAK_BYTES);
   uint8_t* host = host_alloc(SOAK_BYTES);
@@ -3716,11 +3727,28 @@ static void soak(void) {
     }
     S.used[l][0] = 1;
   }
+  for (int k = 0; k < 2 && g_soak_rma; k++) {
+    ncclComm_t* comms = k ? S.split : g_comms;
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      for (int b = 0; b < SOAK_BUFS; b++)
+        CHECK(ncclCommWindowRegister(comms[l], (void*)(uintptr_t)S.buf[l][b], SOAK_BYTES, &S.win[l][k][b],
+                                     NCCL_WIN_COLL_SYMMETRIC));
+    CHECK(finish_async(ncclGroupEnd(), comms, g_env.local));
+  }
   char said[SOAK_EVERY * 2][160];
   int first = 0, call = 0, ok = 1;
   for (int step = 0; step < steps && ok; step++) {
     soak_op ops[2];
     const int pair = soak_step(n, ops) - 1;
+    /* A put lands in its target's buffer whenever its sender gets to it, ordered with nothing
+     * on the target's streams: as a program must, every rank finishes what its streams hold
+     * and meets the others before a step with puts. */
+    if (ops[0].kind == S_PUT || (pair && ops[1].kind == S_PUT)) {
+      for (int l = 0; l < g_env.local; l++)
+        for (int t = 0; t < 2; t++) CU(cu.StreamSynchronize(S.st[l][t]));
+      allreduce_sum_int(g_comms, 0);
+    }
     /* Each stream a call uses waits for the other's work first (an event recorded inside the
      * group would not cover the group's calls), and the other waits for it before its next. */
     for (int l = 0; l < g_env.local; l++)
@@ -3767,8 +3795,16 @@ static void soak(void) {
   }
   expect_no_async_error("soak");
   if (ok) tlog("Soak: %d calls checked against the model", call);
-  for (int l = 0; l < g_env.local; l++) {
+  for (int l = 0; l < g_env.local; l++)
     for (int s = 0; s < 2; s++) CU(cu.StreamSynchronize(S.st[l][s]));
+  for (int k = 0; k < 2 && g_soak_rma; k++) {
+    ncclComm_t* comms = k ? S.split : g_comms;
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      for (int b = 0; b < SOAK_BUFS; b++) CHECK(ncclCommWindowDeregister(comms[l], S.win[l][k][b]));
+    CHECK(finish_async(ncclGroupEnd(), comms, g_env.local));
+  }
+  for (int l = 0; l < g_env.local; l++) {
     for (int b = 0; b < SOAK_BUFS; b++) {
       if (b < SOAK_BUFS - 1) dev_free(S.buf[l][b]);
       else CU(cu.MemFreeHost((void*)(uintptr_t)S.buf[l][b]));
