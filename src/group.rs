@@ -81,8 +81,7 @@ pub fn end() -> Result<()> {
     }
     // Operations on host buffers of nonblocking communicators only (host mode's one-sided
     // operations too): on a thread of their own.
-    let host_mode = matches!(crate::device::mode::current(), crate::device::mode::Mode::Host);
-    if group.inits.is_empty() && group.deferred.is_empty() && (group.rma.is_empty() || host_mode)
+    if group.inits.is_empty() && group.deferred.is_empty() && (group.rma.is_empty() || host_mode())
         && !(group.ops.is_empty() && group.rma.is_empty())
         && background::eligible(group.ops.iter().map(|q| (&*q.comm, q.placement.device))
             .chain(group.rma.iter().map(|(c, _)| (&**c, false))))
@@ -143,12 +142,7 @@ pub fn end() -> Result<()> {
 /// runs them: puts and signals, operations, waits) in the background (`background`):
 /// ncclInProgress.
 fn run_in_background(ops: Vec<Queued>, rma: Vec<(Arc<Comm>, crate::api::rma::RmaOp)>) -> Result<()> {
-    let mut comms: Vec<Arc<Comm>> = Vec::new();
-    for c in ops.iter().map(|q| &q.comm).chain(rma.iter().map(|(c, _)| c)) {
-        if !comms.iter().any(|k| Arc::ptr_eq(k, c)) {
-            comms.push(c.clone());
-        }
-    }
+    let comms = distinct(ops.iter().map(|q| &q.comm).chain(rma.iter().map(|(c, _)| c)));
     let ops: Vec<(Arc<Comm>, Op)> = ops.into_iter().map(|q| (q.comm, q.op)).collect();
     let (waits, issues): (Vec<_>, Vec<_>) = rma.into_iter().partition(|(_, op)| op.is_wait());
     background::start(comms, Box::new(move || {
@@ -163,12 +157,26 @@ fn run_in_background(ops: Vec<Queued>, rma: Vec<(Arc<Comm>, crate::api::rma::Rma
     }))
 }
 
+/// Each communicator once, in order of first appearance.
+fn distinct<'a>(comms: impl Iterator<Item = &'a Arc<Comm>>) -> Vec<Arc<Comm>> {
+    let mut out: Vec<Arc<Comm>> = Vec::new();
+    for c in comms {
+        if !out.iter().any(|k| Arc::ptr_eq(k, c)) {
+            out.push(c.clone());
+        }
+    }
+    out
+}
+
+fn host_mode() -> bool {
+    matches!(crate::device::mode::current(), crate::device::mode::Mode::Host)
+}
+
 /// Host mode: a one-sided operation outside a group on a nonblocking communicator runs in the
 /// background after the communicator's earlier operations (ncclInProgress), as they do; on a
 /// blocking one, now. Whether it went to the background (else: run it now).
 pub fn rma_in_background(comm: &Arc<Comm>, op: crate::api::rma::RmaOp) -> std::result::Result<Result<()>, crate::api::rma::RmaOp> {
-    let host_mode = matches!(crate::device::mode::current(), crate::device::mode::Mode::Host);
-    if !host_mode || comm.config.blocking {
+    if !host_mode() || comm.config.blocking {
         return Err(op);
     }
     Ok(run_in_background(Vec::new(), vec![(comm.clone(), op)]))
@@ -191,12 +199,7 @@ fn run_ops(ops: Vec<Queued>) -> Result<()> {
     // group on its stream worker (its sends and receives may pair up with each other). Those
     // are queued first: the worker runs them while this thread runs the others.
     let device_comms: Vec<*const Comm> = ops.iter().filter(|q| q.placement.device).map(|q| Arc::as_ptr(&q.comm)).collect();
-    let mut comms: Vec<Arc<Comm>> = Vec::new();
-    for q in &ops {
-        if !comms.iter().any(|c| Arc::ptr_eq(c, &q.comm)) {
-            comms.push(q.comm.clone());
-        }
-    }
+    let comms = distinct(ops.iter().map(|q| &q.comm));
     let (on_stream, host): (Vec<Queued>, Vec<Queued>) =
         ops.into_iter().partition(|q| device_comms.contains(&Arc::as_ptr(&q.comm)));
     let mut per_comm: Vec<(Arc<Comm>, Vec<StreamOp>)> = Vec::new();
