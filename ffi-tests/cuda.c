@@ -1285,6 +1285,17 @@ static void capture_elsewhere(void) {
     for (size_t j = 0; j < small; j++) hs[l][j] = in_value(g_env.first_rank + l, j, 1);
     for (size_t j = 0; j < large; j++) hl[l][j] = in_value(g_env.first_rank + l, j, 2);
   }
+  /* And a window per rank, which the previous rank puts into during the capture (with peer
+   * access, the put's stream writes it; without, the target's own thread copies it in). */
+  CUdeviceptr dw[MAX_LOCAL];
+  ncclWindow_t win[MAX_LOCAL];
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    dw[l] = dev_alloc(small * sizeof(float));
+    CHECK(ncclCommWindowRegister(g_comms[l], (void*)(uintptr_t)dw[l], small * sizeof(float), &win[l],
+                                 NCCL_WIN_COLL_SYMMETRIC));
+  }
+  CHECK(ncclGroupEnd());
   CUstream cap;
   CU(cu.StreamCreate(&cap, CU_STREAM_NON_BLOCKING));
   CU(cu.StreamBeginCapture(cap, CU_STREAM_CAPTURE_MODE_GLOBAL));
@@ -1306,6 +1317,15 @@ static void capture_elsewhere(void) {
     CHECK(ncclAllReduce((void*)(uintptr_t)ds[l], (void*)(uintptr_t)ds[l], small, ncclFloat32, ncclSum, sub[l], g_streams[l]));
     CHECK(ncclAllReduce((void*)(uintptr_t)dl[l], (void*)(uintptr_t)dl[l], large, ncclFloat32, ncclSum, sub[l], g_streams[l]));
     CHECK(ncclAllReduce((const void*)(uintptr_t)dp[l], out[l], small, ncclFloat32, ncclSum, sub[l], g_streams[l]));
+  }
+  CHECK(ncclGroupEnd());
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    const int rank = g_env.first_rank + l, n = g_env.nranks;
+    CHECK(ncclPutSignal((void*)(uintptr_t)dp[l], small, ncclFloat32, (rank + 1) % n, win[l], 0, 0, 0, 0, g_comms[l],
+                        g_streams[l]));
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = (rank + n - 1) % n, .sigIdx = 0, .ctx = 0};
+    CHECK(ncclWaitSignal(1, &d, g_comms[l], g_streams[l]));
   }
   CHECK(ncclGroupEnd());
   for (int l = 0; l < g_env.local; l++) {
@@ -1334,6 +1354,16 @@ static void capture_elsewhere(void) {
     for (size_t j = 0; j < small; j++) bad += out[l][j] != expected(C_ALLREDUCE, small, g_env.nranks, 0, j, 1);
     for (size_t j = 0; j < large; j++) bad += hl[l][j] != expected(C_ALLREDUCE, large, g_env.nranks, 0, j, 2);
     EXPECT(bad == 0, "rank %d: collectives during another stream's capture: %zu wrong values", rank, bad);
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)hs[l], dw[l], small * sizeof(float), g_streams[l]));
+    CU(cu.StreamSynchronize(g_streams[l]));
+    const int from = (rank + g_env.nranks - 1) % g_env.nranks;
+    bad = 0;
+    for (size_t j = 0; j < small; j++) bad += hs[l][j] != in_value(from, j, 1);
+    EXPECT(bad == 0, "rank %d: %zu wrong values in its window after rank %d's put during the capture", rank, bad, from);
+    ncclResult_t world = ncclInProgress;
+    CHECK(ncclCommGetAsyncError(g_comms[l], &world));
+    EXPECT(world == ncclSuccess, "rank %d: a put during another stream's capture failed: %s (%s)", rank,
+           result_name(world), ncclGetLastError(g_comms[l]));
     dev_free(ds[l]);
     dev_free(dp[l]);
     dev_free(dl[l]);
@@ -1342,6 +1372,11 @@ static void capture_elsewhere(void) {
     free(out[l]);
   }
   destroy_comms(sub);
+  allreduce_sum_int(g_comms, 0); /* (every rank done with the windows) */
+  for (int l = 0; l < g_env.local; l++) {
+    CHECK(ncclCommWindowDeregister(g_comms[l], win[l]));
+    dev_free(dw[l]);
+  }
   CU(cu.StreamDestroy(cap));
 }
 
@@ -3692,6 +3727,8 @@ static void soak(void) {
   const int every = every_env && atoi(every_env) > 0 && atoi(every_env) <= SOAK_EVERY ? atoi(every_env) : SOAK_EVERY;
   const char* rma = getenv("CUDA_TEST_SOAK_RMA"); /* 0: no puts */
   g_soak_rma = !(rma && *rma && atoi(rma) == 0);
+  const char* graphs_env = getenv("CUDA_TEST_SOAK_GRAPH");
+  const int graphs = graphs_env && atoi(graphs_env) != 0;
   soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
   uint8_t* tmp = malloc((size_t)n * SOAK_BYTES);
   uint8_t* host = host_alloc(SOAK_BYTES);
@@ -3770,10 +3807,33 @@ static void soak(void) {
           CHECK(finish_async(ncclRedOpCreatePreMulSum(&S.premul[k][l], up, dt, ncclScalarHostImmediate, comm), &comm, 1));
         }
       }
+    /* CUDA_TEST_SOAK_GRAPH=1 (with NCCL_RS_GRAPH_CAPTURE=1): a step whose calls are on one
+     * stream and put nothing is captured, each rank's stream its own capture, and its graph
+     * launched once or twice (odd steps twice: the model applies the calls again). */
+    const int on_one_stream = !pair || ops[0].stream == ops[1].stream;
+    const int puts = ops[0].kind == S_PUT || (pair && ops[1].kind == S_PUT);
+    const int captured = graphs && on_one_stream && !puts;
+    const int launches = captured ? 1 + step % 2 : 1;
+    if (captured)
+      for (int l = 0; l < g_env.local; l++) CU(cu.StreamBeginCapture(S.st[l][ops[0].stream], CU_STREAM_CAPTURE_MODE_GLOBAL));
     CHECK(ncclGroupStart());
     for (int k = 0; k <= pair; k++)
       for (int l = 0; l < g_env.local; l++) soak_issue(&S, &ops[k], k, l);
     CHECK(finish_async(ncclGroupEnd(), S.split, g_env.local));
+    if (captured) {
+      void *graph[MAX_LOCAL], *exec[MAX_LOCAL];
+      for (int l = 0; l < g_env.local; l++) {
+        CU(cu.StreamEndCapture(S.st[l][ops[0].stream], &graph[l]));
+        CU(cu.GraphInstantiate(&exec[l], graph[l], 0));
+      }
+      for (int t = 0; t < launches; t++)
+        for (int l = 0; l < g_env.local; l++) CU(cu.GraphLaunch(exec[l], S.st[l][ops[0].stream]));
+      for (int l = 0; l < g_env.local; l++) {
+        CU(cu.StreamSynchronize(S.st[l][ops[0].stream]));
+        CU(cu.GraphExecDestroy(exec[l]));
+        CU(cu.GraphDestroy(graph[l]));
+      }
+    }
     for (int k = 0; k <= pair; k++)
       for (int l = 0; l < g_env.local && ops[k].red == SOAK_PREMUL; l++) {
         ncclComm_t comm = ops[k].comm ? S.split[l] : g_comms[l];
@@ -3782,8 +3842,13 @@ static void soak(void) {
     for (int l = 0; l < g_env.local; l++)
       for (int k = 0; k <= pair; k++) S.used[l][ops[k].stream] = 1;
     for (int k = 0; k <= pair; k++) {
-      soak_apply(&ops[k], n, tmp);
+      for (int t = 0; t < launches; t++) soak_apply(&ops[k], n, tmp);
       soak_describe(&ops[k], said[call - first], sizeof said[0]);
+      if (captured) {
+        char times[48];
+        snprintf(times, sizeof times, " (captured, launched %dx)", launches);
+        strncat(said[call - first], times, sizeof said[0] - strlen(said[call - first]) - 1);
+      }
       if (getenv("CUDA_TEST_SOAK_TRACE")) tlog("soak call %d issued: %s", call, said[call - first]);
       if (k == 1) strncat(said[call - first], " (grouped with the call before)", sizeof said[0] - strlen(said[call - first]) - 1);
       call++;

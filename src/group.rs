@@ -100,6 +100,7 @@ pub fn end() -> Result<()> {
             let spawned = std::thread::Builder::new()
                 .name("nccl-rs-init".into())
                 .spawn(move || {
+                    crate::device::cuda::relax_capture_mode();
                     // Whatever happens, no communicator of the group stays "in progress".
                     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_init_list(&inits)));
                     if let Err(p) = ran {

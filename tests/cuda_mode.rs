@@ -697,14 +697,15 @@ fn cuda_mode_ranks_on_two_hosts_stage_through_sockets() {
 /// them, every buffer of every rank compared with a host model of all ranks after every 12
 /// calls (ffi-tests/cuda.c says more). As 2 processes, 2 processes of 2 ranks (ranks of one
 /// process too), 3 processes with buffers of the virtual memory API, 3 processes staging
-/// everything (NCCL_P2P_DISABLE=1), and 3 processes in host-wait mode; a different seed each.
-/// Puts into windows over the buffers are among the calls. (To hunt with more:
+/// everything (NCCL_P2P_DISABLE=1), 3 processes in host-wait mode, and 3 processes capturing
+/// steps into CUDA graphs (NCCL_RS_GRAPH_CAPTURE=1) launched once or twice; a different seed
+/// each. Puts into windows over the buffers are among the calls. (To hunt with more:
 /// `NCCL_TEST_SOAK_SEEDS=1-50`, each job with each seed; `CUDA_TEST_SOAK_EVERY=1` compares
 /// after every call, to name the one that went wrong.)
 #[test]
 fn cuda_mode_random_call_sequences_match_a_host_model() {
     let jobs = [("2 processes", 1), ("2 processes x 2 ranks", 2), ("3 processes, virtual memory API", 3),
-                ("3 processes, staged", 4), ("3 processes, host-wait", 15)];
+                ("3 processes, staged", 4), ("3 processes, host-wait", 15), ("3 processes, graphs", 6)];
     let hunt = std::env::var("NCCL_TEST_SOAK_SEEDS").ok().and_then(|v| {
         let (a, b) = v.split_once('-')?;
         Some(a.parse::<u32>().ok()?..=b.parse::<u32>().ok()?)
@@ -717,6 +718,8 @@ fn cuda_mode_random_call_sequences_match_a_host_model() {
                 "3 processes, virtual memory API" => cuda_job().procs(3).env("CUDA_TEST_VMM", "1"),
                 // (Seed 15's puts once found a group's waits skipped: 2 runs in 6 failed.)
                 "3 processes, host-wait" => cuda_job().procs(3).env("NCCL_RS_HOST_WAIT", "1").env("CUDA_TEST_SOAK_STEPS", "150"),
+                // Steps on one stream captured into CUDA graphs and launched once or twice.
+                "3 processes, graphs" => cuda_job().procs(3).env("CUDA_TEST_SOAK_GRAPH", "1").env("NCCL_RS_GRAPH_CAPTURE", "1"),
                 _ => cuda_job().procs(3).env("NCCL_P2P_DISABLE", "1"),
             };
             let o = job.arg("--only").arg("Soak").env("CUDA_TEST_SEED", &seed.to_string()).run_outcome();
@@ -1051,11 +1054,15 @@ fn cuda_mode_a_rank_behind_its_graph_launch_is_named() {
 /// While the application captures a graph on another stream in global mode (torch.cuda.graph's
 /// default), collectives outside the capture run, exact, and the capture survives: neither
 /// nccl-rs's calls nor its threads make the calls such a capture forbids (the stand-in enforces
-/// CUDA's rules). Processes, whose workers map each other's buffers; ranks of one process; and
-/// host-wait mode, where the worker waits on events.
+/// CUDA's rules). Processes, whose workers map each other's buffers; ranks of one process;
+/// host-wait mode, where the worker waits on events; and processes without peer access, whose
+/// puts into each other's windows (made during the capture too) the target's own thread
+/// copies in, which a global capture elsewhere once refused ("a put from rank 1: cuMemcpyAsync:
+/// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", found by the soak with graphs).
 #[test]
 fn cuda_mode_collectives_beside_a_graph_capture() {
-    let jobs = [cuda_job().procs(2), cuda_job().local(2), cuda_job().procs(2).env("NCCL_RS_HOST_WAIT", "1")];
+    let jobs = [cuda_job().procs(2), cuda_job().local(2), cuda_job().procs(2).env("NCCL_RS_HOST_WAIT", "1"),
+                cuda_job().procs(2).env("NCCL_P2P_DISABLE", "1")];
     for job in jobs {
         let o = job.arg("--only").arg("CaptureElsewhere").run_outcome();
         assert!(o.ok(), "{}", o.report);

@@ -126,6 +126,7 @@ pub fn spawn_init(comm: Arc<Comm>, id: UniqueId) -> Result<()> {
     std::thread::Builder::new()
         .name("nccl-rs-init".into())
         .spawn(move || {
+            crate::device::cuda::relax_capture_mode();
             let _ = run_init(&comm, &id);
         })
         .map(|_| ())

@@ -269,6 +269,9 @@ impl Inner {
         let me = self.clone();
         let spawned = std::thread::Builder::new().name("nccl-rs-rma".into()).spawn(move || {
             crate::debug::set_rank(me.comm.1 as i32);
+            // Its copies into windows must not fail, nor break, a graph the application
+            // captures meanwhile (`relax_capture_mode`).
+            crate::device::cuda::relax_capture_mode();
             let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.serve(from, stream)));
             // Its descriptor goes with it (each window a peer asks about opens one).
             me.lock().incoming.retain(|(i, _)| *i != id);

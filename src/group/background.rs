@@ -191,6 +191,8 @@ fn on_a_thread(task: Task) -> std::io::Result<()> {
 /// A thread's life: run its task, offer itself for the next, and end after `IDLE_FOR`
 /// without one. Once taken off the list by a caller it waits for that caller's task.
 fn serve(me: u64, first: Task) {
+    // (Host-wait mode's jobs copy results out and synchronise: no capture may forbid them.)
+    crate::device::cuda::relax_capture_mode();
     let (tx, rx) = std::sync::mpsc::channel::<Task>();
     let mut next = Some(first);
     while let Some(task) = next.take() {

@@ -199,6 +199,7 @@ impl Helper {
         let (comm, stream) = (comm.clone(), stream.clone());
         let thread = std::thread::Builder::new().name(format!("nccl-rs-staged-{rank}")).spawn(move || {
             crate::debug::set_rank(comm.rank as i32);
+            crate::device::cuda::relax_capture_mode();
             let current = ctx.make_current();
             let mut staging = Staging::default();
             for ops in todo {

@@ -221,6 +221,7 @@ impl Gated {
             .name(format!("nccl-rs-rma-{}", comm.rank))
             .spawn(move || {
                 crate::debug::set_rank(c.rank as i32);
+                crate::device::cuda::relax_capture_mode();
                 s.run(&c)
             })
             .map_err(|e| Error::os("spawn the one-sided sender", e))?;

@@ -61,7 +61,10 @@ fn closer() -> &'static Closer {
     static STARTED: std::sync::Once = std::sync::Once::new();
     let c = CLOSER.get_or_init(|| Closer { queue: Mutex::new(Queue::default()), changed: Condvar::new() });
     STARTED.call_once(|| {
-        let started = std::thread::Builder::new().name("nccl-rs-close".into()).spawn(move || closing(c));
+        let started = std::thread::Builder::new().name("nccl-rs-close".into()).spawn(move || {
+            super::relax_capture_mode();
+            closing(c)
+        });
         if let Err(e) = started {
             crate::warn!("could not start the thread that closes peer mappings ({e}): they close where they are let go");
             c.queue.lock().unwrap_or_else(|p| p.into_inner()).inline = true;

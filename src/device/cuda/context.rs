@@ -187,7 +187,10 @@ pub fn peer_access(from: i32, to: i32) -> bool {
 /// operation, or a call that starts one, while the application captures something else neither
 /// fails nor breaks the capture.
 pub fn relax_capture_mode() {
-    exchange_capture_mode(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
+    // (Host mode: no driver to ask.)
+    if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+        exchange_capture_mode(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
+    }
 }
 
 /// Sets the calling thread's capture interaction mode to `mode`; the one it had, if the
