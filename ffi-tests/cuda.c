@@ -72,6 +72,7 @@ typedef void* CUcontext;
 static struct {
   CUresult (*Init)(unsigned);
   CUresult (*DeviceGet)(int*, int);
+  CUresult (*DeviceGetCount)(int*);
   CUresult (*PrimaryCtxRetain)(CUcontext*, int);
   CUresult (*CtxSetCurrent)(CUcontext);
   CUresult (*CtxGetCurrent)(CUcontext*);
@@ -142,6 +143,7 @@ static void load_driver(void) {
   }
   *(void**)&cu.Init = sym(lib, "cuInit");
   *(void**)&cu.DeviceGet = sym(lib, "cuDeviceGet");
+  *(void**)&cu.DeviceGetCount = sym(lib, "cuDeviceGetCount");
   *(void**)&cu.PrimaryCtxRetain = sym(lib, "cuDevicePrimaryCtxRetain");
   *(void**)&cu.CtxSetCurrent = sym(lib, "cuCtxSetCurrent");
   *(void**)&cu.CtxGetCurrent = sym(lib, "cuCtxGetCurrent");
@@ -2750,6 +2752,14 @@ static void context(void) {
     CU(cu.StreamSynchronize(g_streams[l]));
     dev_free(d[l]);
   }
+  /* ncclCommInitAll on a device the driver does not have: refused, as NCCL refuses it. */
+  int devices = 0;
+  CU(cu.DeviceGetCount(&devices));
+  ncclComm_t none[2] = {NULL, NULL};
+  ncclResult_t r = ncclCommInitAll(none, 2, (const int[]){0, devices});
+  const char* msg = ncclGetLastError(NULL);
+  EXPECT(r == ncclInvalidArgument, "ncclCommInitAll on device %d of %d returned %s", devices, devices, result_name(r));
+  EXPECT(msg && strstr(msg, "CUDA device"), "its error does not say why: '%s'", msg ? msg : "(null)");
 }
 
 /* Two ranks issue all-reduces of different counts on device memory (large enough for the

@@ -83,13 +83,11 @@ export! {
     fn ncclCommInitAll(comm: *mut ncclComm_t, ndev: c_int, devlist: *const c_int) {
         ensure!(!comm.is_null(), Error::invalid_arg("comm is NULL"));
         ensure!(ndev > 0, Error::invalid_arg(format!("ndev {ndev} must be at least 1")));
-        let devs: Vec<c_int> = if devlist.is_null() {
-            (0..ndev).collect()
-        } else {
+        let devs: Option<Vec<c_int>> = (!devlist.is_null()).then(|| {
             // SAFETY: devlist holds ndev ints by the API contract (ndev > 0 checked).
             unsafe { std::slice::from_raw_parts(devlist, ndev as usize) }.to_vec()
-        };
-        let handles = init::init_all(&devs)?;
+        });
+        let handles = init::init_all(ndev, devs)?;
         for (i, h) in handles.iter().enumerate() {
             // SAFETY: the caller's array has room for ndev communicators; i < ndev.
             unsafe { comm.add(i).write_unaligned(h.as_ptr()) };

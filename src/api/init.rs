@@ -67,8 +67,29 @@ pub fn init_rank_scalable(nranks: i32, rank: i32, ids: &[[u8; 128]], config: Con
     init_rank(nranks, first, rank, config)
 }
 
-/// `ncclCommInitAll`: every rank in this process, initialised together.
-pub fn init_all(devs: &[i32]) -> Result<Vec<Handle>> {
+/// `ncclCommInitAll`: every rank in this process, initialised together; rank i on `devlist[i]`,
+/// or on device i without a list. A list's devices must exist, as NCCL checks (in CUDA mode: a
+/// device of the driver's; in host mode devices are only numbers, but not negative ones).
+/// Without a list, CUDA mode accepts more ranks than devices, for ranks that only use host
+/// buffers (NCCL refuses them; ours fail at their first call on device memory, naming it).
+pub fn init_all(ndev: i32, devlist: Option<Vec<i32>>) -> Result<Vec<Handle>> {
+    let devs = match devlist {
+        None => (0..ndev).collect(),
+        Some(devs) => {
+            let count = match crate::device::mode::current() {
+                crate::device::mode::Mode::Cuda { .. } => Some(crate::device::cuda::device_count()?),
+                crate::device::mode::Mode::Host => None,
+            };
+            for (i, &d) in devs.iter().enumerate() {
+                if d < 0 || count.is_some_and(|c| d >= c) {
+                    let have = count.map_or(String::new(), |c| format!(" (this process sees {c} CUDA device(s))"));
+                    return Err(Error::invalid_arg(format!("devlist[{i}] is {d}, not a device{have}")));
+                }
+            }
+            devs
+        }
+    };
+    let devs: &[i32] = &devs;
     let n = devs.len();
     let id = UniqueId::decode(&bootstrap::new_unique_id()?)?;
     let comms: Vec<Arc<Comm>> =
