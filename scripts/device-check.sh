@@ -45,6 +45,7 @@
 #      queue (CUDA_DEVICE_MAX_CONNECTIONS=1) deadlocks without host-wait: direct on the callers'
 #      streams, everything staged by the callers' streams, direct on the worker's stream;
 #   7. PyTorch: direct all-reduces while another thread calls torch.cuda.empty_cache();
+#   8. PyTorch on nonblocking communicators, also in host-wait mode;
 # A step that passes its cap leaves hang-<step>.txt: every thread's stack of its processes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -358,6 +359,25 @@ if python3 -c 'import torch' 2>/dev/null; then
     RANK=1 LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py stress & b=\$!
     wait \$a && wait \$b"
   grep -E 'stress' "$OUT/torch-empty-cache.log" | sed 's/^/# torch: /' >> "$R"
+fi
+# 8. PyTorch on nonblocking communicators (TORCH_NCCL_USE_COMM_NONBLOCKING=1: every init and
+#    call may answer ncclInProgress, which PyTorch polls with ncclCommGetAsyncError), in
+#    host-wait mode too (CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron-LM sets it), where calls on
+#    nonblocking communicators answer ncclInProgress until their operation is done.
+if python3 -c 'import torch' 2>/dev/null; then
+  step torch-nonblocking 60 bash -c "
+    set -e
+    export MASTER_ADDR=127.0.0.1 WORLD_SIZE=2 NCCL_DEBUG=WARN TORCH_NCCL_USE_COMM_NONBLOCKING=1
+    for port in 29543 29544; do
+      [ \$port = 29544 ] && export CUDA_DEVICE_MAX_CONNECTIONS=1
+      export MASTER_PORT=\$port
+      rm -f $OUT/ddp-nccl.json
+      RANK=0 LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & a=\$!
+      RANK=1 LD_PRELOAD=$PWD/$PREP/lib/libnccl.so.2 python3 $OUT/torch_check.py nccl & b=\$!
+      wait \$a; wait \$b
+      python3 $OUT/torch_check.py compare
+    done"
+  grep -E '^(DDP|RESULT)|RESULT' "$OUT/torch-nonblocking.log" | sed 's/^/# torch nonblocking: /' >> "$R"
 fi
 step one-queue-worker-direct 25 env CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_RS_HOST_WAIT=0 NCCL_RS_DIRECT_ON_STREAM=0 \
   NCCL_FFI_LIB="$PWD/$PREP/lib/libnccl.so.2" NCCL_TEST_REAL_DRIVER=1 "$PREP/run/bin/cuda_mode" --test-threads=1 \
