@@ -1370,7 +1370,8 @@ fn cuda_mode_one_rank_collectives_are_copies_on_the_stream() {
 /// API, as PyTorch's expandable segments place them; `--device 3`: such memory peers cannot
 /// map; `-G 2`: calls captured into CUDA graphs, with NCCL_RS_GRAPH_CAPTURE=1; `-o premulsum`):
 /// every size checked exactly, as processes and as ranks of one process sharing the device.
-/// Its sendrecv in place sends from and receives into one buffer.
+/// Its sendrecv in place sends from and receives into one buffer. And on nonblocking
+/// communicators (`--nonblocking 1`), host-wait mode too.
 #[test]
 fn perf_tool_runs_and_checks_device_buffers() {
     // NCCL_RS_PERF: the binary beside this test when both were copied to another machine.
@@ -1424,6 +1425,19 @@ fn perf_tool_runs_and_checks_device_buffers() {
     assert!(out.status.success() && text.contains("Out of bounds values : 0 OK"), "--hosts 2:\n{text}");
     for (from, to, via) in [(0, 1, "Shm"), (1, 2, "Socket"), (2, 0, "Socket")] {
         assert!(text.contains(&format!("rank {from} -> rank {to} via {via}")), "--hosts 2: {from} -> {to}:\n{text}");
+    }
+    // `--nonblocking 1`: nonblocking communicators, as streams order them and in host-wait mode,
+    // where every call answers ncclInProgress until its operation is done.
+    for host_wait in ["0", "1"] {
+        let mut cmd = std::process::Command::new(&perf);
+        cmd.args(["allreduce", "-np", "2", "--device", "1", "--nonblocking", "1", "-b", "8", "-e", "1M", "-f", "32", "-n", "2"]);
+        if std::env::var_os("NCCL_TEST_REAL_DRIVER").is_none() {
+            cmd.env("LD_LIBRARY_PATH", cuda_stub_dir());
+        }
+        let out = cmd.env_remove("NCCL_COMM_ID").env("NCCL_RS_HOST_WAIT", host_wait).output().expect("run nccl-rs-perf");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("Out of bounds values : 0 OK"), "--nonblocking 1, host-wait {host_wait}:\n{text}");
+        assert!(text.contains("device buffers, nonblocking communicators"), "--nonblocking 1: not said:\n{text}");
     }
 }
 
