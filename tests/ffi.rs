@@ -124,9 +124,15 @@ fn nonblocking_calls_reuse_their_threads() {
 /// segment alike ("File exists"): the names now carry the receiving rank's bootstrap port.
 #[test]
 fn collectives_nonblocking_with_one_nccl_comm_id() {
-    for procs in [2, 3] {
+    part_with_one_nccl_comm_id("collectives", "Nonblocking", &[2, 3]);
+}
+
+/// Part `part` of `program` on each count of `procs` processes, every communicator of the
+/// job made from one NCCL_COMM_ID (a free port of this host).
+fn part_with_one_nccl_comm_id(program: &'static str, part: &str, procs: &[usize]) {
+    for &n in procs {
         let addr = format!("127.0.0.1:{}", free_tcp_port());
-        Job::new("collectives").procs(procs).arg("--only").arg("Nonblocking").env("NCCL_COMM_ID", &addr).run();
+        Job::new(program).procs(n).arg("--only").arg(part).env("NCCL_COMM_ID", &addr).run();
     }
 }
 
@@ -294,10 +300,7 @@ fn rma_all_to_all_64_ranks_16_processes_x_4() {
 /// communicator rather than per hash).
 #[test]
 fn rma_windows_of_communicators_with_one_id_stay_apart() {
-    for procs in [3, 4] {
-        let addr = format!("127.0.0.1:{}", free_tcp_port());
-        Job::new("rma").procs(procs).arg("--only").arg("SameId").env("NCCL_COMM_ID", &addr).run();
-    }
+    part_with_one_nccl_comm_id("rma", "SameId", &[3, 4]);
 }
 
 /// Part Nonblocking (ffi-tests/rma.c): in host mode, a put on a nonblocking communicator

@@ -73,7 +73,7 @@ pub fn init_rank_scalable(nranks: i32, rank: i32, ids: &[[u8; 128]], config: Con
 /// Without a list, CUDA mode accepts more ranks than devices, for ranks that only use host
 /// buffers (NCCL refuses them; ours fail at their first call on device memory, naming it).
 pub fn init_all(ndev: i32, devlist: Option<Vec<i32>>) -> Result<Vec<Handle>> {
-    let devs = match devlist {
+    let devs: Vec<i32> = match devlist {
         None => (0..ndev).collect(),
         Some(devs) => {
             let count = match crate::device::mode::current() {
@@ -89,7 +89,6 @@ pub fn init_all(ndev: i32, devlist: Option<Vec<i32>>) -> Result<Vec<Handle>> {
             devs
         }
     };
-    let devs: &[i32] = &devs;
     let n = devs.len();
     let id = UniqueId::decode(&bootstrap::new_unique_id()?)?;
     let comms: Vec<Arc<Comm>> =
