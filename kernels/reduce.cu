@@ -177,17 +177,27 @@ struct Narrow {
 };
 
 // IEEE binary16 through the PTX conversions (exact widening; nearest-even narrowing that
-// overflows to infinity), as the host's `half` crate / F16C do.
+// overflows to infinity), as the host's `half` crate / F16C do. The only inline PTX here: the
+// host build of this file (tests/kernel-host, which runs these kernels on the CPU) supplies
+// its own two functions instead.
+#ifndef NCCL_RS_KERNEL_HOST
+DEV float f16_to_f32(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+DEV u16 f32_to_f16(float v) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+#endif
+
 struct F16Bits {
   typedef u16 S;
-  DEV float widen(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-  }
+  DEV float widen(u16 h) { return f16_to_f32(h); }
   DEV u16 narrow(float v) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    u16 h = f32_to_f16(v);
     return v != v ? (u16)0x7fff : h;
   }
 };
