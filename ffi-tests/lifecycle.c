@@ -380,10 +380,21 @@ static void step_nested_groups(ncclComm_t* comms) {
   ar_verify_free(&b, "nested groups");
 }
 
+/* Only process 0 simulates (a job may estimate on one rank): the operations it simulated
+ * take no place among the communicators' calls, so the next all-reduce still meets the
+ * other processes'. */
 static void step_simulate(ncclComm_t* comms) {
   if (!begin("group-simulate")) return;
   ar_bufs_t b;
-  ar_setup(&b, 4096);
+  ar_setup(&b, 4096); /* (everywhere: the next all-reduce's values follow the same salt) */
+  if (g_env.proc != 0) {
+    for (int l = 0; l < g_env.local; l++) {
+      gbuf_free(&b.sb[l]);
+      gbuf_free(&b.rb[l]);
+    }
+    allreduce_check(comms, 0, "allreduce after ncclGroupSimulateEnd");
+    return;
+  }
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) CHECK(ar_issue(&b, comms[l], l));
   ncclSimInfo_t sim = NCCL_SIM_INFO_INITIALIZER;

@@ -4,6 +4,7 @@
 //! outside a group is a group of one.
 
 use std::cell::RefCell;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -74,6 +75,7 @@ fn close() -> Result<Option<Group>> {
 pub fn end() -> Result<()> {
     let Some(group) = close()? else { return Ok(()) };
     if let Some(e) = group.error {
+        give_back_numbers(&group.ops);
         for (c, _) in &group.inits {
             c.set_async_error(&e);
         }
@@ -288,6 +290,17 @@ pub fn run_parallel(work: Vec<Deferred>) -> Result<()> {
     results.into_iter().collect()
 }
 
+/// A group closed without running (an error in one of its calls, or ncclGroupSimulateEnd):
+/// its collectives took their communicators' next numbers at their calls, which the next
+/// calls take again, as they would on a rank that never made the dropped ones. (Collectives
+/// are numbered alike on every rank; a communicator's calls come from one thread at a time,
+/// so a communicator's dropped numbers are the last it gave.)
+fn give_back_numbers(ops: &[Queued]) {
+    for q in ops.iter().filter(|q| !q.op.kind.is_p2p()) {
+        q.comm.seq.fetch_min(q.op.seq, Ordering::Relaxed);
+    }
+}
+
 fn run_init_list(inits: &[(Arc<Comm>, UniqueId)]) -> Result<()> {
     crate::api::init::run_together(inits)
 }
@@ -296,6 +309,7 @@ fn run_init_list(inits: &[(Arc<Comm>, UniqueId)]) -> Result<()> {
 /// a latency per operation plus its bytes at host memory bandwidth.
 pub fn simulate_end() -> Result<f32> {
     let Some(group) = close()? else { return Ok(0.0) };
+    give_back_numbers(&group.ops);
     if let Some(e) = group.error {
         return Err(e);
     }
