@@ -3503,6 +3503,82 @@ static void devices(void) {
   CU(cu.CtxSetCurrent(g_ctx));
 }
 
+/* Part WrongStream (one process, two devices, NCCL_RS_STUB_DEVICES=2 NCCL_TEST_LOCAL=2): a
+ * call given a stream of another device than its communicator's (a program that forgot to
+ * switch devices) is refused at the call with ncclInvalidArgument and a message naming both
+ * devices; a group holding one runs none of its calls; the communicators go on working. */
+static void wrong_stream(void) {
+  test_step("wrong stream");
+  if (!EXPECT(g_env.local == 2, "needs NCCL_TEST_LOCAL=2")) return;
+  ncclComm_t comms[2];
+  int devs[2] = {0, 1};
+  CUcontext ctx[2];
+  CUstream st[2];
+  CUdeviceptr d[2];
+  float* h[2];
+  const size_t count = 1000;
+  CHECK(ncclCommInitAll(comms, 2, devs));
+  for (int l = 0; l < 2; l++) {
+    CU(cu.PrimaryCtxRetain(&ctx[l], l));
+    CU(cu.CtxSetCurrent(ctx[l]));
+    CU(cu.StreamCreate(&st[l], CU_STREAM_NON_BLOCKING));
+    d[l] = dev_alloc(count * sizeof(float));
+    h[l] = host_alloc(count * sizeof(float));
+    for (size_t j = 0; j < count; j++) h[l][j] = in_value(l, j, 0);
+    CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), st[l]));
+  }
+  /* Alone: refused at the call, whichever context is current. */
+  for (int l = 0; l < 2; l++) {
+    CU(cu.CtxSetCurrent(ctx[l]));
+    ncclResult_t r = ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum,
+                                   comms[l], st[1 - l]);
+    const char* msg = ncclGetLastError(comms[l]);
+    EXPECT(r == ncclInvalidArgument, "device %d: an all-reduce on device %d's stream returned %s", l, 1 - l,
+           result_name(r));
+    EXPECT(msg && strstr(msg, "stream"), "device %d: the refusal does not say why: '%s'", l, msg ? msg : "(null)");
+  }
+  /* In a group: ncclGroupEnd returns the error and runs nothing. */
+  CHECK(ncclGroupStart());
+  ncclResult_t r0 = ncclAllReduce((void*)(uintptr_t)d[0], (void*)(uintptr_t)d[0], count, ncclFloat32, ncclSum,
+                                  comms[0], st[0]);
+  ncclResult_t r1 = ncclAllReduce((void*)(uintptr_t)d[1], (void*)(uintptr_t)d[1], count, ncclFloat32, ncclSum,
+                                  comms[1], st[0]);
+  ncclResult_t end = ncclGroupEnd();
+  EXPECT(r0 == ncclSuccess && r1 == ncclInvalidArgument, "in a group: the calls returned %s and %s", result_name(r0),
+         result_name(r1));
+  EXPECT(end == ncclInvalidArgument, "ncclGroupEnd of a group with a wrong stream returned %s", result_name(end));
+  /* Nothing ran: the inputs are as uploaded. Then a correct call works. */
+  for (int l = 0; l < 2; l++) {
+    CU(cu.CtxSetCurrent(ctx[l]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), st[l]));
+    CU(cu.StreamSynchronize(st[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[l][j] != in_value(l, j, 0);
+    EXPECT(bad == 0, "device %d: %zu values changed by a refused group", l, bad);
+  }
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < 2; l++)
+    CHECK(ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, comms[l], st[l]));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < 2; l++) {
+    CU(cu.CtxSetCurrent(ctx[l]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), st[l]));
+    CU(cu.StreamSynchronize(st[l]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, 2, l, j, 0);
+    EXPECT(bad == 0, "device %d: %zu wrong values after the refusals (first %g, expected %g)", l, bad, h[l][0],
+           expected(C_ALLREDUCE, count, 2, l, 0, 0));
+  }
+  for (int l = 0; l < 2; l++) {
+    CU(cu.CtxSetCurrent(ctx[l]));
+    CU(cu.MemFree(d[l]));
+    CU(cu.MemFreeHost(h[l]));
+    CU(cu.StreamDestroy(st[l]));
+    CHECK(ncclCommDestroy(comms[l]));
+  }
+  CU(cu.CtxSetCurrent(g_ctx));
+}
+
 /* Part Calls (stand-in only, one rank per process): how many driver calls one call makes on
  * the calling thread once warm: all-reduces below and above the direct path's threshold,
  * a send/receive pair. */
@@ -3949,6 +4025,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "Pageable")) pageable();
   if (g_env.only && !strcasecmp(g_env.only, "Calls")) calls();
   if (g_env.only && !strcasecmp(g_env.only, "Devices")) devices();
+  if (g_env.only && !strcasecmp(g_env.only, "WrongStream")) wrong_stream();
   if (g_env.only && !strcasecmp(g_env.only, "CaptureElsewhere")) capture_elsewhere();
   if (g_env.only && !strcasecmp(g_env.only, "Graph")) graph();
   if (g_env.only && !strcasecmp(g_env.only, "GraphRefused")) graph_refused();

@@ -157,6 +157,22 @@ fn cuda_mode_one_thread_several_devices() {
     }
 }
 
+/// A call given a stream of another device than its communicator's is refused at the call
+/// (ncclInvalidArgument, naming both devices), in a group too, which then runs nothing; the
+/// communicators keep working (part WrongStream).
+#[test]
+fn cuda_mode_a_stream_of_another_device_is_refused() {
+    if !stand_in_only("cuda_mode_a_stream_of_another_device_is_refused") {
+        return;
+    }
+    let o = cuda_job().local(2).env("NCCL_RS_STUB_DEVICES", "2").arg("--only").arg("WrongStream")
+        .env("NCCL_DEBUG", "WARN").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let log = &o.procs[0].log;
+    assert!(log.contains("NCCL WARN") && log.contains("device 1") && log.contains("device 0"),
+            "the refusal is not at WARN naming both devices:\n{log}");
+}
+
 /// NCCL_P2P_LEVEL against the PCI distance of the ranks' GPUs, read from sysfs (a tree of
 /// our own here, NCCL_RS_TOPO_SYSFS, with the stand-in's two devices below two root ports of
 /// one root: PHB apart, on one NUMA node). PIX stages everything between them (and says why),

@@ -18,6 +18,7 @@ export! {
             let comm = handle::get(comm)?;
             // SAFETY: NCCL's contract: NULL or a live stream of the communicator's device.
             let stream = unsafe { UserStream::new(stream) };
+            comm.check_stream(stream)?;
             // SAFETY: the source of a put: `count` elements the call may read until it completes.
             let local = unsafe { UserPtr::new(localbuff) };
             let a = PutArgs { local, count, datatype: datatype.0, peer, window: peerWin as usize, offset: peerWinOffset,
@@ -31,6 +32,7 @@ export! {
             let comm = handle::get(comm)?;
             // SAFETY: NCCL's contract: NULL or a live stream of the communicator's device.
             let stream = unsafe { UserStream::new(stream) };
+            comm.check_stream(stream)?;
             let op = rma::signal(&comm, peer, sigIdx, ctx, flags, stream)?;
             rma::enqueue(comm, op)
         })
@@ -40,6 +42,7 @@ export! {
             let comm = handle::get(comm)?;
             // SAFETY: NCCL's contract: NULL or a live stream of the communicator's device.
             let stream = unsafe { UserStream::new(stream) };
+            comm.check_stream(stream)?;
             ensure!(nDesc >= 0, Error::invalid_arg(format!("nDesc is {nDesc}")));
             ensure!(nDesc == 0 || !signalDescs.is_null(), Error::invalid_arg("signalDescs is NULL"));
             let descs = if nDesc == 0 {

@@ -129,6 +129,7 @@ pub fn enqueue(comm: Arc<Comm>, a: Args) -> Result<()> {
 
 fn validate(comm: &Comm, a: &Args) -> Result<(Op, Placement)> {
     comm.ready()?;
+    comm.check_stream(a.stream)?;
     let dt = DataType::from_raw(a.datatype).ok_or_else(|| Error::invalid_arg(format!("invalid datatype {}", a.datatype)))?;
     let n = comm.nranks;
     let root = if a.kind.has_root() || a.kind.is_p2p() {

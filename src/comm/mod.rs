@@ -5,7 +5,7 @@
 pub mod handle;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::api::config::Config;
@@ -173,6 +173,8 @@ pub struct Comm {
     pub rma: crate::api::rma::Rma,
     /// Nonblocking communicators: operations on host buffers running on threads of their own.
     pub background: crate::group::background::Background,
+    /// CUDA mode: the last caller's stream found to be of this communicator's context.
+    stream_ok: AtomicUsize,
 }
 
 impl Comm {
@@ -201,7 +203,17 @@ impl Comm {
             streamed: OnceLock::new(),
             rma: crate::api::rma::Rma::new(serial, rank, nranks, cuda_dev, rma_shape),
             background: Default::default(),
+            stream_ok: AtomicUsize::new(0),
         }
+    }
+
+    /// CUDA mode: a call's stream must be of this communicator's device (its primary context);
+    /// a stream of another is refused with `ncclInvalidArgument` (`check_caller_stream`).
+    pub fn check_stream(&self, stream: crate::device::cuda::UserStream) -> Result<()> {
+        if stream.is_default() || !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+            return Ok(());
+        }
+        crate::device::cuda::check_caller_stream(self.cuda_dev, stream, &self.stream_ok)
     }
 
     /// Init finished: the communicator can run operations.

@@ -918,6 +918,17 @@ EXPORT CUresult cuStreamIsCapturing(struct stream *h, int *status) {
   return uncounted(cuStreamGetCaptureInfo_v2(h, status, NULL, NULL, NULL, NULL)); /* (h as given: the legacy stream's answer) */
 }
 
+/* The context a stream was created in (the default streams: the current context's). */
+EXPORT CUresult cuStreamGetCtx(struct stream *h, struct ctx **pctx) {
+  count_call(__func__);
+  if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+  struct stream *s;
+  CUresult r = resolve(h, &s);
+  if (r != CUDA_SUCCESS) return r;
+  *pctx = (uintptr_t)h <= 2 || !s->ctx ? t_current : s->ctx;
+  return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuStreamQuery(struct stream *h) {
   count_call(__func__);
   REFUSE_DURING_CAPTURE("cuStreamQuery");

@@ -233,8 +233,16 @@ pub(super) struct MemOpSupport {
 impl Context {
     /// The primary context of device `ordinal`, made current on the calling thread.
     pub fn primary(ordinal: i32) -> Result<&'static Context> {
+        let ctx = Context::retain(ordinal)?;
+        ctx.make_current()?;
+        Ok(ctx)
+    }
+
+    /// The primary context of device `ordinal`, retained on first use; what is current on
+    /// the calling thread stays so.
+    pub fn retain(ordinal: i32) -> Result<&'static Context> {
         static TABLE: Mutex<Vec<&'static Context>> = Mutex::new(Vec::new());
-        let ctx = driver("cuDevicePrimaryCtxRetain", || {
+        driver("cuDevicePrimaryCtxRetain", || {
             ensure_init()?;
             let mut table = TABLE.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(ctx) = table.iter().find(|c| c.ordinal == ordinal) {
@@ -263,13 +271,15 @@ impl Context {
             }));
             table.push(ctx);
             Ok(ctx)
-        })?;
-        ctx.make_current()?;
-        Ok(ctx)
+        })
     }
 
     pub fn ordinal(&self) -> i32 {
         self.ordinal
+    }
+
+    pub(super) fn raw(&self) -> CUcontext {
+        self.raw
     }
 
     /// Makes this context current on the calling thread (each proxy thread does it once);

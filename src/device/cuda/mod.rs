@@ -39,7 +39,7 @@ pub use graph::{Capture, GraphExec};
 pub use ipc::{IpcHandle, IpcMapping};
 pub use kernels::{Desc, Indirect, Kernels};
 pub use memory::{alloc, allocation_of, buffer_id, classify, device_reaches_as_is, free, is_device_memory, is_host_memory, DeviceMem, MappedHost, PtrKind};
-pub use stream::{Event, MemOp, Stream, UserStream, WaitCond};
+pub use stream::{check_caller_stream, Event, MemOp, Stream, UserStream, WaitCond};
 pub use vmm::{export as vmm_export, segments as vmm_segments, Segment, VmmAllocation, VmmMapping, MAX_SEGMENTS};
 
 /// Runs `f`, whose driver calls may panic inside cudarc (library or symbol missing), and turns

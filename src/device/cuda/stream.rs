@@ -5,8 +5,9 @@
 //! host memory) are enqueued here.
 
 use std::ffi::c_uint;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use cudarc::driver::sys::{self, CUevent, CUevent_flags, CUresult, CUstream, CUstreamWaitValue_flags, CUstream_flags};
+use cudarc::driver::sys::{self, CUcontext, CUevent, CUevent_flags, CUresult, CUstream, CUstreamWaitValue_flags, CUstream_flags};
 
 use super::context::Context;
 use super::memory::MappedHost;
@@ -28,6 +29,65 @@ impl UserStream {
     pub unsafe fn new<T>(raw: *mut T) -> UserStream {
         UserStream(raw as usize)
     }
+
+    /// NULL, `cudaStreamLegacy` (1) or `cudaStreamPerThread` (2): a default stream, which is
+    /// the current context's wherever it is used.
+    pub fn is_default(self) -> bool {
+        self.0 <= 2
+    }
+}
+
+/// Refuses a caller's stream of another CUDA context than device `dev`'s primary context (the
+/// communicator's, and the CUDA runtime's): one created while another device was current (a
+/// program that did not switch devices). The driver would refuse the events and kernels
+/// queued on it, leaving the communicator in error; NCCL fails such a call with "invalid
+/// resource handle". `last_ok` remembers the last stream found right, so a caller that keeps
+/// to one stream pays the driver call (cuStreamGetCtx) once. A stream the driver cannot place
+/// is let through: the calls on it report what is wrong.
+pub fn check_caller_stream(dev: i32, s: UserStream, last_ok: &AtomicUsize) -> Result<()> {
+    if s.is_default() || last_ok.load(Ordering::Relaxed) == s.0 {
+        return Ok(());
+    }
+    let ctx = Context::retain(dev)?;
+    let mut of: CUcontext = std::ptr::null_mut();
+    // SAFETY: `of` is a valid out-pointer; the stream is the caller's, alive during its call
+    // (UserStream's contract). The call reads the stream's context and changes nothing.
+    let found = driver("cuStreamGetCtx", || check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(s.0 as CUstream, &mut of) }));
+    if found.is_ok() && of == ctx.raw() {
+        last_ok.store(s.0, Ordering::Relaxed);
+    }
+    if found.is_err() || of.is_null() || of == ctx.raw() {
+        return Ok(());
+    }
+    let whose = match context_device(of) {
+        Some(d) if d != dev => format!("a stream of CUDA device {d}"),
+        Some(_) => format!("a stream of another CUDA context of device {dev} than its primary context"),
+        None => "a stream of another CUDA context".to_string(),
+    };
+    Err(Error::invalid_arg(format!(
+        "stream {:#x} is {whose}, and the communicator is on device {dev}: a stream belongs to the device current \
+         when it was created (cudaSetDevice({dev}) before cudaStreamCreate)",
+        s.0
+    )))
+}
+
+/// The device of context `c`, made current for the question; the context current before is
+/// put back (so a KeepCurrent scope's knowledge of it stays true).
+fn context_device(c: CUcontext) -> Option<i32> {
+    driver("cuCtxGetDevice", || {
+        let mut before: CUcontext = std::ptr::null_mut();
+        // SAFETY: `before` is a valid out-pointer.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut before) })?;
+        // SAFETY: `c` is a context the driver just named as a live stream's.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(c) })?;
+        let mut dev = 0;
+        // SAFETY: `dev` is a valid out-pointer; a context is current.
+        let asked = check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) });
+        // SAFETY: `before` was current on this thread a moment ago (or NULL).
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(before) })?;
+        asked.map(|()| dev)
+    })
+    .ok()
 }
 
 /// A stream: ours (destroyed on drop) or a caller's (left alone).
