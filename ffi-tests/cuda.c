@@ -3536,6 +3536,13 @@ static void wrong_stream(void) {
     EXPECT(r == ncclInvalidArgument, "device %d: an all-reduce on device %d's stream returned %s", l, 1 - l,
            result_name(r));
     EXPECT(msg && strstr(msg, "stream"), "device %d: the refusal does not say why: '%s'", l, msg ? msg : "(null)");
+    /* One-sided calls too (they need no window). */
+    r = ncclSignal(1 - l, 0, 0, 0, comms[l], st[1 - l]);
+    EXPECT(r == ncclInvalidArgument, "device %d: ncclSignal on device %d's stream returned %s", l, 1 - l,
+           result_name(r));
+    r = ncclWaitSignal(0, NULL, comms[l], st[1 - l]);
+    EXPECT(r == ncclInvalidArgument, "device %d: ncclWaitSignal on device %d's stream returned %s", l, 1 - l,
+           result_name(r));
   }
   /* In a group: ncclGroupEnd returns the error and runs nothing. */
   CHECK(ncclGroupStart());
