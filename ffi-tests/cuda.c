@@ -3586,6 +3586,69 @@ static void wrong_stream(void) {
   CU(cu.CtxSetCurrent(g_ctx));
 }
 
+/* Part ForeignBuffer (two devices; CUDA_TEST_PEER_ACCESS=0 where they have no peer access):
+ * every rank's buffers are memory of the other device than its communicator's (a program that
+ * allocated while the other device was current). With peer access the all-reduces are exact,
+ * staged (small) or direct (large: the communicator's kernels read and write that memory,
+ * which takes peer access nothing else of the job enabled). Without it each call is refused
+ * at once with ncclInvalidArgument naming the buffer, on every rank alike, rather than left to
+ * a kernel that would fault; the next all-reduce on the communicator's own memory is exact. */
+static void foreign_buffer(void) {
+  test_step("foreign buffer");
+  int devices = 0;
+  CU(cu.DeviceGetCount(&devices));
+  if (!EXPECT(devices >= 2, "needs two devices (NCCL_RS_STUB_DEVICES=2)")) return;
+  const int reachable = peer_access();
+  const int other = (g_device + 1) % 2;
+  CUcontext octx;
+  CU(cu.PrimaryCtxRetain(&octx, other));
+  const size_t counts[2] = {1000, 300000};
+  for (int k = 0; k < 2; k++) {
+    const size_t count = counts[k];
+    CUdeviceptr d[MAX_LOCAL];
+    float* h[MAX_LOCAL];
+    ncclResult_t r[MAX_LOCAL];
+    const char* msg[MAX_LOCAL];
+    CU(cu.CtxSetCurrent(octx));
+    for (int l = 0; l < g_env.local; l++) d[l] = dev_alloc(count * sizeof(float));
+    CU(cu.CtxSetCurrent(g_ctx));
+    for (int l = 0; l < g_env.local; l++) {
+      h[l] = host_alloc(count * sizeof(float));
+      for (size_t j = 0; j < count; j++) h[l][j] = in_value(g_env.first_rank + l, j, k);
+      CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), g_streams[l]));
+    }
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++) {
+      r[l] = ncclAllReduce((void*)(uintptr_t)d[l], (void*)(uintptr_t)d[l], count, ncclFloat32, ncclSum, g_comms[l],
+                           g_streams[l]);
+      msg[l] = ncclGetLastError(g_comms[l]);
+    }
+    ncclResult_t end = ncclGroupEnd();
+    EXPECT(end == (reachable ? ncclSuccess : ncclInvalidArgument), "count %zu: ncclGroupEnd returned %s", count,
+           result_name(end));
+    for (int l = 0; l < g_env.local; l++) {
+      const int rank = g_env.first_rank + l;
+      CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h[l], d[l], count * sizeof(float), g_streams[l]));
+      CU(cu.StreamSynchronize(g_streams[l]));
+      size_t bad = 0;
+      for (size_t j = 0; j < count; j++) bad += h[l][j] != expected(C_ALLREDUCE, count, g_env.nranks, rank, j, k);
+      if (reachable) {
+        EXPECT(r[l] == ncclSuccess && bad == 0, "count %zu, rank %d: call %s, %zu wrong values", count, rank,
+               result_name(r[l]), bad);
+      } else {
+        EXPECT(r[l] == ncclInvalidArgument, "count %zu, rank %d: the call returned %s", count, rank, result_name(r[l]));
+        EXPECT(msg[l] && strstr(msg[l], "cannot access"), "count %zu, rank %d: the refusal does not say why: '%s'",
+               count, rank, msg[l] ? msg[l] : "(null)");
+      }
+      CU(cu.MemFreeHost(h[l]));
+    }
+    CU(cu.CtxSetCurrent(octx));
+    for (int l = 0; l < g_env.local; l++) dev_free(d[l]);
+    CU(cu.CtxSetCurrent(g_ctx));
+  }
+  run_coll(C_ALLREDUCE, 300000, 0, 0, 7); /* the communicator's own memory: still works */
+}
+
 /* Part Calls (stand-in only, one rank per process): how many driver calls one call makes on
  * the calling thread once warm: all-reduces below and above the direct path's threshold,
  * a send/receive pair. */
@@ -4033,6 +4096,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "Calls")) calls();
   if (g_env.only && !strcasecmp(g_env.only, "Devices")) devices();
   if (g_env.only && !strcasecmp(g_env.only, "WrongStream")) wrong_stream();
+  if (g_env.only && !strcasecmp(g_env.only, "ForeignBuffer")) foreign_buffer();
   if (g_env.only && !strcasecmp(g_env.only, "CaptureElsewhere")) capture_elsewhere();
   if (g_env.only && !strcasecmp(g_env.only, "Graph")) graph();
   if (g_env.only && !strcasecmp(g_env.only, "GraphRefused")) graph_refused();

@@ -173,6 +173,26 @@ fn cuda_mode_a_stream_of_another_device_is_refused() {
             "the refusal is not at WARN naming both devices:\n{log}");
 }
 
+/// Buffers of another device than the communicator's: read and written where they are, with
+/// peer access enabled at the call (nothing else of the job would), staged and direct; where
+/// the devices have no peer access, refused at the call on every rank rather than left to a
+/// kernel that faults (part ForeignBuffer). Two processes, and two ranks of one process.
+#[test]
+fn cuda_mode_buffers_of_another_device() {
+    if !stand_in_only("cuda_mode_buffers_of_another_device") {
+        return;
+    }
+    for (procs, local) in [(2, 1), (1, 2)] {
+        for peer in [true, false] {
+            let o = cuda_job().procs(procs).local(local).env("NCCL_RS_STUB_DEVICES", "2")
+                .env("NCCL_RS_STUB_NO_PEER_ACCESS", if peer { "0" } else { "1" })
+                .env("CUDA_TEST_PEER_ACCESS", if peer { "1" } else { "0" })
+                .arg("--only").arg("ForeignBuffer").run_outcome();
+            assert!(o.ok(), "{procs} x {local}, peer access {peer}: {}", o.report);
+        }
+    }
+}
+
 /// NCCL_P2P_LEVEL against the PCI distance of the ranks' GPUs, read from sysfs (a tree of
 /// our own here, NCCL_RS_TOPO_SYSFS, with the stand-in's two devices below two root ports of
 /// one root: PHB apart, on one NUMA node). PIX stages everything between them (and says why),

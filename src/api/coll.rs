@@ -74,14 +74,29 @@ fn regions(a: &Args, es: usize, n: usize, rank: usize, root: usize) -> Result<(R
 ///
 /// A buffer the driver cannot classify (an error other than "not CUDA memory") fails the
 /// call: taken for host memory, a device buffer would be read by this thread.
-pub(crate) fn placement(regions: &[Region]) -> Result<Placement> {
-    use crate::device::cuda::classify;
+///
+/// With `dev`, the communicator's device: memory of another device is read and written where
+/// it is by `dev`'s kernels, which needs peer access from `dev` to it (enabled here if the
+/// driver allows it); where there can be none, the call is refused (`ncclInvalidArgument`)
+/// rather than let a kernel fault on it, which would end every CUDA call of the process.
+pub(crate) fn placement(regions: &[Region], dev: Option<i32>) -> Result<Placement> {
+    use crate::device::cuda::{classify, peer_access, PtrKind};
     if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
         return Ok(Placement::default());
     }
     let mut p = Placement::default();
     for (i, r) in regions.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
         let kind = classify(r.addr()).map_err(|e| e.context(format!("classifying the buffer at {:#x}", r.addr())))?;
+        if let (PtrKind::Device { ordinal }, Some(dev)) = (kind, dev) {
+            if !peer_access(dev, ordinal) {
+                let name = ["sendbuff", "recvbuff", "the PreMulSum scalar"].get(i).copied().unwrap_or("a buffer");
+                return Err(Error::invalid_arg(format!(
+                    "{name} {:#x} is memory of CUDA device {ordinal}, which the communicator's device {dev} cannot \
+                     access (no peer access between them): allocate it with device {dev} current",
+                    r.addr()
+                )));
+            }
+        }
         p.device |= kind.stream_ordered();
         p.pageable |= !kind.stream_ordered();
         if !kind.on_device() && i < 8 {
@@ -146,7 +161,7 @@ fn validate(comm: &Comm, a: &Args) -> Result<(Op, Placement)> {
     // A scalar the stream may still be writing is read in stream order: the operation goes to
     // the stream too. (resolve_op gives such a scalar only in device, pinned or managed memory.)
     let scalar = scalar_at.map_or(Region::EMPTY, |at| Region::user(at, 0, dt.size()));
-    let placement = placement(&[send, recv, scalar])?; // (`streamed::Buffer`'s order)
+    let placement = placement(&[send, recv, scalar], Some(comm.cuda_dev))?; // (`streamed::Buffer`'s order)
     // (Named in a refusal by the number it would take.)
     let next = if a.kind.is_p2p() { 0 } else { comm.seq.load(Ordering::Relaxed) };
     let mut op = Op { kind: a.kind, dt, op, count: a.count, root, send, recv, seq: next, scalar_at, of: None };

@@ -95,7 +95,7 @@ fn reached(a: u32, b: u32) -> bool {
 /// Does a copy between these regions need the device (CUDA mode, and one of them is device,
 /// pinned or managed memory: what a collective runs in stream order for)?
 pub(super) fn needs_device_copy(regions: &[Region]) -> Result<bool> {
-    Ok(crate::api::coll::placement(regions)?.device)
+    Ok(crate::api::coll::placement(regions, None)?.device)
 }
 
 /// Staging of a destroyed communicator, for the next one on its device, with its numbering:
