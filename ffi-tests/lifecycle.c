@@ -14,11 +14,13 @@
 #include "common.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static uint32_t g_salt = 1;
@@ -446,6 +448,46 @@ static void step_group_error(ncclComm_t* comms) {
   allreduce_check(comms, 0, "allreduce after a failed group");
 }
 
+/* A child forked after init (PyTorch's DataLoader workers are) inherits the handles, not the
+ * communicators: every call on one is ncclInvalidUsage saying so, and ncclCommDestroy and
+ * ncclCommAbort succeed and leave the parent's connections and threads alone. The parent's
+ * communicators (and every other process's) then still work. */
+static void step_fork(ncclComm_t* comms) {
+  if (!begin("fork")) return;
+  fflush(NULL);
+  pid_t child = fork();
+  if (child < 0) {
+    EXPECT(0, "fork failed");
+    return;
+  }
+  if (child == 0) {
+    int bad = 0;
+    float x[4] = {1, 2, 3, 4};
+    int n = 0;
+    ncclResult_t r = ncclAllReduce(x, x, 4, ncclFloat32, ncclSum, comms[0], TEST_STREAM);
+    const char* msg = ncclGetLastError(comms[0]);
+    bad |= r != ncclInvalidUsage || !msg || !strstr(msg, "fork");
+    if (bad) fprintf(stderr, "child: all-reduce on an inherited communicator -> %s: %s\n", result_name(r), msg);
+    r = ncclCommCount(comms[0], &n);
+    bad |= (r != ncclInvalidUsage) << 1;
+    for (int l = 0; l < g_env.local; l++) {
+      r = l % 2 ? ncclCommAbort(comms[l]) : ncclCommDestroy(comms[l]);
+      bad |= (r != ncclSuccess) << 2;
+      if (r != ncclSuccess) fprintf(stderr, "child: destroy/abort -> %s: %s\n", result_name(r), ncclGetLastError(NULL));
+    }
+    _exit(bad);
+  }
+  int status = 0;
+  double deadline = now_s() + 20;
+  pid_t done = 0;
+  while ((done = waitpid(child, &status, WNOHANG)) == 0 && now_s() < deadline) sleep_ms(1);
+  if (done == 0) kill(child, SIGKILL), waitpid(child, &status, 0);
+  EXPECT(done == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+         "the forked child %s (status %#x: bit 0 the all-reduce, 1 ncclCommCount, 2 destroy/abort)",
+         done == 0 ? "hung" : "failed", status);
+  allreduce_check(comms, 0, "allreduce after a forked child destroyed its inherited communicators");
+}
+
 static void step_config_blocking(void) {
   if (!begin("config-blocking")) return;
   ncclComm_t comms[MAX_LOCAL];
@@ -718,6 +760,7 @@ int main(int argc, char** argv) {
   step_nested_groups(comms);
   step_simulate(comms);
   step_group_error(comms);
+  step_fork(comms);
   step_memory(comms);
   step_suspend(comms);
   destroy_comms(comms);

@@ -104,13 +104,13 @@ export! {
         if comm.is_null() {
             return Ok(()); // NCCL: destroying NULL is a no-op.
         }
-        init::destroy(handle::take(comm)?)
+        handle::take(comm)?.map_or(Ok(()), init::destroy)
     }
     fn ncclCommAbort(comm: ncclComm_t) {
         if comm.is_null() {
             return Ok(());
         }
-        init::abort(handle::take(comm)?)
+        handle::take(comm)?.map_or(Ok(()), init::abort)
     }
     fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) {
         if comm.is_null() {

@@ -23,6 +23,7 @@ pub(crate) mod clock;
 pub mod coll;
 pub mod comm;
 pub mod device_api;
+pub mod fork;
 pub mod group;
 pub mod mem;
 pub mod misc;

@@ -64,19 +64,39 @@ fn not_a_comm(p: usize) -> Error {
 
 /// The communicator behind a handle. The calling thread's log lines show its rank from here
 /// on (a thread may drive several communicators).
+///
+/// In a child forked after the communicator was made, every use is refused: its connections
+/// and threads are the parent's (the threads did not come along), and a call would write into
+/// the parent's sockets or wait for a thread that is not there.
 pub fn get<T>(p: *mut T) -> Result<Arc<Comm>> {
     let key = p as usize;
     let map = registry().read().unwrap_or_else(|p| p.into_inner());
     let comm = map.get(&key).cloned().ok_or_else(|| not_a_comm(key))?;
     crate::debug::set_rank(comm.rank as i32);
+    if let Some(parent) = comm.forked_from() {
+        return Err(Error::invalid_usage(format!(
+            "comm {key:#x} was created by process {parent}, and this process ({}) is a fork of it: communicators \
+             are not inherited across fork; create one in this process",
+            std::process::id()
+        )));
+    }
     Ok(comm)
 }
 
-/// Remove a handle (destroy/abort): later uses of it are errors.
-pub fn take<T>(p: *mut T) -> Result<Arc<Comm>> {
+/// Remove a handle (destroy/abort): later uses of it are errors. None: the communicator is
+/// a forked parent's (see [`get`]), which the caller must leave alone; it is forgotten here,
+/// its memory left to the process's end.
+pub fn take<T>(p: *mut T) -> Result<Option<Arc<Comm>>> {
     let key = p as usize;
     let mut map = registry().write().unwrap_or_else(|p| p.into_inner());
-    map.remove(&key).ok_or_else(|| not_a_comm(key))
+    let comm = map.remove(&key).ok_or_else(|| not_a_comm(key))?;
+    if let Some(parent) = comm.forked_from() {
+        crate::info!(INIT, "comm {key:#x}: created by process {parent}, of which this process is a fork: forgotten, \
+                            its connections and threads left to the parent");
+        std::mem::forget(comm);
+        return Ok(None);
+    }
+    Ok(Some(comm))
 }
 
 /// Remove by handle value (an init that failed before C ever saw the handle).

@@ -175,6 +175,10 @@ pub struct Comm {
     pub background: crate::group::background::Background,
     /// CUDA mode: the last caller's stream found to be of this communicator's context.
     stream_ok: AtomicUsize,
+    /// The process that made it, and the fork count then (a forked child inherits the handle,
+    /// not the communicator: `crate::abi::fork`).
+    pid: u32,
+    forks: u64,
 }
 
 impl Comm {
@@ -204,7 +208,14 @@ impl Comm {
             rma: crate::api::rma::Rma::new(serial, rank, nranks, cuda_dev, rma_shape),
             background: Default::default(),
             stream_ok: AtomicUsize::new(0),
+            pid: std::process::id(),
+            forks: crate::abi::fork::generation(),
         }
+    }
+
+    /// In a child forked after this communicator was made: the pid of the process that made it.
+    pub fn forked_from(&self) -> Option<u32> {
+        (crate::abi::fork::generation() != self.forks).then_some(self.pid)
     }
 
     /// CUDA mode: a call's stream must be of this communicator's device (its primary context);
