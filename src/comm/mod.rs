@@ -218,7 +218,7 @@ impl Comm {
         (crate::abi::fork::generation() != self.forks).then_some(self.pid)
     }
 
-    /// CUDA mode: a call's stream must be of this communicator's device (its primary context);
+    /// CUDA mode: a call's stream must be of this communicator's device;
     /// a stream of another is refused with `ncclInvalidArgument` (`check_caller_stream`).
     pub fn check_stream(&self, stream: crate::device::cuda::UserStream) -> Result<()> {
         if stream.is_default() || !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {

@@ -37,13 +37,12 @@ impl UserStream {
     }
 }
 
-/// Refuses a caller's stream of another CUDA context than device `dev`'s primary context (the
-/// communicator's, and the CUDA runtime's): one created while another device was current (a
-/// program that did not switch devices). The driver would refuse the events and kernels
-/// queued on it, leaving the communicator in error; NCCL fails such a call with "invalid
-/// resource handle". `last_ok` remembers the last stream found right, so a caller that keeps
-/// to one stream pays the driver call (cuStreamGetCtx) once. A stream the driver cannot place
-/// is let through: the calls on it report what is wrong.
+/// Refuses a caller's stream of another device than `dev` (the communicator's): one created
+/// while another device was current (a program that did not switch devices). The driver would
+/// refuse the events and kernels queued on it, leaving the communicator in error; NCCL fails
+/// such a call with "invalid resource handle". `last_ok` remembers the last stream found
+/// right, so a caller that keeps to one stream pays the driver call (cuStreamGetCtx) once. A
+/// stream the driver cannot place is let through: the calls on it report what is wrong.
 pub fn check_caller_stream(dev: i32, s: UserStream, last_ok: &AtomicUsize) -> Result<()> {
     if s.is_default() || last_ok.load(Ordering::Relaxed) == s.0 {
         return Ok(());
@@ -53,22 +52,22 @@ pub fn check_caller_stream(dev: i32, s: UserStream, last_ok: &AtomicUsize) -> Re
     // SAFETY: `of` is a valid out-pointer; the stream is the caller's, alive during its call
     // (UserStream's contract). The call reads the stream's context and changes nothing.
     let found = driver("cuStreamGetCtx", || check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(s.0 as CUstream, &mut of) }));
-    if found.is_ok() && of == ctx.raw() {
-        last_ok.store(s.0, Ordering::Relaxed);
-    }
-    if found.is_err() || of.is_null() || of == ctx.raw() {
+    if found.is_err() || of.is_null() {
         return Ok(());
     }
-    let whose = match context_device(of) {
-        Some(d) if d != dev => format!("a stream of CUDA device {d}"),
-        Some(_) => format!("a stream of another CUDA context of device {dev} than its primary context"),
-        None => "a stream of another CUDA context".to_string(),
-    };
-    Err(Error::invalid_arg(format!(
-        "stream {:#x} is {whose}, and the communicator is on device {dev}: a stream belongs to the device current \
-         when it was created (cudaSetDevice({dev}) before cudaStreamCreate)",
-        s.0
-    )))
+    // Another context of the same device (a green context's stream, say) is let through, as
+    // before this check: only another device is known to fail.
+    match (of == ctx.raw()).then_some(dev).or_else(|| context_device(of)) {
+        Some(d) if d != dev => Err(Error::invalid_arg(format!(
+            "stream {:#x} is a stream of CUDA device {d}, and the communicator is on device {dev}: a stream belongs \
+             to the device current when it was created (cudaSetDevice({dev}) before cudaStreamCreate)",
+            s.0
+        ))),
+        _ => {
+            last_ok.store(s.0, Ordering::Relaxed);
+            Ok(())
+        }
+    }
 }
 
 /// The device of context `c`, made current for the question; the context current before is
