@@ -3442,6 +3442,43 @@ static void reductions(void) {
   tlog("Reductions: 12 datatypes x 5 reductions x 3 collectives checked, and fp16 avg high in its range");
 }
 
+/* One process driving a communicator per device (ncclCommInitAll over devices 0..n-1), each
+ * with its device's primary context, a stream of it, and a device buffer and a pinned host
+ * buffer of `floats` floats allocated there. */
+typedef struct {
+  int n;
+  ncclComm_t comms[MAX_LOCAL];
+  CUcontext ctx[MAX_LOCAL];
+  CUstream st[MAX_LOCAL];
+  CUdeviceptr d[MAX_LOCAL];
+  float* h[MAX_LOCAL];
+} per_device_t;
+
+static void per_device_open(per_device_t* p, int n, size_t floats) {
+  int devs[MAX_LOCAL] = {0};
+  p->n = n;
+  for (int l = 0; l < n; l++) devs[l] = l;
+  CHECK(ncclCommInitAll(p->comms, n, devs));
+  for (int l = 0; l < n; l++) {
+    CU(cu.PrimaryCtxRetain(&p->ctx[l], l));
+    CU(cu.CtxSetCurrent(p->ctx[l]));
+    CU(cu.StreamCreate(&p->st[l], CU_STREAM_NON_BLOCKING));
+    p->d[l] = dev_alloc(floats * sizeof(float));
+    p->h[l] = host_alloc(floats * sizeof(float));
+  }
+}
+
+static void per_device_close(per_device_t* p) {
+  for (int l = 0; l < p->n; l++) {
+    CU(cu.CtxSetCurrent(p->ctx[l]));
+    CU(cu.MemFree(p->d[l]));
+    CU(cu.MemFreeHost(p->h[l]));
+    CU(cu.StreamDestroy(p->st[l]));
+    CHECK(ncclCommDestroy(p->comms[l]));
+  }
+  CU(cu.CtxSetCurrent(g_ctx));
+}
+
 /* Part Devices (1 process; only when asked, with as many devices as NCCL_TEST_LOCAL): one
  * thread drives a communicator per device (ncclCommInitAll, as nccl-tests -g N), each call on
  * device memory of its communicator's device, with another device's context current; a group
@@ -3450,24 +3487,18 @@ static void reductions(void) {
 static void devices(void) {
   test_step("devices");
   const int n = g_env.local;
-  ncclComm_t comms[MAX_LOCAL];
-  int devs[MAX_LOCAL];
-  CUcontext ctx[MAX_LOCAL];
-  CUstream st[MAX_LOCAL];
-  CUdeviceptr d[MAX_LOCAL];
-  float* h[MAX_LOCAL];
   const size_t counts[2] = {300000, 1000};
-  for (int l = 0; l < n; l++) devs[l] = l;
-  CHECK(ncclCommInitAll(comms, n, devs));
+  per_device_t p;
+  per_device_open(&p, n, counts[0]);
+  ncclComm_t* comms = p.comms;
+  CUcontext* ctx = p.ctx;
+  CUstream* st = p.st;
+  CUdeviceptr* d = p.d;
+  float** h = p.h;
   for (int l = 0; l < n; l++) {
     int dev = -1;
     CHECK(ncclCommCuDevice(comms[l], &dev));
     EXPECT(dev == l, "communicator %d is on device %d", l, dev);
-    CU(cu.PrimaryCtxRetain(&ctx[l], l));
-    CU(cu.CtxSetCurrent(ctx[l]));
-    CU(cu.StreamCreate(&st[l], CU_STREAM_NON_BLOCKING));
-    d[l] = dev_alloc(counts[0] * sizeof(float));
-    h[l] = host_alloc(counts[0] * sizeof(float));
   }
   for (int k = 0; k < 2; k++) {
     const size_t count = counts[k];
@@ -3493,14 +3524,7 @@ static void devices(void) {
       EXPECT(bad == 0, "count %zu, device %d: %zu wrong values", count, l, bad);
     }
   }
-  for (int l = 0; l < n; l++) {
-    CU(cu.CtxSetCurrent(ctx[l]));
-    CU(cu.MemFree(d[l]));
-    CU(cu.MemFreeHost(h[l]));
-    CU(cu.StreamDestroy(st[l]));
-    CHECK(ncclCommDestroy(comms[l]));
-  }
-  CU(cu.CtxSetCurrent(g_ctx));
+  per_device_close(&p);
 }
 
 /* Part WrongStream (one process, two devices, NCCL_RS_STUB_DEVICES=2 NCCL_TEST_LOCAL=2): a
@@ -3510,20 +3534,16 @@ static void devices(void) {
 static void wrong_stream(void) {
   test_step("wrong stream");
   if (!EXPECT(g_env.local == 2, "needs NCCL_TEST_LOCAL=2")) return;
-  ncclComm_t comms[2];
-  int devs[2] = {0, 1};
-  CUcontext ctx[2];
-  CUstream st[2];
-  CUdeviceptr d[2];
-  float* h[2];
   const size_t count = 1000;
-  CHECK(ncclCommInitAll(comms, 2, devs));
+  per_device_t p;
+  per_device_open(&p, 2, count);
+  ncclComm_t* comms = p.comms;
+  CUcontext* ctx = p.ctx;
+  CUstream* st = p.st;
+  CUdeviceptr* d = p.d;
+  float** h = p.h;
   for (int l = 0; l < 2; l++) {
-    CU(cu.PrimaryCtxRetain(&ctx[l], l));
     CU(cu.CtxSetCurrent(ctx[l]));
-    CU(cu.StreamCreate(&st[l], CU_STREAM_NON_BLOCKING));
-    d[l] = dev_alloc(count * sizeof(float));
-    h[l] = host_alloc(count * sizeof(float));
     for (size_t j = 0; j < count; j++) h[l][j] = in_value(l, j, 0);
     CU(cu.MemcpyAsync(d[l], (CUdeviceptr)(uintptr_t)h[l], count * sizeof(float), st[l]));
   }
@@ -3576,14 +3596,7 @@ static void wrong_stream(void) {
     EXPECT(bad == 0, "device %d: %zu wrong values after the refusals (first %g, expected %g)", l, bad, h[l][0],
            expected(C_ALLREDUCE, count, 2, l, 0, 0));
   }
-  for (int l = 0; l < 2; l++) {
-    CU(cu.CtxSetCurrent(ctx[l]));
-    CU(cu.MemFree(d[l]));
-    CU(cu.MemFreeHost(h[l]));
-    CU(cu.StreamDestroy(st[l]));
-    CHECK(ncclCommDestroy(comms[l]));
-  }
-  CU(cu.CtxSetCurrent(g_ctx));
+  per_device_close(&p);
 }
 
 /* Part ForeignBuffer (two devices; CUDA_TEST_PEER_ACCESS=0 where they have no peer access):
