@@ -173,7 +173,7 @@ pub struct Comm {
     pub rma: crate::api::rma::Rma,
     /// Nonblocking communicators: operations on host buffers running on threads of their own.
     pub background: crate::group::background::Background,
-    /// CUDA mode: the last caller's stream found to be of this communicator's context.
+    /// CUDA mode: the last caller's stream found to be of this communicator's device.
     stream_ok: AtomicUsize,
     /// The process that made it, and the fork count then (a forked child inherits the handle,
     /// not the communicator: `crate::abi::fork`).
