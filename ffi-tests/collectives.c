@@ -637,25 +637,18 @@ static void soak(void) {
         const size_t c = o->count, s = soak_size(o);
         const ncclDataType_t dt = SOAK_TYPES[o->type].dt;
         uint8_t *a = buf[l][o->a], *b = buf[l][o->b];
+        uint8_t *in = a + soak_in_off(o, r, n), *out = b + soak_out_off(o, r, n);
         ncclComm_t comm = o->comm ? split[l] : g_comms[l];
         ncclRedOp_t red = o->red == SOAK_PREMUL ? premul[k][l] : (ncclRedOp_t)o->red;
         switch (o->kind) {
-          case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, dt, red, comm, TEST_STREAM)); break;
-          case S_REDUCE: CHECK(ncclReduce(a, b, c, dt, red, o->root, comm, TEST_STREAM)); break;
-          case S_BCAST: CHECK(ncclBroadcast(a, b, c, dt, o->root, comm, TEST_STREAM)); break;
-          case S_ALLGATHER:
-            CHECK(ncclAllGather(o->in_place ? b + (size_t)r * c * s : a, b, c, dt, comm, TEST_STREAM));
-            break;
-          case S_REDUCESCATTER:
-            CHECK(ncclReduceScatter(a, o->in_place ? a + (size_t)r * c * s : b, c, dt, red, comm, TEST_STREAM));
-            break;
-          case S_ALLTOALL: CHECK(ncclAlltoAll(a, b, c, dt, comm, TEST_STREAM)); break;
-          case S_GATHER:
-            CHECK(ncclGather(o->in_place ? b + (size_t)r * c * s : a, b, c, dt, o->root, comm, TEST_STREAM));
-            break;
-          case S_SCATTER:
-            CHECK(ncclScatter(a, o->in_place ? a + (size_t)r * c * s : b, c, dt, o->root, comm, TEST_STREAM));
-            break;
+          case S_ALLREDUCE: CHECK(ncclAllReduce(in, out, c, dt, red, comm, TEST_STREAM)); break;
+          case S_REDUCE: CHECK(ncclReduce(in, out, c, dt, red, o->root, comm, TEST_STREAM)); break;
+          case S_BCAST: CHECK(ncclBroadcast(in, out, c, dt, o->root, comm, TEST_STREAM)); break;
+          case S_ALLGATHER: CHECK(ncclAllGather(in, out, c, dt, comm, TEST_STREAM)); break;
+          case S_REDUCESCATTER: CHECK(ncclReduceScatter(in, out, c, dt, red, comm, TEST_STREAM)); break;
+          case S_ALLTOALL: CHECK(ncclAlltoAll(in, out, c, dt, comm, TEST_STREAM)); break;
+          case S_GATHER: CHECK(ncclGather(in, out, c, dt, o->root, comm, TEST_STREAM)); break;
+          case S_SCATTER: CHECK(ncclScatter(in, out, c, dt, o->root, comm, TEST_STREAM)); break;
           case S_SENDRECV:
             CHECK(ncclSend(a, c, dt, (r + o->shift) % n, comm, TEST_STREAM));
             CHECK(ncclRecv(b, c, dt, (r + n - o->shift) % n, comm, TEST_STREAM));

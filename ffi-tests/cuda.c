@@ -3816,25 +3816,18 @@ static void soak_issue(soak_state* S, const soak_op* o, int k, int l) {
   ncclComm_t comm = o->comm ? S->split[l] : g_comms[l];
   void* a = (void*)(uintptr_t)A;
   void* b = (void*)(uintptr_t)B;
+  void* in = (void*)(uintptr_t)(A + soak_in_off(o, r, n));
+  void* out = (void*)(uintptr_t)(B + soak_out_off(o, r, n));
   ncclRedOp_t red = o->red == SOAK_PREMUL ? S->premul[k][l] : (ncclRedOp_t)o->red;
   switch (o->kind) {
-    case S_ALLREDUCE: CHECK(ncclAllReduce(a, b, c, dt, red, comm, st)); break;
-    case S_REDUCE: CHECK(ncclReduce(a, b, c, dt, red, o->root, comm, st)); break;
-    case S_BCAST: CHECK(ncclBroadcast(a, b, c, dt, o->root, comm, st)); break;
-    case S_ALLGATHER:
-      CHECK(ncclAllGather(o->in_place ? (void*)(uintptr_t)(B + (CUdeviceptr)r * c * s) : a, b, c, dt, comm, st));
-      break;
-    case S_REDUCESCATTER:
-      CHECK(ncclReduceScatter(a, o->in_place ? (void*)(uintptr_t)(A + (CUdeviceptr)r * c * s) : b, c, dt, red,
-                              comm, st));
-      break;
-    case S_ALLTOALL: CHECK(ncclAlltoAll(a, b, c, dt, comm, st)); break;
-    case S_GATHER:
-      CHECK(ncclGather(o->in_place ? (void*)(uintptr_t)(B + (CUdeviceptr)r * c * s) : a, b, c, dt, o->root, comm, st));
-      break;
-    case S_SCATTER:
-      CHECK(ncclScatter(a, o->in_place ? (void*)(uintptr_t)(A + (CUdeviceptr)r * c * s) : b, c, dt, o->root, comm, st));
-      break;
+    case S_ALLREDUCE: CHECK(ncclAllReduce(in, out, c, dt, red, comm, st)); break;
+    case S_REDUCE: CHECK(ncclReduce(in, out, c, dt, red, o->root, comm, st)); break;
+    case S_BCAST: CHECK(ncclBroadcast(in, out, c, dt, o->root, comm, st)); break;
+    case S_ALLGATHER: CHECK(ncclAllGather(in, out, c, dt, comm, st)); break;
+    case S_REDUCESCATTER: CHECK(ncclReduceScatter(in, out, c, dt, red, comm, st)); break;
+    case S_ALLTOALL: CHECK(ncclAlltoAll(in, out, c, dt, comm, st)); break;
+    case S_GATHER: CHECK(ncclGather(in, out, c, dt, o->root, comm, st)); break;
+    case S_SCATTER: CHECK(ncclScatter(in, out, c, dt, o->root, comm, st)); break;
     case S_SENDRECV:
       CHECK(ncclGroupStart());
       CHECK(ncclSend(a, c, dt, (r + o->shift) % n, comm, st));

@@ -4,7 +4,9 @@
  * SOAK_BUFS buffers of SOAK_BYTES; each call has a datatype (soak_type: every integer type in
  * reductions, every type in the calls that move bytes). The calls: all-reduce, reduce,
  * broadcast, all-gather, reduce-scatter, all-to-all, gather, scatter (sum, prod, max, min, avg,
- * or a PreMulSum whose scalar differs per rank), in place or not; sends and
+ * or a PreMulSum whose scalar differs per rank), in place or not, or with one buffer for both
+ * but the input where NCCL's in-place rules do not put it (soak_in_off: it overlaps the
+ * output; the call reads every input before it writes); sends and
  * receives around the ring by a random shift (0: to itself), in place or not; where the
  * program asks (g_soak_rma), puts into windows around the ring likewise; some steps two
  * calls in one group, on disjoint buffers; each call on either of two communicators of the
@@ -51,6 +53,7 @@ static const soak_type SOAK_TYPES[] = {
 
 typedef struct {
   int kind, red, in_place, a, b, root, shift, stream, comm, type;
+  int overlap;       /* (in place only) the input elsewhere in the output than NCCL's layout */
   int device_scalar; /* (SOAK_PREMUL) its scalar in device memory, where the program has some */
   size_t count;      /* elements of SOAK_TYPES[type] */
 } soak_op;
@@ -123,6 +126,10 @@ static soak_op soak_pick(int n, int a, int b) {
   o.stream = (int)(soak_next() % 2);
   o.comm = (int)(soak_next() % 2);
   int reduces = o.kind == S_ALLREDUCE || o.kind == S_REDUCE || o.kind == S_REDUCESCATTER;
+  /* Half the in-place collectives overlap instead (by the shift's parity: no draw of its own,
+   * so every seed's sequence stays what it was). */
+  o.overlap = o.in_place && o.shift % 2 == 1 && o.kind != S_ALLTOALL && o.kind != S_ALLTOALLV && o.kind != S_SENDRECV &&
+              o.kind != S_PUT;
   o.type = (int)(soak_next() % (unsigned)(reduces ? SOAK_INT_TYPES : SOAK_TYPE_COUNT));
   int wide = o.kind == S_ALLGATHER || o.kind == S_REDUCESCATTER || o.kind == S_ALLTOALL || o.kind == S_ALLTOALLV ||
              o.kind == S_GATHER || o.kind == S_SCATTER;
@@ -149,9 +156,37 @@ static size_t soak_a2av_offset(const soak_op* o, int s, int d, int send) {
   return at;
 }
 
+/* Where rank r's input of `o` starts in its buffer a (bytes), and its output in buffer b: 0
+ * unless in place (a == b). In place, NCCL's layout puts an all-gather's or gather's input at
+ * the rank's block of the output, a reduce-scatter's or scatter's output at the rank's block of
+ * the input, and the two at the same place otherwise; overlapping (o->overlap), the block is
+ * the next rank's, and the input of an all-reduce, reduce or broadcast starts half way into
+ * the output (as far as the buffer allows). */
+static size_t soak_in_off(const soak_op* o, int r, int n) {
+  const size_t s = soak_size(o), len = o->count * s;
+  if (!o->in_place) return 0;
+  switch (o->kind) {
+    case S_ALLGATHER:
+    case S_GATHER: return (size_t)(o->overlap ? (r + 1) % n : r) * len;
+    case S_ALLREDUCE:
+    case S_REDUCE:
+    case S_BCAST: {
+      if (!o->overlap) return 0;
+      size_t half = (o->count + 1) / 2 * s, room = (SOAK_BYTES - len) / s * s;
+      return half < room ? half : room;
+    }
+    default: return 0;
+  }
+}
+static size_t soak_out_off(const soak_op* o, int r, int n) {
+  const size_t len = o->count * soak_size(o);
+  if (!o->in_place || (o->kind != S_REDUCESCATTER && o->kind != S_SCATTER)) return 0;
+  return (size_t)(o->overlap ? (r + 1) % n : r) * len;
+}
+
 static void soak_describe(const soak_op* o, char* out, size_t len) {
   snprintf(out, len, "%s%s %zu %s, buffers %d->%d, op %d, root %d, shift %d, stream %d, communicator %d",
-           SOAK_NAME[o->kind], o->in_place ? " in place" : "", o->count, SOAK_TYPES[o->type].name, o->a, o->b, o->red,
+           SOAK_NAME[o->kind], o->overlap ? " overlapping" : o->in_place ? " in place" : "", o->count, SOAK_TYPES[o->type].name, o->a, o->b, o->red,
            o->root, o->shift, o->stream, o->comm);
 }
 
@@ -160,12 +195,13 @@ static uint8_t* g_soak_model;
 /* Byte `at` of buffer b of rank r in the model. */
 static size_t soak_at(int r, int b, size_t at) { return ((size_t)r * SOAK_BUFS + (size_t)b) * SOAK_BYTES + at; }
 
-/* The reduction over every rank of the element at byte `at` of buffer a, as the library
+/* The reduction over every rank of the element at byte `at` of its input, as the library
  * computes it in the call's type. */
 static uint64_t soak_reduce_at(const soak_op* o, int n, size_t at) {
   const size_t size = soak_size(o);
-  uint64_t v = soak_term(o, 0, soak_get(&g_soak_model[soak_at(0, o->a, at)], size));
-  for (int r = 1; r < n; r++) v = soak_reduce(o, v, soak_term(o, r, soak_get(&g_soak_model[soak_at(r, o->a, at)], size)));
+  uint64_t v = soak_term(o, 0, soak_get(&g_soak_model[soak_at(0, o->a, soak_in_off(o, 0, n) + at)], size));
+  for (int r = 1; r < n; r++)
+    v = soak_reduce(o, v, soak_term(o, r, soak_get(&g_soak_model[soak_at(r, o->a, soak_in_off(o, r, n) + at)], size)));
   v &= soak_mask(size);
   if (o->red == ncclAvg) v = SOAK_TYPES[o->type].is_signed ? (uint64_t)(soak_signed(v, size) / n) : v / (uint64_t)n;
   return v & soak_mask(size);
@@ -183,18 +219,16 @@ static void soak_apply(const soak_op* o, int n, uint8_t* tmp) {
         if (o->kind == S_ALLREDUCE || r == o->root) memcpy(&m[soak_at(r, o->b, 0)], tmp, len);
       break;
     case S_BCAST:
-      memcpy(tmp, &m[soak_at(o->root, o->a, 0)], len);
+      memcpy(tmp, &m[soak_at(o->root, o->a, soak_in_off(o, o->root, n))], len);
       for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], tmp, len);
       break;
-    case S_ALLGATHER: /* in place: each rank's input is its block of the output */
-      for (int k = 0; k < n; k++)
-        memcpy(&tmp[(size_t)k * len], &m[o->in_place ? soak_at(k, o->b, (size_t)k * len) : soak_at(k, o->a, 0)], len);
+    case S_ALLGATHER: /* every input read before the outputs are written (soak_in_off) */
+      for (int k = 0; k < n; k++) memcpy(&tmp[(size_t)k * len], &m[soak_at(k, o->a, soak_in_off(o, k, n))], len);
       for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], tmp, (size_t)n * len);
       break;
-    case S_REDUCESCATTER: /* in place: each rank's output is its block of the input */
+    case S_REDUCESCATTER:
       for (size_t j = 0; j < (size_t)n * c; j++) soak_put(&tmp[j * s], s, soak_reduce_at(o, n, j * s));
-      for (int r = 0; r < n; r++)
-        memcpy(&m[soak_at(r, o->b, o->in_place ? (size_t)r * len : 0)], &tmp[(size_t)r * len], len);
+      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, soak_out_off(o, r, n))], &tmp[(size_t)r * len], len);
       break;
     case S_ALLTOALL: {
       /* Block k of rank r's output is block r of rank k's input; one rank's output at a time
@@ -224,15 +258,13 @@ static void soak_apply(const soak_op* o, int n, uint8_t* tmp) {
       for (int r = 0; r < n; r++) memcpy(&tmp[(size_t)r * len], &m[soak_at((r + n - o->shift) % n, o->a, 0)], len);
       for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, 0)], &tmp[(size_t)r * len], len);
       break;
-    case S_GATHER: /* in place: each rank's input is its block of buffer b; only the root's b changes */
-      for (int k = 0; k < n; k++)
-        memcpy(&tmp[(size_t)k * len], &m[o->in_place ? soak_at(k, o->b, (size_t)k * len) : soak_at(k, o->a, 0)], len);
+    case S_GATHER: /* only the root's b changes */
+      for (int k = 0; k < n; k++) memcpy(&tmp[(size_t)k * len], &m[soak_at(k, o->a, soak_in_off(o, k, n))], len);
       memcpy(&m[soak_at(o->root, o->b, 0)], tmp, (size_t)n * len);
       break;
-    case S_SCATTER: /* in place: each rank's output is its block of buffer a */
+    case S_SCATTER:
       memcpy(tmp, &m[soak_at(o->root, o->a, 0)], (size_t)n * len);
-      for (int r = 0; r < n; r++)
-        memcpy(&m[o->in_place ? soak_at(r, o->a, (size_t)r * len) : soak_at(r, o->b, 0)], &tmp[(size_t)r * len], len);
+      for (int r = 0; r < n; r++) memcpy(&m[soak_at(r, o->b, soak_out_off(o, r, n))], &tmp[(size_t)r * len], len);
       break;
   }
 }

@@ -657,7 +657,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     // the events the worker waits for.
     let mut pool = s.pool.lock().unwrap_or_else(|p| p.into_inner());
     let gated = !s.host_wait && (s.gate_kernel.is_some() || s.ctx.can_wait_on_memory()?);
-    let mut paths = paths(s, &ops);
+    let mut paths = paths(s, comm.rank, &ops);
     let mut ops = ops;
     let copied = copy_unreadable_inputs(comm, s, &callers, &on, &mut ops, &mut paths)?;
     let carve = match pool.as_mut() {
@@ -727,7 +727,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
 
 /// Each operation's path (see [`Path`]). No collective goes direct once the ranks agreed they
 /// never do.
-fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
+fn paths(s: &Streamed, rank: usize, ops: &[StreamOp]) -> Vec<Path> {
     let off = s.direct_off.load(Ordering::Relaxed);
     let received = RegionSet::new(ops.iter().filter(|o| o.op.kind == OpKind::Recv).map(|o| o.op.recv));
     ops.iter()
@@ -742,7 +742,7 @@ fn paths(s: &Streamed, ops: &[StreamOp]) -> Vec<Path> {
                 // group): copied now, in stream order, into device memory that goes direct
                 // instead (`copy_unreadable_inputs`), or else its bytes taken and staged.
                 (true, OpKind::Send) if received.overlaps(o.op.send) => Path::Declined,
-                (true, _) => ipc::offer(&o.op, s.kernels.is_some(), &s.routes, false)
+                (true, _) => ipc::offer(&o.op, rank, s.kernels.is_some(), &s.routes, false)
                     .map_or(Path::Declined, |o| Path::Direct(Some(o))),
             }
         })
@@ -787,7 +787,7 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
         if !declined(o, path) {
             continue;
         }
-        let Some((copy_in, copy_out)) = copies(&o.op, comm.nranks, &received, &s.routes) else { continue };
+        let Some((copy_in, copy_out)) = copies(&o.op, comm.rank, comm.nranks, &received, &s.routes) else { continue };
         let op = o.op;
         let len = if copy_out { op.recv.len() } else { op.send.len() };
         // A scalar in memory goes after the operation's bytes, in the same carve.
@@ -821,7 +821,7 @@ fn copy_unreadable_inputs(comm: &Comm, s: &Streamed, callers: &[Stream], on: &dy
         // (The worker reads no scalar of it: the kernel does.)
         let direct = Op { scalar_at: None, ..direct };
         let scaled = matches!(copy_in, CopyIn::Scale(_) | CopyIn::ScaleAt(_));
-        let Some(offered) = ipc::offer(&direct, s.kernels.is_some(), &s.routes, scaled) else {
+        let Some(offered) = ipc::offer(&direct, comm.rank, s.kernels.is_some(), &s.routes, scaled) else {
             scratch.give_back(id);
             continue;
         };
@@ -887,7 +887,7 @@ enum CopyIn {
 /// output, copied out), or None if that does not help. Only buffers the device copies
 /// asynchronously (device, pinned or managed memory; plain host memory is never on the direct
 /// path) are copied. `n`: the communicator's ranks.
-fn copies(op: &Op, n: usize, received: &RegionSet, routes: &Routes) -> Option<(CopyIn, bool)> {
+fn copies(op: &Op, rank: usize, n: usize, received: &RegionSet, routes: &Routes) -> Option<(CopyIn, bool)> {
     let reachable = |r: Region| crate::device::cuda::classify(r.addr()).is_ok_and(|k| k.stream_ordered());
     let unreadable = |r: Region| !r.is_empty() && !ipc::publishable(r, routes) && reachable(r);
     // Peers read an all-reduce's output too: it runs on a copy (in place if its input is one
@@ -896,7 +896,6 @@ fn copies(op: &Op, n: usize, received: &RegionSet, routes: &Routes) -> Option<(C
     match op.kind {
         OpKind::Send if received.overlaps(op.send) || unreadable(op.send) => Some((CopyIn::Copy, false)),
         OpKind::Send | OpKind::Recv => None,
-        OpKind::AlltoAll if op.send.addr() == op.recv.addr() => Some((CopyIn::Copy, false)),
         // Scaled now: a PreMulSum by its scalar as the call gave it (one in memory by the value
         // the stream leaves there, read by the kernel), fp16 Avg by 1/n as the planner scales
         // it (`plan::ops::scaling`).
@@ -908,6 +907,9 @@ fn copies(op: &Op, n: usize, received: &RegionSet, routes: &Routes) -> Option<(C
             };
             Some((by?, output)).filter(|_| reachable(op.send))
         }
+        // An input the output overlaps outside NCCL's in-place layout (an all-to-all given
+        // one buffer, say): peers read the copy, not what this rank's output already wrote.
+        _ if op.input_overlaps_output(rank) => Some((CopyIn::Copy, output)),
         _ if output => Some((if op.send.addr() == op.recv.addr() || unreadable(op.send) { CopyIn::Copy } else { CopyIn::No },
                              true)),
         _ => unreadable(op.send).then_some((CopyIn::Copy, false)),

@@ -99,6 +99,27 @@ impl Op {
         s
     }
 
+    /// Does this rank's input overlap its output other than as NCCL lays an in-place call out
+    /// (the input at the output's start for all-reduce, broadcast and reduce; at the rank's
+    /// block of the output for all-gather and gather, the output at the rank's block of the
+    /// input for reduce-scatter and scatter; an all-to-all has no in-place form)? Such an
+    /// input may be overwritten by what arrives before it was sent, so it is read from a
+    /// copy. (NCCL leaves these calls undefined; its pipelined chunks happen to read some of
+    /// them right, a program relying on which must not get garbage here.)
+    pub fn input_overlaps_output(&self, rank: usize) -> bool {
+        let (send, recv) = (self.send, self.recv);
+        if self.kind.is_p2p() || !send.overlaps(recv) {
+            return false;
+        }
+        let in_place = match self.kind {
+            OpKind::AllReduce | OpKind::Broadcast | OpKind::Reduce => send.addr() == recv.addr() && send.len() == recv.len(),
+            OpKind::AllGather | OpKind::Gather => send.offset_in(recv) == Some(rank * send.len()),
+            OpKind::ReduceScatter | OpKind::Scatter => recv.offset_in(send) == Some(rank * recv.len()),
+            OpKind::AlltoAll | OpKind::Send | OpKind::Recv => false,
+        };
+        !in_place
+    }
+
     /// "AllReduce #12 (count 1024, float, sum)" for messages.
     pub fn describe(&self) -> String {
         if let Some(s) = self.of {
@@ -263,10 +284,11 @@ pub fn plan_into(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops:
                 send = scaled;
             }
         }
-        if op.kind == OpKind::AlltoAll && send.overlaps(op.recv) {
-            // In place (NCCL defines no such all-to-all, but a caller may pass one buffer):
-            // peers' blocks would land in it before this rank has sent from it, so the blocks
-            // go from a copy.
+        if send == op.send && op.input_overlaps_output(rank) {
+            // An input inside the output but not where NCCL's in-place rules put it (an
+            // all-to-all given one buffer, an all-gather's input at another rank's block...):
+            // what arrives could land on it before this rank has sent from it, so it goes
+            // from a copy.
             let copy = b.scratch(send.len());
             let done = b.copy(copy, send, &[]);
             b.set_fence(done);
@@ -364,6 +386,39 @@ mod tests {
         for u in transfers {
             assert!(u.deps.contains(&(last_copy as u32)), "{:?} waits for {:?}, not the copy's last unit {last_copy}",
                     u.step, u.deps);
+        }
+    }
+
+    /// NCCL's in-place layouts are not overlaps to copy around; every other overlap is, and
+    /// disjoint buffers are not. Rank 1 of 3, blocks of 4 bytes.
+    #[test]
+    fn overlaps_outside_the_in_place_layouts() {
+        let mut buf = vec![0u8; 64];
+        let r = Region::owned(&mut buf);
+        let op = |kind, send: Region, recv: Region| Op { kind, dt: DataType::Uint8, op: RedOp::Builtin(BuiltinOp::Sum),
+            count: 4, root: 0, send, recv, seq: 0, scalar_at: None, of: None };
+        let cases = [
+            (OpKind::AllReduce, r.sub(0, 4), r.sub(0, 4), false),
+            (OpKind::AllReduce, r.sub(2, 4), r.sub(0, 4), true),
+            (OpKind::AllReduce, r.sub(4, 4), r.sub(0, 4), false),
+            (OpKind::Broadcast, r.sub(1, 4), r.sub(0, 4), true),
+            (OpKind::AllGather, r.sub(4, 4), r.sub(0, 12), false),
+            (OpKind::AllGather, r.sub(0, 4), r.sub(0, 12), true),
+            (OpKind::AllGather, r.sub(8, 4), r.sub(0, 12), true),
+            (OpKind::AllGather, r.sub(12, 4), r.sub(0, 12), false),
+            (OpKind::Gather, r.sub(4, 4), r.sub(0, 12), false),
+            (OpKind::Gather, r.sub(4, 4), Region::EMPTY, false),
+            (OpKind::ReduceScatter, r.sub(0, 12), r.sub(4, 4), false),
+            (OpKind::ReduceScatter, r.sub(0, 12), r.sub(8, 4), true),
+            (OpKind::Scatter, r.sub(0, 12), r.sub(0, 4), true),
+            (OpKind::AlltoAll, r.sub(0, 12), r.sub(0, 12), true),
+            (OpKind::AlltoAll, r.sub(0, 12), r.sub(12, 12), false),
+            (OpKind::Send, r.sub(0, 4), Region::EMPTY, false),
+        ];
+        for (kind, send, recv, want) in cases {
+            let o = op(kind, send, recv);
+            assert_eq!(o.input_overlaps_output(1), want, "{kind:?}: send at {}, recv at {} ({} bytes)",
+                       send.addr() - r.addr(), recv.addr().wrapping_sub(r.addr()), recv.len());
         }
     }
 

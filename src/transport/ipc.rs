@@ -223,21 +223,22 @@ pub fn computed(op: &Op, scaled: bool) -> Op {
 }
 
 /// What this rank offers for `op` on the direct path, known at call time; None when it
-/// declines whatever the others say: an in-place all-to-all (unless its input was copied
-/// first: `streamed::copy_unreadable_inputs`), a buffer peers read that it cannot share
+/// declines whatever the others say: an input its output overlaps other than as NCCL's
+/// in-place calls lay them out, an all-to-all given one buffer among them (unless the input
+/// was copied first: `streamed::copy_unreadable_inputs`), a buffer peers read that it cannot share
 /// (pinned or pageable host memory, device memory without CUDA IPC; memory of the virtual
 /// memory API is shared as descriptors), an output that is not device memory, a PreMulSum
 /// or fp16 Avg whose input is not yet scaled (`scaled`: it is a copy, scaled at call time), or
 /// no kernels.
 /// Every rank then stages `op`, and this one's caller's stream can stage it at call time (it
 /// still takes part in the agreement, [`decline`]).
-pub fn offer(op: &Op, kernels: bool, routes: &Routes, scaled: bool) -> Option<Offered> {
-    let in_place_alltoall = op.kind == OpKind::AlltoAll && op.send.addr() == op.recv.addr();
+pub fn offer(op: &Op, rank: usize, kernels: bool, routes: &Routes, scaled: bool) -> Option<Offered> {
+    let overlapping = op.input_overlaps_output(rank);
     // A send needs no kernels of its own: its receiver copies from it. A receive offers nothing.
     let needs_kernels = op.kind != OpKind::Send;
     let needs_scaling = crate::plan::ops::scales_inputs(op.op, op.dt);
     let unscaled = needs_scaling && !scaled;
-    if (needs_kernels && !kernels) || in_place_alltoall || op.kind == OpKind::Recv || unscaled {
+    if (needs_kernels && !kernels) || overlapping || op.kind == OpKind::Recv || unscaled {
         return None;
     }
     let mut table = Vec::new();
