@@ -126,16 +126,16 @@ static soak_op soak_pick(int n, int a, int b) {
   o.stream = (int)(soak_next() % 2);
   o.comm = (int)(soak_next() % 2);
   int reduces = o.kind == S_ALLREDUCE || o.kind == S_REDUCE || o.kind == S_REDUCESCATTER;
-  /* Half the in-place collectives overlap instead (by the shift's parity: no draw of its own,
-   * so every seed's sequence stays what it was). */
-  o.overlap = o.in_place && o.shift % 2 == 1 && o.kind != S_ALLTOALL && o.kind != S_ALLTOALLV && o.kind != S_SENDRECV &&
-              o.kind != S_PUT;
   o.type = (int)(soak_next() % (unsigned)(reduces ? SOAK_INT_TYPES : SOAK_TYPE_COUNT));
   int wide = o.kind == S_ALLGATHER || o.kind == S_REDUCESCATTER || o.kind == S_ALLTOALL || o.kind == S_ALLTOALLV ||
              o.kind == S_GATHER || o.kind == S_SCATTER;
   size_t most = SOAK_BYTES / soak_size(&o) / (wide ? (size_t)n : 1);
   size_t c = 1 + soak_next() % ((size_t)1 << (soak_next() % 19));
   o.count = soak_next() % 64 == 0 ? 0 : c < most ? c : most; /* (0: legal, does nothing) */
+  /* Half the in-place collectives overlap instead (by a parity of draws the call has made
+   * already, so every seed's sequence stays what it was; one rank included). */
+  int collective = o.kind != S_ALLTOALL && o.kind != S_ALLTOALLV && o.kind != S_SENDRECV && o.kind != S_PUT;
+  o.overlap = o.in_place && collective && (o.count + (size_t)o.stream + (size_t)o.shift) % 2 == 1;
   return o;
 }
 

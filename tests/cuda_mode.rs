@@ -740,7 +740,7 @@ fn cuda_mode_ranks_on_two_hosts_stage_through_sockets() {
 /// after every call, to name the one that went wrong.)
 #[test]
 fn cuda_mode_random_call_sequences_match_a_host_model() {
-    let jobs = [("2 processes", 1), ("2 processes x 2 ranks", 2), ("3 processes, virtual memory API", 3),
+    let jobs = [("1 rank", 7), ("2 processes", 1), ("2 processes x 2 ranks", 2), ("3 processes, virtual memory API", 3),
                 ("3 processes, staged", 4), ("3 processes, host-wait", 15), ("3 processes, graphs", 6)];
     let hunt = std::env::var("NCCL_TEST_SOAK_SEEDS").ok().and_then(|v| {
         let (a, b) = v.split_once('-')?;
@@ -749,6 +749,8 @@ fn cuda_mode_random_call_sequences_match_a_host_model() {
     for (what, seed) in jobs {
         for seed in hunt.clone().unwrap_or(seed..=seed) {
             let job = match what {
+                // (Every collective a copy or the scaling kernel on the caller's stream: `streamed::alone`.)
+                "1 rank" => cuda_job(),
                 "2 processes" => cuda_job().procs(2),
                 "2 processes x 2 ranks" => cuda_job().procs(2).local(2),
                 "3 processes, virtual memory API" => cuda_job().procs(3).env("CUDA_TEST_VMM", "1"),

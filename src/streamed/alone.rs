@@ -22,8 +22,13 @@ pub(super) fn queue(comm: &Comm, ops: &[StreamOp]) -> Result<bool> {
     if comm.nranks != 1 || crate::params::few_device_connections() {
         return Ok(false);
     }
-    // (A buffer of `Placement::host` is host memory: two of them would copy on this thread.)
-    let eligible = |o: &StreamOp| !o.op.kind.is_p2p() && !o.placement.pageable && o.placement.host & 0b11 != 0b11;
+    // (A buffer of `Placement::host` is host memory: two of them would copy on this thread.
+    // An input that overlaps the output elsewhere than at its start cannot be copied there:
+    // a device copy between overlapping buffers is undefined.)
+    let overlapping = |o: &StreamOp| o.op.send.addr() != o.op.recv.addr() && o.op.send.overlaps(o.op.recv);
+    let eligible = |o: &StreamOp| {
+        !o.op.kind.is_p2p() && !o.placement.pageable && o.placement.host & 0b11 != 0b11 && !overlapping(o)
+    };
     // (A group over several streams runs after the work on all of them, as NCCL's does.)
     let Some(first) = ops.first() else { return Ok(false) };
     if !ops.iter().all(eligible) || ops.iter().any(|o| o.stream != first.stream) {

@@ -953,6 +953,13 @@ EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, struct
   note_worker_call("cuMemcpyAsync");
   if (n == 0) return resolve(h, &(struct stream *){NULL});
   if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
+  /* CUDA: "the memory areas may not overlap" (a GPU copy of overlapping ones is undefined,
+   * where this stand-in's memmove would hide it). */
+  if (dst < src + n && src < dst + n) {
+    fprintf(stderr, "cuda-stub: cuMemcpyAsync: source %#llx and destination %#llx of %zu bytes overlap\n",
+            (unsigned long long)src, (unsigned long long)dst, n);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   enum mem_kind from = mem_lookup(src, n), to = mem_lookup(dst, n);
   int from_pageable = from == MEM_PAGEABLE, to_pageable = to == MEM_PAGEABLE;
   int host_to_host = (from_pageable || from == MEM_HOST_PINNED) && (to_pageable || to == MEM_HOST_PINNED);
