@@ -274,7 +274,13 @@ static void run_one_indirect(int kernel_type, const uint64_t *desc) {
       struct timespec slow = {delay_ms / 1000, (long)(delay_ms % 1000) * 1000000L};
       nanosleep(&slow, NULL);
     }
-    memmove(dev_view(w[1]), dev_view(w[2]), bytes);
+    if (w[1] < w[2] + bytes && w[2] < w[1] + bytes) {
+      /* The GPU's threads copy side by side: overlapping buffers give whatever they race to. */
+      fprintf(stderr, "cuda-stub: nccl_rs_indirect_copy: source %#llx and destination %#llx of %zu bytes overlap\n",
+              (unsigned long long)w[2], (unsigned long long)w[1], bytes);
+      abort();
+    }
+    memcpy(dev_view(w[1]), dev_view(w[2]), bytes);
     return;
   }
   struct kernel inner = {"", code == 6 ? K_DIVIDE : K_REDUCE, (int)type, code == 6 ? 0 : (int)code - 2};
@@ -312,6 +318,17 @@ void kernel_run(const struct kernel *k, const uint64_t params[4], unsigned grid_
     struct timespec pause = {0, 20000};
     while ((int32_t)(__atomic_load_n(word, __ATOMIC_ACQUIRE) - value) < 0) nanosleep(&pause, NULL);
     return;
+  }
+  /* reduce.cu's contract: dst may be a (or b) exactly, but must not otherwise overlap them
+   * (the GPU's threads read and write side by side). */
+  const uint64_t span = params[3] * TYPE_SIZES[k->type];
+  for (int i = 1; i < kernel_pointers(k); i++) {
+    const uint64_t d = params[0], x = params[i];
+    if (d != x && d < x + span && x < d + span) {
+      fprintf(stderr, "cuda-stub: %s: output %#llx overlaps input %#llx (%llu bytes) other than exactly\n", k->name,
+              (unsigned long long)d, (unsigned long long)x, (unsigned long long)span);
+      abort();
+    }
   }
   /* (b is a scalar, not a pointer, for PreMulSum and the division.) */
   void *dst = dev_view(params[0]);
