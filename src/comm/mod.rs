@@ -275,7 +275,7 @@ impl Comm {
     /// The initialised part, or why the communicator cannot be used now.
     pub fn ready(&self) -> Result<&Ready> {
         if self.abort.load(Ordering::Acquire) {
-            return Err(Error::invalid_usage(format!("rank {}: communicator was aborted", self.rank)));
+            return Err(Error::invalid_usage(format!("rank {}: communicator was destroyed or aborted", self.rank)));
         }
         if self.revoked.load(Ordering::Acquire) {
             return Err(Error::invalid_usage(format!("rank {}: communicator was revoked", self.rank)));
@@ -293,7 +293,7 @@ impl Comm {
     /// shrinking away dead ranks is for), not on an aborted or uninitialised one.
     pub fn ready_for_management(&self) -> Result<&Ready> {
         if self.abort.load(Ordering::Acquire) {
-            return Err(Error::invalid_usage(format!("rank {}: communicator was aborted", self.rank)));
+            return Err(Error::invalid_usage(format!("rank {}: communicator was destroyed or aborted", self.rank)));
         }
         self.ready.get().ok_or_else(|| self.not_ready())
     }
