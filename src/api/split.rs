@@ -88,7 +88,7 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
     let run = move || -> Result<()> {
         let parent = comm.ready()?;
         let hash = child_hash(comm.hash, seq, color as u64);
-        let service = if color == NOCOLOR { None } else { Some(Service::start(bootstrap::local_ip(), hash, 0)?) };
+        let service = if color == NOCOLOR { None } else { Some(Service::start(bootstrap::local_ip()?, hash, 0)?) };
         let mine = encode(color, key, service.as_ref().map(|s| me_info(&comm, parent, s.addr)).as_ref());
         let members: Vec<usize> = (0..comm.nranks).collect();
         let deadline = params::init_deadline();
@@ -152,7 +152,7 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
     let made = child.clone();
     let run = move || -> Result<()> {
         let parent = comm.ready_for_management()?;
-        let service = Service::start(bootstrap::local_ip(), hash, me as u32)?;
+        let service = Service::start(bootstrap::local_ip()?, hash, me as u32)?;
         let mine = encode(list_hash as i32, 0, Some(&me_info(&comm, parent, service.addr)));
         let deadline = params::init_deadline();
         let ex = Exchange { call: "ncclCommShrink", tag: TAG_SHRINK ^ tag, deadline, abort: &comm.abort };

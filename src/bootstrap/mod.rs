@@ -179,9 +179,27 @@ pub fn host_hash() -> u64 {
     id::magic_of(&text)
 }
 
-/// The address this process listens on: the first chosen interface (loopback if none).
-pub fn local_ip() -> IpAddr {
-    ifaces::interfaces().first().map(|i| i.addr).unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+/// The address this process listens on: the first chosen interface (loopback if none). An
+/// `NCCL_SOCKET_IFNAME` or `NCCL_SOCKET_FAMILY` that leaves no interface is an error, as in
+/// NCCL ("no socket interface found"): loopback instead would leave every other host unable
+/// to reach this one, a hang whose cause is a typo.
+pub fn local_ip() -> Result<IpAddr> {
+    if let Some(i) = ifaces::interfaces().first() {
+        return Ok(i.addr);
+    }
+    let (name, family) = (params::raw("NCCL_SOCKET_IFNAME"), params::raw("NCCL_SOCKET_FAMILY"));
+    if name.is_none() && family.is_none() {
+        return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    }
+    let set: Vec<String> = [("NCCL_SOCKET_IFNAME", name), ("NCCL_SOCKET_FAMILY", family)]
+        .into_iter()
+        .filter_map(|(k, v)| v.map(|v| format!("{k}={v}")))
+        .collect();
+    Err(Error::invalid_arg(format!(
+        "no socket interface found: {} leaves none of this host's interfaces with an address ({})",
+        set.join(" and "),
+        ifaces::describe_all()
+    )))
 }
 
 /// `ncclGetUniqueId`: with NCCL_COMM_ID, the id every rank derives from it (rank 0 will host
@@ -197,7 +215,7 @@ pub fn new_unique_id() -> Result<[u8; id::ID_BYTES]> {
 /// A new root, listening now, and a random magic: the id of one job (`ncclCommGetUniqueId`
 /// uses it whatever NCCL_COMM_ID says, since the grown communicator is a job of its own).
 pub fn new_root_id() -> Result<[u8; id::ID_BYTES]> {
-    let ip = local_ip();
+    let ip = local_ip()?;
     let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
     let root = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
     let magic = id::random_u64();
@@ -246,7 +264,7 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
         let listener = bind_reusable(id.root)?;
         root::spawn(listener, id.magic, timeout)?;
     }
-    let service = Service::start(local_ip(), id.magic, rank as u32)?;
+    let service = Service::start(local_ip()?, id.magic, rank as u32)?;
     me.addr = service.addr;
     let mut s = connect_root(id, connect_deadline, abort)?;
     let _ = s.set_nodelay(true);

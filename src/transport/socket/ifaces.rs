@@ -109,6 +109,16 @@ pub fn choose(all: &[Iface], ifname: Option<&str>, family: Option<&str>) -> Vec<
     picked
 }
 
+/// This host's interfaces with their addresses, for a message ("lo 127.0.0.1, eth0 10.0.0.2").
+pub fn describe_all() -> String {
+    let all = all_addresses();
+    if all.is_empty() {
+        return "this host has none up".into();
+    }
+    let named: Vec<String> = all.iter().map(|i| format!("{} {}", i.name, i.addr)).collect();
+    format!("this host has {}", named.join(", "))
+}
+
 /// The interfaces this process uses for bootstrap and sockets, best first.
 pub fn interfaces() -> Vec<Iface> {
     let ifname = params::raw("NCCL_SOCKET_IFNAME");
