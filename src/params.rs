@@ -110,11 +110,22 @@ pub fn text(name: &str) -> String {
     raw(name).unwrap_or_else(|| find(name).map(|p| p.default.to_string()).unwrap_or_default())
 }
 
-/// The effective value as an integer; a malformed value falls back to the default (and is
-/// reported once by the caller's logging, like NCCL's "Invalid value" warning).
+/// The effective value as an integer; a malformed value falls back to the default, said once
+/// per variable at WARN (NCCL's "Invalid value ... using default").
 pub fn int(name: &str) -> i64 {
     let default = find(name).and_then(|p| p.default.parse().ok()).unwrap_or(0);
-    raw(name).and_then(|v| parse_int(&v)).unwrap_or(default)
+    match raw(name) {
+        None => default,
+        Some(v) => parse_int(&v).unwrap_or_else(|| {
+            static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+            let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
+            if !said.iter().any(|n| n == name) {
+                said.push(name.to_string());
+                crate::warn!("{name}='{v}' is not a number: using the default, {default}");
+            }
+            default
+        }),
+    }
 }
 
 /// Integers as NCCL accepts them: decimal or 0x hex, optional sign.
