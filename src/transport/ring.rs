@@ -376,7 +376,7 @@ impl RingRecv {
             if self.map.atomic_u32(SENDER_CLOSED).load(Ordering::Acquire) != 0
                 && self.map.atomic_u64(HELP_DONE).load(Ordering::Acquire) < blocks
             {
-                return Err(Error::remote("the sending rank closed its connection while writing a message"));
+                return Err(Error::remote("the sending rank closed its connection while writing a message (it destroyed or aborted its communicator, or its process ended)"));
             }
             return Ok(false);
         }
@@ -483,7 +483,7 @@ impl super::SendConn for RingSend {
                 if self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0
                     && self.map.atomic_u64(HEAD).load(Ordering::Acquire) == head
                 {
-                    return Err(Error::remote("the receiving rank closed its connection"));
+                    return Err(Error::remote("the receiving rank closed its connection (it destroyed or aborted its communicator, or its process ended)"));
                 }
                 return Ok(Sent::Blocked);
             }
@@ -542,7 +542,7 @@ impl super::SendConn for RingSend {
         if self.map.atomic_u32(RECEIVER_CLOSED).load(Ordering::Acquire) != 0
             && self.map.atomic_u64(HEAD).load(Ordering::Acquire) <= token
         {
-            return Err(Error::remote("the receiving rank closed its connection"));
+            return Err(Error::remote("the receiving rank closed its connection (it destroyed or aborted its communicator, or its process ended)"));
         }
         Ok(false)
     }
@@ -566,7 +566,7 @@ impl super::RecvConn for RingRecv {
             // The sender may have published its last message just before closing: only an
             // empty slot after seeing the flag means the message will never come.
             if !self.published() {
-                return Err(Error::remote("the sending rank closed its connection"));
+                return Err(Error::remote("the sending rank closed its connection (it destroyed or aborted its communicator, or its process ended)"));
             }
         }
         let slot = (self.head % SLOTS as u64) as usize;
