@@ -3662,6 +3662,32 @@ static void foreign_buffer(void) {
   run_coll(C_ALLREDUCE, 300000, 0, 0, 7); /* the communicator's own memory: still works */
 }
 
+/* Part Beyond (one process): ncclCommInitAll without a device list, more ranks than the
+ * driver has devices. Ranks beyond them run calls on host buffers (the stream they are given,
+ * of device 0, goes unused), in one group with a rank of a real device: exact. */
+static void beyond(void) {
+  test_step("beyond the devices");
+  int devices = 0;
+  CU(cu.DeviceGetCount(&devices));
+  const int n = devices + 2;
+  if (!EXPECT(n <= MAX_LOCAL, "%d devices: too many for this part", devices)) return;
+  ncclComm_t comms[MAX_LOCAL];
+  float x[MAX_LOCAL][64];
+  CHECK(ncclCommInitAll(comms, n, NULL));
+  for (int l = 0; l < n; l++)
+    for (int j = 0; j < 64; j++) x[l][j] = in_value(l, (size_t)j, 3);
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < n; l++) CHECK(ncclAllReduce(x[l], x[l], 64, ncclFloat32, ncclSum, comms[l], g_streams[0]));
+  CHECK(ncclGroupEnd());
+  CU(cu.StreamSynchronize(g_streams[0]));
+  for (int l = 0; l < n; l++) {
+    size_t bad = 0;
+    for (int j = 0; j < 64; j++) bad += x[l][j] != expected(C_ALLREDUCE, 64, n, l, (size_t)j, 3);
+    EXPECT(bad == 0, "rank %d of %d (%d devices): %zu wrong values", l, n, devices, bad);
+    CHECK(ncclCommDestroy(comms[l]));
+  }
+}
+
 /* Part Calls (stand-in only, one rank per process): how many driver calls one call makes on
  * the calling thread once warm: all-reduces below and above the direct path's threshold,
  * a send/receive pair. */
@@ -4103,6 +4129,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "Devices")) devices();
   if (g_env.only && !strcasecmp(g_env.only, "WrongStream")) wrong_stream();
   if (g_env.only && !strcasecmp(g_env.only, "ForeignBuffer")) foreign_buffer();
+  if (g_env.only && !strcasecmp(g_env.only, "Beyond")) beyond();
   if (g_env.only && !strcasecmp(g_env.only, "CaptureElsewhere")) capture_elsewhere();
   if (g_env.only && !strcasecmp(g_env.only, "Graph")) graph();
   if (g_env.only && !strcasecmp(g_env.only, "GraphRefused")) graph_refused();

@@ -193,6 +193,17 @@ fn cuda_mode_buffers_of_another_device() {
     }
 }
 
+/// ncclCommInitAll without a device list and more ranks than devices: the ranks beyond them
+/// run calls on host buffers, whatever stream they are given (part Beyond).
+#[test]
+fn cuda_mode_init_all_beyond_the_devices() {
+    if !stand_in_only("cuda_mode_init_all_beyond_the_devices") {
+        return;
+    }
+    let o = cuda_job().arg("--only").arg("Beyond").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+}
+
 /// NCCL_P2P_LEVEL against the PCI distance of the ranks' GPUs, read from sysfs (a tree of
 /// our own here, NCCL_RS_TOPO_SYSFS, with the stand-in's two devices below two root ports of
 /// one root: PHB apart, on one NUMA node). PIX stages everything between them (and says why),
