@@ -387,3 +387,21 @@ fn indirect_kernels_do_what_their_descriptors_say() {
         assert!(dsts[k].untouched_around(), "copy descriptor {k} wrote outside its buffer");
     }
 }
+
+/// The stream gate's kernel (`nccl_rs_wait_geq`) lets its stream go once the word has reached
+/// the value, compared as the wrapping counter it is: here the word is already there, in
+/// plain and wrapped cases, so each launch must return at once (a wrong comparison would spin;
+/// the launch runs on a thread of its own, waited for with a deadline).
+#[test]
+fn the_gate_kernel_compares_as_a_wrapping_counter() {
+    for (word, value) in [(5u32, 3u32), (7, 7), (1, 0xffff_ffff), (0x8000_0000, 0x7fff_ffff)] {
+        let cell = Box::leak(Box::new(word)) as *mut u32 as u64;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            launch("nccl_rs_wait_geq", (1, 1, 32), [cell, 0, value as u64, 0]);
+            let _ = tx.send(());
+        });
+        assert!(rx.recv_timeout(std::time::Duration::from_secs(10)).is_ok(),
+                "nccl_rs_wait_geq still waits with word {word:#x} and value {value:#x}");
+    }
+}
