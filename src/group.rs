@@ -83,7 +83,7 @@ pub fn end() -> Result<()> {
     }
     // Operations on host buffers of nonblocking communicators only (host mode's one-sided
     // operations too): on a thread of their own.
-    if group.inits.is_empty() && group.deferred.is_empty() && (group.rma.is_empty() || host_mode())
+    if group.inits.is_empty() && group.deferred.is_empty() && (group.rma.is_empty() || !crate::device::mode::is_cuda())
         && !(group.ops.is_empty() && group.rma.is_empty())
         && background::eligible(group.ops.iter().map(|q| (&*q.comm, q.placement.device))
             .chain(group.rma.iter().map(|(c, _)| (&**c, false))))
@@ -171,15 +171,11 @@ fn distinct<'a>(comms: impl Iterator<Item = &'a Arc<Comm>>) -> Vec<Arc<Comm>> {
     out
 }
 
-fn host_mode() -> bool {
-    matches!(crate::device::mode::current(), crate::device::mode::Mode::Host)
-}
-
 /// Host mode: a one-sided operation outside a group on a nonblocking communicator runs in the
 /// background after the communicator's earlier operations (ncclInProgress), as they do; on a
 /// blocking one, now. Whether it went to the background (else: run it now).
 pub fn rma_in_background(comm: &Arc<Comm>, op: crate::api::rma::RmaOp) -> std::result::Result<Result<()>, crate::api::rma::RmaOp> {
-    if !host_mode() || comm.config.blocking {
+    if crate::device::mode::is_cuda() || comm.config.blocking {
         return Err(op);
     }
     Ok(run_in_background(Vec::new(), vec![(comm.clone(), op)]))

@@ -24,7 +24,7 @@ fn team(comm: ncclComm_t, what: &str) -> Result<ncclTeam_t> {
 /// What nccl-rs says of a communicator: no device API, multimem, GIN or CFT; each rank its own
 /// load/store team; host-initiated one-sided operations (`api::rma`).
 fn properties(comm: &crate::comm::Comm, size: usize, magic: u32, version: u32) -> ncclCommProperties_t {
-    let host = matches!(crate::device::mode::current(), crate::device::mode::Mode::Host);
+    let host = !crate::device::mode::is_cuda();
     ncclCommProperties_t {
         size,
         magic,

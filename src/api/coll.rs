@@ -81,7 +81,7 @@ fn regions(a: &Args, es: usize, n: usize, rank: usize, root: usize) -> Result<(R
 /// rather than let a kernel fault on it, which would end every CUDA call of the process.
 pub(crate) fn placement(regions: &[Region], dev: Option<i32>) -> Result<Placement> {
     use crate::device::cuda::{classify, peer_access, PtrKind};
-    if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+    if !crate::device::mode::is_cuda() {
         return Ok(Placement::default());
     }
     let mut p = Placement::default();
@@ -112,7 +112,7 @@ pub(crate) fn placement(regions: &[Region], dev: Option<i32>) -> Result<Placemen
 /// another device is read and written where it is, which needs peer access between the two.
 fn check_pointers(comm: &Comm, op: &Op) -> Result<()> {
     use crate::device::cuda::{classify, PtrKind};
-    if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+    if !crate::device::mode::is_cuda() {
         return Ok(());
     }
     let named = [("sendbuff", op.send), ("recvbuff", op.recv)];

@@ -167,7 +167,7 @@ pub fn run_init(comm: &Comm, id: &UniqueId) -> Result<()> {
 /// Where this rank's GPU is in the host's PCI tree (CUDA mode), for NCCL_P2P_LEVEL
 /// (`bootstrap::topo`); unknown in host mode or where the driver or sysfs cannot say.
 fn gpu_place(cuda_dev: i32) -> bootstrap::topo::GpuPlace {
-    if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+    if !crate::device::mode::is_cuda() {
         return bootstrap::topo::GpuPlace::default();
     }
     match crate::device::cuda::pci_bus_id(cuda_dev) {

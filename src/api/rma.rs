@@ -624,7 +624,7 @@ pub fn enqueue(comm: Arc<Comm>, op: RmaOp) -> Result<()> {
 /// `group::rma_in_background`). CUDA mode: in the order of the call's stream (`stream`).
 pub fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
     let ready = comm.ready()?;
-    if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+    if crate::device::mode::is_cuda() {
         let _ = comm.rma.inner.owner.set(Arc::downgrade(comm));
         return stream::run(comm, op);
     }

@@ -221,7 +221,7 @@ impl Comm {
     /// CUDA mode: a call's stream must be of this communicator's device;
     /// a stream of another is refused with `ncclInvalidArgument` (`check_caller_stream`).
     pub fn check_stream(&self, stream: crate::device::cuda::UserStream) -> Result<()> {
-        if stream.is_default() || !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+        if stream.is_default() || !crate::device::mode::is_cuda() {
             return Ok(());
         }
         crate::device::cuda::check_caller_stream(self.cuda_dev, stream, &self.stream_ok)
@@ -485,7 +485,7 @@ pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<(RedOp, Option<
         ScalarSource::Pointer(p) => {
             // Memory the stream may still be writing (device, pinned, managed) is read in
             // stream order, when the operation starts; pageable memory now, as in host mode.
-            if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+            if crate::device::mode::is_cuda() {
                 let kind = crate::device::cuda::classify(p.addr())
                     .map_err(|e| e.context(format!("classifying the PreMulSum scalar at {:#x}", p.addr())))?;
                 if kind.stream_ordered() {

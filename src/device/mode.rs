@@ -29,6 +29,11 @@ pub fn current() -> Mode {
     *MODE.get_or_init(probe)
 }
 
+/// CUDA mode: a driver with at least one device.
+pub fn is_cuda() -> bool {
+    matches!(current(), Mode::Cuda { .. })
+}
+
 fn probe() -> Mode {
     let result = catch_unwind(AssertUnwindSafe(|| {
         use cudarc::driver::sys;

@@ -594,7 +594,7 @@ fn direct_target(comm: &Comm, peer: usize, frame: &Frame) -> Result<Option<Regio
 /// Can this rank reach `peer`'s windows directly (CUDA mode, a rank of this host, peer access
 /// not disabled)? Its load/store team is the ranks it can.
 fn reaches(comm: &Comm, peer: usize) -> Result<bool> {
-    if !matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+    if !crate::device::mode::is_cuda() {
         return Ok(false);
     }
     let ready = comm.ready()?;

@@ -188,7 +188,7 @@ pub fn peer_access(from: i32, to: i32) -> bool {
 /// fails nor breaks the capture.
 pub fn relax_capture_mode() {
     // (Host mode: no driver to ask.)
-    if matches!(crate::device::mode::current(), crate::device::mode::Mode::Cuda { .. }) {
+    if crate::device::mode::is_cuda() {
         exchange_capture_mode(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
     }
 }
