@@ -17,6 +17,8 @@
  *                                graph's second time once FILE exists)
  *   CUDA_TEST_P2P_LATE=FILE cuda (2 processes: process 1 issues its receive of process 0's direct
  *                                send once FILE exists)
+ *   CUDA_TEST_CLOSED_EARLY=1 cuda (2 processes: process 1 destroys its communicator after init
+ *                                and stays; process 0's direct receive from it must fail saying so)
  *   CUDA_TEST_SHRINK_STUCK=FILE cuda (3 processes: process 2 issues nothing until FILE exists;
  *                                the others shrink it away with NCCL_SHRINK_ABORT and go on)
  *   CUDA_TEST_VMM=1 cuda        (device buffers from the virtual memory API, placed as PyTorch's
@@ -2963,6 +2965,49 @@ static int p2p_late(void) {
   return test_finish();
 }
 
+/* CUDA_TEST_CLOSED_EARLY=1 (2 processes of 1 rank): process 1 destroys its communicator right
+ * after init and its process goes on; process 0's receive from it (device memory, direct) must
+ * end with ncclRemoteError saying so, and its stream go on, not wait for ever: the process is
+ * alive, so checking whether it exited does not see it. */
+static int closed_early(void) {
+  test_step("closed-early");
+  const char* id = getenv("NCCL_TEST_ID_FILE");
+  if (!id || g_env.nprocs != 2 || g_env.local != 1) {
+    fprintf(stderr, "CUDA_TEST_CLOSED_EARLY: run as 2 processes of 1 rank\n");
+    exit(2);
+  }
+  char done[4200];
+  snprintf(done, sizeof done, "%s.closed-early-done", id);
+  if (g_env.first_rank == 1) {
+    destroy_comms(g_comms);
+    EXPECT(wait_for_file(done, 40), "rank 0 did not finish within 40 s");
+    return test_finish();
+  }
+  const size_t count = 1 << 18;
+  CUdeviceptr d = dev_alloc(count * sizeof(float));
+  CHECK(ncclRecv((void*)(uintptr_t)d, count, ncclFloat32, 1, g_comms[0], g_streams[0]));
+  ncclResult_t async = ncclSuccess;
+  int stream_done = 0;
+  double t0 = now_s();
+  while (now_s() - t0 < 20 && !(async != ncclSuccess && async != ncclInProgress && stream_done)) {
+    CHECK(ncclCommGetAsyncError(g_comms[0], &async));
+    stream_done = cu.StreamQuery(g_streams[0]) == 0;
+    usleep(10000);
+  }
+  const char* msg = ncclGetLastError(g_comms[0]);
+  tlog("after %.1f s: async error %s, stream %s: %s", now_s() - t0, result_name(async), stream_done ? "done" : "held",
+       msg ? msg : "");
+  EXPECT(async == ncclRemoteError && msg && strstr(msg, "rank 1") && strstr(msg, "destroyed or aborted its communicator"),
+         "a receive from a rank that destroyed its communicator: async error %s (\"%s\"), not ncclRemoteError saying so",
+         result_name(async), msg ? msg : "");
+  EXPECT(stream_done, "the stream of that receive is still held");
+  CHECK(ncclCommAbort(g_comms[0]));
+  dev_free(d);
+  FILE* f = fopen(done, "w");
+  if (f) fclose(f);
+  return test_finish();
+}
+
 /* A rank that has not launched its graph yet is named as such by the rank whose launch waits
  * for it (CUDA_TEST_GRAPH_HELD=FILE, NCCL_RS_GRAPH_CAPTURE=1, 2 processes): both capture an
  * all-reduce and launch it once; for the second launch process 1 waits until FILE exists (the
@@ -4094,6 +4139,7 @@ int main(int argc, char** argv) {
   if (getenv("CUDA_TEST_ABORT_HELD")) return abort_held();
   if (getenv("CUDA_TEST_STREAM_HELD")) return stream_held();
   if (getenv("CUDA_TEST_P2P_LATE")) return p2p_late();
+  if (getenv("CUDA_TEST_CLOSED_EARLY")) return closed_early();
   if (getenv("CUDA_TEST_GRAPH_HELD")) return graph_held();
   if (getenv("CUDA_TEST_SHRINK_STUCK")) return shrink_stuck();
   if (host_wait_mode()) {

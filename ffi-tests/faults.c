@@ -14,6 +14,8 @@
  *                             the bootstrap root)
  *   faults --only gone-early  rank 1 exits after init; rank 0's first allreduce must fail
  *                             naming it
+ *   faults --only closed-early  rank 1 destroys its communicator after init and its process
+ *                             stays; rank 0's first receive from it must fail naming it
  *
  * Environment (besides common.h's):
  *   FAULTS_COUNT       floats per allreduce in `loop` and `abort` (default 1048576)
@@ -26,7 +28,8 @@
  *   FAULTS_SHRINK      `loop`: after the failure, ncclCommShrink the lost rank out ("default"
  *                      or "abort": the flag) and check an allreduce on the result
  *   FAULTS_ABORT_AFTER_MS  `abort`: when the second thread aborts (default 1000)
- *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root | reduce_root | gather_root
+ *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root | reduce_root | gather_root;
+ *                      `closed-early`: recv (default) | signal
  *
  * Lines the harness watches: "LOOPING" (the loop runs: kill or cut now).
  * Timings are printed as "TIMING name=seconds" for the report.
@@ -393,6 +396,54 @@ static void part_gone_early(void) {
   free(buf);
 }
 
+/* ---- closed-early: a rank destroys its communicator after init and its process goes on --- */
+
+/* Rank 1 destroys its communicator once init is done, before any call connected it, and its
+ * process stays; rank 0's first receive from it waits for a first connection that will never
+ * come (a wait with no limit of its own). It must fail soon with ncclRemoteError naming rank 1
+ * and saying what it did, not hang: its process is alive, so the check of gone-early (has the
+ * process exited?) does not see it. 2 processes of 1 rank (shared memory or sockets), or 1
+ * process of 2 ranks (the ring between ranks of one process). FAULTS_CASE=signal: rank 0 waits
+ * for a signal (ncclWaitSignal) instead. */
+static void part_closed_early(void) {
+  test_deadline(30);
+  if (g_env.nranks != 2) {
+    fprintf(stderr, "closed-early: run as 2 processes of 1 rank or 1 process of 2 ranks\n");
+    exit(2);
+  }
+  ncclComm_t comms[2] = {NULL, NULL};
+  test_step("init");
+  make_comms("", comms);
+  if (g_env.nprocs == 2 && g_env.proc == 1) {
+    CHECK(ncclCommDestroy(comms[0]));
+    tlog("destroyed; staying until rank 0 is done");
+    EXPECT(flag_wait("closed-early-done", 25), "rank 0 did not finish within 25 s");
+    return;
+  }
+  if (g_env.local == 2) CHECK(ncclCommDestroy(comms[1]));
+  const char* which = getenv("FAULTS_CASE");
+  const int signal = which && !strcmp(which, "signal");
+  test_step(signal ? "a wait for a signal from rank 1, whose communicator is destroyed"
+                   : "a receive from rank 1, whose communicator is destroyed");
+  const size_t count = 1024;
+  float* buf = calloc(count, sizeof(float));
+  if (!buf) exit(2);
+  double t0 = now_s();
+  ncclWaitSignalDesc_t want = {.opCnt = 1, .peer = 1, .sigIdx = 0, .ctx = 0};
+  ncclResult_t r = signal ? ncclWaitSignal(1, &want, comms[0], TEST_STREAM)
+                          : ncclRecv(buf, count, ncclFloat32, 1, comms[0], TEST_STREAM);
+  double took = now_s() - t0;
+  const char* text = last_error(comms[0]);
+  tlog("%s -> %s after %.3f s: %s", signal ? "ncclWaitSignal" : "ncclRecv", result_name(r), took, text);
+  EXPECT(r == ncclRemoteError, "the wait for a destroyed rank 1 -> %s, expected ncclRemoteError", result_name(r));
+  EXPECT(names_rank(text, 1), "the error does not name rank 1: %s", text);
+  EXPECT(strstr(text, "destroyed or aborted its communicator") != NULL, "the error does not say what rank 1 did: %s", text);
+  EXPECT(took < 15.0, "the wait noticed rank 1 had destroyed its communicator only after %.3f s", took);
+  CHECK(ncclCommAbort(comms[0]));
+  if (g_env.nprocs == 2) flag_set("closed-early-done");
+  free(buf);
+}
+
 /* ---- mismatch: rank 0 and rank 1 make different calls ----------------------------------- */
 
 static void part_mismatch(void) {
@@ -521,8 +572,10 @@ int main(int argc, char** argv) {
     part_hello();
   } else if (!strcmp(part, "gone-early")) {
     part_gone_early();
+  } else if (!strcmp(part, "closed-early")) {
+    part_closed_early();
   } else {
-    fprintf(stderr, "usage: faults --only loop|abort|abort-init|mismatch|hello|gone-early\n");
+    fprintf(stderr, "usage: faults --only loop|abort|abort-init|mismatch|hello|gone-early|closed-early\n");
     return 2;
   }
   return test_finish();

@@ -615,6 +615,9 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
     let started = Instant::now();
     let mut warned = false;
     let mut unreachable_since: Option<Instant> = None;
+    // Set once the peer is found gone or closed: what it offered just before it went may still
+    // be on its way to this rank's bootstrap service, so one more slice is waited for it.
+    let mut hopeless: Option<crate::Error> = None;
     loop {
         let slice_end = (Instant::now() + std::time::Duration::from_secs(1)).min(ctx.deadline);
         let attempt = Ctx { deadline: slice_end, ..*ctx };
@@ -626,6 +629,9 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
                     "communicator revoked while waiting for {} to connect", c.describe_peer(peer))));
             }
             Err(e) if e.code == crate::Code::Timeout && Instant::now() < ctx.deadline => {
+                if let Some(e) = hopeless {
+                    return Err(e);
+                }
                 if let Some(mine) = mine {
                     let describe = &crate::plan::ops::describe_stamp;
                     // Asked every slice (a mismatch is an error whenever it shows); said once, as the
@@ -636,9 +642,15 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
                         if let Some((why, certain)) = c.peer_gone(peer) {
                             let since = *unreachable_since.get_or_insert_with(Instant::now);
                             if certain || since.elapsed() >= params::peer_timeout() {
-                                return Err(crate::Error::remote(format!(
+                                hopeless = Some(crate::Error::remote(format!(
                                     "lost {} ({why}) while waiting for its first connection", c.describe_peer(peer))));
                             }
+                        } else if let Some(why) = c.peer_closed(peer) {
+                            // Its process goes on, without this communicator. (The caller's
+                            // context names the peer.)
+                            hopeless = Some(crate::Error::remote(format!(
+                                "it destroyed or aborted its communicator ({why}) before connecting to this rank: it \
+                                 will not make this call")));
                         }
                     } else {
                         unreachable_since = None;

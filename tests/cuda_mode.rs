@@ -1087,6 +1087,15 @@ fn cuda_mode_a_rank_late_for_a_direct_send_is_named() {
             "rank 0:\n{waiting}");
 }
 
+/// A rank that destroyed its communicator after init, before making the matching call, while
+/// its process goes on: the direct receive waiting for it fails with ncclRemoteError saying so
+/// and its stream goes on (before: held for ever, a WARN every 10 s naming nothing but the
+/// call). The staged path's first connection: `faults::rank_that_destroyed_its_communicator_*`.
+#[test]
+fn cuda_mode_a_rank_that_destroyed_its_communicator_is_named() {
+    cuda_job().procs(2).env("CUDA_TEST_CLOSED_EARLY", "1").timeout_s(60).run();
+}
+
 /// A graph launch that waits for a rank which has not launched its graph yet names that rank
 /// and says so (not that its stream is behind, nor that the call is missing); released, both
 /// launches are exact.

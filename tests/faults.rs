@@ -174,6 +174,26 @@ fn rank_gone_before_its_first_connection_is_named() {
     }
 }
 
+/// A rank that destroys its communicator after init, before any call connected it, while its
+/// process goes on: the survivor's first receive from it, or wait for its signal, fails with
+/// ncclRemoteError naming it and what it did, within seconds, over shared memory, sockets and
+/// the ring between ranks of one process (before: a wait with no end, as the process was still
+/// there).
+#[test]
+fn rank_that_destroyed_its_communicator_before_connecting_is_named() {
+    let cases = [(2, 1, false, "recv"), (2, 1, true, "recv"), (1, 2, false, "recv"), (2, 1, false, "signal"), (1, 2, false, "signal")];
+    for (procs, local, socket, case) in cases {
+        let mut job = Job::new("faults").procs(procs).local(local).arg("--only").arg("closed-early")
+            .env("FAULTS_CASE", case).env("NCCL_SOCKET_IFNAME", "lo").timeout_s(45);
+        if socket {
+            job = job.env("NCCL_SHM_DISABLE", "1");
+        }
+        let o = job.run_outcome();
+        judge(&format!("rank_that_destroyed_its_communicator_before_connecting_is_named ({procs}x{local}, socket {socket}, {case})"),
+              &o, o.ok(), String::new());
+    }
+}
+
 // ---- ncclCommAbort from another thread ------------------------------------------------
 
 /// Rank 0 blocks in an allreduce rank 1 never joins; a second thread aborts after 1 s; the

@@ -754,21 +754,27 @@ fn hopeless(comm: &Comm, st: &State, missing: &[Missing]) -> Option<Error> {
 
 /// Is a sender this wait needs gone? Same-host peers whose process exited are; peers of other
 /// hosts whose bootstrap service has not answered for NCCL_PEER_TIMEOUT_S (since when: in
-/// `unreachable`), as for a first connection. `peers`: (rank, what came from it).
+/// `unreachable`), as for a first connection; so are peers whose process goes on without the
+/// communicator (destroyed or aborted), found so on two probes (a connection of theirs that
+/// ended says so first, with what came on it). `peers`: (rank, what came from it).
 fn gone_sender(comm: &Comm, peers: Vec<(u32, String)>, unreachable: &mut HashMap<u32, Instant>) -> Option<Error> {
     for (p, came) in peers {
-        match comm.peer_gone(p as usize) {
-            Some((why, certain)) => {
-                let since = *unreachable.entry(p).or_insert_with(Instant::now);
-                if certain || since.elapsed() >= crate::params::peer_timeout() {
-                    return Some(Error::remote(format!(
-                        "rank {}: waiting for signals from {}, which is gone: {why}; {came} came", comm.rank,
-                        comm.describe_peer(p as usize))));
+        let (why, after) = match comm.peer_gone(p as usize) {
+            Some((why, true)) => (why, Duration::ZERO),
+            Some((why, false)) => (why, crate::params::peer_timeout()),
+            None => match comm.peer_closed(p as usize) {
+                Some(why) => (format!("it destroyed or aborted its communicator ({why})"), PROBE_EVERY / 2),
+                None => {
+                    unreachable.remove(&p);
+                    continue;
                 }
-            }
-            None => {
-                unreachable.remove(&p);
-            }
+            },
+        };
+        let since = *unreachable.entry(p).or_insert_with(Instant::now);
+        if since.elapsed() >= after {
+            return Some(Error::remote(format!(
+                "rank {}: waiting for signals from {}, which is gone: {why}; {came} came", comm.rank,
+                comm.describe_peer(p as usize))));
         }
     }
     None

@@ -96,8 +96,15 @@ impl Service {
 
     fn open(&self, peer: usize, kind: u8, tag: u32, payload: &[u8]) -> Result<TcpStream> {
         let addr = self.peer_addr(peer)?;
-        let mut s = crate::transport::socket::dial(&addr, Duration::from_secs(10))
-            .map_err(|e| Error::remote(format!("bootstrap: cannot reach rank {peer} at {addr}: {e}")))?;
+        let mut s = crate::transport::socket::dial(&addr, Duration::from_secs(10)).map_err(|e| {
+            // Its service ran as long as its communicator: refused, the communicator is gone.
+            let hint = if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                " (it destroyed or aborted its communicator, or its process ended)"
+            } else {
+                ""
+            };
+            Error::remote(format!("bootstrap: cannot reach rank {peer} at {addr}: {e}{hint}"))
+        })?;
         let _ = s.set_nodelay(true);
         let mut w = Writer::default();
         w.u64(self.shared.magic).u8(kind).u32(self.rank()).u32(tag).bytes(payload);
@@ -117,6 +124,26 @@ impl Service {
         w.u64(self.shared.magic).u8(KIND_PING).u32(self.rank()).u32(0).bytes(&[]);
         let _ = write_frame(&mut s, &w.buf);
         Ok(())
+    }
+
+    /// Does `peer`'s service refuse connections (nothing listens at its address)? It runs as
+    /// long as the peer's communicator, so a peer that answered before has destroyed or
+    /// aborted that communicator, or its process ended. Only a refusal counts: a connection
+    /// that is slow to come (a loaded host, a network in trouble) says nothing.
+    pub fn refuses(&self, peer: usize, timeout: Duration) -> Option<String> {
+        let addr = self.peer_addr(peer).ok()?;
+        match crate::transport::socket::dial(&addr, timeout) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                Some(format!("its bootstrap service at {addr} refuses connections"))
+            }
+            Err(_) => None,
+            Ok(mut s) => {
+                let mut w = Writer::default();
+                w.u64(self.shared.magic).u8(KIND_PING).u32(self.rank()).u32(0).bytes(&[]);
+                let _ = write_frame(&mut s, &w.buf);
+                None
+            }
+        }
     }
 
     /// Where this service reads the answer to status requests.

@@ -395,6 +395,14 @@ impl Comm {
         }
     }
 
+    /// Has `peer` closed this communicator (destroyed or aborted it) while its process goes on?
+    /// Then it will never connect or send again. For waits on a peer that has no connection to
+    /// carry that news (one it had is closed by it and says so itself, after what came on it).
+    pub fn peer_closed(&self, peer: usize) -> Option<String> {
+        let ready = self.ready.get()?;
+        ready.service.refuses(peer, std::time::Duration::from_secs(1))
+    }
+
     /// Ask `peer` what it is running, when this rank has waited on it for `mine` for a while.
     /// Err: it runs other operations, so the two ranks issued different calls. Otherwise
     /// whether it runs `mine` too (a slow peer) or nothing (it has not made the call yet).

@@ -815,6 +815,8 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
     let mut last_probe = since;
     // Peers named at WARN as not in their matching calls (once each).
     let mut named: Vec<usize> = Vec::new();
+    // Peers whose communicator the last probe found closed (see below).
+    let mut closed: Vec<usize> = Vec::new();
     let mut copied = Vec::new();
     // Per operation: the bounce its queued kernel copies from (its bytes were sent; nobody
     // waits for an answer). Kept on an error: a kernel may still read it.
@@ -959,23 +961,36 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
                 // The first operation that waits on it: is the peer in it, and if not, why not?
                 let Some(op) = on_peer().map(|i| &ops[i].op).find(|o| o.root == p) else { continue };
                 let describe = &crate::plan::ops::describe_stamp;
-                match comm.peer_runs(p, &op.stamp(), describe) {
+                let unknown = match comm.peer_runs(p, &op.stamp(), describe) {
                     Err(e) if e.msg.contains(" failed: ") => {
                         return Err(e.context(format!("rank {}: a send or receive with rank {p}", comm.rank)));
                     }
                     // It runs other calls: a peer may, between its sends and receives.
-                    Err(_) => {}
+                    Err(_) => false,
                     Ok(runs) => {
                         if let Some(why) = runs.why_waiting(&op.stamp(), describe).filter(|_| !named.contains(&p)) {
                             named.push(p);
                             crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}", comm.rank,
                                          since.elapsed().as_secs_f64(), op.describe(), comm.describe_peer(p));
                         }
+                        runs == crate::comm::PeerRuns::Unknown
                     }
-                }
+                };
                 if let Some((why, true)) = comm.peer_gone(p) {
                     return Err(Error::remote(format!("rank {}: lost {} ({why}) during a send or receive", comm.rank,
                                                      comm.describe_peer(p))));
+                }
+                // Its process goes on without this communicator (destroyed or aborted before it
+                // made the matching call, so no connection of its own says so). Found on two
+                // probes a second apart: a message it sent just before closing has come by then.
+                match unknown.then(|| comm.peer_closed(p)).flatten() {
+                    Some(why) if closed.contains(&p) => {
+                        return Err(Error::remote(format!(
+                            "rank {}: {} destroyed or aborted its communicator ({why}) without making the matching call",
+                            comm.rank, comm.describe_peer(p))));
+                    }
+                    Some(_) => closed.push(p),
+                    None => closed.retain(|&q| q != p),
                 }
             }
         }
