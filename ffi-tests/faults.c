@@ -16,6 +16,8 @@
  *                             naming it
  *   faults --only closed-early  rank 1 destroys its communicator after init and its process
  *                             stays; rank 0's first receive from it must fail naming it
+ *   faults --only stopped     rank 1's process stops itself (SIGSTOP); rank 0 must say so while
+ *                             it waits (tests/faults.rs then sends SIGCONT)
  *
  * Environment (besides common.h's):
  *   FAULTS_COUNT       floats per allreduce in `loop` and `abort` (default 1048576)
@@ -29,7 +31,7 @@
  *                      or "abort": the flag) and check an allreduce on the result
  *   FAULTS_ABORT_AFTER_MS  `abort`: when the second thread aborts (default 1000)
  *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root | reduce_root | gather_root;
- *                      `closed-early`: recv (default) | signal
+ *                      `closed-early`: recv (default) | signal; `stopped`: cold (default) | warm
  *
  * Lines the harness watches: "LOOPING" (the loop runs: kill or cut now).
  * Timings are printed as "TIMING name=seconds" for the report.
@@ -39,6 +41,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -444,6 +447,47 @@ static void part_closed_early(void) {
   free(buf);
 }
 
+/* ---- stopped: a rank's process is stopped (SIGSTOP) while its peer waits on it ------------- */
+
+/* Process 1 writes its pid beside the unique id (flag "pid"), prints STOPPING and stops itself
+ * with SIGSTOP before its all-reduce (FAULTS_CASE=warm: after a first one, so the two ranks are
+ * connected). Rank 0's all-reduce waits on it; within seconds of SILENT_AFTER (10 s) rank 0 must
+ * say at WARN that rank 1 does not answer and that its process is stopped (the harness watches
+ * for that line, then sends SIGCONT). Both all-reduces then complete, exact. */
+static void part_stopped(void) {
+  test_deadline(60);
+  if (g_env.nprocs != 2 || g_env.local != 1) {
+    fprintf(stderr, "stopped: run as 2 processes of 1 rank\n");
+    exit(2);
+  }
+  const char* which = getenv("FAULTS_CASE");
+  const int warm = which && !strcmp(which, "warm");
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
+  if (warm) {
+    int v = allreduce_sum_int(&comm, g_env.proc + 1);
+    EXPECT(v == 3, "the first all-reduce gave %d, expected 3", v);
+  }
+  if (g_env.proc == 1) {
+    char path[4200];
+    flag_path("pid", path, sizeof path);
+    FILE* f = fopen(path, "w");
+    if (!f) exit(2);
+    fprintf(f, "%d\n", (int)getpid());
+    fclose(f);
+    tlog("STOPPING");
+    raise(SIGSTOP);
+    tlog("resumed");
+  }
+  test_step("an all-reduce with rank 1 stopped");
+  double t0 = now_s();
+  int v = allreduce_sum_int(&comm, 10 * (g_env.proc + 1));
+  tlog("all-reduce -> %d after %.1f s", v, now_s() - t0);
+  EXPECT(v == 30, "the all-reduce across the stop gave %d, expected 30", v);
+  CHECK(ncclCommDestroy(comm));
+}
+
 /* ---- mismatch: rank 0 and rank 1 make different calls ----------------------------------- */
 
 static void part_mismatch(void) {
@@ -574,8 +618,10 @@ int main(int argc, char** argv) {
     part_gone_early();
   } else if (!strcmp(part, "closed-early")) {
     part_closed_early();
+  } else if (!strcmp(part, "stopped")) {
+    part_stopped();
   } else {
-    fprintf(stderr, "usage: faults --only loop|abort|abort-init|mismatch|hello|gone-early|closed-early\n");
+    fprintf(stderr, "usage: faults --only loop|abort|abort-init|mismatch|hello|gone-early|closed-early|stopped\n");
     return 2;
   }
   return test_finish();

@@ -638,7 +638,7 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
                     // progress engine's watch does for a peer already connected.
                     let runs = c.peer_runs(peer, &mine, describe)?;
                     // No status: a peer that is gone never connects (the wait may have no limit).
-                    if runs == crate::comm::PeerRuns::Unknown {
+                    if !runs.answered() {
                         if let Some((why, certain)) = c.peer_gone(peer) {
                             let since = *unreachable_since.get_or_insert_with(Instant::now);
                             if certain || since.elapsed() >= params::peer_timeout() {

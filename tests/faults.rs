@@ -194,6 +194,33 @@ fn rank_that_destroyed_its_communicator_before_connecting_is_named() {
     }
 }
 
+/// A rank whose process is stopped (SIGSTOP) while its peer waits on it, before the two are
+/// connected (the wait for a first connection) and after (the progress engine): the waiting
+/// rank says at WARN, about 10 s in, that rank 1 does not answer and that its process is
+/// stopped (before: nothing, for ever); sent SIGCONT then, both all-reduces complete, exact.
+#[test]
+fn a_stopped_peer_process_is_named() {
+    for case in ["cold", "warm"] {
+        let mut job = Job::new("faults").procs(2).arg("--only").arg("stopped").env("FAULTS_CASE", case)
+            .env("NCCL_DEBUG", "WARN").timeout_s(60);
+        let pid_file = job.dir().join("unique-id.flag-pid");
+        let o = job
+            .on(When::marker(0, "its process is stopped"), move || {
+                let pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
+                let sent = pid.trim().parse::<i32>().ok().filter(|&p| p > 0)
+                    // SAFETY: a signal to the job's own child process, by its pid.
+                    .map(|p| unsafe { libc::kill(p, libc::SIGCONT) } == 0);
+                format!("SIGCONT to pid {} (sent: {sent:?})", pid.trim())
+            })
+            .run_outcome();
+        let named = o.procs[0].log.lines().any(|l| {
+            l.contains("NCCL WARN") && l.contains("for rank 1") && l.contains("which has not answered")
+                && l.contains("its process is stopped")
+        });
+        judge(&format!("a_stopped_peer_process_is_named ({case})"), &o, o.ok() && named, String::new());
+    }
+}
+
 // ---- ncclCommAbort from another thread ------------------------------------------------
 
 /// Rank 0 blocks in an allreduce rank 1 never joins; a second thread aborts after 1 s; the

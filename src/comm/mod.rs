@@ -24,6 +24,8 @@ pub struct Ready {
     /// the ranks' settings differ (each would plan another exchange, and wait forever).
     pub algo: Option<crate::algo::Algo>,
     conns: Mutex<Conns>,
+    /// Peers that have not answered a status request, since when, and whether that was said.
+    silent: Mutex<HashMap<usize, (std::time::Instant, bool)>>,
     /// The stamps of the operations this rank is running now (concatenated), which peers
     /// may ask for through the bootstrap service when they wait on this rank.
     pub running: crate::bootstrap::service::Status,
@@ -44,7 +46,7 @@ impl Ready {
                          said.join(", "));
             None
         };
-        Ready { peers, service, slice, algo, conns: Mutex::new(Conns::new(n)), running }
+        Ready { peers, service, slice, algo, conns: Mutex::new(Conns::new(n)), silent: Mutex::new(HashMap::new()), running }
     }
 
     /// Publish what this rank runs (empty: nothing).
@@ -85,6 +87,52 @@ pub enum PeerRuns {
     Stream(Stamp),
     /// Its communicator is suspended (ncclCommSuspend): it cannot issue the call until resumed.
     Suspended,
+    /// No answer, again, after [`SILENT_AFTER`] of none: said once per silence (then `Unknown`
+    /// again), with what its process is doing where that can be seen.
+    Silent(Silence),
+}
+
+/// How long a peer may leave status requests unanswered before a rank waiting on it says so.
+pub const SILENT_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What a peer that does not answer is doing, as far as this host can tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Silence {
+    /// Its process is stopped (SIGSTOP, Ctrl-Z).
+    Stopped,
+    /// Its process is stopped by a debugger.
+    Traced,
+    /// Its process is in uninterruptible sleep (a disk, a driver).
+    DiskSleep,
+    /// Its process runs (or sleeps) but its bootstrap service did not answer in time.
+    Busy,
+    /// Another host's: nothing more to see from here.
+    Remote,
+}
+
+impl Silence {
+    /// Same host: from the process state in /proc (Linux: `stat`'s third field).
+    fn of_process(pid: u32) -> Silence {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The command name (second field) may hold spaces and parentheses: the state follows the last ')'.
+        match stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()) {
+            Some('T') => Silence::Stopped,
+            Some('t') => Silence::Traced,
+            Some('D') => Silence::DiskSleep,
+            _ => Silence::Busy,
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Silence::Stopped => "its process is stopped (SIGSTOP or Ctrl-Z: SIGCONT resumes it)",
+            Silence::Traced => "its process is stopped by a debugger",
+            Silence::DiskSleep => "its process is in uninterruptible sleep (waiting on a disk or a driver)",
+            Silence::Busy => "its process is there, but its bootstrap service did not answer within 1 s (an \
+                              overloaded host, or the process is stuck)",
+            Silence::Remote => "its host did not answer within 1 s",
+        }
+    }
 }
 
 impl PeerRuns {
@@ -102,8 +150,15 @@ impl PeerRuns {
             PeerRuns::Stream(theirs) => Some(format!(
                 "which issued {} and waits for its CUDA stream to get through it: work queued on that stream has not \
                  finished", describe(theirs))),
+            PeerRuns::Silent(how) => Some(format!(
+                "which has not answered this rank's status requests for {} s or more: {}", SILENT_AFTER.as_secs(), how.describe())),
             PeerRuns::Same | PeerRuns::Unknown => None,
         }
+    }
+
+    /// Did the peer answer (anything but `Unknown` and `Silent`)?
+    pub fn answered(&self) -> bool {
+        !matches!(self, PeerRuns::Unknown | PeerRuns::Silent(_))
     }
 }
 
@@ -409,10 +464,13 @@ impl Comm {
     pub fn peer_runs(&self, peer: usize, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String) -> Result<PeerRuns> {
         let Some(ready) = self.ready.get() else { return Ok(PeerRuns::Unknown) };
         let status = match ready.service.status(peer, std::time::Duration::from_secs(1)) {
-            Ok(s) => s,
+            Ok(s) => {
+                ready.silent.lock().unwrap_or_else(|p| p.into_inner()).remove(&peer);
+                s
+            }
             Err(e) => {
                 crate::info!(COLL, "rank {}: no status from rank {peer}: {}", self.rank, e.msg);
-                return Ok(PeerRuns::Unknown);
+                return Ok(self.silence(ready, peer));
             }
         };
         match status.split_first() {
@@ -442,6 +500,22 @@ impl Comm {
         Err(Error::invalid_usage(format!(
             "{} issued {} where rank {} issued {}: every rank must make the same calls in the same order",
             self.describe_peer(peer), describe(&first), self.rank, describe(mine))))
+    }
+
+    /// `peer` did not answer: `Silent` once it has not for [`SILENT_AFTER`] (once per silence,
+    /// whoever asks), else `Unknown`.
+    fn silence(&self, ready: &Ready, peer: usize) -> PeerRuns {
+        let mut silent = ready.silent.lock().unwrap_or_else(|p| p.into_inner());
+        let (since, said) = silent.entry(peer).or_insert((std::time::Instant::now(), false));
+        if *said || since.elapsed() < SILENT_AFTER {
+            return PeerRuns::Unknown;
+        }
+        *said = true;
+        drop(silent);
+        match (ready.peers.get(self.rank), ready.peers.get(peer)) {
+            (Some(me), Some(p)) if p.same_host(me) => PeerRuns::Silent(Silence::of_process(p.pid)),
+            _ => PeerRuns::Silent(Silence::Remote),
+        }
     }
 
     /// Why `peer` stopped, if it says it failed (used when all this rank saw was a closed

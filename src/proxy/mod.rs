@@ -300,7 +300,7 @@ impl<'a> Job<'a> {
             asked.push(peer);
             let mine = self.stamps[self.units[unit as usize].op as usize];
             let runs = self.comm.peer_runs(peer, &mine, self.describe)?;
-            answered &= runs != crate::comm::PeerRuns::Unknown;
+            answered &= runs.answered();
             if let Some(why) = runs.why_waiting(&mine, self.describe) {
                 crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}",
                              self.comm.rank, waited.as_secs_f64(), (self.describe)(&mine), self.comm.describe_peer(peer));

@@ -973,7 +973,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
                             crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}", comm.rank,
                                          since.elapsed().as_secs_f64(), op.describe(), comm.describe_peer(p));
                         }
-                        runs == crate::comm::PeerRuns::Unknown
+                        !runs.answered()
                     }
                 };
                 if let Some((why, true)) = comm.peer_gone(p) {
