@@ -18,6 +18,8 @@
  *                             stays; rank 0's first receive from it must fail naming it
  *   faults --only stopped     rank 1's process stops itself (SIGSTOP); rank 0 must say so while
  *                             it waits (tests/faults.rs then sends SIGCONT)
+ *   faults --only crossed     two ranks call two communicators in different orders; each must
+ *                             name the call the other is in (then both abort)
  *
  * Environment (besides common.h's):
  *   FAULTS_COUNT       floats per allreduce in `loop` and `abort` (default 1048576)
@@ -488,6 +490,49 @@ static void part_stopped(void) {
   CHECK(ncclCommDestroy(comm));
 }
 
+/* ---- crossed: two ranks call two communicators in different orders ---------------------- */
+
+typedef struct {
+  ncclComm_t comms[2];
+  int aborted;
+} crossed_t;
+
+static void* crossed_releaser(void* arg) {
+  crossed_t* x = arg;
+  if (!flag_wait("release-0", 40) || !flag_wait("release-1", 5)) return NULL;
+  for (int k = 0; k < 2; k++) EXPECT(ncclCommAbort(x->comms[k]) == ncclSuccess, "ncclCommAbort of communicator %d", k);
+  x->aborted = 1;
+  return NULL;
+}
+
+/* Rank 0 all-reduces on communicator A then B, rank 1 on B then A: each waits in its first call
+ * for the other, for ever (host memory: the calls block). Each must say at WARN that the other
+ * has not issued the call and what it is in instead: the other communicator's all-reduce. The
+ * harness sets flag "release-P" once process P has said so, and with both set a second thread
+ * of each process aborts both communicators, which ends the blocked calls. */
+static void part_crossed(void) {
+  test_deadline(50);
+  if (g_env.nprocs != 2 || g_env.local != 1) {
+    fprintf(stderr, "crossed: run as 2 processes of 1 rank\n");
+    exit(2);
+  }
+  crossed_t x = {{NULL, NULL}, 0};
+  test_step("init");
+  make_comms("", &x.comms[0]);
+  make_comms("b", &x.comms[1]);
+  pthread_t th;
+  if (pthread_create(&th, NULL, crossed_releaser, &x) != 0) exit(2);
+  const int first = g_env.proc;
+  test_step("the first all-reduce, which the other rank calls second");
+  int32_t send = 1, recv = 0;
+  tlog("all-reduce on communicator %c first", 'A' + first);
+  ncclResult_t r = ncclAllReduce(&send, &recv, 1, ncclInt32, ncclSum, x.comms[first], TEST_STREAM);
+  tlog("the first all-reduce -> %s: %s", result_name(r), last_error(NULL));
+  EXPECT(r != ncclSuccess, "the first all-reduce completed, though the other rank was in another call");
+  pthread_join(th, NULL);
+  EXPECT(x.aborted, "the communicators were never released");
+}
+
 /* ---- mismatch: rank 0 and rank 1 make different calls ----------------------------------- */
 
 static void part_mismatch(void) {
@@ -620,8 +665,10 @@ int main(int argc, char** argv) {
     part_closed_early();
   } else if (!strcmp(part, "stopped")) {
     part_stopped();
+  } else if (!strcmp(part, "crossed")) {
+    part_crossed();
   } else {
-    fprintf(stderr, "usage: faults --only loop|abort|abort-init|mismatch|hello|gone-early|closed-early|stopped\n");
+    fprintf(stderr, "usage: faults --only loop|abort|abort-init|mismatch|hello|gone-early|closed-early|stopped|crossed\n");
     return 2;
   }
   return test_finish();

@@ -221,6 +221,30 @@ fn a_stopped_peer_process_is_named() {
     }
 }
 
+/// Two ranks that call two communicators in different orders wait for each other for ever:
+/// each must say at WARN that the other has not issued its call and name the call the other's
+/// process is in instead (the other communicator's all-reduce, with its id). Before: only
+/// "which has not issued that call". Then both abort.
+#[test]
+fn ranks_calling_communicators_in_different_orders_are_told_so() {
+    let mut job = Job::new("faults").procs(2).arg("--only").arg("crossed").env("NCCL_DEBUG", "WARN").timeout_s(50);
+    for p in 0..2 {
+        let release = job.dir().join(format!("unique-id.flag-release-{p}"));
+        job = job.on(When::marker(p, "its process is in AllReduce"), move || {
+            std::fs::write(&release, b"go").map_or_else(|e| format!("release: {e}"), |_| format!("released {p}"))
+        });
+    }
+    let o = job.run_outcome();
+    let named = |p: usize, other: usize| {
+        o.procs[p].log.lines().any(|l| {
+            l.contains("NCCL WARN") && l.contains(&format!("for rank {other} ")) && l.contains("its process is in AllReduce #0")
+                && l.contains(&format!("as rank {other} of 2")) && l.contains("different orders")
+        })
+    };
+    let ok = o.ok() && named(0, 1) && named(1, 0);
+    judge("ranks_calling_communicators_in_different_orders_are_told_so", &o, ok, String::new());
+}
+
 // ---- ncclCommAbort from another thread ------------------------------------------------
 
 /// Rank 0 blocks in an allreduce rank 1 never joins; a second thread aborts after 1 s; the

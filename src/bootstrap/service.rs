@@ -35,12 +35,15 @@ struct Inbox {
 /// What a rank is doing now, as opaque bytes its communicator keeps up to date.
 pub type Status = Arc<Mutex<Vec<u8>>>;
 
+/// Answers a status request (the communicator's bytes, or more it adds when asked).
+pub type StatusAnswer = Box<dyn Fn() -> Vec<u8> + Send + Sync>;
+
 /// Takes an incoming one-sided-operations connection: (from rank, the stream).
 pub type RmaHandler = Box<dyn Fn(u32, TcpStream) + Send + Sync>;
 
 struct Shared {
     magic: u64,
-    status: std::sync::OnceLock<Status>,
+    status: std::sync::OnceLock<StatusAnswer>,
     rma: std::sync::OnceLock<RmaHandler>,
     /// One-sided connections that came before the handler was set (a peer may finish init
     /// and put before this rank has finished its own).
@@ -146,9 +149,9 @@ impl Service {
         }
     }
 
-    /// Where this service reads the answer to status requests.
-    pub fn set_status(&self, status: Status) {
-        let _ = self.shared.status.set(status);
+    /// What answers status requests (set once).
+    pub fn set_status(&self, answer: StatusAnswer) {
+        let _ = self.shared.status.set(answer);
     }
 
     /// Who takes incoming one-sided-operations connections (set once, when the communicator is
@@ -322,7 +325,7 @@ fn file_connection(mut s: TcpStream, shared: &Shared) {
         return;
     }
     if kind == KIND_STATUS {
-        let now = shared.status.get().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).unwrap_or_default();
+        let now = shared.status.get().map(|answer| answer()).unwrap_or_default();
         let _ = write_frame(&mut s, &now);
         return;
     }

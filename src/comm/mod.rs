@@ -2,6 +2,7 @@
 //! error, the PreMulSum operators it owns, and — once init has completed — its bootstrap
 //! service and its connections to peers.
 
+mod elsewhere;
 pub mod handle;
 
 use std::collections::HashMap;
@@ -35,7 +36,6 @@ impl Ready {
     pub fn new(peers: Vec<PeerInfo>, service: Service, slice: usize) -> Ready {
         let n = peers.len();
         let running = crate::bootstrap::service::Status::default();
-        service.set_status(running.clone());
         let first = peers.first().and_then(|p| p.links.algo);
         let algo = if peers.iter().all(|p| p.links.algo == first) {
             first
@@ -77,7 +77,7 @@ impl Ready {
 }
 
 /// What a peer this rank waits on is doing (see [`Comm::peer_runs`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PeerRuns {
     Same,
     Nothing,
@@ -87,6 +87,8 @@ pub enum PeerRuns {
     Stream(Stamp),
     /// Its communicator is suspended (ncclCommSuspend): it cannot issue the call until resumed.
     Suspended,
+    /// It runs nothing on this communicator, and its process is in these calls on others.
+    Elsewhere(String),
     /// No answer, again, after [`SILENT_AFTER`] of none: said once per silence (then `Unknown`
     /// again), with what its process is doing where that can be seen.
     Silent(Silence),
@@ -145,6 +147,9 @@ impl PeerRuns {
                 "which has not got to that launch of its CUDA graph (it has not launched the graph, or its stream has \
                  not reached the launch)".to_string()),
             PeerRuns::Nothing => Some("which has not issued that call".to_string()),
+            PeerRuns::Elsewhere(calls) => Some(format!(
+                "which has not issued that call: its process is in {calls} (ranks that call communicators in different \
+                 orders wait for each other)")),
             PeerRuns::Suspended => Some("which has not issued that call: its communicator is suspended (ncclCommSuspend \
                                          without ncclCommResume)".to_string()),
             PeerRuns::Stream(theirs) => Some(format!(
@@ -168,6 +173,22 @@ const STATUS_RUNNING: u8 = 0;
 const STATUS_FAILED: u8 = 1;
 const STATUS_STREAM: u8 = 2;
 const STATUS_SUSPENDED: u8 = 3;
+/// Running nothing on this communicator; then, in words, what the process's others run.
+const STATUS_ELSEWHERE: u8 = 4;
+
+/// What another rank's status request is answered: the status, or, where this communicator
+/// runs nothing, what this process's other communicators run, if anything.
+fn status_answer(running: &crate::bootstrap::service::Status, serial: u64) -> Vec<u8> {
+    let bytes = running.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if bytes.len() <= 1 && bytes.first().is_none_or(|&t| t == STATUS_RUNNING) {
+        if let Some(text) = elsewhere::running_except(serial) {
+            let mut answer = vec![STATUS_ELSEWHERE];
+            answer.extend_from_slice(text.as_bytes());
+            return answer;
+        }
+    }
+    bytes
+}
 
 /// `tag` and `stamps` as the status, unless it says the rank failed: that stays, for peers
 /// that ask why its connections closed (another thread may have failed it meanwhile).
@@ -285,6 +306,9 @@ impl Comm {
     /// Init finished: the communicator can run operations.
     pub fn set_ready(&self, ready: Ready) {
         ready.service.set_rma_handler(self.rma.handler());
+        let (running, serial) = (ready.running.clone(), self.serial);
+        ready.service.set_status(Box::new(move || status_answer(&running, serial)));
+        elsewhere::enlist(self.serial, self.hash, self.rank, self.nranks, &ready.running);
         let _ = self.ready.set(ready);
         self.async_code.store(Code::Success as i32, Ordering::Release);
     }
@@ -485,6 +509,7 @@ impl Comm {
                 return Ok(theirs.and_then(|t| t.try_into().ok()).map_or(PeerRuns::Unknown, PeerRuns::Stream));
             }
             Some((&STATUS_SUSPENDED, _)) => return Ok(PeerRuns::Suspended),
+            Some((&STATUS_ELSEWHERE, rest)) => return Ok(PeerRuns::Elsewhere(String::from_utf8_lossy(rest).into_owned())),
             Some((&STATUS_RUNNING, _)) | None => {}
             Some(_) => return Ok(PeerRuns::Unknown),
         }
@@ -583,6 +608,27 @@ pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<(RedOp, Option<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_communicator_running_nothing_says_what_the_others_run() {
+        let (idle, busy) = (crate::bootstrap::service::Status::default(), crate::bootstrap::service::Status::default());
+        let (idle_serial, busy_serial) = (u64::MAX - 1, u64::MAX - 2);
+        elsewhere::enlist(idle_serial, 0x1111, 0, 2, &idle);
+        elsewhere::enlist(busy_serial, 0x2222, 1, 3, &busy);
+        let stamp = [0u8; STAMP_BYTES];
+        set_status(&mut busy.lock().unwrap(), STATUS_RUNNING, [stamp].into_iter());
+        set_status(&mut idle.lock().unwrap(), STATUS_RUNNING, std::iter::empty());
+        let answer = status_answer(&idle, idle_serial);
+        let text = String::from_utf8_lossy(&answer[1..]).into_owned();
+        assert_eq!(answer[0], STATUS_ELSEWHERE, "{text}");
+        assert!(text.contains("on communicator 0x2222 as rank 1 of 3"), "{text}");
+        assert!(!text.contains("0x1111"), "{text}");
+        // A communicator that runs something answers with that, whatever the others run.
+        assert_eq!(status_answer(&busy, busy_serial)[0], STATUS_RUNNING);
+        drop(busy);
+        let after = status_answer(&idle, idle_serial);
+        assert!(!String::from_utf8_lossy(&after).contains("0x2222"), "a gone communicator is not named");
+    }
 
     #[test]
     fn a_failed_status_stays() {
