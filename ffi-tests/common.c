@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -119,6 +120,46 @@ static void on_crash(int sig) {
   raise(sig);
 }
 
+/* NCCL_TEST_SIGNAL_STORM_US=N: SIGUSR2 to the process every N µs, from a thread of its own
+ * (which blocks it), to a handler installed without SA_RESTART, as Python installs its handlers
+ * (and as a profiler's signals come): any other thread of the process, the library's included,
+ * may take it, and a blocking system call of that thread then fails with EINTR. The library
+ * must carry on. */
+static int env_int(const char* name, int dflt);
+static void on_storm_signal(int sig) { (void)sig; }
+
+static void* signal_storm(void* arg) {
+  const long us = (long)(intptr_t)arg;
+  struct timespec every = {us / 1000000, (us % 1000000) * 1000};
+  for (;;) {
+    nanosleep(&every, NULL);
+    kill(getpid(), SIGUSR2);
+  }
+  return NULL;
+}
+
+static void start_signal_storm(void) {
+  int us = env_int("NCCL_TEST_SIGNAL_STORM_US", 0);
+  if (us <= 0) return;
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_storm_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = 0; /* no SA_RESTART */
+  sigset_t usr2, old;
+  sigemptyset(&usr2);
+  sigaddset(&usr2, SIGUSR2);
+  pthread_t th;
+  /* The storm's thread starts with SIGUSR2 blocked (it inherits this mask), the others not. */
+  if (sigaction(SIGUSR2, &sa, NULL) != 0 || pthread_sigmask(SIG_BLOCK, &usr2, &old) != 0 ||
+      pthread_create(&th, NULL, signal_storm, (void*)(intptr_t)us) != 0 || pthread_sigmask(SIG_SETMASK, &old, NULL) != 0) {
+    fprintf(stderr, "signal storm: %s\n", strerror(errno));
+    exit(2);
+  }
+  pthread_detach(th);
+  tlog("signal storm: SIGUSR2 every %d us, handler without SA_RESTART", us);
+}
+
 static void install_crash_handlers(void) {
   snprintf(g_crash_prefix, sizeof g_crash_prefix, "[proc %d] CRASH: ", g_env.proc);
   int sigs[] = {SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL, SIGALRM};
@@ -154,6 +195,7 @@ void test_init(int argc, char** argv) {
   g_env.nranks = g_env.nprocs * g_env.local;
   g_env.first_rank = g_env.proc * g_env.local;
   install_crash_handlers();
+  start_signal_storm();
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) {
       g_env.quick = 1;

@@ -11,6 +11,8 @@
  *                      process owns ranks PROC*LOCAL .. PROC*LOCAL+LOCAL-1
  *   NCCL_TEST_ID_FILE  path through which process 0 hands out unique ids (needed when
  *                      NPROCS > 1 unless NCCL_COMM_ID is set)
+ *   NCCL_TEST_SIGNAL_STORM_US  if set, SIGUSR2 every N µs to a handler without SA_RESTART
+ *                      (system calls of any thread may fail with EINTR)
  *   NCCL_COMM_ID       if set, every process calls ncclGetUniqueId itself (NCCL then gives
  *                      every rank the same id and rank 0 hosts the bootstrap root)
  */

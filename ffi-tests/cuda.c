@@ -3834,7 +3834,10 @@ static void host_blind(void) {
     _exit(*p == 0x5a ? 3 : 4); /* reached only if the host could read it */
   }
   int status = 0;
-  EXPECT(pid > 0 && waitpid(pid, &status, 0) == pid, "fork or waitpid failed: %s", strerror(errno));
+  pid_t waited;
+  do waited = pid > 0 ? waitpid(pid, &status, 0) : -1;
+  while (waited < 0 && errno == EINTR); /* (a signal storm: NCCL_TEST_SIGNAL_STORM_US) */
+  EXPECT(pid > 0 && waited == pid, "fork or waitpid failed: %s", strerror(errno));
   EXPECT(WIFSIGNALED(status) && (WTERMSIG(status) == SIGSEGV || WTERMSIG(status) == SIGBUS),
          "the host read device memory (%s) without a fault: status %#x", g_vmm.on ? "cuMemMap" : "cuMemAlloc", status);
   dev_free(d);

@@ -45,6 +45,17 @@ fn cuda_mode_4_processes() {
     cuda_job().procs(4).arg("--quick").run();
 }
 
+/// CUDA mode under a storm of signals to handlers without SA_RESTART (see
+/// `ffi::calls_go_on_through_a_storm_of_signals`): the stream worker's and the library's other
+/// threads take them too; every part (--quick) completes, exact, on 2 processes and on 2 ranks
+/// of one process, direct and staged (NCCL_P2P_DISABLE).
+#[test]
+fn cuda_mode_through_a_storm_of_signals() {
+    for job in [cuda_job().procs(2), cuda_job().local(2), cuda_job().procs(2).env("NCCL_P2P_DISABLE", "1")] {
+        job.arg("--quick").env("NCCL_TEST_SIGNAL_STORM_US", "200").run();
+    }
+}
+
 /// Every line of a rank's shows that rank in `[...]`, whichever of its threads wrote it (the
 /// stream worker's, too): the log lines that do not.
 fn lines_showing_another_rank(log: &str) -> Vec<&str> {

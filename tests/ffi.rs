@@ -91,6 +91,24 @@ fn collectives_random_call_sequences_match_a_host_model() {
     }
 }
 
+/// Programs whose signal handlers are installed without SA_RESTART, as Python installs them
+/// (or a sampling profiler's): any thread of the process may take a signal, the library's
+/// included, and its blocking system call then fails with EINTR. Under SIGUSR2 every 200 µs
+/// (common.c, NCCL_TEST_SIGNAL_STORM_US), init, split and every collective
+/// (--quick), the random call sequences with one-sided puts and waits, point-to-point, and a
+/// 2x2 job over sockets complete, exact. Before: init failed in the wait for the root's answer
+/// ("lost the connection to the root: Interrupted system call"), after a WARN that the root
+/// had said nothing in 15 s.
+#[test]
+fn calls_go_on_through_a_storm_of_signals() {
+    let storm = |job: Job| job.env("NCCL_TEST_SIGNAL_STORM_US", "200");
+    storm(Job::new("collectives").procs(3).arg("--quick")).run();
+    storm(Job::new("collectives").procs(3).arg("--only").arg("Soak").env("NCCL_TEST_SOAK_STEPS", "60")).run();
+    storm(Job::new("collectives").procs(2).local(2).arg("--quick").env("NCCL_SHM_DISABLE", "1")).run();
+    storm(Job::new("p2p").procs(3)).run();
+    storm(Job::new("comms").procs(2).local(2)).run();
+}
+
 /// Part Nonblocking (ffi-tests/collectives.c): on a nonblocking communicator a collective on
 /// host buffers returns ncclInProgress at once while a peer has yet to join, completes in the
 /// background (ncclCommGetAsyncError: in progress, then success, exact), and ncclCommAbort

@@ -49,7 +49,9 @@ pub fn wait_readable(s: &mut TcpStream, deadline: std::time::Instant, abort: &st
             .map_err(|e| Error::os("bootstrap: set timeout", e))?;
         match s.peek(&mut [0u8; 1]) {
             Ok(_) => return Ok(()),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            // (Interrupted: a signal came to this thread; the program's handler has run.)
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                | std::io::ErrorKind::Interrupted) => {}
             Err(e) => return Err(Error::os("bootstrap: receive", e)),
         }
     }
