@@ -289,6 +289,9 @@ static void bad_init(void) {
   cfg = (ncclConfig_t)NCCL_CONFIG_INITIALIZER;
   TRY(E_IA, ncclCommInitAll, NULL, 1, NULL);
   TRY(E_IA, ncclCommInitAll, comms, -1, NULL);
+  /* A count past any machine's GPUs (before: 2^30 communicators were made, and the process
+   * was killed for memory). */
+  TRY(E_IA, ncclCommInitAll, comms, 1 << 30, NULL);
   TRY(E_IA, ncclCommInitAll, comms, 2, (const int[]){0, -1});
   TRY(E_IA, ncclCommInitRankScalable, NULL, 1, 0, 1, &id, NULL);
   TRY(E_IA, ncclCommInitRankScalable, &newcomm, 1, 0, 0, &id, NULL);

@@ -83,6 +83,11 @@ export! {
     fn ncclCommInitAll(comm: *mut ncclComm_t, ndev: c_int, devlist: *const c_int) {
         ensure!(!comm.is_null(), Error::invalid_arg("comm is NULL"));
         ensure!(ndev > 0, Error::invalid_arg(format!("ndev {ndev} must be at least 1")));
+        // Every rank is a communicator of this process with a thread of its own: a number far
+        // past any machine's GPUs (a bad count, or an uninitialised variable) would exhaust
+        // memory and threads instead of failing.
+        ensure!(ndev <= init::MAX_INIT_ALL, Error::invalid_arg(format!(
+            "ndev {ndev} is more ranks than ncclCommInitAll makes in one process (at most {})", init::MAX_INIT_ALL)));
         let devs: Option<Vec<c_int>> = (!devlist.is_null()).then(|| {
             // SAFETY: devlist holds ndev ints by the API contract (ndev > 0 checked).
             unsafe { std::slice::from_raw_parts(devlist, ndev as usize) }.to_vec()

@@ -67,6 +67,9 @@ pub fn init_rank_scalable(nranks: i32, rank: i32, ids: &[[u8; 128]], config: Con
     init_rank(nranks, first, rank, config)
 }
 
+/// The most ranks `ncclCommInitAll` makes (NCCL's are bounded by the GPUs of one machine).
+pub const MAX_INIT_ALL: i32 = 4096;
+
 /// `ncclCommInitAll`: every rank in this process, initialised together; rank i on `devlist[i]`,
 /// or on device i without a list. A list's devices must exist, as NCCL checks (in CUDA mode: a
 /// device of the driver's; in host mode devices are only numbers, but not negative ones).
