@@ -207,10 +207,8 @@ fn a_stopped_peer_process_is_named() {
         let o = job
             .on(When::marker(0, "its process is stopped"), move || {
                 let pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
-                let sent = pid.trim().parse::<i32>().ok().filter(|&p| p > 0)
-                    // SAFETY: a signal to the job's own child process, by its pid.
-                    .map(|p| unsafe { libc::kill(p, libc::SIGCONT) } == 0);
-                format!("SIGCONT to pid {} (sent: {sent:?})", pid.trim())
+                let sent = std::process::Command::new("kill").args(["-CONT", pid.trim()]).status();
+                format!("SIGCONT to pid {} ({sent:?})", pid.trim())
             })
             .run_outcome();
         let named = o.procs[0].log.lines().any(|l| {
