@@ -646,30 +646,26 @@ static void part_hello(void) {
   destroy_comms(comms);
 }
 
+static const struct {
+  const char* name;
+  void (*run)(void);
+} PARTS[] = {
+    {"loop", part_loop},         {"abort", part_abort},           {"abort-init", part_abort_init},
+    {"mismatch", part_mismatch}, {"hello", part_hello},           {"gone-early", part_gone_early},
+    {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
+};
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   const char* part = g_env.only ? g_env.only : "";
-  if (!strcmp(part, "loop")) {
-    part_loop();
-  } else if (!strcmp(part, "abort")) {
-    part_abort();
-  } else if (!strcmp(part, "abort-init")) {
-    part_abort_init();
-  } else if (!strcmp(part, "mismatch")) {
-    part_mismatch();
-  } else if (!strcmp(part, "hello")) {
-    part_hello();
-  } else if (!strcmp(part, "gone-early")) {
-    part_gone_early();
-  } else if (!strcmp(part, "closed-early")) {
-    part_closed_early();
-  } else if (!strcmp(part, "stopped")) {
-    part_stopped();
-  } else if (!strcmp(part, "crossed")) {
-    part_crossed();
-  } else {
-    fprintf(stderr, "usage: faults --only loop|abort|abort-init|mismatch|hello|gone-early|closed-early|stopped|crossed\n");
+  size_t k = 0;
+  while (k < sizeof PARTS / sizeof PARTS[0] && strcmp(part, PARTS[k].name)) k++;
+  if (k == sizeof PARTS / sizeof PARTS[0]) {
+    fprintf(stderr, "usage: faults --only");
+    for (k = 0; k < sizeof PARTS / sizeof PARTS[0]; k++) fprintf(stderr, "%s%s", k ? "|" : " ", PARTS[k].name);
+    fprintf(stderr, "\n");
     return 2;
   }
+  PARTS[k].run();
   return test_finish();
 }
