@@ -181,15 +181,20 @@ fn rank_gone_before_its_first_connection_is_named() {
 /// there).
 #[test]
 fn rank_that_destroyed_its_communicator_before_connecting_is_named() {
-    let cases = [(2, 1, false, "recv"), (2, 1, true, "recv"), (1, 2, false, "recv"), (2, 1, false, "signal"), (1, 2, false, "signal")];
-    for (procs, local, socket, case) in cases {
+    // (hosts: the two processes say they are on two hosts, NCCL_HOSTID: a peer of another host
+    // is found closed by its host refusing the connection, not after NCCL_PEER_TIMEOUT_S, 30 s.)
+    let cases = [(2, 1, "shm", "recv"), (2, 1, "sockets", "recv"), (1, 2, "", "recv"), (2, 1, "shm", "signal"),
+                 (1, 2, "", "signal"), (2, 1, "hosts", "recv"), (2, 1, "hosts", "signal")];
+    for (procs, local, link, case) in cases {
         let mut job = Job::new("faults").procs(procs).local(local).arg("--only").arg("closed-early")
             .env("FAULTS_CASE", case).env("NCCL_SOCKET_IFNAME", "lo").timeout_s(45);
-        if socket {
-            job = job.env("NCCL_SHM_DISABLE", "1");
+        match link {
+            "sockets" => job = job.env("NCCL_SHM_DISABLE", "1"),
+            "hosts" => job = job.proc_env(0, "NCCL_HOSTID", "host-a").proc_env(1, "NCCL_HOSTID", "host-b"),
+            _ => {}
         }
         let o = job.run_outcome();
-        judge(&format!("rank_that_destroyed_its_communicator_before_connecting_is_named ({procs}x{local}, socket {socket}, {case})"),
+        judge(&format!("rank_that_destroyed_its_communicator_before_connecting_is_named ({procs}x{local}, {link}, {case})"),
               &o, o.ok(), String::new());
     }
 }

@@ -35,6 +35,14 @@ struct Inbox {
 /// What a rank is doing now, as opaque bytes its communicator keeps up to date.
 pub type Status = Arc<Mutex<Vec<u8>>>;
 
+/// Whether a peer's service takes a connection ([`Service::reach`]), and why not.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reach {
+    Answers,
+    Refuses(String),
+    Silent(String),
+}
+
 /// Answers a status request (the communicator's bytes, or more it adds when asked).
 pub type StatusAnswer = Box<dyn Fn() -> Vec<u8> + Send + Sync>;
 
@@ -118,33 +126,25 @@ impl Service {
         Ok(s)
     }
 
-    /// Is `peer`'s process still there? (Its service accepts a connection within `timeout`.)
-    pub fn ping(&self, peer: usize, timeout: Duration) -> Result<()> {
-        let addr = self.peer_addr(peer)?;
-        let mut s = crate::transport::socket::dial(&addr, timeout)
-            .map_err(|e| Error::remote(format!("rank {peer} at {addr} does not answer: {e}")))?;
-        let mut w = Writer::default();
-        w.u64(self.shared.magic).u8(KIND_PING).u32(self.rank()).u32(0).bytes(&[]);
-        let _ = write_frame(&mut s, &w.buf);
-        Ok(())
-    }
-
-    /// Does `peer`'s service refuse connections (nothing listens at its address)? It runs as
-    /// long as the peer's communicator, so a peer that answered before has destroyed or
-    /// aborted that communicator, or its process ended. Only a refusal counts: a connection
-    /// that is slow to come (a loaded host, a network in trouble) says nothing.
-    pub fn refuses(&self, peer: usize, timeout: Duration) -> Option<String> {
-        let addr = self.peer_addr(peer).ok()?;
+    /// Does `peer`'s service take a connection within `timeout`? It runs as long as the peer's
+    /// communicator: a refusal (nothing listens at its address: its host said so) means the
+    /// peer destroyed or aborted that communicator, or its process ended; silence may be a
+    /// loaded host or a network in trouble, and says nothing yet.
+    pub fn reach(&self, peer: usize, timeout: Duration) -> Reach {
+        let addr = match self.peer_addr(peer) {
+            Ok(a) => a,
+            Err(e) => return Reach::Silent(e.msg),
+        };
         match crate::transport::socket::dial(&addr, timeout) {
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                Some(format!("its bootstrap service at {addr} refuses connections"))
+                Reach::Refuses(format!("its bootstrap service at {addr} refuses connections"))
             }
-            Err(_) => None,
+            Err(e) => Reach::Silent(format!("rank {peer} at {addr} does not answer: {e}")),
             Ok(mut s) => {
                 let mut w = Writer::default();
                 w.u64(self.shared.magic).u8(KIND_PING).u32(self.rank()).u32(0).bytes(&[]);
                 let _ = write_frame(&mut s, &w.buf);
-                None
+                Reach::Answers
             }
         }
     }

@@ -459,18 +459,26 @@ impl Comm {
     }
 
     /// Is `peer` gone, and why: a peer of this host whose process exited (certain), or one of
-    /// another host whose bootstrap service does not answer within 1 s (certain only once it
-    /// has gone on for a while: the bool says which).
+    /// another host whose bootstrap service refuses connections (certain) or does not answer
+    /// within 1 s (certain only once it has gone on for a while: the bool says which).
     pub fn peer_gone(&self, peer: usize) -> Option<(String, bool)> {
         let ready = self.ready.get()?;
         Self::gone(ready, ready.peers.get(self.rank)?, ready.peers.get(peer)?)
     }
 
     fn gone(ready: &Ready, me: &crate::bootstrap::PeerInfo, p: &crate::bootstrap::PeerInfo) -> Option<(String, bool)> {
+        use crate::bootstrap::service::Reach;
         if p.same_host(me) {
             (!crate::transport::ring::pid_alive(p.pid)).then(|| ("its process exited".to_string(), true))
         } else {
-            ready.service.ping(p.rank, std::time::Duration::from_secs(1)).err().map(|e| (e.msg, false))
+            // Its host refusing the connection is as certain as an exited process here: its
+            // communicator, and the service that lives as long, are gone.
+            match ready.service.reach(p.rank, std::time::Duration::from_secs(1)) {
+                Reach::Answers => None,
+                Reach::Refuses(why) => Some((format!("{why}: it destroyed or aborted its communicator, or its process \
+                                                      ended"), true)),
+                Reach::Silent(why) => Some((why, false)),
+            }
         }
     }
 
@@ -478,8 +486,10 @@ impl Comm {
     /// Then it will never connect or send again. For waits on a peer that has no connection to
     /// carry that news (one it had is closed by it and says so itself, after what came on it).
     pub fn peer_closed(&self, peer: usize) -> Option<String> {
-        let ready = self.ready.get()?;
-        ready.service.refuses(peer, std::time::Duration::from_secs(1))
+        match self.ready.get()?.service.reach(peer, std::time::Duration::from_secs(1)) {
+            crate::bootstrap::service::Reach::Refuses(why) => Some(why),
+            _ => None,
+        }
     }
 
     /// Ask `peer` what it is running, when this rank has waited on it for `mine` for a while.
