@@ -194,6 +194,9 @@ pub fn configure() {
         Err(p) => *p.into_inner() = format,
     }
     epoch();
+    if level > Level::None {
+        HOST.get_or_init(hostname);
+    }
     LEVEL.store(level as u8, Ordering::Relaxed);
     MASK.store(mask, Ordering::Relaxed);
     INITIALISED.store(true, Ordering::Release);
@@ -239,8 +242,12 @@ fn tid() -> u64 {
     })
 }
 
+/// This host's name for line prefixes, read once: when logging is configured on (it reads a
+/// file, which may fail later, when the process has run out of descriptors), else at the
+/// first line.
+static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 fn prefix() -> String {
-    static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let host = HOST.get_or_init(hostname);
     let rank = RANK.with(|r| r.get()).max(0);
     format!("{}:{}:{} [{}]", host, std::process::id(), tid(), rank)
