@@ -579,10 +579,9 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
             if !lost.is_empty() || failed_peer.is_none() || std::time::Instant::now() >= settle {
                 break;
             }
-            // Its bootstrap service refuses: it destroyed or aborted its communicator (as the
-            // transport's message says), with no failure of its own to tell; or its process is
-            // ending, then found gone above in the next turns.
-            if failed_peer.and_then(|p| c.peer_closed(p)).is_some() && c.lost_peers().is_empty() {
+            // Its bootstrap service refuses (and no peer is gone): it destroyed or aborted its
+            // communicator, as the transport's message says, with no failure of its own to tell.
+            if failed_peer.and_then(|p| c.peer_closed(p)).is_some() {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
