@@ -148,8 +148,10 @@ impl PeerRuns {
                  not reached the launch)".to_string()),
             PeerRuns::Nothing => Some("which has not issued that call".to_string()),
             PeerRuns::Elsewhere(calls) => Some(format!(
-                "which has not issued that call: its process is in {calls} (ranks that call communicators in different \
-                 orders wait for each other)")),
+                "which {}: its process is in {calls} (ranks that call communicators in different orders wait for each \
+                 other)",
+                if crate::plan::ops::launched_by_graph(mine) { "has not got to that launch of its CUDA graph" }
+                else { "has not issued that call" })),
             PeerRuns::Suspended => Some("which has not issued that call: its communicator is suspended (ncclCommSuspend \
                                          without ncclCommResume)".to_string()),
             PeerRuns::Stream(theirs) => Some(format!(
@@ -638,6 +640,20 @@ mod tests {
         drop(busy);
         let after = status_answer(&idle, idle_serial);
         assert!(!String::from_utf8_lossy(&after).contains("0x2222"), "a gone communicator is not named");
+    }
+
+    #[test]
+    fn a_peer_elsewhere_is_described_for_calls_and_graph_launches() {
+        let elsewhere = PeerRuns::Elsewhere("AllReduce #0 on communicator 0x1 as rank 1 of 2".to_string());
+        let call = [0u8; STAMP_BYTES];
+        let mut launch = call;
+        launch[16..24].copy_from_slice(&crate::plan::ops::REPLAY_BIT.to_le_bytes());
+        assert!(crate::plan::ops::launched_by_graph(&launch));
+        let said = |s: &Stamp| elsewhere.why_waiting(s, &|_| String::new()).unwrap_or_default();
+        assert!(said(&call).starts_with("which has not issued that call: its process is in AllReduce #0"), "{}", said(&call));
+        assert!(said(&launch).starts_with("which has not got to that launch of its CUDA graph: its process is in"),
+                "{}", said(&launch));
+        assert!(elsewhere.answered() && !PeerRuns::Silent(Silence::Busy).answered());
     }
 
     #[test]

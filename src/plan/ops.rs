@@ -159,7 +159,7 @@ const KINDS: [OpKind; 8] = [OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce
 /// Marks the sequence numbers of operations a CUDA graph runs: the top bit, then the launch
 /// (24 bits), then the number the operation got when it was captured (39 bits). Every rank
 /// that captured the same operations and launches its graphs alike computes the same.
-const REPLAY_BIT: u64 = 1 << 63;
+pub(crate) const REPLAY_BIT: u64 = 1 << 63;
 const REPLAY_SEQ_BITS: u32 = 39;
 
 /// The sequence number of launch `launch` (counted from 0) of a captured operation numbered
