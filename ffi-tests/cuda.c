@@ -613,6 +613,9 @@ static void host_wait_nonblocking(void) {
     EXPECT(g_env.first_rank + l == last || state == ncclInProgress, "rank %d: state %s, the last rank away",
            g_env.first_rank + l, result_name(state));
   }
+  /* Every rank has looked before any aborts: the last rank's abort ends the others' wait (with
+   * ncclRemoteError, at once), which would race the look above. */
+  EXPECT(allreduce_sum_int(g_comms, 1) == n, "the barrier after the look");
   for (int l = 0; l < g_env.local; l++) {
     CHECK(ncclCommAbort(nb[l]));
     CU(cu.StreamSynchronize(g_streams[l]));
