@@ -752,9 +752,10 @@ fn hopeless(comm: &Comm, st: &State, missing: &[Missing]) -> Option<Error> {
                                comm.describe_peer(from as usize), describe_missing(st, m))))
 }
 
-/// Is a sender this wait needs gone? Same-host peers whose process exited are; peers of other
-/// hosts whose bootstrap service has not answered for NCCL_PEER_TIMEOUT_S (since when: in
-/// `unreachable`), as for a first connection; so are peers whose process goes on without the
+/// Is a sender this wait needs gone? As for a first connection ([`Comm::peer_gone`]): peers
+/// of this host whose process exited, and peers of other hosts whose host refuses their
+/// bootstrap port, at once; peers of other hosts that do not answer, after NCCL_PEER_TIMEOUT_S
+/// (since when: in `unreachable`). So are peers of this host whose process goes on without the
 /// communicator (destroyed or aborted), found so on two probes (a connection of theirs that
 /// ended says so first, with what came on it). `peers`: (rank, what came from it).
 fn gone_sender(comm: &Comm, peers: Vec<(u32, String)>, unreachable: &mut HashMap<u32, Instant>) -> Option<Error> {
