@@ -368,6 +368,57 @@ static void step_watchdog(ncclComm_t* comms) {
          result_name(w.bad_r), result_name(w.bad_state));
 }
 
+/* NCCL's communicators are not thread-safe: one thread at a time. A second thread's call on a
+ * communicator that the first holds in its open group is refused (ncclInvalidUsage, saying
+ * so), and the group then runs as issued; once it has closed, another thread may take the
+ * communicators over. */
+typedef struct {
+  ncclComm_t* comms;
+  ncclResult_t r;
+  char msg[512];
+} intruder_t;
+
+static void* intruder_main(void* arg) {
+  intruder_t* t = arg;
+  float junk[4] = {0};
+  t->r = ncclAllReduce(junk, junk, 4, ncclFloat32, ncclSum, t->comms[0], TEST_STREAM);
+  snprintf(t->msg, sizeof t->msg, "%s", ncclGetLastError(t->comms[0]));
+  return NULL;
+}
+
+static void* takeover_main(void* arg) {
+  allreduce_check(arg, 0, "allreduce from another thread after the group closed");
+  return NULL;
+}
+
+static void step_threads(ncclComm_t* comms) {
+  if (!begin("threads")) return;
+  ar_bufs_t b;
+  ar_setup(&b, 1000);
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) CHECK(ar_issue(&b, comms[l], l));
+  intruder_t t = {comms, ncclSuccess, ""};
+  pthread_t th;
+  if (pthread_create(&th, NULL, intruder_main, &t) != 0) {
+    EXPECT(0, "pthread_create failed");
+    CHECK(ncclGroupEnd());
+    return;
+  }
+  test_deadline(30); /* (an intruder let in waits for peers that never make its call) */
+  pthread_join(th, NULL);
+  test_deadline(0);
+  EXPECT(t.r == ncclInvalidUsage, "a second thread's call on a communicator held in an open group -> %s",
+         result_name(t.r));
+  EXPECT(strstr(t.msg, "one thread at a time") != NULL, "the refusal does not say why: %s", t.msg);
+  CHECK(ncclGroupEnd());
+  ar_verify_free(&b, "the group of the thread that held the communicators");
+  if (pthread_create(&th, NULL, takeover_main, comms) != 0) {
+    EXPECT(0, "pthread_create failed");
+    return;
+  }
+  pthread_join(th, NULL);
+}
+
 static void step_nested_groups(ncclComm_t* comms) {
   if (!begin("nested-groups")) return;
   ar_bufs_t b;
@@ -661,6 +712,12 @@ static void step_finalize(void) {
   test_deadline(30);
   ncclResult_t r = ncclCommFinalize(comms[0]);
   EXPECT(r == ncclInvalidArgument, "second ncclCommFinalize -> %s (NCCL: ncclInvalidArgument)", result_name(r));
+  /* Only ncclCommDestroy may follow: an operation is refused, saying so. */
+  float junk[4] = {0};
+  r = ncclAllReduce(junk, junk, 4, ncclFloat32, ncclSum, comms[0], TEST_STREAM);
+  EXPECT(r == ncclInvalidUsage, "ncclAllReduce after ncclCommFinalize -> %s", result_name(r));
+  EXPECT(strstr(ncclGetLastError(comms[0]), "finalized") != NULL, "the refusal does not say why: %s",
+         ncclGetLastError(comms[0]));
   test_deadline(0);
   for (int l = 0; l < g_env.local; l++) CHECK(ncclCommDestroy(comms[l]));
 }
@@ -757,6 +814,7 @@ int main(int argc, char** argv) {
   make_comms("", comms);
   step_queries(comms);
   step_watchdog(comms);
+  step_threads(comms);
   step_nested_groups(comms);
   step_simulate(comms);
   step_group_error(comms);

@@ -228,7 +228,8 @@ pub fn hostname() -> String {
     full.trim().split('.').next().unwrap_or("localhost").to_string()
 }
 
-fn tid() -> u64 {
+/// The calling thread's kernel id (as `gettid`), read once per thread.
+pub(crate) fn tid() -> u64 {
     TID.with(|t| {
         if t.get() == 0 {
             // /proc/thread-self -> "<pid>/task/<tid>": no unsafe needed for gettid().

@@ -42,6 +42,8 @@ struct Group {
     /// One-sided calls (puts, signals, waits), in call order.
     rma: Vec<(Arc<Comm>, crate::api::rma::RmaOp)>,
     error: Option<Error>,
+    /// The communicators this thread holds until the group closes (`Comm::hold`).
+    held: Vec<crate::comm::Held>,
 }
 
 thread_local! {
@@ -342,11 +344,16 @@ pub fn add_rma(comm: Arc<Comm>, op: crate::api::rma::RmaOp) -> Option<(Arc<Comm>
     })
 }
 
-pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, placement: Placement) -> Result<()> {
+/// Record an operation in the open group, or run it now. `held`: the communicator, held by
+/// this thread for the call (outside a group) or until the group closes.
+pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, placement: Placement,
+              held: Option<crate::comm::Held>) -> Result<()> {
+    let mut held = held;
     let queued = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth > 0 {
             g.ops.push(Queued { comm: comm.clone(), op, stream, placement });
+            g.held.extend(held.take());
             true
         } else {
             false

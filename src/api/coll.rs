@@ -138,12 +138,13 @@ fn check_pointers(comm: &Comm, op: &Op) -> Result<()> {
 
 /// Validate and issue one call.
 pub fn enqueue(comm: Arc<Comm>, a: Args) -> Result<()> {
+    let held = comm.hold(a.kind.name())?;
     let (op, placement) = validate(&comm, &a)?;
-    crate::group::add_op(comm, op, a.stream, placement)
+    crate::group::add_op(comm, op, a.stream, placement, held)
 }
 
 fn validate(comm: &Comm, a: &Args) -> Result<(Op, Placement)> {
-    comm.ready()?;
+    comm.ready_for_call()?;
     comm.check_stream(a.stream)?;
     let dt = DataType::from_raw(a.datatype).ok_or_else(|| Error::invalid_arg(format!("invalid datatype {}", a.datatype)))?;
     let n = comm.nranks;

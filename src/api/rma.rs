@@ -557,7 +557,7 @@ pub struct PutArgs {
 
 /// Validate `ncclPutSignal`.
 pub fn put(comm: &Comm, a: &PutArgs) -> Result<RmaOp> {
-    comm.ready()?;
+    comm.ready_for_call()?;
     let dt = DataType::from_raw(a.datatype).ok_or_else(|| Error::invalid_arg(format!("invalid datatype {}", a.datatype)))?;
     let peer = check_peer(comm, a.peer, "peer")?;
     let (ctx, sig) = check_signal(comm, a.ctx, a.sig)?;
@@ -585,7 +585,7 @@ pub fn put(comm: &Comm, a: &PutArgs) -> Result<RmaOp> {
 
 /// Validate `ncclSignal`.
 pub fn signal(comm: &Comm, peer: i32, sig: i32, ctx: i32, flags: u32, stream: UserStream) -> Result<RmaOp> {
-    comm.ready()?;
+    comm.ready_for_call()?;
     let peer = check_peer(comm, peer, "peer")?;
     let (ctx, sig) = check_signal(comm, ctx, sig)?;
     check_flags(flags)?;
@@ -596,7 +596,7 @@ pub fn signal(comm: &Comm, peer: i32, sig: i32, ctx: i32, flags: u32, stream: Us
 
 /// Validate `ncclWaitSignal`.
 pub fn wait(comm: &Comm, descs: Vec<WaitDesc>, stream: UserStream) -> Result<RmaOp> {
-    comm.ready()?;
+    comm.ready_for_call()?;
     for (i, d) in descs.iter().enumerate() {
         check_peer(comm, d.peer, &format!("signalDescs[{i}].peer"))?;
         check_signal(comm, d.ctx, d.sig).map_err(|e| e.context(format!("signalDescs[{i}]")))?;

@@ -2,6 +2,8 @@
 //! error, the PreMulSum operators it owns, and — once init has completed — its bootstrap
 //! service and its connections to peers.
 
+mod caller;
+pub use caller::Held;
 mod elsewhere;
 pub mod handle;
 
@@ -241,6 +243,9 @@ pub struct Comm {
     /// shrink that some rank, excluded, never called.
     splits: Mutex<HashMap<u64, u64>>,
     pub finalized: AtomicBool,
+    /// The thread (kernel id) inside an operation call, or holding this communicator in its
+    /// open group; 0 for none (`caller`).
+    caller: AtomicU64,
     user_ops: Mutex<HashMap<i32, UserOp>>,
     next_user_op: AtomicI32,
     /// Operations issued, for messages and fingerprints.
@@ -279,6 +284,7 @@ impl Comm {
             revoked: AtomicBool::new(false),
             splits: Mutex::new(HashMap::new()),
             finalized: AtomicBool::new(false),
+            caller: AtomicU64::new(0),
             user_ops: Mutex::new(HashMap::new()),
             next_user_op: AtomicI32::new(crate::types::BuiltinOp::ALL.len() as i32),
             seq: AtomicU64::new(0),
@@ -368,6 +374,17 @@ impl Comm {
             return Err(Error::invalid_usage(format!("rank {}: communicator is suspended (ncclCommResume it)", self.rank)));
         }
         self.ready.get().ok_or_else(|| self.not_ready())
+    }
+
+    /// For a new operation (a collective, point-to-point or one-sided call): ready, and not
+    /// finalized (ncclCommFinalize flushes what was issued; only ncclCommDestroy may follow).
+    pub fn ready_for_call(&self) -> Result<&Ready> {
+        if self.finalized.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage(format!(
+                "rank {}: communicator was finalized (ncclCommFinalize): no operation may follow, only \
+                 ncclCommDestroy", self.rank)));
+        }
+        self.ready()
     }
 
     /// For split and shrink: allowed on a revoked or failed communicator (that is what
