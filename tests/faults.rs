@@ -421,6 +421,13 @@ fn mismatch_gather_root() {
     mismatch("gather_root");
 }
 
+/// A send of 1024 floats received as 512: the receiver names both sizes (a send and its
+/// receive carry the same stamp, so the message must say which side is which).
+#[test]
+fn mismatch_p2p_size() {
+    mismatch("p2p_size");
+}
+
 // ---- hostile input on the bootstrap root --------------------------------------------------
 
 #[derive(Default, Debug)]

@@ -182,6 +182,30 @@ fn seq_text(seq: u64) -> String {
     format!("#{} (CUDA graph launch {})", seq & ((1 << REPLAY_SEQ_BITS) - 1), launch + 1)
 }
 
+/// A point-to-point call's size in bytes (its stamp's); None for a collective's stamp.
+pub fn p2p_bytes(s: &Stamp) -> Option<u64> {
+    (s[0] == P2P_KIND).then(|| u64::from_le_bytes([s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]]))
+}
+
+/// What a receive found: `theirs` arrived from rank `from` where rank `to` waited for `mine`
+/// (they differ). A point-to-point stamp is a send on the sender's side and a receive on ours.
+pub fn describe_arrival(from: &str, theirs: &Stamp, to: usize, mine: &Stamp) -> String {
+    match (p2p_bytes(theirs), p2p_bytes(mine)) {
+        (Some(sent), Some(wanted)) => format!(
+            "{from} sent {sent} bytes where rank {to}'s matching receive takes {wanted}: a send and its receive must \
+             have the same size (count times the datatype's size)"),
+        (Some(sent), None) => format!(
+            "{from} issued a send of {sent} bytes to rank {to} where rank {to} issued {}: every rank must make the same \
+             calls in the same order", describe_stamp(mine)),
+        (None, Some(wanted)) => format!(
+            "{from} issued {} where rank {to} issued a receive of {wanted} bytes from it: every rank must make the same \
+             calls in the same order", describe_stamp(theirs)),
+        (None, None) => format!(
+            "{from} issued {} where rank {to} issued {}: every rank must make the same calls in the same order",
+            describe_stamp(theirs), describe_stamp(mine)),
+    }
+}
+
 /// Read a stamp back into words: "AllGather #12 (count 2048, float)".
 pub fn describe_stamp(s: &Stamp) -> String {
     if s[CONTROL_STEP] != 0 {
@@ -191,7 +215,8 @@ pub fn describe_stamp(s: &Stamp) -> String {
     }
     let u64_at = |i: usize| u64::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3], s[i + 4], s[i + 5], s[i + 6], s[i + 7]]);
     if s[0] == P2P_KIND {
-        return format!("a send of {} bytes", u64_at(8));
+        // (A send and the receive it matches carry the same stamp.)
+        return format!("a send or receive of {} bytes", u64_at(8));
     }
     let Some(kind) = KINDS.iter().find(|k| **k as u8 == s[0]) else {
         return format!("an unknown operation (stamp {s:02x?})");

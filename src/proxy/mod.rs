@@ -176,12 +176,11 @@ impl<'a> Job<'a> {
                     _ => break,
                 };
                 let mine = &self.stamps[unit.op as usize];
-                let (comm, describe) = (self.comm, self.describe);
+                let comm = self.comm;
                 let mut check = |theirs: &Stamp, got: usize| {
                     if theirs != mine || got != len {
-                        return Err(Error::invalid_usage(format!(
-                            "{} issued {} where rank {} issued {}: every rank must make the same calls in the same order",
-                            comm.describe_peer(peer as usize), describe(theirs), comm.rank, describe(mine))));
+                        return Err(Error::invalid_usage(crate::plan::ops::describe_arrival(
+                            &comm.describe_peer(peer as usize), theirs, comm.rank, mine)));
                     }
                     Ok(())
                 };

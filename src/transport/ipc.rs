@@ -1034,8 +1034,13 @@ fn read_record(comm: &Comm, ready: &crate::comm::Ready, direct: &mut Direct, op:
     let theirs = (msg.bytes.len() >= RECORD_BYTES).then(|| Record::decode(&msg.bytes));
     let Some(theirs) = theirs.filter(|r| r.stamp == op.stamp()) else {
         let _ = comm.rma.p2p_send(comm, peer, ANSWER, m, ANSWER_MISMATCH, &[]);
-        let what = theirs.map_or_else(|| "a malformed record".to_string(), |r| crate::plan::ops::describe_stamp(&r.stamp));
-        return Err(Error::invalid_usage(format!("rank {me}: {} matched {what} from rank {peer}: they must agree", op.describe())));
+        let Some(theirs) = theirs else {
+            return Err(Error::invalid_usage(format!("rank {me}: {} matched a malformed record from rank {peer}",
+                                                    op.describe())));
+        };
+        let from = comm.describe_peer(peer);
+        return Err(Error::invalid_usage(format!("rank {me}: {}: {}", op.describe(),
+                                                crate::plan::ops::describe_arrival(&from, &theirs.stamp, me, &op.stamp()))));
     };
     if msg.code != RECORD_PUBLISHED {
         return Ok(Sender::Staged);
