@@ -84,7 +84,9 @@ thread_local! {
     /// The rank shown in `[...]` on lines this thread writes (-1: none known yet, shown as 0
     /// like NCCL's device index).
     static RANK: Cell<i32> = const { Cell::new(-1) };
-    static TID: Cell<u64> = const { Cell::new(0) };
+    /// This thread's kernel id, and the fork generation it was read in (a forked child's
+    /// thread has another id than the thread of the parent it continues).
+    static TID: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
 }
 
 pub fn parse_level(v: &str) -> Level {
@@ -228,18 +230,22 @@ pub fn hostname() -> String {
     full.trim().split('.').next().unwrap_or("localhost").to_string()
 }
 
-/// The calling thread's kernel id (as `gettid`), read once per thread.
+/// The calling thread's kernel id (as `gettid`), read once per thread (again in a forked
+/// child). 0 if it cannot be read (no file descriptor left).
 pub(crate) fn tid() -> u64 {
+    let generation = crate::abi::fork::generation();
     TID.with(|t| {
-        if t.get() == 0 {
-            // /proc/thread-self -> "<pid>/task/<tid>": no unsafe needed for gettid().
-            let id = std::fs::read_link("/proc/thread-self")
-                .ok()
-                .and_then(|p| p.file_name().and_then(|s| s.to_str()).and_then(|s| s.parse().ok()))
-                .unwrap_or(0);
-            t.set(id);
+        let (id, seen) = t.get();
+        if id != 0 && seen == generation {
+            return id;
         }
-        t.get()
+        // /proc/thread-self -> "<pid>/task/<tid>": no unsafe needed for gettid().
+        let id = std::fs::read_link("/proc/thread-self")
+            .ok()
+            .and_then(|p| p.file_name().and_then(|s| s.to_str()).and_then(|s| s.parse().ok()))
+            .unwrap_or(0);
+        t.set((id, generation));
+        id
     })
 }
 

@@ -626,6 +626,30 @@ fn trace_lines_in_nccls_format() {
     }
 }
 
+/// A forked child's lines show its own thread id, not that of the parent's thread it
+/// continues (the id is cached per thread, and read again after a fork).
+#[test]
+fn a_forked_childs_lines_show_its_own_thread_id() {
+    // (INFO: the parent's thread writes lines before it forks, so its id is cached by then.)
+    let o = Job::new("lifecycle").arg("--only").arg("fork").env("NCCL_DEBUG", "INFO").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let log = &o.procs[0].log;
+    // host:pid:tid of every line of ours.
+    let ids: Vec<(u64, u64)> = log.lines().filter(|l| l.contains(" NCCL ")).filter_map(|l| {
+        l.split_whitespace().find_map(|w| {
+            let mut parts = w.rsplit(':');
+            let tid = parts.next()?.parse().ok()?;
+            let pid = parts.next()?.parse().ok()?;
+            Some((pid, tid))
+        })
+    }).collect();
+    let pids: std::collections::BTreeSet<u64> = ids.iter().map(|(p, _)| *p).collect();
+    assert!(!pids.is_empty(), "no line of the forked child (its refused calls are WARNs):\n{log}");
+    for (pid, tid) in &ids {
+        assert!(tid == pid || !pids.contains(tid), "process {pid} shows thread {tid}, another process's:\n{log}");
+    }
+}
+
 /// NCCL_DEBUG_SUBSYS selects and excludes INFO lines by subsystem: the connections are INIT
 /// ("rank A -> rank B via KIND"), the single-copy probe P2P.
 #[test]

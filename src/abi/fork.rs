@@ -17,14 +17,16 @@ extern "C" fn in_child() {
 /// The number of forks between the library's first use of this and the calling process.
 pub fn generation() -> u64 {
     static HOOK: Once = Once::new();
+    let mut failed = 0;
     HOOK.call_once(|| {
         // SAFETY: `in_child` is a plain function with no captured state, valid for the life
         // of the process (the library is never unloaded while communicators exist); the
         // other two hooks are none.
-        let r = unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
-        if r != 0 {
-            crate::warn!("pthread_atfork failed ({r}): a forked child's use of an inherited communicator goes unnoticed");
-        }
+        failed = unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
     });
+    if failed != 0 {
+        // (Outside call_once: a log line asks for this again, for its thread id.)
+        crate::warn!("pthread_atfork failed ({failed}): a forked child's use of an inherited communicator goes unnoticed");
+    }
     FORKS.load(Ordering::Relaxed)
 }
