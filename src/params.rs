@@ -121,7 +121,8 @@ pub fn int(name: &str) -> i64 {
             let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
             if !said.iter().any(|n| n == name) {
                 said.push(name.to_string());
-                crate::warn!("{name}='{v}' is not a number: using the default, {default}");
+                crate::warn!("{name}='{v}' is not an integer NCCL reads (decimal or 0x hex, at most 2^63 - 1): \
+                              using the default, {default}");
             }
             default
         }),
