@@ -40,6 +40,7 @@
  */
 #include "common.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -640,6 +641,76 @@ static void part_mismatch(void) {
   free(recv);
 }
 
+/* ---- sent-early: a small send completes before its receiver connects; the sender leaves -- */
+
+/* Rank 0's first call is a send of 10 ints to rank 1 (small: it completes at once, before rank
+ * 1 has connected), then it destroys its communicator. FAULTS_CASE=receive: rank 1 receives
+ * only then, and gets the ints (before: the sender's destroy removed the shared-memory ring
+ * they were in, and the receive failed with "shm: open ...: No such file"). FAULTS_CASE=never:
+ * rank 1 destroys its communicator without receiving, and no ring file of rank 0's for it is
+ * left in /dev/shm. 2 processes of 1 rank, or 1 process of 2 ranks. */
+static void part_sent_early(void) {
+  test_deadline(30);
+  if (g_env.nranks != 2) {
+    fprintf(stderr, "sent-early: run as 2 processes of 1 rank or 1 process of 2 ranks\n");
+    exit(2);
+  }
+  const char* which = getenv("FAULTS_CASE");
+  const int never = which && !strcmp(which, "never");
+  ncclComm_t comms[2] = {NULL, NULL};
+  test_step("init");
+  make_comms("", comms);
+  int32_t data[10];
+  const int sender = g_env.proc == 0, receiver = g_env.nprocs == 1 || g_env.proc == 1;
+  if (sender) {
+    test_step("the send, then ncclCommDestroy");
+    for (int i = 0; i < 10; i++) data[i] = 1000 + i;
+    CHECK(ncclSend(data, 10, ncclInt32, 1, comms[0], TEST_STREAM));
+    CHECK(ncclCommDestroy(comms[0]));
+    char pid[32];
+    snprintf(pid, sizeof pid, "sent-early-%d", (int)getpid());
+    flag_set(pid);
+    flag_set("sent-early");
+  }
+  if (!receiver) return;
+  ncclComm_t mine = comms[g_env.nprocs == 1 ? 1 : 0];
+  EXPECT(flag_wait("sent-early", 20), "rank 0 did not send and destroy within 20 s");
+  if (never) {
+    test_step("ncclCommDestroy without the receive");
+    CHECK(ncclCommDestroy(mine));
+    if (g_env.nprocs == 1) return; /* (in one process the ring is not a file) */
+    /* Rank 0's pid, from the flag it left: its ring files are named "...-0-1-<pid>-<port>". */
+    char dir[4200], *slash;
+    flag_path("", dir, sizeof dir);
+    slash = strrchr(dir, '/');
+    if (slash) *slash = 0;
+    int pid0 = -1;
+    DIR* d = opendir(dir);
+    for (struct dirent* e; d && (e = readdir(d));) {
+      const char* at = strstr(e->d_name, ".flag-sent-early-");
+      if (at) pid0 = atoi(at + strlen(".flag-sent-early-"));
+    }
+    if (d) closedir(d);
+    EXPECT(pid0 > 0, "rank 0's pid flag is missing");
+    char mark[64];
+    snprintf(mark, sizeof mark, "-0-1-%d-", pid0);
+    int left = 0;
+    d = opendir("/dev/shm");
+    for (struct dirent* e; d && (e = readdir(d));)
+      if (!strncmp(e->d_name, "nccl-rs-", 8) && strstr(e->d_name, mark)) left++, tlog("left: /dev/shm/%s", e->d_name);
+    if (d) closedir(d);
+    EXPECT(left == 0, "%d ring file(s) of rank 0 for rank 1 left in /dev/shm", left);
+    return;
+  }
+  test_step("the receive, after the sender destroyed its communicator");
+  for (int i = 0; i < 10; i++) data[i] = -1;
+  ncclResult_t r = ncclRecv(data, 10, ncclInt32, 0, mine, TEST_STREAM);
+  EXPECT(r == ncclSuccess, "the receive -> %s: %s", result_name(r), last_error(mine));
+  for (int i = 0; i < 10 && r == ncclSuccess; i++)
+    EXPECT(data[i] == 1000 + i, "element %d is %d, expected %d", i, data[i], 1000 + i);
+  CHECK(ncclCommDestroy(mine));
+}
+
 /* ---- hello: init and one allreduce --------------------------------------------------- */
 
 static void part_hello(void) {
@@ -665,6 +736,7 @@ static const struct {
     {"loop", part_loop},         {"abort", part_abort},           {"abort-init", part_abort_init},
     {"mismatch", part_mismatch}, {"hello", part_hello},           {"gone-early", part_gone_early},
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
+    {"sent-early", part_sent_early},
 };
 
 int main(int argc, char** argv) {

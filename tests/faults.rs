@@ -199,6 +199,26 @@ fn rank_that_destroyed_its_communicator_before_connecting_is_named() {
     }
 }
 
+/// A small send completes before its receiver has connected, and the sender destroys its
+/// communicator: the receive, made only then, still gets the data (before: the sender's
+/// destroy removed the shared-memory ring that held it, and the receive failed with "shm:
+/// open ...: No such file"), over shared memory, sockets and the ring between ranks of one
+/// process. A receiver that never receives leaves no ring file behind in /dev/shm.
+#[test]
+fn a_send_completed_before_its_receiver_connected_outlives_the_senders_communicator() {
+    let cases = [(2, 1, "shm", "receive"), (2, 1, "sockets", "receive"), (1, 2, "", "receive"), (2, 1, "shm", "never")];
+    for (procs, local, link, case) in cases {
+        let mut job = Job::new("faults").procs(procs).local(local).arg("--only").arg("sent-early")
+            .env("FAULTS_CASE", case).env("NCCL_SOCKET_IFNAME", "lo").timeout_s(45);
+        if link == "sockets" {
+            job = job.env("NCCL_SHM_DISABLE", "1");
+        }
+        let o = job.run_outcome();
+        judge(&format!("a_send_completed_before_its_receiver_connected ({procs}x{local}, {link}, {case})"),
+              &o, o.ok(), String::new());
+    }
+}
+
 /// A rank whose process is stopped (SIGSTOP) while its peer waits on it, before the two are
 /// connected (the wait for a first connection) and after (the progress engine): the waiting
 /// rank says at WARN, about 10 s in, that rank 1 does not answer and that its process is

@@ -585,7 +585,10 @@ impl Comm {
         }
         self.rma.close();
         if let Some(r) = self.ready.get() {
-            r.conns().close_all();
+            let mut conns = r.conns();
+            crate::transport::forget_unaccepted(self.rank, self.hash, &r.peers, &conns);
+            conns.close_all();
+            drop(conns);
             r.service.stop();
         }
     }

@@ -139,6 +139,17 @@ impl Conns {
     }
 }
 
+/// A communicator ends: the files of shared-memory rings that peers of this host may have
+/// left for it (with messages it never received: `shm`) go, for peers it never accepted.
+pub fn forget_unaccepted(rank: usize, hash: u64, peers: &[PeerInfo], conns: &Conns) {
+    let Some(me) = peers.get(rank) else { return };
+    for (p, other) in peers.iter().enumerate() {
+        if p != rank && !conns.has_recv(p) && choose(me, other) == Kind::Shm {
+            shm::remove_expected(hash, p, rank, other.pid, me.addr.port());
+        }
+    }
+}
+
 /// What connecting needs to know about the communicator.
 pub struct Ctx<'a> {
     pub rank: usize,

@@ -658,6 +658,14 @@ impl super::RecvConn for RingRecv {
     }
 }
 
+impl RingSend {
+    /// Messages published that the receiver has not consumed, while its process lives (or
+    /// it is of this process)?
+    pub fn undelivered(&self) -> bool {
+        self.map.atomic_u64(HEAD).load(Ordering::Acquire) < self.tail && self.peer_pid.is_none_or(pid_alive)
+    }
+}
+
 impl Drop for RingSend {
     fn drop(&mut self) {
         self.map.atomic_u32(SENDER_CLOSED).store(1, Ordering::Release);

@@ -1,7 +1,11 @@
 //! Processes of one host: a ring in a `/dev/shm` file. The sender creates and maps the file
 //! and tells the receiver its name; the receiver maps it and unlinks it at once, so no file
 //! outlives the connection even if both processes crash afterwards. A sender whose receiver
-//! never came unlinks its file when the connection is dropped.
+//! never came unlinks its file when the connection is dropped, unless it holds messages:
+//! a send that completed into the ring before the receiver connected (small messages are
+//! sent eagerly) is the receiver's to read after the sender destroyed its communicator or
+//! exited, as it is once connected. The receiver unlinks it when it opens it, or when its
+//! communicator ends without having connected ([`remove_expected`]).
 
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -13,7 +17,8 @@ use crate::error::{Error, Result};
 
 pub const PREFIX: &str = "nccl-rs-";
 
-/// The sending side; unlinks its file on drop (harmless if the receiver already did).
+/// The sending side; unlinks its file on drop (harmless if the receiver already did), unless
+/// the receiver has yet to open it and read what was sent.
 pub struct ShmSend {
     ring: RingSend,
     path: String,
@@ -39,6 +44,12 @@ impl SendConn for ShmSend {
 
 impl Drop for ShmSend {
     fn drop(&mut self) {
+        // (The receiver unlinks the file when it opens it: one still there was not opened.)
+        if self.ring.undelivered() && std::path::Path::new(&self.path).exists() {
+            crate::info!(INIT, "shm: {} left for its receiver, which has not connected yet: it holds messages sent \
+                                to it", self.path);
+            return;
+        }
         let _ = std::fs::remove_file(&self.path);
     }
 }
@@ -51,7 +62,8 @@ pub fn name_for(hash: u64, from: usize, to: usize, pid: u32, to_port: u16) -> St
     format!("{PREFIX}{hash:016x}-{from}-{to}-{pid}-{to_port}")
 }
 
-/// A receiver whose sender died before handing over its segment removes it (survivors clean up).
+/// A receiver whose sender died before handing over its segment removes it (survivors clean
+/// up), as does one whose communicator ends without having connected to the sender.
 pub fn remove_expected(hash: u64, from: usize, to: usize, pid: u32, to_port: u16) {
     let _ = std::fs::remove_file(format!("/dev/shm/{}", name_for(hash, from, to, pid, to_port)));
 }
