@@ -32,7 +32,7 @@
  *   FAULTS_SHRINK      `loop`: after the failure, ncclCommShrink the lost rank out ("default"
  *                      or "abort": the flag) and check an allreduce on the result
  *   FAULTS_ABORT_AFTER_MS  `abort`: when the second thread aborts (default 1000)
- *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root | reduce_root | gather_root | p2p_size;
+ *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root | reduce_root | gather_root | p2p_size | both_send | both_recv;
  *                      `closed-early`: recv (default) | signal; `stopped`: cold (default) | warm
  *
  * Lines the harness watches: "LOOPING" (the loop runs: kill or cut now).
@@ -593,6 +593,17 @@ static void part_mismatch(void) {
     a = "root 0", b = "root 1";
     mine = me == 0 ? "Gather(count 1024, float, root 0)" : "Gather(count 1024, float, root 1)";
     r = ncclGather(send, recv, 1024, ncclFloat32, me, comm, TEST_STREAM);
+  } else if (!strcmp(which, "both_send") || !strcmp(which, "both_recv")) {
+    /* Each rank sends 16 MiB to the other (or receives from it) outside a group, and nothing
+     * else: neither call can finish. Both get ncclInvalidUsage saying so, instead of a hang. */
+    const int sends = !strcmp(which, "both_send");
+    a = sends ? "each sends to the other" : "each receives from the other", b = "ncclGroupStart";
+    mine = sends ? "Send(count 1048576, float, to the other)" : "Recv(count 1048576, float, from the other)";
+    float* big = calloc(1 << 20, sizeof(float));
+    if (!big) exit(2);
+    r = sends ? ncclSend(big, 1 << 20, ncclFloat32, 1 - me, comm, TEST_STREAM)
+              : ncclRecv(big, 1 << 20, ncclFloat32, 1 - me, comm, TEST_STREAM);
+    free(big);
   } else if (!strcmp(which, "p2p_size")) {
     /* A receive smaller than its send: the receiver names both sizes, in bytes. (The send may
      * complete: its bytes were on their way.) */
@@ -711,6 +722,49 @@ static void part_sent_early(void) {
   CHECK(ncclCommDestroy(mine));
 }
 
+/* ---- p2p-order: a rank in a receive from a late third rank is not a mismatch ------------- */
+
+/* Sends and receives of different pairs are not ordered: rank 1 receives from rank 2 first,
+ * then from rank 0, while rank 0's send to rank 1 waits for it. Rank 2 sends only once rank
+ * 0 has said, at WARN, that rank 1 is in a receive from rank 2 (the harness sets the flag
+ * "go"). All three calls succeed, the data exact (before: rank 0's wait asked rank 1 what it
+ * ran, saw another send or receive, and failed with a mismatch error). 3 processes. */
+static void part_p2p_order(void) {
+  test_deadline(40);
+  if (g_env.nprocs != 3 || g_env.local != 1) {
+    fprintf(stderr, "p2p-order: run as 3 processes of 1 rank\n");
+    exit(2);
+  }
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
+  const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
+  int32_t* buf = calloc(big, sizeof(int32_t));
+  if (!buf) exit(2);
+  ncclResult_t r = ncclSuccess;
+  if (g_env.proc == 0) {
+    test_step("the send to rank 1");
+    for (size_t i = 0; i < big; i++) buf[i] = (int32_t)(i * 7 + 1);
+    r = ncclSend(buf, big, ncclInt32, 1, comm, TEST_STREAM);
+  } else if (g_env.proc == 1) {
+    test_step("the receive from rank 2, then from rank 0");
+    r = ncclRecv(buf, 10, ncclInt32, 2, comm, TEST_STREAM);
+    for (int i = 0; i < 10 && r == ncclSuccess; i++) EXPECT(buf[i] == 500 + i, "from rank 2: element %d is %d", i, buf[i]);
+    if (r == ncclSuccess) r = ncclRecv(buf, big, ncclInt32, 0, comm, TEST_STREAM);
+    size_t wrong = 0;
+    for (size_t i = 0; i < big && r == ncclSuccess; i++) wrong += buf[i] != (int32_t)(i * 7 + 1);
+    EXPECT(wrong == 0, "from rank 0: %zu elements wrong", wrong);
+  } else {
+    test_step("waiting for the go, then the send to rank 1");
+    EXPECT(flag_wait("go", 30), "no go within 30 s (rank 0 did not say that rank 1 waits on rank 2)");
+    for (int i = 0; i < 10; i++) buf[i] = 500 + i;
+    r = ncclSend(buf, 10, ncclInt32, 1, comm, TEST_STREAM);
+  }
+  EXPECT(r == ncclSuccess, "rank %d's call -> %s: %s", g_env.proc, result_name(r), last_error(comm));
+  CHECK(ncclCommDestroy(comm));
+  free(buf);
+}
+
 /* ---- hello: init and one allreduce --------------------------------------------------- */
 
 static void part_hello(void) {
@@ -736,7 +790,7 @@ static const struct {
     {"loop", part_loop},         {"abort", part_abort},           {"abort-init", part_abort_init},
     {"mismatch", part_mismatch}, {"hello", part_hello},           {"gone-early", part_gone_early},
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
-    {"sent-early", part_sent_early},
+    {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
 };
 
 int main(int argc, char** argv) {

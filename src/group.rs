@@ -534,7 +534,7 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
     }
 
     for (c, w) in comms.iter().zip(work.iter()) {
-        c.ready()?.set_running(&w.plan.stamps);
+        c.ready()?.set_running_plan(&w.plan);
     }
     if let Err(e) = connect(comms, work, guards) {
         // As a failed run below: the communicators are in error, say why to peers that ask
@@ -621,7 +621,9 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
 /// ranks that wait for each other in different operations get an error, not a hang.
 fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: &mut transport::Conns, peer: usize) -> Result<()> {
     let mine = plan.units.iter().find_map(|u| match u.step {
-        Step::Recv { peer: p, .. } | Step::RecvReduce { peer: p, .. } if p as usize == peer => Some(plan.stamps[u.op as usize]),
+        Step::Recv { peer: p, .. } | Step::RecvReduce { peer: p, .. } if p as usize == peer => {
+            Some(crate::plan::ops::with_role(plan.stamps[u.op as usize], false, peer))
+        }
         _ => None,
     });
     let started = Instant::now();

@@ -219,6 +219,22 @@ fn a_send_completed_before_its_receiver_connected_outlives_the_senders_communica
     }
 }
 
+/// Sends and receives of different pairs are not ordered: rank 0's send to rank 1 waits
+/// while rank 1 first receives from a late rank 2. Rank 0 says at WARN that rank 1 is in a
+/// receive from rank 2, and on that line rank 2 is let go; every call succeeds, exact
+/// (before: rank 0 took rank 1's other receive for a mismatch and failed).
+#[test]
+fn a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch() {
+    let mut job = Job::new("faults").procs(3).arg("--only").arg("p2p-order").env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let go = job.dir().join("unique-id.flag-go");
+    let o = job
+        .on(When::marker(0, "it is in a receive of 40 bytes from rank 2"), move || {
+            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
+        })
+        .run_outcome();
+    judge("a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch", &o, o.ok(), String::new());
+}
+
 /// A rank whose process is stopped (SIGSTOP) while its peer waits on it, before the two are
 /// connected (the wait for a first connection) and after (the progress engine): the waiting
 /// rank says at WARN, about 10 s in, that rank 1 does not answer and that its process is
@@ -439,6 +455,19 @@ fn mismatch_reduce_root() {
 #[test]
 fn mismatch_gather_root() {
     mismatch("gather_root");
+}
+
+/// Each rank sends to the other outside a group and receives nothing (the classic way to
+/// deadlock with NCCL), or each only receives: both get ncclInvalidUsage saying each sends to
+/// (receives from) the other and what to do, instead of waiting for ever.
+#[test]
+fn mismatch_both_send() {
+    mismatch("both_send");
+}
+
+#[test]
+fn mismatch_both_recv() {
+    mismatch("both_recv");
 }
 
 /// A send of 1024 floats received as 512: the receiver names both sizes (a send and its

@@ -56,6 +56,32 @@ impl Ready {
         set_status(&mut self.running.lock().unwrap_or_else(|p| p.into_inner()), STATUS_RUNNING, stamps.iter().copied());
     }
 
+    /// Publish the operations of `plan` as running, its sends and receives with their
+    /// direction and peer (`ops::with_role`), so that a peer waiting on this rank can tell a
+    /// send of it from a receive.
+    pub fn set_running_plan(&self, plan: &crate::plan::Builder) {
+        use crate::plan::{ops, Step};
+        let mut bytes = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        set_status(&mut bytes, STATUS_RUNNING, plan.stamps.iter().copied());
+        if bytes.first() != Some(&STATUS_RUNNING) || !plan.stamps.iter().any(|s| ops::p2p_bytes(s).is_some()) {
+            return;
+        }
+        for u in &plan.units {
+            let (send, peer) = match u.step {
+                Step::Send { peer, .. } => (true, peer as usize),
+                Step::Recv { peer, .. } => (false, peer as usize),
+                _ => continue,
+            };
+            let at = 1 + u.op as usize * STAMP_BYTES;
+            let Some(slot) = bytes.get_mut(at..at + STAMP_BYTES) else { continue };
+            let mut s = [0u8; STAMP_BYTES];
+            s.copy_from_slice(slot);
+            if ops::p2p_role(&s).is_none() {
+                slot.copy_from_slice(&ops::with_role(s, send, peer));
+            }
+        }
+    }
+
     /// Publish that this rank issued these operations (CUDA mode) and waits for their streams
     /// to reach them: peers waiting on it are told so, not that it has not made the call.
     pub fn set_waiting_for_stream(&self, stamps: impl Iterator<Item = crate::transport::Stamp>) {
@@ -94,6 +120,13 @@ pub enum PeerRuns {
     /// No answer, again, after [`SILENT_AFTER`] of none: said once per silence (then `Unknown`
     /// again), with what its process is doing where that can be seen.
     Silent(Silence),
+    /// It has not issued the call: it is in sends or receives with other ranks (the first
+    /// shown), which it may well make first.
+    OtherPeers(Stamp),
+    /// It sends to this rank and receives nothing from it while this rank does the same (or
+    /// both only receive): neither call can finish. The words say which. (`peer_runs` asks
+    /// again and makes it an error.)
+    Crossed(String),
 }
 
 /// How long a peer may leave status requests unanswered before a rank waiting on it says so.
@@ -161,6 +194,9 @@ impl PeerRuns {
                  finished", describe(theirs))),
             PeerRuns::Silent(how) => Some(format!(
                 "which has not answered this rank's status requests for {} s or more: {}", SILENT_AFTER.as_secs(), how.describe())),
+            PeerRuns::OtherPeers(theirs) => Some(format!(
+                "which has not issued that call: it is in {} (and waits on that rank)", describe(theirs))),
+            PeerRuns::Crossed(how) => Some(how.clone()),
             PeerRuns::Same | PeerRuns::Unknown => None,
         }
     }
@@ -515,6 +551,11 @@ impl Comm {
     /// Err: it runs other operations, so the two ranks issued different calls. Otherwise
     /// whether it runs `mine` too (a slow peer) or nothing (it has not made the call yet).
     pub fn peer_runs(&self, peer: usize, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String) -> Result<PeerRuns> {
+        self.peer_runs_once(peer, mine, describe, false)
+    }
+
+    fn peer_runs_once(&self, peer: usize, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String, again: bool)
+                      -> Result<PeerRuns> {
         let Some(ready) = self.ready.get() else { return Ok(PeerRuns::Unknown) };
         let status = match ready.service.status(peer, std::time::Duration::from_secs(1)) {
             Ok(s) => {
@@ -542,18 +583,79 @@ impl Comm {
             Some((&STATUS_RUNNING, _)) | None => {}
             Some(_) => return Ok(PeerRuns::Unknown),
         }
-        let theirs: Vec<&[u8]> = status.get(1..).unwrap_or_default().chunks_exact(STAMP_BYTES).collect();
+        let theirs: Vec<Stamp> = status.get(1..).unwrap_or_default().chunks_exact(STAMP_BYTES)
+            .filter_map(|s| s.try_into().ok()).collect();
         if theirs.is_empty() {
             return Ok(PeerRuns::Nothing);
         }
-        if theirs.contains(&mine.as_slice()) {
+        let runs = self.judge_running(ready, peer, mine, &theirs, describe)?;
+        match runs {
+            // A snapshot: a small send of the peer's completes without a receive. Crossed
+            // calls are still so a moment later.
+            PeerRuns::Crossed(_) if !again => {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                self.peer_runs_once(peer, mine, describe, true)
+            }
+            PeerRuns::Crossed(how) => Err(Error::invalid_usage(how)),
+            runs => Ok(runs),
+        }
+    }
+
+    /// What `peer`, found running `theirs` while this rank waits on it in `mine`, is doing.
+    /// Sends and receives are not ordered with the calls of other pairs, so a peer in ones with
+    /// other ranks only has not got to this rank's call yet; one whose sends or receives with
+    /// this rank cross this rank's (both only send, or both only receive) waits for ever.
+    /// Collectives are: a peer in another is an error naming both calls.
+    fn judge_running(&self, ready: &Ready, peer: usize, mine: &Stamp, theirs: &[Stamp],
+                     describe: &dyn Fn(&Stamp) -> String) -> Result<PeerRuns> {
+        use crate::plan::ops::{p2p_bytes, p2p_role, without_role};
+        let plain = without_role(*mine);
+        // The same call: a collective, or the send or receive that matches this rank's (where
+        // both show their direction: the other one, with this rank).
+        let matches = |t: &Stamp| without_role(*t) == plain && match (p2p_role(t), p2p_role(mine)) {
+            (Some((theirs_send, with)), Some((mine_send, _))) => with == self.rank && theirs_send != mine_send,
+            _ => true,
+        };
+        if theirs.iter().any(matches) {
             return Ok(PeerRuns::Same);
         }
-        let mut first = [0u8; STAMP_BYTES];
-        first.copy_from_slice(theirs[0]);
-        Err(Error::invalid_usage(format!(
+        let collective = theirs.iter().find(|t| p2p_bytes(t).is_none());
+        let with_me: Vec<(bool, Stamp)> =
+            theirs.iter().filter_map(|t| p2p_role(t).filter(|&(_, p)| p == self.rank).map(|(s, _)| (s, *t))).collect();
+        let mismatch = |first: &Stamp| Error::invalid_usage(format!(
             "{} issued {} where rank {} issued {}: every rank must make the same calls in the same order",
-            self.describe_peer(peer), describe(&first), self.rank, describe(mine))))
+            self.describe_peer(peer), describe(first), self.rank, describe(mine)));
+        match (p2p_bytes(mine).is_some(), collective) {
+            // A collective against another collective, or a send or receive between the two
+            // against a collective: neither finishes without the other's call.
+            (_, Some(c)) => return Err(mismatch(c)),
+            (false, None) if !with_me.is_empty() => return Err(mismatch(&with_me[0].1)),
+            (false, None) => return Ok(PeerRuns::OtherPeers(theirs[0])),
+            (true, None) => {}
+        }
+        if with_me.is_empty() {
+            return Ok(PeerRuns::OtherPeers(theirs[0]));
+        }
+        // Sends and receives between the two: crossed if each only sends to the other, or
+        // only receives from it (this rank's own, from its status).
+        let own: Vec<bool> = {
+            let bytes = ready.running.lock().unwrap_or_else(|p| p.into_inner());
+            bytes.get(1..).unwrap_or_default().chunks_exact(STAMP_BYTES)
+                .filter_map(|s| <&[u8] as TryInto<Stamp>>::try_into(s).ok())
+                .filter_map(|s| p2p_role(&s).filter(|&(_, p)| p == peer).map(|(send, _)| send)).collect()
+        };
+        let theirs_dir: Vec<bool> = with_me.iter().map(|(s, _)| *s).collect();
+        for dir in [true, false] {
+            if own.iter().all(|&s| s == dir) && !own.is_empty() && theirs_dir.iter().all(|&s| s == dir) {
+                let (what, none) = if dir { ("sends to", "receives from") } else { ("receives from", "sends to") };
+                return Ok(PeerRuns::Crossed(format!(
+                    "{} is in {} while rank {} is in {}: each {what} the other and neither {none} it, so neither call \
+                     can finish (put a rank's sends and receives with a peer in one ncclGroupStart/ncclGroupEnd group, \
+                     or order them so that each send meets its receive)",
+                    self.describe_peer(peer), describe(&with_me[0].1), self.rank, describe(mine))));
+            }
+        }
+        Ok(PeerRuns::Same)
     }
 
     /// `peer` did not answer: `Silent` once it has not for [`SILENT_AFTER`] (once per silence,

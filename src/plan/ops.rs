@@ -182,6 +182,31 @@ fn seq_text(seq: u64) -> String {
     format!("#{} (CUDA graph launch {})", seq & ((1 << REPLAY_SEQ_BITS) - 1), launch + 1)
 }
 
+/// A point-to-point stamp as a rank's status shows it: with its direction (byte 1: 1 a send,
+/// 2 a receive) and its peer (bytes 4..8), which its messages do not carry (a send and its
+/// receive carry the same stamp). Other stamps come back unchanged.
+pub fn with_role(mut s: Stamp, send: bool, peer: usize) -> Stamp {
+    if s[0] == P2P_KIND {
+        s[1] = if send { 1 } else { 2 };
+        s[4..8].copy_from_slice(&(peer as u32).to_le_bytes());
+    }
+    s
+}
+
+/// A point-to-point stamp's direction (true: a send) and peer, if it shows them ([`with_role`]).
+pub fn p2p_role(s: &Stamp) -> Option<(bool, usize)> {
+    (s[0] == P2P_KIND && matches!(s[1], 1 | 2)).then(|| (s[1] == 1, u32::from_le_bytes([s[4], s[5], s[6], s[7]]) as usize))
+}
+
+/// A stamp without the direction and peer [`with_role`] shows.
+pub fn without_role(mut s: Stamp) -> Stamp {
+    if s[0] == P2P_KIND {
+        s[1] = 0;
+        s[4..8].fill(0);
+    }
+    s
+}
+
 /// A point-to-point call's size in bytes (its stamp's); None for a collective's stamp.
 pub fn p2p_bytes(s: &Stamp) -> Option<u64> {
     (s[0] == P2P_KIND).then(|| u64::from_le_bytes([s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]]))
@@ -215,8 +240,12 @@ pub fn describe_stamp(s: &Stamp) -> String {
     }
     let u64_at = |i: usize| u64::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3], s[i + 4], s[i + 5], s[i + 6], s[i + 7]]);
     if s[0] == P2P_KIND {
-        // (A send and the receive it matches carry the same stamp.)
-        return format!("a send or receive of {} bytes", u64_at(8));
+        return match p2p_role(s) {
+            Some((true, peer)) => format!("a send of {} bytes to rank {peer}", u64_at(8)),
+            Some((false, peer)) => format!("a receive of {} bytes from rank {peer}", u64_at(8)),
+            // (A send and the receive it matches carry the same stamp.)
+            None => format!("a send or receive of {} bytes", u64_at(8)),
+        };
     }
     let Some(kind) = KINDS.iter().find(|k| **k as u8 == s[0]) else {
         return format!("an unknown operation (stamp {s:02x?})");

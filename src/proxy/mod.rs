@@ -297,7 +297,9 @@ impl<'a> Job<'a> {
                 continue;
             }
             asked.push(peer);
-            let mine = self.stamps[self.units[unit as usize].op as usize];
+            // (With its direction and peer, if a send or receive: see `Comm::peer_runs`.)
+            let u = self.units[unit as usize];
+            let mine = crate::plan::ops::with_role(self.stamps[u.op as usize], matches!(u.step, Step::Send { .. }), peer);
             let runs = self.comm.peer_runs(peer, &mine, self.describe)?;
             answered &= runs.answered();
             if let Some(why) = runs.why_waiting(&mine, self.describe) {
