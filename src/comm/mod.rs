@@ -575,7 +575,9 @@ impl Comm {
             Some((&STATUS_STREAM, rest)) => {
                 // Ours, if it waits for its stream to reach this very call; else the first.
                 let mut stamps = rest.chunks_exact(STAMP_BYTES);
-                let theirs = stamps.clone().find(|s| *s == mine.as_slice()).or_else(|| stamps.next());
+                // (Stamps as their messages carry them: without a send's or receive's direction.)
+                let plain = crate::plan::ops::without_role(*mine);
+                let theirs = stamps.clone().find(|s| *s == plain.as_slice()).or_else(|| stamps.next());
                 return Ok(theirs.and_then(|t| t.try_into().ok()).map_or(PeerRuns::Unknown, PeerRuns::Stream));
             }
             Some((&STATUS_SUSPENDED, _)) => return Ok(PeerRuns::Suspended),

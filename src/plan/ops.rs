@@ -443,6 +443,26 @@ mod tests {
         }
     }
 
+    /// A send and its receive carry one stamp on the wire; a status shows each with its
+    /// direction and peer, which come off again, and a collective's stamp is left alone.
+    #[test]
+    fn sends_and_receives_show_their_direction_and_peer() {
+        let op = |kind, count| Op { kind, dt: DataType::Float32, op: RedOp::Builtin(BuiltinOp::Sum), count, root: 3,
+            send: Region::EMPTY, recv: Region::EMPTY, seq: 5, scalar_at: None, of: None };
+        let (send, recv) = (op(OpKind::Send, 10).stamp(), op(OpKind::Recv, 10).stamp());
+        assert_eq!(send, recv);
+        let shown = with_role(send, true, 3);
+        assert_eq!((p2p_role(&shown), p2p_role(&send)), (Some((true, 3)), None));
+        assert_eq!(p2p_role(&with_role(recv, false, 7)), Some((false, 7)));
+        assert_eq!(without_role(shown), send);
+        assert_eq!(p2p_bytes(&shown), Some(40));
+        assert_eq!(describe_stamp(&shown), "a send of 40 bytes to rank 3");
+        assert_eq!(describe_stamp(&with_role(recv, false, 7)), "a receive of 40 bytes from rank 7");
+        assert_eq!(describe_stamp(&send), "a send or receive of 40 bytes");
+        let coll = op(OpKind::AllReduce, 10).stamp();
+        assert_eq!((with_role(coll, true, 3), p2p_role(&coll), p2p_bytes(&coll)), (coll, None, None));
+    }
+
     /// NCCL's in-place layouts are not overlaps to copy around; every other overlap is, and
     /// disjoint buffers are not. Rank 1 of 3, blocks of 4 bytes.
     #[test]
