@@ -235,6 +235,54 @@ fn a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch() {
     judge("a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch", &o, o.ok(), String::new());
 }
 
+/// The benchmark in a mount namespace of its own whose /dev/shm holds `size` (needs root, as
+/// the network-namespace tests: `NCCL_TEST_SKIP_NETNS=1`): its exit status and output.
+fn perf_with_small_dev_shm(size: &str, env: &[(&str, &str)], args: &[&str]) -> (std::process::ExitStatus, String) {
+    let perf = env!("CARGO_BIN_EXE_nccl-rs-perf");
+    let script = format!("mount -t tmpfs -o size={size} tmpfs /dev/shm && exec \"$0\" \"$@\"");
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", &script, perf])
+        .args(args)
+        .envs(env.iter().copied())
+        .env("NCCL_DEBUG", "WARN")
+        .env_remove("NCCL_COMM_ID")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .expect("run unshare");
+    (out.status, format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+/// A /dev/shm with room for the header page of one ring of the six that three ranks'
+/// all-to-all needs (a container's is 64 MB by default): the pairs that find none connect by
+/// socket instead, said once at WARN with what to do, and every result is exact.
+#[test]
+fn a_dev_shm_without_room_for_a_ring_falls_back_to_sockets() {
+    if skip_netns() {
+        return;
+    }
+    let (status, text) = perf_with_small_dev_shm("4k", &[], &["alltoall", "-np", "3", "-b", "24", "-e", "48", "-n", "3"]);
+    assert!(status.success(), "the all-to-all over a small /dev/shm failed:\n{text}");
+    assert!(text.contains("Out of bounds values : 0 OK"), "wrong results:\n{text}");
+    assert!(text.contains("/dev/shm has no room for a ring") && text.contains("sockets instead"),
+            "no WARN says the pairs took sockets, and why:\n{text}");
+}
+
+/// A ring whose messages outgrow the room /dev/shm has left (16 KiB; copies through the ring,
+/// NCCL_CMA_DISABLE=1): the call fails with ncclSystemError saying /dev/shm is too small and
+/// what to do. Before: the rank writing past the room died of SIGBUS, saying nothing.
+#[test]
+fn a_dev_shm_too_small_for_the_messages_is_an_error_not_sigbus() {
+    if skip_netns() {
+        return;
+    }
+    let (status, text) = perf_with_small_dev_shm("16k", &[("NCCL_CMA_DISABLE", "1")],
+                                                 &["allreduce", "-np", "2", "-b", "4M", "-e", "4M", "-n", "3"]);
+    assert!(!status.success(), "a 4 MB all-reduce through a 16 KiB /dev/shm succeeded:\n{text}");
+    assert!(!text.contains("killed by signal"), "a rank died of a signal:\n{text}");
+    assert!(text.contains("(ncclResult 2)") && text.contains("no room for") && text.contains("--shm-size"),
+            "no ncclSystemError says /dev/shm is too small and what to do:\n{text}");
+}
+
 /// A rank whose process is stopped (SIGSTOP) while its peer waits on it, before the two are
 /// connected (the wait for a first connection) and after (the progress engine): the waiting
 /// rank says at WARN, about 10 s in, that rank 1 does not answer and that its process is

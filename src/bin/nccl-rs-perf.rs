@@ -115,10 +115,21 @@ fn fork_ranks(o: &Opts, args: &[String]) -> ExitCode {
         })
         .collect();
     let mut ok = true;
-    for c in children {
+    for (p, c) in children.into_iter().enumerate() {
         match c.and_then(|mut c| c.wait()) {
             Ok(s) if s.success() => {}
-            _ => ok = false,
+            Ok(s) => {
+                // A rank that died of a signal says nothing itself: say it.
+                use std::os::unix::process::ExitStatusExt;
+                if let Some(sig) = s.signal() {
+                    eprintln!("nccl-rs-perf: process {p} was killed by signal {sig}");
+                }
+                ok = false;
+            }
+            Err(e) => {
+                eprintln!("nccl-rs-perf: process {p}: {e}");
+                ok = false;
+            }
         }
     }
     if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }

@@ -164,6 +164,22 @@ pub struct Ctx<'a> {
 /// Bootstrap tags used while connecting.
 const TAG_SHM: u32 = 0x5348_4d00;
 const TAG_SOCKET: u32 = 0x534f_4b00;
+/// Sent instead of a ring's name when the sender found no room for one in `/dev/shm`: the
+/// pair connects by socket (never a ring's name: those start with `shm::PREFIX`).
+const SOCKET_INSTEAD: &[u8] = b"socket";
+
+fn socket_send(ctx: &Ctx<'_>, me: &PeerInfo, other: &PeerInfo, peer: usize) -> Result<socket::SocketSend> {
+    let k = me.nsocks.min(other.nsocks).max(1);
+    let streams = (0..k).map(|j| ctx.service.connect_data(peer, TAG_SOCKET + j)).collect::<Result<Vec<_>>>()?;
+    socket::SocketSend::new(streams, peer)
+}
+
+fn socket_recv(ctx: &Ctx<'_>, me: &PeerInfo, other: &PeerInfo, peer: usize) -> Result<socket::SocketRecv> {
+    let k = me.nsocks.min(other.nsocks).max(1);
+    let streams = (0..k).map(|j| ctx.service.accept_data(peer, TAG_SOCKET + j, ctx.deadline, ctx.abort))
+        .collect::<Result<Vec<_>>>()?;
+    socket::SocketRecv::new(streams, peer, ctx.slice)
+}
 
 /// Phase 1: create the sending side towards `peer`.
 pub fn offer(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
@@ -174,16 +190,24 @@ pub fn offer(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
     let other = &ctx.peers[peer];
     let conn: Box<dyn SendConn> = match choose(me, other) {
         Kind::Local => Box::new(local::offer(ctx.hash, ctx.rank, peer, other.addr.port(), ctx.slice)?),
-        Kind::Shm => {
-            let (conn, name) = shm::create(ctx.hash, ctx.rank, peer, other.addr.port(), ctx.slice, other.pid)?;
-            ctx.service.send(peer, TAG_SHM, name.as_bytes())?;
-            Box::new(conn)
-        }
-        Kind::Socket => {
-            let k = me.nsocks.min(other.nsocks).max(1);
-            let streams = (0..k).map(|j| ctx.service.connect_data(peer, TAG_SOCKET + j)).collect::<Result<Vec<_>>>()?;
-            Box::new(socket::SocketSend::new(streams, peer)?)
-        }
+        Kind::Shm => match shm::create(ctx.hash, ctx.rank, peer, other.addr.port(), ctx.slice, other.pid)? {
+            shm::Made::Ring(conn, name) => {
+                ctx.service.send(peer, TAG_SHM, name.as_bytes())?;
+                Box::new(conn)
+            }
+            shm::Made::NoRoom(why) => {
+                // The receiver expects a ring's name: it is told to take a socket instead.
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| crate::warn!(
+                    "rank {} -> rank {peer}: {why}: sockets instead, for this pair and any other that finds no \
+                     room (a container's /dev/shm is 64 MB by default: docker run --shm-size=1g, or \
+                     NCCL_SHM_DISABLE=1 to use sockets from the start)", ctx.rank));
+                crate::info!(INIT, "rank {} -> rank {peer}: {why}: socket instead of shared memory", ctx.rank);
+                ctx.service.send(peer, TAG_SHM, SOCKET_INSTEAD)?;
+                Box::new(socket_send(ctx, me, other, peer)?)
+            }
+        },
+        Kind::Socket => Box::new(socket_send(ctx, me, other, peer)?),
     };
     crate::info!(INIT, "rank {} -> rank {} via {:?}", ctx.rank, peer, conn.kind());
     conns.send[peer] = Some(conn);
@@ -200,19 +224,18 @@ pub fn accept(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
     let conn: Box<dyn RecvConn> = match choose(me, other) {
         Kind::Local => Box::new(local::accept(ctx.hash, peer, ctx.rank, me.addr.port(), ctx.slice, ctx.deadline, ctx.abort)?),
         Kind::Shm => {
-            let opened = ctx.service.recv(peer, TAG_SHM, ctx.deadline, ctx.abort)
-                .and_then(|name| shm::open(&String::from_utf8_lossy(&name), ctx.slice, other.pid));
-            if opened.is_err() {
-                shm::remove_expected(ctx.hash, peer, ctx.rank, other.pid, me.addr.port());
+            let name = ctx.service.recv(peer, TAG_SHM, ctx.deadline, ctx.abort);
+            if name.as_deref().is_ok_and(|n| n == SOCKET_INSTEAD) {
+                Box::new(socket_recv(ctx, me, other, peer)?)
+            } else {
+                let opened = name.and_then(|name| shm::open(&String::from_utf8_lossy(&name), ctx.slice, other.pid));
+                if opened.is_err() {
+                    shm::remove_expected(ctx.hash, peer, ctx.rank, other.pid, me.addr.port());
+                }
+                Box::new(opened?)
             }
-            Box::new(opened?)
         }
-        Kind::Socket => {
-            let k = me.nsocks.min(other.nsocks).max(1);
-            let streams = (0..k).map(|j| ctx.service.accept_data(peer, TAG_SOCKET + j, ctx.deadline, ctx.abort))
-                .collect::<Result<Vec<_>>>()?;
-            Box::new(socket::SocketRecv::new(streams, peer, ctx.slice)?)
-        }
+        Kind::Socket => Box::new(socket_recv(ctx, me, other, peer)?),
     };
     conns.recv[peer] = Some(conn);
     Ok(())

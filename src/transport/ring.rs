@@ -65,7 +65,7 @@ static PROBE: u64 = 0x6e63_636c_2d72_7321;
 /// Where senders test that they may write into this process (the value written is PROBE).
 static WRITE_PROBE: AtomicU64 = AtomicU64::new(0);
 const HEADER_BYTES: usize = 64;
-const DATA: usize = 4096;
+pub const DATA: usize = 4096;
 const _: () = assert!(HEADERS + SLOTS * HEADER_BYTES <= DATA && HELP_PROBE_ADDR + 8 <= HEADERS);
 
 pub fn ring_bytes(slice: usize) -> usize {
@@ -148,6 +148,51 @@ pub struct RingSend {
     /// Descriptors posted and not yet known consumed: (token, address, length). Helping uses
     /// these, not the addresses in shared memory, to bound what it claims.
     posted: std::collections::VecDeque<(u64, usize, usize)>,
+    /// A ring in a file (`shm`): its slots' memory, given as they are first written.
+    reserve: Option<Reserve>,
+}
+
+/// The memory of a file-backed ring's slots, allocated (`posix_fallocate`) before a write
+/// first reaches it, rather than all at creation or on the page fault: a page fault with no
+/// room in `/dev/shm` (a container's is 64 MB by default) ends the process with SIGBUS, and a
+/// ring whose messages are small would hold its whole size for nothing.
+pub struct Reserve {
+    fd: std::os::fd::OwnedFd,
+    /// Bytes allocated from each slot's start.
+    held: [usize; SLOTS],
+}
+
+impl Reserve {
+    pub fn new(fd: std::os::fd::OwnedFd) -> Reserve {
+        Reserve { fd, held: [0; SLOTS] }
+    }
+
+    /// Allocate `[off, off + len)` of the file now; a file system that cannot is left as is.
+    pub fn allocate(fd: &std::os::fd::OwnedFd, off: usize, len: usize) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: posix_fallocate on a descriptor we own; it returns the error number.
+        let r = unsafe { libc::posix_fallocate(fd.as_raw_fd(), off as libc::off_t, len as libc::off_t) };
+        match r {
+            0 | libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
+            e => Err(std::io::Error::from_raw_os_error(e)),
+        }
+    }
+
+    /// Slot `slot` (of `slice` bytes) is about to get `n` bytes: allocate them first, in
+    /// whole pages, at least doubling what the slot holds (a few calls per slot, ever).
+    fn ensure(&mut self, slot: usize, slice: usize, n: usize) -> Result<()> {
+        if n <= self.held[slot] {
+            return Ok(());
+        }
+        let want = n.next_multiple_of(4096).max(self.held[slot] * 2).min(slice).max(n);
+        Reserve::allocate(&self.fd, DATA + slot * slice, want).map_err(|e| {
+            Error::system(format!("shm: no room for {want} more bytes of a ring in /dev/shm ({e}): it is too small or too full{} (a \
+                                   container's is 64 MB by default: docker run --shm-size=1g, or NCCL_SHM_DISABLE=1 \
+                                   to use sockets)", crate::transport::shm::room()))
+        })?;
+        self.held[slot] = want;
+        Ok(())
+    }
 }
 
 pub struct RingRecv {
@@ -167,7 +212,14 @@ impl RingSend {
         if peer_pid.is_some() {
             map.atomic_u64(CMA_PROBE_ADDR).store(&PROBE as *const u64 as u64, Ordering::Release);
         }
-        RingSend { map, slice, tail: 0, head_seen: 0, kind, peer_pid, can_write: None, posted: std::collections::VecDeque::new() }
+        RingSend { map, slice, tail: 0, head_seen: 0, kind, peer_pid, can_write: None, posted: std::collections::VecDeque::new(),
+                   reserve: None }
+    }
+
+    /// A ring in a file: its slots' memory is allocated as they are first written.
+    pub fn with_reserve(mut self, reserve: Reserve) -> RingSend {
+        self.reserve = Some(reserve);
+        self
     }
 
     /// Write blocks of the posted message `token` that the receiver shares (a large
@@ -498,6 +550,13 @@ impl super::SendConn for RingSend {
         };
         let slot = (self.tail % SLOTS as u64) as usize;
         let hdr_off = HEADERS + slot * HEADER_BYTES;
+        if let Some(r) = &mut self.reserve {
+            match kind {
+                KIND_DESCRIPTOR => r.ensure(slot, self.slice, 16)?,
+                KIND_INLINE => r.ensure(slot, self.slice, src.len())?,
+                _ => {}
+            }
+        }
         // SAFETY: the slot is free (tail - head < SLOTS) so only we touch it until we publish;
         // slot and header lie inside the mapping (ring_bytes). src is a valid region.
         unsafe {

@@ -10,7 +10,7 @@
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use super::ring::{ring_bytes, Mapping, RingRecv, RingSend};
+use super::ring::{ring_bytes, Mapping, Reserve, RingRecv, RingSend, DATA};
 use super::{Kind, SendConn, Sent, Stamp};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
@@ -68,27 +68,70 @@ pub fn remove_expected(hash: u64, from: usize, to: usize, pid: u32, to_port: u16
     let _ = std::fs::remove_file(format!("/dev/shm/{}", name_for(hash, from, to, pid, to_port)));
 }
 
-pub fn create(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, peer_pid: u32) -> Result<(ShmSend, String)> {
+/// What [`create`] made: a ring and its name, or nothing because `/dev/shm` has no room for
+/// one (why, in words).
+pub enum Made {
+    Ring(ShmSend, String),
+    NoRoom(String),
+}
+
+/// Create the ring rank `from` sends to rank `to` through: its header page is allocated here
+/// (no room for it: `Made::NoRoom`, and the pair takes a socket), its slots as they are first
+/// written (`ring::Reserve`), so that a full `/dev/shm` is an error, never SIGBUS at a page
+/// fault, and a ring of small messages holds little memory.
+pub fn create(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, peer_pid: u32) -> Result<Made> {
     let name = name_for(hash, from, to, std::process::id(), to_port);
     let path = format!("/dev/shm/{name}");
     let len = ring_bytes(slice);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&path)
-        .map_err(|e| Error::os(format!("shm: create {path}"), e))?;
-    let mapped = file.set_len(len as u64).map_err(|e| Error::os(format!("shm: size {path}"), e))
-        .and_then(|_| Mapping::new(len, Some(file.as_raw_fd())));
-    let map = match mapped {
+    let no_room = |e: &std::io::Error| {
+        matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+            .then(|| format!("/dev/shm has no room for a ring ({e}{})", room()))
+    };
+    let file = match std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path) {
+        Ok(f) => f,
+        Err(e) => return no_room(&e).map(Made::NoRoom).ok_or_else(|| Error::os(format!("shm: create {path}"), e)),
+    };
+    let fd = std::os::fd::OwnedFd::from(file);
+    let sized = set_len(&fd, len).and_then(|_| Reserve::allocate(&fd, 0, DATA));
+    if let Err(e) = sized {
+        let _ = std::fs::remove_file(&path);
+        return no_room(&e).map(Made::NoRoom).ok_or_else(|| Error::os(format!("shm: size {path}"), e));
+    }
+    let map = match Mapping::new(len, Some(fd.as_raw_fd())) {
         Ok(m) => m,
         Err(e) => {
             let _ = std::fs::remove_file(&path);
             return Err(e);
         }
     };
-    let ring = RingSend::new(Arc::new(map), slice, Kind::Shm, Some(peer_pid));
-    Ok((ShmSend { ring, path }, name))
+    let ring = RingSend::new(Arc::new(map), slice, Kind::Shm, Some(peer_pid)).with_reserve(Reserve::new(fd));
+    Ok(Made::Ring(ShmSend { ring, path }, name))
+}
+
+/// Set the file's length (sparse: its memory comes as [`Reserve`] allocates it).
+fn set_len(fd: &std::os::fd::OwnedFd, len: usize) -> std::io::Result<()> {
+    let file = std::fs::File::from(fd.try_clone()?);
+    file.set_len(len as u64)
+}
+
+/// "; N MiB free of M MiB" for /dev/shm, for messages about its room (empty if unknown).
+pub fn room() -> String {
+    let Some((free, total)) = free_bytes() else { return String::new() };
+    let size = |b: u64| if b >= 1 << 20 { format!("{} MiB", b >> 20) } else { format!("{} KiB", b >> 10) };
+    format!("; {} free of {}", size(free), size(total))
+}
+
+/// Free and total bytes of /dev/shm.
+fn free_bytes() -> Option<(u64, u64)> {
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: a NUL-terminated path and a buffer of the right type, read only on success.
+    let r = unsafe { libc::statvfs(c"/dev/shm".as_ptr(), st.as_mut_ptr()) };
+    if r != 0 {
+        return None;
+    }
+    // SAFETY: statvfs succeeded, so it filled the buffer.
+    let st = unsafe { st.assume_init() };
+    Some((st.f_bavail as u64 * st.f_frsize as u64, st.f_blocks as u64 * st.f_frsize as u64))
 }
 
 pub fn open(name: &str, slice: usize, peer_pid: u32) -> Result<RingRecv> {
