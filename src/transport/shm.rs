@@ -80,6 +80,8 @@ pub enum Made {
 /// written (`ring::Reserve`), so that a full `/dev/shm` is an error, never SIGBUS at a page
 /// fault, and a ring of small messages holds little memory.
 pub fn create(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, peer_pid: u32) -> Result<Made> {
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(sweep_stale);
     let name = name_for(hash, from, to, std::process::id(), to_port);
     let path = format!("/dev/shm/{name}");
     let len = ring_bytes(slice);
@@ -112,6 +114,36 @@ pub fn create(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, pee
 fn set_len(fd: &std::os::fd::OwnedFd, len: usize) -> std::io::Result<()> {
     let file = std::fs::File::from(fd.try_clone()?);
     file.set_len(len as u64)
+}
+
+/// How old a ring file of a process that is gone must be before anyone removes it. A ring's
+/// file lives from its sender's offer until its receiver opens it (usually milliseconds), or
+/// until that receiver's communicator ends (see the module's words on messages left for a
+/// receiver); one this old, of a sender that is gone, was left by processes that were killed.
+const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Remove ring files that killed jobs left behind (their senders are gone, and they are older
+/// than [`STALE_AFTER`]): they hold memory in /dev/shm, which a container has little of. Once
+/// per process, at its first ring.
+fn sweep_stale() {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+    let mut removed = 0;
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str().filter(|n| n.starts_with(PREFIX)) else { continue };
+        // nccl-rs-<hash>-<from>-<to>-<pid>-<port> (an older build's: without the port).
+        let fields: Vec<&str> = name[PREFIX.len()..].split('-').collect();
+        let pid = (4..=5).contains(&fields.len()).then(|| fields[3].parse::<u32>().ok()).flatten();
+        let Some(pid) = pid.filter(|&p| p != std::process::id()) else { continue };
+        let old = entry.metadata().ok().and_then(|m| m.modified().ok())
+            .and_then(|t| t.elapsed().ok()).is_some_and(|age| age >= STALE_AFTER);
+        if old && !super::ring::pid_alive(pid) && std::fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        crate::info!(INIT, "shm: removed {removed} ring file(s) of processes that are gone from /dev/shm");
+    }
 }
 
 /// "; N MiB free of M MiB" for /dev/shm, for messages about its room (empty if unknown).
@@ -151,4 +183,36 @@ pub fn open(name: &str, slice: usize, peer_pid: u32) -> Result<RingRecv> {
     };
     let _ = std::fs::remove_file(&path);
     Ok(RingRecv::new(Arc::new(map?), slice, Kind::Shm, Some(peer_pid)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only files of senders that are gone, and older than STALE_AFTER, go.
+    #[test]
+    fn stale_rings_of_gone_processes_are_swept() {
+        let gone = std::process::Command::new("true").spawn().and_then(|mut c| c.wait().map(|_| c.id())).expect("a pid");
+        let old = std::time::SystemTime::now() - STALE_AFTER - std::time::Duration::from_secs(60);
+        let make = |name: String, at: std::time::SystemTime| {
+            let path = format!("/dev/shm/{name}");
+            let f = std::fs::File::create(&path).expect("a file in /dev/shm");
+            f.set_modified(at).expect("set its time");
+            path
+        };
+        let tag = format!("{:016x}", std::process::id() as u64 * 7919);
+        let stale = make(format!("{PREFIX}{tag}-0-1-{gone}-4242"), old);
+        let older_build = make(format!("{PREFIX}{tag}-1-0-{gone}"), old);
+        let fresh = make(format!("{PREFIX}{tag}-2-0-{gone}-4242"), std::time::SystemTime::now());
+        let alive = make(format!("{PREFIX}{tag}-3-0-1-4242"), old);
+        sweep_stale();
+        let exists = |p: &str| std::path::Path::new(p).exists();
+        let (a, b, c, d) = (exists(&stale), exists(&older_build), exists(&fresh), exists(&alive));
+        for p in [&stale, &older_build, &fresh, &alive] {
+            let _ = std::fs::remove_file(p);
+        }
+        assert!(!a && !b, "old rings of a gone process stayed");
+        assert!(c, "a recent ring of a gone process was removed (its receiver may not have opened it yet)");
+        assert!(d, "a ring of a live process (pid 1) was removed");
+    }
 }
