@@ -42,8 +42,10 @@ struct Group {
     /// One-sided calls (puts, signals, waits), in call order.
     rma: Vec<(Arc<Comm>, crate::api::rma::RmaOp)>,
     error: Option<Error>,
-    /// The communicators this thread holds until the group closes (`Comm::hold`).
-    held: Vec<crate::comm::Held>,
+    /// The communicators this thread holds until the group closes (`Comm::hold`): the first
+    /// here (most groups have one: no allocation), any others in `held_more`.
+    held: Option<crate::comm::Held>,
+    held_more: Vec<crate::comm::Held>,
 }
 
 thread_local! {
@@ -353,7 +355,12 @@ pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, placement: Placement,
         let mut g = g.borrow_mut();
         if g.depth > 0 {
             g.ops.push(Queued { comm: comm.clone(), op, stream, placement });
-            g.held.extend(held.take());
+            if let Some(h) = held.take() {
+                match g.held {
+                    None => g.held = Some(h),
+                    Some(_) => g.held_more.push(h),
+                }
+            }
             true
         } else {
             false

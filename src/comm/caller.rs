@@ -27,6 +27,10 @@ impl Comm {
     /// message). None when this thread holds it already (its open group does).
     pub fn hold(self: &Arc<Self>, call: &str) -> Result<Option<Held>> {
         let me = crate::debug::tid();
+        // (A plain load first: a group's later calls find it theirs without a locked write.)
+        if self.caller.load(Ordering::Acquire) == me {
+            return Ok(None);
+        }
         match self.caller.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => Ok(Some(Held(self.clone()))),
             Err(holder) if holder == me => Ok(None),
