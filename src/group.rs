@@ -684,6 +684,8 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
                     }
                 }
             }
+            // A peer whose connection is gone may have failed: its reason is the one to give.
+            Err(e) if e.code == crate::Code::RemoteError => return Err(c.peer_failure(peer).unwrap_or(e)),
             other => return other,
         }
     }

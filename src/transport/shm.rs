@@ -175,7 +175,14 @@ pub fn open(name: &str, slice: usize, peer_pid: u32) -> Result<RingRecv> {
         .read(true)
         .write(true)
         .open(&path)
-        .map_err(|e| Error::os(format!("shm: open {path}"), e))?;
+        .map_err(|e| match e.kind() {
+            // Offered, then removed by its sender before this rank got to it: the sender's
+            // communicator failed or ended (the caller asks it why).
+            std::io::ErrorKind::NotFound => Error::remote(format!(
+                "shm: the sending rank removed its ring {path} before this rank opened it: it failed, or destroyed \
+                 or aborted its communicator")),
+            _ => Error::os(format!("shm: open {path}"), e),
+        })?;
     let len = ring_bytes(slice);
     let actual = file.metadata().map(|m| m.len()).unwrap_or(0);
     let map = if actual as usize == len { Mapping::new(len, Some(file.as_raw_fd())) } else {
