@@ -33,6 +33,12 @@ pub fn offer(hash: u64, from: usize, to: usize, to_port: u16, slice: usize) -> R
     Ok(RingSend::new(map, slice, Kind::Local, None))
 }
 
+/// The receiving communicator ends without having accepted rank `from`'s ring: the table lets
+/// go of it (its memory goes with the sender's side).
+pub fn forget(hash: u64, from: usize, to: usize, to_port: u16) {
+    table().rings.lock().unwrap_or_else(|p| p.into_inner()).remove(&(hash, to_port, from, to));
+}
+
 pub fn accept(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, deadline: Instant, abort: &AtomicBool)
               -> Result<RingRecv> {
     let t = table();
@@ -52,5 +58,23 @@ pub fn accept(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, dea
             Ok((g, _)) => g,
             Err(p) => p.into_inner().0,
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ring offered to a communicator that ends without accepting it leaves the table.
+    #[test]
+    fn an_unaccepted_ring_is_forgotten() {
+        let (hash, port, slice) = (0x10ca1_u64 ^ std::process::id() as u64, 4242, 4096);
+        let abort = AtomicBool::new(false);
+        let soon = || Instant::now() + Duration::from_millis(50);
+        let _kept = offer(hash, 0, 1, port, slice).expect("a ring");
+        assert!(accept(hash, 0, 1, port, slice, soon(), &abort).is_ok(), "an offered ring is there to accept");
+        let _dropped = offer(hash, 0, 1, port, slice).expect("a ring");
+        forget(hash, 0, 1, port);
+        assert!(accept(hash, 0, 1, port, slice, soon(), &abort).is_err(), "a forgotten ring is still in the table");
     }
 }

@@ -139,13 +139,19 @@ impl Conns {
     }
 }
 
-/// A communicator ends: the files of shared-memory rings that peers of this host may have
-/// left for it (with messages it never received: `shm`) go, for peers it never accepted.
+/// A communicator ends: the rings peers of this host or process may have offered it, with
+/// messages it never received (`shm`), go, for peers it never accepted: files in /dev/shm,
+/// or entries of the process's rendezvous table.
 pub fn forget_unaccepted(rank: usize, hash: u64, peers: &[PeerInfo], conns: &Conns) {
     let Some(me) = peers.get(rank) else { return };
     for (p, other) in peers.iter().enumerate() {
-        if p != rank && !conns.has_recv(p) && choose(me, other) == Kind::Shm {
-            shm::remove_expected(hash, p, rank, other.pid, me.addr.port());
+        if p == rank || conns.has_recv(p) {
+            continue;
+        }
+        match choose(me, other) {
+            Kind::Shm => shm::remove_expected(hash, p, rank, other.pid, me.addr.port()),
+            Kind::Local => local::forget(hash, p, rank, me.addr.port()),
+            Kind::Socket => {}
         }
     }
 }
