@@ -2779,11 +2779,24 @@ static int mismatch(void) {
    * read directly): the receiver must not copy a buffer of the wrong size, and the two get the
    * error, naming the send and the receive. */
   const int p2p = !strcmp(getenv("CUDA_TEST_MISMATCH"), "p2p");
-  const size_t count = g_env.first_rank == 0 ? 100000 : small ? 1000 : 200000;
-  const char* named = p2p ? (g_env.first_rank == 0 ? "Send" : "Recv") : "AllReduce";
-  CUdeviceptr d = dev_alloc(200000 * sizeof(float));
+  /* CUDA_TEST_MISMATCH=both_send: each rank sends 16 MiB to the other and waits for
+   * its stream before it would receive: neither send can finish. The streams get past the
+   * send with the error; the rank that sees it first says each sends to the other (checked by
+   * the harness: the other may only see it leave). (Without the wait, the worker may take the
+   * send and the receive in one batch, as one group, and both succeed.) */
+  const int both = !strcmp(getenv("CUDA_TEST_MISMATCH"), "both_send");
+  const size_t count = both ? 4 << 20 : g_env.first_rank == 0 ? 100000 : small ? 1000 : 200000;
+  const char* named = both ? "" : p2p ? (g_env.first_rank == 0 ? "Send" : "Recv") : "AllReduce";
+  CUdeviceptr d = dev_alloc((both ? 2 * count : 200000) * sizeof(float));
   ncclComm_t comm = g_comms[0];
-  if (p2p && g_env.first_rank == 0) {
+  if (both) {
+    const int other = 1 - g_env.first_rank;
+    CHECK(ncclSend((const void*)(uintptr_t)d, count, ncclFloat32, other, comm, g_streams[0]));
+    CU(cu.StreamSynchronize(g_streams[0]));
+    ncclResult_t rr = ncclRecv((void*)(uintptr_t)(d + count * sizeof(float)), count, ncclFloat32, other, comm,
+                               g_streams[0]);
+    tlog("the receive after the failed send: %s", result_name(rr));
+  } else if (p2p && g_env.first_rank == 0) {
     CHECK(ncclSend((const void*)(uintptr_t)d, count, ncclFloat32, 1, comm, g_streams[0]));
   } else if (p2p) {
     CHECK(ncclRecv((void*)(uintptr_t)d, count, ncclFloat32, 0, comm, g_streams[0]));

@@ -1602,12 +1602,19 @@ fn cuda_mode_unclassifiable_buffer_fails_the_call() {
 
 /// Ranks issuing all-reduces of different counts on device memory (direct-path sizes), or a
 /// send and a receive of different sizes, get ncclInvalidUsage naming the calls, never each
-/// other's data read as the same call.
+/// other's data read as the same call. Two ranks that each send to the other before
+/// receiving, outside a group, get an error saying so (before: both streams waited for ever),
+/// on the direct path and staged.
 #[test]
 fn cuda_mode_mismatched_calls_are_reported() {
-    for case in ["1", "small", "p2p"] {
-        let o = cuda_job().procs(2).env("CUDA_TEST_MISMATCH", case).timeout_s(60).run_outcome();
+    for (case, direct) in [("1", "1"), ("small", "1"), ("p2p", "1"), ("both_send", "1"), ("both_send", "0")] {
+        let o = cuda_job().procs(2).env("CUDA_TEST_MISMATCH", case).env("NCCL_RS_DIRECT_P2P", direct).timeout_s(60)
+            .run_outcome();
         assert!(o.ok(), "{}", o.report);
+        if case == "both_send" {
+            assert!(o.procs.iter().any(|p| p.log.contains("each sends to the other")),
+                    "no rank said that each sends to the other (NCCL_RS_DIRECT_P2P={direct}):\n{}", o.report);
+        }
         println!("{}", o.report);
     }
 }

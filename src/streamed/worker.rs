@@ -433,7 +433,22 @@ fn run_batch(comm: &Arc<Comm>, stream: &Arc<Stream>, s: &Streamed, staging: &mut
     match (direct_ops.is_empty(), host.is_empty()) {
         (true, true) => Ok(()),
         (true, false) => run_staged(comm, stream, staging, &host),
-        (false, true) => ipc::run_p2p(comm, stream, direct, s, &direct_ops),
+        (false, true) => {
+            // What this rank runs, for peers that wait on it (each send and receive with its
+            // direction and peer: two ranks that only send to each other are told so). Not
+            // with a staged part beside it, which publishes its own.
+            let shown: Vec<crate::transport::Stamp> = direct_ops.iter()
+                .map(|o| crate::plan::ops::with_role(o.op.stamp(), o.op.kind == crate::plan::OpKind::Send, o.op.root))
+                .collect();
+            let ready = comm.ready()?;
+            ready.set_running(&shown);
+            let result = ipc::run_p2p(comm, stream, direct, s, &direct_ops);
+            // (A failure is published in its place, for peers that ask: not cleared first.)
+            if result.is_ok() {
+                ready.set_running(&[]);
+            }
+            result
+        }
         // Only this rank's sends to itself and receives from itself (an all-to-all as PyTorch
         // issues it, by sends and receives): they wait for no peer, so they run first, on this
         // thread, rather than on one spawned for them.

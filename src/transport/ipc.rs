@@ -961,14 +961,17 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
                 // The first operation that waits on it: is the peer in it, and if not, why not?
                 let Some(op) = on_peer().map(|i| &ops[i].op).find(|o| o.root == p) else { continue };
                 let describe = &crate::plan::ops::describe_stamp;
-                let unknown = match comm.peer_runs(p, &op.stamp(), describe) {
-                    Err(e) if e.msg.contains(" failed: ") => {
+                let mine = crate::plan::ops::with_role(op.stamp(), op.kind == OpKind::Send, p);
+                let unknown = match comm.peer_runs(p, &mine, describe) {
+                    // It failed, or it only sends to this rank while this rank only sends to it
+                    // (or both only receive): neither call can finish.
+                    Err(e) if e.msg.contains(" failed: ") || e.msg.contains("neither call can finish") => {
                         return Err(e.context(format!("rank {}: a send or receive with rank {p}", comm.rank)));
                     }
                     // It runs other calls: a peer may, between its sends and receives.
                     Err(_) => false,
                     Ok(runs) => {
-                        if let Some(why) = runs.why_waiting(&op.stamp(), describe).filter(|_| !named.contains(&p)) {
+                        if let Some(why) = runs.why_waiting(&mine, describe).filter(|_| !named.contains(&p)) {
                             named.push(p);
                             crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}", comm.rank,
                                          since.elapsed().as_secs_f64(), op.describe(), comm.describe_peer(p));
