@@ -170,11 +170,15 @@ impl Reserve {
     /// Allocate `[off, off + len)` of the file now; a file system that cannot is left as is.
     pub fn allocate(fd: &std::os::fd::OwnedFd, off: usize, len: usize) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
-        // SAFETY: posix_fallocate on a descriptor we own; it returns the error number.
-        let r = unsafe { libc::posix_fallocate(fd.as_raw_fd(), off as libc::off_t, len as libc::off_t) };
-        match r {
-            0 | libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
-            e => Err(std::io::Error::from_raw_os_error(e)),
+        loop {
+            // SAFETY: posix_fallocate on a descriptor we own; it returns the error number.
+            let r = unsafe { libc::posix_fallocate(fd.as_raw_fd(), off as libc::off_t, len as libc::off_t) };
+            match r {
+                0 | libc::EOPNOTSUPP | libc::EINVAL => return Ok(()),
+                // A signal (a handler without SA_RESTART): again.
+                libc::EINTR => continue,
+                e => return Err(std::io::Error::from_raw_os_error(e)),
+            }
         }
     }
 
