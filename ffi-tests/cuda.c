@@ -2857,7 +2857,14 @@ static int launch_fail(void) {
   double start = now_s();
   ncclResult_t r = ncclAllReduce((void*)(uintptr_t)d, (void*)(uintptr_t)d, count, ncclFloat32, ncclSum, comm,
                                  g_streams[0]);
-  EXPECT(r == ncclSuccess || g_env.first_rank == 1, "rank 0's call failed: %s", result_name(r));
+  /* Host-wait mode: the call returns once its operation is done, so it returns the failure
+   * itself, on every rank (before: ncclSuccess, with only the asynchronous error set, and the
+   * result not there). Otherwise, as NCCL: the asynchronous error. */
+  if (host_wait_mode())
+    EXPECT(r != ncclSuccess, "host-wait mode: rank %d's call returned ncclSuccess though its operation failed",
+           g_env.first_rank);
+  else
+    EXPECT(r == ncclSuccess || g_env.first_rank == 1, "rank 0's call failed: %s", result_name(r));
   CU(cu.StreamSynchronize(g_streams[0]));
   if (r == ncclSuccess) CHECK(ncclCommGetAsyncError(comm, &r));
   const char* why = ncclGetLastError(comm);

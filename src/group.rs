@@ -246,8 +246,19 @@ fn run_ops(ops: Vec<Queued>) -> Result<()> {
     // parts included (ranks of this thread may need each other's).
     let hosted = execute(host.into_iter().map(|q| (q.comm, q.op)));
     // Even when the host part failed: the queued parts' results are copied out only here.
-    host_waits.into_iter().for_each(crate::streamed::HostWait::wait);
-    hosted
+    let waited = host_waited(&comms, host_waits);
+    hosted.and(waited)
+}
+
+/// Host-wait mode: the call returns once its operations are done, so one that failed on the
+/// stream worker fails the call, as well as setting the asynchronous error (all NCCL does, on
+/// a stream): a caller must not take a result for complete that is not.
+fn host_waited(comms: &[Arc<Comm>], waits: Vec<crate::streamed::HostWait>) -> Result<()> {
+    if waits.is_empty() {
+        return Ok(());
+    }
+    waits.into_iter().for_each(crate::streamed::HostWait::wait);
+    comms.iter().find_map(|c| c.async_error()).map_or(Ok(()), Err)
 }
 
 /// Run now outside a group; inside one, at the outermost ncclGroupEnd, concurrently with the
@@ -381,10 +392,7 @@ pub fn add_op(comm: Arc<Comm>, op: Op, stream: UserStream, placement: Placement,
                 w.wait();
                 Ok(())
             })),
-            w => {
-                w.into_iter().for_each(crate::streamed::HostWait::wait);
-                Ok(())
-            }
+            w => host_waited(std::slice::from_ref(&comm), w.into_iter().collect()),
         };
     }
     crate::streamed::drain(&comm);

@@ -1628,10 +1628,11 @@ fn cuda_mode_kernel_failure_is_reported_to_peers() {
     if !stand_in_only("cuda_mode_kernel_failure_is_reported_to_peers") {
         return;
     }
-    for on_stream in ["1", "0"] {
+    // (Host-wait mode: the calls themselves return the failure, on both ranks.)
+    for (on_stream, host_wait) in [("1", "0"), ("0", "0"), ("1", "1")] {
         let o = cuda_job().procs(2).env("CUDA_TEST_LAUNCH_FAIL", "1").proc_env(1, "NCCL_RS_STUB_LAUNCH_FAILS", "1")
-            .env("NCCL_RS_DIRECT_ON_STREAM", on_stream).timeout_s(60).run_outcome();
-        assert!(o.ok(), "NCCL_RS_DIRECT_ON_STREAM={on_stream}: {}", o.report);
+            .env("NCCL_RS_DIRECT_ON_STREAM", on_stream).env("NCCL_RS_HOST_WAIT", host_wait).timeout_s(60).run_outcome();
+        assert!(o.ok(), "NCCL_RS_DIRECT_ON_STREAM={on_stream}, NCCL_RS_HOST_WAIT={host_wait}: {}", o.report);
         println!("{}", o.report);
     }
 }
