@@ -126,6 +126,11 @@ fn serve(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Served
             for j in &joined {
                 j.info.encode(&mut w);
             }
+            // This process's own ranks last: one of them may finish its init, and its process
+            // end, at once (a rank with nothing more to do), and with it this thread; by then
+            // every other rank's table is in its socket, which delivers it all the same.
+            let own = std::process::id();
+            joined.sort_by_key(|j| j.info.pid == own);
             for j in &mut joined {
                 let _ = write_frame(&mut j.stream, &w.buf);
             }
