@@ -230,6 +230,11 @@ fn status_answer(running: &crate::bootstrap::service::Status, serial: u64) -> Ve
     bytes
 }
 
+/// The stamps of status bytes (after the tag).
+fn status_stamps(bytes: &[u8]) -> impl Iterator<Item = Stamp> + '_ {
+    bytes.get(1..).unwrap_or_default().chunks_exact(STAMP_BYTES).filter_map(|s| s.try_into().ok())
+}
+
 /// `tag` and `stamps` as the status, unless it says the rank failed: that stays, for peers
 /// that ask why its connections closed (another thread may have failed it meanwhile).
 fn set_status(bytes: &mut Vec<u8>, tag: u8, stamps: impl Iterator<Item = Stamp>) {
@@ -585,8 +590,7 @@ impl Comm {
             Some((&STATUS_RUNNING, _)) | None => {}
             Some(_) => return Ok(PeerRuns::Unknown),
         }
-        let theirs: Vec<Stamp> = status.get(1..).unwrap_or_default().chunks_exact(STAMP_BYTES)
-            .filter_map(|s| s.try_into().ok()).collect();
+        let theirs: Vec<Stamp> = status_stamps(&status).collect();
         if theirs.is_empty() {
             return Ok(PeerRuns::Nothing);
         }
@@ -621,41 +625,32 @@ impl Comm {
         if theirs.iter().any(matches) {
             return Ok(PeerRuns::Same);
         }
-        let collective = theirs.iter().find(|t| p2p_bytes(t).is_none());
         let with_me: Vec<(bool, Stamp)> =
             theirs.iter().filter_map(|t| p2p_role(t).filter(|&(_, p)| p == self.rank).map(|(s, _)| (s, *t))).collect();
         let mismatch = |first: &Stamp| Error::invalid_usage(format!(
             "{} issued {} where rank {} issued {}: every rank must make the same calls in the same order",
             self.describe_peer(peer), describe(first), self.rank, describe(mine)));
-        match (p2p_bytes(mine).is_some(), collective) {
-            // A collective against another collective, or a send or receive between the two
-            // against a collective: neither finishes without the other's call.
-            (_, Some(c)) => return Err(mismatch(c)),
-            (false, None) if !with_me.is_empty() => return Err(mismatch(&with_me[0].1)),
-            (false, None) => return Ok(PeerRuns::OtherPeers(theirs[0])),
-            (true, None) => {}
+        // A collective against another collective, or a send or receive between the two
+        // against a collective: neither finishes without the other's call.
+        if let Some(c) = theirs.iter().find(|t| p2p_bytes(t).is_none()) {
+            return Err(mismatch(c));
         }
-        if with_me.is_empty() {
-            return Ok(PeerRuns::OtherPeers(theirs[0]));
+        let Some(&(_, first_with_me)) = with_me.first() else { return Ok(PeerRuns::OtherPeers(theirs[0])) };
+        if p2p_bytes(mine).is_none() {
+            return Err(mismatch(&first_with_me));
         }
         // Sends and receives between the two: crossed if each only sends to the other, or
         // only receives from it (this rank's own, from its status).
-        let own: Vec<bool> = {
-            let bytes = ready.running.lock().unwrap_or_else(|p| p.into_inner());
-            bytes.get(1..).unwrap_or_default().chunks_exact(STAMP_BYTES)
-                .filter_map(|s| <&[u8] as TryInto<Stamp>>::try_into(s).ok())
-                .filter_map(|s| p2p_role(&s).filter(|&(_, p)| p == peer).map(|(send, _)| send)).collect()
-        };
-        let theirs_dir: Vec<bool> = with_me.iter().map(|(s, _)| *s).collect();
-        for dir in [true, false] {
-            if own.iter().all(|&s| s == dir) && !own.is_empty() && theirs_dir.iter().all(|&s| s == dir) {
-                let (what, none) = if dir { ("sends to", "receives from") } else { ("receives from", "sends to") };
-                return Ok(PeerRuns::Crossed(format!(
-                    "{} is in {} while rank {} is in {}: each {what} the other and neither {none} it, so neither call \
-                     can finish (put a rank's sends and receives with a peer in one ncclGroupStart/ncclGroupEnd group, \
-                     or order them so that each send meets its receive)",
-                    self.describe_peer(peer), describe(&with_me[0].1), self.rank, describe(mine))));
-            }
+        let own: Vec<bool> = status_stamps(&ready.running.lock().unwrap_or_else(|p| p.into_inner()))
+            .filter_map(|s| p2p_role(&s).filter(|&(_, p)| p == peer).map(|(send, _)| send)).collect();
+        let Some(&dir) = own.first() else { return Ok(PeerRuns::Same) };
+        if own.iter().all(|&s| s == dir) && with_me.iter().all(|&(s, _)| s == dir) {
+            let (what, none) = if dir { ("sends to", "receives from") } else { ("receives from", "sends to") };
+            return Ok(PeerRuns::Crossed(format!(
+                "{} is in {} while rank {} is in {}: each {what} the other and neither {none} it, so neither call \
+                 can finish (put a rank's sends and receives with a peer in one ncclGroupStart/ncclGroupEnd group, \
+                 or order them so that each send meets its receive)",
+                self.describe_peer(peer), describe(&first_with_me), self.rank, describe(mine))));
         }
         Ok(PeerRuns::Same)
     }

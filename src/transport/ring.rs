@@ -168,8 +168,7 @@ impl Reserve {
     }
 
     /// Allocate `[off, off + len)` of the file now; a file system that cannot is left as is.
-    pub fn allocate(fd: &std::os::fd::OwnedFd, off: usize, len: usize) -> std::io::Result<()> {
-        use std::os::fd::AsRawFd;
+    pub fn allocate(fd: &impl std::os::fd::AsRawFd, off: usize, len: usize) -> std::io::Result<()> {
         loop {
             // SAFETY: posix_fallocate on a descriptor we own; it returns the error number.
             let r = unsafe { libc::posix_fallocate(fd.as_raw_fd(), off as libc::off_t, len as libc::off_t) };
@@ -188,7 +187,8 @@ impl Reserve {
         if n <= self.held[slot] {
             return Ok(());
         }
-        let want = n.next_multiple_of(4096).max(self.held[slot] * 2).min(slice).max(n);
+        // (n <= slice: a message never exceeds its slot.)
+        let want = n.next_multiple_of(4096).max(self.held[slot] * 2).min(slice);
         Reserve::allocate(&self.fd, DATA + slot * slice, want).map_err(|e| {
             Error::system(format!("shm: no room for {want} more bytes of a ring in /dev/shm ({e}): it is too small or too full{} (a \
                                    container's is 64 MB by default: docker run --shm-size=1g, or NCCL_SHM_DISABLE=1 \

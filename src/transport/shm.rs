@@ -93,8 +93,8 @@ pub fn create(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, pee
         Ok(f) => f,
         Err(e) => return no_room(&e).map(Made::NoRoom).ok_or_else(|| Error::os(format!("shm: create {path}"), e)),
     };
+    let sized = file.set_len(len as u64).and_then(|_| Reserve::allocate(&file, 0, DATA));
     let fd = std::os::fd::OwnedFd::from(file);
-    let sized = set_len(&fd, len).and_then(|_| Reserve::allocate(&fd, 0, DATA));
     if let Err(e) = sized {
         let _ = std::fs::remove_file(&path);
         return no_room(&e).map(Made::NoRoom).ok_or_else(|| Error::os(format!("shm: size {path}"), e));
@@ -108,12 +108,6 @@ pub fn create(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, pee
     };
     let ring = RingSend::new(Arc::new(map), slice, Kind::Shm, Some(peer_pid)).with_reserve(Reserve::new(fd));
     Ok(Made::Ring(ShmSend { ring, path }, name))
-}
-
-/// Set the file's length (sparse: its memory comes as [`Reserve`] allocates it).
-fn set_len(fd: &std::os::fd::OwnedFd, len: usize) -> std::io::Result<()> {
-    let file = std::fs::File::from(fd.try_clone()?);
-    file.set_len(len as u64)
 }
 
 /// How old a ring file of a process that is gone must be before anyone removes it. A ring's
