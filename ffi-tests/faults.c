@@ -32,7 +32,8 @@
  *   FAULTS_SHRINK      `loop`: after the failure, ncclCommShrink the lost rank out ("default"
  *                      or "abort": the flag) and check an allreduce on the result
  *   FAULTS_ABORT_AFTER_MS  `abort`: when the second thread aborts (default 1000)
- *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root | reduce_root | gather_root | p2p_size | both_send | both_recv;
+ *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root | reduce_root | gather_root | p2p_size | both_send | both_recv
+ *                      | cycle_send | cycle_recv (3 or more ranks);
  *                      `closed-early`: recv (default) | signal; `stopped`: cold (default) | warm
  *
  * Lines the harness watches: "LOOPING" (the loop runs: kill or cut now).
@@ -604,6 +605,19 @@ static void part_mismatch(void) {
     r = sends ? ncclSend(big, 1 << 20, ncclFloat32, 1 - me, comm, TEST_STREAM)
               : ncclRecv(big, 1 << 20, ncclFloat32, 1 - me, comm, TEST_STREAM);
     free(big);
+  } else if (!strcmp(which, "cycle_send") || !strcmp(which, "cycle_recv")) {
+    /* Round all the ranks (3 or more), each sends 16 MiB to the next (or receives from it)
+     * outside a group, and nothing else: each waits on the next, none can finish. Every rank
+     * gets ncclInvalidUsage naming the cycle, instead of a hang (NCCL hangs). */
+    const int sends = !strcmp(which, "cycle_send");
+    a = "wait on each other in a cycle", b = "ncclGroupStart";
+    mine = sends ? "Send(count 4194304, float, to the next rank)" : "Recv(count 4194304, float, from the next rank)";
+    float* big = calloc(1 << 22, sizeof(float));
+    if (!big) exit(2);
+    const int next = (rank + 1) % g_env.nprocs;
+    r = sends ? ncclSend(big, 1 << 22, ncclFloat32, next, comm, TEST_STREAM)
+              : ncclRecv(big, 1 << 22, ncclFloat32, next, comm, TEST_STREAM);
+    free(big);
   } else if (!strcmp(which, "p2p_size")) {
     /* A receive smaller than its send: the receiver names both sizes, in bytes. (The send may
      * complete: its bytes were on their way.) */
@@ -765,6 +779,48 @@ static void part_p2p_order(void) {
   free(buf);
 }
 
+/* ---- ring-late: a ring of sends that a late rank unwinds is not a cycle ----------------- */
+
+/* Each rank but 0 sends 16 MiB to the next, then receives from the one before, outside a
+ * group; rank 0 receives first, then sends, but only once rank 1 has said at WARN that rank 2
+ * is in a send to rank 3 (the harness sets the flag "go"). Until then ranks 1 to 3 wait on each
+ * other in a chain that ends at rank 0, which has issued nothing: not a cycle, so no error.
+ * Then the chain unwinds and every call succeeds, the data exact. 4 processes. */
+static void part_ring_late(void) {
+  test_deadline(40);
+  if (g_env.nprocs != 4 || g_env.local != 1) {
+    fprintf(stderr, "ring-late: run as 4 processes of 1 rank\n");
+    exit(2);
+  }
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
+  const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
+  const int rank = g_env.proc, n = g_env.nprocs, next = (rank + 1) % n, prev = (rank + n - 1) % n;
+  int32_t* out = calloc(big, sizeof(int32_t));
+  int32_t* in = calloc(big, sizeof(int32_t));
+  if (!out || !in) exit(2);
+  for (size_t i = 0; i < big; i++) out[i] = (int32_t)(rank * 1000003 + i);
+  ncclResult_t r;
+  if (rank == 0) {
+    test_step("waiting for the go, then the receive from rank 3 and the send to rank 1");
+    EXPECT(flag_wait("go", 30), "no go within 30 s (rank 1 did not say that rank 2 waits on rank 3)");
+    r = ncclRecv(in, big, ncclInt32, prev, comm, TEST_STREAM);
+    if (r == ncclSuccess) r = ncclSend(out, big, ncclInt32, next, comm, TEST_STREAM);
+  } else {
+    test_step("the send to the next rank, then the receive from the one before");
+    r = ncclSend(out, big, ncclInt32, next, comm, TEST_STREAM);
+    if (r == ncclSuccess) r = ncclRecv(in, big, ncclInt32, prev, comm, TEST_STREAM);
+  }
+  EXPECT(r == ncclSuccess, "rank %d's calls -> %s: %s", rank, result_name(r), last_error(comm));
+  size_t wrong = 0;
+  for (size_t i = 0; i < big && r == ncclSuccess; i++) wrong += in[i] != (int32_t)(prev * 1000003 + i);
+  EXPECT(wrong == 0, "from rank %d: %zu elements wrong", prev, wrong);
+  CHECK(ncclCommDestroy(comm));
+  free(out);
+  free(in);
+}
+
 /* ---- hello: init and one allreduce --------------------------------------------------- */
 
 static void part_hello(void) {
@@ -791,6 +847,7 @@ static const struct {
     {"mismatch", part_mismatch}, {"hello", part_hello},           {"gone-early", part_gone_early},
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
+    {"ring-late", part_ring_late},
 };
 
 int main(int argc, char** argv) {

@@ -518,6 +518,32 @@ fn mismatch_both_recv() {
     mismatch("both_recv");
 }
 
+/// Round 3 ranks, each sends 16 MiB to the next outside a group (round 4, each receives from
+/// the next): every rank gets ncclInvalidUsage naming the cycle and what to do (NCCL hangs).
+#[test]
+fn mismatch_cycle_send_3_ranks() {
+    mismatch_of("cycle_send", 3);
+}
+
+#[test]
+fn mismatch_cycle_recv_4_ranks() {
+    mismatch_of("cycle_recv", 4);
+}
+
+/// A ring of sends that a late rank 0 unwinds (it receives first, once rank 1 has said at WARN
+/// that rank 2 waits in a send to rank 3): a chain, not a cycle, so every call succeeds, exact.
+#[test]
+fn a_ring_of_sends_a_late_rank_unwinds_is_not_a_cycle() {
+    let mut job = Job::new("faults").procs(4).arg("--only").arg("ring-late").env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let go = job.dir().join("unique-id.flag-go");
+    let o = job
+        .on(When::marker(1, "it is in a send of 16777216 bytes to rank 3"), move || {
+            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
+        })
+        .run_outcome();
+    judge("a_ring_of_sends_a_late_rank_unwinds_is_not_a_cycle", &o, o.ok(), String::new());
+}
+
 /// A send of 1024 floats received as 512: the receiver names both sizes (a send and its
 /// receive carry the same stamp, so the message must say which side is which).
 #[test]

@@ -231,6 +231,89 @@ fn status_answer(running: &crate::bootstrap::service::Status, serial: u64) -> Ve
 }
 
 /// The stamps of status bytes (after the tag).
+/// Status requests one search for a cycle of waiting ranks may make ([`Comm::waits_in_cycle`]),
+/// and the time it may take.
+const CYCLE_ASKS: usize = 64;
+const CYCLE_TIME: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The first send or receive of rank `x` (running `xs`) with rank `y` (running `ys`) that `y`
+/// has not issued: `y` runs no receive from `x` (send from `x`) of its size. Then `x` waits on
+/// `y` to finish its call and issue another.
+fn waits_on(x: usize, xs: &[Stamp], y: usize, ys: &[Stamp]) -> Option<Stamp> {
+    use crate::plan::ops::{p2p_role, without_role};
+    xs.iter().find(|s| match p2p_role(s) {
+        Some((send, with)) => with == y && !ys.iter().any(|t| {
+            without_role(*t) == without_role(**s) && p2p_role(t) == Some((!send, x))
+        }),
+        None => false,
+    }).copied()
+}
+
+/// "a", "a and b", "a, b and c".
+fn and_list(items: &[String]) -> String {
+    match items.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        Some((last, _)) => last.clone(),
+        None => String::new(),
+    }
+}
+
+/// A depth-first search for a cycle of ranks that wait on each other, back to `start`.
+struct CycleWalk<'a> {
+    ready: &'a Ready,
+    start: usize,
+    own: Vec<Stamp>,
+    /// Ranks asked for their status (or not to be: the start and its first peer).
+    asked: Vec<usize>,
+    deadline: std::time::Instant,
+}
+
+impl CycleWalk<'_> {
+    /// Extend `path` (ranks and what they run, each waiting on the next; the start waits on
+    /// the first) back to the start: true, `path` the cycle. False: no cycle found from its end.
+    fn from(&mut self, path: &mut Vec<(usize, Vec<Stamp>)>) -> bool {
+        let Some((x, xs)) = path.last().cloned() else { return false };
+        let mut next: Vec<usize> = Vec::new();
+        for (_, p) in xs.iter().filter_map(crate::plan::ops::p2p_role) {
+            if !next.contains(&p) {
+                next.push(p);
+            }
+        }
+        for y in next {
+            if y == self.start {
+                if waits_on(x, &xs, y, &self.own).is_some() {
+                    return true;
+                }
+                continue;
+            }
+            if self.asked.contains(&y) || self.asked.len() >= CYCLE_ASKS || std::time::Instant::now() >= self.deadline {
+                continue;
+            }
+            self.asked.push(y);
+            let Some(ys) = self.running_of(y) else { continue };
+            if waits_on(x, &xs, y, &ys).is_none() {
+                continue;
+            }
+            path.push((y, ys));
+            if self.from(path) {
+                return true;
+            }
+            path.pop();
+        }
+        false
+    }
+
+    /// The sends and receives `rank` runs, if it answers that it runs some (and nothing else).
+    fn running_of(&self, rank: usize) -> Option<Vec<Stamp>> {
+        let status = self.ready.service.status(rank, std::time::Duration::from_secs(1)).ok()?;
+        if status.first() != Some(&STATUS_RUNNING) {
+            return None;
+        }
+        let stamps: Vec<Stamp> = status_stamps(&status).collect();
+        (!stamps.is_empty() && stamps.iter().all(|s| crate::plan::ops::p2p_role(s).is_some())).then_some(stamps)
+    }
+}
+
 fn status_stamps(bytes: &[u8]) -> impl Iterator<Item = Stamp> + '_ {
     bytes.get(1..).unwrap_or_default().chunks_exact(STAMP_BYTES).filter_map(|s| s.try_into().ok())
 }
@@ -594,7 +677,13 @@ impl Comm {
         if theirs.is_empty() {
             return Ok(PeerRuns::Nothing);
         }
-        let runs = self.judge_running(ready, peer, mine, &theirs, describe)?;
+        let runs = match self.judge_running(ready, peer, mine, &theirs, describe)? {
+            // In sends or receives with other ranks: fine, unless those wait round to this one.
+            PeerRuns::OtherPeers(first) => {
+                self.waits_in_cycle(ready, peer, theirs, describe).map_or(PeerRuns::OtherPeers(first), PeerRuns::Crossed)
+            }
+            runs => runs,
+        };
         match runs {
             // A snapshot: a small send of the peer's completes without a receive. Crossed
             // calls are still so a moment later.
@@ -653,6 +742,44 @@ impl Comm {
                 self.describe_peer(peer), describe(&first_with_me), self.rank, describe(mine))));
         }
         Ok(PeerRuns::Same)
+    }
+
+    /// Whether this rank, waiting on `peer` (which runs `theirs`, none of it with this rank), is
+    /// in a cycle of ranks that wait on each other: each in a send or receive with the next that
+    /// the next has not issued (its call has no matching receive or send), so none can finish,
+    /// as two ranks that both only send to each other, round three or more (each sends to the
+    /// next, then receives from the one before, outside a group). The cycle in words, if so.
+    /// Found depth-first, asking each rank reached for its status; at most [`CYCLE_ASKS`] of
+    /// them, for at most [`CYCLE_TIME`].
+    fn waits_in_cycle(&self, ready: &Ready, peer: usize, theirs: Vec<Stamp>, describe: &dyn Fn(&Stamp) -> String)
+                      -> Option<String> {
+        let own: Vec<Stamp> = status_stamps(&ready.running.lock().unwrap_or_else(|p| p.into_inner())).collect();
+        waits_on(self.rank, &own, peer, &theirs)?;
+        let mut walk = CycleWalk {
+            ready,
+            start: self.rank,
+            own,
+            asked: vec![self.rank, peer],
+            deadline: std::time::Instant::now() + CYCLE_TIME,
+        };
+        let mut path = vec![(peer, theirs)];
+        if !walk.from(&mut path) {
+            return None;
+        }
+        // Each rank's first send or receive that its next has not issued, the last's with this one.
+        let mut ranks = vec![(self.rank, walk.own.clone())];
+        ranks.extend(path);
+        let calls: Vec<String> = (0..ranks.len()).map(|i| {
+            let ((x, xs), (y, ys)) = (&ranks[i], &ranks[(i + 1) % ranks.len()]);
+            let s = waits_on(*x, xs, *y, ys).unwrap_or_default();
+            format!("rank {x} is in {}", describe(&s))
+        }).collect();
+        let names: Vec<String> = ranks.iter().map(|(r, _)| r.to_string()).collect();
+        Some(format!(
+            "ranks {} wait on each other in a cycle: {}; each waits for the next to issue the matching call, which it \
+             cannot do before its own call finishes, so none of them can finish (put a rank's sends and receives in one \
+             ncclGroupStart/ncclGroupEnd group, or order them so that each send meets its receive)",
+            and_list(&names), and_list(&calls)))
     }
 
     /// `peer` did not answer: `Silent` once it has not for [`SILENT_AFTER`] (once per silence,
