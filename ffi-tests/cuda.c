@@ -2784,13 +2784,16 @@ static int mismatch(void) {
    * send with the error; the rank that sees it first says each sends to the other (checked by
    * the harness: the other may only see it leave). (Without the wait, the worker may take the
    * send and the receive in one batch, as one group, and both succeed.) */
-  const int both = !strcmp(getenv("CUDA_TEST_MISMATCH"), "both_send");
+  /* CUDA_TEST_MISMATCH=cycle_send (3 processes or more): the same round all the ranks, each
+   * sending to the next: the one that sees it first names the cycle. */
+  const int cycle = !strcmp(getenv("CUDA_TEST_MISMATCH"), "cycle_send");
+  const int both = cycle || !strcmp(getenv("CUDA_TEST_MISMATCH"), "both_send");
   const size_t count = both ? 4 << 20 : g_env.first_rank == 0 ? 100000 : small ? 1000 : 200000;
   const char* named = both ? "" : p2p ? (g_env.first_rank == 0 ? "Send" : "Recv") : "AllReduce";
   CUdeviceptr d = dev_alloc((both ? 2 * count : 200000) * sizeof(float));
   ncclComm_t comm = g_comms[0];
   if (both) {
-    const int other = 1 - g_env.first_rank;
+    const int other = cycle ? (g_env.first_rank + 1) % g_env.nprocs : 1 - g_env.first_rank;
     CHECK(ncclSend((const void*)(uintptr_t)d, count, ncclFloat32, other, comm, g_streams[0]));
     CU(cu.StreamSynchronize(g_streams[0]));
     ncclResult_t rr = ncclRecv((void*)(uintptr_t)(d + count * sizeof(float)), count, ncclFloat32, other, comm,

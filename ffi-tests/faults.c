@@ -779,6 +779,58 @@ static void part_p2p_order(void) {
   free(buf);
 }
 
+/* ---- p2p-done: a finished receive in a group that waits on a late rank is not crossed ---- */
+
+/* Rank 1's group receives 16 MiB from rank 2 and sends 16 MiB to a late rank 0; then rank 1
+ * sends 4 bytes to rank 2. Rank 2 sends its 16 MiB (done once rank 1 has them), then receives
+ * the 4 bytes, and waits: rank 1's group waits on rank 0. Rank 2 asks rank 1 what it runs:
+ * before, rank 1 still showed its finished receive from rank 2, so the two looked as if each
+ * only received from the other, and rank 2's valid receive failed ("neither call can finish").
+ * Now rank 1 shows only its send to rank 0; rank 2 says so at WARN, and on that line the
+ * harness lets rank 0 go (flag "go"). Every call succeeds, the data exact. 3 processes. */
+static void part_p2p_done(void) {
+  test_deadline(40);
+  if (g_env.nprocs != 3 || g_env.local != 1) {
+    fprintf(stderr, "p2p-done: run as 3 processes of 1 rank\n");
+    exit(2);
+  }
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
+  const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
+  const int rank = g_env.proc;
+  int32_t* out = calloc(big, sizeof(int32_t));
+  int32_t* in = calloc(big, sizeof(int32_t));
+  if (!out || !in) exit(2);
+  for (size_t i = 0; i < big; i++) out[i] = (int32_t)(rank * 1000003 + i);
+  ncclResult_t r = ncclSuccess;
+  size_t wrong = 0;
+  if (rank == 0) {
+    test_step("waiting for the go, then the receive from rank 1");
+    EXPECT(flag_wait("go", 30), "no go within 30 s (rank 2 did not say that rank 1 waits on rank 0)");
+    r = ncclRecv(in, big, ncclInt32, 1, comm, TEST_STREAM);
+    for (size_t i = 0; i < big && r == ncclSuccess; i++) wrong += in[i] != (int32_t)(1 * 1000003 + i);
+  } else if (rank == 1) {
+    test_step("the group: receive from rank 2, send to rank 0; then the send to rank 2");
+    CHECK(ncclGroupStart());
+    CHECK(ncclRecv(in, big, ncclInt32, 2, comm, TEST_STREAM));
+    CHECK(ncclSend(out, big, ncclInt32, 0, comm, TEST_STREAM));
+    r = ncclGroupEnd();
+    for (size_t i = 0; i < big && r == ncclSuccess; i++) wrong += in[i] != (int32_t)(2 * 1000003 + i);
+    if (r == ncclSuccess) r = ncclSend(out, 1, ncclInt32, 2, comm, TEST_STREAM);
+  } else {
+    test_step("the send to rank 1, then the receive from it");
+    r = ncclSend(out, big, ncclInt32, 1, comm, TEST_STREAM);
+    if (r == ncclSuccess) r = ncclRecv(in, 1, ncclInt32, 1, comm, TEST_STREAM);
+    wrong += r == ncclSuccess && in[0] != 1 * 1000003;
+  }
+  EXPECT(r == ncclSuccess, "rank %d's calls -> %s: %s", rank, result_name(r), last_error(comm));
+  EXPECT(wrong == 0, "rank %d: %zu elements wrong", rank, wrong);
+  CHECK(ncclCommDestroy(comm));
+  free(out);
+  free(in);
+}
+
 /* ---- ring-late: a ring of sends that a late rank unwinds is not a cycle ----------------- */
 
 /* Each rank but 0 sends 16 MiB to the next, then receives from the one before, outside a
@@ -847,7 +899,7 @@ static const struct {
     {"mismatch", part_mismatch}, {"hello", part_hello},           {"gone-early", part_gone_early},
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
-    {"ring-late", part_ring_late},
+    {"ring-late", part_ring_late}, {"p2p-done", part_p2p_done},
 };
 
 int main(int argc, char** argv) {

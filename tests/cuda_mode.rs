@@ -1617,6 +1617,14 @@ fn cuda_mode_mismatched_calls_are_reported() {
         }
         println!("{}", o.report);
     }
+    // Round three ranks, each sending to the next: one names the cycle.
+    for direct in ["1", "0"] {
+        let o = cuda_job().procs(3).env("CUDA_TEST_MISMATCH", "cycle_send").env("NCCL_RS_DIRECT_P2P", direct).timeout_s(60)
+            .run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        assert!(o.procs.iter().any(|p| p.log.contains("wait on each other in a cycle")),
+                "no rank named the cycle (NCCL_RS_DIRECT_P2P={direct}):\n{}", o.report);
+    }
 }
 
 /// Process 1's reduction kernels fail to launch in a direct all-reduce (queued at call time on

@@ -544,6 +544,22 @@ fn a_ring_of_sends_a_late_rank_unwinds_is_not_a_cycle() {
     judge("a_ring_of_sends_a_late_rank_unwinds_is_not_a_cycle", &o, o.ok(), String::new());
 }
 
+/// Rank 1's group has received rank 2's 16 MiB and waits to send to a late rank 0; rank 2 now
+/// receives from rank 1. Rank 1 shows only its send as running, so rank 2 sees no crossed
+/// receives (before: rank 2's valid receive failed, "each receives from the other"); it names
+/// the send at WARN, rank 0 is let go on that line, and every call succeeds, exact.
+#[test]
+fn a_receive_done_in_a_group_waiting_on_a_late_rank_is_not_crossed() {
+    let mut job = Job::new("faults").procs(3).arg("--only").arg("p2p-done").env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let go = job.dir().join("unique-id.flag-go");
+    let o = job
+        .on(When::marker(2, "it is in a send of 16777216 bytes to rank 0"), move || {
+            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
+        })
+        .run_outcome();
+    judge("a_receive_done_in_a_group_waiting_on_a_late_rank_is_not_crossed", &o, o.ok(), String::new());
+}
+
 /// A send of 1024 floats received as 512: the receiver names both sizes (a send and its
 /// receive carry the same stamp, so the message must say which side is which).
 #[test]

@@ -82,6 +82,22 @@ impl Ready {
         }
     }
 
+    /// Take a send or receive that finished (`shown`: its stamp with direction and peer) out of
+    /// what this rank publishes as running. Its group may wait on other peers for long; a peer
+    /// that saw it there would think it still waits for that peer's call (two ranks that each
+    /// receive from the other look crossed, though one's receive is done).
+    pub fn finished_p2p(&self, shown: &Stamp) {
+        let mut bytes = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if bytes.first() != Some(&STATUS_RUNNING) {
+            return;
+        }
+        let found = bytes.get(1..).unwrap_or_default().chunks_exact(STAMP_BYTES).position(|s| s == shown.as_slice());
+        if let Some(k) = found {
+            let at = 1 + k * STAMP_BYTES;
+            bytes.drain(at..at + STAMP_BYTES);
+        }
+    }
+
     /// Publish that this rank issued these operations (CUDA mode) and waits for their streams
     /// to reach them: peers waiting on it are told so, not that it has not made the call.
     pub fn set_waiting_for_stream(&self, stamps: impl Iterator<Item = crate::transport::Stamp>) {
@@ -231,6 +247,16 @@ fn status_answer(running: &crate::bootstrap::service::Status, serial: u64) -> Ve
 }
 
 /// The stamps of status bytes (after the tag).
+/// What the error of sends and receives that wait on each other for ever says to do.
+const DEADLOCK_ADVICE: &str = "(put a rank's sends and receives with its peers in one ncclGroupStart/ncclGroupEnd \
+                               group, or order them so that each send meets its receive)";
+
+/// Is `e` the error [`Comm::peer_runs`] gives for sends and receives that wait on each other
+/// for ever (crossed, or round a cycle)?
+pub fn is_deadlock(e: &Error) -> bool {
+    e.code == Code::InvalidUsage && e.msg.contains(DEADLOCK_ADVICE)
+}
+
 /// Status requests one search for a cycle of waiting ranks may make ([`Comm::waits_in_cycle`]),
 /// and the time it may take.
 const CYCLE_ASKS: usize = 64;
@@ -737,8 +763,7 @@ impl Comm {
             let (what, none) = if dir { ("sends to", "receives from") } else { ("receives from", "sends to") };
             return Ok(PeerRuns::Crossed(format!(
                 "{} is in {} while rank {} is in {}: each {what} the other and neither {none} it, so neither call \
-                 can finish (put a rank's sends and receives with a peer in one ncclGroupStart/ncclGroupEnd group, \
-                 or order them so that each send meets its receive)",
+                 can finish {DEADLOCK_ADVICE}",
                 self.describe_peer(peer), describe(&first_with_me), self.rank, describe(mine))));
         }
         Ok(PeerRuns::Same)
@@ -777,8 +802,7 @@ impl Comm {
         let names: Vec<String> = ranks.iter().map(|(r, _)| r.to_string()).collect();
         Some(format!(
             "ranks {} wait on each other in a cycle: {}; each waits for the next to issue the matching call, which it \
-             cannot do before its own call finishes, so none of them can finish (put a rank's sends and receives in one \
-             ncclGroupStart/ncclGroupEnd group, or order them so that each send meets its receive)",
+             cannot do before its own call finishes, so none of them can finish {DEADLOCK_ADVICE}",
             and_list(&names), and_list(&calls)))
     }
 

@@ -81,6 +81,9 @@ impl<T: Copy> Queues<T> {
 #[derive(Default)]
 pub struct JobBufs {
     done: Vec<bool>,
+    /// Units of each operation not yet done: a send or receive whose last is done is taken out
+    /// of what the rank publishes as running (`Ready::finished_p2p`).
+    op_left: Vec<u32>,
     sends: Queues<u32>,
     /// Sends the peer reads itself (single copy), by peer: (unit, token), oldest first.
     posted: Queues<(u32, u64)>,
@@ -109,6 +112,13 @@ impl<'a> Job<'a> {
                describe: &'a dyn Fn(&Stamp) -> String, b: &'a mut JobBufs) -> Job<'a> {
         b.done.clear();
         b.done.resize(units.len(), false);
+        b.op_left.clear();
+        b.op_left.resize(stamps.len(), 0);
+        for u in units {
+            if let Some(n) = b.op_left.get_mut(u.op as usize) {
+                *n += 1;
+            }
+        }
         b.sends.clear();
         b.posted.clear();
         b.recvs.clear();
@@ -131,6 +141,23 @@ impl<'a> Job<'a> {
     fn complete(&mut self, i: u32) {
         self.b.done[i as usize] = true;
         self.remaining -= 1;
+        let u = &self.units[i as usize];
+        let Some(left) = self.b.op_left.get_mut(u.op as usize) else { return };
+        *left -= 1;
+        if *left > 0 {
+            return;
+        }
+        let (send, peer) = match u.step {
+            Step::Send { peer, .. } => (true, peer as usize),
+            Step::Recv { peer, .. } => (false, peer as usize),
+            _ => return,
+        };
+        let stamp = self.stamps[u.op as usize];
+        if crate::plan::ops::p2p_bytes(&stamp).is_some() {
+            if let Some(r) = self.comm.ready_if_any() {
+                r.finished_p2p(&crate::plan::ops::with_role(stamp, send, peer));
+            }
+        }
     }
 
     /// Advance everything that can advance now; true if anything did.

@@ -822,6 +822,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
     // waits for an answer). Kept on an error: a kernel may still read it.
     let mut bounced: Vec<Option<u64>> = vec![None; ops.len()];
     let mut ran = 0u64;
+    let mut shown_done = vec![false; ops.len()];
     while awaits.iter().any(|&a| a != Awaits::Done) {
         let seen = rma.p2p_arrived();
         let mut progressed = false;
@@ -925,6 +926,13 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
             ran += copied.len() as u64;
             copied.clear();
         }
+        // Those done no longer show as running: peers waiting on this rank see what it waits on.
+        for (i, o) in ops.iter().enumerate() {
+            if awaits[i] == Awaits::Done && !shown_done[i] {
+                shown_done[i] = true;
+                ready.finished_p2p(&crate::plan::ops::with_role(o.op.stamp(), o.op.kind == OpKind::Send, o.op.root));
+            }
+        }
         if progressed {
             lost_before = false;
             spins = 0;
@@ -964,8 +972,8 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
                 let mine = crate::plan::ops::with_role(op.stamp(), op.kind == OpKind::Send, p);
                 let unknown = match comm.peer_runs(p, &mine, describe) {
                     // It failed, or it only sends to this rank while this rank only sends to it
-                    // (or both only receive): neither call can finish.
-                    Err(e) if e.msg.contains(" failed: ") || e.msg.contains("neither call can finish") => {
+                    // (or both only receive), or they wait round a cycle: no call can finish.
+                    Err(e) if e.msg.contains(" failed: ") || crate::comm::is_deadlock(&e) => {
                         return Err(e.context(format!("rank {}: a send or receive with rank {p}", comm.rank)));
                     }
                     // It runs other calls: a peer may, between its sends and receives.
