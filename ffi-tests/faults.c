@@ -831,6 +831,55 @@ static void part_p2p_done(void) {
   free(in);
 }
 
+/* ---- coll-done: a collective done in a group that waits on a late rank is not a mismatch -- */
+
+/* Rank 0's group holds an all-reduce (done at once) and a send of 16 MiB to a late rank 2;
+ * then rank 0 sends 16 MiB to rank 1, which made the all-reduce and waits in its receive.
+ * Rank 1 asks rank 0 what it runs: before, rank 0 still showed the finished all-reduce, and
+ * rank 1's valid receive failed ("rank 0 issued AllReduce #0 ... where rank 1 issued a
+ * receive"). Now rank 0 shows only its send to rank 2; rank 1 says so at WARN, and on that
+ * line the harness lets rank 2 go (flag "go"). Every call succeeds, exact. 3 processes. */
+static void part_coll_done(void) {
+  test_deadline(40);
+  if (g_env.nprocs != 3 || g_env.local != 1) {
+    fprintf(stderr, "coll-done: run as 3 processes of 1 rank\n");
+    exit(2);
+  }
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
+  const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
+  const int rank = g_env.proc;
+  int32_t* data = calloc(big, sizeof(int32_t));
+  if (!data) exit(2);
+  int32_t sum = rank + 1;
+  ncclResult_t r;
+  if (rank == 0) {
+    test_step("the group: all-reduce and the send to rank 2; then the send to rank 1");
+    for (size_t i = 0; i < big; i++) data[i] = (int32_t)(i * 3 + 7);
+    CHECK(ncclGroupStart());
+    CHECK(ncclAllReduce(&sum, &sum, 1, ncclInt32, ncclSum, comm, TEST_STREAM));
+    CHECK(ncclSend(data, big, ncclInt32, 2, comm, TEST_STREAM));
+    r = ncclGroupEnd();
+    if (r == ncclSuccess) r = ncclSend(data, big, ncclInt32, 1, comm, TEST_STREAM);
+  } else {
+    test_step("the all-reduce, then the receive from rank 0");
+    r = ncclAllReduce(&sum, &sum, 1, ncclInt32, ncclSum, comm, TEST_STREAM);
+    if (rank == 2 && r == ncclSuccess) {
+      test_step("waiting for the go, then the receive from rank 0");
+      EXPECT(flag_wait("go", 30), "no go within 30 s (rank 1 did not say that rank 0 waits on rank 2)");
+    }
+    if (r == ncclSuccess) r = ncclRecv(data, big, ncclInt32, 0, comm, TEST_STREAM);
+    size_t wrong = 0;
+    for (size_t i = 0; i < big && r == ncclSuccess; i++) wrong += data[i] != (int32_t)(i * 3 + 7);
+    EXPECT(wrong == 0, "rank %d: %zu elements wrong", rank, wrong);
+  }
+  EXPECT(r == ncclSuccess, "rank %d's calls -> %s: %s", rank, result_name(r), last_error(comm));
+  EXPECT(r != ncclSuccess || sum == 6, "rank %d: the all-reduce gave %d, expected 6", rank, sum);
+  CHECK(ncclCommDestroy(comm));
+  free(data);
+}
+
 /* ---- ring-late: a ring of sends that a late rank unwinds is not a cycle ----------------- */
 
 /* Each rank but 0 sends 16 MiB to the next, then receives from the one before, outside a
@@ -900,6 +949,7 @@ static const struct {
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
     {"ring-late", part_ring_late}, {"p2p-done", part_p2p_done},
+    {"coll-done", part_coll_done},
 };
 
 int main(int argc, char** argv) {

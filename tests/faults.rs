@@ -560,6 +560,23 @@ fn a_receive_done_in_a_group_waiting_on_a_late_rank_is_not_crossed() {
     judge("a_receive_done_in_a_group_waiting_on_a_late_rank_is_not_crossed", &o, o.ok(), String::new());
 }
 
+/// Rank 0's group has finished its all-reduce and waits to send to a late rank 2; rank 1, past
+/// the all-reduce, waits to receive from rank 0. Rank 0 no longer shows the finished
+/// all-reduce, so rank 1 sees no mismatch (before: its valid receive failed, "rank 0 issued
+/// AllReduce #0 where rank 1 issued a receive"); it names the send at WARN, rank 2 is let go on
+/// that line, and every call succeeds, exact.
+#[test]
+fn a_collective_done_in_a_group_waiting_on_a_late_rank_is_not_a_mismatch() {
+    let mut job = Job::new("faults").procs(3).arg("--only").arg("coll-done").env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let go = job.dir().join("unique-id.flag-go");
+    let o = job
+        .on(When::marker(1, "it is in a send of 16777216 bytes to rank 2"), move || {
+            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
+        })
+        .run_outcome();
+    judge("a_collective_done_in_a_group_waiting_on_a_late_rank_is_not_a_mismatch", &o, o.ok(), String::new());
+}
+
 /// A send of 1024 floats received as 512: the receiver names both sizes (a send and its
 /// receive carry the same stamp, so the message must say which side is which).
 #[test]

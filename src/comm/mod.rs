@@ -82,11 +82,13 @@ impl Ready {
         }
     }
 
-    /// Take a send or receive that finished (`shown`: its stamp with direction and peer) out of
-    /// what this rank publishes as running. Its group may wait on other peers for long; a peer
-    /// that saw it there would think it still waits for that peer's call (two ranks that each
-    /// receive from the other look crossed, though one's receive is done).
-    pub fn finished_p2p(&self, shown: &Stamp) {
+    /// Take an operation that finished (`shown`: its stamp as the status shows it, a send's or
+    /// receive's with direction and peer) out of what this rank publishes as running. Its
+    /// group may wait on other peers for long; a peer that saw it there would think it still
+    /// waits for that peer's call: two ranks that each receive from the other look crossed
+    /// though one's receive is done, and a collective done in a group looks like another call
+    /// than the send the peer waits for.
+    pub fn finished(&self, shown: &Stamp) {
         let mut bytes = self.running.lock().unwrap_or_else(|p| p.into_inner());
         if bytes.first() != Some(&STATUS_RUNNING) {
             return;

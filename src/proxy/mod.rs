@@ -81,8 +81,8 @@ impl<T: Copy> Queues<T> {
 #[derive(Default)]
 pub struct JobBufs {
     done: Vec<bool>,
-    /// Units of each operation not yet done: a send or receive whose last is done is taken out
-    /// of what the rank publishes as running (`Ready::finished_p2p`).
+    /// Units of each operation not yet done: an operation whose last is done is taken out of
+    /// what the rank publishes as running (`Ready::finished`).
     op_left: Vec<u32>,
     sends: Queues<u32>,
     /// Sends the peer reads itself (single copy), by peer: (unit, token), oldest first.
@@ -147,16 +147,14 @@ impl<'a> Job<'a> {
         if *left > 0 {
             return;
         }
-        let (send, peer) = match u.step {
-            Step::Send { peer, .. } => (true, peer as usize),
-            Step::Recv { peer, .. } => (false, peer as usize),
-            _ => return,
-        };
         let stamp = self.stamps[u.op as usize];
-        if crate::plan::ops::p2p_bytes(&stamp).is_some() {
-            if let Some(r) = self.comm.ready_if_any() {
-                r.finished_p2p(&crate::plan::ops::with_role(stamp, send, peer));
-            }
+        let shown = match u.step {
+            Step::Send { peer, .. } => crate::plan::ops::with_role(stamp, true, peer as usize),
+            Step::Recv { peer, .. } => crate::plan::ops::with_role(stamp, false, peer as usize),
+            _ => stamp,
+        };
+        if let Some(r) = self.comm.ready_if_any() {
+            r.finished(&shown);
         }
     }
 
