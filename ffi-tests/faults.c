@@ -880,6 +880,48 @@ static void part_coll_done(void) {
   free(data);
 }
 
+/* ---- group-late: sends and receives grouped with a collective a late rank holds up -------- */
+
+/* Every rank's group holds an all-reduce of 256 ints and a send of one int to rank r+2 with a
+ * receive from rank r+1 into the same int (3 ranks); rank 0 makes its call only once rank 1 has said at WARN that
+ * it waited for rank 0 (the harness sets the flag "go"). Meanwhile ranks 1 and 2 wait in the
+ * all-reduce, each behind the other's collective too: before, rank 1, waiting on rank 2 for
+ * the receive, found rank 2 in the all-reduce and failed the valid group ("rank 2 issued
+ * AllReduce #1 where rank 1 issued a receive of 4 bytes"). Now a peer in a collective this
+ * rank issued is behind, not mismatched. Every call succeeds, exact. 3 processes. */
+static void part_group_late(void) {
+  test_deadline(40);
+  if (g_env.nprocs != 3 || g_env.local != 1) {
+    fprintf(stderr, "group-late: run as 3 processes of 1 rank\n");
+    exit(2);
+  }
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
+  const int rank = g_env.proc, to = (rank + 2) % 3, from = (rank + 1) % 3;
+  int32_t warm = 1;
+  CHECK(ncclAllReduce(&warm, &warm, 1, ncclInt32, ncclSum, comm, TEST_STREAM));
+  int32_t vals[256], x = 1000 + rank;
+  for (int i = 0; i < 256; i++) vals[i] = rank * 256 + i;
+  if (rank == 0) {
+    test_step("waiting for the go");
+    EXPECT(flag_wait("go", 30), "no go within 30 s (rank 1 did not say that it waited for rank 0)");
+  }
+  test_step("the group: all-reduce, send, receive");
+  CHECK(ncclGroupStart());
+  CHECK(ncclAllReduce(vals, vals, 256, ncclInt32, ncclMax, comm, TEST_STREAM));
+  /* (In place: the send goes from a copy, which waits behind the all-reduce's local work.) */
+  CHECK(ncclSend(&x, 1, ncclInt32, to, comm, TEST_STREAM));
+  CHECK(ncclRecv(&x, 1, ncclInt32, from, comm, TEST_STREAM));
+  ncclResult_t r = ncclGroupEnd();
+  EXPECT(r == ncclSuccess, "rank %d's group -> %s: %s", rank, result_name(r), last_error(comm));
+  int wrong = 0;
+  for (int i = 0; i < 256 && r == ncclSuccess; i++) wrong += vals[i] != 2 * 256 + i;
+  EXPECT(wrong == 0, "rank %d: %d all-reduce elements wrong", rank, wrong);
+  EXPECT(r != ncclSuccess || x == 1000 + from, "rank %d received %d from rank %d, expected %d", rank, x, from, 1000 + from);
+  CHECK(ncclCommDestroy(comm));
+}
+
 /* ---- ring-late: a ring of sends that a late rank unwinds is not a cycle ----------------- */
 
 /* Each rank but 0 sends 16 MiB to the next, then receives from the one before, outside a
@@ -949,7 +991,7 @@ static const struct {
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
     {"ring-late", part_ring_late}, {"p2p-done", part_p2p_done},
-    {"coll-done", part_coll_done},
+    {"coll-done", part_coll_done}, {"group-late", part_group_late},
 };
 
 int main(int argc, char** argv) {

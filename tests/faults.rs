@@ -577,6 +577,23 @@ fn a_collective_done_in_a_group_waiting_on_a_late_rank_is_not_a_mismatch() {
     judge("a_collective_done_in_a_group_waiting_on_a_late_rank_is_not_a_mismatch", &o, o.ok(), String::new());
 }
 
+/// Three ranks group an all-reduce with a send and a receive (a ring shift); rank 0 is late.
+/// Rank 1, waiting on rank 2 for its receive, finds rank 2 in the all-reduce both issued: behind,
+/// not a mismatch (before: the valid group failed, "rank 2 issued AllReduce #1 where rank 1
+/// issued a receive of 4 bytes"). Rank 0 is let go once rank 1 has said it waits for it, and
+/// every call succeeds, exact.
+#[test]
+fn a_peer_in_a_collective_both_issued_is_not_a_mismatch() {
+    let mut job = Job::new("faults").procs(3).arg("--only").arg("group-late").env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let go = job.dir().join("unique-id.flag-go");
+    let o = job
+        .on(When::marker(1, "which has not issued that call"), move || {
+            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
+        })
+        .run_outcome();
+    judge("a_peer_in_a_collective_both_issued_is_not_a_mismatch", &o, o.ok(), String::new());
+}
+
 /// A send of 1024 floats received as 512: the receiver names both sizes (a send and its
 /// receive carry the same stamp, so the message must say which side is which).
 #[test]

@@ -731,7 +731,7 @@ impl Comm {
     /// Collectives are: a peer in another is an error naming both calls.
     fn judge_running(&self, ready: &Ready, peer: usize, mine: &Stamp, theirs: &[Stamp],
                      describe: &dyn Fn(&Stamp) -> String) -> Result<PeerRuns> {
-        use crate::plan::ops::{p2p_bytes, p2p_role, without_role};
+        use crate::plan::ops::{coll_seq, p2p_bytes, p2p_role, without_role};
         let plain = without_role(*mine);
         // The same call: a collective, or the send or receive that matches this rank's (where
         // both show their direction: the other one, with this rank).
@@ -748,11 +748,24 @@ impl Comm {
             "{} issued {} where rank {} issued {}: every rank must make the same calls in the same order",
             self.describe_peer(peer), describe(first), self.rank, describe(mine)));
         // A collective against another collective, or a send or receive between the two
-        // against a collective: neither finishes without the other's call.
-        if let Some(c) = theirs.iter().find(|t| p2p_bytes(t).is_none()) {
+        // against a collective: neither finishes without the other's call. Unless the peer is
+        // behind: in a collective this rank got past (an earlier one than this rank's, or, for
+        // a send or receive, one this rank issued: done, or in this rank's group and waiting
+        // on others), which it finishes without this rank.
+        let behind = |t: &Stamp| match (coll_seq(t), coll_seq(mine), p2p_bytes(mine)) {
+            (Some(theirs), Some(ours), None) => theirs < ours,
+            (Some(theirs), _, Some(_)) => theirs < self.seq.load(Ordering::Relaxed),
+            _ => false,
+        };
+        if let Some(c) = theirs.iter().find(|t| p2p_bytes(t).is_none() && !behind(t)) {
             return Err(mismatch(c));
         }
-        let Some(&(_, first_with_me)) = with_me.first() else { return Ok(PeerRuns::OtherPeers(theirs[0])) };
+        let Some(&(_, first_with_me)) = with_me.first() else {
+            // (Named by a send or receive it is in, if any: the collectives it is behind on
+            // wait on other ranks.)
+            let first = theirs.iter().find(|t| p2p_bytes(t).is_some()).unwrap_or(&theirs[0]);
+            return Ok(PeerRuns::OtherPeers(*first));
+        };
         if p2p_bytes(mine).is_none() {
             return Err(mismatch(&first_with_me));
         }

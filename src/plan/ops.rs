@@ -173,6 +173,13 @@ pub fn launched_by_graph(s: &Stamp) -> bool {
     s[0] != P2P_KIND && u64::from_le_bytes([s[16], s[17], s[18], s[19], s[20], s[21], s[22], s[23]]) & REPLAY_BIT != 0
 }
 
+/// A collective's number (its stamp's, alike on every rank), unless the stamp is a send's or
+/// receive's or a CUDA graph runs the operation (numbered by launch).
+pub fn coll_seq(s: &Stamp) -> Option<u64> {
+    (s[0] != P2P_KIND && !launched_by_graph(s))
+        .then(|| u64::from_le_bytes([s[16], s[17], s[18], s[19], s[20], s[21], s[22], s[23]]))
+}
+
 /// "#12", or "#12 (CUDA graph launch 3)" for an operation a graph runs.
 fn seq_text(seq: u64) -> String {
     if seq & REPLAY_BIT == 0 {
