@@ -634,9 +634,8 @@ static void soak(void) {
      * valid call (the judge once took a group's finished parts, or a collective both ranks
      * issued, for a mismatch). */
     if (stall) {
-      const uint64_t h = ((uint64_t)(seed && *seed ? atoll(seed) : 1) * 1000003u + (uint64_t)step) * 0x9E3779B97F4A7C15ull;
-      const int slow = (int)((h >> 40) % (uint64_t)n);
-      if ((h >> 20) % 6 == 0 && slow >= g_env.first_rank && slow < g_env.first_rank + g_env.local) {
+      const int slow = soak_late_rank((uint64_t)(seed && *seed ? atoll(seed) : 1), step, n);
+      if (slow >= g_env.first_rank && slow < g_env.first_rank + g_env.local) {
         tlog("soak step %d: rank %d is late by 1.2 s", step, slow);
         sleep_ms(1200); /* (a slow rank, not a wait for anything) */
       }

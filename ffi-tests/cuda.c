@@ -3991,6 +3991,8 @@ static void soak(void) {
   g_soak_rma = !(rma && *rma && atoi(rma) == 0);
   const char* graphs_env = getenv("CUDA_TEST_SOAK_GRAPH");
   const int graphs = graphs_env && atoi(graphs_env) != 0;
+  const char* stall_env = getenv("CUDA_TEST_SOAK_STALL");
+  const int stall = stall_env && atoi(stall_env) == 1;
   soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
   uint8_t* tmp = malloc((size_t)n * SOAK_BYTES);
   uint8_t* host = host_alloc(SOAK_BYTES);
@@ -4040,6 +4042,13 @@ static void soak(void) {
   for (int step = 0; step < steps && ok; step++) {
     soak_op ops[2];
     const int pair = soak_step(n, ops) - 1;
+    /* CUDA_TEST_SOAK_STALL=1: now and then a rank 1.2 s late for its calls (as in
+     * collectives.c): what the ranks waiting on it find may never fail a valid call. */
+    const int slow = stall ? soak_late_rank((uint64_t)(seed && *seed ? atoll(seed) : 1), step, n) : -1;
+    if (slow >= g_env.first_rank && slow < g_env.first_rank + g_env.local) {
+      tlog("soak step %d: rank %d is late by 1.2 s", step, slow);
+      sleep_ms(1200); /* (a slow rank, not a wait for anything) */
+    }
     /* A put lands in its target's buffer whenever its sender gets to it, ordered with nothing
      * on the target's streams: as a program must, every rank finishes what its streams hold
      * and meets the others before a step with puts. */

@@ -66,6 +66,14 @@ static uint32_t soak_next(void) {
   return (uint32_t)((g_soak_rng * 2685821657736338717ull) >> 32);
 }
 
+/* The rank that is late at `step` (1.2 s, in programs that make one late: NCCL_TEST_SOAK_STALL,
+ * CUDA_TEST_SOAK_STALL), at one step in six, from the seed and the step; -1: none. Apart from
+ * the call sequence's generator, so the calls stay what the seed gives. */
+static int soak_late_rank(uint64_t seed, int step, int n) {
+  const uint64_t h = (seed * 1000003u + (uint64_t)step) * 0x9E3779B97F4A7C15ull;
+  return (h >> 20) % 6 == 0 ? (int)((h >> 40) % (uint64_t)n) : -1;
+}
+
 /* The reductions: ncclSum, ncclProd, ncclMax, ncclMin, ncclAvg (integers: the wrapped sum
  * divided, truncating, by the rank count), and a PreMulSum whose scalar differs per rank
  * (soak_scalar). */

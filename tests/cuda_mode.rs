@@ -792,6 +792,26 @@ fn cuda_mode_random_call_sequences_match_a_host_model() {
     }
 }
 
+/// Part Soak with a rank 1.2 s late at one step in six (CUDA_TEST_SOAK_STALL=1; see the host
+/// version, `ffi::random_calls_with_a_late_rank_are_never_taken_for_mismatched`): the ranks
+/// waiting on it ask what it and the ranks it waits on run, on the direct path and staged;
+/// nothing they find may fail a valid call, and every result stays exact. Before, seed 4 staged
+/// failed every time: a rank behind on a finished broadcast taken for a mismatch failed an
+/// all-reduce, and its stream went on past it ("1 wrong bytes").
+#[test]
+fn cuda_mode_random_calls_with_a_late_rank_are_never_taken_for_mismatched() {
+    for (procs, seed, staged) in [(3, 4, "1"), (3, 4, "0")] {
+        let o = cuda_job().procs(procs).env("NCCL_P2P_DISABLE", staged).arg("--only").arg("Soak")
+            .env("CUDA_TEST_SEED", &seed.to_string()).env("CUDA_TEST_SOAK_STEPS", "40").env("CUDA_TEST_SOAK_STALL", "1")
+            .run_outcome();
+        assert!(o.ok(), "CUDA_TEST_SEED={seed}, NCCL_P2P_DISABLE={staged}: {}", o.report);
+        assert!(o.procs.iter().any(|p| p.log.contains("is late by 1.2 s")), "no rank was late:\n{}", o.report);
+        for (i, p) in o.procs.iter().enumerate() {
+            assert!(p.log.contains("calls checked against the model"), "process {i}: the soak did not run whole:\n{}", p.log);
+        }
+    }
+}
+
 /// Three processes, two on one host and one on another: a rank's sends and receives with its
 /// host's peer go direct while those with the other host's go through TCP, in the same
 /// batches (rings: a rank sends to one kind of peer and receives from the other). The worker
