@@ -81,8 +81,8 @@ impl<T: Copy> Queues<T> {
 #[derive(Default)]
 pub struct JobBufs {
     done: Vec<bool>,
-    /// Units of each operation not yet done: an operation whose last is done is taken out of
-    /// what the rank publishes as running (`Ready::finished`).
+    /// Units of each operation not yet done: a send or receive whose last is done is taken out
+    /// of what the rank publishes as running (`Ready::finished`).
     op_left: Vec<u32>,
     sends: Queues<u32>,
     /// Sends the peer reads itself (single copy), by peer: (unit, token), oldest first.
@@ -113,10 +113,14 @@ impl<'a> Job<'a> {
         b.done.clear();
         b.done.resize(units.len(), false);
         b.op_left.clear();
-        b.op_left.resize(stamps.len(), 0);
-        for u in units {
-            if let Some(n) = b.op_left.get_mut(u.op as usize) {
-                *n += 1;
+        // (Counted only where there are sends or receives to take out: a collective's job
+        // pays nothing for it.)
+        if stamps.iter().any(|s| crate::plan::ops::p2p_bytes(s).is_some()) {
+            b.op_left.resize(stamps.len(), 0);
+            for u in units {
+                if let Some(n) = b.op_left.get_mut(u.op as usize) {
+                    *n += 1;
+                }
             }
         }
         b.sends.clear();
@@ -141,20 +145,33 @@ impl<'a> Job<'a> {
     fn complete(&mut self, i: u32) {
         self.b.done[i as usize] = true;
         self.remaining -= 1;
+        if !self.b.op_left.is_empty() {
+            self.unit_of_op_done(i);
+        }
+    }
+
+    /// (Out of line: the collectives' hot loop stays as small as it was.)
+    #[inline(never)]
+    fn unit_of_op_done(&mut self, i: u32) {
         let u = &self.units[i as usize];
         let Some(left) = self.b.op_left.get_mut(u.op as usize) else { return };
         *left -= 1;
         if *left > 0 {
             return;
         }
-        let stamp = self.stamps[u.op as usize];
-        let shown = match u.step {
-            Step::Send { peer, .. } => crate::plan::ops::with_role(stamp, true, peer as usize),
-            Step::Recv { peer, .. } => crate::plan::ops::with_role(stamp, false, peer as usize),
-            _ => stamp,
+        // (Only sends and receives: a peer takes a collective this rank issued for one it is
+        // behind on, finished or not. And not the job's last: the run's end clears the status,
+        // or, while other communicators' jobs go on, `run` does.)
+        let (send, peer) = match u.step {
+            Step::Send { peer, .. } => (true, peer as usize),
+            Step::Recv { peer, .. } => (false, peer as usize),
+            _ => return,
         };
-        if let Some(r) = self.comm.ready_if_any() {
-            r.finished(&shown);
+        let stamp = self.stamps[u.op as usize];
+        if self.remaining > 0 && crate::plan::ops::p2p_bytes(&stamp).is_some() {
+            if let Some(r) = self.comm.ready_if_any() {
+                r.finished(&crate::plan::ops::with_role(stamp, send, peer));
+            }
         }
     }
 
@@ -365,11 +382,19 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
     loop {
         let mut progressed = false;
         let mut all_done = true;
+        let several = jobs.len() > 1;
         for (j, job) in jobs.iter_mut().enumerate() {
             if job.finished() {
                 continue;
             }
             progressed |= job.poll().map_err(|e| (j, e))?;
+            if job.finished() && several {
+                // Its communicator runs nothing more while the others' jobs go on (a peer
+                // asking it must not see the sends and receives it finished).
+                if let Some(r) = job.comm.ready_if_any() {
+                    r.set_running(&[]);
+                }
+            }
             all_done &= job.finished();
         }
         if all_done {
