@@ -736,6 +736,22 @@ static void part_sent_early(void) {
   CHECK(ncclCommDestroy(mine));
 }
 
+/* ---- helpers of the parts below that run one rank per process ------------------------- */
+
+/* Start part `name`, which must run as `procs` processes of one rank each, with a deadline of
+ * 40 s: its communicator, made. */
+static ncclComm_t one_rank_part(const char* name, int procs) {
+  test_deadline(40);
+  if (g_env.nprocs != procs || g_env.local != 1) {
+    fprintf(stderr, "%s: run as %d processes of 1 rank\n", name, procs);
+    exit(2);
+  }
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
+  return comm;
+}
+
 /* ---- p2p-order: a rank in a receive from a late third rank is not a mismatch ------------- */
 
 /* Sends and receives of different pairs are not ordered: rank 1 receives from rank 2 first,
@@ -744,14 +760,7 @@ static void part_sent_early(void) {
  * "go"). All three calls succeed, the data exact (before: rank 0's wait asked rank 1 what it
  * ran, saw another send or receive, and failed with a mismatch error). 3 processes. */
 static void part_p2p_order(void) {
-  test_deadline(40);
-  if (g_env.nprocs != 3 || g_env.local != 1) {
-    fprintf(stderr, "p2p-order: run as 3 processes of 1 rank\n");
-    exit(2);
-  }
-  ncclComm_t comm = NULL;
-  test_step("init");
-  make_comms("", &comm);
+  ncclComm_t comm = one_rank_part("p2p-order", 3);
   const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
   int32_t* buf = calloc(big, sizeof(int32_t));
   if (!buf) exit(2);
@@ -789,14 +798,7 @@ static void part_p2p_order(void) {
  * Now rank 1 shows only its send to rank 0; rank 2 says so at WARN, and on that line the
  * harness lets rank 0 go (flag "go"). Every call succeeds, the data exact. 3 processes. */
 static void part_p2p_done(void) {
-  test_deadline(40);
-  if (g_env.nprocs != 3 || g_env.local != 1) {
-    fprintf(stderr, "p2p-done: run as 3 processes of 1 rank\n");
-    exit(2);
-  }
-  ncclComm_t comm = NULL;
-  test_step("init");
-  make_comms("", &comm);
+  ncclComm_t comm = one_rank_part("p2p-done", 3);
   const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
   const int rank = g_env.proc;
   int32_t* out = calloc(big, sizeof(int32_t));
@@ -840,14 +842,7 @@ static void part_p2p_done(void) {
  * receive"). Now rank 0 shows only its send to rank 2; rank 1 says so at WARN, and on that
  * line the harness lets rank 2 go (flag "go"). Every call succeeds, exact. 3 processes. */
 static void part_coll_done(void) {
-  test_deadline(40);
-  if (g_env.nprocs != 3 || g_env.local != 1) {
-    fprintf(stderr, "coll-done: run as 3 processes of 1 rank\n");
-    exit(2);
-  }
-  ncclComm_t comm = NULL;
-  test_step("init");
-  make_comms("", &comm);
+  ncclComm_t comm = one_rank_part("coll-done", 3);
   const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
   const int rank = g_env.proc;
   int32_t* data = calloc(big, sizeof(int32_t));
@@ -890,14 +885,7 @@ static void part_coll_done(void) {
  * AllReduce #1 where rank 1 issued a receive of 4 bytes"). Now a peer in a collective this
  * rank issued is behind, not mismatched. Every call succeeds, exact. 3 processes. */
 static void part_group_late(void) {
-  test_deadline(40);
-  if (g_env.nprocs != 3 || g_env.local != 1) {
-    fprintf(stderr, "group-late: run as 3 processes of 1 rank\n");
-    exit(2);
-  }
-  ncclComm_t comm = NULL;
-  test_step("init");
-  make_comms("", &comm);
+  ncclComm_t comm = one_rank_part("group-late", 3);
   const int rank = g_env.proc, to = (rank + 2) % 3, from = (rank + 1) % 3;
   int32_t warm = 1;
   CHECK(ncclAllReduce(&warm, &warm, 1, ncclInt32, ncclSum, comm, TEST_STREAM));
@@ -930,14 +918,7 @@ static void part_group_late(void) {
  * other in a chain that ends at rank 0, which has issued nothing: not a cycle, so no error.
  * Then the chain unwinds and every call succeeds, the data exact. 4 processes. */
 static void part_ring_late(void) {
-  test_deadline(40);
-  if (g_env.nprocs != 4 || g_env.local != 1) {
-    fprintf(stderr, "ring-late: run as 4 processes of 1 rank\n");
-    exit(2);
-  }
-  ncclComm_t comm = NULL;
-  test_step("init");
-  make_comms("", &comm);
+  ncclComm_t comm = one_rank_part("ring-late", 4);
   const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
   const int rank = g_env.proc, n = g_env.nprocs, next = (rank + 1) % n, prev = (rank + n - 1) % n;
   int32_t* out = calloc(big, sizeof(int32_t));

@@ -219,20 +219,27 @@ fn a_send_completed_before_its_receiver_connected_outlives_the_senders_communica
     }
 }
 
+/// Runs part `part` of faults.c as `procs` processes at WARN; the late rank it holds back is
+/// let go (the flag "go") once process `proc` has said `marker`. Every call must succeed.
+fn late_rank_let_go(name: &str, part: &str, procs: usize, proc: usize, marker: &str) {
+    let mut job = Job::new("faults").procs(procs).arg("--only").arg(part).env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let go = job.dir().join("unique-id.flag-go");
+    let o = job
+        .on(When::marker(proc, marker), move || {
+            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
+        })
+        .run_outcome();
+    judge(name, &o, o.ok(), String::new());
+}
+
 /// Sends and receives of different pairs are not ordered: rank 0's send to rank 1 waits
 /// while rank 1 first receives from a late rank 2. Rank 0 says at WARN that rank 1 is in a
 /// receive from rank 2, and on that line rank 2 is let go; every call succeeds, exact
 /// (before: rank 0 took rank 1's other receive for a mismatch and failed).
 #[test]
 fn a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch() {
-    let mut job = Job::new("faults").procs(3).arg("--only").arg("p2p-order").env("NCCL_DEBUG", "WARN").timeout_s(60);
-    let go = job.dir().join("unique-id.flag-go");
-    let o = job
-        .on(When::marker(0, "it is in a receive of 40 bytes from rank 2"), move || {
-            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
-        })
-        .run_outcome();
-    judge("a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch", &o, o.ok(), String::new());
+    late_rank_let_go("a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch", "p2p-order", 3, 0,
+                     "it is in a receive of 40 bytes from rank 2");
 }
 
 /// The benchmark in a mount namespace of its own whose /dev/shm holds `size` (needs root, as
@@ -534,14 +541,8 @@ fn mismatch_cycle_recv_4_ranks() {
 /// that rank 2 waits in a send to rank 3): a chain, not a cycle, so every call succeeds, exact.
 #[test]
 fn a_ring_of_sends_a_late_rank_unwinds_is_not_a_cycle() {
-    let mut job = Job::new("faults").procs(4).arg("--only").arg("ring-late").env("NCCL_DEBUG", "WARN").timeout_s(60);
-    let go = job.dir().join("unique-id.flag-go");
-    let o = job
-        .on(When::marker(1, "it is in a send of 16777216 bytes to rank 3"), move || {
-            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
-        })
-        .run_outcome();
-    judge("a_ring_of_sends_a_late_rank_unwinds_is_not_a_cycle", &o, o.ok(), String::new());
+    late_rank_let_go("a_ring_of_sends_a_late_rank_unwinds_is_not_a_cycle", "ring-late", 4, 1,
+                     "it is in a send of 16777216 bytes to rank 3");
 }
 
 /// Rank 1's group has received rank 2's 16 MiB and waits to send to a late rank 0; rank 2 now
@@ -550,14 +551,8 @@ fn a_ring_of_sends_a_late_rank_unwinds_is_not_a_cycle() {
 /// the send at WARN, rank 0 is let go on that line, and every call succeeds, exact.
 #[test]
 fn a_receive_done_in_a_group_waiting_on_a_late_rank_is_not_crossed() {
-    let mut job = Job::new("faults").procs(3).arg("--only").arg("p2p-done").env("NCCL_DEBUG", "WARN").timeout_s(60);
-    let go = job.dir().join("unique-id.flag-go");
-    let o = job
-        .on(When::marker(2, "it is in a send of 16777216 bytes to rank 0"), move || {
-            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
-        })
-        .run_outcome();
-    judge("a_receive_done_in_a_group_waiting_on_a_late_rank_is_not_crossed", &o, o.ok(), String::new());
+    late_rank_let_go("a_receive_done_in_a_group_waiting_on_a_late_rank_is_not_crossed", "p2p-done", 3, 2,
+                     "it is in a send of 16777216 bytes to rank 0");
 }
 
 /// Rank 0's group has finished its all-reduce and waits to send to a late rank 2; rank 1, past
@@ -567,14 +562,8 @@ fn a_receive_done_in_a_group_waiting_on_a_late_rank_is_not_crossed() {
 /// that line, and every call succeeds, exact.
 #[test]
 fn a_collective_done_in_a_group_waiting_on_a_late_rank_is_not_a_mismatch() {
-    let mut job = Job::new("faults").procs(3).arg("--only").arg("coll-done").env("NCCL_DEBUG", "WARN").timeout_s(60);
-    let go = job.dir().join("unique-id.flag-go");
-    let o = job
-        .on(When::marker(1, "it is in a send of 16777216 bytes to rank 2"), move || {
-            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
-        })
-        .run_outcome();
-    judge("a_collective_done_in_a_group_waiting_on_a_late_rank_is_not_a_mismatch", &o, o.ok(), String::new());
+    late_rank_let_go("a_collective_done_in_a_group_waiting_on_a_late_rank_is_not_a_mismatch", "coll-done", 3, 1,
+                     "it is in a send of 16777216 bytes to rank 2");
 }
 
 /// Three ranks group an all-reduce with a send and a receive (a ring shift); rank 0 is late.
@@ -584,14 +573,8 @@ fn a_collective_done_in_a_group_waiting_on_a_late_rank_is_not_a_mismatch() {
 /// every call succeeds, exact.
 #[test]
 fn a_peer_in_a_collective_both_issued_is_not_a_mismatch() {
-    let mut job = Job::new("faults").procs(3).arg("--only").arg("group-late").env("NCCL_DEBUG", "WARN").timeout_s(60);
-    let go = job.dir().join("unique-id.flag-go");
-    let o = job
-        .on(When::marker(1, "which has not issued that call"), move || {
-            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
-        })
-        .run_outcome();
-    judge("a_peer_in_a_collective_both_issued_is_not_a_mismatch", &o, o.ok(), String::new());
+    late_rank_let_go("a_peer_in_a_collective_both_issued_is_not_a_mismatch", "group-late", 3, 1,
+                     "which has not issued that call");
 }
 
 /// A send of 1024 floats received as 512: the receiver names both sizes (a send and its

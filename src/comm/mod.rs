@@ -82,12 +82,11 @@ impl Ready {
         }
     }
 
-    /// Take an operation that finished (`shown`: its stamp as the status shows it, a send's or
-    /// receive's with direction and peer) out of what this rank publishes as running. Its
-    /// group may wait on other peers for long; a peer that saw it there would think it still
-    /// waits for that peer's call: two ranks that each receive from the other look crossed
-    /// though one's receive is done, and a collective done in a group looks like another call
-    /// than the send the peer waits for.
+    /// Take a send or receive that finished (`shown`: its stamp with direction and peer, as the
+    /// status shows it) out of what this rank publishes as running. Its group may wait on other
+    /// peers for long; a peer that saw it there would think it still waits for that peer's call
+    /// (two ranks that each receive from the other look crossed, though one's receive is done).
+    /// Collectives stay: a peer takes one this rank issued for one it is behind on.
     pub fn finished(&self, shown: &Stamp) {
         let mut bytes = self.running.lock().unwrap_or_else(|p| p.into_inner());
         if bytes.first() != Some(&STATUS_RUNNING) {
@@ -248,7 +247,6 @@ fn status_answer(running: &crate::bootstrap::service::Status, serial: u64) -> Ve
     bytes
 }
 
-/// The stamps of status bytes (after the tag).
 /// What the error of sends and receives that wait on each other for ever says to do.
 const DEADLOCK_ADVICE: &str = "(put a rank's sends and receives with its peers in one ncclGroupStart/ncclGroupEnd \
                                group, or order them so that each send meets its receive)";
@@ -342,6 +340,7 @@ impl CycleWalk<'_> {
     }
 }
 
+/// The stamps of status bytes (after the tag).
 fn status_stamps(bytes: &[u8]) -> impl Iterator<Item = Stamp> + '_ {
     bytes.get(1..).unwrap_or_default().chunks_exact(STAMP_BYTES).filter_map(|s| s.try_into().ok())
 }
