@@ -6,8 +6,8 @@
  * its size, its ranks and an exact all-reduce. Then two communicators driven at once by two
  * threads.
  *
- *   comms [--only split|shrink|shrink-nonblocking|revoke|grow|threads]
- *   COMMS_TEST_ABSENT=split|grow comms   (the last rank never makes the call; see absent())
+ *   comms [--only split|split-nonblocking|shrink|shrink-nonblocking|revoke|grow|threads]
+ *   COMMS_TEST_ABSENT=split|split-nonblocking|grow comms   (the last rank never makes the call; see absent())
  *   COMMS_TEST_SUSPENDED=FILE comms      (the last rank is suspended until FILE exists)
  *   COMMS_TEST_LATE=FILE comms           (the last rank issues its all-reduce once FILE exists;
  *                                         COMMS_TEST_CONNECTED=1: after a first all-reduce)
@@ -75,6 +75,22 @@ static void world_barrier(ncclComm_t* world) {
   EXPECT(allreduce_sum_int(world, 1) == n, "world barrier: not %d ranks", n);
 }
 
+/* What a split by parity with keys reversing the order (color rank % 2, key n - rank) gives
+ * local rank l: its size and rank, its all-reduce term and sum (sum_check). */
+static void parity_split_expects(int* cn, int* cr, int* v, int* want) {
+  const int n = g_env.nranks;
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    cn[l] = 0, cr[l] = 0, v[l] = rank + 1, want[l] = 0;
+    for (int r = 0; r < n; r++) {
+      if (r % 2 != rank % 2) continue;
+      cn[l]++;
+      cr[l] += r > rank; /* larger old ranks have smaller keys: they come first */
+      want[l] += r + 1;
+    }
+  }
+}
+
 /* Colors by parity, keys reversing the order; then NOCOLOR for rank 0. */
 static void step_split(ncclComm_t* world) {
   const int n = g_env.nranks;
@@ -86,16 +102,7 @@ static void step_split(ncclComm_t* world) {
     CHECK(ncclCommSplit(world[l], rank % 2, n - rank, &sub[l], NULL));
   }
   CHECK(ncclGroupEnd());
-  for (int l = 0; l < g_env.local; l++) {
-    int rank = g_env.first_rank + l;
-    cn[l] = 0, cr[l] = 0, v[l] = rank + 1, want[l] = 0;
-    for (int r = 0; r < n; r++) {
-      if (r % 2 != rank % 2) continue;
-      cn[l]++;
-      cr[l] += r > rank; /* larger old ranks have smaller keys: they come first */
-      want[l] += r + 1;
-    }
-  }
+  parity_split_expects(cn, cr, v, want);
   expect_shape(sub, cn, cr, "split by parity, keys reversed");
   sum_check(sub, v, want, "all-reduce on a split by parity");
   destroy_all(sub);
@@ -115,6 +122,50 @@ static void step_split(ncclComm_t* world) {
   expect_shape(sub, cn, cr, "split with rank 0 NOCOLOR");
   if (n > 1) sum_check(sub, v, want, "all-reduce on a split without rank 0");
   destroy_all(sub);
+}
+
+/* A nonblocking parent's split, as PyTorch makes one (one rank per thread): the call returns
+ * ncclInProgress and sets newcomm to NULL; the parent says ncclInProgress until the split is
+ * done, and by then newcomm holds the new communicator (NCCL's order: PyTorch polls the
+ * parent, then waits for the handle). Rank 0 is 1.5 s late, so the others do poll. A thread
+ * driving several ranks splits them in a group. Before, the call returned only once every
+ * rank had made it, so a rank that never did left the others stuck in it, unable to abort
+ * (COMMS_TEST_ABSENT=split-nonblocking). */
+static void step_split_nonblocking(ncclComm_t* world) {
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t nb[MAX_LOCAL], sub[MAX_LOCAL];
+  int cn[MAX_LOCAL], cr[MAX_LOCAL], v[MAX_LOCAL], want[MAX_LOCAL];
+  CHECK(ncclGroupStart()); /* (the world is blocking: this split is done when the group is) */
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclCommSplit(world[l], 0, g_env.first_rank + l, &nb[l], &cfg));
+  CHECK(ncclGroupEnd());
+  const int grouped = g_env.local > 1;
+  if (g_env.first_rank == 0) sleep_ms(1500); /* (a late rank, not a wait for anything) */
+  if (grouped) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    sub[l] = (ncclComm_t)(uintptr_t)1; /* the call sets it to NULL */
+    ncclResult_t r = ncclCommSplit(nb[l], rank % 2, g_env.nranks - rank, &sub[l], NULL);
+    if (grouped) {
+      CHECK(r);
+      continue;
+    }
+    EXPECT(r == ncclInProgress, "a nonblocking parent's split returned %s, not ncclInProgress", result_name(r));
+    /* (Rank 0, the last to call, may find it done already.) */
+    if (rank != 0) EXPECT(sub[l] == NULL, "a nonblocking parent's split in progress left newcomm %p", (void*)sub[l]);
+  }
+  CHECK(finish_async(grouped ? ncclGroupEnd() : ncclInProgress, nb, g_env.local));
+  for (int l = 0; l < g_env.local; l++) {
+    EXPECT(sub[l] != NULL && sub[l] != (ncclComm_t)(uintptr_t)1, "the split's parent is done but newcomm is %p",
+           (void*)sub[l]);
+    if (sub[l] == (ncclComm_t)(uintptr_t)1) sub[l] = NULL;
+    if (sub[l]) CHECK(wait_comm(sub[l]));
+  }
+  parity_split_expects(cn, cr, v, want);
+  expect_shape(sub, cn, cr, "nonblocking split by parity");
+  sum_check(sub, v, want, "all-reduce on a nonblocking split by parity");
+  destroy_all(sub);
+  destroy_all(nb);
 }
 
 /* The last rank is left out (it does not call); the others keep their order. Nonblocking
@@ -307,6 +358,37 @@ static void step_threads(ncclComm_t* world) {
   destroy_all(dup);
 }
 
+/* COMMS_TEST_ABSENT=split-nonblocking (one rank per process, NCCL_INIT_TIMEOUT_S unset): the
+ * fault-tolerance pattern NCCL documents (issue, poll with a deadline, abort) on a split whose
+ * last rank never makes the call. The others' call returns ncclInProgress; their parent stays
+ * in progress for the 2 s they poll; ncclCommAbort on it then returns at once and newcomm
+ * stays NULL. The last rank keeps its parent until they are done. */
+static int absent_nonblocking(ncclComm_t* world) {
+  const int last = g_env.nranks - 1, rank = g_env.first_rank;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t parent = NULL, sub = NULL;
+  CHECK(ncclCommSplit(world[0], 0, rank, &parent, &cfg));
+  if (rank != last) {
+    ncclResult_t r = ncclCommSplit(parent, 0, rank, &sub, NULL);
+    EXPECT(r == ncclInProgress, "split without rank %d returned %s, not ncclInProgress", last, result_name(r));
+    ncclResult_t state = ncclInProgress;
+    for (double until = now_s() + 2; now_s() < until && state == ncclInProgress; sleep_ms(10))
+      CHECK(ncclCommGetAsyncError(parent, &state));
+    EXPECT(state == ncclInProgress, "the parent of a split without rank %d is %s, not in progress", last,
+           result_name(state));
+    double t0 = now_s();
+    CHECK(ncclCommAbort(parent));
+    tlog("ABSENT: split-nonblocking polled 2 s, then aborted in %.2f s", now_s() - t0);
+    EXPECT(now_s() - t0 < 5, "ncclCommAbort took %.1f s", now_s() - t0);
+    EXPECT(sub == NULL, "an aborted split left newcomm %p", (void*)sub);
+  }
+  world_barrier(world);
+  if (rank == last) CHECK(ncclCommDestroy(parent));
+  destroy_comms(world);
+  return test_finish();
+}
+
 /* COMMS_TEST_ABSENT=split|grow (one rank per process): the last rank never makes the call
  * (it waits for the others on the world communicator). The others must name it: at WARN once
  * half of NCCL_INIT_TIMEOUT_S has gone, and in the ncclTimeout they get at the end. */
@@ -316,6 +398,7 @@ static int absent(ncclComm_t* world) {
   ncclComm_t sub = NULL;
   ncclResult_t r = ncclSuccess;
   world_barrier(world); /* connected now: the last barrier must not connect under a short timeout */
+  if (!strcmp(what, "split-nonblocking")) return absent_nonblocking(world);
   if (!strcmp(what, "split")) {
     if (rank != last) r = ncclCommSplit(world[0], 0, rank, &sub, NULL);
   } else {
@@ -386,6 +469,7 @@ int main(int argc, char** argv) {
   if (getenv("COMMS_TEST_SUSPENDED")) return suspended(world);
   if (getenv("COMMS_TEST_LATE")) return late(world);
   if (begin("split")) step_split(world);
+  if (begin("split-nonblocking")) step_split_nonblocking(world);
   if (begin("shrink")) step_shrink(world, 0);
   if (begin("shrink-nonblocking")) step_shrink(world, 1);
   if (begin("revoke")) step_revoke(world);

@@ -3149,15 +3149,23 @@ static void torch_like(void) {
 
   test_step("torch: split");
   ncclResult_t first_err = ncclSuccess;
-  CHECK(ncclGroupStart());
+  /* As PyTorch splits one rank per process: outside a group, polling the parent until it is
+   * done, by when the handle is set; the ranks of one process in a group. */
+  const int grouped = L > 1;
+  if (grouped) CHECK(ncclGroupStart());
   for (int l = 0; l < L; l++) {
     int rank = g_env.first_rank + l;
     sub[l] = NULL;
     ncclResult_t rl = ncclCommSplit(world[l], rank < m ? 0 : NCCL_SPLIT_NOCOLOR, m - 1 - rank, &sub[l], &cfg);
     if (rl != ncclSuccess && rl != ncclInProgress && first_err == ncclSuccess) first_err = rl;
   }
-  r = ncclGroupEnd();
-  r = finish_async(first_err != ncclSuccess ? first_err : r, sub, L);
+  if (grouped) {
+    r = ncclGroupEnd();
+    r = finish_async(first_err != ncclSuccess ? first_err : r, sub, L);
+  } else {
+    r = finish_async(first_err != ncclSuccess ? first_err : ncclInProgress, world, L);
+    if (r == ncclSuccess && sub[0]) r = wait_comm(sub[0]);
+  }
   EXPECT(r == ncclSuccess, "nonblocking ncclCommSplit in CUDA mode: %s", result_name(r));
   for (int l = 0; l < L; l++) {
     int rank = g_env.first_rank + l;

@@ -459,6 +459,21 @@ fn comms_a_rank_that_never_calls_is_named() {
     }
 }
 
+/// A split on a nonblocking communicator whose last rank never makes the call, without
+/// NCCL_INIT_TIMEOUT_S (so no limit of ours ends it): the others' call returns ncclInProgress,
+/// they poll the parent for 2 s (still in progress), and ncclCommAbort then stops the split at
+/// once, leaving newcomm NULL: the pattern PyTorch's timeouts rely on. Before, the call itself
+/// waited for the absent rank for ever.
+#[test]
+fn comms_a_nonblocking_split_without_a_rank_can_be_polled_and_aborted() {
+    let o = Job::new("comms").procs(3).env("COMMS_TEST_ABSENT", "split-nonblocking").env("NCCL_DEBUG", "WARN")
+        .timeout_s(60).run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for i in [0, 1] {
+        assert!(o.procs[i].log.contains("ABSENT: split-nonblocking polled 2 s"), "process {i}:\n{}", o.procs[i].log);
+    }
+}
+
 /// Without NCCL_INIT_TIMEOUT_S, init waits for a late rank as long as it takes, as NCCL does
 /// (here 13 s: a rank preparing data while the others wait is common); after 10 s the waiting
 /// ranks name the late one and say there is no limit; then the job runs.

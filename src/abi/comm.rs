@@ -126,7 +126,9 @@ export! {
     fn ncclCommSplit(comm: ncclComm_t, color: c_int, key: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) {
         super::grouped(|| {
             let parent = handle::get(comm)?;
-            ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+            // As NCCL: NULL until the new communicator exists (a nonblocking split's caller
+            // may poll the parent, then wait for the handle to appear).
+            write_out(newcomm, "newcomm", std::ptr::null_mut())?;
             let config = if config.is_null() { None } else { Some(read_config(config)?) };
             split::split(parent, color, key, config, sink(newcomm))
         })
@@ -135,7 +137,7 @@ export! {
                       newcomm: *mut ncclComm_t, config: *mut ncclConfig_t, shrinkFlags: c_int) {
         super::grouped(|| {
             let parent = handle::get(comm)?;
-            ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+            write_out(newcomm, "newcomm", std::ptr::null_mut())?;
             ensure!(excludeRanksCount >= 0, Error::invalid_arg(format!("excludeRanksCount {excludeRanksCount} is negative")));
             ensure!(excludeRanksCount == 0 || !excludeRanksList.is_null(), Error::invalid_arg("excludeRanksList is NULL"));
             let exclude = if excludeRanksCount == 0 { Vec::new() } else {
@@ -155,7 +157,7 @@ export! {
     fn ncclCommGrow(comm: ncclComm_t, nRanks: c_int, uniqueId: *const ncclUniqueId, rank: c_int,
                     newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) {
         super::grouped(|| {
-            ensure!(!newcomm.is_null(), Error::invalid_arg("newcomm is NULL"));
+            write_out(newcomm, "newcomm", std::ptr::null_mut())?;
             // SAFETY: a non-NULL uniqueId points to an ncclUniqueId by the API contract.
             let id = (!uniqueId.is_null()).then(|| id_bytes(unsafe { &*uniqueId }));
             let who = if comm.is_null() {

@@ -85,6 +85,7 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
     }
     comm.ready()?;
     let (seq, tag) = comm.next_split(set_key(&vec![false; comm.nranks]));
+    let parent = comm.clone();
     let run = move || -> Result<()> {
         let parent = comm.ready()?;
         let hash = child_hash(comm.hash, seq, color as u64);
@@ -113,7 +114,19 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
         sink(Some(make_child(&comm, rank, peers, service, hash, config.unwrap_or_else(|| comm.config.clone()))));
         Ok(())
     };
-    crate::group::run_or_defer(Box::new(run))
+    run_on(parent, Box::new(run))
+}
+
+/// Run a split's or grow's exchange over `parent` now, at the outermost ncclGroupEnd, or, for
+/// a nonblocking parent outside a group, in the background: the call returns
+/// `ncclInProgress`, the parent says so until the exchange is done, and the new handle is
+/// written then (NCCL's order: PyTorch polls the parent, then waits for the handle to appear).
+/// So a rank that never makes the call leaves the others polling, free to abort, not stuck in it.
+fn run_on(parent: Arc<Comm>, run: crate::group::Deferred) -> Result<()> {
+    if !parent.config.blocking && crate::group::depth() == 0 {
+        return crate::group::background::start(vec![parent], run);
+    }
+    crate::group::run_or_defer(run)
 }
 
 /// `ncclCommShrink`: the ranks not in `exclude` make a new communicator, in their old order.
@@ -223,6 +236,7 @@ pub fn grow(who: Grower, nranks: i32, config: Option<Config>, sink: Sink) -> Res
             }
             comm.ready()?;
             let (_, tag) = comm.next_split(set_key(&vec![false; comm.nranks]));
+            let parent = comm.clone();
             let run = move || -> Result<()> {
                 let parent = comm.ready()?;
                 let mut w = Writer::default();
@@ -236,7 +250,7 @@ pub fn grow(who: Grower, nranks: i32, config: Option<Config>, sink: Sink) -> Res
                 let config = config.unwrap_or_else(|| comm.config.clone());
                 join_grown(comm.rank, n, comm.cuda_dev, config, &id, sink)
             };
-            crate::group::run_or_defer(Box::new(run))
+            run_on(parent, Box::new(run))
         }
         Grower::Joining(rank, id) => {
             if rank < 0 || rank >= nranks {
