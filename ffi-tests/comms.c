@@ -7,7 +7,7 @@
  * threads.
  *
  *   comms [--only split|split-nonblocking|shrink|shrink-nonblocking|revoke|grow|threads]
- *   COMMS_TEST_ABSENT=split|split-nonblocking|grow comms   (the last rank never makes the call; see absent())
+ *   COMMS_TEST_ABSENT=split|split-nonblocking|split-dead|grow comms   (the last rank never makes the call; see absent())
  *   COMMS_TEST_SUSPENDED=FILE comms      (the last rank is suspended until FILE exists)
  *   COMMS_TEST_LATE=FILE comms           (the last rank issues its all-reduce once FILE exists;
  *                                         COMMS_TEST_CONNECTED=1: after a first all-reduce)
@@ -399,6 +399,27 @@ static int absent(ncclComm_t* world) {
   ncclResult_t r = ncclSuccess;
   world_barrier(world); /* connected now: the last barrier must not connect under a short timeout */
   if (!strcmp(what, "split-nonblocking")) return absent_nonblocking(world);
+  if (!strcmp(what, "split-dead")) {
+    /* The last rank's process ends without making the call: the others are told it is gone,
+     * within seconds, with no NCCL_INIT_TIMEOUT_S (before, they waited for it for ever). */
+    if (rank == last) _exit(0);
+    double t0 = now_s();
+    r = ncclCommSplit(world[0], 0, rank, &sub, NULL);
+    const char* why = ncclGetLastError(NULL);
+    char want[48];
+    snprintf(want, sizeof want, "rank %d", last);
+    tlog("ABSENT: split-dead returned %s after %.1f s: %s", result_name(r), now_s() - t0, why);
+    EXPECT(r == ncclRemoteError, "split with rank %d's process gone: %s, not ncclRemoteError", last, result_name(r));
+    EXPECT(why && strstr(why, want), "the error does not name rank %d: %s", last, why ? why : "(null)");
+    /* (A rank that passes parts on to it finds it gone when it sends; rank 0, which waits for
+     * its part, is the one that waited for ever.) */
+    if (rank == 0)
+      EXPECT(why && strstr(why, "is gone (its process exited)"), "rank 0 is not told rank %d is gone: %s", last,
+             why ? why : "(null)");
+    EXPECT(sub == NULL, "a failed split left newcomm %p", (void*)sub);
+    CHECK(ncclCommAbort(world[0]));
+    return test_finish();
+  }
   if (!strcmp(what, "split")) {
     if (rank != last) r = ncclCommSplit(world[0], 0, rank, &sub, NULL);
   } else {

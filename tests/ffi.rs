@@ -474,6 +474,19 @@ fn comms_a_nonblocking_split_without_a_rank_can_be_polled_and_aborted() {
     }
 }
 
+/// A split whose last rank's process ended without making the call, without
+/// NCCL_INIT_TIMEOUT_S: the others get ncclRemoteError saying that rank is gone (its process
+/// exited) within seconds. Before, they waited for it for ever ("which has not made the call").
+#[test]
+fn comms_a_split_without_a_dead_rank_says_it_is_gone() {
+    let o = Job::new("comms").procs(3).env("COMMS_TEST_ABSENT", "split-dead").env("NCCL_DEBUG", "WARN")
+        .timeout_s(60).run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for i in [0, 1] {
+        assert!(o.procs[i].log.contains("ABSENT: split-dead returned ncclRemoteError"), "process {i}:\n{}", o.procs[i].log);
+    }
+}
+
 /// Without NCCL_INIT_TIMEOUT_S, init waits for a late rank as long as it takes, as NCCL does
 /// (here 13 s: a rank preparing data while the others wait is common); after 10 s the waiting
 /// ranks name the late one and say there is no limit; then the job runs.

@@ -93,7 +93,8 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
         let mine = encode(color, key, service.as_ref().map(|s| me_info(&comm, parent, s.addr)).as_ref());
         let members: Vec<usize> = (0..comm.nranks).collect();
         let deadline = params::init_deadline();
-        let ex = Exchange { call: "ncclCommSplit", tag: TAG_SPLIT ^ tag, deadline, abort: &comm.abort };
+        let gone = |r| comm.member_gone(r);
+        let ex = Exchange { call: "ncclCommSplit", tag: TAG_SPLIT ^ tag, deadline, abort: &comm.abort, gone: &gone };
         let all = parent.service.allgather(&ex, &members, comm.rank, mine)
             .map_err(|e| e.context(format!("rank {}: ncclCommSplit", comm.rank)))?;
         let Some(service) = service else {
@@ -168,7 +169,8 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
         let service = Service::start(bootstrap::local_ip()?, hash, me as u32)?;
         let mine = encode(list_hash as i32, 0, Some(&me_info(&comm, parent, service.addr)));
         let deadline = params::init_deadline();
-        let ex = Exchange { call: "ncclCommShrink", tag: TAG_SHRINK ^ tag, deadline, abort: &comm.abort };
+        let gone = |r| comm.member_gone(r);
+        let ex = Exchange { call: "ncclCommShrink", tag: TAG_SHRINK ^ tag, deadline, abort: &comm.abort, gone: &gone };
         let all = parent.service.allgather(&ex, &members, me, mine)
             .map_err(|e| e.context(format!("rank {}: ncclCommShrink", comm.rank)))?;
         let mut peers = Vec::with_capacity(members.len());
@@ -243,7 +245,8 @@ pub fn grow(who: Grower, nranks: i32, config: Option<Config>, sink: Sink) -> Res
                 w.u8(id.is_some() as u8).bytes(&id.unwrap_or([0; bootstrap::id::ID_BYTES]));
                 let members: Vec<usize> = (0..comm.nranks).collect();
                 let deadline = params::init_deadline();
-                let ex = Exchange { call: "ncclCommGrow", tag: TAG_GROW ^ tag, deadline, abort: &comm.abort };
+                let gone = |r| comm.member_gone(r);
+                let ex = Exchange { call: "ncclCommGrow", tag: TAG_GROW ^ tag, deadline, abort: &comm.abort, gone: &gone };
                 let all = parent.service.allgather(&ex, &members, comm.rank, w.buf)
                     .map_err(|e| e.context(format!("rank {}: ncclCommGrow", comm.rank)))?;
                 let id = coordinators_id(&all)?;

@@ -231,7 +231,7 @@ impl Service {
     /// first), so that rank is named, at WARN once half the time allowed (at most 10 s) has
     /// gone, and in the error at the deadline.
     pub fn allgather(&self, ex: &Exchange, members: &[usize], me: usize, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
-        let Exchange { call, tag, deadline, abort } = *ex;
+        let Exchange { call, tag, deadline, abort, gone } = *ex;
         let n = members.len();
         let mut out = vec![Vec::new(); n];
         out[me] = mine;
@@ -243,12 +243,30 @@ impl Service {
             let from = (me + 2 * n - s - 1) % n;
             let origin = members[from];
             let by = if origin == prev { String::new() } else { format!(", passed on by rank {prev},") };
+            let mut check_at = Instant::now() + GONE_CHECK_EVERY;
             out[from] = loop {
-                match self.recv(prev, step_tag, warn_at.map_or(deadline, |w| w.min(deadline)), abort) {
+                let until = warn_at.map_or(deadline, |w| w.min(deadline)).min(check_at);
+                match self.recv(prev, step_tag, until, abort) {
                     Err(e) if e.code == crate::error::Code::Timeout && Instant::now() < deadline => {
-                        warn_at = None;
-                        crate::warn!("rank {}: {call} waits for rank {origin}, which has not made the call (its \
-                                      part{by} has not come); waiting {}", members[me], crate::params::init_limit_text());
+                        if Instant::now() >= check_at {
+                            check_at = Instant::now() + GONE_CHECK_EVERY;
+                            // The part comes from its origin through the members after it: one
+                            // of them gone, it never will (unless already on its way).
+                            let chain = (0..(me + n - from) % n).map(|k| members[(from + k) % n]);
+                            if let Some(why) = chain.filter_map(gone).next() {
+                                let last = Instant::now() + Duration::from_millis(200);
+                                match self.recv(prev, step_tag, last, abort) {
+                                    Ok(part) => break part,
+                                    Err(_) => return Err(Error::remote(format!(
+                                        "rank {origin}'s part{by} will never come: {why}"))),
+                                }
+                            }
+                        }
+                        if warn_at.is_some_and(|w| Instant::now() >= w) {
+                            warn_at = None;
+                            crate::warn!("rank {}: {call} waits for rank {origin}, which has not made the call (its \
+                                          part{by} has not come); waiting {}", members[me], crate::params::init_limit_text());
+                        }
                     }
                     Err(e) if e.code == crate::error::Code::Timeout => {
                         return Err(Error::timeout(format!("rank {origin} never made the call (its part{by} did \
@@ -381,7 +399,14 @@ pub struct Exchange<'a> {
     pub tag: u32,
     pub deadline: Instant,
     pub abort: &'a AtomicBool,
+    /// Whether a member is certainly gone (its process exited, its service refuses), described
+    /// with why: a part it has not passed on will never come.
+    pub gone: &'a dyn Fn(usize) -> Option<String>,
 }
+
+/// How often a management exchange waiting for a part checks that the members it comes
+/// through are still there.
+const GONE_CHECK_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a management exchange or an init waits before it names, at WARN, the ranks it
 /// waits for: half the time it is allowed (`deadline` from now), at most 10 s.

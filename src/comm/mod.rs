@@ -652,6 +652,13 @@ impl Comm {
         }
     }
 
+    /// `peer` described with why it is gone, if it certainly is (a management exchange
+    /// waiting on it then fails rather than waits for ever).
+    pub fn member_gone(&self, peer: usize) -> Option<String> {
+        let (why, certain) = self.peer_gone(peer)?;
+        certain.then(|| format!("{} is gone ({why})", self.describe_peer(peer)))
+    }
+
     /// Has `peer` closed this communicator (destroyed or aborted it) while its process goes on?
     /// Then it will never connect or send again. For waits on a peer that has no connection to
     /// carry that news (one it had is closed by it and says so itself, after what came on it).
