@@ -466,11 +466,17 @@ fn comms_a_rank_that_never_calls_is_named() {
 /// waited for the absent rank for ever.
 #[test]
 fn comms_a_nonblocking_split_without_a_rank_can_be_polled_and_aborted() {
-    let o = Job::new("comms").procs(3).env("COMMS_TEST_ABSENT", "split-nonblocking").env("NCCL_DEBUG", "WARN")
-        .timeout_s(60).run_outcome();
+    comms_absent_says("split-nonblocking", "ABSENT: split-nonblocking polled 2 s");
+}
+
+/// comms.c's COMMS_TEST_ABSENT=`what` on 3 processes, no NCCL_INIT_TIMEOUT_S: the job passes
+/// and the two ranks that made the call log `said`.
+fn comms_absent_says(what: &str, said: &str) {
+    let o = Job::new("comms").procs(3).env("COMMS_TEST_ABSENT", what).env("NCCL_DEBUG", "WARN").timeout_s(60)
+        .run_outcome();
     assert!(o.ok(), "{}", o.report);
     for i in [0, 1] {
-        assert!(o.procs[i].log.contains("ABSENT: split-nonblocking polled 2 s"), "process {i}:\n{}", o.procs[i].log);
+        assert!(o.procs[i].log.contains(said), "process {i}:\n{}", o.procs[i].log);
     }
 }
 
@@ -479,12 +485,7 @@ fn comms_a_nonblocking_split_without_a_rank_can_be_polled_and_aborted() {
 /// exited) within seconds. Before, they waited for it for ever ("which has not made the call").
 #[test]
 fn comms_a_split_without_a_dead_rank_says_it_is_gone() {
-    let o = Job::new("comms").procs(3).env("COMMS_TEST_ABSENT", "split-dead").env("NCCL_DEBUG", "WARN")
-        .timeout_s(60).run_outcome();
-    assert!(o.ok(), "{}", o.report);
-    for i in [0, 1] {
-        assert!(o.procs[i].log.contains("ABSENT: split-dead returned ncclRemoteError"), "process {i}:\n{}", o.procs[i].log);
-    }
+    comms_absent_says("split-dead", "ABSENT: split-dead returned ncclRemoteError");
 }
 
 /// Without NCCL_INIT_TIMEOUT_S, init waits for a late rank as long as it takes, as NCCL does

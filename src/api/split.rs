@@ -9,11 +9,10 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::bootstrap::{self, service::Exchange, wire::{Reader, Writer}, PeerInfo, Service, UniqueId};
+use crate::bootstrap::{self, wire::{Reader, Writer}, PeerInfo, Service, UniqueId};
 use crate::comm::handle::{self, Handle};
 use crate::comm::{Comm, Ready};
 use crate::error::{Error, Result};
-use crate::params;
 
 use super::config::Config;
 
@@ -92,9 +91,7 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
         let service = if color == NOCOLOR { None } else { Some(Service::start(bootstrap::local_ip()?, hash, 0)?) };
         let mine = encode(color, key, service.as_ref().map(|s| me_info(&comm, parent, s.addr)).as_ref());
         let members: Vec<usize> = (0..comm.nranks).collect();
-        let deadline = params::init_deadline();
-        let gone = |r| comm.member_gone(r);
-        let ex = Exchange { call: "ncclCommSplit", tag: TAG_SPLIT ^ tag, deadline, abort: &comm.abort, gone: &gone };
+        let ex = comm.exchange("ncclCommSplit", TAG_SPLIT ^ tag);
         let all = parent.service.allgather(&ex, &members, comm.rank, mine)
             .map_err(|e| e.context(format!("rank {}: ncclCommSplit", comm.rank)))?;
         let Some(service) = service else {
@@ -168,9 +165,7 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
         let parent = comm.ready_for_management()?;
         let service = Service::start(bootstrap::local_ip()?, hash, me as u32)?;
         let mine = encode(list_hash as i32, 0, Some(&me_info(&comm, parent, service.addr)));
-        let deadline = params::init_deadline();
-        let gone = |r| comm.member_gone(r);
-        let ex = Exchange { call: "ncclCommShrink", tag: TAG_SHRINK ^ tag, deadline, abort: &comm.abort, gone: &gone };
+        let ex = comm.exchange("ncclCommShrink", TAG_SHRINK ^ tag);
         let all = parent.service.allgather(&ex, &members, me, mine)
             .map_err(|e| e.context(format!("rank {}: ncclCommShrink", comm.rank)))?;
         let mut peers = Vec::with_capacity(members.len());
@@ -244,9 +239,7 @@ pub fn grow(who: Grower, nranks: i32, config: Option<Config>, sink: Sink) -> Res
                 let mut w = Writer::default();
                 w.u8(id.is_some() as u8).bytes(&id.unwrap_or([0; bootstrap::id::ID_BYTES]));
                 let members: Vec<usize> = (0..comm.nranks).collect();
-                let deadline = params::init_deadline();
-                let gone = |r| comm.member_gone(r);
-                let ex = Exchange { call: "ncclCommGrow", tag: TAG_GROW ^ tag, deadline, abort: &comm.abort, gone: &gone };
+                let ex = comm.exchange("ncclCommGrow", TAG_GROW ^ tag);
                 let all = parent.service.allgather(&ex, &members, comm.rank, w.buf)
                     .map_err(|e| e.context(format!("rank {}: ncclCommGrow", comm.rank)))?;
                 let id = coordinators_id(&all)?;

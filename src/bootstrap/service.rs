@@ -231,7 +231,7 @@ impl Service {
     /// first), so that rank is named, at WARN once half the time allowed (at most 10 s) has
     /// gone, and in the error at the deadline.
     pub fn allgather(&self, ex: &Exchange, members: &[usize], me: usize, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
-        let Exchange { call, tag, deadline, abort, gone } = *ex;
+        let Exchange { call, tag, deadline, abort, members: group } = *ex;
         let n = members.len();
         let mut out = vec![Vec::new(); n];
         out[me] = mine;
@@ -253,7 +253,7 @@ impl Service {
                             // The part comes from its origin through the members after it: one
                             // of them gone, it never will (unless already on its way).
                             let chain = (0..(me + n - from) % n).map(|k| members[(from + k) % n]);
-                            if let Some(why) = chain.filter_map(gone).next() {
+                            if let Some(why) = chain.filter_map(|r| group.gone(r)).next() {
                                 let last = Instant::now() + Duration::from_millis(200);
                                 match self.recv(prev, step_tag, last, abort) {
                                     Ok(part) => break part,
@@ -399,9 +399,15 @@ pub struct Exchange<'a> {
     pub tag: u32,
     pub deadline: Instant,
     pub abort: &'a AtomicBool,
-    /// Whether a member is certainly gone (its process exited, its service refuses), described
-    /// with why: a part it has not passed on will never come.
-    pub gone: &'a dyn Fn(usize) -> Option<String>,
+    /// Who the members are: whether one is gone (a part it has not passed on never comes).
+    pub members: &'a dyn Members,
+}
+
+/// What a management exchange asks of the communicator whose members it gathers.
+pub trait Members {
+    /// `rank` described with why it is gone, if it certainly is (its process exited, its
+    /// service refuses).
+    fn gone(&self, rank: usize) -> Option<String>;
 }
 
 /// How often a management exchange waiting for a part checks that the members it comes

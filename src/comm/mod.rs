@@ -652,11 +652,12 @@ impl Comm {
         }
     }
 
-    /// `peer` described with why it is gone, if it certainly is (a management exchange
-    /// waiting on it then fails rather than waits for ever).
-    pub fn member_gone(&self, peer: usize) -> Option<String> {
-        let (why, certain) = self.peer_gone(peer)?;
-        certain.then(|| format!("{} is gone ({why})", self.describe_peer(peer)))
+    /// The exchange of management call `call` (split, shrink, grow) over this communicator's
+    /// bootstrap service: until NCCL_INIT_TIMEOUT_S, stopped by an abort, failed once a
+    /// member it waits on is certainly gone.
+    pub fn exchange(&self, call: &'static str, tag: u32) -> crate::bootstrap::service::Exchange<'_> {
+        crate::bootstrap::service::Exchange { call, tag, deadline: crate::params::init_deadline(), abort: &self.abort,
+                                              members: self }
     }
 
     /// Has `peer` closed this communicator (destroyed or aborted it) while its process goes on?
@@ -862,6 +863,13 @@ impl Comm {
             drop(conns);
             r.service.stop();
         }
+    }
+}
+
+impl crate::bootstrap::service::Members for Comm {
+    fn gone(&self, peer: usize) -> Option<String> {
+        let (why, certain) = self.peer_gone(peer)?;
+        certain.then(|| format!("{} is gone ({why})", self.describe_peer(peer)))
     }
 }
 
