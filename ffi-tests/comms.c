@@ -6,7 +6,7 @@
  * its size, its ranks and an exact all-reduce. Then two communicators driven at once by two
  * threads.
  *
- *   comms [--only split|split-nonblocking|shrink|shrink-nonblocking|revoke|grow|threads]
+ *   comms [--only split|split-nonblocking|shrink|shrink-nonblocking|revoke|grow|grow-nonblocking|threads]
  *   COMMS_TEST_ABSENT=split|split-nonblocking|split-dead|grow comms   (the last rank never makes the call; see absent())
  *   COMMS_TEST_SUSPENDED=FILE comms      (the last rank is suspended until FILE exists)
  *   COMMS_TEST_LATE=FILE comms           (the last rank issues its all-reduce once FILE exists;
@@ -235,18 +235,27 @@ static void step_revoke(ncclComm_t* world) {
   destroy_all(dup);
 }
 
+static void grow_checked(ncclComm_t* small, ncclUniqueId* ids, const ncclUniqueId* id, ncclComm_t* grown);
+static void grow_nonblocking(ncclComm_t* small, ncclUniqueId* ids, const ncclUniqueId* id, ncclComm_t* grown);
+
 /* The last rank joins a communicator of the others: rank 0 (the coordinator) asks for the id
  * and hands it to the new rank over the world communicator; the existing ranks keep their
- * numbers, the new one takes the last. */
-static void step_grow(ncclComm_t* world) {
+ * numbers, the new one takes the last. Nonblocking (every communicator with blocking 0, one
+ * rank per thread): each call returns ncclInProgress; an existing rank polls its parent, then
+ * finds newcomm set; the new rank, with no parent to poll, gets newcomm at once and polls it,
+ * as after a nonblocking init. A thread driving several ranks grows them in a group. */
+static void step_grow(ncclComm_t* world, int nonblocking) {
   const int n = g_env.nranks, last = n - 1;
   if (n < 2) return;
-  ncclComm_t small[MAX_LOCAL], grown[MAX_LOCAL] = {0}, bad = NULL;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclConfig_t* conf = nonblocking ? &cfg : NULL;
+  ncclComm_t small[MAX_LOCAL], grown[MAX_LOCAL] = {0};
   int cn[MAX_LOCAL], cr[MAX_LOCAL], v[MAX_LOCAL], want[MAX_LOCAL];
-  CHECK(ncclGroupStart());
+  CHECK(ncclGroupStart()); /* (the world is blocking: this split is done when the group is) */
   for (int l = 0; l < g_env.local; l++) {
     int rank = g_env.first_rank + l;
-    CHECK(ncclCommSplit(world[l], rank == last ? NCCL_SPLIT_NOCOLOR : 0, rank, &small[l], NULL));
+    CHECK(ncclCommSplit(world[l], rank == last ? NCCL_SPLIT_NOCOLOR : 0, rank, &small[l], conf));
   }
   CHECK(ncclGroupEnd());
   ncclUniqueId id, ids[MAX_LOCAL];
@@ -261,7 +270,26 @@ static void step_grow(ncclComm_t* world) {
   }
   CHECK(ncclGroupEnd());
 
-  /* Bad arguments, each refused where it is made (no rank waits for another). */
+  if (nonblocking) {
+    grow_nonblocking(small, ids, &id, grown);
+  } else {
+    grow_checked(small, ids, &id, grown);
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    cn[l] = n, cr[l] = rank, v[l] = rank + 1, want[l] = n * (n + 1) / 2;
+  }
+  expect_shape(grown, cn, cr, nonblocking ? "grown by the last rank, nonblocking" : "grown by the last rank");
+  sum_check(grown, v, want, "all-reduce on the grown communicator");
+  destroy_all(grown);
+  destroy_all(small);
+}
+
+/* The grow, after the bad arguments (each refused where it is made, no rank waiting for
+ * another) and a grow that no existing rank passes the id to. */
+static void grow_checked(ncclComm_t* small, ncclUniqueId* ids, const ncclUniqueId* id, ncclComm_t* grown) {
+  const int n = g_env.nranks, last = n - 1;
+  ncclComm_t bad = NULL;
   for (int l = 0; l < g_env.local; l++) {
     if (small[l]) {
       EXPECT(ncclCommGrow(small[l], n - 1, NULL, -1, &bad, NULL) == ncclInvalidArgument,
@@ -292,15 +320,41 @@ static void step_grow(ncclComm_t* world) {
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) {
     int rank = g_env.first_rank + l;
-    if (small[l]) CHECK(ncclCommGrow(small[l], n, rank == 0 ? &id : NULL, -1, &grown[l], NULL));
+    if (small[l]) CHECK(ncclCommGrow(small[l], n, rank == 0 ? id : NULL, -1, &grown[l], NULL));
     else CHECK(ncclCommGrow(NULL, n, &ids[l], last, &grown[l], NULL));
-    cn[l] = n, cr[l] = rank, v[l] = rank + 1, want[l] = n * (n + 1) / 2;
   }
   CHECK(ncclGroupEnd());
-  expect_shape(grown, cn, cr, "grown by the last rank");
-  sum_check(grown, v, want, "all-reduce on the grown communicator");
-  destroy_all(grown);
-  destroy_all(small);
+}
+
+static void grow_nonblocking(ncclComm_t* small, ncclUniqueId* ids, const ncclUniqueId* id, ncclComm_t* grown) {
+  const int n = g_env.nranks, last = n - 1;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  const int grouped = g_env.local > 1;
+  if (grouped) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    int rank = g_env.first_rank + l;
+    grown[l] = (ncclComm_t)(uintptr_t)1; /* the call sets it */
+    ncclResult_t r = small[l] ? ncclCommGrow(small[l], n, rank == 0 ? id : NULL, -1, &grown[l], &cfg)
+                              : ncclCommGrow(NULL, n, &ids[l], last, &grown[l], &cfg);
+    if (grouped) {
+      CHECK(r);
+      continue;
+    }
+    EXPECT(r == ncclInProgress, "a nonblocking grow (rank %d) returned %s, not ncclInProgress", rank,
+           result_name(r));
+    if (!small[l])
+      EXPECT(grown[l] != NULL && grown[l] != (ncclComm_t)(uintptr_t)1,
+             "a new rank's nonblocking grow in progress left newcomm %p, not a communicator to poll",
+             (void*)grown[l]);
+  }
+  CHECK(finish_async(grouped ? ncclGroupEnd() : ncclInProgress, small, g_env.local));
+  for (int l = 0; l < g_env.local; l++) {
+    EXPECT(grown[l] != NULL && grown[l] != (ncclComm_t)(uintptr_t)1, "the grow's parent is done but newcomm is %p",
+           (void*)grown[l]);
+    if (grown[l] == (ncclComm_t)(uintptr_t)1) grown[l] = NULL;
+    if (grown[l]) CHECK(wait_comm(grown[l]));
+  }
 }
 
 /* Two communicators driven at once by two threads of every process, as frameworks run a
@@ -494,7 +548,8 @@ int main(int argc, char** argv) {
   if (begin("shrink")) step_shrink(world, 0);
   if (begin("shrink-nonblocking")) step_shrink(world, 1);
   if (begin("revoke")) step_revoke(world);
-  if (begin("grow")) step_grow(world);
+  if (begin("grow")) step_grow(world, 0);
+  if (begin("grow-nonblocking")) step_grow(world, 1);
   if (begin("threads")) step_threads(world);
   destroy_comms(world);
   return test_finish();

@@ -255,6 +255,14 @@ pub fn grow(who: Grower, nranks: i32, config: Option<Config>, sink: Sink) -> Res
             let id = UniqueId::decode(&id)?;
             let dev = super::init::caller_device();
             let config = config.unwrap_or_default();
+            if !config.blocking && crate::group::depth() == 0 {
+                // As a nonblocking init: there is no parent to poll, so the new communicator is
+                // handed back at once, in progress, and joins the job in the background.
+                let comm = Arc::new(Comm::new(rank as usize, n, dev, config, id.magic));
+                super::init::spawn_init(comm.clone(), id)?;
+                sink(Some(handle::register(comm)));
+                return Err(Error::in_progress());
+            }
             crate::group::run_or_defer(Box::new(move || join_grown(rank as usize, n, dev, config, &id, sink)))
         }
     }
