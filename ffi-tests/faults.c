@@ -202,8 +202,14 @@ static void part_loop(void) {
     ncclComm_t child = NULL;
     ncclResult_t rs = ncclCommShrink(comm, excluded, 1, &child, NULL, flags);
     tlog("ncclCommShrink(%s) -> %s", shrink, result_name(rs));
+    if (nonblocking) {
+      /* The child inherits the parent's nonblocking config: in progress, then polled ready. */
+      EXPECT(rs == ncclInProgress, "a nonblocking ncclCommShrink returned %s, not ncclInProgress", result_name(rs));
+      if (rs == ncclInProgress && child) rs = poll_async(child, max_s);
+      tlog("the nonblocking shrink's communicator -> %s", result_name(rs));
+    }
     if (EXPECT(rs == ncclSuccess && child, "ncclCommShrink(%s) of the failed communicator -> %s: %s", shrink,
-               result_name(rs), last_error(comm))) {
+               result_name(rs), last_error(child ? child : comm))) {
       int cn = -1, cr = -1;
       CHECK(ncclCommCount(child, &cn));
       CHECK(ncclCommUserRank(child, &cr));
@@ -211,6 +217,7 @@ static void part_loop(void) {
              cr, cn, rank < lost ? rank : rank - 1, n - 1);
       for (int i = 0; i < count; i++) recv[i] = -1;
       ncclResult_t ra2 = ncclAllReduce(send, recv, (size_t)count, ncclFloat32, ncclSum, child, TEST_STREAM);
+      if (nonblocking && (ra2 == ncclSuccess || ra2 == ncclInProgress)) ra2 = poll_async(child, max_s);
       const float survivors = (float)(n * (n + 1) / 2 - (lost + 1));
       EXPECT(ra2 == ncclSuccess && recv[0] == survivors && recv[count - 1] == survivors,
              "allreduce on the shrunk communicator -> %s, got %g and %g, expected %g: %s", result_name(ra2), recv[0],

@@ -154,6 +154,13 @@ fn kill_rank_of_3_then_survivors_shrink_with_abort_flag_socket() {
     kill_and_then("kill_rank_of_3_then_survivors_shrink_with_abort_flag_socket", 3, true, false, Some("abort"));
 }
 
+/// The same on nonblocking communicators, as PyTorch's are: the shrink returns ncclInProgress
+/// and its communicator, polled, becomes ready. (Only the test program lacked this.)
+#[test]
+fn kill_rank_of_4_then_survivors_shrink_nonblocking() {
+    kill_and_then("kill_rank_of_4_then_survivors_shrink_nonblocking", 4, false, true, Some("abort"));
+}
+
 #[test]
 fn kill_rank_of_4_during_allreduce_every_survivor_names_it_socket() {
     kill_one_of("kill_rank_of_4_during_allreduce_every_survivor_names_it_socket", 4, true, false);
