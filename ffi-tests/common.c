@@ -11,6 +11,7 @@
 #include <stdarg.h>
 #include <string.h>
 #include <pthread.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -160,6 +161,23 @@ static void start_signal_storm(void) {
   tlog("signal storm: SIGUSR2 every %d us, handler without SA_RESTART", us);
 }
 
+static void lower_open_file_limit(void) {
+  int n = env_int("NCCL_TEST_NOFILE", 0);
+  if (n <= 0) return;
+  struct rlimit rl;
+  errno = 0;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || (rlim_t)n > rl.rlim_max) {
+    fprintf(stderr, "NCCL_TEST_NOFILE=%d: %s\n", n, errno ? strerror(errno) : "above the hard limit");
+    exit(2);
+  }
+  rl.rlim_cur = (rlim_t)n;
+  if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+    fprintf(stderr, "NCCL_TEST_NOFILE=%d: %s\n", n, strerror(errno));
+    exit(2);
+  }
+  tlog("open-file limit: soft %d, hard %llu", n, (unsigned long long)rl.rlim_max);
+}
+
 static void install_crash_handlers(void) {
   snprintf(g_crash_prefix, sizeof g_crash_prefix, "[proc %d] CRASH: ", g_env.proc);
   int sigs[] = {SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL, SIGALRM};
@@ -196,6 +214,7 @@ void test_init(int argc, char** argv) {
   g_env.first_rank = g_env.proc * g_env.local;
   install_crash_handlers();
   start_signal_storm();
+  lower_open_file_limit();
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) {
       g_env.quick = 1;

@@ -13,6 +13,8 @@
  *                      NPROCS > 1 unless NCCL_COMM_ID is set)
  *   NCCL_TEST_SIGNAL_STORM_US  if set, SIGUSR2 every N µs to a handler without SA_RESTART
  *                      (system calls of any thread may fail with EINTR)
+ *   NCCL_TEST_NOFILE   if set, the soft limit on open files is lowered to N at start (the hard
+ *                      limit stays: the library may raise the soft one when it runs out)
  *   NCCL_COMM_ID       if set, every process calls ncclGetUniqueId itself (NCCL then gives
  *                      every rank the same id and rank 0 hosts the bootstrap root)
  */

@@ -20,6 +20,9 @@
  *                             it waits (tests/faults.rs then sends SIGCONT)
  *   faults --only crossed     two ranks call two communicators in different orders; each must
  *                             name the call the other is in (then both abort)
+ *   faults --only fd-starved  (3 processes) the process that made a job's id has no file
+ *                             descriptor left, and cannot get more, when the job's two ranks
+ *                             (the other processes) join: their init must fail within seconds
  *
  * Environment (besides common.h's):
  *   FAULTS_COUNT       floats per allreduce in `loop` and `abort` (default 1048576)
@@ -47,6 +50,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -970,6 +974,75 @@ static void part_hello(void) {
   destroy_comms(comms);
 }
 
+/* ---- fd-starved: the root's process has used all the file descriptors it may --------------- */
+
+/* Process 0 makes the id of a job of the other two processes, then uses up every file
+ * descriptor its limit allows, after setting the hard limit to the soft one so the library
+ * cannot raise it. The root (a thread of process 0) cannot take the ranks' connections: it
+ * fails the job after a moment, and each rank's init fails, pointing at the root's process;
+ * process 0's log says which limit ran out (tests/faults.rs checks that). Before, the root
+ * retried its accept for ever and the ranks waited in init with no end. A world communicator,
+ * connected before process 0 runs out, keeps the processes in step. */
+static void part_fd_starved(void) {
+  test_deadline(60);
+  if (g_env.nprocs != 3 || g_env.local != 1) {
+    fprintf(stderr, "fd-starved: run as 3 processes of 1 rank\n");
+    exit(2);
+  }
+  ncclComm_t world = NULL;
+  test_step("init of the world");
+  make_comms("", &world);
+  test_step("the job's id, from process 0");
+  int id_words[sizeof(ncclUniqueId) / sizeof(int)];
+  memset(id_words, 0, sizeof id_words);
+  if (g_env.proc == 0) {
+    ncclUniqueId id;
+    CHECK(ncclGetUniqueId(&id));
+    memcpy(id_words, &id, sizeof id);
+  }
+  const size_t nwords = sizeof id_words / sizeof id_words[0];
+  CHECK(ncclAllReduce(id_words, id_words, nwords, ncclInt32, ncclSum, world, TEST_STREAM));
+  ncclUniqueId id;
+  memcpy(&id, id_words, sizeof id);
+  int held[1 << 16], nheld = 0;
+  if (g_env.proc == 0) {
+    test_step("process 0 uses up its file descriptors");
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) {
+      perror("getrlimit");
+      exit(2);
+    }
+    EXPECT(rl.rlim_cur < (rlim_t)(sizeof held / sizeof held[0]), "the open-file limit %llu is too high for this test",
+           (unsigned long long)rl.rlim_cur);
+    rl.rlim_max = rl.rlim_cur;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+      perror("setrlimit");
+      exit(2);
+    }
+    int fd;
+    while (nheld < (int)(sizeof held / sizeof held[0]) && (fd = dup(2)) >= 0) held[nheld++] = fd;
+    EXPECT(errno == EMFILE, "dup stopped with %s, not EMFILE", strerror(errno));
+    tlog("holding %d more descriptors: none left under the limit %llu", nheld, (unsigned long long)rl.rlim_cur);
+  }
+  /* (The same all-reduce as above: it needs no connection it did not make then.) */
+  CHECK(ncclAllReduce(id_words, id_words, nwords, ncclInt32, ncclSum, world, TEST_STREAM));
+  if (g_env.proc != 0) {
+    test_step("the job's ranks join; its root cannot take them");
+    ncclComm_t comm = NULL;
+    double t0 = now_s();
+    ncclResult_t r = ncclCommInitRank(&comm, 2, id, g_env.proc - 1);
+    double took = now_s() - t0;
+    const char* text = last_error(NULL);
+    tlog("ncclCommInitRank -> %s after %.3f s: %s", result_name(r), took, text);
+    EXPECT(r == ncclRemoteError || r == ncclSystemError, "init with a starved root -> %s: %s", result_name(r), text);
+    EXPECT(took < 20.0, "init with a starved root failed only after %.3f s", took);
+    EXPECT(strstr(text, "root") != NULL, "the error does not point at the root: %s", text);
+  }
+  CHECK(ncclAllReduce(id_words, id_words, nwords, ncclInt32, ncclSum, world, TEST_STREAM));
+  while (nheld > 0) close(held[--nheld]);
+  CHECK(ncclCommDestroy(world));
+}
+
 static const struct {
   const char* name;
   void (*run)(void);
@@ -979,7 +1052,7 @@ static const struct {
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
     {"ring-late", part_ring_late}, {"p2p-done", part_p2p_done},
-    {"coll-done", part_coll_done}, {"group-late", part_group_late},
+    {"coll-done", part_coll_done}, {"group-late", part_group_late}, {"fd-starved", part_fd_starved},
 };
 
 int main(int argc, char** argv) {

@@ -90,7 +90,7 @@ impl Error {
     }
     /// An OS error, with what we were doing when it happened.
     pub fn os(context: impl fmt::Display, e: std::io::Error) -> Error {
-        Error::system(format!("{context}: {e}"))
+        Error::system(format!("{context}: {e}{}", crate::transport::fds::hint(&e)))
     }
     /// Prefix the message with more context (outermost first).
     pub fn context(mut self, ctx: impl fmt::Display) -> Error {

@@ -181,6 +181,38 @@ fn rank_gone_before_its_first_connection_is_named() {
     }
 }
 
+/// The process that made a job's id (its root runs there) has used every file descriptor it
+/// may when the job's ranks join: their init fails within seconds pointing at the root, and
+/// that process's log names the limit (before: the root retried for ever, the ranks waited in
+/// init with no end).
+#[test]
+fn a_root_out_of_file_descriptors_fails_the_job_naming_the_limit() {
+    let o = Job::new("faults").procs(3).arg("--only").arg("fd-starved").env("NCCL_DEBUG", "WARN").timeout_s(60)
+        .run_outcome();
+    let named = o.lines_with("open-file limit").any(|(p, l)| p == 0 && l.contains("the root"));
+    judge("a_root_out_of_file_descriptors_fails_the_job_naming_the_limit", &o, o.ok() && named,
+          format!("  process 0 named the open-file limit in the root's failure: {named}\n"));
+}
+
+/// A process whose soft limit on open files is too low for its ranks (8 in one process, a
+/// soft limit of 40) gets it raised to the hard limit when it runs out, and says so at INFO;
+/// the collectives pass.
+#[test]
+fn a_soft_open_file_limit_too_low_is_raised() {
+    let hard = std::fs::read_to_string("/proc/self/limits").ok().and_then(|l| {
+        l.lines().find(|x| x.starts_with("Max open files")).and_then(|x| x.split_whitespace().nth(4).map(String::from))
+    });
+    if hard.as_deref().is_some_and(|h| h.parse::<u64>().is_ok_and(|h| h < 4096)) {
+        eprintln!("skipped: the hard open-file limit here is {hard:?}, too low to raise to");
+        return;
+    }
+    let o = Job::new("collectives").local(8).arg("--quick").env("NCCL_TEST_NOFILE", "40")
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT").timeout_s(120).run_outcome();
+    let raised = o.lines_with("raised it to the hard limit").count();
+    judge("a_soft_open_file_limit_too_low_is_raised", &o, o.ok() && raised > 0,
+          format!("  INFO lines saying the limit was raised: {raised}\n"));
+}
+
 /// A rank that destroys its communicator after init, before any call connected it, while its
 /// process goes on: the survivor's first receive from it, or wait for its signal, fails with
 /// ncclRemoteError naming it and what it did, within seconds, over shared memory, sockets and

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::params;
+use crate::transport::fds;
 use crate::transport::socket::ifaces;
 pub use id::UniqueId;
 pub use service::Service;
@@ -216,7 +217,8 @@ pub fn new_unique_id() -> Result<[u8; id::ID_BYTES]> {
 /// uses it whatever NCCL_COMM_ID says, since the grown communicator is a job of its own).
 pub fn new_root_id() -> Result<[u8; id::ID_BYTES]> {
     let ip = local_ip()?;
-    let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
+    let listener = fds::with_room(|| TcpListener::bind(SocketAddr::new(ip, 0)))
+        .map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
     let root = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
     let magic = id::random_u64();
     root::spawn(listener, magic, params::init_timeout())?;
@@ -235,6 +237,10 @@ fn connect_root(id: &UniqueId, deadline: Instant, abort: &AtomicBool) -> Result<
             // connection that reached itself included: `dial`).
             Err(_) if id.rank0_hosts_root && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) if crate::transport::fds::out_of_fds(&e) => {
+                return Err(Error::system(format!("bootstrap: cannot reach the root at {}: {e}{}", id.root,
+                                                 crate::transport::fds::hint(&e))))
             }
             Err(e) => {
                 return Err(Error::remote(format!(
@@ -280,7 +286,10 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
         Error::remote(format!("bootstrap: no answer from the root within {} s",
                               timeout.map_or(0, |t| (t + ROOT_VERDICT_GRACE).as_secs())))
     } else {
-        Error::remote(format!("bootstrap: lost the connection to the root at {}: {}", id.root, e.msg))
+        Error::remote(format!("bootstrap: lost the connection to the root at {}: {} (the root runs in the process \
+                               that called ncclGetUniqueId: that process ended, or the root failed the job and \
+                               said why there)",
+                              id.root, e.msg))
     };
     // A root of ours answers, or names the ranks it waits for, within `warn_after`: silence
     // for half as long again means another program listens at its address (an NCCL_COMM_ID
@@ -290,8 +299,10 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     let reply = loop {
         let until = quiet_until.map_or(reply_deadline, |q| q.min(reply_deadline));
         match wait_readable(&mut s, until, abort) {
+            // (Silence only: the connection's end is an answer, below.)
             Err(e) if e.code != crate::error::Code::InvalidUsage && Instant::now() < reply_deadline
-                && quiet_until.take().is_some() => {
+                && quiet_until.is_some_and(|q| Instant::now() >= q) => {
+                quiet_until = None;
                 crate::warn!("rank {rank}: bootstrap: the root at {} has said nothing in {} s (ours answers within {} s): \
                               is another program listening there (NCCL_COMM_ID's port in use)?",
                              id.root, (speaks_within * 3 / 2).as_secs(), speaks_within.as_secs());
@@ -312,6 +323,7 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     match r.u8()? {
         root::TABLE => {}
         root::FAILED => return Err(Error::invalid_arg(r.str()?)),
+        root::FAILED_SYSTEM => return Err(Error::system(r.str()?)),
         root::TIMED_OUT => return Err(Error::timeout(r.str()?)),
         k => return Err(Error::system(format!("bootstrap: unexpected reply {k} from the root"))),
     }
@@ -329,7 +341,7 @@ fn bind_reusable(addr: SocketAddr) -> Result<TcpListener> {
     // itself (`transport::socket::dial` drops those): the port in use is tried again briefly.
     let until = Instant::now() + BIND_RETRY;
     loop {
-        match TcpListener::bind(addr) {
+        match fds::with_room(|| TcpListener::bind(addr)) {
             Ok(l) => return Ok(l),
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < until => {
                 std::thread::sleep(Duration::from_millis(20));

@@ -15,6 +15,9 @@ pub const TABLE: u8 = 2;
 pub const FAILED: u8 = 3;
 /// Like FAILED, for a job some ranks never joined in time (ncclTimeout, not a bad argument).
 pub const TIMED_OUT: u8 = 4;
+/// Like FAILED, for a job the root itself cannot serve (out of file descriptors):
+/// ncclSystemError, not a bad argument.
+pub const FAILED_SYSTEM: u8 = 6;
 /// Not an answer yet: the ranks that joined are told which ones the root still waits for
 /// (once, after half the time allowed), and keep waiting.
 pub const WAITING: u8 = 5;
@@ -47,12 +50,33 @@ struct Unheard {
 /// oldest is dropped first: a real rank speaks as soon as it connects, so it always gets in).
 const HELLO_TIME: Duration = Duration::from_secs(5);
 const MAX_UNHEARD: usize = 512;
+/// How long the root may find no file descriptor for a rank's connection before the job fails.
+const STARVED_FOR: Duration = Duration::from_secs(2);
+
+/// What one look at the listener and the unheard connections found.
+#[derive(Default)]
+struct Polled {
+    /// Something came (a connection, bytes).
+    busy: bool,
+    hello: Option<Hello>,
+    /// A connection waits that this process has no file descriptor left to take.
+    starved: Option<std::io::Error>,
+}
 
 /// Accept everything waiting, read what each unheard connection sent, and return the first
 /// complete, valid hello. Garbage, silence past HELLO_TIME and closed connections are dropped.
-fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -> (bool, Option<Hello>) {
+fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -> Polled {
     let mut busy = false;
-    while let Ok((s, _)) = listener.accept() {
+    let mut starved = None;
+    loop {
+        let s = match crate::transport::fds::with_room(|| listener.accept()) {
+            Ok((s, _)) => s,
+            Err(e) if crate::transport::fds::out_of_fds(&e) => {
+                starved = Some(e);
+                break;
+            }
+            Err(_) => break,
+        };
         busy = true;
         if s.set_nonblocking(true).is_err() {
             continue;
@@ -79,7 +103,7 @@ fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -
                             let u = unheard.swap_remove(k);
                             let _ = u.stream.set_nonblocking(false);
                             let _ = u.stream.set_nodelay(true);
-                            return (true, Some((u.stream, r, n, info)));
+                            return Polled { busy: true, hello: Some((u.stream, r, n, info)), starved };
                         }
                         false // a whole frame that is not a hello of ours
                     }
@@ -95,7 +119,7 @@ fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -
             unheard.swap_remove(k);
         }
     }
-    (busy, None)
+    Polled { busy, hello: None, starved }
 }
 
 /// How a root's job ended.
@@ -166,6 +190,7 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
     let mut joined: Vec<Joined> = Vec::new();
     let mut expected: Option<usize> = None;
     let mut unheard: Vec<Unheard> = Vec::new();
+    let mut starved_since: Option<Instant> = None;
     loop {
         // An init that hangs names the ranks it waits for long before it gives up.
         if let (Some(at), Some(n)) = (warn_at, expected) {
@@ -196,7 +221,20 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
                 missing);
             return Gathered::Failed { joined, extra: None, kind: TIMED_OUT, msg };
         }
-        let (busy, hello) = poll_hellos(&listener, &mut unheard, magic);
+        let Polled { busy, hello, starved: out_of_fds } = poll_hellos(&listener, &mut unheard, magic);
+        match out_of_fds {
+            // A rank that connected cannot be taken: it would wait for ever, and the others
+            // with it. Briefly (another thread may be closing files), then the job fails.
+            Some(e) if starved_since.get_or_insert_with(Instant::now).elapsed() >= STARVED_FOR => {
+                let msg = format!(
+                    "bootstrap: the root (in process {}, with rank 0) cannot take the connections of the job's ranks \
+                     ({} of {} have joined): {e}{}", std::process::id(), joined.len(),
+                    expected.map_or("?".to_string(), |n| n.to_string()), crate::transport::fds::hint(&e));
+                return Gathered::Failed { joined, extra: None, kind: FAILED_SYSTEM, msg };
+            }
+            Some(_) => {}
+            None => starved_since = None,
+        }
         let Some((stream, rank, nranks, info)) = hello else {
             if busy {
                 last_activity = Instant::now();

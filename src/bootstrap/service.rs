@@ -75,7 +75,8 @@ pub struct Service {
 impl Service {
     /// Listen on `ip` (port chosen by the OS) for connections proving `magic`.
     pub fn start(ip: std::net::IpAddr, magic: u64, rank: u32) -> Result<Service> {
-        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
+        let listener = crate::transport::fds::with_room(|| TcpListener::bind(SocketAddr::new(ip, 0)))
+            .map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
         let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), rma: std::sync::OnceLock::new(), rma_early: Mutex::default(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new() });
         let s2 = shared.clone();
@@ -109,6 +110,11 @@ impl Service {
         let addr = self.peer_addr(peer)?;
         let mut s = crate::transport::socket::dial(&addr, Duration::from_secs(10)).map_err(|e| {
             // Its service ran as long as its communicator: refused, the communicator is gone.
+            if crate::transport::fds::out_of_fds(&e) {
+                // This process's shortage, not the peer's doing.
+                return Error::system(format!("bootstrap: cannot reach rank {peer} at {addr}: {e}{}",
+                                             crate::transport::fds::hint(&e)));
+            }
             let hint = if e.kind() == std::io::ErrorKind::ConnectionRefused {
                 " (it destroyed or aborted its communicator, or its process ended)"
             } else {
@@ -312,15 +318,33 @@ impl Drop for Service {
 }
 
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    for conn in listener.incoming() {
+    let mut warned = false;
+    loop {
+        let before = crate::transport::fds::soft_limit();
+        let conn = listener.accept();
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
-        let Ok(s) = conn else {
-            // Out of file descriptors, say: the connection stays queued and accept fails again
-            // at once; do not spin on it.
-            std::thread::sleep(Duration::from_millis(10));
-            continue;
+        let s = match conn {
+            Ok((s, _)) => s,
+            Err(e) if crate::transport::fds::out_of_fds(&e) => {
+                if crate::transport::fds::make_room(before) {
+                    continue;
+                }
+                // The connection stays queued, and its peer waits, until a descriptor frees up.
+                if !warned {
+                    warned = true;
+                    crate::warn!("bootstrap: the service at {} cannot take a peer's connection: {e}{}",
+                                 listener.local_addr().map_or("?".to_string(), |a| a.to_string()),
+                                 crate::transport::fds::hint(&e));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
         };
         let Some(ticket) = shared.pending.admit(&s) else { continue };
         // Each connection is read on a thread of its own, so a silent one delays nobody.

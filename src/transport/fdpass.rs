@@ -72,7 +72,7 @@ pub fn serve(handler: Handler) -> Result<Address> {
 
 fn serve_forever(s: &Server, listener: &UnixListener) {
     loop {
-        match listener.accept() {
+        match super::fds::with_room(|| listener.accept()) {
             Ok((conn, _)) => {
                 // One peer at a time; a peer that stops talking is dropped after PATIENCE.
                 let _ = catch_unwind(AssertUnwindSafe(|| s.answer(conn)));

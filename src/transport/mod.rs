@@ -9,6 +9,7 @@
 //! buffer or dials the socket, which never waits for the receiver), then receivers *accept*.
 
 pub mod fdpass;
+pub mod fds;
 pub mod ipc;
 pub mod local;
 pub mod ring;

@@ -46,7 +46,7 @@ pub fn set_liveness(stream: &TcpStream, timeout: std::time::Duration) {
 /// writes, and holds the port the listener was to bind. Such a connection is closed and reported
 /// as refused, so callers that retry try again.
 pub fn dial(addr: &SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
-    not_to_itself(TcpStream::connect_timeout(addr, timeout)?)
+    not_to_itself(super::fds::with_room(|| TcpStream::connect_timeout(addr, timeout))?)
 }
 
 fn not_to_itself(s: TcpStream) -> std::io::Result<TcpStream> {

@@ -1,0 +1,79 @@
+//! The process's open-file limit. Every connection is a file descriptor, and a job's root holds
+//! one per rank until all have come: at a soft limit of 1024 (a common default) a job of about
+//! a thousand ranks, or a few hundred ranks in one process, runs out. When a socket call finds
+//! no descriptor left (EMFILE), the soft limit is raised to the hard limit, as Go's runtime does
+//! for every program at start, and the call is tried again; where it cannot be raised, errors
+//! say which limit ran out and how to raise it.
+
+use std::io;
+
+/// Out of file descriptors: this process's (EMFILE) or the host's (ENFILE).
+pub fn out_of_fds(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE))
+}
+
+/// The soft and hard limits on open files.
+fn limits() -> Option<(u64, u64)> {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into `r`, which lives for the call.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) };
+    (rc == 0).then_some((r.rlim_cur as u64, r.rlim_max as u64))
+}
+
+/// The soft limit now.
+pub fn soft_limit() -> Option<u64> {
+    limits().map(|(soft, _)| soft)
+}
+
+/// After running out: raise the soft limit to the hard one if it is below it. True when there
+/// is more room than at `before` (the soft limit then), whoever raised it.
+pub fn make_room(before: Option<u64>) -> bool {
+    let Some((soft, hard)) = limits() else { return false };
+    if soft < hard {
+        let r = libc::rlimit { rlim_cur: hard as libc::rlim_t, rlim_max: hard as libc::rlim_t };
+        // SAFETY: setrlimit reads one rlimit from `r`, which lives for the call.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) } == 0 {
+            crate::info!(INIT, "out of file descriptors at the open-file limit {soft}: raised it to the hard limit {hard}");
+        }
+    }
+    matches!((before, soft_limit()), (Some(b), Some(now)) if now > b)
+}
+
+/// `f`, tried once more after making room when it ran out of file descriptors.
+pub fn with_room<T>(mut f: impl FnMut() -> io::Result<T>) -> io::Result<T> {
+    let before = soft_limit();
+    match f() {
+        Err(e) if out_of_fds(&e) && make_room(before) => f(),
+        r => r,
+    }
+}
+
+/// What to add to a message about `e`: which limit ran out and how to raise it (empty for
+/// other errors).
+pub fn hint(e: &io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::EMFILE) => match limits() {
+            Some((soft, hard)) => format!(
+                " (this process has used all {soft} file descriptors its open-file limit allows; the hard limit is \
+                 {hard}: raise it, e.g. `ulimit -n` or the container's nofile limit)"),
+            None => " (this process is out of file descriptors: raise its open-file limit, `ulimit -n`)".into(),
+        },
+        Some(libc::ENFILE) => " (the host's table of open files is full: fs.file-max)".into(),
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only EMFILE and ENFILE are a shortage of descriptors, and only they get a hint.
+    #[test]
+    fn only_running_out_of_descriptors_is_one() {
+        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
+        assert!(out_of_fds(&emfile) && out_of_fds(&io::Error::from_raw_os_error(libc::ENFILE)));
+        assert!(!out_of_fds(&io::Error::from_raw_os_error(libc::ECONNREFUSED)));
+        assert!(hint(&emfile).contains("open-file limit"), "{}", hint(&emfile));
+        assert_eq!(hint(&io::Error::from_raw_os_error(libc::ECONNREFUSED)), "");
+    }
+}
