@@ -30,6 +30,8 @@
  *   CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes: rank 1 signals once FILE exists)
  *   CUDA_TEST_RMA_RELEASE=FILE cuda --only RmaStreams (3 processes: a held stream holds up no other peer)
  *   cuda --only RmaGone         (2+ processes: a stream waits for signals of a rank that leaves)
+ *   cuda --only RmaFailed       (2 processes: rank 0's communicator fails in a one-sided operation
+ *                                on a stream; both ranks' streams waiting for signals are let go)
  *   [CUDA_TEST_TRACE_CALLS=1] cuda --only Calls (stand-in: driver calls per warm call, each named
  *                               with the variable set)
  *   NCCL_RS_STUB_DEVICES=N NCCL_TEST_LOCAL=N cuda --only Devices (one thread, a communicator per device)
@@ -62,6 +64,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -2113,6 +2116,84 @@ static void rma_gone(void) {
   EXPECT(async == ncclRemoteError && msg && strstr(msg, "rank 1"),
          "a stream waiting for signals of a rank that left: async error %s (\"%s\"), not ncclRemoteError naming rank 1",
          result_name(async), msg ? msg : "");
+}
+
+/* --only RmaFailed (2 processes, one rank each): rank 0's communicator fails in a one-sided
+ * operation queued on a stream: it has used every file descriptor it may (the hard limit set to
+ * the soft one, so the library cannot raise it) when its signal to rank 1 needs a connection.
+ * Its stream that waits for a signal from rank 1 (another stream makes the signal), and rank 1's
+ * stream, which waits for
+ * rank 0's signal, are both let go: nothing can be assumed of a failed communicator's
+ * operations (NCCL), and a stream must not wait for ever on what the failure cut off. Rank 0's
+ * asynchronous error names the limit; rank 1's names rank 0's failure, which rank 0 publishes
+ * (and rank 1 asks for once rank 0 has descriptors again). Before, both streams waited for
+ * ever. */
+static void rma_failed(void) {
+  test_step("rma failed");
+  if (g_env.local != 1 || g_env.nranks != 2) return;
+  ncclComm_t comm = g_comms[0];
+  CUstream st = g_streams[0];
+  const int me = g_env.first_rank, other = 1 - me;
+  const char* id_file = getenv("NCCL_TEST_ID_FILE");
+  char done[4096];
+  snprintf(done, sizeof done, "%s.rma-failed-done", id_file ? id_file : "/tmp/nccl-rs-rma-failed");
+  /* The one-sided machinery of both ranks starts now (a signal to itself), with descriptors. */
+  ncclWaitSignalDesc_t self = {.opCnt = 1, .peer = me, .sigIdx = 0, .ctx = 0};
+  CHECK(ncclSignal(me, 0, 0, 0, comm, st));
+  CHECK(ncclWaitSignal(1, &self, comm, st));
+  CU(cu.StreamSynchronize(st));
+  CHECK(allreduce_sum_int(g_comms, 1) == 2 ? ncclSuccess : ncclInternalError);
+  ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = other, .sigIdx = 0, .ctx = 0};
+  ncclResult_t async = ncclSuccess;
+  const char* msg = "";
+  if (me == 0) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur > 65536) {
+      fprintf(stderr, "rma failed: the open-file limit is too high for this test\n");
+      exit(2);
+    }
+    rl.rlim_max = rl.rlim_cur;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+      perror("setrlimit");
+      exit(2);
+    }
+    static int held[65536];
+    int nheld = 0, fd;
+    while (nheld < 65536 && (fd = dup(2)) >= 0) held[nheld++] = fd;
+    /* The wait first (the signal fails on its own stream, which may be before the wait's call). */
+    CUstream st2;
+    CU(cu.StreamCreate(&st2, CU_STREAM_NON_BLOCKING));
+    CHECK(ncclWaitSignal(1, &d, comm, st));
+    CHECK(ncclSignal(other, 0, 0, 0, comm, st2));
+    for (int i = 0; i < 2000 && async == ncclSuccess; i++) {
+      CHECK(ncclCommGetAsyncError(comm, &async));
+      if (async == ncclSuccess) usleep(10000);
+    }
+    msg = ncclGetLastError(comm);
+    while (nheld > 0) close(held[--nheld]);
+    tlog("rank 0's communicator: %s (%s)", result_name(async), msg ? msg : "");
+    EXPECT(async == ncclSystemError && msg && strstr(msg, "open-file limit"),
+           "a one-sided operation out of file descriptors: async error %s (\"%s\"), not ncclSystemError naming the limit",
+           result_name(async), msg ? msg : "");
+    double t0 = now_s();
+    CU(cu.StreamSynchronize(st));
+    EXPECT(now_s() - t0 < 5.0, "rank 0's stream was let go only after %.1f s", now_s() - t0);
+    CU(cu.StreamSynchronize(st2));
+    CU(cu.StreamDestroy(st2));
+    /* (Its process stays until rank 1 has asked it why: a process that exited is named so.) */
+    EXPECT(wait_for_file(done, 60), "rank 1 never said it was done (%s)", done);
+  } else {
+    CHECK(ncclWaitSignal(1, &d, comm, st));
+    CU(cu.StreamSynchronize(st));
+    CHECK(ncclCommGetAsyncError(comm, &async));
+    msg = ncclGetLastError(comm);
+    tlog("rank 1's communicator: %s (%s)", result_name(async), msg ? msg : "");
+    EXPECT(async == ncclRemoteError && msg && strstr(msg, "rank 0") && strstr(msg, "failed"),
+           "a stream waiting for signals of a rank whose communicator failed: async error %s (\"%s\"), not "
+           "ncclRemoteError naming rank 0's failure", result_name(async), msg ? msg : "");
+    FILE* f = fopen(done, "w");
+    if (f) fclose(f);
+  }
 }
 
 /* CUDA_TEST_FAULT=shrink (3 processes, process 1 killed): the survivors shrink the failed
@@ -4230,6 +4311,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "DeclineOne")) decline_one();
   if (g_env.only && !strcasecmp(g_env.only, "RmaGone")) rma_gone();
   if (g_env.only && !strcasecmp(g_env.only, "RmaLate")) rma_late();
+  if (g_env.only && !strcasecmp(g_env.only, "RmaFailed")) rma_failed();
   if (g_env.only && !strcasecmp(g_env.only, "RmaStreams")) rma_streams();
   if (g_env.only && !strcasecmp(g_env.only, "Leaks")) leaks();
   if (g_env.only && !strcasecmp(g_env.only, "DroppedGroup")) dropped_group();

@@ -1104,7 +1104,7 @@ pub fn commit_all(prepared: Vec<(usize, Prepared)>) -> Result<Vec<HostWait>> {
         None
     };
     if let Some(e) = failed {
-        prepared.iter().for_each(|(_, p)| publish_failure(&p.comm, &e));
+        prepared.iter().for_each(|(_, p)| p.comm.publish_failure(&e));
         return Err(e);
     }
     let mut host_waits = Vec::new();
@@ -1117,27 +1117,13 @@ pub fn commit_all(prepared: Vec<(usize, Prepared)>) -> Result<Vec<HostWait>> {
                 // No waiting for the parts already queued: they may need the ones never queued,
                 // and fail on their own (or on abort), their streams released.
                 let e = e.context(format!("rank {rank}"));
-                publish_failure(&comm, &e);
-                rest.for_each(|(_, p)| publish_failure(&p.comm, &e));
+                comm.publish_failure(&e);
+                rest.for_each(|(_, p)| p.comm.publish_failure(&e));
                 return Err(e);
             }
         }
     }
     Ok(host_waits)
-}
-
-/// A rank that fails outside the host transports (a call that could not queue its device
-/// work, a device copy or kernel in the worker) tells its peers, which would otherwise wait
-/// for it in their next exchange, as the transports' own failure path does: the failure is
-/// published and the connections closed. It becomes the communicator's asynchronous error.
-fn publish_failure(comm: &Comm, e: &Error) {
-    if comm.async_code() == crate::Code::Success {
-        if let Some(r) = comm.ready_if_any() {
-            r.set_failed(e);
-            r.conns().close_all();
-        }
-    }
-    comm.set_async_error(e);
 }
 
 impl Prepared {

@@ -1360,6 +1360,15 @@ fn cuda_mode_rma_stream_waits_for_a_rank_that_leaves() {
     cuda_job().procs(2).arg("--only").arg("RmaGone").timeout_s(60).run();
 }
 
+/// A communicator that fails in a one-sided operation on a stream (rank 0 out of file
+/// descriptors when its signal needs a connection) lets go its stream's wait for signals and
+/// publishes the failure, so the peer's stream waiting for its signal is let go too, with an
+/// error naming it (part RmaFailed; before, both streams waited for ever).
+#[test]
+fn cuda_mode_rma_stream_waits_end_when_a_communicator_fails() {
+    cuda_job().procs(2).arg("--only").arg("RmaFailed").timeout_s(60).run();
+}
+
 /// A stream that waits for a signal that has not come is named at WARN after 10 s, as a wait
 /// on the host is (no host thread waits for it): rank 0 says which signal from which rank
 /// (part RmaLate); then rank 1 sends it and rank 0's stream goes on.

@@ -240,6 +240,14 @@ impl Rma {
         }
     }
 
+    /// The communicator is in error (its first asynchronous error, `e`): nothing can be
+    /// assumed about the operations it queued (NCCL), so waits for signals end, and streams
+    /// that wait for them are let go, rather than wait for ever on signals the failure may
+    /// have cut off (the caller learns it from `ncclCommGetAsyncError`, as it must anyway).
+    pub fn failed(&self, e: &Error) {
+        self.inner.fail_quietly(e);
+    }
+
     /// ncclCommRevoke: streams that wait for signals are let go, with the communicator's
     /// asynchronous error saying so (waits on the host stop by themselves).
     pub fn revoke(&self) {
@@ -504,13 +512,18 @@ impl Inner {
 
     fn fail(&self, e: Error) {
         crate::warn!("{}", e.msg);
+        self.fail_quietly(&e);
+    }
+
+    /// Waits on the host return `e`; streams that wait are let go.
+    fn fail_quietly(&self, e: &Error) {
         let mut st = self.lock();
         if st.failed.is_none() {
             st.failed = Some(e.clone());
         }
         drop(st);
         self.changed.notify_all();
-        self.release_waits(|_| true, &e);
+        self.release_waits(|_| true, e);
     }
 }
 
@@ -767,6 +780,12 @@ fn gone_sender(comm: &Comm, peers: Vec<(u32, String)>, unreachable: &mut HashMap
                 Some(why) => (format!("it destroyed or aborted its communicator ({why})"), PROBE_EVERY / 2),
                 None => {
                     unreachable.remove(&p);
+                    // Its communicator is in error: it sends nothing more (every call on it
+                    // fails), whatever it queued before may be cut off.
+                    if let Some(e) = comm.peer_failure(p as usize) {
+                        return Some(Error::remote(format!(
+                            "rank {}: waiting for signals that will not come: {}; {came} came", comm.rank, e.msg)));
+                    }
                     continue;
                 }
             },

@@ -482,7 +482,22 @@ impl Comm {
             crate::error::set_last_error(&e.msg);
             *slot = Some(e.clone());
             self.async_code.store(e.code as i32, Ordering::Release);
+            drop(slot);
+            self.rma.failed(e);
         }
+    }
+
+    /// This rank fails outside the host transports' own failure path (which does the same):
+    /// the failure is published for peers that ask and the connections closed, so peers
+    /// waiting on this rank learn it rather than wait; it becomes the asynchronous error.
+    pub fn publish_failure(&self, e: &Error) {
+        if self.async_code() == Code::Success {
+            if let Some(r) = self.ready_if_any() {
+                r.set_failed(e);
+                r.conns().close_all();
+            }
+        }
+        self.set_async_error(e);
     }
 
     /// Operations started in the background (`group::background`): `ncclInProgress` until

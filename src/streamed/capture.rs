@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::pool::{aligned, on_device, stage_buffers, staged_bytes, POOL_ALIGN};
-use super::{publish_failure, Buffer, Queue, StreamOp, Streamed};
+use super::{Buffer, Queue, StreamOp, Streamed};
 use crate::comm::Comm;
 use crate::device::cuda::{Capture, MappedHost, MemOp, Stream, WaitCond};
 use crate::device::host::Region;
@@ -274,7 +274,7 @@ pub(super) fn run(comm: &Arc<Comm>, r: Replay) {
     .unwrap_or_else(|_| Err(Error::internal("a CUDA graph's operation panicked in the stream worker")));
     if let Err(e) = ran {
         crate::warn!("rank {}: {} in a CUDA graph failed: {}", comm.rank, r.call.describe(), e.msg);
-        publish_failure(comm, &e);
+        comm.publish_failure(&e);
     }
     r.call.release();
 }

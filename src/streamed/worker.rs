@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use super::{capture, publish_failure, Batch, Path, Start, Streamed};
+use super::{capture, Batch, Path, Start, Streamed};
 use crate::comm::Comm;
 use crate::device::cuda::{Context, Stream};
 use crate::device::host::Region;
@@ -98,7 +98,7 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
         }
         if let Err(e) = result {
             crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
-            publish_failure(&comm, &e);
+            comm.publish_failure(&e);
             // Copies the failed batch queued may still be writing the caller's buffers: they
             // finish before the caller's stream moves on.
             if let Ok(stream) = &stream {
@@ -468,7 +468,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Arc<Stream>, s: &Streamed, staging: &mut
             let result = ipc::run_p2p(comm, stream, direct, s, &direct_ops);
             if let Err(e) = &result {
                 // The staged ones may wait for peers that now never come.
-                publish_failure(comm, e);
+                comm.publish_failure(e);
             }
             result.and(pending.result())
         }

@@ -395,7 +395,7 @@ impl Gated {
                         self.drop_link(comm, unit.peer);
                     }
                     st.skip = true;
-                    comm.set_async_error(&e.context(format!("rank {}: a one-sided operation on a stream", comm.rank)));
+                    comm.publish_failure(&e.context(format!("rank {}: a one-sided operation on a stream", comm.rank)));
                 }
             }
             if unit.last {
