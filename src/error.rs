@@ -90,7 +90,14 @@ impl Error {
     }
     /// An OS error, with what we were doing when it happened.
     pub fn os(context: impl fmt::Display, e: std::io::Error) -> Error {
-        Error::system(format!("{context}: {e}{}", crate::transport::fds::hint(&e)))
+        let context = context.to_string();
+        let hint = if context.contains("spawn") && e.raw_os_error() == Some(libc::EAGAIN) {
+            " (no thread could be started: the process, or its user, is at its limit of threads: `ulimit -u`, or the \
+             container's pids limit)".to_string()
+        } else {
+            crate::transport::fds::hint(&e)
+        };
+        Error::system(format!("{context}: {e}{hint}"))
     }
     /// Prefix the message with more context (outermost first).
     pub fn context(mut self, ctx: impl fmt::Display) -> Error {

@@ -511,8 +511,14 @@ impl Inner {
     }
 
     fn fail(&self, e: Error) {
-        crate::warn!("{}", e.msg);
-        self.fail_quietly(&e);
+        match self.owner.get().and_then(Weak::upgrade) {
+            // Said at WARN once, as the communicator's error, which ends the waits (`Rma::failed`).
+            Some(comm) => comm.set_async_error(&e),
+            None => {
+                crate::warn!("{}", e.msg);
+                self.fail_quietly(&e);
+            }
+        }
     }
 
     /// Waits on the host return `e`; streams that wait are let go.

@@ -61,6 +61,9 @@ struct Shared {
     pending: super::pending::Pending,
     inbox: Mutex<Inbox>,
     arrived: Condvar,
+    /// Tests: act as if no thread could be started for a connection.
+    #[cfg(test)]
+    no_threads: AtomicBool,
 }
 
 pub struct Service {
@@ -78,7 +81,9 @@ impl Service {
         let listener = crate::transport::fds::with_room(|| TcpListener::bind(SocketAddr::new(ip, 0)))
             .map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
-        let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), rma: std::sync::OnceLock::new(), rma_early: Mutex::default(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new() });
+        let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), rma: std::sync::OnceLock::new(), rma_early: Mutex::default(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new(),
+                                         #[cfg(test)]
+                                         no_threads: AtomicBool::new(false) });
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name("nccl-rs-boot".into())
@@ -348,12 +353,28 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         };
         let Some(ticket) = shared.pending.admit(&s) else { continue };
         // Each connection is read on a thread of its own, so a silent one delays nobody.
-        let mine = shared.clone();
-        let spawned = std::thread::Builder::new().name("nccl-rs-conn".into()).spawn(move || {
-            file_connection(s, &mine);
+        let conn = Arc::new(Mutex::new(Some(s)));
+        let (mine, theirs) = (shared.clone(), conn.clone());
+        let reader = move || {
+            if let Some(s) = theirs.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                file_connection(s, &mine);
+            }
             mine.pending.done(ticket);
-        });
+        };
+        #[cfg(test)]
+        let spawned = match shared.no_threads.load(Ordering::Acquire) {
+            true => Err(std::io::Error::from_raw_os_error(libc::EAGAIN)),
+            false => std::thread::Builder::new().name("nccl-rs-conn".into()).spawn(reader),
+        };
+        #[cfg(not(test))]
+        let spawned = std::thread::Builder::new().name("nccl-rs-conn".into()).spawn(reader);
         if spawned.is_err() {
+            // No thread to be had (the process, or its user, is at its limit): read it here,
+            // the next connections waiting meanwhile, rather than drop what a peer sent.
+            let s = conn.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(s) = s {
+                file_connection(s, &shared);
+            }
             shared.pending.done(ticket);
         }
     }
@@ -496,5 +517,24 @@ mod tests {
         assert!(b.recv(0, 7, Instant::now() + Duration::from_millis(50), &never).is_err());
         stop.store(true, Ordering::Release);
         attacker.join().unwrap();
+    }
+
+    /// A service that can start no thread for a connection (its process, or its user, at the
+    /// limit of threads) reads it on its accept thread: what peers send still arrives (before,
+    /// the connection was dropped, and a rank waited for ever for a message sent to it).
+    #[test]
+    fn connections_are_read_when_no_thread_can_be_started_for_them() {
+        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let a = Service::start(ip, 0xfeed, 0).unwrap();
+        let b = Service::start(ip, 0xfeed, 1).unwrap();
+        a.set_peers(vec![a.addr, b.addr]);
+        b.set_peers(vec![a.addr, b.addr]);
+        b.shared.no_threads.store(true, Ordering::Release);
+        let never = AtomicBool::new(false);
+        for k in 0..5u32 {
+            a.send(1, 9, &k.to_le_bytes()).unwrap();
+            let got = b.recv(0, 9, Instant::now() + Duration::from_secs(10), &never);
+            assert_eq!(got.ok(), Some(k.to_le_bytes().to_vec()), "message {k} arrived without a thread of its own");
+        }
     }
 }
