@@ -91,6 +91,22 @@ fn root_hello() {
     }
 }
 
+/// A rank's word that it cannot join: read back whole, refused under another magic, never a
+/// panic on damaged bytes.
+#[test]
+fn root_cannot_join() {
+    let magic = 0xabcdef;
+    let mut w = Writer::default();
+    w.u8(root::CANNOT_JOIN).u64(magic).u32(2).u32(3).str("no interface");
+    assert_eq!(root::parse_cannot_join(&w.buf, magic), Some((2, 3, "no interface".to_string())));
+    assert!(root::parse_cannot_join(&w.buf, magic + 1).is_none(), "the wrong magic is refused");
+    assert!(root::parse_hello(&w.buf, magic).is_none(), "it is not a hello");
+    let mut rng = Rng(3);
+    for _ in 0..ITERS {
+        let _ = root::parse_cannot_join(&rng.mutate(&w.buf), magic);
+    }
+}
+
 #[test]
 fn service_messages() {
     let magic = 0x1234;

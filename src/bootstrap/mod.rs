@@ -252,6 +252,21 @@ fn connect_root(id: &UniqueId, deadline: Instant, abort: &AtomicBool) -> Result<
     }
 }
 
+/// A rank that fails before it can join (no interface, no port, no thread for its service)
+/// says so to the root, which fails the job: the other ranks learn why at once instead of
+/// waiting for it with no end (NCCL_INIT_TIMEOUT_S unset). Best effort: the root may be out
+/// of reach too.
+fn tell_root_cannot_join(id: &UniqueId, rank: usize, nranks: usize, e: &Error, abort: &AtomicBool) {
+    let Ok(mut s) = connect_root(id, Instant::now() + CANNOT_JOIN_REACH, abort) else { return };
+    let mut w = Writer::default();
+    w.u8(root::CANNOT_JOIN).u64(id.magic).u32(rank as u32).u32(nranks as u32)
+        .str(&format!("{} (host {}, pid {})", e.msg, crate::debug::hostname(), std::process::id()));
+    let _ = write_frame(&mut s, &w.buf);
+}
+
+/// How long a rank that cannot join tries to reach the root to say so.
+const CANNOT_JOIN_REACH: Duration = Duration::from_secs(5);
+
 /// How long a rank tries to reach the root when NCCL_INIT_TIMEOUT_S is unset.
 const UNLIMITED_CONNECT: Duration = Duration::from_secs(300);
 
@@ -270,7 +285,13 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
         let listener = bind_reusable(id.root)?;
         root::spawn(listener, id.magic, timeout)?;
     }
-    let service = Service::start(local_ip()?, id.magic, rank as u32)?;
+    let service = match local_ip().and_then(|ip| Service::start(ip, id.magic, rank as u32)) {
+        Ok(s) => s,
+        Err(e) => {
+            tell_root_cannot_join(id, rank, nranks, &e, abort);
+            return Err(e);
+        }
+    };
     me.addr = service.addr;
     let mut s = connect_root(id, connect_deadline, abort)?;
     let _ = s.set_nodelay(true);
@@ -324,6 +345,7 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
         root::TABLE => {}
         root::FAILED => return Err(Error::invalid_arg(r.str()?)),
         root::FAILED_SYSTEM => return Err(Error::system(r.str()?)),
+        root::FAILED_REMOTE => return Err(Error::remote(r.str()?)),
         root::TIMED_OUT => return Err(Error::timeout(r.str()?)),
         k => return Err(Error::system(format!("bootstrap: unexpected reply {k} from the root"))),
     }

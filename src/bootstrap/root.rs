@@ -18,6 +18,11 @@ pub const TIMED_OUT: u8 = 4;
 /// Like FAILED, for a job the root itself cannot serve (out of file descriptors):
 /// ncclSystemError, not a bad argument.
 pub const FAILED_SYSTEM: u8 = 6;
+/// From a rank, instead of its hello: it failed before it could join (no listening port, no
+/// interface, no thread), and why; the root then fails the job rather than wait for it.
+pub const CANNOT_JOIN: u8 = 7;
+/// Like FAILED, for a job one of whose ranks could not join: ncclRemoteError.
+pub const FAILED_REMOTE: u8 = 8;
 /// Not an answer yet: the ranks that joined are told which ones the root still waits for
 /// (once, after half the time allowed), and keep waiting.
 pub const WAITING: u8 = 5;
@@ -52,6 +57,8 @@ const HELLO_TIME: Duration = Duration::from_secs(5);
 const MAX_UNHEARD: usize = 512;
 /// How long the root may find no file descriptor for a rank's connection before the job fails.
 const STARVED_FOR: Duration = Duration::from_secs(2);
+/// How long a root whose job a rank could not join still tells the ranks that come.
+const LINGER: Duration = Duration::from_secs(10);
 
 /// What one look at the listener and the unheard connections found.
 #[derive(Default)]
@@ -61,6 +68,8 @@ struct Polled {
     hello: Option<Hello>,
     /// A connection waits that this process has no file descriptor left to take.
     starved: Option<std::io::Error>,
+    /// A rank that could not join: its connection, its rank, the job's size and why.
+    cannot_join: Option<(TcpStream, usize, usize, String)>,
 }
 
 /// Accept everything waiting, read what each unheard connection sent, and return the first
@@ -103,7 +112,12 @@ fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -
                             let u = unheard.swap_remove(k);
                             let _ = u.stream.set_nonblocking(false);
                             let _ = u.stream.set_nodelay(true);
-                            return Polled { busy: true, hello: Some((u.stream, r, n, info)), starved };
+                            return Polled { busy: true, hello: Some((u.stream, r, n, info)), starved, cannot_join: None };
+                        }
+                        if let Some((r, n, why)) = parse_cannot_join(&u.buf[4..w], magic) {
+                            let u = unheard.swap_remove(k);
+                            let _ = u.stream.set_nonblocking(false);
+                            return Polled { busy: true, hello: None, starved, cannot_join: Some((u.stream, r, n, why)) };
                         }
                         false // a whole frame that is not a hello of ours
                     }
@@ -119,7 +133,7 @@ fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -
             unheard.swap_remove(k);
         }
     }
-    Polled { busy, hello: None, starved }
+    Polled { busy, hello: None, starved, cannot_join: None }
 }
 
 /// How a root's job ended.
@@ -221,7 +235,21 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
                 missing);
             return Gathered::Failed { joined, extra: None, kind: TIMED_OUT, msg };
         }
-        let Polled { busy, hello, starved: out_of_fds } = poll_hellos(&listener, &mut unheard, magic);
+        let Polled { busy, hello, starved: out_of_fds, cannot_join } = poll_hellos(&listener, &mut unheard, magic);
+        if let Some((stream, rank, n, why)) = cannot_join {
+            // It will never come: the others are told at once, not left waiting for it, those
+            // still on their way too for a while (after that they find no root).
+            let until = Instant::now() + LINGER;
+            while joined.len() + 1 < n && Instant::now() < until {
+                match poll_hellos(&listener, &mut unheard, magic).hello {
+                    Some((stream, r, _, info)) if r != rank => joined.push(Joined { stream, info }),
+                    Some(_) => {}
+                    None => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+            let msg = format!("bootstrap: rank {rank} could not join the job: {why}");
+            return Gathered::Failed { joined, extra: Some(stream), kind: FAILED_REMOTE, msg };
+        }
         match out_of_fds {
             // A rank that connected cannot be taken: it would wait for ever, and the others
             // with it. Briefly (another thread may be closing files), then the job fails.
@@ -269,6 +297,18 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
 }
 
 type Hello = (TcpStream, usize, usize, PeerInfo);
+
+/// A rank's word that it cannot join: (rank, nranks, why), or None for anything else.
+pub fn parse_cannot_join(frame: &[u8], magic: u64) -> Option<(usize, usize, String)> {
+    let mut r = Reader::new(frame);
+    if r.u8().ok()? != CANNOT_JOIN || r.u64().ok()? != magic {
+        return None;
+    }
+    let rank = r.u32().ok()? as usize;
+    let nranks = r.u32().ok()? as usize;
+    let why = r.str().ok()?;
+    Some((rank, nranks, why.chars().take(2000).collect()))
+}
 
 /// A rank's hello: (rank, nranks, info), or None for anything that is not one of ours.
 pub fn parse_hello(frame: &[u8], magic: u64) -> Option<(usize, usize, PeerInfo)> {
