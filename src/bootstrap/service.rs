@@ -44,7 +44,8 @@ pub enum Reach {
 }
 
 /// Answers a status request (the communicator's bytes, or more it adds when asked).
-pub type StatusAnswer = Box<dyn Fn() -> Vec<u8> + Send + Sync>;
+/// Called with the asking rank.
+pub type StatusAnswer = Box<dyn Fn(u32) -> Vec<u8> + Send + Sync>;
 
 /// Takes an incoming one-sided-operations connection: (from rank, the stream).
 pub type RmaHandler = Box<dyn Fn(u32, TcpStream) + Send + Sync>;
@@ -388,7 +389,7 @@ fn file_connection(mut s: TcpStream, shared: &Shared) {
         return;
     }
     if kind == KIND_STATUS {
-        let now = shared.status.get().map(|answer| answer()).unwrap_or_default();
+        let now = shared.status.get().map(|answer| answer(from)).unwrap_or_default();
         let _ = write_frame(&mut s, &now);
         return;
     }

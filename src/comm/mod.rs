@@ -32,6 +32,10 @@ pub struct Ready {
     /// The stamps of the operations this rank is running now (concatenated), which peers
     /// may ask for through the bootstrap service when they wait on this rank.
     pub running: crate::bootstrap::service::Status,
+    /// Per peer, the sends to it and the receives from it this rank has finished (their
+    /// last unit done), told with the status to the peer that asks: two ranks that each
+    /// receive from the other are crossed only if no message of either is still on its way.
+    pub p2p_done: std::sync::Arc<Vec<[std::sync::atomic::AtomicU64; 2]>>,
 }
 
 impl Ready {
@@ -48,7 +52,9 @@ impl Ready {
                          said.join(", "));
             None
         };
-        Ready { peers, service, slice, algo, conns: Mutex::new(Conns::new(n)), silent: Mutex::new(HashMap::new()), running }
+        let p2p_done = std::sync::Arc::new((0..n).map(|_| Default::default()).collect());
+        Ready { peers, service, slice, algo, conns: Mutex::new(Conns::new(n)), silent: Mutex::new(HashMap::new()), running,
+                p2p_done }
     }
 
     /// Publish what this rank runs (empty: nothing).
@@ -331,13 +337,37 @@ impl CycleWalk<'_> {
 
     /// The sends and receives `rank` runs, if it answers that it runs some (and nothing else).
     fn running_of(&self, rank: usize) -> Option<Vec<Stamp>> {
-        let status = self.ready.service.status(rank, std::time::Duration::from_secs(1)).ok()?;
+        let answer = self.ready.service.status(rank, std::time::Duration::from_secs(1)).ok()?;
+        let (_, status) = split_counts(&answer);
         if status.first() != Some(&STATUS_RUNNING) {
             return None;
         }
         let stamps: Vec<Stamp> = status_stamps(&status).collect();
         (!stamps.is_empty() && stamps.iter().all(|s| crate::plan::ops::p2p_role(s).is_some())).then_some(stamps)
     }
+}
+
+/// Are two ranks' sends and receives with each other crossed, so that neither can finish: each
+/// only sends to the other (Some(true)), or each only receives from it (Some(false))? `own`,
+/// `theirs`: the directions (true: a send) of what each runs with the other; `own_done`,
+/// `theirs_done`: the sends to the other and the receives from it each has finished. Receives
+/// are crossed only if no finished send of either is still to be received: a small send
+/// finishes at once, and its receiver, stopped or slow, may show for a while the receive that
+/// will take it.
+fn crossed(own: &[bool], theirs: &[bool], own_done: (u64, u64), theirs_done: (u64, u64)) -> Option<bool> {
+    let &dir = own.first()?;
+    if !own.iter().chain(theirs).all(|&s| s == dir) || theirs.is_empty() {
+        return None;
+    }
+    let in_flight = own_done.0 > theirs_done.1 || theirs_done.0 > own_done.1;
+    (dir || !in_flight).then_some(dir)
+}
+
+/// A status answer: the sends to the asker and the receives from it the peer has finished,
+/// and its status bytes.
+fn split_counts(answer: &[u8]) -> ((u64, u64), &[u8]) {
+    let count = |at: usize| answer.get(at..at + 8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
+    ((count(0), count(8)), answer.get(16..).unwrap_or_default())
 }
 
 /// The stamps of status bytes (after the tag).
@@ -465,8 +495,16 @@ impl Comm {
     /// Init finished: the communicator can run operations.
     pub fn set_ready(&self, ready: Ready) {
         ready.service.set_rma_handler(self.rma.handler());
-        let (running, serial) = (ready.running.clone(), self.serial);
-        ready.service.set_status(Box::new(move || status_answer(&running, serial)));
+        let (running, serial, done) = (ready.running.clone(), self.serial, ready.p2p_done.clone());
+        ready.service.set_status(Box::new(move |from| {
+            // What this rank finished with the asker first (see `split_counts`), then its status.
+            let [sent, received] = done.get(from as usize).map_or([0, 0], |d| d.each_ref().map(|c| c.load(Ordering::Acquire)));
+            let mut answer = Vec::with_capacity(64);
+            answer.extend_from_slice(&sent.to_le_bytes());
+            answer.extend_from_slice(&received.to_le_bytes());
+            answer.extend_from_slice(&status_answer(&running, serial));
+            answer
+        }));
         elsewhere::enlist(self.serial, self.hash, self.rank, self.nranks, &ready.running);
         let _ = self.ready.set(ready);
         self.async_code.store(Code::Success as i32, Ordering::Release);
@@ -695,7 +733,7 @@ impl Comm {
     fn peer_runs_once(&self, peer: usize, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String, again: bool)
                       -> Result<PeerRuns> {
         let Some(ready) = self.ready.get() else { return Ok(PeerRuns::Unknown) };
-        let status = match ready.service.status(peer, std::time::Duration::from_secs(1)) {
+        let answer = match ready.service.status(peer, std::time::Duration::from_secs(1)) {
             Ok(s) => {
                 ready.silent.lock().unwrap_or_else(|p| p.into_inner()).remove(&peer);
                 s
@@ -705,6 +743,7 @@ impl Comm {
                 return Ok(self.silence(ready, peer));
             }
         };
+        let (counts, status) = split_counts(&answer);
         match status.split_first() {
             Some((&STATUS_FAILED, rest)) if !rest.is_empty() => {
                 let code = Code::from_raw(rest[0] as i32).unwrap_or(Code::RemoteError);
@@ -727,7 +766,7 @@ impl Comm {
         if theirs.is_empty() {
             return Ok(PeerRuns::Nothing);
         }
-        let runs = match self.judge_running(ready, peer, mine, &theirs, describe)? {
+        let runs = match self.judge_running(ready, peer, mine, &theirs, counts, describe)? {
             // In sends or receives with other ranks: fine, unless those wait round to this one.
             PeerRuns::OtherPeers(first) => {
                 self.waits_in_cycle(ready, peer, theirs, describe).map_or(PeerRuns::OtherPeers(first), PeerRuns::Crossed)
@@ -751,7 +790,7 @@ impl Comm {
     /// other ranks only has not got to this rank's call yet; one whose sends or receives with
     /// this rank cross this rank's (both only send, or both only receive) waits for ever.
     /// Collectives are: a peer in another is an error naming both calls.
-    fn judge_running(&self, ready: &Ready, peer: usize, mine: &Stamp, theirs: &[Stamp],
+    fn judge_running(&self, ready: &Ready, peer: usize, mine: &Stamp, theirs: &[Stamp], counts: (u64, u64),
                      describe: &dyn Fn(&Stamp) -> String) -> Result<PeerRuns> {
         use crate::plan::ops::{coll_seq, p2p_bytes, p2p_role, without_role};
         let plain = without_role(*mine);
@@ -795,8 +834,9 @@ impl Comm {
         // only receives from it (this rank's own, from its status).
         let own: Vec<bool> = status_stamps(&ready.running.lock().unwrap_or_else(|p| p.into_inner()))
             .filter_map(|s| p2p_role(&s).filter(|&(_, p)| p == peer).map(|(send, _)| send)).collect();
-        let Some(&dir) = own.first() else { return Ok(PeerRuns::Same) };
-        if own.iter().all(|&s| s == dir) && with_me.iter().all(|&(s, _)| s == dir) {
+        let theirs_dirs: Vec<bool> = with_me.iter().map(|&(s, _)| s).collect();
+        let done = ready.p2p_done.get(peer).map_or((0, 0), |d| (d[0].load(Ordering::Acquire), d[1].load(Ordering::Acquire)));
+        if let Some(dir) = crossed(&own, &theirs_dirs, done, counts) {
             let (what, none) = if dir { ("sends to", "receives from") } else { ("receives from", "sends to") };
             return Ok(PeerRuns::Crossed(format!(
                 "{} is in {} while rank {} is in {}: each {what} the other and neither {none} it, so neither call \
@@ -934,6 +974,32 @@ pub fn resolve_op(comm: &Comm, raw: i32, dt: DataType) -> Result<(RedOp, Option<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two ranks each receiving from the other are crossed only when no finished send of
+    /// either is still to be received (found by a probe that stopped processes with SIGSTOP: a
+    /// rank whose small send to a stopped peer had finished was told its receive from that peer
+    /// was crossed with the peer's, which the send would have satisfied). Sends both ways are
+    /// crossed whatever the counts; mixed directions never are.
+    #[test]
+    fn receives_are_crossed_only_with_nothing_on_its_way() {
+        assert_eq!(crossed(&[false], &[false], (3, 5), (5, 3)), Some(false), "nothing in flight");
+        assert_eq!(crossed(&[false], &[false], (4, 5), (5, 3)), None, "this rank's 4th send is still to be received");
+        assert_eq!(crossed(&[false], &[false], (3, 5), (6, 3)), None, "the peer's 6th send is still to be received here");
+        assert_eq!(crossed(&[true, true], &[true], (9, 0), (0, 2)), Some(true), "sends both ways wait for ever");
+        assert_eq!(crossed(&[false], &[true], (0, 0), (0, 0)), None, "a send meets a receive");
+        assert_eq!(crossed(&[], &[false], (0, 0), (0, 0)), None);
+        assert_eq!(crossed(&[false], &[], (0, 0), (0, 0)), None);
+    }
+
+    /// A status answer carries what the peer finished with the asker ahead of the status.
+    #[test]
+    fn status_answers_lead_with_the_counts() {
+        let mut answer = 7u64.to_le_bytes().to_vec();
+        answer.extend_from_slice(&9u64.to_le_bytes());
+        answer.extend_from_slice(&[STATUS_RUNNING, 1, 2]);
+        assert_eq!(split_counts(&answer), ((7, 9), &[STATUS_RUNNING, 1, 2][..]));
+        assert_eq!(split_counts(&[1, 2]), ((0, 0), &[][..]), "a short answer reads as nothing");
+    }
 
     #[test]
     fn a_communicator_running_nothing_says_what_the_others_run() {

@@ -168,9 +168,14 @@ impl<'a> Job<'a> {
             _ => return,
         };
         let stamp = self.stamps[u.op as usize];
-        if self.remaining > 0 && crate::plan::ops::p2p_bytes(&stamp).is_some() {
+        if crate::plan::ops::p2p_bytes(&stamp).is_some() {
             if let Some(r) = self.comm.ready_if_any() {
-                r.finished(&crate::plan::ops::with_role(stamp, send, peer));
+                if let Some(done) = r.p2p_done.get(peer) {
+                    done[usize::from(!send)].fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                }
+                if self.remaining > 0 {
+                    r.finished(&crate::plan::ops::with_role(stamp, send, peer));
+                }
             }
         }
     }
