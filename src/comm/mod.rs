@@ -347,6 +347,22 @@ impl CycleWalk<'_> {
     }
 }
 
+/// Is a peer in collective `theirs` ahead of this rank, in `mine`? Past this rank's collective,
+/// which it finished, so made too (had it made another, what it sent would fail here on
+/// arrival); or, while this rank is in a send or receive with it, with one of the two's
+/// finished sends still to be received (`settled` false: it finished its part). Either way
+/// it is this rank that is behind, stopped or slow, not a mismatch (found by a probe that
+/// stopped processes with SIGSTOP: a rank continued in broadcast #16 asked the peer it waited
+/// on, which had sent its part and gone on to all-reduce #17, and called that a mismatch).
+fn ahead_of(theirs: &Stamp, mine: &Stamp, settled: bool) -> bool {
+    use crate::plan::ops::{coll_seq, p2p_bytes};
+    match (coll_seq(theirs), coll_seq(mine), p2p_bytes(mine)) {
+        (Some(t), Some(m), None) => t > m,
+        (Some(_), _, Some(_)) => !settled,
+        _ => false,
+    }
+}
+
 /// Are two ranks' sends and receives with each other crossed, so that neither can finish: each
 /// only sends to the other (Some(true)), or each only receives from it (Some(false))? `own`,
 /// `theirs`: the directions (true: a send) of what each runs with the other; `own_done`,
@@ -818,8 +834,14 @@ impl Comm {
             (Some(theirs), _, Some(_)) => theirs < self.seq.load(Ordering::Relaxed),
             _ => false,
         };
-        if let Some(c) = theirs.iter().find(|t| p2p_bytes(t).is_none() && !behind(t)) {
+        let done = ready.p2p_done.get(peer).map_or((0, 0), |d| (d[0].load(Ordering::Acquire), d[1].load(Ordering::Acquire)));
+        let settled = done.0 == counts.1 && counts.0 == done.1;
+        let ahead = |t: &Stamp| ahead_of(t, mine, settled);
+        if let Some(c) = theirs.iter().find(|t| p2p_bytes(t).is_none() && !behind(t) && !ahead(t)) {
             return Err(mismatch(c));
+        }
+        if theirs.iter().any(|t| p2p_bytes(t).is_none() && ahead(t)) {
+            return Ok(PeerRuns::Same);
         }
         let Some(&(_, first_with_me)) = with_me.first() else {
             // (Named by a send or receive it is in, if any: the collectives it is behind on
@@ -835,7 +857,6 @@ impl Comm {
         let own: Vec<bool> = status_stamps(&ready.running.lock().unwrap_or_else(|p| p.into_inner()))
             .filter_map(|s| p2p_role(&s).filter(|&(_, p)| p == peer).map(|(send, _)| send)).collect();
         let theirs_dirs: Vec<bool> = with_me.iter().map(|&(s, _)| s).collect();
-        let done = ready.p2p_done.get(peer).map_or((0, 0), |d| (d[0].load(Ordering::Acquire), d[1].load(Ordering::Acquire)));
         if let Some(dir) = crossed(&own, &theirs_dirs, done, counts) {
             let (what, none) = if dir { ("sends to", "receives from") } else { ("receives from", "sends to") };
             return Ok(PeerRuns::Crossed(format!(
@@ -989,6 +1010,25 @@ mod tests {
         assert_eq!(crossed(&[false], &[true], (0, 0), (0, 0)), None, "a send meets a receive");
         assert_eq!(crossed(&[], &[false], (0, 0), (0, 0)), None);
         assert_eq!(crossed(&[false], &[], (0, 0), (0, 0)), None);
+    }
+
+    /// A peer in a later collective is ahead, not in another call; one in a collective while
+    /// this rank is in a send or receive with it is ahead only with a send still on its way.
+    #[test]
+    fn a_peer_past_this_ranks_call_is_ahead() {
+        let coll = |seq: u64| {
+            let mut s = [0u8; STAMP_BYTES];
+            s[0] = 1;
+            s[16..24].copy_from_slice(&seq.to_le_bytes());
+            s
+        };
+        let p2p = crate::plan::ops::with_role([200u8; STAMP_BYTES], false, 1);
+        assert!(crate::plan::ops::p2p_bytes(&p2p).is_some(), "a point-to-point stamp");
+        assert!(ahead_of(&coll(17), &coll(16), true));
+        assert!(!ahead_of(&coll(16), &coll(16), true), "the same number: the same call, or a mismatch");
+        assert!(!ahead_of(&coll(15), &coll(16), true), "behind is judged apart");
+        assert!(ahead_of(&coll(3), &p2p, false), "a send of the two still to be received");
+        assert!(!ahead_of(&coll(3), &p2p, true), "nothing on its way: a collective against a send is a mismatch");
     }
 
     /// A status answer carries what the peer finished with the asker ahead of the status.
