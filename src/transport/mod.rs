@@ -236,7 +236,11 @@ pub fn accept(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
                 Box::new(socket_recv(ctx, me, other, peer)?)
             } else {
                 let opened = name.and_then(|name| shm::open(&String::from_utf8_lossy(&name), ctx.slice, other.pid));
-                if opened.is_err() {
+                // Not after a wait that only ran out (callers wait in slices, `accept_watching`):
+                // the sender creates its ring before it sends the name, so the file may be there
+                // already, its name on its way; removing it then failed the next slice's open.
+                // (One never taken is removed when the communicator ends: `forget_unaccepted`.)
+                if opened.as_ref().is_err_and(|e| e.code != crate::Code::Timeout) {
                     shm::remove_expected(ctx.hash, peer, ctx.rank, other.pid, me.addr.port());
                 }
                 Box::new(opened?)
@@ -246,4 +250,51 @@ pub fn accept(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
     };
     conns.recv[peer] = Some(conn);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::{Links, PeerInfo};
+    use std::time::Duration;
+
+    fn peer(rank: usize, pid: u32, service: &Service) -> PeerInfo {
+        PeerInfo { rank, pid, cuda_dev: 0, host_hash: 0x5eed, hostname: "here".into(), addr: service.addr, slice: 1 << 16,
+                   nsocks: 1, links: Links { shm: true, ..Links::local() }, gpu: Default::default() }
+    }
+
+    /// A receiver waits for a ring's name in slices (`group::accept_watching`). A slice that
+    /// runs out while the sender has created its ring but not yet sent the name (a sender
+    /// stopped or slow right then) leaves the ring, so the next slice opens it. Before, it was
+    /// removed, and the open failed: "the sending rank removed its ring before this rank
+    /// opened it" (found by a probe that stopped processes with SIGSTOP).
+    #[test]
+    fn a_slice_that_runs_out_leaves_the_senders_ring() {
+        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let (to, from) = (Service::start(ip, 0xfeed, 1).unwrap(), Service::start(ip, 0xfeed, 0).unwrap());
+        to.set_peers(vec![from.addr, to.addr]);
+        from.set_peers(vec![from.addr, to.addr]);
+        let me = std::process::id();
+        // (The sender claims another process of this host: the pair takes a ring in /dev/shm.)
+        let peers = vec![peer(0, me + 1, &from), peer(1, me, &to)];
+        let hash = 0x7e57_0000_0000_0000 | u64::from(me);
+        let slice = 1 << 16;
+        let shm::Made::Ring(ring, made) = shm::create(hash, 0, 1, to.addr.port(), slice, me).unwrap() else {
+            panic!("no room in /dev/shm for a test ring");
+        };
+        // (Named as the other process would name it.)
+        let name = shm::name_for(hash, 0, 1, me + 1, to.addr.port());
+        std::fs::rename(format!("/dev/shm/{made}"), format!("/dev/shm/{name}")).unwrap();
+        let abort = AtomicBool::new(false);
+        let mut conns = Conns::new(2);
+        let ctx = |wait: Duration| Ctx { rank: 1, hash, peers: &peers, service: &to, slice, abort: &abort,
+                                         deadline: Instant::now() + wait };
+        let first = accept(&ctx(Duration::from_millis(50)), &mut conns, 0);
+        assert!(first.as_ref().is_err_and(|e| e.code == crate::Code::Timeout), "no name yet: {:?}", first.err());
+        assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists(), "the ring is still there after the slice");
+        from.send(1, TAG_SHM, name.as_bytes()).unwrap();
+        let second = accept(&ctx(Duration::from_secs(10)), &mut conns, 0);
+        assert!(second.is_ok(), "the next slice takes the ring: {:?}", second.err());
+        drop(ring);
+    }
 }
