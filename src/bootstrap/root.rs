@@ -347,11 +347,15 @@ fn fail(joined: &mut [Joined], extra: Option<&mut TcpStream>, kind: u8, msg: &st
     crate::warn!("{msg}");
     let mut w = Writer::default();
     w.u8(kind).str(msg);
-    for j in joined.iter_mut() {
-        let _ = write_frame(&mut j.stream, &w.buf);
-    }
     if let Some(s) = extra {
         let _ = write_frame(s, &w.buf);
+    }
+    // This process's own ranks last, as with the table: one told may end the process, and
+    // this thread with it, before the others are.
+    let own = std::process::id();
+    joined.sort_by_key(|j| j.info.pid == own);
+    for j in joined.iter_mut() {
+        let _ = write_frame(&mut j.stream, &w.buf);
     }
 }
 
