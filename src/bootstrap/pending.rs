@@ -16,9 +16,10 @@ pub struct Pending {
 
 impl Pending {
     /// Track `s` (through a clone of its socket); returns its ticket, or None if it cannot be
-    /// tracked (then the caller drops it).
+    /// tracked: no descriptor for the clone. (Then the caller reads it all the same: dropping
+    /// it lost what a peer sent, and a rank waited for it for ever.)
     pub fn admit(&self, s: &TcpStream) -> Option<u64> {
-        let clone = s.try_clone().ok()?;
+        let clone = crate::transport::fds::with_room(|| s.try_clone()).ok()?;
         let mut g = self.conns.lock().unwrap_or_else(|p| p.into_inner());
         if g.1.len() >= MAX {
             if let Some((_, oldest)) = g.1.pop_front() {
