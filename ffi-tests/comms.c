@@ -124,6 +124,19 @@ static void step_split(ncclComm_t* world) {
   destroy_all(sub);
 }
 
+/* After nonblocking parents' splits or grows (`r`: ncclInProgress, or what the group that ran
+ * them returned): the parents polled done, then each child set (not the placeholder 1 the
+ * caller put there) and polled ready. (A new rank's grow has no parent: its child is polled.) */
+static void finish_children(ncclResult_t r, ncclComm_t* parents, ncclComm_t* children, const char* call) {
+  CHECK(finish_async(r, parents, g_env.local));
+  for (int l = 0; l < g_env.local; l++) {
+    EXPECT(children[l] != NULL && children[l] != (ncclComm_t)(uintptr_t)1, "the %s's parent is done but newcomm is %p",
+           call, (void*)children[l]);
+    if (children[l] == (ncclComm_t)(uintptr_t)1) children[l] = NULL;
+    if (children[l]) CHECK(wait_comm(children[l]));
+  }
+}
+
 /* A nonblocking parent's split, as PyTorch makes one (one rank per thread): the call returns
  * ncclInProgress and sets newcomm to NULL; the parent says ncclInProgress until the split is
  * done, and by then newcomm holds the new communicator (NCCL's order: PyTorch polls the
@@ -154,13 +167,7 @@ static void step_split_nonblocking(ncclComm_t* world) {
     /* (Rank 0, the last to call, may find it done already.) */
     if (rank != 0) EXPECT(sub[l] == NULL, "a nonblocking parent's split in progress left newcomm %p", (void*)sub[l]);
   }
-  CHECK(finish_async(grouped ? ncclGroupEnd() : ncclInProgress, nb, g_env.local));
-  for (int l = 0; l < g_env.local; l++) {
-    EXPECT(sub[l] != NULL && sub[l] != (ncclComm_t)(uintptr_t)1, "the split's parent is done but newcomm is %p",
-           (void*)sub[l]);
-    if (sub[l] == (ncclComm_t)(uintptr_t)1) sub[l] = NULL;
-    if (sub[l]) CHECK(wait_comm(sub[l]));
-  }
+  finish_children(grouped ? ncclGroupEnd() : ncclInProgress, nb, sub, "split");
   parity_split_expects(cn, cr, v, want);
   expect_shape(sub, cn, cr, "nonblocking split by parity");
   sum_check(sub, v, want, "all-reduce on a nonblocking split by parity");
@@ -348,13 +355,7 @@ static void grow_nonblocking(ncclComm_t* small, ncclUniqueId* ids, const ncclUni
              "a new rank's nonblocking grow in progress left newcomm %p, not a communicator to poll",
              (void*)grown[l]);
   }
-  CHECK(finish_async(grouped ? ncclGroupEnd() : ncclInProgress, small, g_env.local));
-  for (int l = 0; l < g_env.local; l++) {
-    EXPECT(grown[l] != NULL && grown[l] != (ncclComm_t)(uintptr_t)1, "the grow's parent is done but newcomm is %p",
-           (void*)grown[l]);
-    if (grown[l] == (ncclComm_t)(uintptr_t)1) grown[l] = NULL;
-    if (grown[l]) CHECK(wait_comm(grown[l]));
-  }
+  finish_children(grouped ? ncclGroupEnd() : ncclInProgress, small, grown, "grow");
 }
 
 /* Two communicators driven at once by two threads of every process, as frameworks run a
