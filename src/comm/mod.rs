@@ -355,7 +355,12 @@ impl CycleWalk<'_> {
 /// stopped processes with SIGSTOP: a rank continued in broadcast #16 asked the peer it waited
 /// on, which had sent its part and gone on to all-reduce #17, and called that a mismatch).
 fn ahead_of(theirs: &Stamp, mine: &Stamp, settled: bool) -> bool {
-    use crate::plan::ops::{coll_seq, p2p_bytes};
+    use crate::plan::ops::{coll_seq, p2p_bytes, same_operation};
+    // (Another step of the same operation's exchanges, CUDA mode's: ahead or behind, the same
+    // call; a stopped rank continued in step 2 found its peer in step 4.)
+    if p2p_bytes(mine).is_none() && theirs != mine && same_operation(theirs, mine) {
+        return true;
+    }
     match (coll_seq(theirs), coll_seq(mine), p2p_bytes(mine)) {
         (Some(t), Some(m), None) => t > m,
         (Some(_), _, Some(_)) => !settled,
@@ -1026,6 +1031,9 @@ mod tests {
         assert!(crate::plan::ops::p2p_bytes(&p2p).is_some(), "a point-to-point stamp");
         assert!(ahead_of(&coll(17), &coll(16), true));
         assert!(!ahead_of(&coll(16), &coll(16), true), "the same number: the same call, or a mismatch");
+        let (step2, step4) = (crate::plan::ops::control_stamp(&coll(16), 2), crate::plan::ops::control_stamp(&coll(16), 4));
+        assert!(ahead_of(&step4, &step2, true) && ahead_of(&step2, &step4, true), "steps of one operation's exchanges");
+        assert!(ahead_of(&step2, &coll(16), true), "a step of this rank's own operation");
         assert!(!ahead_of(&coll(15), &coll(16), true), "behind is judged apart");
         assert!(ahead_of(&coll(3), &p2p, false), "a send of the two still to be received");
         assert!(!ahead_of(&coll(3), &p2p, true), "nothing on its way: a collective against a send is a mismatch");

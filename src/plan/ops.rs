@@ -148,6 +148,15 @@ pub fn control_stamp(user: &Stamp, step: u8) -> Stamp {
     s
 }
 
+/// Do two stamps name one operation, whatever step of its exchanges each is at (a control
+/// operation's, or the operation's own)?
+pub fn same_operation(a: &Stamp, b: &Stamp) -> bool {
+    let (mut a, mut b) = (*a, *b);
+    a[CONTROL_STEP] = 0;
+    b[CONTROL_STEP] = 0;
+    a == b
+}
+
 const P2P_KIND: u8 = 200;
 /// Byte of a stamp that marks a control operation's step (0: the user's own operation).
 const CONTROL_STEP: usize = 3;
