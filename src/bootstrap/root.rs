@@ -240,11 +240,14 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
             // It will never come: the others are told at once, not left waiting for it, those
             // still on their way too for a while (after that they find no root).
             let until = Instant::now() + LINGER;
-            while joined.len() + 1 < n && Instant::now() < until {
-                match poll_hellos(&listener, &mut unheard, magic).hello {
-                    Some((stream, r, _, info)) if r != rank => joined.push(Joined { stream, info }),
-                    Some(_) => {}
-                    None => std::thread::sleep(Duration::from_millis(5)),
+            let mut cannot = 1; // ranks that said they cannot join (each has its own error)
+            while joined.len() + cannot < n && Instant::now() < until {
+                let polled = poll_hellos(&listener, &mut unheard, magic);
+                match (polled.hello, polled.cannot_join) {
+                    (Some((stream, r, _, info)), _) if r != rank => joined.push(Joined { stream, info }),
+                    (_, Some(_)) => cannot += 1,
+                    (Some(_), None) => {}
+                    (None, None) => std::thread::sleep(Duration::from_millis(5)),
                 }
             }
             let msg = format!("bootstrap: rank {rank} could not join the job: {why}");
