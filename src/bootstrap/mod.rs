@@ -238,10 +238,7 @@ fn connect_root(id: &UniqueId, deadline: Instant, abort: &AtomicBool) -> Result<
             Err(_) if id.rank0_hosts_root && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            Err(e) if crate::transport::fds::out_of_fds(&e) => {
-                return Err(Error::system(format!("bootstrap: cannot reach the root at {}: {e}{}", id.root,
-                                                 crate::transport::fds::hint(&e))))
-            }
+            Err(e) if fds::out_of_fds(&e) => return Err(Error::os(format!("bootstrap: cannot reach the root at {}", id.root), e)),
             Err(e) => {
                 return Err(Error::remote(format!(
                     "bootstrap: cannot reach the root at {}: {e} (a stale unique id, or the process that created it exited?)",

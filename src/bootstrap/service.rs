@@ -123,8 +123,7 @@ impl Service {
             // Its service ran as long as its communicator: refused, the communicator is gone.
             if crate::transport::fds::out_of_fds(&e) {
                 // This process's shortage, not the peer's doing.
-                return Error::system(format!("bootstrap: cannot reach rank {peer} at {addr}: {e}{}",
-                                             crate::transport::fds::hint(&e)));
+                return Error::os(format!("bootstrap: cannot reach rank {peer} at {addr}"), e);
             }
             let hint = if e.kind() == std::io::ErrorKind::ConnectionRefused {
                 " (it destroyed or aborted its communicator, or its process ended)"
@@ -331,17 +330,13 @@ impl Drop for Service {
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let mut warned = false;
     loop {
-        let before = crate::transport::fds::soft_limit();
-        let conn = listener.accept();
+        let conn = crate::transport::fds::with_room(|| listener.accept());
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
         let s = match conn {
             Ok((s, _)) => s,
             Err(e) if crate::transport::fds::out_of_fds(&e) => {
-                if crate::transport::fds::make_room(before) {
-                    continue;
-                }
                 // The connection stays queued, and its peer waits, until a descriptor frees up.
                 if !warned {
                     warned = true;

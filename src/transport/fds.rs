@@ -6,6 +6,11 @@
 //! say which limit ran out and how to raise it.
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// How many times the soft limit has been raised (read before a call, so a call that ran out
+/// can tell whether room was made since, by it or another thread, without asking the kernel).
+static RAISED: AtomicU64 = AtomicU64::new(0);
 
 /// Out of file descriptors: this process's (EMFILE) or the host's (ENFILE).
 pub fn out_of_fds(e: &io::Error) -> bool {
@@ -20,28 +25,23 @@ fn limits() -> Option<(u64, u64)> {
     (rc == 0).then_some((r.rlim_cur as u64, r.rlim_max as u64))
 }
 
-/// The soft limit now.
-pub fn soft_limit() -> Option<u64> {
-    limits().map(|(soft, _)| soft)
-}
-
-/// After running out: raise the soft limit to the hard one if it is below it. True when there
-/// is more room than at `before` (the soft limit then), whoever raised it.
-pub fn make_room(before: Option<u64>) -> bool {
-    let Some((soft, hard)) = limits() else { return false };
-    if soft < hard {
+/// After running out: raise the soft limit to the hard one if it is below it. True when room
+/// was made since `before` (what [`RAISED`] said then), whoever made it.
+fn make_room(before: u64) -> bool {
+    if let Some((soft, hard)) = limits().filter(|(soft, hard)| soft < hard) {
         let r = libc::rlimit { rlim_cur: hard as libc::rlim_t, rlim_max: hard as libc::rlim_t };
         // SAFETY: setrlimit reads one rlimit from `r`, which lives for the call.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) } == 0 {
+            RAISED.fetch_add(1, Ordering::AcqRel);
             crate::info!(INIT, "out of file descriptors at the open-file limit {soft}: raised it to the hard limit {hard}");
         }
     }
-    matches!((before, soft_limit()), (Some(b), Some(now)) if now > b)
+    RAISED.load(Ordering::Acquire) != before
 }
 
 /// `f`, tried once more after making room when it ran out of file descriptors.
 pub fn with_room<T>(mut f: impl FnMut() -> io::Result<T>) -> io::Result<T> {
-    let before = soft_limit();
+    let before = RAISED.load(Ordering::Acquire);
     match f() {
         Err(e) if out_of_fds(&e) && make_room(before) => f(),
         r => r,
