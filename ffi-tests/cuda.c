@@ -2118,6 +2118,38 @@ static void rma_gone(void) {
          result_name(async), msg ? msg : "");
 }
 
+/* --only RmaNoSender (the stand-in with NCCL_RS_STUB_HOST_ALLOC_FAILS=<local>:4194304): the
+ * sender of one-sided operations cannot be started (its 4 MiB of pinned staging cannot be
+ * allocated). The first ncclPutSignal of each rank fails with ncclUnhandledCudaError naming the
+ * allocation, and its communicator stays usable; the next calls start the sender and are
+ * ordered with their streams as ever: part Rma, whose calls must return while their streams
+ * are held. Before, the calls fell back to running on the calling thread, which waited for the
+ * held stream, and the program waited for ever. */
+static void rma_no_sender(void) {
+  test_step("rma no sender");
+  if (host_wait_mode()) return;
+  const size_t count = 256;
+  void* buf[MAX_LOCAL];
+  ncclWindow_t win[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) CHECK(ncclMemAlloc(&buf[l], count * sizeof(float)));
+  CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++)
+    CHECK(ncclCommWindowRegister(g_comms[l], buf[l], count * sizeof(float), &win[l], NCCL_WIN_COLL_SYMMETRIC));
+  CHECK(ncclGroupEnd());
+  for (int l = 0; l < g_env.local; l++) {
+    const int rank = g_env.first_rank + l;
+    ncclResult_t r = ncclPutSignal(buf[l], count, ncclFloat32, (rank + 1) % g_env.nranks, win[l], 0, 0, 0, 0, g_comms[l],
+                                   g_streams[l]);
+    const char* msg = ncclGetLastError(g_comms[l]);
+    EXPECT(r == ncclUnhandledCudaError && msg && strstr(msg, "cuMemHostAlloc") && strstr(msg, "one-sided"),
+           "rank %d: a put whose sender cannot be started returned %s (\"%s\"), not ncclUnhandledCudaError naming it",
+           rank, result_name(r), msg ? msg : "");
+  }
+  expect_no_async_error("a put refused at once");
+  drop_windows(win, buf);
+  rma();
+}
+
 /* --only RmaFailed (2 processes, one rank each): rank 0's communicator fails in a one-sided
  * operation queued on a stream: it has used every file descriptor it may (the hard limit set to
  * the soft one, so the library cannot raise it) when its signal to rank 1 needs a connection.
@@ -4312,6 +4344,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "RmaGone")) rma_gone();
   if (g_env.only && !strcasecmp(g_env.only, "RmaLate")) rma_late();
   if (g_env.only && !strcasecmp(g_env.only, "RmaFailed")) rma_failed();
+  if (g_env.only && !strcasecmp(g_env.only, "RmaNoSender")) rma_no_sender();
   if (g_env.only && !strcasecmp(g_env.only, "RmaStreams")) rma_streams();
   if (g_env.only && !strcasecmp(g_env.only, "Leaks")) leaks();
   if (g_env.only && !strcasecmp(g_env.only, "DroppedGroup")) dropped_group();

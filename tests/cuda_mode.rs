@@ -1369,6 +1369,22 @@ fn cuda_mode_rma_stream_waits_end_when_a_communicator_fails() {
     cuda_job().procs(2).arg("--only").arg("RmaFailed").timeout_s(60).run();
 }
 
+/// A sender of one-sided operations that cannot be started (its pinned staging cannot be
+/// allocated) fails the call with `ncclUnhandledCudaError` naming the allocation; the next calls
+/// start it and are stream-ordered as ever (part RmaNoSender). Before, the calls fell back to
+/// running on the calling thread, which waited for a stream the program held until the calls
+/// returned: every rank waited for ever.
+#[test]
+fn cuda_mode_rma_sender_that_cannot_start_fails_the_call() {
+    if !stand_in_only("cuda_mode_rma_sender_that_cannot_start_fails_the_call") {
+        return;
+    }
+    // (The first allocation of the staging's size fails in each rank: one per process.)
+    for (job, fails) in [(cuda_job().procs(2), "1:4194304"), (cuda_job().local(2), "2:4194304")] {
+        job.arg("--quick").arg("--only").arg("RmaNoSender").env("NCCL_RS_STUB_HOST_ALLOC_FAILS", fails).timeout_s(60).run();
+    }
+}
+
 /// A stream that waits for a signal that has not come is named at WARN after 10 s, as a wait
 /// on the host is (no host thread waits for it): rank 0 says which signal from which rank
 /// (part RmaLate); then rank 1 sends it and rank 0's stream goes on.

@@ -42,6 +42,8 @@ pub struct Rma {
     /// CUDA mode with stream waits: the sender that issues puts and signals once their
     /// streams get there (None inside: host-wait mode, where calls run on the calling thread).
     gated: OnceLock<Option<Arc<stream::Gated>>>,
+    /// Held while the first call starts `gated`.
+    starting: Mutex<()>,
     /// CUDA mode: windows of ranks of this host as this rank writes or reads them directly,
     /// by (rank, window ordinal); None: not reachable that way (`stream::peer_window`).
     peer_windows: Mutex<HashMap<(usize, u64), stream::Direct>>,
@@ -157,6 +159,7 @@ impl Rma {
                 owner: OnceLock::new(),
             }),
             gated: OnceLock::new(),
+            starting: Mutex::new(()),
             peer_windows: Mutex::new(HashMap::new()),
             retired: Mutex::new(Vec::new()),
         }
@@ -165,7 +168,7 @@ impl Rma {
     /// What the bootstrap service calls with each peer's incoming one-sided connection.
     pub fn handler(&self) -> crate::bootstrap::service::RmaHandler {
         let inner = self.inner.clone();
-        Box::new(move |from, stream| inner.accept(from, stream))
+        Box::new(move |from, stream, own_thread| inner.accept(from, stream, own_thread))
     }
 
     /// The communicator goes (destroy, abort): the puts and signals its streams queued are
@@ -261,7 +264,9 @@ impl Inner {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn accept(self: &Arc<Inner>, from: u32, stream: TcpStream) {
+    /// `own_thread`: the caller is a thread of this connection's own (the bootstrap service's
+    /// reader), which serves it; otherwise one is started for it.
+    fn accept(self: &Arc<Inner>, from: u32, stream: TcpStream, own_thread: bool) {
         if self.closed.load(Ordering::Acquire) {
             return;
         }
@@ -275,7 +280,7 @@ impl Inner {
             id
         };
         let me = self.clone();
-        let spawned = std::thread::Builder::new().name("nccl-rs-rma".into()).spawn(move || {
+        let work = move || {
             crate::debug::set_rank(me.comm.1 as i32);
             // Its copies into windows must not fail, nor break, a graph the application
             // captures meanwhile (`relax_capture_mode`).
@@ -287,10 +292,34 @@ impl Inner {
                 me.fail(Error::internal(format!("one-sided operations from rank {from}: panic: {}",
                                                 crate::abi::panic_message(&*p))));
             }
-        });
-        if let Err(e) = spawned {
-            self.fail(Error::os(format!("one-sided operations from rank {from}: spawn a thread"), e));
+        };
+        if own_thread {
+            return work();
         }
+        #[cfg(test)]
+        let spawned = match tests::NO_THREADS.get() {
+            true => Err(std::io::Error::from_raw_os_error(libc::EAGAIN)),
+            false => std::thread::Builder::new().name("nccl-rs-rma".into()).spawn(work),
+        };
+        #[cfg(not(test))]
+        let spawned = std::thread::Builder::new().name("nccl-rs-rma".into()).spawn(work);
+        if let Err(e) = spawned {
+            // The connection is closed (it went with `work`): the sender's next writes fail.
+            // Nothing more comes from `from` here, so what waits for it must not wait on.
+            self.lock().incoming.retain(|(i, _)| *i != id);
+            self.lost(from, Error::os(format!("one-sided operations from rank {from}: spawn a thread"), e));
+        }
+    }
+
+    /// `from`'s connection could not be read (`e`): sends, receives and signals from it end in
+    /// `e`, as if it had closed the connection, and the communicator fails.
+    fn lost(&self, from: u32, e: Error) {
+        let mut st = self.lock();
+        st.p2p_ended.entry(from).or_insert_with(|| e.msg.clone());
+        st.ended.entry(from).or_insert_with(|| Some(e.clone()));
+        drop(st);
+        self.changed.notify_all();
+        self.fail(e);
     }
 
     /// Read one sender's operations until it closes the connection.
@@ -864,6 +893,50 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
+
+    thread_local! {
+        /// `Inner::accept` on this thread finds no thread to start.
+        pub static NO_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// A connection that no thread can be started for is closed, and what waits for its
+    /// sender ends, naming why, instead of waiting for ever for messages nobody reads.
+    #[test]
+    fn a_connection_no_thread_can_read_ends_what_waits_for_its_sender() {
+        let rma = Rma::new(1, 0, 3, -1, (1, 1));
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mine, _) = l.accept().unwrap();
+        assert!(rma.p2p_lost(2).is_none());
+        NO_THREADS.set(true);
+        (rma.handler())(2, mine, false);
+        NO_THREADS.set(false);
+        let lost = rma.p2p_lost(2).expect("sends and receives from rank 2 end");
+        assert!(lost.msg.contains("spawn a thread") && lost.msg.contains("ulimit -u"), "{}", lost.msg);
+        assert!(rma.p2p_lost(1).is_none(), "rank 1 is not concerned");
+        assert!(rma.inner.lock().ended.contains_key(&2));
+        assert!(rma.inner.lock().incoming.is_empty());
+        peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(peer.read(&mut [0u8; 8]).unwrap(), 0, "the sender sees its connection closed");
+    }
+
+    /// On a thread of its own (the service's reader), a connection is served there: no thread
+    /// is started for it.
+    #[test]
+    fn a_connection_on_its_own_thread_is_served_there() {
+        let rma = Rma::new(1, 0, 3, -1, (1, 1));
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mine, _) = l.accept().unwrap();
+        drop(peer); // served until the sender closes it: here at once
+        NO_THREADS.set(true);
+        (rma.handler())(2, mine, true);
+        NO_THREADS.set(false);
+        let lost = rma.p2p_lost(2);
+        assert!(lost.is_none(), "read to its end, not refused: {lost:?}");
+        assert!(rma.inner.lock().ended.get(&2).is_some_and(Option::is_none), "ended by its sender, without error");
+    }
 
     /// A wait asks for what earlier waits consumed plus its own counts, a signal named twice
     /// for both; what is missing is counted from what was consumed.

@@ -48,7 +48,7 @@ pub enum Reach {
 pub type StatusAnswer = Box<dyn Fn(u32) -> Vec<u8> + Send + Sync>;
 
 /// Takes an incoming one-sided-operations connection: (from rank, the stream).
-pub type RmaHandler = Box<dyn Fn(u32, TcpStream) + Send + Sync>;
+pub type RmaHandler = Box<dyn Fn(u32, TcpStream, bool) + Send + Sync>;
 
 struct Shared {
     magic: u64,
@@ -179,7 +179,7 @@ impl Service {
             std::mem::take(&mut *early)
         };
         if let Some(handler) = self.shared.rma.get() {
-            early.into_iter().for_each(|(from, s)| handler(from, s));
+            early.into_iter().for_each(|(from, s)| handler(from, s, false));
         }
     }
 
@@ -365,10 +365,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let (mine, theirs) = (shared.clone(), conn.clone());
         let reader = move || {
             if let Some(s) = theirs.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                file_connection(s, &mine);
-            }
-            if let Some(t) = ticket {
-                mine.pending.done(t);
+                file_connection(s, &mine, ticket, true);
             }
         };
         #[cfg(test)]
@@ -383,19 +380,22 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             // the next connections waiting meanwhile, rather than drop what a peer sent.
             let s = conn.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(s) = s {
-                file_connection(s, &shared);
-            }
-            if let Some(t) = ticket {
-                shared.pending.done(t);
+                file_connection(s, &shared, ticket, false);
             }
         }
     }
 }
 
 /// Read who a connection is and file what it brought. A connection that does not prove the
-/// magic, or says nothing in time, is dropped.
-fn file_connection(mut s: TcpStream, shared: &Shared) {
-    let Ok(Some((kind, from, tag, payload))) = read_hello(&mut s, shared.magic) else { return };
+/// magic, or says nothing in time, is dropped. `ticket`: its place among the pending ones, left
+/// once it has said who it is; `own_thread`: this is a thread of its own, which a one-sided
+/// connection is served on (the accept thread, reading it for want of one, is not).
+fn file_connection(mut s: TcpStream, shared: &Shared, ticket: Option<u64>, own_thread: bool) {
+    let hello = read_hello(&mut s, shared.magic);
+    if let Some(t) = ticket {
+        shared.pending.done(t);
+    }
+    let Ok(Some((kind, from, tag, payload))) = hello else { return };
     if shared.stop.load(Ordering::Acquire) {
         return;
     }
@@ -410,7 +410,7 @@ fn file_connection(mut s: TcpStream, shared: &Shared) {
         match shared.rma.get() {
             Some(handler) => {
                 drop(early);
-                handler(from, s);
+                handler(from, s, own_thread);
             }
             None => early.push((from, s)),
         }

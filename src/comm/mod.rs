@@ -342,7 +342,7 @@ impl CycleWalk<'_> {
         if status.first() != Some(&STATUS_RUNNING) {
             return None;
         }
-        let stamps: Vec<Stamp> = status_stamps(&status).collect();
+        let stamps: Vec<Stamp> = status_stamps(status).collect();
         (!stamps.is_empty() && stamps.iter().all(|s| crate::plan::ops::p2p_role(s).is_some())).then_some(stamps)
     }
 }
@@ -783,7 +783,7 @@ impl Comm {
             Some((&STATUS_RUNNING, _)) | None => {}
             Some(_) => return Ok(PeerRuns::Unknown),
         }
-        let theirs: Vec<Stamp> = status_stamps(&status).collect();
+        let theirs: Vec<Stamp> = status_stamps(status).collect();
         if theirs.is_empty() {
             return Ok(PeerRuns::Nothing);
         }

@@ -230,6 +230,14 @@ EXPORT CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
   note_worker_call("cuMemHostAlloc");
   REQUIRE_CTX();
   if (!pp || size == 0 || (flags & ~(unsigned)MEMHOSTALLOC_ALL)) return CUDA_ERROR_INVALID_VALUE;
+  /* NCCL_RS_STUB_HOST_ALLOC_FAILS=N:BYTES: the first N allocations of exactly BYTES fail, as
+   * when pinned memory runs out. */
+  static int failed;
+  const char *fails = getenv("NCCL_RS_STUB_HOST_ALLOC_FAILS");
+  int times = 0;
+  unsigned long long bytes = 0;
+  if (fails && sscanf(fails, "%d:%llu", &times, &bytes) == 2 && size == bytes && __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED) < times)
+    return CUDA_ERROR_OUT_OF_MEMORY;
   void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   pthread_mutex_lock(&g_mem_lock);

@@ -763,19 +763,7 @@ pub(super) fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
             "one-sided operations (ncclPutSignal, ncclSignal, ncclWaitSignal) on a stream capturing a CUDA graph are not \
              supported: issue them outside the capture"));
     }
-    let gated = comm.rma.gated.get_or_init(|| {
-        let waits = !crate::params::few_device_connections() && ctx.can_wait_on_memory().unwrap_or(false);
-        if !waits {
-            return None;
-        }
-        match Gated::start(comm, ctx) {
-            Ok(g) => Some(g),
-            Err(e) => {
-                crate::warn!("rank {}: one-sided operations run on the calling thread ({})", comm.rank, e.msg);
-                None
-            }
-        }
-    });
+    let gated = gated(comm, ctx)?;
     if let Some(g) = gated.as_ref().filter(|g| !g.refused.load(Ordering::Acquire)) {
         let queued = match op {
             RmaOp::Put { peer, frame, data, .. } => {
@@ -799,6 +787,50 @@ pub(super) fn run(comm: &Arc<Comm>, op: &RmaOp) -> Result<()> {
         g.refuse(comm.rank);
     }
     on_this_thread(comm, &st, op)
+}
+
+/// The communicator's sender of one-sided operations, started by its first call; None: the
+/// calls run on the calling thread (host-wait mode), where streams cannot wait on memory or
+/// the device has few hardware queues (`params::few_device_connections`). A sender that cannot
+/// be started (no pinned memory, no thread) fails the call, and the next call tries again:
+/// running it on the calling thread instead would hold that thread until the stream gets
+/// there, which a program that releases its stream after the call (as NCCL allows) never
+/// sees happen.
+fn gated<'a>(comm: &'a Arc<Comm>, ctx: &'static Context) -> Result<&'a Option<Arc<Gated>>> {
+    if let Some(g) = comm.rma.gated.get() {
+        return Ok(g);
+    }
+    let _one = comm.rma.starting.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(g) = comm.rma.gated.get() {
+        return Ok(g);
+    }
+    let waits = !crate::params::few_device_connections() && ctx.can_wait_on_memory().unwrap_or(false);
+    let g = match waits {
+        true => Some(start_gated(comm, ctx).map_err(|e| {
+            e.context(format!("rank {}: start the sender of one-sided operations", comm.rank))
+        })?),
+        false => None,
+    };
+    Ok(comm.rma.gated.get_or_init(|| g))
+}
+
+#[cfg(not(test))]
+fn start_gated(comm: &Arc<Comm>, ctx: &'static Context) -> Result<Arc<Gated>> {
+    Gated::start(comm, ctx)
+}
+
+/// (Tests: `NO_SENDER` makes the start fail, as a full pinned memory does.)
+#[cfg(test)]
+fn start_gated(comm: &Arc<Comm>, ctx: &'static Context) -> Result<Arc<Gated>> {
+    if NO_SENDER.get() {
+        return Err(Error::new(crate::error::Code::UnhandledCudaError, "cuMemHostAlloc(4194304 bytes): CUDA_ERROR_OUT_OF_MEMORY"));
+    }
+    Gated::start(comm, ctx)
+}
+
+#[cfg(test)]
+thread_local! {
+    pub static NO_SENDER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// A call run on the calling thread once its stream has got there (host-wait mode).
