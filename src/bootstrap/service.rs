@@ -44,7 +44,7 @@ pub enum Reach {
 }
 
 /// Answers a status request (the communicator's bytes, or more it adds when asked).
-/// Called with the asking rank.
+/// Called with the rank the asker asks about (itself, unless it names another).
 pub type StatusAnswer = Box<dyn Fn(u32) -> Vec<u8> + Send + Sync>;
 
 /// Takes an incoming one-sided-operations connection: (from rank, the stream).
@@ -190,7 +190,13 @@ impl Service {
 
     /// Ask `peer` what it is running (its status bytes), waiting at most `timeout`.
     pub fn status(&self, peer: usize, timeout: Duration) -> Result<Vec<u8>> {
-        let mut s = self.open(peer, KIND_STATUS, 0, &[])?;
+        self.status_about(peer, self.rank(), timeout)
+    }
+
+    /// The same, its answer's account of what it did with rank `about` (this rank's by default;
+    /// a search for a cycle of waiting ranks asks a rank about the one before it).
+    pub fn status_about(&self, peer: usize, about: u32, timeout: Duration) -> Result<Vec<u8>> {
+        let mut s = self.open(peer, KIND_STATUS, 0, &about.to_le_bytes())?;
         read_frame(&mut s, timeout).map_err(|e| e.context(format!("status of rank {peer}")))
     }
 
@@ -400,7 +406,8 @@ fn file_connection(mut s: TcpStream, shared: &Shared, ticket: Option<u64>, own_t
         return;
     }
     if kind == KIND_STATUS {
-        let now = shared.status.get().map(|answer| answer(from)).unwrap_or_default();
+        let about = payload.get(..4).and_then(|b| b.try_into().ok()).map_or(from, u32::from_le_bytes);
+        let now = shared.status.get().map(|answer| answer(about)).unwrap_or_default();
         let _ = write_frame(&mut s, &now);
         return;
     }

@@ -57,6 +57,18 @@ impl Ready {
                 p2p_done }
     }
 
+    /// The sends to `peer` and the receives from it this rank has finished.
+    pub fn finished_with(&self, peer: usize) -> (u64, u64) {
+        self.p2p_done.get(peer).map_or((0, 0), |d| (d[0].load(Ordering::Acquire), d[1].load(Ordering::Acquire)))
+    }
+
+    /// A send to `peer` (`send`) or a receive from it finished: counted for `finished_with`.
+    pub fn p2p_finished(&self, peer: usize, send: bool) {
+        if let Some(done) = self.p2p_done.get(peer) {
+            done[usize::from(!send)].fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
     /// Publish what this rank runs (empty: nothing).
     pub fn set_running(&self, stamps: &[crate::transport::Stamp]) {
         set_status(&mut self.running.lock().unwrap_or_else(|p| p.into_inner()), STATUS_RUNNING, stamps.iter().copied());
@@ -300,11 +312,24 @@ struct CycleWalk<'a> {
     deadline: std::time::Instant,
 }
 
+/// A rank on a path of waiting ranks: its rank, what it runs, and what it finished with each
+/// rank it runs sends or receives with ([`Answer::with`]).
+type Waiting = (usize, Vec<Stamp>, Vec<(usize, (u64, u64))>);
+
+/// Does rank x (running `xs`, having finished `x_with` with the ranks it runs sends or receives
+/// with) wait on rank y (running `ys`, having finished `y_done` with x)? Its first send or
+/// receive with y that y has not issued, unless that one no longer waits ([`still_waits`]:
+/// stopped or slow, a rank may show a call whose message has gone, or come).
+fn waits_for(x: usize, xs: &[Stamp], x_with: &[(usize, (u64, u64))], y: usize, ys: &[Stamp], y_done: (u64, u64)) -> bool {
+    let Some((send, _)) = waits_on(x, xs, y, ys).as_ref().and_then(crate::plan::ops::p2p_role) else { return false };
+    x_with.iter().find(|(p, _)| *p == y).is_some_and(|&(_, x_done)| still_waits(send, x_done, y_done))
+}
+
 impl CycleWalk<'_> {
-    /// Extend `path` (ranks and what they run, each waiting on the next; the start waits on
-    /// the first) back to the start: true, `path` the cycle. False: no cycle found from its end.
-    fn from(&mut self, path: &mut Vec<(usize, Vec<Stamp>)>) -> bool {
-        let Some((x, xs)) = path.last().cloned() else { return false };
+    /// Extend `path` (ranks, each waiting on the next; the start waits on the first) back to
+    /// the start: true, `path` the cycle. False: no cycle found from its end.
+    fn from(&mut self, path: &mut Vec<Waiting>) -> bool {
+        let Some((x, xs, x_with)) = path.last().cloned() else { return false };
         let mut next: Vec<usize> = Vec::new();
         for (_, p) in xs.iter().filter_map(crate::plan::ops::p2p_role) {
             if !next.contains(&p) {
@@ -313,7 +338,7 @@ impl CycleWalk<'_> {
         }
         for y in next {
             if y == self.start {
-                if waits_on(x, &xs, y, &self.own).is_some() {
+                if waits_for(x, &xs, &x_with, y, &self.own, self.ready.finished_with(x)) {
                     return true;
                 }
                 continue;
@@ -322,11 +347,11 @@ impl CycleWalk<'_> {
                 continue;
             }
             self.asked.push(y);
-            let Some(ys) = self.running_of(y) else { continue };
-            if waits_on(x, &xs, y, &ys).is_none() {
+            let Some((ys, y_about_x, y_with)) = self.running_of(y, x) else { continue };
+            if !waits_for(x, &xs, &x_with, y, &ys, y_about_x) {
                 continue;
             }
-            path.push((y, ys));
+            path.push((y, ys, y_with));
             if self.from(path) {
                 return true;
             }
@@ -335,15 +360,17 @@ impl CycleWalk<'_> {
         false
     }
 
-    /// The sends and receives `rank` runs, if it answers that it runs some (and nothing else).
-    fn running_of(&self, rank: usize) -> Option<Vec<Stamp>> {
-        let answer = self.ready.service.status(rank, std::time::Duration::from_secs(1)).ok()?;
-        let (_, status) = split_counts(&answer);
-        if status.first() != Some(&STATUS_RUNNING) {
+    /// The sends and receives `rank` runs, if it answers that it runs some (and nothing else),
+    /// with what it finished with `about` and with each rank it runs them with.
+    fn running_of(&self, rank: usize, about: usize) -> Option<(Vec<Stamp>, (u64, u64), Vec<(usize, (u64, u64))>)> {
+        let answer = self.ready.service.status_about(rank, about as u32, std::time::Duration::from_secs(1)).ok()?;
+        let answer = Answer::read(&answer);
+        if answer.status.first() != Some(&STATUS_RUNNING) {
             return None;
         }
-        let stamps: Vec<Stamp> = status_stamps(status).collect();
-        (!stamps.is_empty() && stamps.iter().all(|s| crate::plan::ops::p2p_role(s).is_some())).then_some(stamps)
+        let stamps: Vec<Stamp> = status_stamps(answer.status).collect();
+        (!stamps.is_empty() && stamps.iter().all(|s| crate::plan::ops::p2p_role(s).is_some()))
+            .then_some((stamps, answer.about, answer.with))
     }
 }
 
@@ -371,24 +398,49 @@ fn ahead_of(theirs: &Stamp, mine: &Stamp, settled: bool) -> bool {
 /// Are two ranks' sends and receives with each other crossed, so that neither can finish: each
 /// only sends to the other (Some(true)), or each only receives from it (Some(false))? `own`,
 /// `theirs`: the directions (true: a send) of what each runs with the other; `own_done`,
-/// `theirs_done`: the sends to the other and the receives from it each has finished. Receives
-/// are crossed only if no finished send of either is still to be received: a small send
-/// finishes at once, and its receiver, stopped or slow, may show for a while the receive that
-/// will take it.
+/// `theirs_done`: the sends to the other and the receives from it each has finished. Only
+/// calls that still wait count ([`still_waits`]): a small send finishes at once, and its
+/// receiver, stopped or slow, may show for a while the receive that will take it; a send whose
+/// receiver finished taking it may show while its rank, stopped, has yet to mark it done.
 fn crossed(own: &[bool], theirs: &[bool], own_done: (u64, u64), theirs_done: (u64, u64)) -> Option<bool> {
     let &dir = own.first()?;
     if !own.iter().chain(theirs).all(|&s| s == dir) || theirs.is_empty() {
         return None;
     }
-    let in_flight = own_done.0 > theirs_done.1 || theirs_done.0 > own_done.1;
-    (dir || !in_flight).then_some(dir)
+    (still_waits(dir, own_done, theirs_done) && still_waits(dir, theirs_done, own_done)).then_some(dir)
 }
 
-/// A status answer: the sends to the asker and the receives from it the peer has finished,
-/// and its status bytes.
-fn split_counts(answer: &[u8]) -> ((u64, u64), &[u8]) {
-    let count = |at: usize| answer.get(at..at + 8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
-    ((count(0), count(8)), answer.get(16..).unwrap_or_default())
+/// A peer's status answer, read: what it finished with the rank asked about, and with each
+/// rank it runs sends or receives with now, then its status bytes. (Each pair: the sends to
+/// that rank and the receives from it the peer has finished.)
+#[derive(Debug, PartialEq)]
+struct Answer<'a> {
+    about: (u64, u64),
+    with: Vec<(usize, (u64, u64))>,
+    status: &'a [u8],
+}
+
+impl Answer<'_> {
+    fn read(answer: &[u8]) -> Answer<'_> {
+        let u64_at = |at: usize| answer.get(at..at + 8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
+        let u32_at = |at: usize| answer.get(at..at + 4).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes);
+        let n = u32_at(16).unwrap_or(0) as usize;
+        let start = 20usize.saturating_add(n.saturating_mul(20));
+        if answer.len() < start {
+            return Answer { about: (0, 0), with: Vec::new(), status: &[] }; // a short answer reads as nothing
+        }
+        let with = (0..n).map(|i| 20 + i * 20).map(|at| (u32_at(at).unwrap_or(0) as usize, (u64_at(at + 4), u64_at(at + 12))));
+        Answer { about: (u64_at(0), u64_at(8)), with: with.collect(), status: &answer[start..] }
+    }
+}
+
+/// Can rank x's send (`send`) or receive with rank y still be waiting for y's call, given what
+/// each has finished with the other (x_done: x's sends to y and receives from y; y_done:
+/// y's to and from x)? Not if y has finished more receives from x than x sends to it (x's
+/// send was taken: x, stopped or slow, has yet to mark it done), nor if y has finished more
+/// sends to x than x receives from it (the message for x's receive is on its way).
+fn still_waits(send: bool, x_done: (u64, u64), y_done: (u64, u64)) -> bool {
+    if send { y_done.1 <= x_done.0 } else { y_done.0 <= x_done.1 }
 }
 
 /// The stamps of status bytes (after the tag).
@@ -517,13 +569,31 @@ impl Comm {
     pub fn set_ready(&self, ready: Ready) {
         ready.service.set_rma_handler(self.rma.handler());
         let (running, serial, done) = (ready.running.clone(), self.serial, ready.p2p_done.clone());
-        ready.service.set_status(Box::new(move |from| {
-            // What this rank finished with the asker first (see `split_counts`), then its status.
-            let [sent, received] = done.get(from as usize).map_or([0, 0], |d| d.each_ref().map(|c| c.load(Ordering::Acquire)));
-            let mut answer = Vec::with_capacity(64);
+        ready.service.set_status(Box::new(move |about| {
+            // What this rank finished with the rank asked about, and with each it runs sends or
+            // receives with now (see `Answer`), then its status.
+            let finished = |p: usize| done.get(p).map_or((0, 0), |d| (d[0].load(Ordering::Acquire), d[1].load(Ordering::Acquire)));
+            let status = status_answer(&running, serial);
+            let mut with: Vec<usize> = Vec::new();
+            if status.first() == Some(&STATUS_RUNNING) {
+                for (_, p) in status_stamps(&status).filter_map(|s| crate::plan::ops::p2p_role(&s)) {
+                    if !with.contains(&p) {
+                        with.push(p);
+                    }
+                }
+            }
+            let mut answer = Vec::with_capacity(64 + with.len() * 20 + status.len());
+            let (sent, received) = finished(about as usize);
             answer.extend_from_slice(&sent.to_le_bytes());
             answer.extend_from_slice(&received.to_le_bytes());
-            answer.extend_from_slice(&status_answer(&running, serial));
+            answer.extend_from_slice(&(with.len() as u32).to_le_bytes());
+            for p in with {
+                let (sent, received) = finished(p);
+                answer.extend_from_slice(&(p as u32).to_le_bytes());
+                answer.extend_from_slice(&sent.to_le_bytes());
+                answer.extend_from_slice(&received.to_le_bytes());
+            }
+            answer.extend_from_slice(&status);
             answer
         }));
         elsewhere::enlist(self.serial, self.hash, self.rank, self.nranks, &ready.running);
@@ -764,7 +834,8 @@ impl Comm {
                 return Ok(self.silence(ready, peer));
             }
         };
-        let (counts, status) = split_counts(&answer);
+        let answer = Answer::read(&answer);
+        let (counts, status) = (answer.about, answer.status);
         match status.split_first() {
             Some((&STATUS_FAILED, rest)) if !rest.is_empty() => {
                 let code = Code::from_raw(rest[0] as i32).unwrap_or(Code::RemoteError);
@@ -789,9 +860,8 @@ impl Comm {
         }
         let runs = match self.judge_running(ready, peer, mine, &theirs, counts, describe)? {
             // In sends or receives with other ranks: fine, unless those wait round to this one.
-            PeerRuns::OtherPeers(first) => {
-                self.waits_in_cycle(ready, peer, theirs, describe).map_or(PeerRuns::OtherPeers(first), PeerRuns::Crossed)
-            }
+            PeerRuns::OtherPeers(first) => self.waits_in_cycle(ready, (peer, theirs, answer.with), counts, describe)
+                .map_or(PeerRuns::OtherPeers(first), PeerRuns::Crossed),
             runs => runs,
         };
         match runs {
@@ -839,7 +909,7 @@ impl Comm {
             (Some(theirs), _, Some(_)) => theirs < self.seq.load(Ordering::Relaxed),
             _ => false,
         };
-        let done = ready.p2p_done.get(peer).map_or((0, 0), |d| (d[0].load(Ordering::Acquire), d[1].load(Ordering::Acquire)));
+        let done = ready.finished_with(peer);
         let settled = done.0 == counts.1 && counts.0 == done.1;
         let ahead = |t: &Stamp| ahead_of(t, mine, settled);
         if let Some(c) = theirs.iter().find(|t| p2p_bytes(t).is_none() && !behind(t) && !ahead(t)) {
@@ -872,31 +942,38 @@ impl Comm {
         Ok(PeerRuns::Same)
     }
 
-    /// Whether this rank, waiting on `peer` (which runs `theirs`, none of it with this rank), is
-    /// in a cycle of ranks that wait on each other: each in a send or receive with the next that
-    /// the next has not issued (its call has no matching receive or send), so none can finish,
-    /// as two ranks that both only send to each other, round three or more (each sends to the
-    /// next, then receives from the one before, outside a group). The cycle in words, if so.
-    /// Found depth-first, asking each rank reached for its status; at most [`CYCLE_ASKS`] of
-    /// them, for at most [`CYCLE_TIME`].
-    fn waits_in_cycle(&self, ready: &Ready, peer: usize, theirs: Vec<Stamp>, describe: &dyn Fn(&Stamp) -> String)
+    /// Whether this rank, waiting on `peer` (its rank, what it runs, none of it with this rank,
+    /// and what it finished with the ranks it runs those with; `peer_done`: what it finished
+    /// with this rank), is in a cycle of ranks that wait on each other: each in a send or
+    /// receive with the next that the next has not issued (its call has no matching receive or
+    /// send), so none can finish, as two ranks that both only send to each other, round three
+    /// or more (each sends to the next, then receives from the one before, outside a group).
+    /// Only calls that still wait count ([`still_waits`], from what each pair finished with
+    /// each other): a stopped rank may show a receive whose message is on its way. The cycle in
+    /// words, if so. Found depth-first, asking each rank reached for its status (and what it
+    /// finished with the rank before it); at most [`CYCLE_ASKS`] of them, for at most
+    /// [`CYCLE_TIME`].
+    fn waits_in_cycle(&self, ready: &Ready, peer: Waiting, peer_done: (u64, u64), describe: &dyn Fn(&Stamp) -> String)
                       -> Option<String> {
         let own: Vec<Stamp> = status_stamps(&ready.running.lock().unwrap_or_else(|p| p.into_inner())).collect();
-        waits_on(self.rank, &own, peer, &theirs)?;
+        let own_with: Vec<(usize, (u64, u64))> = vec![(peer.0, ready.finished_with(peer.0))];
+        if !waits_for(self.rank, &own, &own_with, peer.0, &peer.1, peer_done) {
+            return None;
+        }
         let mut walk = CycleWalk {
             ready,
             start: self.rank,
             own,
-            asked: vec![self.rank, peer],
+            asked: vec![self.rank, peer.0],
             deadline: std::time::Instant::now() + CYCLE_TIME,
         };
-        let mut path = vec![(peer, theirs)];
+        let mut path = vec![peer];
         if !walk.from(&mut path) {
             return None;
         }
         // Each rank's first send or receive that its next has not issued, the last's with this one.
         let mut ranks = vec![(self.rank, walk.own.clone())];
-        ranks.extend(path);
+        ranks.extend(path.into_iter().map(|(r, stamps, _)| (r, stamps)));
         let calls: Vec<String> = (0..ranks.len()).map(|i| {
             let ((x, xs), (y, ys)) = (&ranks[i], &ranks[(i + 1) % ranks.len()]);
             let s = waits_on(*x, xs, *y, ys).unwrap_or_default();
@@ -1005,13 +1082,16 @@ mod tests {
     /// either is still to be received (found by a probe that stopped processes with SIGSTOP: a
     /// rank whose small send to a stopped peer had finished was told its receive from that peer
     /// was crossed with the peer's, which the send would have satisfied). Sends both ways are
-    /// crossed whatever the counts; mixed directions never are.
+    /// crossed unless one was taken already (its rank, stopped, has yet to mark it done); mixed
+    /// directions never are.
     #[test]
     fn receives_are_crossed_only_with_nothing_on_its_way() {
         assert_eq!(crossed(&[false], &[false], (3, 5), (5, 3)), Some(false), "nothing in flight");
         assert_eq!(crossed(&[false], &[false], (4, 5), (5, 3)), None, "this rank's 4th send is still to be received");
         assert_eq!(crossed(&[false], &[false], (3, 5), (6, 3)), None, "the peer's 6th send is still to be received here");
         assert_eq!(crossed(&[true, true], &[true], (9, 0), (0, 2)), Some(true), "sends both ways wait for ever");
+        assert_eq!(crossed(&[true], &[true], (3, 5), (5, 4)), None, "the peer took this rank's 4th send");
+        assert_eq!(crossed(&[true], &[true], (3, 6), (5, 3)), None, "this rank took the peer's 6th send");
         assert_eq!(crossed(&[false], &[true], (0, 0), (0, 0)), None, "a send meets a receive");
         assert_eq!(crossed(&[], &[false], (0, 0), (0, 0)), None);
         assert_eq!(crossed(&[false], &[], (0, 0), (0, 0)), None);
@@ -1039,14 +1119,49 @@ mod tests {
         assert!(!ahead_of(&coll(3), &p2p, true), "nothing on its way: a collective against a send is a mismatch");
     }
 
-    /// A status answer carries what the peer finished with the asker ahead of the status.
+    /// A status answer carries what the peer finished with the rank asked about, and with each
+    /// rank it runs sends or receives with, ahead of the status.
     #[test]
     fn status_answers_lead_with_the_counts() {
         let mut answer = 7u64.to_le_bytes().to_vec();
         answer.extend_from_slice(&9u64.to_le_bytes());
+        answer.extend_from_slice(&1u32.to_le_bytes());
+        answer.extend_from_slice(&4u32.to_le_bytes());
+        answer.extend_from_slice(&2u64.to_le_bytes());
+        answer.extend_from_slice(&3u64.to_le_bytes());
         answer.extend_from_slice(&[STATUS_RUNNING, 1, 2]);
-        assert_eq!(split_counts(&answer), ((7, 9), &[STATUS_RUNNING, 1, 2][..]));
-        assert_eq!(split_counts(&[1, 2]), ((0, 0), &[][..]), "a short answer reads as nothing");
+        let read = Answer::read(&answer);
+        assert_eq!(read, Answer { about: (7, 9), with: vec![(4, (2, 3))], status: &[STATUS_RUNNING, 1, 2][..] });
+        let nothing = Answer { about: (0, 0), with: vec![], status: &[][..] };
+        assert_eq!(Answer::read(&[1, 2]), nothing, "a short answer reads as nothing");
+        assert_eq!(Answer::read(&answer[..30]), nothing, "so does one cut short in its counts");
+        let mut huge = answer.clone();
+        huge[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(Answer::read(&huge), nothing, "or one that claims more counts than it has");
+    }
+
+    /// In a search for a cycle, a rank waits on the next only with a call that still waits:
+    /// not a receive whose message the next has sent (finished) and is on its way, nor a send
+    /// the next has finished receiving (its rank, stopped, has yet to mark it done). Before, a
+    /// rank of a ring of three, stopped by a debugger, could make the others find a cycle.
+    #[test]
+    fn a_rank_waits_on_another_only_for_what_is_not_on_its_way() {
+        use crate::plan::ops::with_role;
+        let base = [200u8; STAMP_BYTES];
+        let (recv_from_2, send_to_2) = ([with_role(base, false, 2)], [with_role(base, true, 2)]);
+        let recv_from_1 = [with_role(base, false, 1)];
+        // Rank 0 receives from rank 2, which receives from rank 1: 0 waits on 2 ...
+        assert!(waits_for(0, &recv_from_2, &[(2, (1, 1))], 2, &recv_from_1, (1, 1)));
+        // ... unless 2 has finished a send to 0 that 0 has yet to receive.
+        assert!(!waits_for(0, &recv_from_2, &[(2, (1, 1))], 2, &recv_from_1, (2, 1)));
+        // Rank 0 sends to rank 2 (which does not receive from it now): it waits ...
+        assert!(waits_for(0, &send_to_2, &[(2, (3, 0))], 2, &recv_from_1, (0, 3)));
+        // ... unless 2 finished receiving it.
+        assert!(!waits_for(0, &send_to_2, &[(2, (3, 0))], 2, &recv_from_1, (0, 4)));
+        // Without what 0 finished with 2, nothing is claimed.
+        assert!(!waits_for(0, &recv_from_2, &[], 2, &recv_from_1, (1, 1)));
+        // A rank that issued the matching call is not waited on.
+        assert!(!waits_for(0, &recv_from_2, &[(2, (1, 1))], 2, &[with_role(base, true, 0)], (1, 1)));
     }
 
     #[test]

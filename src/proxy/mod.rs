@@ -170,9 +170,7 @@ impl<'a> Job<'a> {
         let stamp = self.stamps[u.op as usize];
         if crate::plan::ops::p2p_bytes(&stamp).is_some() {
             if let Some(r) = self.comm.ready_if_any() {
-                if let Some(done) = r.p2p_done.get(peer) {
-                    done[usize::from(!send)].fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                }
+                r.p2p_finished(peer, send);
                 if self.remaining > 0 {
                     r.finished(&crate::plan::ops::with_role(stamp, send, peer));
                 }
