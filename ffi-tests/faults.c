@@ -23,6 +23,8 @@
  *   faults --only fd-starved  (3 processes) the process that made a job's id has no file
  *                             descriptor left, and cannot get more, when the job's two ranks
  *                             (the other processes) join: their init must fail within seconds
+ *   faults --only no-threads  (3 processes) rank 2 cannot start a thread when the ranks split
+ *                             or shrink (FAULTS_CASE): the others must fail within seconds
  *
  * Environment (besides common.h's):
  *   FAULTS_COUNT       floats per allreduce in `loop` and `abort` (default 1048576)
@@ -37,7 +39,8 @@
  *   FAULTS_ABORT_AFTER_MS  `abort`: when the second thread aborts (default 1000)
  *   FAULTS_CASE        `mismatch`: coll | count | dtype | op | root | reduce_root | gather_root | p2p_size | both_send | both_recv
  *                      | cycle_send | cycle_recv (3 or more ranks);
- *                      `closed-early`: recv (default) | signal; `stopped`: cold (default) | warm
+ *                      `closed-early`: recv (default) | signal; `stopped`: cold (default) | warm;
+ *                      `no-threads`: split (default) | shrink
  *
  * Lines the harness watches: "LOOPING" (the loop runs: kill or cut now).
  * Timings are printed as "TIMING name=seconds" for the report.
@@ -1043,6 +1046,92 @@ static void part_fd_starved(void) {
   CHECK(ncclCommDestroy(world));
 }
 
+/* ---- no-threads: a member's split or shrink cannot start ------------------------------------ */
+
+/* Rank 2's process cannot start a thread when the three ranks split (FAULTS_CASE=split, the
+ * default) or shrink (shrink) their communicator (nonblocking with FAULTS_NONBLOCKING=1): it
+ * runs as user nobody with a thread limit of 1 (RLIMIT_NPROC; root is exempt), so its call
+ * fails before it sends its part of the exchange. The parts go round the members, so no part
+ * gets past rank 2: ranks 0 and 1 must fail within seconds with ncclRemoteError naming rank 2
+ * and why, not wait for ever (NCCL_INIT_TIMEOUT_S unset, as PyTorch leaves it). Needs root
+ * (to become nobody and back): without, it says so and passes. */
+static void part_no_threads(void) {
+  test_deadline(60);
+  if (g_env.nprocs != 3 || g_env.local != 1) {
+    fprintf(stderr, "no-threads: run as 3 processes of 1 rank\n");
+    exit(2);
+  }
+  const char* which = getenv("FAULTS_CASE") && *getenv("FAULTS_CASE") ? getenv("FAULTS_CASE") : "split";
+  const int nonblocking = env_int_or("FAULTS_NONBLOCKING", 0);
+  if (geteuid() != 0) {
+    tlog("no-threads: not root, cannot run a rank as another user: skipped");
+    return;
+  }
+  test_step("init");
+  ncclComm_t world = make_one_comm("", nonblocking);
+  int one = 1;
+  ncclResult_t ar = ncclAllReduce(&one, &one, 1, ncclInt32, ncclSum, world, TEST_STREAM);
+  if (ar == ncclInProgress) ar = wait_comm(world);
+  EXPECT(ar == ncclSuccess && one == 3, "the all-reduce before: %s, %d", result_name(ar), one);
+  struct rlimit was;
+  if (getrlimit(RLIMIT_NPROC, &was) != 0) {
+    perror("getrlimit");
+    exit(2);
+  }
+  if (g_env.proc == 2) {
+    /* Real and effective user nobody (saved: root, to come back), at most one task of it. */
+    struct rlimit one_task = {1, was.rlim_max};
+    if (setresuid(65534, 65534, 0) != 0 || setrlimit(RLIMIT_NPROC, &one_task) != 0) {
+      perror("no-threads: become nobody with a thread limit");
+      exit(2);
+    }
+  }
+  test_step(which);
+  ncclComm_t child = NULL;
+  double t0 = now_s();
+  ncclResult_t r = !strcmp(which, "shrink") ? ncclCommShrink(world, NULL, 0, &child, NULL, NCCL_SHRINK_DEFAULT)
+                                             : ncclCommSplit(world, 0, g_env.proc, &child, NULL);
+  if (r == ncclInProgress) { /* nonblocking: the parent tells when it is done */
+    ncclResult_t state = ncclInProgress;
+    while (state == ncclInProgress && now_s() - t0 < 40) {
+      CHECK(ncclCommGetAsyncError(world, &state));
+      if (state == ncclInProgress) sleep_ms(5);
+    }
+    r = state;
+  }
+  const double took = now_s() - t0;
+  const char* text = last_error(world);
+  if (g_env.proc == 2 && (setresuid(0, 0, 0) != 0 || setrlimit(RLIMIT_NPROC, &was) != 0)) {
+    perror("no-threads: back to root");
+    exit(2);
+  }
+  tlog("%s -> %s after %.3f s: %s", which, result_name(r), took, text);
+  /* Rank 2's process stays (as a program that handles the error does) until the others are
+   * done: they must not learn it from its exit. */
+  const char* id_file = getenv("NCCL_TEST_ID_FILE");
+  char done[4096];
+  if (g_env.proc == 2) {
+    EXPECT(r != ncclSuccess && strstr(text, "thread"), "rank 2's %s without threads -> %s: %s", which, result_name(r),
+           text);
+    for (int p = 0; p < 2; p++) {
+      snprintf(done, sizeof done, "%s.no-threads-%d", id_file ? id_file : "/tmp/nccl-rs-no-threads", p);
+      while (access(done, F_OK) != 0 && now_s() - t0 < 40) sleep_ms(5);
+      EXPECT(access(done, F_OK) == 0, "process %d never said it was done", p);
+    }
+  } else {
+    EXPECT(r == ncclRemoteError, "%s with rank 2 unable to take part -> %s, expected ncclRemoteError", which,
+           result_name(r));
+    EXPECT(names_rank(text, 2) && strstr(text, "cannot take part") && strstr(text, "thread"),
+           "the error does not name rank 2 and why: %s", text);
+    EXPECT(took < 15.0, "%s failed only after %.3f s", which, took);
+    snprintf(done, sizeof done, "%s.no-threads-%d", id_file ? id_file : "/tmp/nccl-rs-no-threads", g_env.proc);
+    FILE* f = fopen(done, "w");
+    if (f) fclose(f);
+  }
+  if (child) ncclCommAbort(child);
+  CHECK(ncclCommAbort(world));
+}
+
 static const struct {
   const char* name;
   void (*run)(void);
@@ -1053,6 +1142,7 @@ static const struct {
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
     {"ring-late", part_ring_late}, {"p2p-done", part_p2p_done},
     {"coll-done", part_coll_done}, {"group-late", part_group_late}, {"fd-starved", part_fd_starved},
+    {"no-threads", part_no_threads},
 };
 
 int main(int argc, char** argv) {

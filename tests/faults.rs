@@ -194,6 +194,18 @@ fn a_root_out_of_file_descriptors_fails_the_job_naming_the_limit() {
           format!("  process 0 named the open-file limit in the root's failure: {named}\n"));
 }
 
+/// A member whose ncclCommSplit or ncclCommShrink fails before it sends its part of the
+/// exchange (rank 2 cannot start a thread) tells the others, whose calls fail within seconds
+/// with ncclRemoteError naming it and why; blocking and nonblocking. Before, the others waited
+/// for its part with no end (found by running the CUDA program under `ulimit -u`).
+#[test]
+fn a_member_whose_split_cannot_start_fails_the_others() {
+    for (case, nonblocking) in [("split", "0"), ("shrink", "0"), ("split", "1")] {
+        Job::new("faults").procs(3).arg("--only").arg("no-threads").env("FAULTS_CASE", case)
+            .env("FAULTS_NONBLOCKING", nonblocking).env("NCCL_DEBUG", "WARN").timeout_s(60).run();
+    }
+}
+
 /// A rank that fails before it can join (here: NCCL_SOCKET_IFNAME names no interface of its
 /// host, so it has no address to listen on) tells the root, and every other rank's init fails
 /// at once with ncclRemoteError saying which rank could not join and why (before: they waited

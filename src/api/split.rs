@@ -40,6 +40,58 @@ fn set_key(excluded: &[bool]) -> u64 {
     bootstrap::id::magic_of(&format!("{excluded:?}"))
 }
 
+/// This rank's place in the exchange of a split, shrink or grow, while its part is not on its
+/// way. The exchange passes parts round the members, so none gets past a member that never
+/// sends its own: if this rank fails before it does (no thread to run it, no port for the
+/// child), or never runs it (a spawn that failed, a dropped group), the guard's drop tells the
+/// other members why (`Service::refuse`), and their exchange fails, naming this rank, instead
+/// of waiting for ever (NCCL_INIT_TIMEOUT_S unset, as PyTorch leaves it).
+struct Absence {
+    comm: Arc<Comm>,
+    call: &'static str,
+    tag: u32,
+    members: Vec<usize>,
+    /// Set once the part is on its way: the exchange then fails, or not, on its own.
+    joined: bool,
+    why: Option<String>,
+}
+
+impl Absence {
+    fn new(comm: &Arc<Comm>, call: &'static str, tag: u32, members: &[usize]) -> Absence {
+        Absence { comm: comm.clone(), call, tag, members: members.to_vec(), joined: false, why: None }
+    }
+
+    /// The part is on its way (the exchange starts).
+    fn join(&mut self) {
+        self.joined = true;
+    }
+
+    /// `r`, noting why it failed, if it did.
+    fn noting<T>(&mut self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.why = Some(e.msg.clone());
+        }
+        r
+    }
+}
+
+impl Drop for Absence {
+    fn drop(&mut self) {
+        if self.joined {
+            return;
+        }
+        let Some(ready) = self.comm.ready_if_any() else { return };
+        let why = self.why.clone()
+            .or_else(|| self.comm.async_error().map(|e| e.msg))
+            .unwrap_or_else(|| "its call ended before it sent its part".to_string());
+        let peer = &ready.peers[self.comm.rank];
+        let said = format!("its call failed ({}, pid {}): {why}", peer.hostname, peer.pid);
+        crate::info!(INIT, "rank {}: {} failed before this rank took part: telling the other members", self.comm.rank,
+                     self.call);
+        ready.service.refuse(self.tag, &self.members, &said);
+    }
+}
+
 /// Finish a child: its peers (renumbered), its service, its communicator, its handle.
 fn make_child(comm: &Comm, rank: usize, peers: Vec<PeerInfo>, service: Service, hash: u64, config: Config) -> Handle {
     let child = Arc::new(Comm::new(rank, peers.len(), comm.cuda_dev, config, hash));
@@ -85,13 +137,18 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
     comm.ready()?;
     let (seq, tag) = comm.next_split(set_key(&vec![false; comm.nranks]));
     let parent = comm.clone();
+    let members: Vec<usize> = (0..comm.nranks).collect();
+    let mut absence = Absence::new(&comm, "ncclCommSplit", TAG_SPLIT ^ tag, &members);
     let run = move || -> Result<()> {
         let parent = comm.ready()?;
         let hash = child_hash(comm.hash, seq, color as u64);
-        let service = if color == NOCOLOR { None } else { Some(Service::start(bootstrap::local_ip()?, hash, 0)?) };
+        let service = match color {
+            NOCOLOR => None,
+            _ => Some(absence.noting(bootstrap::local_ip().and_then(|ip| Service::start(ip, hash, 0)))?),
+        };
         let mine = encode(color, key, service.as_ref().map(|s| me_info(&comm, parent, s.addr)).as_ref());
-        let members: Vec<usize> = (0..comm.nranks).collect();
         let ex = comm.exchange("ncclCommSplit", TAG_SPLIT ^ tag);
+        absence.join();
         let all = parent.service.allgather(&ex, &members, comm.rank, mine)
             .map_err(|e| e.context(format!("rank {}: ncclCommSplit", comm.rank)))?;
         let Some(service) = service else {
@@ -161,11 +218,13 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
     let background = !config.blocking && crate::group::depth() == 0;
     let child = Arc::new(Comm::new(me, members.len(), comm.cuda_dev, config, hash));
     let made = child.clone();
-    let run = move || -> Result<()> {
+    let mut absence = Absence::new(&comm, "ncclCommShrink", TAG_SHRINK ^ tag, &members);
+    let mut run = move || -> Result<()> {
         let parent = comm.ready_for_management()?;
-        let service = Service::start(bootstrap::local_ip()?, hash, me as u32)?;
+        let service = absence.noting(bootstrap::local_ip().and_then(|ip| Service::start(ip, hash, me as u32)))?;
         let mine = encode(list_hash as i32, 0, Some(&me_info(&comm, parent, service.addr)));
         let ex = comm.exchange("ncclCommShrink", TAG_SHRINK ^ tag);
+        absence.join();
         let all = parent.service.allgather(&ex, &members, me, mine)
             .map_err(|e| e.context(format!("rank {}: ncclCommShrink", comm.rank)))?;
         let mut peers = Vec::with_capacity(members.len());
@@ -234,12 +293,14 @@ pub fn grow(who: Grower, nranks: i32, config: Option<Config>, sink: Sink) -> Res
             comm.ready()?;
             let (_, tag) = comm.next_split(set_key(&vec![false; comm.nranks]));
             let parent = comm.clone();
+            let members: Vec<usize> = (0..comm.nranks).collect();
+            let mut absence = Absence::new(&comm, "ncclCommGrow", TAG_GROW ^ tag, &members);
             let run = move || -> Result<()> {
                 let parent = comm.ready()?;
                 let mut w = Writer::default();
                 w.u8(id.is_some() as u8).bytes(&id.unwrap_or([0; bootstrap::id::ID_BYTES]));
-                let members: Vec<usize> = (0..comm.nranks).collect();
                 let ex = comm.exchange("ncclCommGrow", TAG_GROW ^ tag);
+                absence.join();
                 let all = parent.service.allgather(&ex, &members, comm.rank, w.buf)
                     .map_err(|e| e.context(format!("rank {}: ncclCommGrow", comm.rank)))?;
                 let id = coordinators_id(&all)?;

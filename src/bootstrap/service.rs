@@ -23,6 +23,9 @@ const KIND_STATUS: u8 = 4;
 /// A connection carrying one-sided operations (puts and signals) from one peer, handed to the
 /// communicator's handler for as long as it stays open.
 const KIND_RMA: u8 = 5;
+/// "I cannot take part in this exchange": a member of a split or shrink that failed before it
+/// sent its part (no thread, no port) tells the others, whose parts could never come round.
+const KIND_REFUSE: u8 = 6;
 /// How long an incoming connection may take to say who it is.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -30,6 +33,8 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 struct Inbox {
     msgs: HashMap<(u32, u32), VecDeque<Vec<u8>>>,
     data: HashMap<(u32, u32), VecDeque<TcpStream>>,
+    /// Why a member cannot take part in an exchange, by (its rank, the exchange's tag).
+    refused: HashMap<(u32, u32), String>,
 }
 
 /// What a rank is doing now, as opaque bytes its communicator keeps up to date.
@@ -57,6 +62,9 @@ struct Shared {
     /// One-sided connections that came before the handler was set (a peer may finish init
     /// and put before this rank has finished its own).
     rma_early: Mutex<Vec<(u32, TcpStream)>>,
+    /// Told when the one-sided handler is set, or the service stops (readers of early
+    /// one-sided connections wait for it).
+    rma_set: Condvar,
     stop: AtomicBool,
     /// Connections being read by their own threads.
     pending: super::pending::Pending,
@@ -85,7 +93,7 @@ impl Service {
         let listener = crate::transport::fds::with_room(|| TcpListener::bind(SocketAddr::new(ip, 0)))
             .map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
-        let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), rma: std::sync::OnceLock::new(), rma_early: Mutex::default(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new(),
+        let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), rma: std::sync::OnceLock::new(), rma_early: Mutex::default(), rma_set: Condvar::new(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new(),
                                          #[cfg(test)]
                                          no_threads: AtomicBool::new(false),
                                          #[cfg(test)]
@@ -176,6 +184,7 @@ impl Service {
         let early = {
             let mut early = self.shared.rma_early.lock().unwrap_or_else(|p| p.into_inner());
             let _ = self.shared.rma.set(handler);
+            self.shared.rma_set.notify_all();
             std::mem::take(&mut *early)
         };
         if let Some(handler) = self.shared.rma.get() {
@@ -272,6 +281,10 @@ impl Service {
                     Err(e) if e.code == crate::error::Code::Timeout && Instant::now() < deadline => {
                         if Instant::now() >= check_at {
                             check_at = Instant::now() + GONE_CHECK_EVERY;
+                            // A member that cannot take part: no part gets past it.
+                            if let Some((r, why)) = self.refused(tag, members) {
+                                return Err(Error::remote(format!("rank {r} cannot take part in {call}: {why}")));
+                            }
                             // The part comes from its origin through the members after it: one
                             // of them gone, it never will (unless already on its way).
                             let chain = (0..(me + n - from) % n).map(|k| members[(from + k) % n]);
@@ -301,6 +314,22 @@ impl Service {
         Ok(out)
     }
 
+    /// This rank cannot take part in the exchange `tag` (why: `why`): the other `members` are
+    /// told, so that their exchange fails at its next check instead of waiting for ever for
+    /// parts that cannot get past this rank (best effort: a member that cannot be reached
+    /// finds out through the others' failures, or is gone).
+    pub fn refuse(&self, tag: u32, members: &[usize], why: &str) {
+        for &m in members.iter().filter(|&&m| m != self.rank() as usize) {
+            let _ = self.open(m, KIND_REFUSE, tag, why.as_bytes());
+        }
+    }
+
+    /// A member of exchange `tag` that said it cannot take part, and why.
+    fn refused(&self, tag: u32, members: &[usize]) -> Option<(usize, String)> {
+        let inbox = self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        members.iter().find_map(|&m| inbox.refused.get(&(m as u32, tag)).map(|why| (m, why.clone())))
+    }
+
     /// Stop accepting and join the thread (idempotent).
     pub fn stop(&self) {
         self.shared.stop.store(true, Ordering::Release);
@@ -322,8 +351,10 @@ impl Service {
         let mut inbox = self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
         inbox.msgs.clear();
         inbox.data.clear();
+        inbox.refused.clear();
         drop(inbox);
         self.shared.rma_early.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.shared.rma_set.notify_all();
     }
 }
 
@@ -414,6 +445,18 @@ fn file_connection(mut s: TcpStream, shared: &Shared, ticket: Option<u64>, own_t
     if kind == KIND_RMA {
         let _ = s.set_read_timeout(None);
         let mut early = shared.rma_early.lock().unwrap_or_else(|p| p.into_inner());
+        // One that comes before its communicator is ready: its own thread waits for the
+        // handler and serves it then (the accept thread, which must go on, leaves it to be
+        // handed over).
+        while own_thread && shared.rma.get().is_none() && !shared.stop.load(Ordering::Acquire) {
+            early = match shared.rma_set.wait_timeout(early, Duration::from_millis(200)) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        if shared.stop.load(Ordering::Acquire) {
+            return;
+        }
         match shared.rma.get() {
             Some(handler) => {
                 drop(early);
@@ -426,6 +469,9 @@ fn file_connection(mut s: TcpStream, shared: &Shared, ticket: Option<u64>, own_t
     let mut inbox = shared.inbox.lock().unwrap_or_else(|p| p.into_inner());
     match kind {
         KIND_MSG => inbox.msgs.entry((from, tag)).or_default().push_back(payload),
+        KIND_REFUSE => {
+            inbox.refused.insert((from, tag), String::from_utf8_lossy(&payload).into_owned());
+        }
         KIND_DATA => {
             let _ = s.set_read_timeout(None);
             inbox.data.entry((from, tag)).or_default().push_back(s);
@@ -551,6 +597,34 @@ mod tests {
     #[test]
     fn connections_are_read_when_they_cannot_be_tracked() {
         messages_arrive_when(|b| b.shared.no_tracking.store(true, Ordering::Release));
+    }
+
+    /// A one-sided connection that comes before its communicator is ready is served, once it
+    /// is, on the thread that read it (no thread is started for it: under a thread limit, one
+    /// could not be); read for want of a thread on the accept thread, it is handed over.
+    #[test]
+    fn early_one_sided_connections_are_served_on_their_own_thread() {
+        for no_threads in [false, true] {
+            let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+            let a = Service::start(ip, 0xfeed, 0).unwrap();
+            let b = Service::start(ip, 0xfeed, 1).unwrap();
+            a.set_peers(vec![a.addr, b.addr]);
+            b.set_peers(vec![a.addr, b.addr]);
+            b.shared.no_threads.store(no_threads, Ordering::Release);
+            let _early = a.connect_rma(1).unwrap();
+            // (Its hello read, it waits: on the reader's thread, or in the early list.)
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !b.shared.pending.is_empty() && Instant::now() < deadline {
+                std::thread::yield_now();
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            let tx = Mutex::new(tx);
+            b.set_rma_handler(Box::new(move |from, _s, own_thread| {
+                let _ = tx.lock().unwrap().send((from, own_thread));
+            }));
+            let got = rx.recv_timeout(Duration::from_secs(10)).expect("the early connection is handed to the handler");
+            assert_eq!(got, (0, !no_threads), "served on its own thread: {}", !no_threads);
+        }
     }
 
     fn messages_arrive_when(handicap: impl Fn(&Service)) {

@@ -312,9 +312,11 @@ struct CycleWalk<'a> {
     deadline: std::time::Instant,
 }
 
-/// A rank on a path of waiting ranks: its rank, what it runs, and what it finished with each
-/// rank it runs sends or receives with ([`Answer::with`]).
-type Waiting = (usize, Vec<Stamp>, Vec<(usize, (u64, u64))>);
+/// What a rank finished with each rank it runs sends or receives with ([`Answer::with`]).
+type FinishedWith = Vec<(usize, (u64, u64))>;
+
+/// A rank on a path of waiting ranks: its rank, what it runs, and what it finished.
+type Waiting = (usize, Vec<Stamp>, FinishedWith);
 
 /// Does rank x (running `xs`, having finished `x_with` with the ranks it runs sends or receives
 /// with) wait on rank y (running `ys`, having finished `y_done` with x)? Its first send or
@@ -362,7 +364,7 @@ impl CycleWalk<'_> {
 
     /// The sends and receives `rank` runs, if it answers that it runs some (and nothing else),
     /// with what it finished with `about` and with each rank it runs them with.
-    fn running_of(&self, rank: usize, about: usize) -> Option<(Vec<Stamp>, (u64, u64), Vec<(usize, (u64, u64))>)> {
+    fn running_of(&self, rank: usize, about: usize) -> Option<(Vec<Stamp>, (u64, u64), FinishedWith)> {
         let answer = self.ready.service.status_about(rank, about as u32, std::time::Duration::from_secs(1)).ok()?;
         let answer = Answer::read(&answer);
         if answer.status.first() != Some(&STATUS_RUNNING) {
