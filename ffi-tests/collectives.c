@@ -223,7 +223,7 @@ static void setup(const case_t* k, int rank, ncclComm_t comm, rank_state_t* st) 
       fill_bytes(st->send, es, rank, 0, s->send_elems, k->salt);
   }
   if (st->send) {
-    st->input_copy = malloc(s->send_elems * es + 1);
+    st->input_copy = TEST_ALLOC(s->send_elems * es + 1);
     memcpy(st->input_copy, st->send, s->send_elems * es);
   }
 
@@ -486,9 +486,8 @@ static void avg_range(void) {
     uint16_t* rb[MAX_LOCAL];
     CHECK(ncclGroupStart());
     for (int l = 0; l < g_env.local; l++) {
-      sb[l] = malloc(in_count * 2);
-      rb[l] = malloc(count * 2);
-      if (!sb[l] || !rb[l]) exit(1);
+      sb[l] = TEST_ALLOC(in_count * 2);
+      rb[l] = TEST_ALLOC(count * 2);
       for (size_t i = 0; i < in_count; i++) dt_store(ncclFloat16, sb[l], i, 32768.0);
       memset(rb[l], 0, count * 2);
       if (colls[c] == C_ALLREDUCE)
@@ -589,11 +588,10 @@ static void soak(void) {
   const char* stall_env = getenv("NCCL_TEST_SOAK_STALL");
   const int stall = stall_env && atoi(stall_env) == 1;
   soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
-  uint8_t* tmp = malloc((size_t)n * SOAK_BYTES);
+  uint8_t* tmp = TEST_ALLOC((size_t)n * SOAK_BYTES);
   uint8_t* buf[MAX_LOCAL][SOAK_BUFS];
   ncclComm_t split[MAX_LOCAL];
   ncclWindow_t win[MAX_LOCAL][2][SOAK_BUFS]; /* every buffer, on either communicator */
-  if (!tmp) exit(1);
   /* The second communicator is nonblocking: its calls may answer ncclInProgress, and a step
    * waits for it (ncclCommGetAsyncError) before the next, as NCCL asks. */
   ncclConfig_t nonblocking = NCCL_CONFIG_INITIALIZER;
@@ -603,8 +601,7 @@ static void soak(void) {
   CHECK(finish_async(ncclGroupEnd(), split, g_env.local));
   for (int l = 0; l < g_env.local; l++)
     for (int b = 0; b < SOAK_BUFS; b++) {
-      buf[l][b] = malloc(SOAK_BYTES);
-      if (!buf[l][b]) exit(1);
+      buf[l][b] = TEST_ALLOC(SOAK_BYTES);
       memcpy(buf[l][b], &g_soak_model[soak_at(g_env.first_rank + l, b, 0)], SOAK_BYTES);
     }
   for (int k = 0; k < 2; k++) {
@@ -741,8 +738,7 @@ static void nonblocking(void) {
   CHECK(make_comms_config("nonblocking", nb, &cfg));
   int32_t* buf[MAX_LOCAL];
   for (int l = 0; l < g_env.local; l++) {
-    buf[l] = malloc(count * 4);
-    if (!buf[l]) exit(1);
+    buf[l] = TEST_ALLOC(count * 4);
     for (size_t j = 0; j < count; j++) buf[l][j] = g_env.first_rank + l + 1 + (int32_t)(j % 7);
   }
   /* Issued by every rank but the last (`late`: the last's turn). */

@@ -48,6 +48,28 @@ void tlog(const char* fmt, ...) {
   fflush(stdout);
 }
 
+void test_fatal(const char* file, int line, const char* what) {
+  fprintf(stderr, "[proc %d] %s:%d %s: %s\n", g_env.proc, file, line, what, strerror(errno));
+  fprintf(stderr, "[proc %d] RESULT: %d passed, %d failed (+1 fatal)\n", g_env.proc, g_passed, g_failed);
+  fflush(stdout);
+  fflush(stderr);
+  exit(1);
+}
+
+void* test_alloc(const char* file, int line, size_t bytes) {
+  void* p = calloc(1, bytes ? bytes : 1);
+  if (!p) test_fatal(file, line, "out of memory");
+  return p;
+}
+
+void test_thread(const char* file, int line, pthread_t* t, void* (*fn)(void*), void* arg) {
+  int e = pthread_create(t, NULL, fn, arg);
+  if (e != 0) {
+    errno = e;
+    test_fatal(file, line, "cannot start a thread");
+  }
+}
+
 void test_check_fail(const char* file, int line, const char* call, ncclResult_t r) {
   const char* s = ncclGetErrorString(r);
   const char* last = ncclGetLastError(NULL);

@@ -26,6 +26,7 @@
 #endif
 
 #include <nccl.h>
+#include <pthread.h>
 
 #include <stddef.h>
 #include <stdint.h>
@@ -55,6 +56,14 @@ int test_expect(int ok, const char* file, int line, const char* cond, const char
 /* Prints "RESULT: N passed, N failed"; returns the process exit status. */
 int test_finish(void);
 void tlog(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The program cannot go on (`what`, with errno's text): says so, with the counts, and exits 1. */
+void test_fatal(const char* file, int line, const char* what) __attribute__((noreturn));
+/* malloc that is fatal when it fails (a program under a memory limit says why it stopped). */
+void* test_alloc(const char* file, int line, size_t bytes);
+#define TEST_ALLOC(bytes) test_alloc(__FILE__, __LINE__, (bytes))
+/* pthread_create that is fatal when it fails (the step cannot run without the thread). */
+void test_thread(const char* file, int line, pthread_t* t, void* (*fn)(void*), void* arg);
+#define TEST_THREAD(t, fn, arg) test_thread(__FILE__, __LINE__, (t), (fn), (arg))
 const char* result_name(ncclResult_t r);
 
 /* ---- environment, ids, communicators -------------------------------------------------- */

@@ -374,7 +374,7 @@ static void* drive(void* arg) {
   static int32_t ar_send[2][MAX_LOCAL][COUNT], ar_recv[2][MAX_LOCAL][COUNT];
   int32_t (*send)[COUNT] = ar_send[d->gather], (*recv)[COUNT] = ar_recv[d->gather];
   int32_t* gathered[MAX_LOCAL];
-  for (int l = 0; l < g_env.local; l++) gathered[l] = malloc(sizeof(int32_t) * GATHER * (size_t)n);
+  for (int l = 0; l < g_env.local; l++) gathered[l] = TEST_ALLOC(sizeof(int32_t) * GATHER * (size_t)n);
   for (int round = 0; round < ROUNDS; round++) {
     for (int l = 0; l < g_env.local; l++)
       for (int j = 0; j < COUNT; j++) send[l][j] = (g_env.first_rank + l + 1) * (j + round + 1);
@@ -405,7 +405,8 @@ static void step_threads(ncclComm_t* world) {
   CHECK(ncclGroupEnd());
   driver_t a = {world, 0, 0}, b = {dup, 1, 0};
   pthread_t ta, tb;
-  EXPECT(pthread_create(&ta, NULL, drive, &a) == 0 && pthread_create(&tb, NULL, drive, &b) == 0, "pthread_create");
+  TEST_THREAD(&ta, drive, &a);
+  TEST_THREAD(&tb, drive, &b);
   pthread_join(ta, NULL);
   pthread_join(tb, NULL);
   EXPECT(a.bad == 0, "%d failed calls or wrong values in the all-reduce thread", a.bad);

@@ -883,7 +883,7 @@ static void allreduce_to_host(size_t count, CUdeviceptr* ds, float** hin, float*
   for (int l = 0; l < g_env.local; l++)
     CHECK(ncclAllReduce((const void*)(uintptr_t)ds[l], out[l], count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]));
   CHECK(ncclGroupEnd());
-  float* got = malloc(count * sizeof(float));
+  float* got = TEST_ALLOC(count * sizeof(float));
   if (!got) abort();
   for (int l = 0; l < g_env.local; l++) {
     CU(cu.StreamSynchronize(g_streams[l]));
@@ -970,7 +970,7 @@ static void pageable(void) {
   const size_t count = 50000;
   CUdeviceptr ds[MAX_LOCAL];
   float *hin[MAX_LOCAL], *out[MAX_LOCAL];
-  for (int l = 0; l < g_env.local; l++) out[l] = calloc(count, sizeof(float));
+  for (int l = 0; l < g_env.local; l++) out[l] = TEST_ALLOC((size_t)count * sizeof(float));
   allreduce_to_host(count, ds, hin, out, "pageable");
   for (int l = 0; l < g_env.local; l++) {
     dev_free(ds[l]);
@@ -1064,7 +1064,7 @@ static void order(void) {
   for (int l = 0; l < g_env.local; l++) {
     d[l] = dev_alloc(count * sizeof(float));
     hd[l] = host_alloc(count * sizeof(float));
-    hh[l] = malloc(count * sizeof(float));
+    hh[l] = TEST_ALLOC(count * sizeof(float));
   }
   for (int k = 0; k < rounds; k++) {
     for (int l = 0; l < g_env.local; l++) {
@@ -1291,7 +1291,7 @@ static void capture_elsewhere(void) {
     dl[l] = dev_alloc(large * sizeof(float));
     hs[l] = host_alloc(small * sizeof(float));
     hl[l] = host_alloc(large * sizeof(float));
-    out[l] = calloc(small, sizeof(float));
+    out[l] = TEST_ALLOC((size_t)small * sizeof(float));
     for (size_t j = 0; j < small; j++) hs[l][j] = in_value(g_env.first_rank + l, j, 1);
     for (size_t j = 0; j < large; j++) hl[l][j] = in_value(g_env.first_rank + l, j, 2);
   }
@@ -1632,7 +1632,7 @@ static void graph(void) {
     float* pageable[MAX_LOCAL];
     for (int l = 0; l < g_env.local; l++) {
       x[l] = dev_alloc(G_SMALL * sizeof(float));
-      pageable[l] = calloc(G_SMALL, sizeof(float));
+      pageable[l] = TEST_ALLOC((size_t)G_SMALL * sizeof(float));
     }
     for (int l = 0; l < g_env.local; l++) {
       CU(cu.StreamBeginCapture(g_streams[l], CU_STREAM_CAPTURE_MODE_GLOBAL));
@@ -1764,7 +1764,7 @@ static void rma_ring(int pageable) {
     CHECK(ncclMemAlloc(&win_buf[l], total * sizeof(float)));
     src[l] = dev_alloc(max * sizeof(float));
     h[l] = host_alloc(max * sizeof(float));
-    plain[l] = pageable ? malloc(max * sizeof(float)) : NULL;
+    plain[l] = pageable ? TEST_ALLOC(max * sizeof(float)) : NULL;
     pinned[l] = pageable ? host_alloc(max * sizeof(float)) : NULL;
   }
   CHECK(ncclGroupStart());
@@ -3924,7 +3924,7 @@ static void calls(void) {
 static void check_pointers(void) {
   test_step("check pointers");
   const size_t count = 1000;
-  float* plain = calloc(count, sizeof(float));
+  float* plain = TEST_ALLOC((size_t)count * sizeof(float));
   if (!plain) abort();
   for (int l = 0; l < g_env.local; l++) {
     ncclResult_t r = ncclAllReduce(plain, plain, count, ncclFloat32, ncclSum, g_comms[l], g_streams[l]);
@@ -4115,9 +4115,8 @@ static void soak(void) {
   const char* stall_env = getenv("CUDA_TEST_SOAK_STALL");
   const int stall = stall_env && atoi(stall_env) == 1;
   soak_begin(n, (uint64_t)(seed && *seed ? atoll(seed) : 1));
-  uint8_t* tmp = malloc((size_t)n * SOAK_BYTES);
+  uint8_t* tmp = TEST_ALLOC((size_t)n * SOAK_BYTES);
   uint8_t* host = host_alloc(SOAK_BYTES);
-  if (!tmp) exit(1);
   soak_state S;
   memset(&S, 0, sizeof S);
   /* The second communicator is nonblocking: a call on it may answer ncclInProgress, and a

@@ -157,9 +157,8 @@ static void part_loop(void) {
 
   test_step("init");
   ncclComm_t comm = make_one_comm("", nonblocking);
-  float* send = malloc((size_t)count * sizeof(float));
-  float* recv = malloc((size_t)count * sizeof(float));
-  if (!send || !recv) exit(2);
+  float* send = TEST_ALLOC((size_t)count * sizeof(float));
+  float* recv = TEST_ALLOC((size_t)count * sizeof(float));
   for (int i = 0; i < count; i++) send[i] = (float)(rank + 1);
   const float want = (float)(n * (n + 1) / 2);
 
@@ -300,12 +299,11 @@ static void part_abort(void) {
     return;
   }
 
-  float* send = calloc((size_t)count, sizeof(float));
-  float* recv = calloc((size_t)count, sizeof(float));
-  if (!send || !recv) exit(2);
+  float* send = TEST_ALLOC((size_t)count * sizeof(float));
+  float* recv = TEST_ALLOC((size_t)count * sizeof(float));
   aborter_t a = {comm, env_int_or("FAULTS_ABORT_AFTER_MS", 1000), 0, 0, ncclInternalError};
   pthread_t th;
-  if (pthread_create(&th, NULL, aborter, &a) != 0) exit(2);
+  TEST_THREAD(&th, aborter, &a);
   test_step("rank 0: blocked in ncclAllReduce, waiting for the abort");
   tlog("BLOCKING in ncclAllReduce of %d floats; rank 1 never joins", count);
   double t_call = now_s();
@@ -403,8 +401,7 @@ static void part_gone_early(void) {
   }
   test_step("the first all-reduce, rank 1 gone");
   const size_t count = 1 << 20;
-  float* buf = calloc(count, sizeof(float));
-  if (!buf) exit(2);
+  float* buf = TEST_ALLOC((size_t)count * sizeof(float));
   double t0 = now_s();
   ncclResult_t r = ncclAllReduce(buf, buf, count, ncclFloat32, ncclSum, comm, TEST_STREAM);
   double took = now_s() - t0;
@@ -447,8 +444,7 @@ static void part_closed_early(void) {
   test_step(signal ? "a wait for a signal from rank 1, whose communicator is destroyed"
                    : "a receive from rank 1, whose communicator is destroyed");
   const size_t count = 1024;
-  float* buf = calloc(count, sizeof(float));
-  if (!buf) exit(2);
+  float* buf = TEST_ALLOC((size_t)count * sizeof(float));
   double t0 = now_s();
   ncclWaitSignalDesc_t want = {.opCnt = 1, .peer = 1, .sigIdx = 0, .ctx = 0};
   ncclResult_t r = signal ? ncclWaitSignal(1, &want, comms[0], TEST_STREAM)
@@ -537,7 +533,7 @@ static void part_crossed(void) {
   make_comms("", &x.comms[0]);
   make_comms("b", &x.comms[1]);
   pthread_t th;
-  if (pthread_create(&th, NULL, crossed_releaser, &x) != 0) exit(2);
+  TEST_THREAD(&th, crossed_releaser, &x);
   const int first = g_env.proc;
   test_step("the first all-reduce, which the other rank calls second");
   int32_t send = 1, recv = 0;
@@ -567,9 +563,8 @@ static void part_mismatch(void) {
   /* Rank 1 makes the other call; every other rank makes rank 0's (with 3 ranks or more, rank
    * 2 matches rank 0 and must fail all the same). `me` is 0 or 1: which call this rank makes. */
   const int rank = g_env.proc, me = rank == 1;
-  float* send = calloc(4096, sizeof(float));
-  float* recv = calloc(8192, sizeof(float));
-  if (!send || !recv) exit(2);
+  float* send = TEST_ALLOC((size_t)4096 * sizeof(float));
+  float* recv = TEST_ALLOC((size_t)8192 * sizeof(float));
   const char *mine = "", *a = "", *b = "";
   ncclResult_t r;
   int sender_may_succeed = 0;
@@ -614,8 +609,7 @@ static void part_mismatch(void) {
     const int sends = !strcmp(which, "both_send");
     a = sends ? "each sends to the other" : "each receives from the other", b = "ncclGroupStart";
     mine = sends ? "Send(count 1048576, float, to the other)" : "Recv(count 1048576, float, from the other)";
-    float* big = calloc(1 << 20, sizeof(float));
-    if (!big) exit(2);
+    float* big = TEST_ALLOC(((size_t)1 << 20) * sizeof(float));
     r = sends ? ncclSend(big, 1 << 20, ncclFloat32, 1 - me, comm, TEST_STREAM)
               : ncclRecv(big, 1 << 20, ncclFloat32, 1 - me, comm, TEST_STREAM);
     free(big);
@@ -626,8 +620,7 @@ static void part_mismatch(void) {
     const int sends = !strcmp(which, "cycle_send");
     a = "wait on each other in a cycle", b = "ncclGroupStart";
     mine = sends ? "Send(count 4194304, float, to the next rank)" : "Recv(count 4194304, float, from the next rank)";
-    float* big = calloc(1 << 22, sizeof(float));
-    if (!big) exit(2);
+    float* big = TEST_ALLOC(((size_t)1 << 22) * sizeof(float));
     const int next = (rank + 1) % g_env.nprocs;
     r = sends ? ncclSend(big, 1 << 22, ncclFloat32, next, comm, TEST_STREAM)
               : ncclRecv(big, 1 << 22, ncclFloat32, next, comm, TEST_STREAM);
@@ -776,8 +769,7 @@ static ncclComm_t one_rank_part(const char* name, int procs) {
 static void part_p2p_order(void) {
   ncclComm_t comm = one_rank_part("p2p-order", 3);
   const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
-  int32_t* buf = calloc(big, sizeof(int32_t));
-  if (!buf) exit(2);
+  int32_t* buf = TEST_ALLOC((size_t)big * sizeof(int32_t));
   ncclResult_t r = ncclSuccess;
   if (g_env.proc == 0) {
     test_step("the send to rank 1");
@@ -815,9 +807,8 @@ static void part_p2p_done(void) {
   ncclComm_t comm = one_rank_part("p2p-done", 3);
   const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
   const int rank = g_env.proc;
-  int32_t* out = calloc(big, sizeof(int32_t));
-  int32_t* in = calloc(big, sizeof(int32_t));
-  if (!out || !in) exit(2);
+  int32_t* out = TEST_ALLOC((size_t)big * sizeof(int32_t));
+  int32_t* in = TEST_ALLOC((size_t)big * sizeof(int32_t));
   for (size_t i = 0; i < big; i++) out[i] = (int32_t)(rank * 1000003 + i);
   ncclResult_t r = ncclSuccess;
   size_t wrong = 0;
@@ -859,8 +850,7 @@ static void part_coll_done(void) {
   ncclComm_t comm = one_rank_part("coll-done", 3);
   const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
   const int rank = g_env.proc;
-  int32_t* data = calloc(big, sizeof(int32_t));
-  if (!data) exit(2);
+  int32_t* data = TEST_ALLOC((size_t)big * sizeof(int32_t));
   int32_t sum = rank + 1;
   ncclResult_t r;
   if (rank == 0) {
@@ -935,9 +925,8 @@ static void part_ring_late(void) {
   ncclComm_t comm = one_rank_part("ring-late", 4);
   const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
   const int rank = g_env.proc, n = g_env.nprocs, next = (rank + 1) % n, prev = (rank + n - 1) % n;
-  int32_t* out = calloc(big, sizeof(int32_t));
-  int32_t* in = calloc(big, sizeof(int32_t));
-  if (!out || !in) exit(2);
+  int32_t* out = TEST_ALLOC((size_t)big * sizeof(int32_t));
+  int32_t* in = TEST_ALLOC((size_t)big * sizeof(int32_t));
   for (size_t i = 0; i < big; i++) out[i] = (int32_t)(rank * 1000003 + i);
   ncclResult_t r;
   if (rank == 0) {

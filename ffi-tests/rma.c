@@ -138,7 +138,7 @@ static void all_to_all(void) {
     }
   }
   CHECK(ncclGroupEnd());
-  ncclWaitSignalDesc_t* descs = calloc((size_t)n, sizeof *descs);
+  ncclWaitSignalDesc_t* descs = TEST_ALLOC((size_t)n * sizeof *descs);
   for (int r = 0; r < n; r++) descs[r] = (ncclWaitSignalDesc_t){.opCnt = 1, .peer = r, .sigIdx = 0, .ctx = 0};
   if (g_env.local > 1) CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) CHECK(ncclWaitSignal(n, descs, g_comms[l], TEST_STREAM));
@@ -166,7 +166,7 @@ static void barrier(void) {
   if (!wanted("Barrier")) return;
   test_step("Barrier");
   const int n = g_env.nranks;
-  ncclWaitSignalDesc_t* descs = calloc((size_t)n, sizeof *descs);
+  ncclWaitSignalDesc_t* descs = TEST_ALLOC((size_t)n * sizeof *descs);
   for (int r = 0; r < n; r++) descs[r] = (ncclWaitSignalDesc_t){.opCnt = 1, .peer = r, .sigIdx = 0, .ctx = 0};
   for (int round = 0; round < 5; round++) {
     CHECK(ncclGroupStart());
@@ -191,7 +191,7 @@ static void order(void) {
   window_t w[MAX_LOCAL];
   open_windows(g_comms, w, big * 4, NCCL_WIN_COLL_SYMMETRIC);
   uint32_t* vals[MAX_LOCAL];
-  for (int l = 0; l < g_env.local; l++) vals[l] = malloc((size_t)K * big * 4);
+  for (int l = 0; l < g_env.local; l++) vals[l] = TEST_ALLOC((size_t)K * big * 4);
   CHECK(ncclGroupStart());
   for (int l = 0; l < g_env.local; l++) {
     for (int k = 0; k < K; k++) {
@@ -240,7 +240,7 @@ static void same_id(void) {
     open_windows(&pair, &p, count * 4, NCCL_WIN_COLL_SYMMETRIC);
   }
   open_windows(g_comms, &w, count * 4, NCCL_WIN_COLL_SYMMETRIC);
-  uint32_t* v = malloc(count * 4);
+  uint32_t* v = TEST_ALLOC(count * 4);
   for (size_t j = 0; j < count; j++) v[j] = 7000u + (uint32_t)j;
   if (me == last) CHECK(ncclPutSignal(v, count, ncclUint32, 0, w.win, 0, 0, 0, 0, g_comms[0], TEST_STREAM));
   if (me == 0) {
@@ -283,8 +283,7 @@ static void nonblocking(void) {
     w[l].bytes = count * 4;
     w[l].ptr = gbuf_alloc(&w[l].buf, count * 4);
     gbuf_poison(&w[l].buf, 0x3a3au);
-    buf[l] = malloc(count * 4);
-    if (!buf[l]) exit(1);
+    buf[l] = TEST_ALLOC(count * 4);
     for (size_t j = 0; j < count; j++) buf[l][j] = me_of(l) + 1 + (int32_t)(j % 5);
   }
   if (g_env.local > 1) CHECK(ncclGroupStart());
@@ -614,7 +613,7 @@ static void abort_wait_once(int revoke) {
   make_comms(revoke ? "revoke" : "abort", comms);
   test_deadline(30);
   pthread_t th[MAX_LOCAL];
-  for (int l = 0; l < g_env.local; l++) EXPECT(pthread_create(&th[l], NULL, abort_later, comms[l]) == 0, "pthread_create");
+  for (int l = 0; l < g_env.local; l++) TEST_THREAD(&th[l], abort_later, comms[l]);
   for (int l = 0; l < g_env.local; l++) {
     ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = me_of(l), .sigIdx = 0, .ctx = 0}; /* nobody signals */
     ncclResult_t r = ncclWaitSignal(1, &d, comms[l], TEST_STREAM);

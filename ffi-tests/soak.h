@@ -241,8 +241,7 @@ static void soak_apply(const soak_op* o, int n, uint8_t* tmp) {
     case S_ALLTOALL: {
       /* Block k of rank r's output is block r of rank k's input; one rank's output at a time
        * (in place, the inputs are read from a copy). */
-      uint8_t* in = malloc((size_t)n * n * len);
-      if (!in) exit(1);
+      uint8_t* in = TEST_ALLOC((size_t)n * n * len);
       for (int k = 0; k < n; k++) memcpy(&in[(size_t)k * n * len], &m[soak_at(k, o->a, 0)], (size_t)n * len);
       for (int r = 0; r < n; r++)
         for (int k = 0; k < n; k++)
@@ -251,8 +250,7 @@ static void soak_apply(const soak_op* o, int n, uint8_t* tmp) {
       break;
     }
     case S_ALLTOALLV: {
-      uint8_t* in = malloc((size_t)n * SOAK_BYTES);
-      if (!in) exit(1);
+      uint8_t* in = TEST_ALLOC((size_t)n * SOAK_BYTES);
       for (int k = 0; k < n; k++) memcpy(&in[(size_t)k * SOAK_BYTES], &m[soak_at(k, o->a, 0)], SOAK_BYTES);
       for (int d = 0; d < n; d++)
         for (int k = 0; k < n; k++)
@@ -289,8 +287,7 @@ static size_t soak_mismatches(const uint8_t* got, int r, int b, size_t* at) {
 /* Seeds the sequence and fills the model of `n` ranks with the initial values. */
 static void soak_begin(int n, uint64_t seed) {
   g_soak_rng = 0x9E3779B97F4A7C15ull ^ seed;
-  g_soak_model = malloc((size_t)n * SOAK_BUFS * SOAK_BYTES);
-  if (!g_soak_model) exit(1);
+  g_soak_model = TEST_ALLOC((size_t)n * SOAK_BUFS * SOAK_BYTES);
   for (int r = 0; r < n; r++)
     for (int b = 0; b < SOAK_BUFS; b++)
       for (size_t j = 0; j < SOAK_BYTES / 4; j++) {
