@@ -539,6 +539,48 @@ static void step_fork(ncclComm_t* comms) {
   allreduce_check(comms, 0, "allreduce after a forked child destroyed its inherited communicators");
 }
 
+/* One rank of its own, nonblocking, one all-reduce on it, waited for (with a deadline): 0 if
+ * all went well, else which part failed (1: init, 2: the all-reduce, 4: its value, 8: destroy). */
+static int nonblocking_alone(void) {
+  ncclUniqueId id;
+  if (ncclGetUniqueId(&id) != ncclSuccess) return 1;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t c = NULL;
+  ncclResult_t r = ncclCommInitRankConfig(&c, 1, id, 0, &cfg);
+  if ((r != ncclSuccess && r != ncclInProgress) || wait_comm(c) != ncclSuccess) return 1;
+  float x[64];
+  for (int i = 0; i < 64; i++) x[i] = (float)i;
+  r = ncclAllReduce(x, x, 64, ncclFloat32, ncclSum, c, TEST_STREAM);
+  if ((r != ncclSuccess && r != ncclInProgress) || wait_comm(c) != ncclSuccess) return 2;
+  int bad = x[63] != 63.0f ? 4 : 0;
+  return bad | (ncclCommDestroy(c) != ncclSuccess ? 8 : 0);
+}
+
+/* A child forked after its parent ran nonblocking operations makes a communicator of its own
+ * and runs nonblocking calls on it (multiprocessing's fork start method does this): they
+ * finish. The child inherits the parent's list of idle threads for such calls, not the
+ * threads; before, it handed its calls to them, and they stayed in progress for ever. */
+static void step_fork_new(void) {
+  if (!begin("fork-new")) return;
+  EXPECT(nonblocking_alone() == 0, "the parent's nonblocking communicator of one rank");
+  fflush(NULL);
+  pid_t child = fork();
+  if (child < 0) {
+    EXPECT(0, "fork failed");
+    return;
+  }
+  if (child == 0) _exit(nonblocking_alone());
+  int status = 0;
+  double deadline = now_s() + 30;
+  pid_t done = 0;
+  while ((done = waitpid(child, &status, WNOHANG)) == 0 && now_s() < deadline) sleep_ms(1);
+  if (done == 0) kill(child, SIGKILL), waitpid(child, &status, 0);
+  EXPECT(done == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+         "the forked child's nonblocking communicator %s (status %#x: bit 0 init, 1 the all-reduce, 2 its value, 3 "
+         "destroy)", done == 0 ? "hung" : "failed", status);
+}
+
 static void step_config_blocking(void) {
   if (!begin("config-blocking")) return;
   ncclComm_t comms[MAX_LOCAL];
@@ -819,6 +861,7 @@ int main(int argc, char** argv) {
   step_simulate(comms);
   step_group_error(comms);
   step_fork(comms);
+  step_fork_new();
   step_memory(comms);
   step_suspend(comms);
   destroy_comms(comms);
