@@ -499,6 +499,17 @@ static void step_group_error(ncclComm_t* comms) {
   allreduce_check(comms, 0, "allreduce after a failed group");
 }
 
+/* Waits up to `seconds` for a forked child (killed after): NULL if it exited 0, else "hung" or
+ * "failed" (its wait status in `status`). */
+static const char* wait_child(pid_t child, double seconds, int* status) {
+  double deadline = now_s() + seconds;
+  pid_t done = 0;
+  while ((done = waitpid(child, status, WNOHANG)) == 0 && now_s() < deadline) sleep_ms(1);
+  if (done == 0) kill(child, SIGKILL), waitpid(child, status, 0);
+  if (done == 0) return "hung";
+  return done == child && WIFEXITED(*status) && WEXITSTATUS(*status) == 0 ? NULL : "failed";
+}
+
 /* A child forked after init (PyTorch's DataLoader workers are) inherits the handles, not the
  * communicators: every call on one is ncclInvalidUsage saying so, and ncclCommDestroy and
  * ncclCommAbort succeed and leave the parent's connections and threads alone. The parent's
@@ -529,13 +540,9 @@ static void step_fork(ncclComm_t* comms) {
     _exit(bad);
   }
   int status = 0;
-  double deadline = now_s() + 20;
-  pid_t done = 0;
-  while ((done = waitpid(child, &status, WNOHANG)) == 0 && now_s() < deadline) sleep_ms(1);
-  if (done == 0) kill(child, SIGKILL), waitpid(child, &status, 0);
-  EXPECT(done == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-         "the forked child %s (status %#x: bit 0 the all-reduce, 1 ncclCommCount, 2 destroy/abort)",
-         done == 0 ? "hung" : "failed", status);
+  const char* how = wait_child(child, 20, &status);
+  EXPECT(how == NULL, "the forked child %s (status %#x: bit 0 the all-reduce, 1 ncclCommCount, 2 destroy/abort)", how,
+         status);
   allreduce_check(comms, 0, "allreduce after a forked child destroyed its inherited communicators");
 }
 
@@ -572,13 +579,9 @@ static void step_fork_new(void) {
   }
   if (child == 0) _exit(nonblocking_alone());
   int status = 0;
-  double deadline = now_s() + 30;
-  pid_t done = 0;
-  while ((done = waitpid(child, &status, WNOHANG)) == 0 && now_s() < deadline) sleep_ms(1);
-  if (done == 0) kill(child, SIGKILL), waitpid(child, &status, 0);
-  EXPECT(done == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-         "the forked child's nonblocking communicator %s (status %#x: bit 0 init, 1 the all-reduce, 2 its value, 3 "
-         "destroy)", done == 0 ? "hung" : "failed", status);
+  const char* how = wait_child(child, 30, &status);
+  EXPECT(how == NULL, "the forked child's nonblocking communicator %s (status %#x: bit 0 init, 1 the all-reduce, 2 its "
+         "value, 3 destroy)", how, status);
 }
 
 static void step_config_blocking(void) {
