@@ -1080,16 +1080,18 @@ static void part_no_threads(void) {
   double t0 = now_s();
   ncclResult_t r = !strcmp(which, "shrink") ? ncclCommShrink(world, NULL, 0, &child, NULL, NCCL_SHRINK_DEFAULT)
                                              : ncclCommSplit(world, 0, g_env.proc, &child, NULL);
-  if (r == ncclInProgress) { /* nonblocking: the parent tells when it is done */
+  /* Nonblocking: a split's parent tells when it is done; a shrink's child, handed back at once. */
+  ncclComm_t polled = !strcmp(which, "shrink") && child ? child : world;
+  if (r == ncclInProgress) {
     ncclResult_t state = ncclInProgress;
     while (state == ncclInProgress && now_s() - t0 < 40) {
-      CHECK(ncclCommGetAsyncError(world, &state));
+      CHECK(ncclCommGetAsyncError(polled, &state));
       if (state == ncclInProgress) sleep_ms(5);
     }
     r = state;
   }
   const double took = now_s() - t0;
-  const char* text = last_error(world);
+  const char* text = last_error(polled);
   if (g_env.proc == 2 && (setresuid(0, 0, 0) != 0 || setrlimit(RLIMIT_NPROC, &was) != 0)) {
     perror("no-threads: back to root");
     exit(2);

@@ -200,7 +200,7 @@ fn a_root_out_of_file_descriptors_fails_the_job_naming_the_limit() {
 /// for its part with no end (found by running the CUDA program under `ulimit -u`).
 #[test]
 fn a_member_whose_split_cannot_start_fails_the_others() {
-    for (case, nonblocking) in [("split", "0"), ("shrink", "0"), ("split", "1")] {
+    for (case, nonblocking) in [("split", "0"), ("shrink", "0"), ("split", "1"), ("shrink", "1")] {
         Job::new("faults").procs(3).arg("--only").arg("no-threads").env("FAULTS_CASE", case)
             .env("FAULTS_NONBLOCKING", nonblocking).env("NCCL_DEBUG", "WARN").timeout_s(60).run();
     }

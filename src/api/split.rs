@@ -43,9 +43,14 @@ fn set_key(excluded: &[bool]) -> u64 {
 /// This rank's place in the exchange of a split, shrink or grow, while its part is not on its
 /// way. The exchange passes parts round the members, so none gets past a member that never
 /// sends its own: if this rank fails before it does (no thread to run it, no port for the
-/// child), or never runs it (a spawn that failed, a dropped group), the guard's drop tells the
-/// other members why (`Service::refuse`), and their exchange fails, naming this rank, instead
-/// of waiting for ever (NCCL_INIT_TIMEOUT_S unset, as PyTorch leaves it).
+/// child), or never runs it (a spawn that failed, a dropped group), the last copy's drop tells
+/// the other members why (`Service::refuse`), and their exchange fails, naming this rank,
+/// instead of waiting for ever (NCCL_INIT_TIMEOUT_S unset, as PyTorch leaves it). One copy
+/// goes with the exchange; the caller keeps one until the call has started, so that a start
+/// that fails (its closure dropped unrun) is told with its reason.
+#[derive(Clone)]
+struct Absent(Arc<std::sync::Mutex<Absence>>);
+
 struct Absence {
     comm: Arc<Comm>,
     call: &'static str,
@@ -56,20 +61,28 @@ struct Absence {
     why: Option<String>,
 }
 
-impl Absence {
-    fn new(comm: &Arc<Comm>, call: &'static str, tag: u32, members: &[usize]) -> Absence {
-        Absence { comm: comm.clone(), call, tag, members: members.to_vec(), joined: false, why: None }
+impl Absent {
+    fn new(comm: &Arc<Comm>, call: &'static str, tag: u32, members: &[usize]) -> Absent {
+        Absent(Arc::new(std::sync::Mutex::new(Absence {
+            comm: comm.clone(), call, tag, members: members.to_vec(), joined: false, why: None,
+        })))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Absence> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The part is on its way (the exchange starts).
-    fn join(&mut self) {
-        self.joined = true;
+    fn join(&self) {
+        self.lock().joined = true;
     }
 
-    /// `r`, noting why it failed, if it did.
-    fn noting<T>(&mut self, r: Result<T>) -> Result<T> {
+    /// `r`, noting why it failed, if it did (the first reason stays).
+    fn noting<T>(&self, r: Result<T>) -> Result<T> {
         if let Err(e) = &r {
-            self.why = Some(e.msg.clone());
+            if e.code != crate::error::Code::InProgress {
+                self.lock().why.get_or_insert_with(|| e.msg.clone());
+            }
         }
         r
     }
@@ -138,17 +151,18 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
     let (seq, tag) = comm.next_split(set_key(&vec![false; comm.nranks]));
     let parent = comm.clone();
     let members: Vec<usize> = (0..comm.nranks).collect();
-    let mut absence = Absence::new(&comm, "ncclCommSplit", TAG_SPLIT ^ tag, &members);
+    let absence = Absent::new(&comm, "ncclCommSplit", TAG_SPLIT ^ tag, &members);
+    let part = absence.clone();
     let run = move || -> Result<()> {
         let parent = comm.ready()?;
         let hash = child_hash(comm.hash, seq, color as u64);
         let service = match color {
             NOCOLOR => None,
-            _ => Some(absence.noting(bootstrap::local_ip().and_then(|ip| Service::start(ip, hash, 0)))?),
+            _ => Some(part.noting(bootstrap::local_ip().and_then(|ip| Service::start(ip, hash, 0)))?),
         };
         let mine = encode(color, key, service.as_ref().map(|s| me_info(&comm, parent, s.addr)).as_ref());
         let ex = comm.exchange("ncclCommSplit", TAG_SPLIT ^ tag);
-        absence.join();
+        part.join();
         let all = parent.service.allgather(&ex, &members, comm.rank, mine)
             .map_err(|e| e.context(format!("rank {}: ncclCommSplit", comm.rank)))?;
         let Some(service) = service else {
@@ -169,7 +183,7 @@ pub fn split(comm: Arc<Comm>, color: i32, key: i32, config: Option<Config>, sink
         sink(Some(make_child(&comm, rank, peers, service, hash, config.unwrap_or_else(|| comm.config.clone()))));
         Ok(())
     };
-    run_on(parent, Box::new(run))
+    absence.noting(run_on(parent, Box::new(run)))
 }
 
 /// Run a split's or grow's exchange over `parent` now, at the outermost ncclGroupEnd, or, for
@@ -218,13 +232,14 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
     let background = !config.blocking && crate::group::depth() == 0;
     let child = Arc::new(Comm::new(me, members.len(), comm.cuda_dev, config, hash));
     let made = child.clone();
-    let mut absence = Absence::new(&comm, "ncclCommShrink", TAG_SHRINK ^ tag, &members);
-    let mut run = move || -> Result<()> {
+    let absence = Absent::new(&comm, "ncclCommShrink", TAG_SHRINK ^ tag, &members);
+    let part = absence.clone();
+    let run = move || -> Result<()> {
         let parent = comm.ready_for_management()?;
-        let service = absence.noting(bootstrap::local_ip().and_then(|ip| Service::start(ip, hash, me as u32)))?;
+        let service = part.noting(bootstrap::local_ip().and_then(|ip| Service::start(ip, hash, me as u32)))?;
         let mine = encode(list_hash as i32, 0, Some(&me_info(&comm, parent, service.addr)));
         let ex = comm.exchange("ncclCommShrink", TAG_SHRINK ^ tag);
-        absence.join();
+        part.join();
         let all = parent.service.allgather(&ex, &members, me, mine)
             .map_err(|e| e.context(format!("rank {}: ncclCommShrink", comm.rank)))?;
         let mut peers = Vec::with_capacity(members.len());
@@ -242,7 +257,7 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
     if background {
         // Handed back only once the thread runs: a failed spawn leaves no handle behind.
         let failed = child.clone();
-        std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name("nccl-rs-shrink".into())
             .spawn(move || {
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
@@ -251,15 +266,16 @@ pub fn shrink(comm: Arc<Comm>, exclude: Vec<i32>, config: Option<Config>, flags:
                     failed.set_async_error(&e);
                 }
             })
-            .map_err(|e| Error::os("spawn the shrink thread", e))?;
+            .map_err(|e| Error::os("spawn the shrink thread", e));
+        absence.noting(spawned)?;
         sink(Some(handle::register(child)));
         return Err(Error::in_progress());
     }
-    crate::group::run_or_defer(Box::new(move || {
+    absence.noting(crate::group::run_or_defer(Box::new(move || {
         run()?;
         sink(Some(handle::register(child)));
         Ok(())
-    }))
+    })))
 }
 
 /// `ncclCommGetUniqueId`: the id of one grow of `comm`, asked for by the rank that coordinates
@@ -294,20 +310,21 @@ pub fn grow(who: Grower, nranks: i32, config: Option<Config>, sink: Sink) -> Res
             let (_, tag) = comm.next_split(set_key(&vec![false; comm.nranks]));
             let parent = comm.clone();
             let members: Vec<usize> = (0..comm.nranks).collect();
-            let mut absence = Absence::new(&comm, "ncclCommGrow", TAG_GROW ^ tag, &members);
+            let absence = Absent::new(&comm, "ncclCommGrow", TAG_GROW ^ tag, &members);
+            let part = absence.clone();
             let run = move || -> Result<()> {
                 let parent = comm.ready()?;
                 let mut w = Writer::default();
                 w.u8(id.is_some() as u8).bytes(&id.unwrap_or([0; bootstrap::id::ID_BYTES]));
                 let ex = comm.exchange("ncclCommGrow", TAG_GROW ^ tag);
-                absence.join();
+                part.join();
                 let all = parent.service.allgather(&ex, &members, comm.rank, w.buf)
                     .map_err(|e| e.context(format!("rank {}: ncclCommGrow", comm.rank)))?;
                 let id = coordinators_id(&all)?;
                 let config = config.unwrap_or_else(|| comm.config.clone());
                 join_grown(comm.rank, n, comm.cuda_dev, config, &id, sink)
             };
-            run_on(parent, Box::new(run))
+            absence.noting(run_on(parent, Box::new(run)))
         }
         Grower::Joining(rank, id) => {
             if rank < 0 || rank >= nranks {
