@@ -26,6 +26,8 @@ const KIND_RMA: u8 = 5;
 /// "I cannot take part in this exchange": a member of a split or shrink that failed before it
 /// sent its part (no thread, no port) tells the others, whose parts could never come round.
 const KIND_REFUSE: u8 = 6;
+/// How long a rank may take in all to tell the members of an exchange that it cannot take part.
+const REFUSE_WITHIN: Duration = Duration::from_secs(5);
 /// How long an incoming connection may take to say who it is.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -126,8 +128,13 @@ impl Service {
     }
 
     fn open(&self, peer: usize, kind: u8, tag: u32, payload: &[u8]) -> Result<TcpStream> {
+        self.open_within(peer, kind, tag, payload, Duration::from_secs(10))
+    }
+
+    /// [`Service::open`], the connection made within `timeout`.
+    fn open_within(&self, peer: usize, kind: u8, tag: u32, payload: &[u8], timeout: Duration) -> Result<TcpStream> {
         let addr = self.peer_addr(peer)?;
-        let mut s = crate::transport::socket::dial(&addr, Duration::from_secs(10)).map_err(|e| {
+        let mut s = crate::transport::socket::dial(&addr, timeout).map_err(|e| {
             // Its service ran as long as its communicator: refused, the communicator is gone.
             if crate::transport::fds::out_of_fds(&e) {
                 // This process's shortage, not the peer's doing.
@@ -316,11 +323,19 @@ impl Service {
 
     /// This rank cannot take part in the exchange `tag` (why: `why`): the other `members` are
     /// told, so that their exchange fails at its next check instead of waiting for ever for
-    /// parts that cannot get past this rank (best effort: a member that cannot be reached
-    /// finds out through the others' failures, or is gone).
+    /// parts that cannot get past this rank (best effort, within [`REFUSE_WITHIN`] in all,
+    /// so that the failing call returns: a member that cannot be reached meanwhile is most
+    /// likely gone).
     pub fn refuse(&self, tag: u32, members: &[usize], why: &str) {
+        let until = Instant::now() + REFUSE_WITHIN;
         for &m in members.iter().filter(|&&m| m != self.rank() as usize) {
-            let _ = self.open(m, KIND_REFUSE, tag, why.as_bytes());
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                crate::warn!("rank {}: telling the members that it cannot take part took over {} s: rank {m} and \
+                              those after it were not told", self.rank(), REFUSE_WITHIN.as_secs());
+                return;
+            }
+            let _ = self.open_within(m, KIND_REFUSE, tag, why.as_bytes(), left.min(Duration::from_secs(1)));
         }
     }
 
@@ -625,6 +640,32 @@ mod tests {
             let got = rx.recv_timeout(Duration::from_secs(10)).expect("the early connection is handed to the handler");
             assert_eq!(got, (0, !no_threads), "served on its own thread: {}", !no_threads);
         }
+    }
+
+    /// A member's refusal reaches the others, filed by its rank and the exchange's tag, and
+    /// an exchange waiting for parts fails with it at its next check.
+    #[test]
+    fn a_refusal_fails_the_exchange_it_names() {
+        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let svcs: Vec<Service> = (0..3).map(|r| Service::start(ip, 0xfeed, r).unwrap()).collect();
+        let addrs: Vec<_> = svcs.iter().map(|s| s.addr).collect();
+        svcs.iter().for_each(|s| s.set_peers(addrs.clone()));
+        svcs[2].refuse(0x77, &[0, 1, 2], "no thread for it");
+        assert_eq!(svcs[0].refused(0x78, &[0, 1, 2]), None, "another exchange is not concerned");
+        struct Nobody;
+        impl Members for Nobody {
+            fn gone(&self, _: usize) -> Option<String> {
+                None
+            }
+        }
+        let never = AtomicBool::new(false);
+        let ex = Exchange { call: "ncclCommSplit", tag: 0x77, deadline: Instant::now() + Duration::from_secs(20),
+                            abort: &never, members: &Nobody };
+        let started = Instant::now();
+        let e = svcs[0].allgather(&ex, &[0, 1, 2], 0, vec![1]).expect_err("rank 2 refused");
+        assert_eq!(e.code, crate::error::Code::RemoteError);
+        assert!(e.msg.contains("rank 2 cannot take part in ncclCommSplit: no thread for it"), "{}", e.msg);
+        assert!(started.elapsed() < Duration::from_secs(10), "failed only after {:?}", started.elapsed());
     }
 
     fn messages_arrive_when(handicap: impl Fn(&Service)) {
