@@ -412,24 +412,28 @@ impl Inner {
     /// go (their word set to what they wait for), and the communicator's asynchronous error
     /// says why: what they read may not have landed.
     fn release_waits(&self, which: impl Fn(&SignalKey) -> bool, e: &Error) {
-        let mut st = self.lock();
+        let st = self.lock();
         let Some(words) = st.words else { return };
         let stuck: Vec<(SignalKey, u64)> = st.pending.iter()
             .filter(|(k, p)| which(k) && st.arrived.get(k).copied().unwrap_or(0) < p.want)
             .map(|(k, p)| (*k, p.want)).collect();
+        drop(st);
+        if stuck.is_empty() {
+            return;
+        }
+        // The error before the streams go: a program that synchronises its stream, then asks
+        // ncclCommGetAsyncError, must find it (the other order lost that race now and then:
+        // the stream past its wait, the error not yet set).
+        match self.owner.get().and_then(Weak::upgrade) {
+            Some(comm) => comm.set_async_error(e),
+            None => crate::warn!("{}", e.msg),
+        }
+        let mut st = self.lock();
         for (k, want) in &stuck {
             if let Some(i) = self.word_of(*k) {
                 words.word(i).store(*want as u32, Ordering::Release);
             }
             st.pending.remove(k);
-        }
-        drop(st);
-        if stuck.is_empty() {
-            return;
-        }
-        match self.owner.get().and_then(Weak::upgrade) {
-            Some(comm) => comm.set_async_error(e),
-            None => crate::warn!("{}", e.msg),
         }
     }
 
