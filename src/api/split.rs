@@ -97,8 +97,10 @@ impl Drop for Absence {
         let why = self.why.clone()
             .or_else(|| self.comm.async_error().map(|e| e.msg))
             .unwrap_or_else(|| "its call ended before it sent its part".to_string());
-        let peer = &ready.peers[self.comm.rank];
-        let said = format!("its call failed ({}, pid {}): {why}", peer.hostname, peer.pid);
+        let said = match ready.peers.get(self.comm.rank) {
+            Some(me) => format!("its call failed ({}, pid {}): {why}", me.hostname, me.pid),
+            None => format!("its call failed: {why}"),
+        };
         crate::info!(INIT, "rank {}: {} failed before this rank took part: telling the other members", self.comm.rank,
                      self.call);
         ready.service.refuse(self.tag, &self.members, &said);

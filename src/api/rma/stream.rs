@@ -806,31 +806,12 @@ fn gated<'a>(comm: &'a Arc<Comm>, ctx: &'static Context) -> Result<&'a Option<Ar
     }
     let waits = !crate::params::few_device_connections() && ctx.can_wait_on_memory().unwrap_or(false);
     let g = match waits {
-        true => Some(start_gated(comm, ctx).map_err(|e| {
+        true => Some(Gated::start(comm, ctx).map_err(|e| {
             e.context(format!("rank {}: start the sender of one-sided operations", comm.rank))
         })?),
         false => None,
     };
     Ok(comm.rma.gated.get_or_init(|| g))
-}
-
-#[cfg(not(test))]
-fn start_gated(comm: &Arc<Comm>, ctx: &'static Context) -> Result<Arc<Gated>> {
-    Gated::start(comm, ctx)
-}
-
-/// (Tests: `NO_SENDER` makes the start fail, as a full pinned memory does.)
-#[cfg(test)]
-fn start_gated(comm: &Arc<Comm>, ctx: &'static Context) -> Result<Arc<Gated>> {
-    if NO_SENDER.get() {
-        return Err(Error::new(crate::error::Code::UnhandledCudaError, "cuMemHostAlloc(4194304 bytes): CUDA_ERROR_OUT_OF_MEMORY"));
-    }
-    Gated::start(comm, ctx)
-}
-
-#[cfg(test)]
-thread_local! {
-    pub static NO_SENDER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// A call run on the calling thread once its stream has got there (host-wait mode).
