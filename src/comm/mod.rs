@@ -59,7 +59,7 @@ impl Ready {
 
     /// The sends to `peer` and the receives from it this rank has finished.
     pub fn finished_with(&self, peer: usize) -> (u64, u64) {
-        self.p2p_done.get(peer).map_or((0, 0), |d| (d[0].load(Ordering::Acquire), d[1].load(Ordering::Acquire)))
+        finished_with(&self.p2p_done, peer)
     }
 
     /// A send to `peer` (`send`) or a receive from it finished: counted for `finished_with`.
@@ -310,6 +310,11 @@ struct CycleWalk<'a> {
     /// Ranks asked for their status (or not to be: the start and its first peer).
     asked: Vec<usize>,
     deadline: std::time::Instant,
+}
+
+/// Of per-peer counts (`Ready::p2p_done`): the sends to `peer` and the receives from it.
+fn finished_with(done: &[[std::sync::atomic::AtomicU64; 2]], peer: usize) -> (u64, u64) {
+    done.get(peer).map_or((0, 0), |d| (d[0].load(Ordering::Acquire), d[1].load(Ordering::Acquire)))
 }
 
 /// What a rank finished with each rank it runs sends or receives with ([`Answer::with`]).
@@ -574,7 +579,6 @@ impl Comm {
         ready.service.set_status(Box::new(move |about| {
             // What this rank finished with the rank asked about, and with each it runs sends or
             // receives with now (see `Answer`), then its status.
-            let finished = |p: usize| done.get(p).map_or((0, 0), |d| (d[0].load(Ordering::Acquire), d[1].load(Ordering::Acquire)));
             let status = status_answer(&running, serial);
             let mut with: Vec<usize> = Vec::new();
             if status.first() == Some(&STATUS_RUNNING) {
@@ -585,12 +589,12 @@ impl Comm {
                 }
             }
             let mut answer = Vec::with_capacity(64 + with.len() * 20 + status.len());
-            let (sent, received) = finished(about as usize);
+            let (sent, received) = finished_with(&done, about as usize);
             answer.extend_from_slice(&sent.to_le_bytes());
             answer.extend_from_slice(&received.to_le_bytes());
             answer.extend_from_slice(&(with.len() as u32).to_le_bytes());
             for p in with {
-                let (sent, received) = finished(p);
+                let (sent, received) = finished_with(&done, p);
                 answer.extend_from_slice(&(p as u32).to_le_bytes());
                 answer.extend_from_slice(&sent.to_le_bytes());
                 answer.extend_from_slice(&received.to_le_bytes());
