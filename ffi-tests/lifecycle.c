@@ -584,6 +584,72 @@ static void step_fork_new(void) {
          "value, 3 destroy)", how, status);
 }
 
+/* Threads that keep a communicator busy while the process forks: one polls
+ * ncclCommGetAsyncError as fast as it can (PyTorch's watchdog does, every few milliseconds),
+ * one runs all-reduces on it. */
+typedef struct {
+  ncclComm_t comm;
+  atomic_int stop, failed;
+} busy_t;
+
+static void* busy_polling(void* arg) {
+  busy_t* b = arg;
+  ncclResult_t st;
+  while (!atomic_load(&b->stop))
+    if (ncclCommGetAsyncError(b->comm, &st) != ncclSuccess) atomic_store(&b->failed, 1);
+  return NULL;
+}
+
+static void* busy_reducing(void* arg) {
+  busy_t* b = arg;
+  float x[256] = {0};
+  while (!atomic_load(&b->stop))
+    if (ncclAllReduce(x, x, 256, ncclFloat32, ncclSum, b->comm, TEST_STREAM) != ncclSuccess) atomic_store(&b->failed, 1);
+  return NULL;
+}
+
+/* Children forked while other threads of the parent are inside the library, each making a
+ * communicator of its own (multiprocessing's fork start method, under a training loop whose
+ * watchdog polls): each finishes. A lock such a thread held at the fork stays held for ever in
+ * the child; before, a third of the children hung in their first ncclCommInitRank (the
+ * handle table's lock). */
+static void step_fork_busy(void) {
+  if (!begin("fork-busy")) return;
+  busy_t b = {.comm = NULL};
+  atomic_init(&b.stop, 0);
+  atomic_init(&b.failed, 0);
+  ncclUniqueId id;
+  CHECK(ncclGetUniqueId(&id));
+  CHECK(ncclCommInitRank(&b.comm, 1, id, 0));
+  pthread_t polling, reducing;
+  TEST_THREAD(&polling, busy_polling, &b);
+  TEST_THREAD(&reducing, busy_reducing, &b);
+  int forks = 20, hung = 0, failed = 0, last = 0;
+  for (int i = 0; i < forks; i++) {
+    sleep_ms(i % 3);
+    fflush(NULL);
+    pid_t child = fork();
+    if (child < 0) {
+      EXPECT(0, "fork failed");
+      break;
+    }
+    if (child == 0) _exit(nonblocking_alone());
+    int status = 0;
+    const char* how = wait_child(child, 10, &status);
+    hung += how && !strcmp(how, "hung");
+    failed += how && strcmp(how, "hung");
+    if (how) last = status;
+    if (how) break; /* (one is enough: each hang costs its 10 s) */
+  }
+  atomic_store(&b.stop, 1);
+  pthread_join(polling, NULL);
+  pthread_join(reducing, NULL);
+  EXPECT(hung == 0 && failed == 0, "of %d children forked while threads were in the library, %d hung and %d failed (the "
+         "rest not forked; last status %#x: bit 0 init, 1 the all-reduce, 2 its value, 3 destroy)", forks, hung, failed, last);
+  EXPECT(!atomic_load(&b.failed), "the parent's busy threads saw a call fail");
+  CHECK(ncclCommDestroy(b.comm));
+}
+
 static void step_config_blocking(void) {
   if (!begin("config-blocking")) return;
   ncclComm_t comms[MAX_LOCAL];
@@ -865,6 +931,7 @@ int main(int argc, char** argv) {
   step_group_error(comms);
   step_fork(comms);
   step_fork_new();
+  step_fork_busy();
   step_memory(comms);
   step_suspend(comms);
   destroy_comms(comms);

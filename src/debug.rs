@@ -18,6 +18,7 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::Mutex;
 
+use crate::abi::fork::{self, PerFork};
 use crate::params;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -74,11 +75,18 @@ pub mod subsys {
 static INITIALISED: AtomicBool = AtomicBool::new(false);
 static LEVEL: AtomicU8 = AtomicU8::new(0);
 static MASK: AtomicU32 = AtomicU32::new(0);
-static SINK: Mutex<Option<File>> = Mutex::new(None);
+/// NCCL_DEBUG_FILE's file (None: stdout). A forked child keeps it (a copy of the descriptor),
+/// unless a thread of the parent was writing a line at the fork: then it logs to stdout.
+static SINK: PerFork<Mutex<Option<File>>> = PerFork::new(inherit_sink);
 static VERSION_PRINTED: AtomicBool = AtomicBool::new(false);
 /// Levels (bit `1 << level`) whose lines start with a timestamp, and its strftime format.
 static TS_LEVELS: AtomicU32 = AtomicU32::new(1 << Level::Warn as u8);
-static TS_FORMAT: Mutex<String> = Mutex::new(String::new());
+static TS_FORMAT: PerFork<Mutex<String>> = PerFork::new(fork::inherit);
+
+fn inherit_sink(parents: Option<&Mutex<Option<File>>>) -> Mutex<Option<File>> {
+    let file = parents.and_then(|m| m.try_lock().ok()).and_then(|g| g.as_ref().and_then(|f| f.try_clone().ok()));
+    Mutex::new(file)
+}
 
 thread_local! {
     /// The rank shown in `[...]` on lines this thread writes (-1: none known yet, shown as 0
@@ -270,11 +278,7 @@ fn emit(line: &str) {
             let _ = f.write_all(line.as_bytes());
             let _ = f.flush();
         }
-        None => {
-            let mut out = std::io::stdout().lock();
-            let _ = out.write_all(line.as_bytes());
-            let _ = out.flush();
-        }
+        None => fork::write_stdout(line.as_bytes()),
     }
 }
 

@@ -4,6 +4,8 @@
 
 use std::fmt;
 
+use crate::abi::fork::PerFork;
+
 /// NCCL's result codes, with NCCL's values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(i32)]
@@ -126,15 +128,25 @@ macro_rules! ensure {
 
 /// The last error message, process-wide as in NCCL (`ncclGetLastError`), NUL-terminated in
 /// a static buffer: the pointer handed out is never freed, only overwritten by a later error.
-static LAST_ERROR: std::sync::Mutex<[u8; 1024]> = std::sync::Mutex::new([0; 1024]);
+/// A forked child keeps its parent's unless a thread was setting it at the fork.
+static LAST_ERROR: PerFork<std::sync::Mutex<LastError>> = PerFork::new(crate::abi::fork::inherit);
+
+#[derive(Clone)]
+struct LastError([u8; 1024]);
+
+impl Default for LastError {
+    fn default() -> Self {
+        LastError([0; 1024])
+    }
+}
 
 pub fn set_last_error(text: &str) {
-    let mut buf = LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner());
+    let buf = &mut LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner()).0;
     let bytes: Vec<u8> = text.bytes().filter(|&b| b != 0).take(buf.len() - 1).collect();
     buf[..bytes.len()].copy_from_slice(&bytes);
     buf[bytes.len()] = 0;
 }
 
 pub fn last_error_ptr() -> *const u8 {
-    LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner()).as_ptr()
+    LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner()).0.as_ptr()
 }

@@ -3,7 +3,9 @@
 //! nothing else in the crate calls `std::env::var`. `ncclResetDebugInit` re-reads it.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, RwLock};
+
+use crate::abi::fork::PerFork;
 
 /// One variable: its name, its default as text (empty: unset), and what it does.
 pub struct Param {
@@ -59,9 +61,15 @@ struct Snapshot {
     values: HashMap<&'static str, String>,
 }
 
+/// A forked child keeps its parent's values, as NCCL's children do; it reads the environment
+/// again only if a thread of the parent was replacing them at the fork.
+static SLOT: PerFork<RwLock<Arc<Snapshot>>> = PerFork::new(|parents| {
+    let kept = parents.and_then(|lock| lock.try_read().ok().map(|s| Arc::clone(&s)));
+    RwLock::new(kept.unwrap_or_else(|| Arc::new(read_env())))
+});
+
 fn slot() -> &'static RwLock<Arc<Snapshot>> {
-    static SLOT: OnceLock<RwLock<Arc<Snapshot>>> = OnceLock::new();
-    SLOT.get_or_init(|| RwLock::new(Arc::new(read_env())))
+    SLOT.get()
 }
 
 fn read_env() -> Snapshot {
@@ -117,7 +125,7 @@ pub fn int(name: &str) -> i64 {
     match raw(name) {
         None => default,
         Some(v) => parse_int(&v).unwrap_or_else(|| {
-            static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+            static SAID: PerFork<std::sync::Mutex<Vec<String>>> = PerFork::new(crate::abi::fork::inherit);
             let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
             if !said.iter().any(|n| n == name) {
                 said.push(name.to_string());

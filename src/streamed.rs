@@ -91,7 +91,8 @@ const WORD_STRIDE: usize = 16;
 /// every 1024th), are never freed and never reused: a stream may still wait on a word after
 /// its communicator was aborted.
 fn completion_word(ordinal: i32) -> Result<(&'static MappedHost, usize)> {
-    static SLABS: Mutex<Vec<(i32, &'static MappedHost, usize)>> = Mutex::new(Vec::new());
+    static SLABS: crate::abi::fork::PerForkMutex<Vec<(i32, &'static MappedHost, usize)>> =
+        crate::abi::fork::PerFork::new(crate::abi::fork::anew);
     let mut slabs = SLABS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((_, mem, next)) = slabs.iter_mut().find(|(o, _, next)| *o == ordinal && *next < WORDS_PER_SLAB) {
         *next += 1;
@@ -572,7 +573,7 @@ pub fn drain(comm: &Comm) {
 
 /// The communicator's worker, started on first use.
 fn streamed(comm: &Arc<Comm>) -> Result<&Arc<Streamed>> {
-    static STARTING: Mutex<()> = Mutex::new(());
+    static STARTING: crate::abi::fork::PerFork<Mutex<()>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
     let cell: &OnceLock<Arc<Streamed>> = &comm.streamed;
     if let Some(s) = cell.get() {
         return Ok(s);

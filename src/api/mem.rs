@@ -16,7 +16,8 @@ use crate::error::{Error, Result};
 
 /// Device memory from `ncclMemAlloc` not freed yet. `ncclMemFree` frees only these: handed
 /// any other allocation's start (PyTorch's, say) the driver would free it under its owner.
-static DEVICE_BLOCKS: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+static DEVICE_BLOCKS: crate::abi::fork::PerFork<Mutex<Option<HashSet<usize>>>> =
+    crate::abi::fork::PerFork::new(crate::abi::fork::inherit);
 
 fn device_blocks() -> std::sync::MutexGuard<'static, Option<HashSet<usize>>> {
     DEVICE_BLOCKS.lock().unwrap_or_else(|p| p.into_inner())
@@ -81,7 +82,7 @@ struct Windows {
     owners: std::collections::HashMap<usize, std::sync::Weak<Comm>>,
 }
 
-static WINDOWS: Mutex<Option<Windows>> = Mutex::new(None);
+static WINDOWS: crate::abi::fork::PerFork<Mutex<Option<Windows>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 /// Notified when a window is registered (a put may arrive before its target registered it).
 static REGISTERED: std::sync::Condvar = std::sync::Condvar::new();
 

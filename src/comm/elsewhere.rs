@@ -5,6 +5,8 @@
 
 use std::sync::{Mutex, Weak};
 
+use crate::abi::fork::{self, PerFork};
+
 use super::{STATUS_RUNNING, STATUS_STREAM};
 use crate::transport::STAMP_BYTES;
 
@@ -15,24 +17,18 @@ struct Entry {
     rank: usize,
     nranks: usize,
     running: Weak<Mutex<Vec<u8>>>,
-    /// The fork generation of the process that made it (`abi::fork::generation`): a forked
-    /// child inherits the list, not the communicators, whose statuses stay as they were at
-    /// the fork.
-    generation: u64,
 }
 
-static LIVE: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+/// A forked child starts with none: it inherits the parent's communicators' statuses, not the
+/// communicators, and their statuses stay as they were at the fork.
+static LIVE: PerFork<Mutex<Vec<Entry>>> = PerFork::new(fork::anew);
 
 /// Enlist a communicator that has become ready (its status bytes, kept up to date by it).
 /// Entries whose communicator is gone are dropped here.
 pub fn enlist(serial: u64, hash: u64, rank: usize, nranks: usize, running: &crate::bootstrap::service::Status) {
-    enlist_in(crate::abi::fork::generation(), serial, hash, rank, nranks, running);
-}
-
-fn enlist_in(generation: u64, serial: u64, hash: u64, rank: usize, nranks: usize, running: &crate::bootstrap::service::Status) {
     let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
     live.retain(|e| e.running.strong_count() > 0);
-    live.push(Entry { serial, hash, rank, nranks, running: std::sync::Arc::downgrade(running), generation });
+    live.push(Entry { serial, hash, rank, nranks, running: std::sync::Arc::downgrade(running) });
 }
 
 /// The calls this process's communicators other than `serial` are in now, in words (None:
@@ -40,8 +36,7 @@ fn enlist_in(generation: u64, serial: u64, hash: u64, rank: usize, nranks: usize
 pub fn running_except(serial: u64) -> Option<String> {
     let live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
     let mut said = Vec::new();
-    let generation = crate::abi::fork::generation();
-    for e in live.iter().filter(|e| e.serial != serial && e.generation == generation) {
+    for e in live.iter().filter(|e| e.serial != serial) {
         let Some(running) = e.running.upgrade() else { continue };
         let bytes = running.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let (tag, stamps) = match bytes.split_first() {
@@ -56,28 +51,4 @@ pub fn running_except(serial: u64) -> Option<String> {
                           e.hash, e.rank, e.nranks));
     }
     (!said.is_empty()).then(|| said.join("; "))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A communicator of the parent a forked child inherits the list from is not named: its
-    /// status is what it was at the fork.
-    #[test]
-    fn a_parents_communicators_are_not_named_in_a_forked_child() {
-        let (mine, parents) = (crate::bootstrap::service::Status::default(), crate::bootstrap::service::Status::default());
-        let now = crate::abi::fork::generation();
-        let stamp = [0u8; STAMP_BYTES];
-        for s in [&mine, &parents] {
-            let mut b = s.lock().unwrap();
-            b.push(STATUS_RUNNING);
-            b.extend_from_slice(&stamp);
-        }
-        enlist_in(now, u64::MAX - 10, 0xaaa1, 0, 2, &mine);
-        enlist_in(now.wrapping_sub(1), u64::MAX - 11, 0xbbb2, 1, 2, &parents);
-        let said = running_except(u64::MAX - 12).unwrap_or_default();
-        assert!(said.contains("0xaaa1"), "{said}");
-        assert!(!said.contains("0xbbb2"), "{said}");
-    }
 }

@@ -3,9 +3,10 @@
 //! destroyed handle is an `ncclInvalidArgument`, never a dereference of freed memory.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, RwLock, TryLockError};
 
 use super::Comm;
+use crate::abi::fork::PerFork;
 use crate::error::{Error, Result};
 
 /// Keys are addresses of our own tokens, not attacker-chosen: a multiplicative hash is enough
@@ -29,9 +30,23 @@ impl std::hash::Hasher for AddrHasher {
 
 type Registry = HashMap<usize, Arc<Comm>, std::hash::BuildHasherDefault<AddrHasher>>;
 
+/// A forked child gets a copy (its calls on an inherited handle are refused by name, and
+/// destroying one forgets it), made without waiting: a thread of the parent may have held
+/// the lock at the fork, and then would hold it for ever. If a thread was changing the map
+/// then, the copy is empty and an inherited handle is "not a communicator".
+static REGISTRY: PerFork<RwLock<Registry>> = PerFork::new(inherit);
+
+fn inherit(parents: Option<&RwLock<Registry>>) -> RwLock<Registry> {
+    let copy = parents.and_then(|lock| match lock.try_read() {
+        Ok(map) => Some(map.clone()),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner().clone()),
+        Err(TryLockError::WouldBlock) => None,
+    });
+    RwLock::new(copy.unwrap_or_default())
+}
+
 fn registry() -> &'static RwLock<Registry> {
-    static R: OnceLock<RwLock<Registry>> = OnceLock::new();
-    R.get_or_init(|| RwLock::new(Registry::default()))
+    REGISTRY.get()
 }
 
 /// The value C holds for a communicator.

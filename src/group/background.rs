@@ -35,7 +35,7 @@ struct Counts {
 }
 
 /// Taken while a job takes its tickets on every communicator it uses.
-static ISSUE: Mutex<()> = Mutex::new(());
+static ISSUE: crate::abi::fork::PerFork<Mutex<()>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 impl Background {
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
@@ -158,13 +158,14 @@ pub fn start_anyway(comms: Vec<Arc<Comm>>, run: Box<dyn FnOnce() -> Result<()> +
 
 type Task = Box<dyn FnOnce() + Send>;
 
-/// Threads that ran a job and wait for the next (each with its number, and the fork
-/// generation of the process it runs in): jobs run on them rather than on a thread started per
-/// call. Jobs may wait for each other (ranks of this process), so each runs on a thread of its
-/// own: one is started when none is idle.
-static IDLE: Mutex<Vec<Idle>> = Mutex::new(Vec::new());
+/// Threads that ran a job and wait for the next (each with its number): jobs run on them
+/// rather than on a thread started per call. Jobs may wait for each other (ranks of this
+/// process), so each runs on a thread of its own: one is started when none is idle. A forked
+/// child starts with none: it inherits the list, not the threads, and a task sent to one would
+/// never run (found by a probe: a child's nonblocking all-reduce stayed in progress for ever).
+static IDLE: crate::abi::fork::PerFork<Mutex<Vec<Idle>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
-type Idle = (u64, u64, std::sync::mpsc::Sender<Task>);
+type Idle = (u64, std::sync::mpsc::Sender<Task>);
 /// How long an idle thread waits for a job before it ends.
 const IDLE_FOR: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -175,14 +176,8 @@ fn idle() -> std::sync::MutexGuard<'static, Vec<Idle>> {
 /// Run `task` on an idle thread, or on a new one.
 fn on_a_thread(task: Task) -> std::io::Result<()> {
     let mut task = task;
-    let generation = crate::abi::fork::generation();
     loop {
-        let Some((_, born, tx)) = idle().pop() else { break };
-        // A forked child inherits the list, not the threads: a task sent to one would never
-        // run (found by a probe: a child's nonblocking all-reduce stayed in progress for ever).
-        if born != generation {
-            continue;
-        }
+        let Some((_, tx)) = idle().pop() else { break };
         // A thread takes what is sent to it once it is taken off the list (`serve`); only one
         // that died (it cannot: tasks catch their panics) would hand the task back.
         match tx.send(task) {
@@ -206,12 +201,12 @@ fn serve(me: u64, first: Task) {
     let mut next = Some(first);
     while let Some(task) = next.take() {
         task();
-        idle().push((me, crate::abi::fork::generation(), tx.clone()));
+        idle().push((me, tx.clone()));
         next = match rx.recv_timeout(IDLE_FOR) {
             Ok(t) => Some(t),
             Err(_) => {
                 let mut list = idle();
-                match list.iter().position(|(n, _, _)| *n == me) {
+                match list.iter().position(|(n, _)| *n == me) {
                     // Nobody took it: it ends.
                     Some(k) => {
                         list.remove(k);

@@ -50,7 +50,7 @@ const HEAD: usize = 256;
 
 /// Blocks of graphs that are gone, for later captures. Never freed: they come back on the
 /// driver's thread, where freeing is not allowed.
-static SPARES: Mutex<Vec<MappedHost>> = Mutex::new(Vec::new());
+static SPARES: crate::abi::fork::PerFork<Mutex<Vec<MappedHost>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 /// Pinned host memory a captured call stages through; back to [`SPARES`] on drop.
 struct Block(Option<MappedHost>);

@@ -36,13 +36,12 @@ pub const REQUEST_BYTES: usize = 32;
 pub type Handler = fn(&[u8; REQUEST_BYTES]) -> Result<OwnedFd>;
 
 struct Server {
-    pid: u32,
     handler: Handler,
     address: Address,
 }
 
 /// This process's servers, one per handler (a forked child starts its own).
-static SERVERS: Mutex<Vec<Arc<Server>>> = Mutex::new(Vec::new());
+static SERVERS: crate::abi::fork::PerFork<Mutex<Vec<Arc<Server>>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 fn socket_name(name: u64) -> String {
     format!("nccl-rs-fds-{name:016x}")
@@ -51,8 +50,6 @@ fn socket_name(name: u64) -> String {
 /// Where this process serves the descriptors `handler` makes (the server starts on first use).
 pub fn serve(handler: Handler) -> Result<Address> {
     let mut servers = SERVERS.lock().unwrap_or_else(|p| p.into_inner());
-    let pid = std::process::id();
-    servers.retain(|s| s.pid == pid);
     if let Some(s) = servers.iter().find(|s| std::ptr::fn_addr_eq(s.handler, handler)) {
         return Ok(s.address);
     }
@@ -60,7 +57,7 @@ pub fn serve(handler: Handler) -> Result<Address> {
     let sys = |what: &str, e: std::io::Error| Error::system(format!("descriptor server: {what}: {e}"));
     let addr = SocketAddr::from_abstract_name(socket_name(address.name)).map_err(|e| sys("address", e))?;
     let listener = UnixListener::bind_addr(&addr).map_err(|e| sys("bind", e))?;
-    let s = Arc::new(Server { pid, handler, address });
+    let s = Arc::new(Server { handler, address });
     let serving = s.clone();
     std::thread::Builder::new()
         .name("nccl-rs-fds".into())

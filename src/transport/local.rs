@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::ring::{ring_bytes, Mapping, RingRecv, RingSend};
@@ -18,9 +18,12 @@ struct Table {
     posted: Condvar,
 }
 
+/// A forked child starts empty: the rings offered are its parent's communicators'.
+static TABLE: crate::abi::fork::PerFork<Table> =
+    crate::abi::fork::PerFork::new(|_| Table { rings: Mutex::new(HashMap::new()), posted: Condvar::new() });
+
 fn table() -> &'static Table {
-    static T: OnceLock<Table> = OnceLock::new();
-    T.get_or_init(|| Table { rings: Mutex::new(HashMap::new()), posted: Condvar::new() })
+    TABLE.get()
 }
 
 /// The ring rank `from` offers rank `to`, whose bootstrap service listens on `to_port` (which

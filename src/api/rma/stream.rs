@@ -109,7 +109,7 @@ struct Spare {
     slots: u32,
 }
 
-static SPARES: Mutex<Vec<Spare>> = Mutex::new(Vec::new());
+static SPARES: crate::abi::fork::PerFork<Mutex<Vec<Spare>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 /// One communicator's sender and staging (CUDA mode with stream waits).
 pub(super) struct Gated {

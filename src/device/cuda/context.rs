@@ -136,7 +136,8 @@ pub fn pci_bus_id(ordinal: i32) -> Result<String> {
 /// process's life, so later calls ask the driver nothing. The caller's current context is
 /// left as it was.
 pub fn peer_access(from: i32, to: i32) -> bool {
-    static KNOWN: Mutex<Vec<((i32, i32), bool)>> = Mutex::new(Vec::new());
+    static KNOWN: crate::abi::fork::PerForkMutex<Vec<((i32, i32), bool)>> =
+        crate::abi::fork::PerFork::new(crate::abi::fork::inherit);
     if from == to {
         return true;
     }
@@ -241,7 +242,7 @@ impl Context {
     /// The primary context of device `ordinal`, retained on first use; what is current on
     /// the calling thread stays so.
     pub fn retain(ordinal: i32) -> Result<&'static Context> {
-        static TABLE: Mutex<Vec<&'static Context>> = Mutex::new(Vec::new());
+        static TABLE: crate::abi::fork::PerFork<Mutex<Vec<&'static Context>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
         driver("cuDevicePrimaryCtxRetain", || {
             ensure_init()?;
             let mut table = TABLE.lock().unwrap_or_else(|p| p.into_inner());

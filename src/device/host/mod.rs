@@ -244,8 +244,9 @@ pub fn read_scalar(dt: DataType, p: UserPtr) -> Result<Scalar> {
 /// Blocks of `ncclMemAlloc` in host mode that are not freed yet: address -> layout. A pointer
 /// not in it (never allocated here, or freed already) is refused, never handed to the
 /// allocator.
-static HOST_BLOCKS: std::sync::Mutex<Option<std::collections::HashMap<usize, std::alloc::Layout>>> =
-    std::sync::Mutex::new(None);
+/// A forked child keeps them (its copies of the blocks are its own to free).
+static HOST_BLOCKS: crate::abi::fork::PerFork<std::sync::Mutex<Option<std::collections::HashMap<usize, std::alloc::Layout>>>> =
+    crate::abi::fork::PerFork::new(crate::abi::fork::inherit);
 
 /// `ncclMemAlloc` in host mode: page-aligned, zeroed host memory.
 pub fn alloc(size: usize) -> Result<*mut c_void> {

@@ -123,7 +123,8 @@ pub(super) fn decode_segment(b: &[u8]) -> Segment {
 /// Allocations of the virtual memory API that operations in flight published, with their
 /// devices: the only ones the descriptor server exports. Each is held by its operation's
 /// offer ([`InFlight`]).
-static PUBLISHED: Mutex<Vec<(Segment, Weak<()>)>> = Mutex::new(Vec::new());
+static PUBLISHED: crate::abi::fork::PerForkMutex<Vec<(Segment, Weak<()>)>> =
+    crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 /// Held by an operation's offer while it is in flight: the allocations it published may be
 /// exported to peers until it is dropped.
@@ -368,7 +369,8 @@ impl Maps {
 /// `cuMemGetAddressRange` gave them (the start the handle names); no handle for one without
 /// (the virtual memory API's, a stream-ordered allocator's pools). A buffer published again
 /// costs one driver call, not two (`calls` in ffi-tests/cuda.c counts them).
-static HANDLES: Mutex<Option<std::collections::HashMap<u64, Handled>>> = Mutex::new(None);
+static HANDLES: crate::abi::fork::PerFork<Mutex<Option<std::collections::HashMap<u64, Handled>>>> =
+    crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 /// An allocation's start, size and CUDA IPC handle (see [`HANDLES`]).
 type Handled = (usize, usize, Option<IpcHandle>);
 const HANDLES_KEPT: usize = 4096;
