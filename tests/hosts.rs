@@ -161,6 +161,36 @@ fn shm_disable_uses_sockets_inside_a_host() {
     transports_on_one_machine(None, &[("NCCL_SHM_DISABLE", "1"), ("NCCL_SOCKET_IFNAME", "lo")], &["Socket"]);
 }
 
+/// Containers of one machine that share its name and network, so its host identity, but not
+/// its pids or its /dev/shm: processes 0 and 1 each run in a pid namespace of their own (both
+/// are pid 1 there), process 2 with a /dev/shm of its own, processes 3 and 4 plainly. Only 3
+/// and 4 share memory; every other pair takes sockets, and results are exact. Before, 0 and 1
+/// were taken for one process (same host, same pid) and each waited for ever for the other's
+/// in-process ring; 2 and a plain process failed: "the sending rank removed its ring".
+#[test]
+fn containers_of_one_machine_share_memory_only_where_they_can() {
+    if skip_netns() {
+        return;
+    }
+    let own_pids = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"];
+    let own_shm = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec \"$@\"", "sh"];
+    let o = Job::new("collectives").procs(5).arg("--quick").arg("--only").arg("AlltoAll")
+        .env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "INIT")
+        .wrap(0, &own_pids).wrap(1, &own_pids).wrap(2, &own_shm)
+        .timeout_s(90).run_outcome();
+    expect_ok(&o);
+    let conns = connections(&o);
+    let listed: Vec<String> = conns.iter().map(|(a, b, k)| format!("{a}->{b} {k}")).collect();
+    assert_eq!(conns.len(), 20, "every ordered pair connects once: {listed:?}\n{}", o.report);
+    let wrong: Vec<&String> = conns.iter().zip(&listed)
+        .filter(|((a, b, kind), _)| kind != if *a >= 3 && *b >= 3 { "Shm" } else { "Socket" })
+        .map(|(_, l)| l)
+        .collect();
+    assert!(wrong.is_empty(), "wrong transports: {wrong:?}\n{}", o.report);
+    o.clean();
+}
+
 /// 4 hosts x 1 rank: every connection crosses an interface; collectives and p2p.
 #[test]
 fn four_hosts_collectives_and_p2p() {

@@ -210,11 +210,14 @@ fn gpu_place(cuda_dev: i32) -> bootstrap::topo::GpuPlace {
 fn join_job(comm: &Comm, id: &UniqueId) -> Result<()> {
     crate::debug::set_rank(comm.rank as i32);
     crate::debug::print_version_once();
+    let (pid_ns, shm_fs) = bootstrap::process_space();
     let me = PeerInfo {
         rank: comm.rank,
         pid: std::process::id(),
         cuda_dev: comm.cuda_dev,
         host_hash: bootstrap::host_hash(),
+        pid_ns,
+        shm_fs,
         hostname: crate::debug::hostname(),
         addr: ([0, 0, 0, 0], 0).into(),
         slice: (params::buffsize() / SLOTS) as u32,

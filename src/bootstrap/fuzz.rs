@@ -41,6 +41,8 @@ fn info() -> PeerInfo {
         pid: 4242,
         cuda_dev: 0,
         host_hash: 77,
+        pid_ns: 4026531836,
+        shm_fs: 0x5eed_f00d,
         hostname: "host-a".into(),
         addr: "10.0.0.1:5555".parse().unwrap(),
         slice: 1 << 18,

@@ -30,6 +30,10 @@ pub struct PeerInfo {
     pub cuda_dev: i32,
     /// Same value on every process of one host (hostname + boot id, or NCCL_HOSTID).
     pub host_hash: u64,
+    /// Its pid namespace and its /dev/shm ([`process_space`]): two containers of one host
+    /// that share its name and network may still have pids and /dev/shm of their own.
+    pub pid_ns: u64,
+    pub shm_fs: u64,
     pub hostname: String,
     /// The rank's bootstrap service.
     pub addr: SocketAddr,
@@ -123,6 +127,8 @@ impl PeerInfo {
             .u32(self.pid)
             .u32(self.cuda_dev as u32)
             .u64(self.host_hash)
+            .u64(self.pid_ns)
+            .u64(self.shm_fs)
             .str(&self.hostname)
             .str(&self.addr.to_string())
             .u32(self.slice)
@@ -139,6 +145,7 @@ impl PeerInfo {
         let pid = r.u32()?;
         let cuda_dev = r.u32()? as i32;
         let host_hash = r.u64()?;
+        let (pid_ns, shm_fs) = (r.u64()?, r.u64()?);
         let hostname = r.str()?;
         let addr = r.str()?.parse().map_err(|_| Error::system("bootstrap: malformed peer address"))?;
         let slice = r.u32()?;
@@ -149,13 +156,24 @@ impl PeerInfo {
         let nvlinks = r.u32()? as usize;
         let nvlink = (0..nvlinks).map(|_| r.str()).collect::<Result<Vec<_>>>()?;
         let gpu = topo::GpuPlace { bus, path, numa, nvlink, nvswitch: r.u8()? != 0 };
-        Ok(PeerInfo { rank, pid, cuda_dev, host_hash, hostname, addr, slice, nsocks, links, gpu })
+        Ok(PeerInfo { rank, pid, cuda_dev, host_hash, pid_ns, shm_fs, hostname, addr, slice, nsocks, links, gpu })
     }
     pub fn same_host(&self, other: &PeerInfo) -> bool {
         self.host_hash == other.host_hash
     }
+    /// One host and one pid namespace: a pid of `other` names the same process here. Two
+    /// containers on one host with its name (host networking) each have a pid 1, and were
+    /// taken for one process: each waited for ever for the other's in-process ring.
+    pub fn same_pids(&self, other: &PeerInfo) -> bool {
+        self.same_host(other) && self.pid_ns == other.pid_ns
+    }
     pub fn same_process(&self, other: &PeerInfo) -> bool {
-        self.same_host(other) && self.pid == other.pid
+        self.same_pids(other) && self.pid == other.pid
+    }
+    /// Shared-memory rings need one /dev/shm (a ring is a file there) and pids in common (a
+    /// peer's exit is seen by its pid; large messages are read from its memory by pid).
+    pub fn shares_memory(&self, other: &PeerInfo) -> bool {
+        self.same_pids(other) && self.shm_fs == other.shm_fs
     }
 
     /// Whether this rank and `other` may read each other's device buffers directly (CUDA
@@ -178,6 +196,19 @@ pub fn host_hash() -> u64 {
         format!("{}{}", crate::debug::hostname(), boot.trim())
     });
     id::magic_of(&text)
+}
+
+/// This process's pid namespace and /dev/shm, as numbers that are equal where they are the
+/// same (the namespace's inode; the file system's device and inode). 0 for one that cannot be
+/// read (no /proc): then alike for every process that cannot, as before they were told apart.
+pub fn process_space() -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let pid_ns = std::fs::read_link("/proc/self/ns/pid").ok().and_then(|l| {
+        let text = l.to_string_lossy().into_owned();
+        text.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
+    });
+    let shm_fs = std::fs::metadata("/dev/shm").ok().map(|m| id::magic_of(&format!("{}:{}", m.dev(), m.ino())));
+    (pid_ns.unwrap_or(0), shm_fs.unwrap_or(0))
 }
 
 /// The address this process listens on: the first chosen interface (loopback if none). An

@@ -386,7 +386,7 @@ mod tests {
         let addr = listener.local_addr().expect("its address");
         let root = std::thread::spawn(move || serve(listener, 7, Some(Duration::from_millis(500))));
         let mut s = TcpStream::connect(addr).expect("a connection");
-        let me = PeerInfo { rank: 0, pid: 1, cuda_dev: 0, host_hash: 1, hostname: "h".into(),
+        let me = PeerInfo { rank: 0, pid: 1, cuda_dev: 0, host_hash: 1, pid_ns: 1, shm_fs: 1, hostname: "h".into(),
                             addr: "127.0.0.1:1".parse().expect("an address"), slice: 4096, nsocks: 1,
                             links: crate::bootstrap::Links::local(), gpu: Default::default() };
         let mut w = Writer::default();

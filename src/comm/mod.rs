@@ -755,7 +755,7 @@ impl Comm {
         // by at most PROBERS threads, each taking a share of them (pings wait up to 1 s); a
         // thread that cannot start leaves its share to this one.
         let (here, others): (Vec<_>, Vec<_>) =
-            ready.peers.iter().filter(|p| p.rank != self.rank).partition(|p| p.same_host(me));
+            ready.peers.iter().filter(|p| p.rank != self.rank).partition(|p| p.same_pids(me));
         const PROBERS: usize = 32;
         let share = others.len().div_ceil(PROBERS).max(1);
         std::thread::scope(|s| {
@@ -788,7 +788,7 @@ impl Comm {
 
     fn gone(ready: &Ready, me: &crate::bootstrap::PeerInfo, p: &crate::bootstrap::PeerInfo) -> Option<(String, bool)> {
         use crate::bootstrap::service::Reach;
-        if p.same_host(me) {
+        if p.same_pids(me) {
             (!crate::transport::ring::pid_alive(p.pid)).then(|| ("its process exited".to_string(), true))
         } else {
             // Its host refusing the connection is as certain as an exited process here: its
@@ -1003,7 +1003,7 @@ impl Comm {
         *said = true;
         drop(silent);
         match (ready.peers.get(self.rank), ready.peers.get(peer)) {
-            (Some(me), Some(p)) if p.same_host(me) => PeerRuns::Silent(Silence::of_process(p.pid)),
+            (Some(me), Some(p)) if p.same_pids(me) => PeerRuns::Silent(Silence::of_process(p.pid)),
             _ => PeerRuns::Silent(Silence::Remote),
         }
     }

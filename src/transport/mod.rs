@@ -93,7 +93,7 @@ pub fn choose(me: &PeerInfo, peer: &PeerInfo) -> Kind {
     let links = me.links.with(peer.links);
     if me.same_process(peer) && links.p2p {
         Kind::Local
-    } else if me.same_host(peer) && links.shm {
+    } else if me.shares_memory(peer) && links.shm {
         Kind::Shm
     } else {
         Kind::Socket
@@ -216,7 +216,12 @@ pub fn offer(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
         },
         Kind::Socket => Box::new(socket_send(ctx, me, other, peer)?),
     };
-    crate::info!(INIT, "rank {} -> rank {} via {:?}", ctx.rank, peer, conn.kind());
+    let why = if conn.kind() == Kind::Socket && me.same_host(other) && !me.shares_memory(other) {
+        " (same host, but another pid namespace or /dev/shm: a container of its own)"
+    } else {
+        ""
+    };
+    crate::info!(INIT, "rank {} -> rank {} via {:?}{why}", ctx.rank, peer, conn.kind());
     conns.send[peer] = Some(conn);
     Ok(())
 }
@@ -259,8 +264,30 @@ mod tests {
     use std::time::Duration;
 
     fn peer(rank: usize, pid: u32, service: &Service) -> PeerInfo {
-        PeerInfo { rank, pid, cuda_dev: 0, host_hash: 0x5eed, hostname: "here".into(), addr: service.addr, slice: 1 << 16,
-                   nsocks: 1, links: Links { shm: true, ..Links::local() }, gpu: Default::default() }
+        PeerInfo { rank, pid, cuda_dev: 0, host_hash: 0x5eed, pid_ns: 7, shm_fs: 9, hostname: "here".into(),
+                   addr: service.addr, slice: 1 << 16, nsocks: 1, links: Links { shm: true, p2p: true, ..Links::local() },
+                   gpu: Default::default() }
+    }
+
+    /// Containers of one host that share its name and network (so its host hash) but not its
+    /// pids or its /dev/shm: the same pid in two of them is two processes, and a ring in one's
+    /// /dev/shm cannot be opened in the other. Sockets connect them. Before, two processes of
+    /// pid 1 (each its container's first) took in-process rings, and each waited for ever
+    /// for the other's (found by a probe with `unshare --pid`).
+    #[test]
+    fn containers_of_one_host_connect_through_sockets() {
+        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let service = Service::start(ip, 0xfeed, 0).unwrap();
+        let a = peer(0, 1, &service);
+        assert_eq!(choose(&a, &peer(1, 1, &service)), Kind::Local, "one process");
+        assert_eq!(choose(&a, &peer(1, 2, &service)), Kind::Shm, "two processes of one host");
+        let own_pids = |rank, pid| PeerInfo { pid_ns: 8, ..peer(rank, pid, &service) };
+        assert_eq!(choose(&a, &own_pids(1, 1)), Kind::Socket, "pid 1 of another pid namespace");
+        assert_eq!(choose(&a, &own_pids(1, 2)), Kind::Socket, "pid 2 of another pid namespace");
+        assert!(!a.same_process(&own_pids(1, 1)) && a.same_host(&own_pids(1, 1)));
+        let own_shm = PeerInfo { shm_fs: 10, ..peer(1, 2, &service) };
+        assert_eq!(choose(&a, &own_shm), Kind::Socket, "a /dev/shm of its own");
+        assert_eq!(choose(&own_pids(0, 5), &own_pids(1, 6)), Kind::Shm, "two processes of one container");
     }
 
     /// A receiver waits for a ring's name in slices (`group::accept_watching`). A slice that
