@@ -201,7 +201,13 @@ pub fn host_hash() -> u64 {
 /// This process's pid namespace and /dev/shm, as numbers that are equal where they are the
 /// same (the namespace's inode; the file system's device and inode). 0 for one that cannot be
 /// read (no /proc): then alike for every process that cannot, as before they were told apart.
+/// Read once (a process never changes its pid namespace).
 pub fn process_space() -> (u64, u64) {
+    static SPACE: std::sync::OnceLock<(u64, u64)> = std::sync::OnceLock::new();
+    *SPACE.get_or_init(read_process_space)
+}
+
+fn read_process_space() -> (u64, u64) {
     use std::os::unix::fs::MetadataExt;
     let pid_ns = std::fs::read_link("/proc/self/ns/pid").ok().and_then(|l| {
         let text = l.to_string_lossy().into_owned();

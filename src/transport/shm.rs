@@ -57,9 +57,10 @@ impl Drop for ShmSend {
 /// The segment rank `from` (process `pid`) creates for rank `to`, whose bootstrap service
 /// listens on `to_port`. The port tells apart communicators with the same hash (NCCL_COMM_ID
 /// gives every communicator the same unique id) that connect the same pair at once: each
-/// rank has a service, and so a port, of its own.
+/// rank has a service, and so a port, of its own. The pid namespace (the same for both ends:
+/// `PeerInfo::shares_memory`) says whose pids the pid is in, for [`sweep_stale`].
 pub fn name_for(hash: u64, from: usize, to: usize, pid: u32, to_port: u16) -> String {
-    format!("{PREFIX}{hash:016x}-{from}-{to}-{pid}-{to_port}")
+    format!("{PREFIX}{hash:016x}-{from}-{to}-{pid}-{to_port}-{:x}", crate::bootstrap::process_space().0)
 }
 
 /// A receiver whose sender died before handing over its segment removes it (survivors clean
@@ -125,9 +126,12 @@ fn sweep_stale() {
     for entry in dir.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str().filter(|n| n.starts_with(PREFIX)) else { continue };
-        // nccl-rs-<hash>-<from>-<to>-<pid>-<port> (an older build's: without the port).
+        // nccl-rs-<hash>-<from>-<to>-<pid>-<port>-<pid namespace> (older builds': without the
+        // namespace, or the port too). A pid of another namespace (a container that shares this
+        // /dev/shm, not its pids) says nothing here: its file is left to its own processes.
         let fields: Vec<&str> = name[PREFIX.len()..].split('-').collect();
-        let pid = (4..=5).contains(&fields.len()).then(|| fields[3].parse::<u32>().ok()).flatten();
+        let ours = fields.get(5).is_none_or(|ns| u64::from_str_radix(ns, 16).ok() == Some(crate::bootstrap::process_space().0));
+        let pid = ((4..=6).contains(&fields.len()) && ours).then(|| fields[3].parse::<u32>().ok()).flatten();
         let Some(pid) = pid.filter(|&p| p != std::process::id()) else { continue };
         let old = entry.metadata().ok().and_then(|m| m.modified().ok())
             .and_then(|t| t.elapsed().ok()).is_some_and(|age| age >= STALE_AFTER);
@@ -203,13 +207,18 @@ mod tests {
         let older_build = make(format!("{PREFIX}{tag}-1-0-{gone}"), old);
         let fresh = make(format!("{PREFIX}{tag}-2-0-{gone}-4242"), std::time::SystemTime::now());
         let alive = make(format!("{PREFIX}{tag}-3-0-1-4242"), old);
+        let ns = crate::bootstrap::process_space().0;
+        let named = make(format!("{PREFIX}{tag}-4-0-{gone}-4242-{ns:x}"), old);
+        let elsewhere = make(format!("{PREFIX}{tag}-5-0-{gone}-4242-{:x}", ns ^ 1), old);
         sweep_stale();
         let exists = |p: &str| std::path::Path::new(p).exists();
         let (a, b, c, d) = (exists(&stale), exists(&older_build), exists(&fresh), exists(&alive));
-        for p in [&stale, &older_build, &fresh, &alive] {
+        let (e, f) = (exists(&named), exists(&elsewhere));
+        for p in [&stale, &older_build, &fresh, &alive, &named, &elsewhere] {
             let _ = std::fs::remove_file(p);
         }
-        assert!(!a && !b, "old rings of a gone process stayed");
+        assert!(!a && !b && !e, "old rings of a gone process stayed");
+        assert!(f, "a ring named with another pid namespace was removed (its pid means another process there)");
         assert!(c, "a recent ring of a gone process was removed (its receiver may not have opened it yet)");
         assert!(d, "a ring of a live process (pid 1) was removed");
     }
