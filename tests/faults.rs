@@ -319,11 +319,12 @@ fn a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch() {
                      "it is in a receive of 40 bytes from rank 2");
 }
 
-/// The benchmark in a mount namespace of its own whose /dev/shm holds `size` (needs root, as
-/// the network-namespace tests: `NCCL_TEST_SKIP_NETNS=1`): its exit status and output.
-fn perf_with_small_dev_shm(size: &str, env: &[(&str, &str)], args: &[&str]) -> (std::process::ExitStatus, String) {
+/// The benchmark in a mount namespace of its own whose /dev/shm is a tmpfs mounted with
+/// `options` (`size=4k`; needs root, as the network-namespace tests: `NCCL_TEST_SKIP_NETNS=1`):
+/// its exit status and output.
+fn perf_with_dev_shm(options: &str, env: &[(&str, &str)], args: &[&str]) -> (std::process::ExitStatus, String) {
     let perf = env!("CARGO_BIN_EXE_nccl-rs-perf");
-    let script = format!("mount -t tmpfs -o size={size} tmpfs /dev/shm && exec \"$0\" \"$@\"");
+    let script = format!("mount -t tmpfs -o {options} tmpfs /dev/shm && exec \"$0\" \"$@\"");
     let out = std::process::Command::new("unshare")
         .args(["-m", "sh", "-c", &script, perf])
         .args(args)
@@ -344,11 +345,26 @@ fn a_dev_shm_without_room_for_a_ring_falls_back_to_sockets() {
     if skip_netns() {
         return;
     }
-    let (status, text) = perf_with_small_dev_shm("4k", &[], &["alltoall", "-np", "3", "-b", "24", "-e", "48", "-n", "3"]);
+    let (status, text) = perf_with_dev_shm("size=4k", &[], &["alltoall", "-np", "3", "-b", "24", "-e", "48", "-n", "3"]);
     assert!(status.success(), "the all-to-all over a small /dev/shm failed:\n{text}");
     assert!(text.contains("Out of bounds values : 0 OK"), "wrong results:\n{text}");
     assert!(text.contains("/dev/shm has no room for a ring") && text.contains("sockets instead"),
             "no WARN says the pairs took sockets, and why:\n{text}");
+}
+
+/// A read-only /dev/shm (a sandbox's): the processes of the host talk TCP, said once at WARN,
+/// and every result is exact. Before, the first collective failed: "shm: create
+/// /dev/shm/...: Read-only file system".
+#[test]
+fn a_read_only_dev_shm_is_left_for_sockets() {
+    if skip_netns() {
+        return;
+    }
+    let (status, text) = perf_with_dev_shm("size=1m,ro", &[], &["allreduce", "-np", "3", "-b", "8", "-e", "1M", "-f", "16", "-n", "3"]);
+    assert!(status.success(), "the all-reduce beside a read-only /dev/shm failed:\n{text}");
+    assert!(text.contains("Out of bounds values : 0 OK"), "wrong results:\n{text}");
+    assert!(text.contains("/dev/shm cannot hold shared-memory rings (Read-only file system"),
+            "no WARN says why the processes talk TCP:\n{text}");
 }
 
 /// A ring whose messages outgrow the room /dev/shm has left (16 KiB; copies through the ring,
@@ -359,7 +375,7 @@ fn a_dev_shm_too_small_for_the_messages_is_an_error_not_sigbus() {
     if skip_netns() {
         return;
     }
-    let (status, text) = perf_with_small_dev_shm("16k", &[("NCCL_CMA_DISABLE", "1")],
+    let (status, text) = perf_with_dev_shm("size=16k", &[("NCCL_CMA_DISABLE", "1")],
                                                  &["allreduce", "-np", "2", "-b", "4M", "-e", "4M", "-n", "3"]);
     assert!(!status.success(), "a 4 MB all-reduce through a 16 KiB /dev/shm succeeded:\n{text}");
     assert!(!text.contains("killed by signal"), "a rank died of a signal:\n{text}");

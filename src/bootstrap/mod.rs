@@ -22,6 +22,15 @@ pub use id::UniqueId;
 pub use service::Service;
 use wire::{read_frame, wait_readable, write_frame, Reader, Writer};
 
+/// /dev/shm can hold rings; where it cannot, this process's settings refuse shared memory.
+fn shm_usable() -> bool {
+    let Some(why) = crate::transport::shm::unusable() else { return true };
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| crate::warn!("/dev/shm cannot hold shared-memory rings ({why}): this process talks TCP to the \
+                                    others of its host (NCCL_SHM_DISABLE=1 chooses that without this warning)"));
+    false
+}
+
 /// What each rank tells the others about itself at init.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerInfo {
@@ -79,7 +88,8 @@ impl Links {
         if let (None, Some(v)) = (level, params::raw("NCCL_P2P_LEVEL")) {
             crate::warn!("NCCL_P2P_LEVEL={v} is not a level (LOC, NVL, PIX, PXB, PHB, SYS or 0-4): ignored");
         }
-        Links { p2p, shm: !params::shm_disable(), direct: p2p && !params::p2p_level_forbids(),
+        let shm = !params::shm_disable() && shm_usable();
+        Links { p2p, shm, direct: p2p && !params::p2p_level_forbids(),
                 direct_p2p: params::direct_p2p(), direct_min: params::direct_min() as u64,
                 algo: params::raw("NCCL_ALGO").and_then(|v| crate::algo::parse_algo(&v)), level }
     }

@@ -17,6 +17,20 @@ use crate::error::{Error, Result};
 
 pub const PREFIX: &str = "nccl-rs-";
 
+/// Whether this process can make rings in /dev/shm: a directory it may write (None), or why
+/// not. A sandbox without /dev/shm, or with a read-only one, cannot; its processes then talk
+/// TCP (said once, at WARN) where before their first collective failed ("Read-only file
+/// system", "No such file or directory"). Asked once.
+pub fn unusable() -> Option<&'static str> {
+    static WHY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    WHY.get_or_init(|| {
+        // SAFETY: a NUL-terminated path; faccessat only reads it.
+        let r = unsafe { libc::faccessat(libc::AT_FDCWD, c"/dev/shm".as_ptr(), libc::W_OK | libc::X_OK, libc::AT_EACCESS) };
+        (r != 0).then(|| std::io::Error::last_os_error().to_string())
+    })
+    .as_deref()
+}
+
 /// The sending side; unlinks its file on drop (harmless if the receiver already did), unless
 /// the receiver has yet to open it and read what was sent.
 pub struct ShmSend {
