@@ -174,8 +174,9 @@ struct Mapped {
     /// Where the allocation starts in this process.
     addr: usize,
     size: usize,
-    /// Its owner and its address there: a new handle at the same place means this one is gone.
-    owner: (u32, u64),
+    /// Its owner (pid namespace and pid) and its address there: a new handle at the same place
+    /// means this one is gone.
+    owner: (u64, u64),
     used: u64,
 }
 
@@ -210,7 +211,7 @@ impl<S: AsRef<[Segment]>> Key<S> {
 /// The memory of a mapping of `old` (published by process and address `at`) is gone if its
 /// owner now publishes `new` (at `new_at`): a new IPC handle for an allocation at the same
 /// address, or other allocations of the virtual memory API where some of the old ones were.
-fn replaced<S: AsRef<[Segment]>, T: AsRef<[Segment]>>(old: &Key<S>, at: (u32, u64), new: &Key<T>, new_at: (u32, u64))
+fn replaced<S: AsRef<[Segment]>, T: AsRef<[Segment]>>(old: &Key<S>, at: (u64, u64), new: &Key<T>, new_at: (u64, u64))
                                                         -> bool {
     let end = |x: &Segment| x.addr.saturating_add(x.size);
     let overlap = |x: &Segment, y: &Segment| x.addr < end(y) && y.addr < end(x);
@@ -292,6 +293,8 @@ impl Maps {
         }
         let len = p.len as usize;
         let their_pid = theirs.pid;
+        // (Its pid namespace too: containers of one host each have their own pid 1.)
+        let process = (theirs.pid_ns << 32) | u64::from(their_pid);
         if theirs.same_process(mine) {
             // SAFETY: a rank of this process published the address of its own buffer (valid
             // for `len` bytes by its caller's contract) and keeps it until the final barrier.
@@ -309,8 +312,8 @@ impl Maps {
                 }
             }
         };
-        let owner = (their_pid, p.addr.wrapping_sub(p.off));
-        let i = match self.maps.iter().position(|m| m.owner.0 == their_pid && m.key.same(&key)) {
+        let owner = (process, p.addr.wrapping_sub(p.off));
+        let i = match self.maps.iter().position(|m| m.owner.0 == process && m.key.same(&key)) {
             Some(i) => i,
             None => {
                 // The allocation that was at this address is gone; too many open: the least
@@ -475,8 +478,10 @@ mod tests {
         // New allocations where one of them was: that one was freed.
         let reused = Key::Vmm(vec![seg(0x40_0000, 0x20_0000, 3)]);
         assert!(replaced(&two, at, &reused, (5, 0x40_0000)));
-        // ... unless they belong to another process, or lie elsewhere.
+        // ... unless they belong to another process (pid 5 of another pid namespace too), or lie
+        // elsewhere.
         assert!(!replaced(&two, at, &reused, (6, 0x40_0000)));
+        assert!(!replaced(&two, at, &reused, ((1 << 32) | 5, 0x40_0000)));
         assert!(!replaced(&two, at, &Key::Vmm(vec![seg(0x60_0000, 0x20_0000, 4)]), (5, 0x60_0000)));
         // An IPC handle is replaced by another one at the same address only.
         let (h1, h2): (Key, Key) = (Key::Ipc(IpcHandle { bytes: [1; 64] }), Key::Ipc(IpcHandle { bytes: [2; 64] }));
