@@ -75,17 +75,22 @@ pub mod subsys {
 static INITIALISED: AtomicBool = AtomicBool::new(false);
 static LEVEL: AtomicU8 = AtomicU8::new(0);
 static MASK: AtomicU32 = AtomicU32::new(0);
-/// NCCL_DEBUG_FILE's file (None: stdout). A forked child keeps it (a copy of the descriptor),
-/// unless a thread of the parent was writing a line at the fork: then it logs to stdout.
-static SINK: PerFork<Mutex<Option<File>>> = PerFork::new(inherit_sink);
+/// NCCL_DEBUG_FILE's file (None: stdout). A forked child opens it again, appending, with its
+/// own pid for `%p`: a thread of the parent may have been writing a line at the fork (with
+/// NCCL_DEBUG=TRACE, often), so the parent's may not be taken then.
+static SINK: PerFork<Mutex<Option<File>>> = PerFork::new(|parents| Mutex::new(parents.and_then(|_| open_sink(true))));
 static VERSION_PRINTED: AtomicBool = AtomicBool::new(false);
 /// Levels (bit `1 << level`) whose lines start with a timestamp, and its strftime format.
 static TS_LEVELS: AtomicU32 = AtomicU32::new(1 << Level::Warn as u8);
 static TS_FORMAT: PerFork<Mutex<String>> = PerFork::new(fork::inherit);
 
-fn inherit_sink(parents: Option<&Mutex<Option<File>>>) -> Mutex<Option<File>> {
-    let file = parents.and_then(|m| m.try_lock().ok()).and_then(|g| g.as_ref().and_then(|f| f.try_clone().ok()));
-    Mutex::new(file)
+/// The file NCCL_DEBUG_FILE names, if logging is on: emptied first (as NCCL's), or appended
+/// to (a forked child's, which may be its parent's).
+fn open_sink(append: bool) -> Option<File> {
+    let level = params::raw("NCCL_DEBUG").map(|v| parse_level(&v)).unwrap_or(Level::None);
+    let pattern = params::raw("NCCL_DEBUG_FILE").filter(|_| level > Level::None)?;
+    let path = expand_file_name(&pattern, &hostname(), std::process::id());
+    std::fs::OpenOptions::new().create(true).write(true).append(append).truncate(!append).open(path).ok()
 }
 
 thread_local! {
@@ -190,9 +195,7 @@ fn init() {
 pub fn configure() {
     let level = params::raw("NCCL_DEBUG").map(|v| parse_level(&v)).unwrap_or(Level::None);
     let mask = parse_subsys(&params::text("NCCL_DEBUG_SUBSYS"));
-    let file = params::raw("NCCL_DEBUG_FILE")
-        .filter(|_| level > Level::None)
-        .and_then(|pat| File::create(expand_file_name(&pat, &hostname(), std::process::id())).ok());
+    let file = open_sink(false);
     if let Ok(mut sink) = SINK.lock() {
         *sink = file;
     }

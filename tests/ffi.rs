@@ -696,6 +696,32 @@ fn a_forked_childs_lines_show_its_own_thread_id() {
     }
 }
 
+/// With NCCL_DEBUG_FILE naming `%p`, a forked child logs to a file of its own pid, which it
+/// opens again (a thread of the parent may have been writing to the parent's at the fork), and
+/// the parent to its own. Before, the child wrote into the parent's file, or to stdout when
+/// the parent's was in use at the fork.
+#[test]
+fn a_forked_child_logs_to_its_own_debug_file() {
+    let mut job = Job::new("lifecycle").arg("--only").arg("fork").env("NCCL_DEBUG", "INFO");
+    let dir = job.dir();
+    let o = job.env("NCCL_DEBUG_FILE", &format!("{}/nccl.%p", dir.display())).run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let logs: Vec<(String, String)> = std::fs::read_dir(&dir).unwrap().flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_prefix("nccl.")).map(|p| (p.to_string(), e.path())))
+        .map(|(pid, path)| (pid, std::fs::read_to_string(path).unwrap_or_default()))
+        .collect();
+    let names: Vec<&String> = logs.iter().map(|(p, _)| p).collect();
+    assert_eq!(logs.len(), 2, "one file per process expected, found {names:?}\n{}", o.report);
+    let parent = logs.iter().find(|(_, text)| text.contains("Init COMPLETE"));
+    let child = logs.iter().find(|(_, text)| text.contains("is a fork of it"));
+    assert!(parent.is_some() && child.is_some() && parent != child,
+            "no file of the parent (its init) and another of the child (its refused call): {logs:?}");
+    for (pid, text) in &logs {
+        assert!(text.lines().all(|l| l.contains(&format!(":{pid}:"))), "file nccl.{pid} holds another process's lines:\n{text}");
+    }
+    assert!(!o.procs[0].log.contains(" NCCL "), "lines went to stdout:\n{}", o.procs[0].log);
+}
+
 /// NCCL_DEBUG_SUBSYS selects and excludes INFO lines by subsystem: the connections are INIT
 /// ("rank A -> rank B via KIND"), the single-copy probe P2P.
 #[test]
