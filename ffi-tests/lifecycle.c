@@ -564,6 +564,16 @@ static int nonblocking_alone(void) {
   return bad | (ncclCommDestroy(c) != ncclSuccess ? 8 : 0);
 }
 
+/* Forks a child that runs nonblocking_alone() and waits up to `seconds` for it: NULL if it
+ * passed, else "fork failed", "hung" or "failed" (its wait status in `status`). */
+static const char* fork_alone(double seconds, int* status) {
+  fflush(NULL);
+  pid_t child = fork();
+  if (child < 0) return "fork failed";
+  if (child == 0) _exit(nonblocking_alone());
+  return wait_child(child, seconds, status);
+}
+
 /* A child forked after its parent ran nonblocking operations makes a communicator of its own
  * and runs nonblocking calls on it (multiprocessing's fork start method does this): they
  * finish. The child inherits the parent's list of idle threads for such calls, not the
@@ -571,15 +581,8 @@ static int nonblocking_alone(void) {
 static void step_fork_new(void) {
   if (!begin("fork-new")) return;
   EXPECT(nonblocking_alone() == 0, "the parent's nonblocking communicator of one rank");
-  fflush(NULL);
-  pid_t child = fork();
-  if (child < 0) {
-    EXPECT(0, "fork failed");
-    return;
-  }
-  if (child == 0) _exit(nonblocking_alone());
   int status = 0;
-  const char* how = wait_child(child, 30, &status);
+  const char* how = fork_alone(30, &status);
   EXPECT(how == NULL, "the forked child's nonblocking communicator %s (status %#x: bit 0 init, 1 the all-reduce, 2 its "
          "value, 3 destroy)", how, status);
 }
@@ -627,15 +630,8 @@ static void step_fork_busy(void) {
   int forks = 20, hung = 0, failed = 0, last = 0;
   for (int i = 0; i < forks; i++) {
     sleep_ms(i % 3);
-    fflush(NULL);
-    pid_t child = fork();
-    if (child < 0) {
-      EXPECT(0, "fork failed");
-      break;
-    }
-    if (child == 0) _exit(nonblocking_alone());
     int status = 0;
-    const char* how = wait_child(child, 10, &status);
+    const char* how = fork_alone(10, &status);
     hung += how && !strcmp(how, "hung");
     failed += how && strcmp(how, "hung");
     if (how) last = status;
