@@ -3,6 +3,10 @@
 //! later means the caller is a child forked after it (its threads did not come along, and its
 //! connections are the parent's). A counter bumped by a `pthread_atfork` child handler costs
 //! a load per call, where asking the kernel for the pid would cost a system call.
+//!
+//! Also what a forked child needs of its own: the process-wide locks ([`PerFork`]: one held by
+//! a parent's thread at the fork would be held for ever), and a way to stdout that takes no
+//! lock ([`write_stdout`]).
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
