@@ -18,7 +18,7 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::Mutex;
 
-use crate::abi::fork::{self, PerFork};
+use crate::abi::fork::{self, PerFork, PerForkMutex};
 use crate::params;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -78,11 +78,11 @@ static MASK: AtomicU32 = AtomicU32::new(0);
 /// NCCL_DEBUG_FILE's file (None: stdout). A forked child opens it again, appending, with its
 /// own pid for `%p`: a thread of the parent may have been writing a line at the fork (with
 /// NCCL_DEBUG=TRACE, often), so the parent's may not be taken then.
-static SINK: PerFork<Mutex<Option<File>>> = PerFork::new(|parents| Mutex::new(parents.and_then(|_| open_sink(true))));
+static SINK: PerForkMutex<Option<File>> = PerFork::new(|parents| Mutex::new(parents.and_then(|_| open_sink(true))));
 static VERSION_PRINTED: AtomicBool = AtomicBool::new(false);
 /// Levels (bit `1 << level`) whose lines start with a timestamp, and its strftime format.
 static TS_LEVELS: AtomicU32 = AtomicU32::new(1 << Level::Warn as u8);
-static TS_FORMAT: PerFork<Mutex<String>> = PerFork::new(fork::inherit);
+static TS_FORMAT: PerForkMutex<String> = PerFork::new(fork::inherit);
 
 /// The file NCCL_DEBUG_FILE names, if logging is on: emptied first (as NCCL's), or appended
 /// to (a forked child's, which may be its parent's).

@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use crate::abi::fork::PerFork;
+use crate::abi::fork::{PerFork, PerForkMutex};
 
 /// NCCL's result codes, with NCCL's values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -129,7 +129,7 @@ macro_rules! ensure {
 /// The last error message, process-wide as in NCCL (`ncclGetLastError`), NUL-terminated in
 /// a static buffer: the pointer handed out is never freed, only overwritten by a later error.
 /// A forked child keeps its parent's unless a thread was setting it at the fork.
-static LAST_ERROR: PerFork<std::sync::Mutex<LastError>> = PerFork::new(crate::abi::fork::inherit);
+static LAST_ERROR: PerForkMutex<LastError> = PerFork::new(crate::abi::fork::inherit);
 
 #[derive(Clone)]
 struct LastError([u8; 1024]);

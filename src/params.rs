@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use crate::abi::fork::PerFork;
+use crate::abi::fork::{PerFork, PerForkMutex};
 
 /// One variable: its name, its default as text (empty: unset), and what it does.
 pub struct Param {
@@ -125,7 +125,7 @@ pub fn int(name: &str) -> i64 {
     match raw(name) {
         None => default,
         Some(v) => parse_int(&v).unwrap_or_else(|| {
-            static SAID: PerFork<std::sync::Mutex<Vec<String>>> = PerFork::new(crate::abi::fork::inherit);
+            static SAID: PerForkMutex<Vec<String>> = PerFork::new(crate::abi::fork::inherit);
             let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
             if !said.iter().any(|n| n == name) {
                 said.push(name.to_string());

@@ -573,7 +573,7 @@ pub fn drain(comm: &Comm) {
 
 /// The communicator's worker, started on first use.
 fn streamed(comm: &Arc<Comm>) -> Result<&Arc<Streamed>> {
-    static STARTING: crate::abi::fork::PerFork<Mutex<()>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+    static STARTING: crate::abi::fork::PerForkMutex<()> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
     let cell: &OnceLock<Arc<Streamed>> = &comm.streamed;
     if let Some(s) = cell.get() {
         return Ok(s);

@@ -6,7 +6,6 @@
 
 use std::collections::HashSet;
 use std::ffi::c_void;
-use std::sync::Mutex;
 
 use crate::device::cuda;
 use crate::device::host::UserPtr;
@@ -16,7 +15,7 @@ use crate::error::{Error, Result};
 
 /// Device memory from `ncclMemAlloc` not freed yet. `ncclMemFree` frees only these: handed
 /// any other allocation's start (PyTorch's, say) the driver would free it under its owner.
-static DEVICE_BLOCKS: crate::abi::fork::PerFork<Mutex<Option<HashSet<usize>>>> =
+static DEVICE_BLOCKS: crate::abi::fork::PerForkMutex<Option<HashSet<usize>>> =
     crate::abi::fork::PerFork::new(crate::abi::fork::inherit);
 
 fn device_blocks() -> std::sync::MutexGuard<'static, Option<HashSet<usize>>> {
@@ -82,7 +81,7 @@ struct Windows {
     owners: std::collections::HashMap<usize, std::sync::Weak<Comm>>,
 }
 
-static WINDOWS: crate::abi::fork::PerFork<Mutex<Option<Windows>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+static WINDOWS: crate::abi::fork::PerForkMutex<Option<Windows>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 /// Notified when a window is registered (a put may arrive before its target registered it).
 static REGISTERED: std::sync::Condvar = std::sync::Condvar::new();
 

@@ -5,7 +5,7 @@
 
 use std::sync::{Mutex, Weak};
 
-use crate::abi::fork::{self, PerFork};
+use crate::abi::fork::{self, PerFork, PerForkMutex};
 
 use super::{STATUS_RUNNING, STATUS_STREAM};
 use crate::transport::STAMP_BYTES;
@@ -21,7 +21,7 @@ struct Entry {
 
 /// A forked child starts with none: it inherits the parent's communicators' statuses, not the
 /// communicators, and their statuses stay as they were at the fork.
-static LIVE: PerFork<Mutex<Vec<Entry>>> = PerFork::new(fork::anew);
+static LIVE: PerForkMutex<Vec<Entry>> = PerFork::new(fork::anew);
 
 /// Enlist a communicator that has become ready (its status bytes, kept up to date by it).
 /// Entries whose communicator is gone are dropped here.

@@ -35,7 +35,7 @@ struct Counts {
 }
 
 /// Taken while a job takes its tickets on every communicator it uses.
-static ISSUE: crate::abi::fork::PerFork<Mutex<()>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+static ISSUE: crate::abi::fork::PerForkMutex<()> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 impl Background {
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
@@ -163,7 +163,7 @@ type Task = Box<dyn FnOnce() + Send>;
 /// process), so each runs on a thread of its own: one is started when none is idle. A forked
 /// child starts with none: it inherits the list, not the threads, and a task sent to one would
 /// never run (found by a probe: a child's nonblocking all-reduce stayed in progress for ever).
-static IDLE: crate::abi::fork::PerFork<Mutex<Vec<Idle>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+static IDLE: crate::abi::fork::PerForkMutex<Vec<Idle>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 type Idle = (u64, std::sync::mpsc::Sender<Task>);
 /// How long an idle thread waits for a job before it ends.

@@ -108,7 +108,7 @@ pub(super) fn reached(a: u32, b: u32) -> bool {
 }
 
 /// Boards of destroyed communicators, for new ones (see the module's notes).
-static SPARE_BOARDS: crate::abi::fork::PerFork<Mutex<Vec<Board>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+static SPARE_BOARDS: crate::abi::fork::PerForkMutex<Vec<Board>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 impl Board {
     /// A destroyed communicator's board, else a new one: made before any stream waits on

@@ -35,7 +35,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use super::pool::{aligned, on_device, stage_buffers, staged_bytes, POOL_ALIGN};
 use super::{Buffer, Queue, StreamOp, Streamed};
@@ -50,7 +50,7 @@ const HEAD: usize = 256;
 
 /// Blocks of graphs that are gone, for later captures. Never freed: they come back on the
 /// driver's thread, where freeing is not allowed.
-static SPARES: crate::abi::fork::PerFork<Mutex<Vec<MappedHost>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+static SPARES: crate::abi::fork::PerForkMutex<Vec<MappedHost>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 /// Pinned host memory a captured call stages through; back to [`SPARES`] on drop.
 struct Block(Option<MappedHost>);

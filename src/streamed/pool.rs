@@ -5,7 +5,6 @@
 //! while idle) and event queries; the streams' copies are queued by `streamed`.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use super::{Buffer, StreamOp};
@@ -109,7 +108,7 @@ impl<R> Carves<R> {
 
 /// Pools of destroyed communicators, for new ones: pinned memory is never freed (freeing may
 /// wait for the whole context while other communicators' callers wait for their workers).
-static SPARE_POOLS: crate::abi::fork::PerFork<Mutex<Vec<MappedHost>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+static SPARE_POOLS: crate::abi::fork::PerForkMutex<Vec<MappedHost>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 impl Drop for Pool {
     /// Back to the spares once the callers' streams are done copying out of it (a short

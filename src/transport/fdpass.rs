@@ -14,7 +14,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -41,7 +41,7 @@ struct Server {
 }
 
 /// This process's servers, one per handler (a forked child starts its own).
-static SERVERS: crate::abi::fork::PerFork<Mutex<Vec<Arc<Server>>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+static SERVERS: crate::abi::fork::PerForkMutex<Vec<Arc<Server>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 fn socket_name(name: u64) -> String {
     format!("nccl-rs-fds-{name:016x}")

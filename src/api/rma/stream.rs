@@ -109,7 +109,7 @@ struct Spare {
     slots: u32,
 }
 
-static SPARES: crate::abi::fork::PerFork<Mutex<Vec<Spare>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+static SPARES: crate::abi::fork::PerForkMutex<Vec<Spare>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 /// One communicator's sender and staging (CUDA mode with stream waits).
 pub(super) struct Gated {

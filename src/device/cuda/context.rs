@@ -242,7 +242,7 @@ impl Context {
     /// The primary context of device `ordinal`, retained on first use; what is current on
     /// the calling thread stays so.
     pub fn retain(ordinal: i32) -> Result<&'static Context> {
-        static TABLE: crate::abi::fork::PerFork<Mutex<Vec<&'static Context>>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+        static TABLE: crate::abi::fork::PerForkMutex<Vec<&'static Context>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
         driver("cuDevicePrimaryCtxRetain", || {
             ensure_init()?;
             let mut table = TABLE.lock().unwrap_or_else(|p| p.into_inner());

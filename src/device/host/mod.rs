@@ -245,7 +245,7 @@ pub fn read_scalar(dt: DataType, p: UserPtr) -> Result<Scalar> {
 /// not in it (never allocated here, or freed already) is refused, never handed to the
 /// allocator.
 /// A forked child keeps them (its copies of the blocks are its own to free).
-static HOST_BLOCKS: crate::abi::fork::PerFork<std::sync::Mutex<Option<std::collections::HashMap<usize, std::alloc::Layout>>>> =
+static HOST_BLOCKS: crate::abi::fork::PerForkMutex<Option<std::collections::HashMap<usize, std::alloc::Layout>>> =
     crate::abi::fork::PerFork::new(crate::abi::fork::inherit);
 
 /// `ncclMemAlloc` in host mode: page-aligned, zeroed host memory.

@@ -11,7 +11,7 @@
 //! operation: a mapping keeps its allocation alive after its owner freed it).
 
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 
 use crate::bootstrap::PeerInfo;
 use crate::device::cuda::{self, IpcHandle, IpcMapping, Segment, VmmMapping};
@@ -372,7 +372,7 @@ impl Maps {
 /// `cuMemGetAddressRange` gave them (the start the handle names); no handle for one without
 /// (the virtual memory API's, a stream-ordered allocator's pools). A buffer published again
 /// costs one driver call, not two (`calls` in ffi-tests/cuda.c counts them).
-static HANDLES: crate::abi::fork::PerFork<Mutex<Option<std::collections::HashMap<u64, Handled>>>> =
+static HANDLES: crate::abi::fork::PerForkMutex<Option<std::collections::HashMap<u64, Handled>>> =
     crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 /// An allocation's start, size and CUDA IPC handle (see [`HANDLES`]).
 type Handled = (usize, usize, Option<IpcHandle>);
