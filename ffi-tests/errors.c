@@ -22,6 +22,7 @@
 #define E_IA (1u << ncclInvalidArgument)
 #define E_IU (1u << ncclInvalidUsage)
 #define E_UNIMPL (E_IA | E_IU) /* may be unimplemented: ncclInvalidUsage is acceptable */
+#define E_SE (1u << ncclSystemError)
 
 /* ---- device API prototypes (nccl_device/host.h, core.h) ------------------------------ */
 
@@ -94,6 +95,7 @@ static const char* expect_names(unsigned mask) {
   if (mask == E_OK) return "ncclSuccess";
   if (mask == E_IA) return "ncclInvalidArgument";
   if (mask == E_IU) return "ncclInvalidUsage";
+  if (mask == E_SE) return "ncclSystemError";
   if (mask == E_UNIMPL) return "ncclInvalidArgument (or ncclInvalidUsage if unimplemented)";
   return "ncclSuccess, ncclInvalidArgument or ncclInvalidUsage";
 }
@@ -450,6 +452,31 @@ static void device_api(void) {
   pncclParamDumpAll();
 }
 
+/* A count no host can hold scratch for: an all-reduce whose input overlaps its output (not
+ * in place) is planned from a copy of the input, here 2^45 floats (128 TiB, more than an
+ * x86-64 process can map). ncclSystemError naming the call, on every rank alike; before, the
+ * failed allocation aborted the process. The communicator stays usable (checked after). */
+static void unallocatable(ncclComm_t* comms) {
+  const size_t count = (size_t)1 << 45;
+  test_step("ncclAllReduce (scratch no host can give)");
+  ncclResult_t r = ncclSuccess;
+  if (g_env.local > 1) CHECK(ncclGroupStart());
+  for (int l = 0; l < g_env.local; l++) {
+    ncclResult_t rl = ncclAllReduce(g_rbuf + 4, g_rbuf, count, ncclFloat32, ncclSum, comms[l], S);
+    if (r == ncclSuccess) r = rl;
+  }
+  if (g_env.local > 1) {
+    ncclResult_t end = ncclGroupEnd();
+    if (r == ncclSuccess) r = end;
+  }
+  /* (Ranks of one process call in a group: its end reports the error.) */
+  check_rc(g_env.local > 1 ? "ncclGroupEnd" : "ncclAllReduce", "RB + 4, RB, 1 << 45, ncclFloat32, ncclSum, c, S", r,
+           E_SE);
+  const char* msg = ncclGetLastError(NULL);
+  EXPECT(msg && strstr(msg, "AllReduce") && strstr(msg, "no memory for"), "the refusal does not say what and why: \"%s\"",
+         msg ? msg : "(null)");
+}
+
 static void error_strings(void) {
   const int codes[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, ncclNumResults, 12345, -1};
   for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++) {
@@ -479,6 +506,7 @@ int main(int argc, char** argv) {
   bad_init();
   optional_api();
   device_api();
+  unallocatable(comms);
   /* The communicator survived every rejected call. */
   test_step("allreduce after the errors");
   EXPECT(allreduce_sum_int(comms, 1) == g_env.nranks, "allreduce after the rejected calls is wrong");

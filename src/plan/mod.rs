@@ -9,6 +9,7 @@
 pub mod ops;
 
 use crate::device::host::{ElemOp, Region};
+use crate::error::{Error, Result};
 use crate::transport::Stamp;
 use crate::types::{DataType, Scalar};
 
@@ -82,6 +83,8 @@ pub struct Builder {
     /// before it is read).
     scratch: Vec<Vec<u8>>,
     scratch_used: usize,
+    /// Why a scratch buffer of this plan could not be had (see [`Builder::scratch`]).
+    short: Option<Error>,
 }
 
 /// Scratch a reused builder keeps between plans; larger buffers are given back.
@@ -95,7 +98,7 @@ impl Default for Builder {
 
 impl Builder {
     pub fn new(slice: usize) -> Builder {
-        let mut b = Builder { units: Vec::new(), stamps: Vec::new(), slice: 0, fence: Ref::NONE, scratch: Vec::new(), scratch_used: 0 };
+        let mut b = Builder { units: Vec::new(), stamps: Vec::new(), slice: 0, fence: Ref::NONE, scratch: Vec::new(), scratch_used: 0, short: None };
         b.reset(slice);
         b
     }
@@ -108,6 +111,7 @@ impl Builder {
         self.fence = Ref::NONE;
         self.scratch.retain(|v| v.capacity() <= SCRATCH_KEEP);
         self.scratch_used = 0;
+        self.short = None;
     }
 
     /// Start a new operation: its stamp, and no fence.
@@ -120,23 +124,50 @@ impl Builder {
         self.fence = r;
     }
 
+    /// `len` bytes of scratch for this plan. Where the system cannot give them (a count far
+    /// larger than the caller's memory, or a machine out of it), the plan is marked
+    /// ([`Builder::short`]) and a placeholder returned: allocation failure would abort the
+    /// process, where the caller should get `ncclSystemError`.
     pub fn scratch(&mut self, len: usize) -> Region {
+        let what = || "scratch".to_string();
         if self.scratch_used == self.scratch.len() {
-            // Zeroed by the allocator (fresh pages), not by a pass over the buffer.
-            self.scratch.push(vec![0u8; len]);
+            match crate::device::host::zeroed(len, &what) {
+                Ok(v) => self.scratch.push(v),
+                Err(e) => return self.unbacked(len, e),
+            }
         }
         let v = &mut self.scratch[self.scratch_used];
+        if let Err(e) = crate::device::host::grow(v, len, &what) {
+            return self.unbacked(len, e);
+        }
+        v.truncate(len);
         self.scratch_used += 1;
-        v.resize(len, 0);
         Region::owned(v)
     }
 
+    #[cold]
+    fn unbacked(&mut self, len: usize, e: Error) -> Region {
+        self.short.get_or_insert(e);
+        Region::unbacked(len)
+    }
+
+    /// The first scratch this plan could not get, if any: such a plan must not run.
+    pub fn short(&mut self) -> Result<()> {
+        self.short.take().map_or(Ok(()), Err)
+    }
+
     fn push(&mut self, len: usize, deps: &[Ref], make: impl Fn(usize, usize) -> Step) -> Ref {
-        if len == 0 {
+        if len == 0 || self.short.is_some() {
+            // (A plan short of scratch is refused: nothing more is worth planning.)
             return Ref::NONE;
         }
         let k = len.div_ceil(self.slice);
         let first = self.units.len() as u32;
+        if self.units.try_reserve(k).is_err() || u32::try_from(self.units.len() + k).is_err() {
+            let e = Error::system(format!("no memory to plan a transfer of {len} bytes in {k} slices"));
+            self.short.get_or_insert(e);
+            return Ref::NONE;
+        }
         for i in 0..k {
             let off = i * self.slice;
             let mut d = [NO_DEP; MAX_DEPS];

@@ -366,8 +366,10 @@ pub fn plan_into(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops:
         }
         let red = reduction(op.op, op.dt, nranks);
         algo::build(b, rank, nranks, op, send, red, algo);
+        b.short().map_err(|e| e.context(op.describe()))?;
     }
-    plan_p2p(b, rank, ops)
+    plan_p2p(b, rank, ops)?;
+    b.short().map_err(|e| e.context("the group's sends and receives"))
 }
 
 fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {

@@ -249,16 +249,14 @@ impl Drop for Helper {
 }
 
 impl Staging {
-    /// Buffer `i`, at least `len` bytes.
-    fn get(&mut self, i: usize, len: usize) -> Region {
+    /// Buffer `i`, at least `len` bytes, or `ncclSystemError` where the system has not as many.
+    fn get(&mut self, i: usize, len: usize) -> Result<Region> {
         if self.plain.len() <= i {
             self.plain.resize_with(i + 1, Vec::new);
         }
         let v = &mut self.plain[i];
-        if v.len() < len {
-            v.resize(len, 0);
-        }
-        Region::owned(&mut v[..len])
+        crate::device::host::grow(v, len, &|| "host staging of a device buffer".to_string())?;
+        Ok(Region::owned(&mut v[..len]))
     }
 }
 
@@ -528,8 +526,8 @@ fn run_staged(comm: &Arc<Comm>, stream: &Stream, staging: &mut Staging, ops: &[(
     let staged = |r: Region, pre: bool| !pre && !r.is_empty() && !on_host(r);
     let mut copies = false;
     for (k, &(op, pre)) in ops.iter().enumerate() {
-        let send = if staged(op.send, pre) { staging.get(2 * k, op.send.len()) } else { op.send };
-        let recv = if staged(op.recv, pre) { staging.get(2 * k + 1, op.recv.len()) } else { op.recv };
+        let send = if staged(op.send, pre) { staging.get(2 * k, op.send.len())? } else { op.send };
+        let recv = if staged(op.recv, pre) { staging.get(2 * k + 1, op.recv.len())? } else { op.recv };
         if send.addr() != op.send.addr() {
             stream.copy(send, op.send)?;
             copies = true;

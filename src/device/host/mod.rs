@@ -51,6 +51,11 @@ impl Region {
         Region { addr: buf.as_mut_ptr() as usize, len: buf.len() }
     }
     pub const EMPTY: Region = Region { addr: 0, len: 0 };
+    /// `len` bytes at no address: where scratch could not be had. A plan holding one is
+    /// refused before it runs (`plan::Builder::short`), so it is never read or written.
+    pub const fn unbacked(len: usize) -> Region {
+        Region { addr: 0, len }
+    }
     pub fn addr(self) -> usize {
         self.addr
     }
@@ -90,11 +95,31 @@ impl Region {
 
 /// `len` zeroed bytes of host memory the library owns, for a copy of a user's buffer or a
 /// peer's message: a size the system cannot hold is refused (`what` names it), not aborted on.
+/// Zeroed by the allocator (fresh pages for a large one), not by a pass over the buffer.
 pub fn zeroed(len: usize, what: &dyn Fn() -> String) -> crate::error::Result<Vec<u8>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len).map_err(|_| crate::error::Error::system(format!("no memory for {} ({len} bytes)", what())))?;
-    v.resize(len, 0);
-    Ok(v)
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let refused = || crate::error::Error::system(format!("no memory for {} ({len} bytes)", what()));
+    let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| refused())?;
+    // SAFETY: the layout's size is not zero (checked above).
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return Err(refused());
+    }
+    // SAFETY: p comes from the global allocator with the layout of [u8; len] (Vec<u8>'s for
+    // capacity len), and all len bytes are initialised (zeroed).
+    Ok(unsafe { Vec::from_raw_parts(p, len, len) })
+}
+
+/// Grows `v` to at least `len` bytes (zeros appended), or says it cannot (as [`zeroed`]).
+pub fn grow(v: &mut Vec<u8>, len: usize, what: &dyn Fn() -> String) -> crate::error::Result<()> {
+    if v.len() < len {
+        v.try_reserve_exact(len - v.len())
+            .map_err(|_| crate::error::Error::system(format!("no memory for {} ({len} bytes)", what())))?;
+        v.resize(len, 0);
+    }
+    Ok(())
 }
 
 /// dst <- src (same length; the two may overlap).
