@@ -146,6 +146,13 @@ pub fn parse_timestamp_levels(v: &str) -> u32 {
     })
 }
 
+/// True for the first caller only: for a line said once per process. (Not `Once`: a child
+/// forked while another thread of the parent was inside `call_once`, writing the line, would
+/// wait for that thread for ever.)
+pub fn first_time(said: &std::sync::atomic::AtomicBool) -> bool {
+    !said.load(Ordering::Relaxed) && !said.swap(true, Ordering::Relaxed)
+}
+
 /// When logging was first configured (TRACE lines count from it).
 fn epoch() -> std::time::Instant {
     static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();

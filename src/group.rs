@@ -524,15 +524,14 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
     ws.slots[..ws.live].sort_by_key(|s| s.comm.as_ref().map_or(0, |c| Arc::as_ptr(c) as usize));
     let slots = &ws.slots[..ws.live];
     let work = &mut ws.work[..ws.live];
-    static SAID: std::sync::Once = std::sync::Once::new();
-    SAID.call_once(|| {
-        let Some(v) = params::raw("NCCL_ALGO") else { return };
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if let Some(v) = params::raw("NCCL_ALGO").filter(|_| crate::debug::first_time(&SAID)) {
         match algo::parse_algo(&v) {
             Some(algo::Algo::Ring) => crate::info!(TUNING, "NCCL_ALGO={v}: every all-reduce by ring"),
             Some(algo::Algo::Tree) => crate::info!(TUNING, "NCCL_ALGO={v}: every all-reduce by recursive doubling (Tree)"),
             None => crate::info!(TUNING, "NCCL_ALGO={v}: all-reduce algorithm chosen by size (ring and tree allowed)"),
         }
-    });
+    }
 
     let mut comms: Few<&Comm> = Few::collect(slots.iter().filter_map(|s| s.comm.as_deref()));
     let comms = comms.as_mut_slice();

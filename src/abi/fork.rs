@@ -9,8 +9,8 @@
 //! lock ([`write_stdout`]).
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
-use std::sync::{Mutex, Once, TryLockError};
+use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Mutex, TryLockError};
 
 static FORKS: AtomicU64 = AtomicU64::new(0);
 
@@ -19,19 +19,31 @@ extern "C" fn in_child() {
     FORKS.fetch_add(1, Ordering::Relaxed);
 }
 
-/// The number of forks between the library's first use of this and the calling process.
+/// What `pthread_atfork` answered when the library loaded (0: the hook is in place).
+static HOOK_FAILED: AtomicI32 = AtomicI32::new(0);
+
+/// The child hook is registered when the library loads, before any thread of the caller's
+/// can be inside the library: registered at first use, a child forked while another thread
+/// registered it would have waited for that registration for ever.
+#[used]
+#[link_section = ".init_array"]
+static REGISTER_AT_LOAD: extern "C" fn() = register;
+
+extern "C" fn register() {
+    // SAFETY: `in_child` is a plain function with no captured state, valid while the library
+    // is loaded (glibc drops a library's fork hooks when it is unloaded); the other two hooks
+    // are none.
+    let failed = unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+    HOOK_FAILED.store(failed, Ordering::Relaxed);
+}
+
+/// The number of forks between the library's loading and the calling process.
 pub fn generation() -> u64 {
-    static HOOK: Once = Once::new();
-    let mut failed = 0;
-    HOOK.call_once(|| {
-        // SAFETY: `in_child` is a plain function with no captured state, valid for the life
-        // of the process (the library is never unloaded while communicators exist); the
-        // other two hooks are none.
-        failed = unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
-    });
-    if failed != 0 {
-        // (Outside call_once: a log line asks for this again, for its thread id.)
-        crate::warn!("pthread_atfork failed ({failed}): a forked child's use of an inherited communicator goes unnoticed");
+    if HOOK_FAILED.load(Ordering::Relaxed) != 0 {
+        let failed = HOOK_FAILED.swap(0, Ordering::Relaxed);
+        if failed != 0 {
+            crate::warn!("pthread_atfork failed ({failed}): a forked child's use of an inherited communicator goes unnoticed");
+        }
     }
     FORKS.load(Ordering::Relaxed)
 }

@@ -25,9 +25,11 @@ use wire::{read_frame, wait_readable, write_frame, Reader, Writer};
 /// /dev/shm can hold rings; where it cannot, this process's settings refuse shared memory.
 fn shm_usable() -> bool {
     let Some(why) = crate::transport::shm::unusable() else { return true };
-    static SAID: std::sync::Once = std::sync::Once::new();
-    SAID.call_once(|| crate::warn!("/dev/shm cannot hold shared-memory rings ({why}): this process talks TCP to the \
-                                    others of its host (NCCL_SHM_DISABLE=1 chooses that without this warning)"));
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if crate::debug::first_time(&SAID) {
+        crate::warn!("/dev/shm cannot hold shared-memory rings ({why}): this process talks TCP to the others of its \
+                      host (NCCL_SHM_DISABLE=1 chooses that without this warning)");
+    }
     false
 }
 

@@ -204,11 +204,13 @@ pub fn offer(ctx: &Ctx<'_>, conns: &mut Conns, peer: usize) -> Result<()> {
             }
             shm::Made::NoRoom(why) => {
                 // The receiver expects a ring's name: it is told to take a socket instead.
-                static SAID: std::sync::Once = std::sync::Once::new();
-                SAID.call_once(|| crate::warn!(
-                    "rank {} -> rank {peer}: {why}: sockets instead, for this pair and any other that finds no \
-                     room (a container's /dev/shm is 64 MB by default: docker run --shm-size=1g, or \
-                     NCCL_SHM_DISABLE=1 to use sockets from the start)", ctx.rank));
+                static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                if crate::debug::first_time(&SAID) {
+                    crate::warn!(
+                        "rank {} -> rank {peer}: {why}: sockets instead, for this pair and any other that finds no \
+                         room (a container's /dev/shm is 64 MB by default: docker run --shm-size=1g, or \
+                         NCCL_SHM_DISABLE=1 to use sockets from the start)", ctx.rank);
+                }
                 crate::info!(INIT, "rank {} -> rank {peer}: {why}: socket instead of shared memory", ctx.rank);
                 ctx.service.send(peer, TAG_SHM, SOCKET_INSTEAD)?;
                 Box::new(socket_send(ctx, me, other, peer)?)

@@ -310,9 +310,11 @@ impl RingRecv {
 
     pub fn new(map: Arc<Mapping>, slice: usize, kind: Kind, peer_pid: Option<u32>) -> RingRecv {
         if crate::params::cma_disable() {
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| crate::info!(P2P, "NCCL_CMA_DISABLE=1: no single-copy reads, every message is copied \
-                                                 through the shared-memory ring"));
+            static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if crate::debug::first_time(&SAID) {
+                crate::info!(P2P, "NCCL_CMA_DISABLE=1: no single-copy reads, every message is copied through the \
+                                   shared-memory ring");
+            }
         }
         if let Some(pid) = peer_pid {
             let ok = match probe_single_copy(&map, pid) {

@@ -95,8 +95,11 @@ pub enum Made {
 /// written (`ring::Reserve`), so that a full `/dev/shm` is an error, never SIGBUS at a page
 /// fault, and a ring of small messages holds little memory.
 pub fn create(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, peer_pid: u32) -> Result<Made> {
-    static SWEPT: std::sync::Once = std::sync::Once::new();
-    SWEPT.call_once(sweep_stale);
+    // (Once per process; callers meanwhile do not wait for it, nor would a forked child.)
+    static SWEPT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if crate::debug::first_time(&SWEPT) {
+        sweep_stale();
+    }
     let name = name_for(hash, from, to, std::process::id(), to_port);
     let path = format!("/dev/shm/{name}");
     let len = ring_bytes(slice);
