@@ -8,7 +8,6 @@ use std::sync::{Mutex, Weak};
 use crate::abi::fork::{self, PerFork, PerForkMutex};
 
 use super::{STATUS_RUNNING, STATUS_STREAM};
-use crate::transport::STAMP_BYTES;
 
 struct Entry {
     /// `Comm::serial`: communicators of one job share their hash under NCCL_COMM_ID.
@@ -39,13 +38,11 @@ pub fn running_except(serial: u64) -> Option<String> {
     for e in live.iter().filter(|e| e.serial != serial) {
         let Some(running) = e.running.upgrade() else { continue };
         let bytes = running.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let (tag, stamps) = match bytes.split_first() {
-            Some((&tag, rest)) if tag == STATUS_RUNNING || tag == STATUS_STREAM => (tag, rest),
+        let tag = match bytes.first() {
+            Some(&tag) if tag == STATUS_RUNNING || tag == STATUS_STREAM => tag,
             _ => continue,
         };
-        let Some(first) = stamps.chunks_exact(STAMP_BYTES).next().and_then(|s| <[u8; STAMP_BYTES]>::try_from(s).ok()) else {
-            continue;
-        };
+        let Some(first) = super::status_stamps(&bytes).next() else { continue };
         let how = if tag == STATUS_STREAM { " (issued, waiting for its CUDA stream)" } else { "" };
         said.push(format!("{}{how} on communicator {:#x} as rank {} of {}", crate::plan::ops::describe_stamp(&first),
                           e.hash, e.rank, e.nranks));

@@ -172,7 +172,7 @@ impl<'a> Job<'a> {
             if let Some(r) = self.comm.ready_if_any() {
                 r.p2p_finished(peer, send);
                 if self.remaining > 0 {
-                    r.finished(&crate::plan::ops::with_role(stamp, send, peer));
+                    r.finished(&crate::plan::ops::with_role(stamp, send, peer), u.op as usize);
                 }
             }
         }

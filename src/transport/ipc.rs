@@ -931,7 +931,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
             if awaits[i] == Awaits::Done && !shown_done[i] {
                 shown_done[i] = true;
                 ready.p2p_finished(o.op.root, o.op.kind == OpKind::Send);
-                ready.finished(&crate::plan::ops::with_role(o.op.stamp(), o.op.kind == OpKind::Send, o.op.root));
+                ready.finished(&crate::plan::ops::with_role(o.op.stamp(), o.op.kind == OpKind::Send, o.op.root), i);
             }
         }
         if progressed {
