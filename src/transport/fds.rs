@@ -59,8 +59,29 @@ pub fn hint(e: &io::Error) -> String {
             None => " (this process is out of file descriptors: raise its open-file limit, `ulimit -n`)".into(),
         },
         Some(libc::ENFILE) => " (the host's table of open files is full: fs.file-max)".into(),
+        Some(libc::ENOMEM) => mappings().map_or_else(String::new, |(used, max)| mappings_hint(used, max)),
         _ => String::new(),
     }
+}
+
+/// ENOMEM with memory to spare: the process is at its count of mappings. Each ring is one,
+/// both ways for every pair of ranks in one process: 256 ranks driven by one process need
+/// 65,280, past the usual 65,530 with the rest of the process's.
+fn mappings_hint(used: usize, max: usize) -> String {
+    if used + 64 < max {
+        return String::new();
+    }
+    format!(" (this process has {used} memory mappings, near vm.max_map_count = {max}: raise it, e.g. \
+             `sysctl -w vm.max_map_count={}`, or use fewer communicators or ranks per process)", max.saturating_mul(4))
+}
+
+/// The number of this process's memory mappings and the most the kernel allows it.
+fn mappings() -> Option<(usize, usize)> {
+    use std::io::Read;
+    let max = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok()?.trim().parse().ok()?;
+    let mut maps = Vec::new();
+    std::fs::File::open("/proc/self/maps").ok()?.read_to_end(&mut maps).ok()?;
+    Some((maps.iter().filter(|&&b| b == b'\n').count(), max))
 }
 
 #[cfg(test)]
@@ -75,5 +96,16 @@ mod tests {
         assert!(!out_of_fds(&io::Error::from_raw_os_error(libc::ECONNREFUSED)));
         assert!(hint(&emfile).contains("open-file limit"), "{}", hint(&emfile));
         assert_eq!(hint(&io::Error::from_raw_os_error(libc::ECONNREFUSED)), "");
+    }
+
+    /// Out of memory at the count of mappings says so; elsewhere, nothing is claimed (this
+    /// test process is far from its limit).
+    #[test]
+    fn out_of_mappings_is_named() {
+        assert!(mappings_hint(65_530, 65_530).contains("vm.max_map_count = 65530"), "{}", mappings_hint(65_530, 65_530));
+        assert!(mappings_hint(65_500, 65_530).contains("sysctl -w vm.max_map_count=262120"));
+        assert_eq!(mappings_hint(1_000, 65_530), "");
+        assert!(mappings().is_some_and(|(used, max)| used > 0 && max > used));
+        assert_eq!(hint(&io::Error::from_raw_os_error(libc::ENOMEM)), "");
     }
 }
