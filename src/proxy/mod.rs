@@ -105,6 +105,8 @@ pub struct Job<'a> {
     remaining: usize,
     /// The peer whose connection failed, if that is how the job failed.
     pub failed_peer: Option<usize>,
+    /// Peers a watch has said why this rank waits on (said once each).
+    named: Vec<usize>,
 }
 
 impl<'a> Job<'a> {
@@ -135,7 +137,7 @@ impl<'a> Job<'a> {
             }
         }
         let reducing = units.iter().any(|u| matches!(u.step, Step::RecvReduce { .. }));
-        Job { comm, conns, units, stamps, describe, b, reducing, remaining: units.len(), failed_peer: None }
+        Job { comm, conns, units, stamps, describe, b, reducing, remaining: units.len(), failed_peer: None, named: Vec::new() }
     }
 
     fn ready(&self, i: u32) -> bool {
@@ -347,7 +349,8 @@ impl<'a> Job<'a> {
             let mine = crate::plan::ops::with_role(self.stamps[u.op as usize], matches!(u.step, Step::Send { .. }), peer);
             let runs = self.comm.peer_runs(peer, &mine, self.describe)?;
             answered &= runs.answered();
-            if let Some(why) = runs.why_waiting(&mine, self.describe) {
+            if let Some(why) = runs.why_waiting(&mine, self.describe).filter(|_| !self.named.contains(&peer)) {
+                self.named.push(peer);
                 crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}",
                              self.comm.rank, waited.as_secs_f64(), (self.describe)(&mine), self.comm.describe_peer(peer));
             }
@@ -371,6 +374,11 @@ const NAP: Duration = Duration::from_micros(50);
 const CHECK_EVERY: Duration = Duration::from_millis(100);
 /// After this long without progress, ask the peers we wait on what they are doing.
 const WATCH_AFTER: Duration = Duration::from_secs(1);
+/// Still without progress after a watch every peer answered, watch again this often: a rank
+/// further down a chain of waits may fail, or a cycle close, after the first look. (Watched
+/// once only, a rank of a cycle of three that looked as the other two were already failing
+/// waited for ever, where they had named the cycle: found under load.)
+const WATCH_AGAIN: Duration = Duration::from_secs(2);
 
 /// Run jobs to completion. On error, the index of the job that failed comes with it.
 pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
@@ -379,8 +387,8 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
     let mut idle_since: Option<Instant> = None;
     let mut spins = 0u32;
     let mut last_check: Option<Instant> = None;
-    // The idle time at which to ask the peers waited on what they run: once, or again a second
-    // later while some peer's answer did not come.
+    // The idle time at which to ask the peers waited on what they run: a second in, then every
+    // WATCH_AGAIN (a second while some peer's answer did not come).
     let mut watch_at = WATCH_AFTER;
     loop {
         let mut progressed = false;
@@ -431,7 +439,7 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
                         answered &= job.watch(waited).map_err(|e| (j, e))?;
                     }
                 }
-                watch_at = if answered { Duration::MAX } else { waited + WATCH_AFTER };
+                watch_at = waited + if answered { WATCH_AGAIN } else { WATCH_AFTER };
             }
         }
         if now.duration_since(since) < YIELD_FOR {
