@@ -266,7 +266,7 @@ pub fn new_unique_id() -> Result<[u8; id::ID_BYTES]> {
 /// uses it whatever NCCL_COMM_ID says, since the grown communicator is a job of its own).
 pub fn new_root_id() -> Result<[u8; id::ID_BYTES]> {
     let ip = local_ip()?;
-    let listener = fds::with_room(|| TcpListener::bind(SocketAddr::new(ip, 0)))
+    let listener = fds::with_room(|| crate::transport::socket::listen(SocketAddr::new(ip, 0)))
         .map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
     let root = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
     let magic = id::random_u64();
@@ -409,7 +409,7 @@ fn bind_reusable(addr: SocketAddr) -> Result<TcpListener> {
     // itself (`transport::socket::dial` drops those): the port in use is tried again briefly.
     let until = Instant::now() + BIND_RETRY;
     loop {
-        match fds::with_room(|| TcpListener::bind(addr)) {
+        match fds::with_room(|| crate::transport::socket::listen(addr)) {
             Ok(l) => return Ok(l),
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < until => {
                 std::thread::sleep(Duration::from_millis(20));

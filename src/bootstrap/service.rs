@@ -92,7 +92,7 @@ pub struct Service {
 impl Service {
     /// Listen on `ip` (port chosen by the OS) for connections proving `magic`.
     pub fn start(ip: std::net::IpAddr, magic: u64, rank: u32) -> Result<Service> {
-        let listener = crate::transport::fds::with_room(|| TcpListener::bind(SocketAddr::new(ip, 0)))
+        let listener = crate::transport::fds::with_room(|| crate::transport::socket::listen(SocketAddr::new(ip, 0)))
             .map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
         let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), rma: std::sync::OnceLock::new(), rma_early: Mutex::default(), rma_set: Condvar::new(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new(),
