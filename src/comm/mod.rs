@@ -36,7 +36,15 @@ pub struct Ready {
     /// last unit done), told with the status to the peer that asks: two ranks that each
     /// receive from the other are crossed only if no message of either is still on its way.
     pub p2p_done: std::sync::Arc<Vec<[std::sync::atomic::AtomicU64; 2]>>,
+    /// Per peer waited on: the call waiting, when this rank may next look for a cycle through
+    /// that peer, and the gap after that ([`Ready::may_walk`]).
+    walks: Mutex<HashMap<usize, (Stamp, std::time::Instant, std::time::Duration)>>,
 }
+
+/// The gap between the first two looks for a cycle through one peer during one wait; it doubles
+/// after each look, up to [`WALK_GAP_MAX`].
+const WALK_GAP_FIRST: std::time::Duration = std::time::Duration::from_secs(2);
+const WALK_GAP_MAX: std::time::Duration = std::time::Duration::from_secs(16);
 
 impl Ready {
     pub fn new(peers: Vec<PeerInfo>, service: Service, slice: usize) -> Ready {
@@ -54,7 +62,30 @@ impl Ready {
         };
         let p2p_done = std::sync::Arc::new((0..n).map(|_| Default::default()).collect());
         Ready { peers, service, slice, algo, conns: Mutex::new(Conns::new(n)), silent: Mutex::new(HashMap::new()), running,
-                p2p_done }
+                p2p_done, walks: Mutex::default() }
+    }
+
+    /// Whether to look now for a cycle through `peer`, which this rank waits on in `mine`: at
+    /// once for a new wait, then 2, 4, 8, 16 s apart. A look asks every rank along the chain
+    /// of waits (up to CYCLE_ASKS, each a connection), and ranks waiting in a long chain (a
+    /// pipeline's stages for its first) looked each second: 16 in a chain opened about 60
+    /// connections a second between them.
+    fn may_walk(&self, peer: usize, mine: &Stamp) -> bool {
+        let now = std::time::Instant::now();
+        let mut walks = self.walks.lock().unwrap_or_else(|p| p.into_inner());
+        match walks.get_mut(&peer) {
+            Some((waiting, next, gap)) if waiting == mine => {
+                if now < *next {
+                    return false;
+                }
+                *next = now + *gap;
+                *gap = (*gap * 2).min(WALK_GAP_MAX);
+            }
+            _ => {
+                walks.insert(peer, (*mine, now + WALK_GAP_FIRST, WALK_GAP_FIRST * 2));
+            }
+        }
+        true
     }
 
     /// The sends to `peer` and the receives from it this rank has finished.
@@ -893,8 +924,11 @@ impl Comm {
         }
         let runs = match self.judge_running(ready, peer, mine, &theirs, counts, describe)? {
             // In sends or receives with other ranks: fine, unless those wait round to this one.
-            PeerRuns::OtherPeers(first) => self.waits_in_cycle(ready, (peer, theirs, answer.with), counts, describe)
-                .map_or(PeerRuns::OtherPeers(first), PeerRuns::Crossed),
+            // (The second look of a confirmation walks again, whatever the pace.)
+            PeerRuns::OtherPeers(first) if again || ready.may_walk(peer, mine) => {
+                self.waits_in_cycle(ready, (peer, theirs, answer.with), counts, describe)
+                    .map_or(PeerRuns::OtherPeers(first), PeerRuns::Crossed)
+            }
             runs => runs,
         };
         match runs {
