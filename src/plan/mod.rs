@@ -83,7 +83,8 @@ pub struct Builder {
     /// before it is read).
     scratch: Vec<Vec<u8>>,
     scratch_used: usize,
-    /// Why a scratch buffer of this plan could not be had (see [`Builder::scratch`]).
+    /// Why this plan cannot run: memory for its scratch ([`Builder::scratch`]) or its units
+    /// could not be had.
     short: Option<Error>,
 }
 
@@ -151,14 +152,14 @@ impl Builder {
         Region::unbacked(len)
     }
 
-    /// The first scratch this plan could not get, if any: such a plan must not run.
+    /// Why this plan cannot run, if it cannot (see the field): such a plan must not run.
     pub fn short(&mut self) -> Result<()> {
         self.short.take().map_or(Ok(()), Err)
     }
 
     fn push(&mut self, len: usize, deps: &[Ref], make: impl Fn(usize, usize) -> Step) -> Ref {
         if len == 0 || self.short.is_some() {
-            // (A plan short of scratch is refused: nothing more is worth planning.)
+            // (A plan short of memory is refused: nothing more is worth planning.)
             return Ref::NONE;
         }
         let k = len.div_ceil(self.slice);
