@@ -117,10 +117,13 @@ void test_step(const char* static_name) { g_step = static_name; }
 
 void test_deadline(unsigned seconds) { alarm(seconds); }
 
+/* Where crash lines go: stderr's descriptor (another number under NCCL_TEST_CLOSE_STDIO). */
+static int g_err_fd = 2;
+
 static void write_str(const char* s) {
   size_t n = strlen(s);
   while (n > 0) {
-    ssize_t w = write(2, s, n);
+    ssize_t w = write(g_err_fd, s, n);
     if (w <= 0) return;
     s += w;
     n -= (size_t)w;
@@ -220,7 +223,32 @@ static int env_int(const char* name, int dflt) {
   return (int)v;
 }
 
+/* NCCL_TEST_CLOSE_STDIO=1: start as a daemon may, with descriptors 0, 1 and 2 closed, so that
+ * the next descriptors opened, the library's, would take their numbers. The program's own
+ * lines go on through copies of stdout and stderr at other numbers. */
+static void close_stdio(void) {
+  const char* v = getenv("NCCL_TEST_CLOSE_STDIO");
+  if (!v || strcmp(v, "1")) return;
+  int out = fcntl(1, F_DUPFD_CLOEXEC, 3), err = fcntl(2, F_DUPFD_CLOEXEC, 3);
+  FILE* fout = out < 0 ? NULL : fdopen(out, "w");
+  FILE* ferr = err < 0 ? NULL : fdopen(err, "w");
+  if (!fout || !ferr) {
+    fprintf(stderr, "NCCL_TEST_CLOSE_STDIO: %s\n", strerror(errno));
+    exit(2);
+  }
+  fflush(stdout);
+  fflush(stderr);
+  close(0);
+  close(1);
+  close(2);
+  stdout = fout;
+  stderr = ferr;
+  g_err_fd = err;
+  setvbuf(stderr, NULL, _IONBF, 0);
+}
+
 void test_init(int argc, char** argv) {
+  close_stdio();
   setvbuf(stdout, NULL, _IOLBF, 0);
   memset(&g_env, 0, sizeof g_env);
   g_env.nprocs = env_int("NCCL_TEST_NPROCS", 1);

@@ -15,6 +15,8 @@
  *                      (system calls of any thread may fail with EINTR)
  *   NCCL_TEST_NOFILE   if set, the soft limit on open files is lowered to N at start (the hard
  *                      limit stays: the library may raise the soft one when it runs out)
+ *   NCCL_TEST_CLOSE_STDIO  if 1, descriptors 0, 1 and 2 are closed at start (as a daemon's);
+ *                      the program's own lines go to copies of stdout and stderr
  *   NCCL_COMM_ID       if set, every process calls ncclGetUniqueId itself (NCCL then gives
  *                      every rank the same id and rank 0 hosts the bootstrap root)
  */

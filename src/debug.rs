@@ -90,6 +90,8 @@ fn open_sink(append: bool) -> Option<File> {
     let level = params::raw("NCCL_DEBUG").map(|v| parse_level(&v)).unwrap_or(Level::None);
     let pattern = params::raw("NCCL_DEBUG_FILE").filter(|_| level > Level::None)?;
     let path = expand_file_name(&pattern, &hostname(), std::process::id());
+    // (Not at stdin's number, where a program that reads stdin would read the log.)
+    crate::abi::stdio::keep_std_fds_quietly();
     std::fs::OpenOptions::new().create(true).write(true).append(append).truncate(!append).open(path).ok()
 }
 

@@ -708,6 +708,8 @@ fn connect(comms: &[&Comm], work: &[Work], guards: &mut [std::sync::MutexGuard<'
     if connected {
         return Ok(());
     }
+    // (Rings, shared files and sockets are made next: none may take stdout's number.)
+    crate::abi::stdio::keep_std_fds();
     let deadline = params::init_deadline();
     let peers_of = |p: &crate::plan::Builder, want_send: bool| {
         let mut v: Vec<usize> = p.units.iter().filter_map(|u| match (u.step, want_send) {

@@ -259,6 +259,19 @@ fn collectives_2_processes_nvidia_header() {
         .run();
 }
 
+/// Programs started with descriptors 0, 1 and 2 closed (a daemon, `prog >&-`): the library's
+/// first sockets and files would take those numbers, and every line printed to stdout would
+/// go into a peer's stream. Under NCCL_DEBUG=INFO every collective (--quick) runs exact over
+/// shared memory and sockets, and point-to-point too. Before: with 3 processes an all-reduce
+/// of ones gave 0 with success on rank 0, and ranks 1 and 2 were killed by SIGPIPE.
+#[test]
+fn programs_started_with_stdio_closed_keep_it_out_of_their_connections() {
+    let closed = |job: Job| job.env("NCCL_TEST_CLOSE_STDIO", "1").env("NCCL_DEBUG", "INFO");
+    closed(Job::new("collectives").procs(3).arg("--quick")).run();
+    closed(Job::new("collectives").procs(2).local(2).arg("--quick").env("NCCL_SHM_DISABLE", "1")).run();
+    closed(Job::new("p2p").procs(3)).run();
+}
+
 #[test]
 fn collectives_2_processes_socket_transport() {
     Job::new("collectives")

@@ -29,6 +29,7 @@ pub mod mem;
 pub mod misc;
 pub mod params;
 pub mod rma;
+pub mod stdio;
 
 pub use types::*;
 

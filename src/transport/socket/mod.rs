@@ -48,6 +48,7 @@ const BACKLOG: libc::c_int = 16384;
 /// A listener on `addr` ([`BACKLOG`] deep).
 pub fn listen(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     use std::os::fd::AsRawFd;
+    crate::abi::stdio::keep_std_fds();
     let listener = std::net::TcpListener::bind(addr)?;
     // SAFETY: listen(2) on a socket this function owns; calling it again on a listening socket
     // only changes its backlog.
@@ -64,6 +65,7 @@ pub fn listen(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 /// writes, and holds the port the listener was to bind. Such a connection is closed and reported
 /// as refused, so callers that retry try again.
 pub fn dial(addr: &SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    crate::abi::stdio::keep_std_fds();
     not_to_itself(super::fds::with_room(|| TcpStream::connect_timeout(addr, timeout))?)
 }
 

@@ -1,0 +1,63 @@
+//! Descriptors 0, 1 and 2 kept out of the library's hands.
+//!
+//! A program started with stdout closed (a daemon, `prog >&-`, a service manager) gives the
+//! next descriptor opened the number 1. Were that one of our sockets, every line printed to
+//! stdout — NCCL_DEBUG's, the program's own — would go into a peer's stream: found by a probe
+//! (3 processes, `NCCL_DEBUG=INFO`, stdout closed), where an all-reduce of ones returned 0 on
+//! rank 0 with success, and ranks 1 and 2 were killed by SIGPIPE. NVIDIA's library, which logs
+//! to stdout too, has the same exposure.
+
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+
+/// Descriptors filled but not yet said at INFO (bit `1 << fd`).
+static UNSAID: AtomicU8 = AtomicU8::new(0);
+/// A descriptor that could not be filled (no /dev/null, no descriptor left), said once at WARN.
+static UNFILLED: AtomicU8 = AtomicU8::new(0);
+static UNFILLED_SAID: AtomicBool = AtomicBool::new(false);
+
+/// Before a call that makes descriptors (an id, a communicator, a connection): each of 0, 1
+/// and 2 that is closed gets `/dev/null`, close-on-exec (a program it starts sees the
+/// descriptor closed, as it was), and an INFO line says so. Three `fcntl`s when all are open,
+/// which is every time but the first in such a program.
+pub fn keep_std_fds() {
+    fill();
+    let unsaid = UNSAID.swap(0, Ordering::Relaxed);
+    for fd in (0..3).filter(|fd| unsaid & (1 << fd) != 0) {
+        crate::info!(INIT, "descriptor {fd} ({}) was closed: /dev/null stands in for it, so that no socket \
+                            or file of this library takes its number", ["stdin", "stdout", "stderr"][fd]);
+    }
+    let unfilled = UNFILLED.load(Ordering::Relaxed);
+    if unfilled != 0 && crate::debug::first_time(&UNFILLED_SAID) {
+        crate::warn!("descriptor {} is closed and /dev/null could not be opened in its place: a socket of \
+                      this library may take its number", unfilled.trailing_zeros());
+    }
+}
+
+/// The same without a line, for the logger itself (which opens NCCL_DEBUG_FILE, and may not
+/// log while it does): the next [`keep_std_fds`] says what it did.
+pub fn keep_std_fds_quietly() {
+    fill();
+}
+
+fn fill() {
+    for fd in 0..=2 {
+        // SAFETY: F_GETFD reads a descriptor's flags; it touches no memory of ours.
+        if unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1
+            || std::io::Error::last_os_error().raw_os_error() != Some(libc::EBADF) {
+            continue;
+        }
+        // SAFETY: a NUL-terminated path; /dev/null opened for reading and writing creates nothing.
+        let got = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if got < 0 {
+            UNFILLED.store(1 << fd, Ordering::Relaxed);
+            return;
+        }
+        if got != fd {
+            // Another thread took the number first: the gap is filled either way.
+            // SAFETY: `got` is the descriptor just opened above, owned by nobody else.
+            unsafe { libc::close(got) };
+            continue;
+        }
+        UNSAID.fetch_or(1 << fd, Ordering::Relaxed);
+    }
+}
