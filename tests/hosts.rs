@@ -264,3 +264,20 @@ fn two_hosts_ipv6() {
     check_transports(&o, &[0, 1], &["Socket"]);
     o.clean();
 }
+
+/// A host with no network interface up, loopback included (a new network namespace, whose lo
+/// starts down): `ncclGetUniqueId` fails at once with ncclSystemError, saying so and how to
+/// bring lo up. Before, the id was made on 127.0.0.1, where listening works, and the init
+/// then failed with "Network is unreachable" under a guess at a stale unique id.
+#[test]
+fn a_host_with_no_interface_up_says_so() {
+    if skip_netns() {
+        return;
+    }
+    let o = Job::new("collectives").arg("--quick").wrap(0, &["unshare", "--net"]).timeout_s(30).run_outcome();
+    assert!(!o.ok(), "ran with no interface up:\n{}", o.report);
+    let said = "ncclGetUniqueId(id) -> 2 unhandled system error";
+    assert!(o.procs[0].log.contains(said), "not failed at the id with ncclSystemError:\n{}", o.report);
+    assert!(o.procs[0].log.contains("no network interface of this host is up, loopback included")
+            && o.procs[0].log.contains("ip link set lo up"), "{}", o.report);
+}

@@ -10,7 +10,7 @@ pub mod service;
 pub mod topo;
 pub mod wire;
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -239,7 +239,13 @@ pub fn local_ip() -> Result<IpAddr> {
     }
     let (name, family) = (params::raw("NCCL_SOCKET_IFNAME"), params::raw("NCCL_SOCKET_FAMILY"));
     if name.is_none() && family.is_none() {
-        return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        // Loopback is chosen whenever it is up and nothing else is: none chosen, none is up.
+        // (Listening on 127.0.0.1 works even so, and every connection then failed with
+        // "Network is unreachable" under a guess at a stale unique id: found by a probe in a
+        // new network namespace, whose lo starts down.)
+        return Err(Error::system(
+            "no socket interface found: no network interface of this host is up, loopback included (a new \
+             network namespace starts with lo down: `ip link set lo up`)"));
     }
     let set: Vec<String> = [("NCCL_SOCKET_IFNAME", name), ("NCCL_SOCKET_FAMILY", family)]
         .into_iter()
@@ -289,10 +295,13 @@ fn connect_root(id: &UniqueId, deadline: Instant, abort: &AtomicBool) -> Result<
             }
             Err(e) if fds::out_of_fds(&e) => return Err(Error::os(format!("bootstrap: cannot reach the root at {}", id.root), e)),
             Err(e) => {
-                return Err(Error::remote(format!(
-                    "bootstrap: cannot reach the root at {}: {e} (a stale unique id, or the process that created it exited?)",
-                    id.root
-                )))
+                let why = match e.raw_os_error() {
+                    Some(libc::ENETUNREACH | libc::EHOSTUNREACH) => {
+                        format!("no route from this host to {} ({})", id.root.ip(), ifaces::describe_all())
+                    }
+                    _ => "a stale unique id, or the process that created it exited?".into(),
+                };
+                return Err(Error::remote(format!("bootstrap: cannot reach the root at {}: {e} ({why})", id.root)));
             }
         }
     }
