@@ -323,13 +323,14 @@ pub fn print_version_once() {
     let wanted = level == Level::Version as u8 || level >= Level::Info as u8;
     if wanted && !VERSION_PRINTED.swap(true, Ordering::Relaxed) {
         emit(&format!(
-            "{}{} NCCL INFO NCCL version {}.{}.{}+nccl-rs-{} ({} mode)\n",
+            "{}{} NCCL INFO NCCL version {}.{}.{}+nccl-rs-{} (source {:016x}, {} mode)\n",
             timestamp(Level::Version),
             prefix(),
             crate::NCCL_MAJOR,
             crate::NCCL_MINOR,
             crate::NCCL_PATCH,
             env!("CARGO_PKG_VERSION"),
+            crate::SOURCE,
             crate::device::mode::current().name()
         ));
     }

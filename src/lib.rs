@@ -32,6 +32,12 @@ pub const NCCL_MINOR: i32 = 32;
 pub const NCCL_PATCH: i32 = 3;
 pub const NCCL_VERSION_CODE: i32 = NCCL_MAJOR * 10000 + NCCL_MINOR * 100 + NCCL_PATCH;
 
+/// The source this library is built from (build.rs): ranks of one job must all have the same.
+pub const SOURCE: u64 = match u64::from_str_radix(env!("NCCL_RS_SOURCE"), 16) {
+    Ok(v) => v,
+    Err(_) => panic!("build.rs sets NCCL_RS_SOURCE to 16 hex digits"),
+};
+
 /// Helpers shared by unit tests.
 #[cfg(test)]
 pub(crate) mod testing {

@@ -83,10 +83,14 @@ fn peer_info_and_tables() {
 fn root_hello() {
     let magic = 0xabcdef;
     let mut w = Writer::default();
-    w.u8(root::HELLO).u64(magic).u32(3).u32(8);
+    w.u8(root::HELLO).u64(magic).u64(crate::SOURCE).u32(3).u32(8);
     info().encode(&mut w);
-    assert!(root::parse_hello(&w.buf, magic).is_some());
+    assert!(matches!(root::parse_hello(&w.buf, magic), Some(root::Heard::Hello(3, 8, _))));
     assert!(root::parse_hello(&w.buf, magic + 1).is_none(), "the wrong magic is refused");
+    // Another build's hello is known for one, its rank read, the rest left alone.
+    let mut other = Writer::default();
+    other.u8(root::HELLO).u64(magic).u64(crate::SOURCE ^ 1).u32(3).u32(8).u8(0xff);
+    assert!(matches!(root::parse_hello(&other.buf, magic), Some(root::Heard::OtherBuild { rank: 3, source }) if source == crate::SOURCE ^ 1));
     let mut rng = Rng(2);
     for _ in 0..ITERS {
         let _ = root::parse_hello(&rng.mutate(&w.buf), magic);

@@ -351,7 +351,7 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     let mut s = connect_root(id, connect_deadline, abort)?;
     let _ = s.set_nodelay(true);
     let mut w = Writer::default();
-    w.u8(root::HELLO).u64(id.magic).u32(rank as u32).u32(nranks as u32);
+    w.u8(root::HELLO).u64(id.magic).u64(crate::SOURCE).u32(rank as u32).u32(nranks as u32);
     me.encode(&mut w);
     write_frame(&mut s, &w.buf).map_err(|e| e.context("bootstrap: hello to root"))?;
     // The root gives up NCCL_INIT_TIMEOUT_S after it started and then says which ranks are
@@ -399,10 +399,15 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     match r.u8()? {
         root::TABLE => {}
         root::FAILED => return Err(Error::invalid_arg(r.str()?)),
+        root::FAILED_USAGE => return Err(Error::invalid_usage(r.str()?)),
         root::FAILED_SYSTEM => return Err(Error::system(r.str()?)),
         root::FAILED_REMOTE => return Err(Error::remote(r.str()?)),
         root::TIMED_OUT => return Err(Error::timeout(r.str()?)),
-        k => return Err(Error::system(format!("bootstrap: unexpected reply {k} from the root"))),
+        // A failure of a kind a later build added: its text still says why.
+        k => return Err(Error::system(match r.str() {
+            Ok(why) if !why.is_empty() => format!("bootstrap: the root failed the job (answer {k}): {why}"),
+            _ => format!("bootstrap: unexpected reply {k} from the root"),
+        })),
     }
     let n = r.u32()? as usize;
     ensure!(n == nranks, Error::invalid_arg(format!("bootstrap: the root formed a job of {n} ranks, we expected {nranks}")));

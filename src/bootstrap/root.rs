@@ -23,6 +23,9 @@ pub const FAILED_SYSTEM: u8 = 6;
 pub const CANNOT_JOIN: u8 = 7;
 /// Like FAILED, for a job one of whose ranks could not join: ncclRemoteError.
 pub const FAILED_REMOTE: u8 = 8;
+/// Like FAILED, for a job whose ranks run different builds: ncclInvalidUsage, as NVIDIA's
+/// library answers mismatched versions.
+pub const FAILED_USAGE: u8 = 9;
 /// Not an answer yet: the ranks that joined are told which ones the root still waits for
 /// (once, after half the time allowed), and keep waiting.
 pub const WAITING: u8 = 5;
@@ -70,6 +73,8 @@ struct Polled {
     starved: Option<std::io::Error>,
     /// A rank that could not join: its connection, its rank, the job's size and why.
     cannot_join: Option<(TcpStream, usize, usize, String)>,
+    /// A hello of this job from another build: its connection, its rank and its source.
+    other_build: Option<(TcpStream, u32, u64)>,
 }
 
 /// Accept everything waiting, read what each unheard connection sent, and return the first
@@ -108,16 +113,24 @@ fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -
                 match want {
                     Some(w) if w > 4 + super::wire::MAX_FRAME => false,
                     Some(w) if u.buf.len() >= w => {
-                        if let Some((r, n, info)) = parse_hello(&u.buf[4..w], magic) {
-                            let u = unheard.swap_remove(k);
-                            let _ = u.stream.set_nonblocking(false);
-                            let _ = u.stream.set_nodelay(true);
-                            return Polled { busy: true, hello: Some((u.stream, r, n, info)), starved, cannot_join: None };
+                        match parse_hello(&u.buf[4..w], magic) {
+                            Some(Heard::Hello(r, n, info)) => {
+                                let u = unheard.swap_remove(k);
+                                let _ = u.stream.set_nonblocking(false);
+                                let _ = u.stream.set_nodelay(true);
+                                return Polled { busy: true, hello: Some((u.stream, r, n, info)), starved, ..Polled::default() };
+                            }
+                            Some(Heard::OtherBuild { rank, source }) => {
+                                let u = unheard.swap_remove(k);
+                                let _ = u.stream.set_nonblocking(false);
+                                return Polled { busy: true, starved, other_build: Some((u.stream, rank, source)), ..Polled::default() };
+                            }
+                            None => {}
                         }
                         if let Some((r, n, why)) = parse_cannot_join(&u.buf[4..w], magic) {
                             let u = unheard.swap_remove(k);
                             let _ = u.stream.set_nonblocking(false);
-                            return Polled { busy: true, hello: None, starved, cannot_join: Some((u.stream, r, n, why)) };
+                            return Polled { busy: true, starved, cannot_join: Some((u.stream, r, n, why)), ..Polled::default() };
                         }
                         false // a whole frame that is not a hello of ours
                     }
@@ -133,7 +146,7 @@ fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -
             unheard.swap_remove(k);
         }
     }
-    Polled { busy, hello: None, starved, cannot_join: None }
+    Polled { busy, starved, ..Polled::default() }
 }
 
 /// How a root's job ended.
@@ -235,7 +248,16 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
                 missing);
             return Gathered::Failed { joined, extra: None, kind: TIMED_OUT, msg };
         }
-        let Polled { busy, hello, starved: out_of_fds, cannot_join } = poll_hellos(&listener, &mut unheard, magic);
+        let Polled { busy, hello, starved: out_of_fds, cannot_join, other_build } = poll_hellos(&listener, &mut unheard, magic);
+        if let Some((stream, rank, source)) = other_build {
+            // Its messages, and ours to it, would be misread: the job is refused, it included.
+            let at = stream.peer_addr().map_or("?".into(), |a| a.ip().to_string());
+            let msg = format!(
+                "bootstrap: rank {rank} (at {at}) runs another build of nccl-rs than the root's process (its source \
+                 {source:016x}, the root's {:016x}): every rank must load the same libnccl.so.2 (NCCL_DEBUG=VERSION \
+                 names each process's source)", crate::SOURCE);
+            return Gathered::Failed { joined, extra: Some(stream), kind: FAILED_USAGE, msg };
+        }
         if let Some((stream, rank, n, why)) = cannot_join {
             // It will never come: the others are told at once, not left waiting for it, those
             // still on their way too for a while (after that they find no root).
@@ -313,16 +335,31 @@ pub fn parse_cannot_join(frame: &[u8], magic: u64) -> Option<(usize, usize, Stri
     Some((rank, nranks, why.chars().take(2000).collect()))
 }
 
-/// A rank's hello: (rank, nranks, info), or None for anything that is not one of ours.
-pub fn parse_hello(frame: &[u8], magic: u64) -> Option<(usize, usize, PeerInfo)> {
+/// A hello of this job's magic.
+pub enum Heard {
+    /// (rank, nranks, info).
+    Hello(usize, usize, PeerInfo),
+    /// From a rank of another build, whose info this one may misread.
+    OtherBuild { rank: u32, source: u64 },
+}
+
+/// A rank's hello, or None for anything that is not one of ours. Its first fields — kind,
+/// magic, source, rank — are the same in every build, and so is the root's failure frame
+/// (kind, text), so that a root can refuse a rank of another build and tell it why.
+/// (Builds before the source was sent have the rank and size where it is: a mismatch too.)
+pub fn parse_hello(frame: &[u8], magic: u64) -> Option<Heard> {
     let mut r = Reader::new(frame);
     if r.u8().ok()? != HELLO || r.u64().ok()? != magic {
         return None; // not one of ours: drop it without disturbing the job
     }
-    let rank = r.u32().ok()? as usize;
+    let source = r.u64().ok()?;
+    let rank = r.u32().ok()?;
+    if source != crate::SOURCE {
+        return Some(Heard::OtherBuild { rank, source });
+    }
     let nranks = r.u32().ok()? as usize;
     let info = PeerInfo::decode(&mut r).ok()?;
-    Some((rank, nranks, info))
+    Some(Heard::Hello(rank as usize, nranks, info))
 }
 
 fn missing_ranks(joined: &[Joined], n: usize) -> String {
@@ -377,6 +414,47 @@ mod tests {
         assert!(huge.starts_with("ranks 1, 2, 3,") && huge.ends_with(&format!(" and {} more", usize::MAX / 2 - 1 - 32)), "{huge}");
     }
 
+    fn info(rank: usize) -> PeerInfo {
+        PeerInfo { rank, pid: 1, cuda_dev: 0, host_hash: 1, pid_ns: 1, shm_fs: 1, hostname: "h".into(),
+                   addr: "127.0.0.1:1".parse().expect("an address"), slice: 4096, nsocks: 1,
+                   links: crate::bootstrap::Links::local(), gpu: Default::default() }
+    }
+
+    /// A rank of another build (another source) fails the job with ncclInvalidUsage, naming
+    /// both builds, for it and for the ranks that came before it; its info, which this build
+    /// may misread, is never decoded. Before, a hello in another layout was misread or taken
+    /// for garbage, and the job waited for that rank.
+    #[test]
+    fn a_rank_of_another_build_fails_the_job() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a listener");
+        let addr = listener.local_addr().expect("its address");
+        let root = std::thread::spawn(move || serve(listener, 7, Some(Duration::from_secs(20))));
+        let hello = |source: u64, rank: u32| {
+            let mut s = TcpStream::connect(addr).expect("a connection");
+            let mut w = Writer::default();
+            w.u8(HELLO).u64(7).u64(source).u32(rank).u32(2);
+            info(rank as usize).encode(&mut w);
+            write_frame(&mut s, &w.buf).expect("the hello");
+            s
+        };
+        let mut ours = hello(crate::SOURCE, 0);
+        // (Rank 0's hello in first, or the other's may be heard first: either way, failed.)
+        std::thread::sleep(Duration::from_millis(100));
+        let mut theirs = hello(crate::SOURCE ^ 0xff, 1);
+        let theirs_hex = format!("{:016x}", crate::SOURCE ^ 0xff);
+        match root.join().expect("the root") {
+            Served::Failed(msg) => assert!(msg.contains("rank 1 (at 127.0.0.1) runs another build")
+                                           && msg.contains(&theirs_hex) && msg.contains(&format!("{:016x}", crate::SOURCE)), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+        for s in [&mut ours, &mut theirs] {
+            let frame = super::super::wire::read_frame(s, Duration::from_secs(5)).expect("the root's answer");
+            let mut r = Reader::new(&frame);
+            assert_eq!(r.u8().expect("a kind"), FAILED_USAGE);
+            assert!(r.str().expect("a text").contains("runs another build"));
+        }
+    }
+
     #[test]
     fn an_unused_id_ends_quietly_and_a_missing_rank_is_named() {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a listener");
@@ -386,12 +464,9 @@ mod tests {
         let addr = listener.local_addr().expect("its address");
         let root = std::thread::spawn(move || serve(listener, 7, Some(Duration::from_millis(500))));
         let mut s = TcpStream::connect(addr).expect("a connection");
-        let me = PeerInfo { rank: 0, pid: 1, cuda_dev: 0, host_hash: 1, pid_ns: 1, shm_fs: 1, hostname: "h".into(),
-                            addr: "127.0.0.1:1".parse().expect("an address"), slice: 4096, nsocks: 1,
-                            links: crate::bootstrap::Links::local(), gpu: Default::default() };
         let mut w = Writer::default();
-        w.u8(HELLO).u64(7).u32(0).u32(2);
-        me.encode(&mut w);
+        w.u8(HELLO).u64(7).u64(crate::SOURCE).u32(0).u32(2);
+        info(0).encode(&mut w);
         write_frame(&mut s, &w.buf).expect("the hello");
         match root.join().expect("the root") {
             Served::Failed(msg) => assert!(msg.contains("only 1 of 2") && msg.contains("missing: rank 1"), "{msg}"),
