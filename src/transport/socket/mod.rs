@@ -39,6 +39,19 @@ pub fn set_liveness(stream: &TcpStream, timeout: std::time::Duration) {
     set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, &ms.to_ne_bytes());
 }
 
+/// Wait until one of `fds` has something to read (a listener: a connection to accept; a
+/// stream: bytes, or its end), at most `timeout`. An interrupted wait returns early, as the
+/// timeout does: callers look at what came and wait again.
+pub fn wait_readable(fds: &[std::os::fd::BorrowedFd<'_>], timeout: Duration) {
+    use std::os::fd::AsRawFd;
+    let mut polled: Vec<libc::pollfd> =
+        fds.iter().map(|fd| libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
+    let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+    // SAFETY: `polled` holds polled.len() initialised pollfds of descriptors the borrows keep
+    // open, and lives for the call.
+    unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, ms) };
+}
+
 /// Connections a listener holds before they are accepted, as NCCL asks (the kernel caps it at
 /// net.core.somaxconn). std listens with 128: when more ranks than that dialled one root or
 /// service at once, the rest's SYNs were dropped and sent again a second later (init of 192
