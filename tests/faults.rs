@@ -883,6 +883,40 @@ fn init_all_stops_every_rank_when_rank_0_cannot_host_the_root() {
     judge("init_all_stops_every_rank_when_rank_0_cannot_host_the_root", &o, ok, String::new());
 }
 
+/// A rank whose NCCL_COMM_ID address is another program's that answers (a web server, a
+/// proxy: "HTTP/1.1 400 ..." to anything) fails at once with ncclSystemError saying another
+/// program answers there, with its first bytes. Before: "lost the connection to the root ...:
+/// frame of 1347703880 bytes exceeds the limit (the root runs in the process that called
+/// ncclGetUniqueId: that process ended, ...)", found by a probe whose address a proxy answered.
+#[test]
+fn a_talking_program_at_nccl_comm_id_is_named() {
+    use std::io::Write;
+    let (held, addr) = foreign_listener();
+    held.set_nonblocking(true).expect("a nonblocking listener");
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = done.clone();
+    let talker = std::thread::spawn(move || {
+        // Answers every connection until the job is over (the listener goes with the thread).
+        while !stop.load(std::sync::atomic::Ordering::Acquire) {
+            match held.accept() {
+                Ok((mut s, _)) => {
+                    let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+                }
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(5)),
+            }
+        }
+    });
+    let o = Job::new("faults").procs(2).arg("--only").arg("hello").env("NCCL_COMM_ID", &addr)
+        .env("NCCL_DEBUG", "WARN").env("NCCL_INIT_TIMEOUT_S", "20").timeout_s(60).run_outcome();
+    let said = format!("the root's address {addr} answers, but not as a root of nccl-rs");
+    let ok = !o.timed_out && o.procs.iter().all(|p| !p.exited_0() && !p.killed_at_deadline)
+        && o.procs[1].log.contains(&said) && o.procs[1].log.contains("its first bytes \"HTTP\"")
+        && o.procs[1].log.contains("unhandled system error") && o.procs[0].log.contains("cannot host the root");
+    done.store(true, std::sync::atomic::Ordering::Release);
+    let _ = talker.join();
+    judge("a_talking_program_at_nccl_comm_id_is_named", &o, ok, String::new());
+}
+
 /// A rank whose NCCL_COMM_ID address is another program's, which accepts and says nothing,
 /// says so at WARN (a root of ours answers within half of NCCL_INIT_TIMEOUT_S, at most 10 s)
 /// and fails at NCCL_INIT_TIMEOUT_S naming the silence.

@@ -78,11 +78,13 @@ impl UniqueId {
 pub fn parse_comm_id(v: &str) -> Result<SocketAddr> {
     use std::net::ToSocketAddrs;
     let bad = |why: &str| Error::invalid_arg(format!("NCCL_COMM_ID='{v}' {why}: expected host:port or [ipv6]:port"));
-    if let Ok(a) = v.parse::<SocketAddr>() {
-        return Ok(a);
-    }
-    let mut addrs = v.to_socket_addrs().map_err(|_| bad("does not resolve"))?;
-    addrs.next().ok_or_else(|| bad("does not resolve"))
+    let addr = match v.parse::<SocketAddr>() {
+        Ok(a) => a,
+        Err(_) => v.to_socket_addrs().map_err(|_| bad("does not resolve"))?.next().ok_or_else(|| bad("does not resolve"))?,
+    };
+    // (Port 0 made an id whose init then failed as "not produced by ncclGetUniqueId".)
+    ensure!(addr.port() != 0, bad("names port 0, where no root can be found (each rank would listen on a port of its own)"));
+    Ok(addr)
 }
 
 /// A magic every rank derives identically from the same `NCCL_COMM_ID` (FNV-1a).
@@ -130,6 +132,8 @@ mod tests {
         assert_eq!(parse_comm_id("127.0.0.1:1234").unwrap().port(), 1234);
         assert_eq!(parse_comm_id("[::1]:99").unwrap().port(), 99);
         assert!(parse_comm_id("nonsense").is_err());
+        assert!(parse_comm_id("127.0.0.1:0").unwrap_err().msg.contains("names port 0"));
+        assert!(parse_comm_id("localhost:0").is_err());
         assert_eq!(magic_of("a:1"), magic_of("a:1"));
         assert_ne!(magic_of("a:1"), magic_of("a:2"));
         assert_ne!(random_u64(), random_u64());

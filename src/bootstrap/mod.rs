@@ -361,6 +361,11 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     let no_answer = |e: Error| if Instant::now() >= reply_deadline {
         Error::remote(format!("bootstrap: no answer from the root within {} s",
                               timeout.map_or(0, |t| (t + ROOT_VERDICT_GRACE).as_secs())))
+    } else if e.msg.contains(wire::NOT_OURS) {
+        // Found by a probe whose NCCL_COMM_ID named an address a proxy answered ("HTTP").
+        Error::system(format!("bootstrap: the root's address {} answers, but not as a root of nccl-rs ({}): another \
+                               program listens there (NCCL_COMM_ID's port in use, or a unique id whose root is long gone)",
+                              id.root, e.msg))
     } else {
         Error::remote(format!("bootstrap: lost the connection to the root at {}: {} (the root runs in the process \
                                that called ncclGetUniqueId: that process ended, or the root failed the job and \

@@ -11,6 +11,10 @@ use crate::error::{Error, Result};
 /// No bootstrap payload is larger (a peer table of thousands of ranks fits easily).
 pub const MAX_FRAME: usize = 16 << 20;
 
+/// What a frame past [`MAX_FRAME`] says of itself (callers that know who should have sent it
+/// look for these words to say more).
+pub const NOT_OURS: &str = "not a message of nccl-rs";
+
 pub fn write_frame(s: &mut TcpStream, payload: &[u8]) -> Result<()> {
     let len = u32::try_from(payload.len()).map_err(|_| Error::internal("bootstrap frame too large"))?;
     let mut buf = Vec::with_capacity(4 + payload.len());
@@ -25,9 +29,14 @@ pub fn read_frame(s: &mut TcpStream, timeout: Duration) -> Result<Vec<u8>> {
         .map_err(|e| Error::os("bootstrap: set timeout", e))?;
     let mut len = [0u8; 4];
     s.read_exact(&mut len).map_err(|e| Error::os("bootstrap: receive", e))?;
+    let first = len;
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_FRAME {
-        return Err(Error::system(format!("bootstrap: frame of {len} bytes exceeds the limit")));
+        // Printable bytes are another program's words ("HTTP" from a web server or a proxy
+        // at that address): said as they are.
+        let text = first.iter().all(|b| b.is_ascii_graphic() || *b == b' ')
+            .then(|| format!(", its first bytes \"{}\"", String::from_utf8_lossy(&first))).unwrap_or_default();
+        return Err(Error::system(format!("bootstrap: frame of {len} bytes exceeds the limit{text}: {NOT_OURS}")));
     }
     let mut buf = vec![0u8; len];
     s.read_exact(&mut buf).map_err(|e| Error::os("bootstrap: receive", e))?;
