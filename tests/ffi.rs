@@ -139,6 +139,23 @@ fn collectives_nonblocking_calls_return_at_once() {
     }
 }
 
+/// What an operation in flight says when the caller's own ncclCommAbort stops it is no news
+/// (PyTorch aborts its communicators at shutdown and on errors): INFO, not WARN. Part
+/// Nonblocking aborts a communicator whose all-reduce waits for a rank that never calls;
+/// before, every such abort printed "NCCL WARN ... communicator aborted while waiting for a
+/// data connection from rank 1" (found over sockets, where the first connection is still being
+/// made when the abort comes).
+#[test]
+fn operations_stopped_by_the_callers_abort_are_not_warned_of() {
+    for shm_disable in ["0", "1"] {
+        let o = Job::new("collectives").procs(2).arg("--only").arg("Nonblocking").env("NCCL_DEBUG", "INFO")
+            .env("NCCL_DEBUG_SUBSYS", "INIT").env("NCCL_SHM_DISABLE", shm_disable).run_outcome();
+        assert!(o.ok(), "{}", o.report);
+        let warned: Vec<&str> = o.lines_with("NCCL WARN").map(|(_, l)| l).filter(|l| l.contains("aborted")).collect();
+        assert!(warned.is_empty(), "NCCL_SHM_DISABLE={shm_disable}: {warned:?}\n{}", o.report);
+    }
+}
+
 /// A nonblocking communicator's operations run on threads kept for them, not on a thread
 /// started per call: part Soak issues about half of its 100 steps on its nonblocking
 /// communicator, one after the other, and each process starts a few threads at most.

@@ -670,8 +670,13 @@ impl Comm {
         let mut slot = self.async_error.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             // Errors found in the background (nonblocking init, a failed group) are what
-            // ncclGetLastError should show next, as in NCCL.
-            crate::warn!("{}", e.msg);
+            // ncclGetLastError should show next, as in NCCL. Those of operations the caller's
+            // own ncclCommAbort stopped are no news (PyTorch aborts at shutdown): INFO.
+            if self.abort.load(Ordering::Acquire) {
+                crate::info!(INIT, "rank {}: after ncclCommAbort: {}", self.rank, e.msg);
+            } else {
+                crate::warn!("{}", e.msg);
+            }
             crate::error::set_last_error(&e.msg);
             *slot = Some(e.clone());
             self.async_code.store(e.code as i32, Ordering::Release);
