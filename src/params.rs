@@ -3,6 +3,7 @@
 //! nothing else in the crate calls `std::env::var`. `ncclResetDebugInit` re-reads it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::abi::fork::{PerFork, PerForkMutex};
@@ -94,6 +95,43 @@ pub fn reload() {
         Ok(mut g) => *g = fresh,
         Err(poisoned) => *poisoned.into_inner() = fresh,
     }
+    READS.fetch_add(1, Ordering::AcqRel);
+}
+
+/// How many times the environment has been read ([`Kept`] values of an older reading are
+/// worked out again).
+static READS: AtomicU64 = AtomicU64::new(1);
+
+/// A value worked out from the environment that every call asks for, kept until the
+/// environment is read again: two atomic loads, where a lookup takes a lock, a hash, a copy of
+/// the text and a search of [`ALL`] (on an 8-byte all-reduce, about a tenth of its time, found
+/// by profiling: `NCCL_CHECK_POINTERS` on every call).
+pub struct Kept {
+    read: AtomicU64,
+    value: AtomicI64,
+}
+
+impl Kept {
+    pub const fn new() -> Kept {
+        Kept { read: AtomicU64::new(0), value: AtomicI64::new(0) }
+    }
+
+    /// The kept value, or `work()`'s, kept, if the environment was read since.
+    pub fn get(&self, work: impl FnOnce() -> i64) -> i64 {
+        let now = READS.load(Ordering::Acquire);
+        if self.read.load(Ordering::Acquire) == now {
+            return self.value.load(Ordering::Relaxed);
+        }
+        let v = work();
+        self.value.store(v, Ordering::Relaxed);
+        self.read.store(now, Ordering::Release);
+        v
+    }
+}
+
+/// [`int`] of a variable read on every call, kept in `cell`.
+fn kept_int(cell: &Kept, name: &str) -> i64 {
+    cell.get(|| int(name))
 }
 
 pub fn find(name: &str) -> Option<&'static Param> {
@@ -157,7 +195,8 @@ pub fn shm_disable() -> bool {
     int("NCCL_SHM_DISABLE") != 0
 }
 pub fn cma_disable() -> bool {
-    int("NCCL_CMA_DISABLE") != 0
+    static KEPT: Kept = Kept::new();
+    kept_int(&KEPT, "NCCL_CMA_DISABLE") != 0
 }
 pub fn p2p_disable() -> bool {
     int("NCCL_P2P_DISABLE") != 0
@@ -168,6 +207,10 @@ pub fn p2p_disable() -> bool {
 /// with few hardware queues, the streams share them, and a stream waiting for the stream
 /// worker could hold up the worker's own copies queued behind it.
 pub fn few_device_connections() -> bool {
+    static KEPT: Kept = Kept::new();
+    KEPT.get(|| few_device_connections_now() as i64) != 0
+}
+fn few_device_connections_now() -> bool {
     if raw("NCCL_RS_HOST_WAIT").is_some() {
         return int("NCCL_RS_HOST_WAIT") != 0;
     }
@@ -188,50 +231,61 @@ pub fn nvml_index(cuda_dev: i32) -> Option<i32> {
 /// `NCCL_RS_STREAM_GATE=kernel`: callers' streams wait with a polling kernel, not a stream
 /// memory operation.
 pub fn stream_gate_kernel() -> bool {
-    text("NCCL_RS_STREAM_GATE").trim().eq_ignore_ascii_case("kernel")
+    static KEPT: Kept = Kept::new();
+    KEPT.get(|| text("NCCL_RS_STREAM_GATE").trim().eq_ignore_ascii_case("kernel") as i64) != 0
 }
 /// CUDA mode: callers' streams stage what fits the pinned pool at call time (default on).
 pub fn caller_staging() -> bool {
-    int("NCCL_RS_CALLER_STAGING") != 0
+    static KEPT: Kept = Kept::new();
+    kept_int(&KEPT, "NCCL_RS_CALLER_STAGING") != 0
 }
 /// `NCCL_RS_DIRECT_MIN` (default 64 KiB): the smallest collective that goes direct.
 pub fn direct_min() -> usize {
-    usize::try_from(int("NCCL_RS_DIRECT_MIN")).unwrap_or(0)
+    static KEPT: Kept = Kept::new();
+    usize::try_from(kept_int(&KEPT, "NCCL_RS_DIRECT_MIN")).unwrap_or(0)
 }
 /// `NCCL_RS_PEER_MAPS` (default 256): peer allocations a stream worker keeps mapped.
 pub fn peer_maps() -> usize {
-    usize::try_from(int("NCCL_RS_PEER_MAPS")).unwrap_or(0)
+    static KEPT: Kept = Kept::new();
+    usize::try_from(kept_int(&KEPT, "NCCL_RS_PEER_MAPS")).unwrap_or(0)
 }
 /// `NCCL_RS_POOL_MAX` (default 64 MiB): what a communicator's pinned staging pool may grow to.
 pub fn pool_max() -> usize {
-    usize::try_from(int("NCCL_RS_POOL_MAX")).unwrap_or(0)
+    static KEPT: Kept = Kept::new();
+    usize::try_from(kept_int(&KEPT, "NCCL_RS_POOL_MAX")).unwrap_or(0)
 }
 /// `NCCL_RS_INPLACE_SCRATCH` (default 64 MiB): device memory for copies of the buffers peers
 /// cannot read directly (`streamed::scratch`).
 pub fn inplace_scratch() -> usize {
-    usize::try_from(int("NCCL_RS_INPLACE_SCRATCH")).unwrap_or(0)
+    static KEPT: Kept = Kept::new();
+    usize::try_from(kept_int(&KEPT, "NCCL_RS_INPLACE_SCRATCH")).unwrap_or(0)
 }
 /// `NCCL_RS_INPLACE_SCRATCH_MAX` (default 256 MiB): what that device memory may grow to.
 pub fn inplace_scratch_max() -> usize {
-    usize::try_from(int("NCCL_RS_INPLACE_SCRATCH_MAX")).unwrap_or(0)
+    static KEPT: Kept = Kept::new();
+    usize::try_from(kept_int(&KEPT, "NCCL_RS_INPLACE_SCRATCH_MAX")).unwrap_or(0)
 }
 /// `NCCL_RS_DIRECT_ON_STREAM` (default 1): direct operations' device work is queued on the
 /// caller's stream at call time (`streamed::board`).
 pub fn direct_on_stream() -> bool {
-    int("NCCL_RS_DIRECT_ON_STREAM") != 0
+    static KEPT: Kept = Kept::new();
+    kept_int(&KEPT, "NCCL_RS_DIRECT_ON_STREAM") != 0
 }
 /// `NCCL_RS_GRAPH_CAPTURE=1`: collectives on a capturing stream are recorded into its graph
 /// (`streamed::capture`).
 pub fn graph_capture() -> bool {
-    int("NCCL_RS_GRAPH_CAPTURE") != 0
+    static KEPT: Kept = Kept::new();
+    kept_int(&KEPT, "NCCL_RS_GRAPH_CAPTURE") != 0
 }
 /// `NCCL_CHECK_POINTERS=1`: every call's buffers are checked (`api::coll::check_pointers`).
 pub fn check_pointers() -> bool {
-    int("NCCL_CHECK_POINTERS") != 0
+    static KEPT: Kept = Kept::new();
+    kept_int(&KEPT, "NCCL_CHECK_POINTERS") != 0
 }
 /// `NCCL_RS_DIRECT_P2P` (on by default): the direct path for sends and receives (CUDA mode).
 pub fn direct_p2p() -> bool {
-    int("NCCL_RS_DIRECT_P2P") != 0
+    static KEPT: Kept = Kept::new();
+    kept_int(&KEPT, "NCCL_RS_DIRECT_P2P") != 0
 }
 /// `NCCL_P2P_LEVEL`: the farthest apart two GPUs may be for the direct path between their
 /// ranks (`bootstrap::topo`); None if unset or not a level.
@@ -283,12 +337,25 @@ pub fn limit_text(timeout: Option<std::time::Duration>) -> String {
     }
 }
 pub fn peer_timeout() -> std::time::Duration {
-    std::time::Duration::from_secs(u64::try_from(int("NCCL_PEER_TIMEOUT_S")).unwrap_or(30).clamp(1, MAX_TIMEOUT_S))
+    static KEPT: Kept = Kept::new();
+    std::time::Duration::from_secs(u64::try_from(kept_int(&KEPT, "NCCL_PEER_TIMEOUT_S")).unwrap_or(30).clamp(1, MAX_TIMEOUT_S))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A kept value is worked out once per reading of the environment (ncclResetDebugInit
+    /// reads it again, and the next call works it out again).
+    #[test]
+    fn kept_values_are_worked_out_once_per_reading() {
+        static KEPT: Kept = Kept::new();
+        let worked = AtomicI64::new(0);
+        let get = || KEPT.get(|| worked.fetch_add(1, Ordering::Relaxed) + 10);
+        assert_eq!((get(), get(), worked.load(Ordering::Relaxed)), (10, 10, 1));
+        reload();
+        assert_eq!((get(), get(), worked.load(Ordering::Relaxed)), (11, 11, 2));
+    }
 
     #[test]
     fn parses_ints_like_nccl() {
