@@ -319,6 +319,17 @@ fn collectives_2_processes_nccl_comm_id() {
         .run();
 }
 
+/// NCCL_COMM_ID with blanks around it (a value read from a file keeps its newline), and not
+/// the same blanks on every process: the job forms and runs. Before, ncclGetUniqueId failed
+/// with "does not resolve".
+#[test]
+fn nccl_comm_id_with_blanks_around_it() {
+    let addr = format!("127.0.0.1:{}", free_tcp_port());
+    Job::new("collectives").procs(2).arg("--quick")
+        .proc_env(0, "NCCL_COMM_ID", &format!("{addr}\n")).proc_env(1, "NCCL_COMM_ID", &format!(" {addr} "))
+        .run();
+}
+
 /// Every communicator of the life-cycle steps (about fifteen, made one after another, some
 /// nonblocking, one from a stale id) has its root at the one NCCL_COMM_ID address.
 #[test]

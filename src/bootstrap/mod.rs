@@ -262,8 +262,11 @@ pub fn local_ip() -> Result<IpAddr> {
 /// the root); otherwise a new root, listening now, and a random magic.
 pub fn new_unique_id() -> Result<[u8; id::ID_BYTES]> {
     if let Some(v) = params::raw("NCCL_COMM_ID") {
-        let root = id::parse_comm_id(&v)?;
-        return Ok(UniqueId { magic: id::magic_of(&v), root, rank0_hosts_root: true }.encode());
+        // (Blanks around it, as a value read from a file brings a newline, are no part of it:
+        // they failed as "does not resolve", and the magic is the same without them.)
+        let v = v.trim();
+        let root = id::parse_comm_id(v)?;
+        return Ok(UniqueId { magic: id::magic_of(v), root, rank0_hosts_root: true }.encode());
     }
     new_root_id()
 }
