@@ -134,6 +134,30 @@ fn kept_int(cell: &Kept, name: &str) -> i64 {
     cell.get(|| int(name))
 }
 
+/// Once per process, at its first communicator (INFO, subsystem ENV): each `NCCL_*` variable
+/// set, as NCCL says it ("NCCL_X set by environment to V"), and among them those nccl-rs does
+/// not read (a setting meant for NVIDIA's library's own machinery, or a typo such as
+/// NCCL_DEBGU), so that a setting that changes nothing is no mystery. (Not where the
+/// environment is read: the logger reads it too, and may not log from inside that read.)
+pub fn report_once() {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !crate::debug::enabled(crate::debug::Level::Info, crate::debug::subsys::ENV) || !crate::debug::first_time(&SAID) {
+        return;
+    }
+    let mut set: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.to_string_lossy().into_owned())))
+        .filter(|(k, _)| k.starts_with("NCCL_"))
+        .collect();
+    set.sort();
+    for (k, v) in &set {
+        match find(k) {
+            Some(_) => crate::info!(ENV, "{k} set by environment to {v}"),
+            None => crate::info!(ENV, "{k} is set (to {v}), but nccl-rs does not read it: a variable of NVIDIA's \
+                                       library that has no counterpart here, or a misspelt one"),
+        }
+    }
+}
+
 pub fn find(name: &str) -> Option<&'static Param> {
     ALL.iter().find(|p| p.name == name)
 }

@@ -763,6 +763,23 @@ fn a_forked_child_logs_to_its_own_debug_file() {
     assert!(!o.procs[0].log.contains(" NCCL "), "lines went to stdout:\n{}", o.procs[0].log);
 }
 
+/// The NCCL_* variables set are said once per process at INFO (subsystem ENV), as NCCL says
+/// them, and those nccl-rs does not read are named so (a misspelt NCCL_DEBGU, NVIDIA's
+/// NCCL_IB_HCA): before, a setting that changed nothing said nothing.
+#[test]
+fn the_environments_nccl_variables_are_said_and_unread_ones_named() {
+    let o = Job::new("p2p").procs(2).env("NCCL_DEBUG", "INFO").env("NCCL_DEBUG_SUBSYS", "ENV")
+        .env("NCCL_SOCKET_NTHREADS", "2").env("NCCL_DEBGU", "1").env("NCCL_IB_HCA", "mlx5_0").run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    for p in &o.procs {
+        assert_eq!(p.log.matches("NCCL INFO NCCL_SOCKET_NTHREADS set by environment to 2").count(), 1, "{}", p.log);
+        for unread in ["NCCL_DEBGU is set (to 1)", "NCCL_IB_HCA is set (to mlx5_0)"] {
+            let line = p.log.lines().find(|l| l.contains(unread));
+            assert!(line.is_some_and(|l| l.contains("NCCL INFO") && l.contains("nccl-rs does not read it")), "{unread}:\n{}", p.log);
+        }
+    }
+}
+
 /// NCCL_DEBUG_SUBSYS selects and excludes INFO lines by subsystem: the connections are INIT
 /// ("rank A -> rank B via KIND"), the single-copy probe P2P.
 #[test]

@@ -210,6 +210,7 @@ fn gpu_place(cuda_dev: i32) -> bootstrap::topo::GpuPlace {
 fn join_job(comm: &Comm, id: &UniqueId) -> Result<()> {
     crate::debug::set_rank(comm.rank as i32);
     crate::debug::print_version_once();
+    crate::params::report_once();
     let (pid_ns, shm_fs) = bootstrap::process_space();
     let me = PeerInfo {
         rank: comm.rank,
