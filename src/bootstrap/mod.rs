@@ -234,11 +234,16 @@ fn read_process_space() -> (u64, u64) {
 /// NCCL ("no socket interface found"): loopback instead would leave every other host unable
 /// to reach this one, a hang whose cause is a typo.
 pub fn local_ip() -> Result<IpAddr> {
-    if let Some(i) = ifaces::interfaces().first() {
+    let listed = ifaces::interfaces();
+    if let Some(i) = listed.as_ref().ok().and_then(|l| l.first()) {
         return Ok(i.addr);
     }
     let (name, family) = (params::raw("NCCL_SOCKET_IFNAME"), params::raw("NCCL_SOCKET_FAMILY"));
     if name.is_none() && family.is_none() {
+        // Interfaces that cannot be listed: loopback, and what listens there says what is short.
+        if listed.is_err() {
+            return Ok(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        }
         // Loopback is chosen whenever it is up and nothing else is: none chosen, none is up.
         // (Listening on 127.0.0.1 works even so, and every connection then failed with
         // "Network is unreachable" under a guess at a stale unique id: found by a probe in a

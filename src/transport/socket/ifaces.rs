@@ -45,14 +45,19 @@ impl IfFilter {
     }
 }
 
-/// Every address of every interface that is up: (name, address, scope).
-fn all_addresses() -> Vec<Iface> {
-    let mut out = Vec::new();
+/// Every address of every interface that is up: (name, address, scope). getifaddrs opens a
+/// netlink socket: out of descriptors, the soft limit is raised as for any socket (an empty
+/// list there read as "no interface is up": found by a test at an open-file limit of 40).
+fn all_addresses() -> std::io::Result<Vec<Iface>> {
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list we free with freeifaddrs below.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return out;
-    }
+    crate::transport::fds::with_room(|| {
+        // SAFETY: getifaddrs fills `head` with a list we free with freeifaddrs below.
+        match unsafe { libc::getifaddrs(&mut head) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    })?;
+    let mut out = Vec::new();
     let mut cur = head;
     while !cur.is_null() {
         // SAFETY: cur is a node of the list getifaddrs returned and we have not freed it.
@@ -79,7 +84,7 @@ fn all_addresses() -> Vec<Iface> {
     }
     // SAFETY: head came from getifaddrs and is freed exactly once.
     unsafe { libc::freeifaddrs(head) };
-    out
+    Ok(out)
 }
 
 fn family_ok(addr: &IpAddr, family: Option<&str>) -> bool {
@@ -111,7 +116,10 @@ pub fn choose(all: &[Iface], ifname: Option<&str>, family: Option<&str>) -> Vec<
 
 /// This host's interfaces with their addresses, for a message ("lo 127.0.0.1, eth0 10.0.0.2").
 pub fn describe_all() -> String {
-    let all = all_addresses();
+    let all = match all_addresses() {
+        Ok(all) => all,
+        Err(e) => return format!("this host's interfaces cannot be listed: {e}"),
+    };
     if all.is_empty() {
         return "this host has none up".into();
     }
@@ -119,11 +127,12 @@ pub fn describe_all() -> String {
     format!("this host has {}", named.join(", "))
 }
 
-/// The interfaces this process uses for bootstrap and sockets, best first.
-pub fn interfaces() -> Vec<Iface> {
+/// The interfaces this process uses for bootstrap and sockets, best first (Err: this host's
+/// interfaces could not be listed).
+pub fn interfaces() -> std::io::Result<Vec<Iface>> {
     let ifname = params::raw("NCCL_SOCKET_IFNAME");
     let family = params::raw("NCCL_SOCKET_FAMILY");
-    choose(&all_addresses(), ifname.as_deref(), family.as_deref())
+    Ok(choose(&all_addresses()?, ifname.as_deref(), family.as_deref()))
 }
 
 #[cfg(test)]
@@ -176,6 +185,6 @@ mod tests {
 
     #[test]
     fn this_machine_has_some_interface() {
-        assert!(!interfaces().is_empty());
+        assert!(interfaces().is_ok_and(|l| !l.is_empty()));
     }
 }
