@@ -20,7 +20,7 @@ static UNFILLED_SAID: AtomicBool = AtomicBool::new(false);
 /// descriptor closed, as it was), and an INFO line says so. Three `fcntl`s when all are open,
 /// which is every time but the first in such a program.
 pub fn keep_std_fds() {
-    fill();
+    keep_std_fds_quietly();
     let unsaid = UNSAID.swap(0, Ordering::Relaxed);
     for fd in (0..3).filter(|fd| unsaid & (1 << fd) != 0) {
         crate::info!(INIT, "descriptor {fd} ({}) was closed: /dev/null stands in for it, so that no socket \
@@ -36,10 +36,6 @@ pub fn keep_std_fds() {
 /// The same without a line, for the logger itself (which opens NCCL_DEBUG_FILE, and may not
 /// log while it does): the next [`keep_std_fds`] says what it did.
 pub fn keep_std_fds_quietly() {
-    fill();
-}
-
-fn fill() {
     for fd in 0..=2 {
         // SAFETY: F_GETFD reads a descriptor's flags; it touches no memory of ours.
         if unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1

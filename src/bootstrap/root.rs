@@ -299,7 +299,7 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
                 // (It slept 1-20 ms and looked again: 100 unused ids, each a root until
                 // UNUSED_ROOT, took 13% of a core between them.)
                 let fds: Vec<_> = std::iter::once(listener.as_fd()).chain(unheard.iter().map(|u| u.stream.as_fd())).collect();
-                crate::transport::socket::wait_readable(&fds, ROOT_TICK);
+                crate::transport::socket::wait_any_readable(&fds, ROOT_TICK);
             }
             continue;
         };

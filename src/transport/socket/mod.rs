@@ -42,7 +42,7 @@ pub fn set_liveness(stream: &TcpStream, timeout: std::time::Duration) {
 /// Wait until one of `fds` has something to read (a listener: a connection to accept; a
 /// stream: bytes, or its end), at most `timeout`. An interrupted wait returns early, as the
 /// timeout does: callers look at what came and wait again.
-pub fn wait_readable(fds: &[std::os::fd::BorrowedFd<'_>], timeout: Duration) {
+pub fn wait_any_readable(fds: &[std::os::fd::BorrowedFd<'_>], timeout: Duration) {
     use std::os::fd::AsRawFd;
     let mut polled: Vec<libc::pollfd> =
         fds.iter().map(|fd| libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
