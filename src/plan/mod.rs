@@ -86,6 +86,11 @@ pub struct Builder {
     /// Why this plan cannot run: memory for its scratch ([`Builder::scratch`]) or its units
     /// could not be had.
     short: Option<Error>,
+    /// What the plan was made from, where [`ops::plan_into`] may reuse it for the same call
+    /// repeated.
+    planned: Option<ops::Planned>,
+    /// Names the plan: a new number each time the builder starts one ([`Builder::reset`]).
+    plan_id: u64,
 }
 
 /// Scratch a reused builder keeps between plans; larger buffers are given back.
@@ -99,7 +104,7 @@ impl Default for Builder {
 
 impl Builder {
     pub fn new(slice: usize) -> Builder {
-        let mut b = Builder { units: Vec::new(), stamps: Vec::new(), slice: 0, fence: Ref::NONE, scratch: Vec::new(), scratch_used: 0, short: None };
+        let mut b = Builder { units: Vec::new(), stamps: Vec::new(), slice: 0, fence: Ref::NONE, scratch: Vec::new(), scratch_used: 0, short: None, planned: None, plan_id: 0 };
         b.reset(slice);
         b
     }
@@ -113,6 +118,26 @@ impl Builder {
         self.scratch.retain(|v| v.capacity() <= SCRATCH_KEEP);
         self.scratch_used = 0;
         self.short = None;
+        self.planned = None;
+        static PLANS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        self.plan_id = PLANS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Scratch memory this builder holds (its plan's and kept for later ones).
+    pub fn scratch_bytes(&self) -> usize {
+        self.scratch.iter().map(|v| v.capacity()).sum()
+    }
+
+    /// Give the scratch memory back, and with it the plan, which may refer to it.
+    pub fn release_scratch(&mut self) {
+        self.reset(self.slice);
+        self.scratch = Vec::new();
+    }
+
+    /// What the units and stamps are: the same number means the same units (a plan reused by
+    /// [`ops::plan_into`] keeps its number; any other plan has its own).
+    pub fn plan_id(&self) -> u64 {
+        self.plan_id
     }
 
     /// Start a new operation: its stamp, and no fence.

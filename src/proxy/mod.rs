@@ -46,6 +46,12 @@ impl<T> Default for Queues<T> {
 }
 
 impl<T: Copy> Queues<T> {
+    /// Every live queue back to its first item (the same units run again).
+    fn rewind(&mut self) {
+        for q in &mut self.qs[..self.live] {
+            q.head = 0;
+        }
+    }
     fn clear(&mut self) {
         for q in &mut self.qs[..self.live] {
             q.items.clear();
@@ -89,6 +95,9 @@ pub struct JobBufs {
     posted: Queues<(u32, u64)>,
     recvs: Queues<u32>,
     local: Queues<u32>,
+    /// The plan (`Builder::plan_id`) the queues above were filled from, and whether it reduces
+    /// incoming data: a plan run again rewinds them rather than sorting its units anew.
+    filled_from: Option<(u64, bool)>,
 }
 
 /// One communicator's work in a run.
@@ -110,8 +119,10 @@ pub struct Job<'a> {
 }
 
 impl<'a> Job<'a> {
-    pub fn new(comm: &'a Comm, conns: &'a mut Conns, units: &'a [Unit], stamps: &'a [Stamp],
+    /// `plan`: what `units` and `stamps` are (`Builder::plan_id`).
+    pub fn new(comm: &'a Comm, conns: &'a mut Conns, plan: (u64, &'a [Unit], &'a [Stamp]),
                describe: &'a dyn Fn(&Stamp) -> String, b: &'a mut JobBufs) -> Job<'a> {
+        let (plan_id, units, stamps) = plan;
         b.done.clear();
         b.done.resize(units.len(), false);
         b.op_left.clear();
@@ -125,18 +136,30 @@ impl<'a> Job<'a> {
                 }
             }
         }
-        b.sends.clear();
         b.posted.clear();
-        b.recvs.clear();
-        b.local.clear();
-        for (i, u) in units.iter().enumerate() {
-            match u.step {
-                Step::Send { peer, .. } => b.sends.push(peer as usize, i as u32),
-                Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => b.recvs.push(peer as usize, i as u32),
-                _ => b.local.push(usize::MAX, i as u32),
+        let reducing = match b.filled_from {
+            Some((id, reducing)) if id == plan_id => {
+                b.sends.rewind();
+                b.recvs.rewind();
+                b.local.rewind();
+                reducing
             }
-        }
-        let reducing = units.iter().any(|u| matches!(u.step, Step::RecvReduce { .. }));
+            _ => {
+                b.sends.clear();
+                b.recvs.clear();
+                b.local.clear();
+                for (i, u) in units.iter().enumerate() {
+                    match u.step {
+                        Step::Send { peer, .. } => b.sends.push(peer as usize, i as u32),
+                        Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => b.recvs.push(peer as usize, i as u32),
+                        _ => b.local.push(usize::MAX, i as u32),
+                    }
+                }
+                let reducing = units.iter().any(|u| matches!(u.step, Step::RecvReduce { .. }));
+                b.filled_from = Some((plan_id, reducing));
+                reducing
+            }
+        };
         Job { comm, conns, units, stamps, describe, b, reducing, remaining: units.len(), failed_peer: None, named: Vec::new() }
     }
 
