@@ -417,42 +417,79 @@ struct Slot {
 /// The memory a communicator's run plans and progresses in (any slot's will do).
 #[derive(Default)]
 struct Work {
-    plan: Builder,
-    job: JobBufs,
-    /// Plans of other calls run lately, most recent first, each with the job bookkeeping filled
-    /// from it: a loop that alternates a few calls (a step's all-reduce and a barrier, a model's
-    /// buckets) reuses each one's plan.
-    spare: Vec<(Builder, JobBufs)>,
+    /// The plans of the calls run lately: a loop that alternates a few calls (a step's
+    /// all-reduce and a barrier, a model's buckets) reuses each one's plan.
+    kept: Vec<Kept>,
+    /// The one in use.
+    cur: usize,
+    /// Runs planned here, to tell the least recently used plan.
+    runs: u64,
 }
 
-/// Plans a [`Work`] keeps besides the one in use.
-const SPARE_PLANS: usize = 3;
-/// A plan kept aside holds at most this much scratch (PreMulSum's scaled inputs, copies of
-/// overlapping ones): a larger one is let go with its plan, so the spares cost little memory.
-const SPARE_SCRATCH: usize = 256 << 10;
+/// A plan, with the job bookkeeping filled from it.
+#[derive(Default)]
+struct Kept {
+    plan: Builder,
+    job: JobBufs,
+    /// The run that last used it ([`Work::runs`]).
+    used: u64,
+}
+
+/// Plans a [`Work`] keeps.
+const KEPT_PLANS: usize = 4;
+/// A plan not in use holds at most this much memory (its units, and scratch for PreMulSum's
+/// scaled inputs or copies of overlapping ones): a larger one is let go, so that the plans kept
+/// cost little.
+const SPARE_BYTES: usize = 256 << 10;
 
 impl Work {
-    /// Plan `ops` in `plan`: the kept plan that fits them put in use if one does, else the
-    /// least recently used one planned anew.
+    /// Plan `ops`: the kept plan that fits them put in use if one does, else a new one or the
+    /// least recently used planned anew.
     fn plan(&mut self, rank: usize, nranks: usize, slice: usize, ops: &[Op], algo: Option<algo::Algo>) -> Result<()> {
-        if !self.plan.fits(rank, nranks, slice, ops, algo) {
-            let found = self.spare.iter().position(|(b, _)| b.fits(rank, nranks, slice, ops, algo));
-            let (plan, job) = match found {
-                Some(k) => self.spare.remove(k),
-                None if self.spare.len() < SPARE_PLANS => Default::default(),
-                None => self.spare.pop().unwrap_or_default(),
-            };
-            let mut last = (std::mem::replace(&mut self.plan, plan), std::mem::replace(&mut self.job, job));
-            if last.0.scratch_bytes() > SPARE_SCRATCH {
-                last.0.release_scratch();
+        self.runs += 1;
+        let fits = |k: &Kept| k.plan.fits(rank, nranks, slice, ops, algo);
+        let found = match self.kept.get(self.cur) {
+            Some(k) if fits(k) => Some(self.cur),
+            _ => self.kept.iter().position(fits),
+        };
+        let at = match found {
+            Some(at) => at,
+            None if self.kept.len() < KEPT_PLANS => {
+                self.kept.push(Kept::default());
+                self.kept.len() - 1
             }
-            self.spare.insert(0, last);
-            if found.is_none() {
-                return replan(&mut self.plan, rank, nranks, slice, ops, algo);
+            None => self.kept.iter().enumerate().min_by_key(|(_, k)| k.used).map_or(0, |(i, _)| i),
+        };
+        if at != self.cur {
+            if let Some(last) = self.kept.get_mut(self.cur).filter(|k| k.plan.held_bytes() > SPARE_BYTES) {
+                last.plan.release();
             }
+            self.cur = at;
         }
-        renumber(&mut self.plan, ops);
-        Ok(())
+        let runs = self.runs;
+        let k = self.current();
+        k.used = runs;
+        match found {
+            Some(_) => {
+                renumber(&mut k.plan, ops);
+                Ok(())
+            }
+            None => replan(&mut k.plan, rank, nranks, slice, ops, algo),
+        }
+    }
+
+    /// The plan in use.
+    fn current(&mut self) -> &mut Kept {
+        if self.cur >= self.kept.len() {
+            self.kept.push(Kept::default());
+            self.cur = self.kept.len() - 1;
+        }
+        &mut self.kept[self.cur]
+    }
+
+    /// The plan in use, if there is one yet.
+    fn in_use(&self) -> Option<&Builder> {
+        self.kept.get(self.cur).map(|k| &k.plan)
     }
 }
 
@@ -587,9 +624,9 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
         return Err(Error::internal("a communicator lost its connections while planning"));
     }
 
-    for (c, w) in comms.iter().zip(work.iter()) {
+    for (c, w) in comms.iter().zip(work.iter_mut()) {
         if let Some(r) = c.ready_if_any() {
-            r.set_running_plan(&w.plan);
+            r.set_running_plan(&w.current().plan);
         }
     }
     if let Err(e) = connect(comms, work, guards) {
@@ -608,7 +645,8 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
     }
 
     let mut jobs = Few::collect(comms.iter().zip(guards.iter_mut()).zip(work.iter_mut()).map(|((c, g), w)| {
-        Job::new(c, g, (w.plan.plan_id(), &w.plan.units, &w.plan.stamps), &crate::plan::ops::describe_stamp, &mut w.job)
+        let k = w.current();
+        Job::new(c, g, (k.plan.plan_id(), &k.plan.units, &k.plan.stamps), &crate::plan::ops::describe_stamp, &mut k.job)
     }));
     let jobs = jobs.as_mut_slice();
     let result = proxy::run(jobs);
@@ -742,7 +780,7 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
 
 fn connect(comms: &[&Comm], work: &[Work], guards: &mut [std::sync::MutexGuard<'_, transport::Conns>]) -> Result<()> {
     // Usually every connection exists already: check without allocating or reading the clock.
-    let connected = work.iter().zip(guards.iter()).all(|(w, g)| w.plan.units.iter().all(|u| match u.step {
+    let connected = work.iter().zip(guards.iter()).all(|(w, g)| w.in_use().map_or(&[][..], |p| &p.units).iter().all(|u| match u.step {
         Step::Send { peer, .. } => g.has_send(peer as usize),
         Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } => g.has_recv(peer as usize),
         _ => true,
@@ -765,7 +803,7 @@ fn connect(comms: &[&Comm], work: &[Work], guards: &mut [std::sync::MutexGuard<'
     };
     for phase_send in [true, false] {
         for ((c, w), g) in comms.iter().zip(work).zip(guards.iter_mut()) {
-            let p = &w.plan;
+            let Some(p) = w.in_use() else { continue };
             let ready = c.ready()?;
             let ctx = Ctx { rank: c.rank, hash: c.hash, peers: &ready.peers, service: &ready.service,
                             slice: ready.slice, abort: &c.abort, deadline };
@@ -786,7 +824,7 @@ mod tests {
     use crate::types::{BuiltinOp, DataType, RedOp, Scalar};
 
     /// A loop that alternates a few calls (a step and a barrier) reuses each one's plan; the
-    /// plans kept aside are few, and hold little scratch.
+    /// plans kept are few, and those not in use hold little memory.
     #[test]
     fn alternating_calls_reuse_their_plans() {
         let mut buf = vec![0u8; 4 << 20];
@@ -797,7 +835,7 @@ mod tests {
         let mut w = Work::default();
         let mut plan = |w: &mut Work, ops: &[Op]| {
             w.plan(0, 2, 4096, ops, None).expect("a plan");
-            w.plan.plan_id()
+            w.current().plan.plan_id()
         };
         let (a, b) = (plan(&mut w, &call(1, 2, sum)), plan(&mut w, &call(2, 2, sum)));
         assert_ne!(a, b);
@@ -807,13 +845,13 @@ mod tests {
         for k in 3..10 {
             plan(&mut w, &call(k, 2, sum));
         }
-        assert_eq!(w.spare.len(), SPARE_PLANS);
+        assert_eq!(w.kept.len(), KEPT_PLANS);
         assert_ne!(plan(&mut w, &call(1, 2, sum)), a, "the least recently used plans were let go");
-        // PreMulSum scales its input into scratch: 4 MiB of it, not kept aside.
+        // PreMulSum scales its input into scratch: 4 MiB of it, not kept once out of use.
         let scaled = RedOp::PreMulSum(Scalar { bytes: [0, 0, 0, 64, 0, 0, 0, 64] });
         plan(&mut w, &call(0, 1 << 20, scaled));
-        assert!(w.plan.scratch_bytes() >= 4 << 20);
+        assert!(w.current().plan.held_bytes() >= 4 << 20);
         plan(&mut w, &call(1, 2, sum));
-        assert!(w.spare.iter().all(|(b, _)| b.scratch_bytes() <= SPARE_SCRATCH));
+        assert!(w.kept.iter().all(|k| k.plan.held_bytes() <= SPARE_BYTES));
     }
 }

@@ -123,15 +123,17 @@ impl Builder {
         self.plan_id = PLANS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Scratch memory this builder holds (its plan's and kept for later ones).
-    pub fn scratch_bytes(&self) -> usize {
-        self.scratch.iter().map(|v| v.capacity()).sum()
+    /// Memory this builder holds (its plan's units, stamps and scratch, kept for later plans).
+    pub fn held_bytes(&self) -> usize {
+        self.scratch.iter().map(|v| v.capacity()).sum::<usize>()
+            + self.units.capacity() * std::mem::size_of::<Unit>()
+            + self.stamps.capacity() * std::mem::size_of::<Stamp>()
     }
 
-    /// Give the scratch memory back, and with it the plan, which may refer to it.
-    pub fn release_scratch(&mut self) {
+    /// Give the memory back, and with it the plan.
+    pub fn release(&mut self) {
         self.reset(self.slice);
-        self.scratch = Vec::new();
+        (self.scratch, self.units, self.stamps) = (Vec::new(), Vec::new(), Vec::new());
     }
 
     /// What the units and stamps are: the same number means the same units (a plan reused by
