@@ -104,7 +104,8 @@ impl Default for Builder {
 
 impl Builder {
     pub fn new(slice: usize) -> Builder {
-        let mut b = Builder { units: Vec::new(), stamps: Vec::new(), slice: 0, fence: Ref::NONE, scratch: Vec::new(), scratch_used: 0, short: None, planned: None, plan_id: 0 };
+        let mut b = Builder { units: Vec::new(), stamps: Vec::new(), slice: 0, fence: Ref::NONE, scratch: Vec::new(),
+                              scratch_used: 0, short: None, planned: None, plan_id: 0 };
         b.reset(slice);
         b
     }

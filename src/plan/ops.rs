@@ -389,8 +389,10 @@ impl Planned {
     }
 
     fn fits(&self, rank: usize, nranks: usize, slice: usize, ops: &[Op], algo: Option<Algo>) -> bool {
+        // (Word by word: `==` on the arrays calls memcmp.)
+        let same = |o: &Op, k: &ReuseKey| reuse_key(o).iter().zip(k).all(|(a, b)| a == b);
         self.keys.len() == ops.len()
-            && ops.iter().zip(&self.keys).all(|(o, k)| reuse_key(o).iter().zip(k).all(|(a, b)| a == b) && o.of.is_none() && o.scalar_at.is_none())
+            && ops.iter().zip(&self.keys).all(|(o, k)| same(o, k) && o.of.is_none() && o.scalar_at.is_none())
             && (self.rank, self.nranks, self.slice, self.algo) == (rank, nranks, slice, algo)
     }
 }
@@ -416,7 +418,9 @@ pub fn plan_into(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops:
 pub fn renumber(b: &mut Builder, ops: &[Op]) {
     if let Some(p) = &b.planned {
         for (s, &k) in b.stamps.iter_mut().zip(&p.stamp_of) {
-            *s = ops[k as usize].stamp();
+            if let Some(o) = ops.get(k as usize) {
+                *s = o.stamp();
+            }
         }
     }
 }
@@ -581,8 +585,9 @@ mod tests {
         };
         fresh(&[op(9, r.sub(512, 256), sum)], 4, None);
         fresh(&[op(10, r.sub(512, 256), RedOp::Builtin(BuiltinOp::Max))], 4, None);
-        fresh(&[op(11, r.sub(512, 256), RedOp::PreMulSum(Scalar { bytes: 2f32.to_le_bytes().repeat(2).try_into().unwrap() }))], 4, None);
-        fresh(&[op(12, r.sub(512, 256), RedOp::PreMulSum(Scalar { bytes: 3f32.to_le_bytes().repeat(2).try_into().unwrap() }))], 4, None);
+        let times = |x: f32| RedOp::PreMulSum(Scalar { bytes: [x.to_le_bytes(), [0; 4]].concat().try_into().unwrap() });
+        fresh(&[op(11, r.sub(512, 256), times(2.0))], 4, None);
+        fresh(&[op(12, r.sub(512, 256), times(3.0))], 4, None);
         fresh(&[op(13, r.sub(512, 256), sum)], 3, None);
         fresh(&[op(14, r.sub(512, 256), sum)], 3, Some(Algo::Ring));
         // Two collectives and a pair of a send and a receive: each stamp follows its operation.
