@@ -624,11 +624,7 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
         return Err(Error::internal("a communicator lost its connections while planning"));
     }
 
-    for (c, w) in comms.iter().zip(work.iter_mut()) {
-        if let Some(r) = c.ready_if_any() {
-            r.set_running_plan(&w.current().plan);
-        }
-    }
+    // (The jobs publish what they run once they wait: `Job::publish`.)
     if let Err(e) = connect(comms, work, guards) {
         // As a failed run below: the communicators are in error, say why to peers that ask
         // (a peer waiting on an established connection learns it when the connection closes),
@@ -787,6 +783,12 @@ fn connect(comms: &[&Comm], work: &[Work], guards: &mut [std::sync::MutexGuard<'
     }));
     if connected {
         return Ok(());
+    }
+    // Connecting waits on peers: what this rank runs is published first, for peers that ask.
+    for (c, w) in comms.iter().zip(work) {
+        if let (Some(r), Some(p)) = (c.ready_if_any(), w.in_use()) {
+            r.set_running_plan(&p.units, &p.stamps);
+        }
     }
     // (Rings, shared files and sockets are made next: none may take stdout's number.)
     crate::abi::stdio::keep_std_fds();

@@ -32,6 +32,9 @@ pub struct Ready {
     /// The stamps of the operations this rank is running now (concatenated), which peers
     /// may ask for through the bootstrap service when they wait on this rank.
     pub running: crate::bootstrap::service::Status,
+    /// Whether `running` may show anything but an idle rank: if not, a run that ends (and
+    /// published nothing: see `proxy::Job::publish`) leaves it alone, without taking its lock.
+    shows: std::sync::atomic::AtomicBool,
     /// Per peer, the sends to it and the receives from it this rank has finished (their
     /// last unit done), told with the status to the peer that asks: two ranks that each
     /// receive from the other are crossed only if no message of either is still on its way.
@@ -62,7 +65,7 @@ impl Ready {
         };
         let p2p_done = std::sync::Arc::new((0..n).map(|_| Default::default()).collect());
         Ready { peers, service, slice, algo, conns: Mutex::new(Conns::new(n)), silent: Mutex::new(HashMap::new()), running,
-                p2p_done, walks: Mutex::default() }
+                shows: Default::default(), p2p_done, walks: Mutex::default() }
     }
 
     /// Whether to look now for a cycle through `peer`, which this rank waits on in `mine`: at
@@ -100,22 +103,35 @@ impl Ready {
         }
     }
 
-    /// Publish what this rank runs (empty: nothing).
-    pub fn set_running(&self, stamps: &[crate::transport::Stamp]) {
-        set_status(&mut self.running.lock().unwrap_or_else(|p| p.into_inner()), STATUS_RUNNING, stamps.iter().copied());
+    /// The status, to change; it may show more than an idle rank from then on.
+    fn status(&self) -> MutexGuard<'_, Vec<u8>> {
+        let bytes = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        self.shows.store(true, Ordering::Relaxed);
+        bytes
     }
 
-    /// Publish the operations of `plan` as running, its sends and receives with their
-    /// direction and peer (`ops::with_role`), so that a peer waiting on this rank can tell a
-    /// send of it from a receive.
-    pub fn set_running_plan(&self, plan: &crate::plan::Builder) {
-        use crate::plan::{ops, Step};
-        let mut bytes = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        set_status(&mut bytes, STATUS_RUNNING, plan.stamps.iter().copied());
-        if bytes.first() != Some(&STATUS_RUNNING) || !plan.stamps.iter().any(|s| ops::p2p_bytes(s).is_some()) {
+    /// Publish what this rank runs (empty: nothing).
+    pub fn set_running(&self, stamps: &[crate::transport::Stamp]) {
+        // (Nothing to clear: the common end of a small call, which published nothing.)
+        if stamps.is_empty() && !self.shows.load(Ordering::Relaxed) {
             return;
         }
-        for u in &plan.units {
+        let mut bytes = self.status();
+        set_status(&mut bytes, STATUS_RUNNING, stamps.iter().copied());
+        self.shows.store(!stamps.is_empty(), Ordering::Relaxed);
+    }
+
+    /// Publish the operations of a plan (its `units` and `stamps`) as running, its sends and
+    /// receives with their direction and peer (`ops::with_role`), so that a peer waiting on
+    /// this rank can tell a send of it from a receive.
+    pub fn set_running_plan(&self, units: &[crate::plan::Unit], stamps: &[Stamp]) {
+        use crate::plan::{ops, Step};
+        let mut bytes = self.status();
+        set_status(&mut bytes, STATUS_RUNNING, stamps.iter().copied());
+        if bytes.first() != Some(&STATUS_RUNNING) || !stamps.iter().any(|s| ops::p2p_bytes(s).is_some()) {
+            return;
+        }
+        for u in units {
             let (send, peer) = match u.step {
                 Step::Send { peer, .. } => (true, peer as usize),
                 Step::Recv { peer, .. } => (false, peer as usize),
@@ -148,19 +164,19 @@ impl Ready {
     /// Publish that this rank issued these operations (CUDA mode) and waits for their streams
     /// to reach them: peers waiting on it are told so, not that it has not made the call.
     pub fn set_waiting_for_stream(&self, stamps: impl Iterator<Item = crate::transport::Stamp>) {
-        set_status(&mut self.running.lock().unwrap_or_else(|p| p.into_inner()), STATUS_STREAM, stamps);
+        set_status(&mut self.status(), STATUS_STREAM, stamps);
     }
 
     /// Publish that this rank is suspended (ncclCommSuspend): peers waiting on it are told so.
     pub fn set_suspended(&self) {
-        set_status(&mut self.running.lock().unwrap_or_else(|p| p.into_inner()), STATUS_SUSPENDED, std::iter::empty());
+        set_status(&mut self.status(), STATUS_SUSPENDED, std::iter::empty());
     }
 
     /// Publish why this rank stopped, for peers that only saw its connections close.
     pub fn set_failed(&self, e: &Error) {
         let mut bytes = vec![STATUS_FAILED, e.code as u8];
         bytes.extend_from_slice(e.msg.as_bytes());
-        *self.running.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
+        *self.status() = bytes;
     }
     pub fn conns(&self) -> MutexGuard<'_, Conns> {
         self.conns.lock().unwrap_or_else(|p| p.into_inner())
