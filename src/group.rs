@@ -454,6 +454,9 @@ impl Work {
         };
         let at = match found {
             Some(at) => at,
+            // A group that is planned anew every time (a large group of sends and receives)
+            // takes the plan in use, whose memory it reuses.
+            None if !crate::plan::ops::reusable(ops) && self.cur < self.kept.len() => self.cur,
             None if self.kept.len() < KEPT_PLANS => {
                 self.kept.push(Kept::default());
                 self.kept.len() - 1
@@ -855,5 +858,19 @@ mod tests {
         assert!(w.current().plan.held_bytes() >= 4 << 20);
         plan(&mut w, &call(1, 2, sum));
         assert!(w.kept.iter().all(|k| k.plan.held_bytes() <= SPARE_BYTES));
+        // A group of more operations than are kept for reuse is planned anew each time, in the
+        // plan in use (its memory kept), and the plans kept stay.
+        let many: Vec<Op> = (0..8).map(|k| Op { kind: if k % 2 == 0 { OpKind::Send } else { OpKind::Recv }, root: 1,
+            seq: 0, ..call(k + 1, 1 << 16, sum)[0] }).collect();
+        let before: Vec<u64> = w.kept.iter().map(|k| k.plan.plan_id()).collect();
+        plan(&mut w, &many);
+        let (cur, held) = (w.cur, w.current().plan.held_bytes());
+        assert!(held > SPARE_BYTES);
+        for _ in 0..3 {
+            plan(&mut w, &many);
+            assert_eq!((w.cur, w.current().plan.held_bytes()), (cur, held), "the same plan's memory, reused");
+        }
+        let after: Vec<u64> = w.kept.iter().map(|k| k.plan.plan_id()).collect();
+        assert_eq!(before.iter().zip(&after).filter(|(b, a)| b != a).count(), 1, "only the plan in use was replaced");
     }
 }

@@ -369,12 +369,17 @@ fn reuse_key(o: &Op) -> ReuseKey {
      o.recv.addr() as u64, o.recv.len() as u64]
 }
 
+/// Whether a plan of `ops` is kept for reuse ([`Planned`]).
+pub fn reusable(ops: &[Op]) -> bool {
+    ops.len() <= REUSE_MAX_OPS && ops.iter().all(|o| o.of.is_none() && o.scalar_at.is_none())
+}
+
 impl Planned {
     /// What `b` was just planned from, if a plan of it may be reused; `kept`'s memory is
     /// reused (a run that alternates calls replans without allocating).
     fn of(b: &Builder, rank: usize, nranks: usize, slice: usize, ops: &[Op], algo: Option<Algo>,
           kept: Option<Planned>) -> Option<Planned> {
-        if ops.len() > REUSE_MAX_OPS || ops.iter().any(|o| o.of.is_some() || o.scalar_at.is_some()) {
+        if !reusable(ops) {
             return None;
         }
         let mut p = kept.unwrap_or(Planned { rank, nranks, slice, algo, keys: Vec::new(), stamp_of: Vec::new() });
