@@ -103,6 +103,7 @@ pub fn end() -> Result<()> {
         if nonblocking {
             let inits = group.inits;
             let comms: Vec<Arc<Comm>> = inits.iter().map(|(c, _)| c.clone()).collect();
+            crate::abi::stdio::keep_std_fds();
             let spawned = std::thread::Builder::new()
                 .name("nccl-rs-init".into())
                 .spawn(move || {
@@ -284,6 +285,9 @@ pub fn run_parallel(work: Vec<Deferred>) -> Result<()> {
     if work.len() <= 1 {
         return work.into_iter().try_for_each(|w| w());
     }
+    // The threads below make descriptors while others read files: 0, 1 and 2 are filled first,
+    // while this thread is the library's only one (see `abi::stdio::lifted`).
+    crate::abi::stdio::keep_std_fds();
     let results: Vec<Result<()>> = std::thread::scope(|s| {
         // A piece whose thread cannot start fails (the others still run, and time out or
         // fail on their own if they needed it).

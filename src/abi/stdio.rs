@@ -7,6 +7,7 @@
 //! rank 0 with success, and ranks 1 and 2 were killed by SIGPIPE. NVIDIA's library, which logs
 //! to stdout too, has the same exposure.
 
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 /// Descriptors filled but not yet said at INFO (bit `1 << fd`).
@@ -55,5 +56,66 @@ pub fn keep_std_fds_quietly() {
             continue;
         }
         UNSAID.fetch_or(1 << fd, Ordering::Relaxed);
+    }
+}
+
+/// `x` (a socket the library just made) at a descriptor above 2. The guard above fills 0, 1
+/// and 2 before the library makes descriptors, but another thread's passing descriptor (a file
+/// read under /proc) may hold one of those numbers while the guard looks, and free it after:
+/// the next socket made or accepted then took number 1, and NCCL_DEBUG's lines went into a
+/// peer's stream (found in the suite: 2 processes of 2 ranks each, stdout closed, sockets; the
+/// root dropped the garbled connection and the rank died of SIGPIPE at its next line). So a
+/// socket at 0, 1 or 2 is moved up, and /dev/null put at its old number.
+pub fn lifted<T: AsRawFd + IntoRawFd + FromRawFd>(x: T) -> T {
+    let low = x.as_raw_fd();
+    if low > 2 {
+        return x;
+    }
+    // SAFETY: F_DUPFD_CLOEXEC duplicates a descriptor `x` owns, at 3 or above.
+    let high = unsafe { libc::fcntl(low, libc::F_DUPFD_CLOEXEC, 3) };
+    if high < 0 {
+        // (No descriptor left: the socket stays where it is.)
+        return x;
+    }
+    // SAFETY: a NUL-terminated path; /dev/null opened for reading and writing creates nothing.
+    let null = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    // The old number: /dev/null in one step (no gap another thread could take), else closed.
+    let low = x.into_raw_fd();
+    // SAFETY: `low` was `x`'s descriptor, now ours to replace or close; `null` is ours.
+    unsafe {
+        if null < 0 || libc::dup3(null, low, libc::O_CLOEXEC) < 0 {
+            libc::close(low);
+        }
+        if null >= 0 {
+            libc::close(null);
+        }
+    }
+    UNSAID.fetch_or(1 << low, Ordering::Relaxed);
+    // SAFETY: `high` was made above and is owned by nothing else.
+    unsafe { T::from_raw_fd(high) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A socket at one of 0, 1 and 2 moves above them, with /dev/null in its place. (Made at
+    /// 0, stdin, which the test harness does not read.)
+    #[test]
+    fn a_socket_at_a_standard_descriptor_is_lifted() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a listener");
+        let addr = listener.local_addr().expect("an address");
+        // SAFETY: dup2 onto descriptor 0, which this test then owns through `at0`.
+        let at0 = unsafe {
+            assert_eq!(libc::dup2(listener.as_raw_fd(), 0), 0);
+            std::net::TcpListener::from_raw_fd(0)
+        };
+        drop(listener);
+        let lifted = lifted(at0);
+        assert!(lifted.as_raw_fd() > 2);
+        assert_eq!(lifted.local_addr().expect("still the listener"), addr);
+        let zero = std::fs::read_link("/proc/self/fd/0").expect("descriptor 0 is open");
+        assert_eq!(zero, std::path::Path::new("/dev/null"));
+        std::net::TcpStream::connect(addr).expect("the lifted listener still listens");
     }
 }

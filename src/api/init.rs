@@ -146,6 +146,7 @@ pub fn run_together(list: &[(Arc<Comm>, UniqueId)]) -> Result<()> {
 }
 
 pub fn spawn_init(comm: Arc<Comm>, id: UniqueId) -> Result<()> {
+    crate::abi::stdio::keep_std_fds();
     std::thread::Builder::new()
         .name("nccl-rs-init".into())
         .spawn(move || {

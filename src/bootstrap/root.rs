@@ -85,7 +85,7 @@ fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -
     let mut starved = None;
     loop {
         let s = match crate::transport::fds::with_room(|| listener.accept()) {
-            Ok((s, _)) => s,
+            Ok((s, _)) => crate::abi::stdio::lifted(s),
             Err(e) if crate::transport::fds::out_of_fds(&e) => {
                 starved = Some(e);
                 break;

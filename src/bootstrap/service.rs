@@ -387,7 +387,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             return;
         }
         let s = match conn {
-            Ok((s, _)) => s,
+            Ok((s, _)) => crate::abi::stdio::lifted(s),
             Err(e) if crate::transport::fds::out_of_fds(&e) => {
                 // The connection stays queued, and its peer waits, until a descriptor frees up.
                 if !warned {

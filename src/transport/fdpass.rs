@@ -56,7 +56,7 @@ pub fn serve(handler: Handler) -> Result<Address> {
     let address = Address { name: crate::bootstrap::id::random_u64(), token: crate::bootstrap::id::random_u64() };
     let sys = |what: &str, e: std::io::Error| Error::system(format!("descriptor server: {what}: {e}"));
     let addr = SocketAddr::from_abstract_name(socket_name(address.name)).map_err(|e| sys("address", e))?;
-    let listener = UnixListener::bind_addr(&addr).map_err(|e| sys("bind", e))?;
+    let listener = crate::abi::stdio::lifted(UnixListener::bind_addr(&addr).map_err(|e| sys("bind", e))?);
     let s = Arc::new(Server { handler, address });
     let serving = s.clone();
     std::thread::Builder::new()
@@ -71,6 +71,7 @@ fn serve_forever(s: &Server, listener: &UnixListener) {
     loop {
         match super::fds::with_room(|| listener.accept()) {
             Ok((conn, _)) => {
+                let conn = crate::abi::stdio::lifted(conn);
                 // One peer at a time; a peer that stops talking is dropped after PATIENCE.
                 let _ = catch_unwind(AssertUnwindSafe(|| s.answer(conn)));
             }
@@ -239,7 +240,7 @@ fn connect(name: &str) -> std::io::Result<UnixStream> {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: a new descriptor that nothing else owns.
-    let conn = unsafe { UnixStream::from_raw_fd(fd) };
+    let conn = crate::abi::stdio::lifted(unsafe { UnixStream::from_raw_fd(fd) });
     conn.set_read_timeout(Some(PATIENCE))?;
     conn.set_write_timeout(Some(PATIENCE))?;
     // SAFETY: a zeroed sockaddr_un is valid; the abstract name goes after a leading NUL.

@@ -62,7 +62,7 @@ const BACKLOG: libc::c_int = 16384;
 pub fn listen(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     use std::os::fd::AsRawFd;
     crate::abi::stdio::keep_std_fds();
-    let listener = std::net::TcpListener::bind(addr)?;
+    let listener = crate::abi::stdio::lifted(std::net::TcpListener::bind(addr)?);
     // SAFETY: listen(2) on a socket this function owns; calling it again on a listening socket
     // only changes its backlog.
     if unsafe { libc::listen(listener.as_raw_fd(), BACKLOG) } != 0 {
@@ -79,7 +79,7 @@ pub fn listen(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 /// as refused, so callers that retry try again.
 pub fn dial(addr: &SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
     crate::abi::stdio::keep_std_fds();
-    not_to_itself(super::fds::with_room(|| TcpStream::connect_timeout(addr, timeout))?)
+    not_to_itself(crate::abi::stdio::lifted(super::fds::with_room(|| TcpStream::connect_timeout(addr, timeout))?))
 }
 
 fn not_to_itself(s: TcpStream) -> std::io::Result<TcpStream> {
