@@ -588,6 +588,8 @@ fn execute_one(comm: Arc<Comm>, op: Op) -> Result<()> {
 
 fn with_workspace(fill: impl FnOnce(&mut Workspace)) -> Result<()> {
     let run = |ws: &mut Workspace| {
+        // (What a run that panicked left behind, caught at the C boundary: never run again.)
+        ws.release();
         fill(ws);
         let result = run_workspace(ws);
         ws.release();

@@ -147,6 +147,7 @@ impl<'a> Job<'a> {
                 reducing
             }
             _ => {
+                b.filled_from = None;
                 b.sends.clear();
                 b.recvs.clear();
                 b.local.clear();
