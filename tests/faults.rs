@@ -857,6 +857,33 @@ fn hostile_flood_of_half_open_connections() {
     hostile("hostile_flood_of_half_open_connections", false, 400, 40);
 }
 
+/// An IPv6 link-local address of this host with its interface ("fe80::1%eth0"), from
+/// /proc/net/if_inet6 (address, index, prefix, scope 0x20 = link, flags, name).
+fn link_local_address() -> Option<String> {
+    let table = std::fs::read_to_string("/proc/net/if_inet6").ok()?;
+    table.lines().find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 6 || f[3] != "20" || f[0].len() != 32 {
+            return None;
+        }
+        let groups: Vec<u16> = (0..8).filter_map(|g| u16::from_str_radix(&f[0][g * 4..g * 4 + 4], 16).ok()).collect();
+        let ip = std::net::Ipv6Addr::from(<[u16; 8]>::try_from(groups).ok()?);
+        Some(format!("{ip}%{}", f[5]))
+    })
+}
+
+/// NCCL_COMM_ID with a scoped IPv6 address, `[fe80::…%eth0]:port`, as NVIDIA's takes it: the
+/// job runs over it. Before: "does not resolve". (A host without a link-local address runs
+/// it over `[::1%lo]`, which goes through the same scoped parsing.)
+#[test]
+fn nccl_comm_id_takes_a_scoped_ipv6_address() {
+    let host = link_local_address().unwrap_or_else(|| "::1%lo".into());
+    let addr = format!("[{host}]:{}", free_tcp_port());
+    let o = Job::new("faults").procs(2).arg("--only").arg("hello").env("NCCL_COMM_ID", &addr)
+        .env("NCCL_DEBUG", "WARN").timeout_s(30).run_outcome();
+    judge("nccl_comm_id_takes_a_scoped_ipv6_address", &o, o.ok(), format!("  NCCL_COMM_ID={addr}\n"));
+}
+
 // ---- NCCL_COMM_ID's port held by another program -------------------------------------------
 
 /// Another program listens at NCCL_COMM_ID's address and never answers (held by this test).

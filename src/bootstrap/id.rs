@@ -80,11 +80,36 @@ pub fn parse_comm_id(v: &str) -> Result<SocketAddr> {
     let bad = |why: &str| Error::invalid_arg(format!("NCCL_COMM_ID='{v}' {why}: expected host:port or [ipv6]:port"));
     let addr = match v.parse::<SocketAddr>() {
         Ok(a) => a,
-        Err(_) => v.to_socket_addrs().map_err(|_| bad("does not resolve"))?.next().ok_or_else(|| bad("does not resolve"))?,
+        Err(_) => match scoped_v6(v) {
+            Some(scoped) => SocketAddr::V6(scoped.map_err(|why| bad(&why))?),
+            None => v
+                .to_socket_addrs()
+                .map_err(|_| bad("does not resolve"))?
+                .next()
+                .ok_or_else(|| bad("does not resolve"))?,
+        },
     };
     // (Port 0 made an id whose init then failed as "not produced by ncclGetUniqueId".)
     ensure!(addr.port() != 0, bad("names port 0, where no root can be found (each rank would listen on a port of its own)"));
     Ok(addr)
+}
+
+/// `[v6%scope]:port`, as NVIDIA's (through getaddrinfo) takes it: a link-local address names
+/// the interface it is reached through, by name (`%eth0`) or index (`%2`). None: not of that
+/// shape (the standard parser takes the rest); Err: of that shape but wrong.
+fn scoped_v6(v: &str) -> Option<std::result::Result<SocketAddrV6, String>> {
+    let (inner, port) = v.strip_prefix('[')?.rsplit_once("]:")?;
+    let (ip, scope) = inner.split_once('%')?;
+    Some((|| {
+        let ip: Ipv6Addr = ip.parse().map_err(|_| format!("has '{ip}', which is no IPv6 address"))?;
+        let port: u16 = port.parse().map_err(|_| format!("has '{port}', which is no port"))?;
+        let scope = match scope.parse::<u32>() {
+            Ok(index) => index,
+            Err(_) => crate::transport::socket::ifaces::index_of(scope)
+                .ok_or_else(|| format!("names scope '{scope}', which is no interface of this host"))?,
+        };
+        Ok(SocketAddrV6::new(ip, port, 0, scope))
+    })())
 }
 
 /// A magic every rank derives identically from the same `NCCL_COMM_ID` (FNV-1a).
@@ -134,6 +159,15 @@ mod tests {
         assert!(parse_comm_id("nonsense").is_err());
         assert!(parse_comm_id("127.0.0.1:0").unwrap_err().msg.contains("names port 0"));
         assert!(parse_comm_id("localhost:0").is_err());
+        // A link-local address with its interface, by name or index (NVIDIA's takes both).
+        let SocketAddr::V6(lo) = parse_comm_id("[fe80::1%lo]:7000").unwrap() else { panic!("not v6") };
+        assert_eq!((lo.port(), lo.scope_id()), (7000, crate::transport::socket::ifaces::index_of("lo").unwrap()));
+        assert_ne!(lo.scope_id(), 0);
+        let SocketAddr::V6(two) = parse_comm_id("[fe80::1%2]:7001").unwrap() else { panic!("not v6") };
+        assert_eq!((two.scope_id(), two.ip().segments()[0]), (2, 0xfe80));
+        assert!(parse_comm_id("[fe80::1%nosuchif0]:7000").unwrap_err().msg.contains("no interface of this host"));
+        assert!(parse_comm_id("[fe80::zz%lo]:7000").unwrap_err().msg.contains("no IPv6 address"));
+        assert!(parse_comm_id("[fe80::1%lo]:0").unwrap_err().msg.contains("names port 0"));
         assert_eq!(magic_of("a:1"), magic_of("a:1"));
         assert_ne!(magic_of("a:1"), magic_of("a:2"));
         assert_ne!(random_u64(), random_u64());

@@ -114,6 +114,16 @@ pub fn choose(all: &[Iface], ifname: Option<&str>, family: Option<&str>) -> Vec<
     picked
 }
 
+/// The index of the interface named `name` (an IPv6 scope such as `%eth0`), if it exists.
+pub fn index_of(name: &str) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: c is a NUL-terminated string that outlives the call; if_nametoindex only reads it.
+    match unsafe { libc::if_nametoindex(c.as_ptr()) } {
+        0 => None,
+        i => Some(i),
+    }
+}
+
 /// This host's interfaces with their addresses, for a message ("lo 127.0.0.1, eth0 10.0.0.2").
 pub fn describe_all() -> String {
     let all = match all_addresses() {
