@@ -92,7 +92,9 @@ fn open_sink(append: bool) -> Option<File> {
     let path = expand_file_name(&pattern, &hostname(), std::process::id());
     // (Not at stdin's number, where a program that reads stdin would read the log.)
     crate::abi::stdio::keep_std_fds_quietly();
-    std::fs::OpenOptions::new().create(true).write(true).append(append).truncate(!append).open(path).ok()
+    let file = std::fs::OpenOptions::new().create(true).write(true).append(append).truncate(!append).open(path);
+    // (Nor at stdout's or stderr's, where the program's own lines would go into the log.)
+    file.ok().map(crate::abi::stdio::lifted)
 }
 
 thread_local! {

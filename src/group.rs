@@ -844,7 +844,7 @@ mod tests {
             send: r.sub(0, count * 4), recv: r.sub(k * 64, count * 4), seq: k as u64, scalar_at: None, of: None }];
         let sum = RedOp::Builtin(BuiltinOp::Sum);
         let mut w = Work::default();
-        let mut plan = |w: &mut Work, ops: &[Op]| {
+        let plan = |w: &mut Work, ops: &[Op]| {
             w.plan(0, 2, 4096, ops, None).expect("a plan");
             w.current().plan.plan_id()
         };

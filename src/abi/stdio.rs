@@ -59,13 +59,14 @@ pub fn keep_std_fds_quietly() {
     }
 }
 
-/// `x` (a socket the library just made) at a descriptor above 2. The guard above fills 0, 1
+/// `x` (a socket or file the library just made or received) at a descriptor above 2. The guard above fills 0, 1
 /// and 2 before the library makes descriptors, but another thread's passing descriptor (a file
 /// read under /proc) may hold one of those numbers while the guard looks, and free it after:
 /// the next socket made or accepted then took number 1, and NCCL_DEBUG's lines went into a
 /// peer's stream (found in the suite: 2 processes of 2 ranks each, stdout closed, sockets; the
 /// root dropped the garbled connection and the rank died of SIGPIPE at its next line). So a
-/// socket at 0, 1 or 2 is moved up, and /dev/null put at its old number.
+/// socket at 0, 1 or 2 is moved up, and /dev/null put at its old number. Files too: a ring
+/// file at 1 would take log lines into a ring's data, a log file at 1 the program's output.
 pub fn lifted<T: AsRawFd + IntoRawFd + FromRawFd>(x: T) -> T {
     let low = x.as_raw_fd();
     if low > 2 {
@@ -102,7 +103,7 @@ mod tests {
     /// A socket at one of 0, 1 and 2 moves above them, with /dev/null in its place. (Made at
     /// 0, stdin, which the test harness does not read.)
     #[test]
-    fn a_socket_at_a_standard_descriptor_is_lifted() {
+    fn a_socket_or_file_at_a_standard_descriptor_is_lifted() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a listener");
         let addr = listener.local_addr().expect("an address");
         // SAFETY: dup2 onto descriptor 0, which this test then owns through `at0`.
@@ -117,5 +118,21 @@ mod tests {
         let zero = std::fs::read_link("/proc/self/fd/0").expect("descriptor 0 is open");
         assert_eq!(zero, std::path::Path::new("/dev/null"));
         std::net::TcpStream::connect(addr).expect("the lifted listener still listens");
+
+        // A file too (a ring file, the log): what is written goes to the file, not to 0.
+        let path = std::env::temp_dir().join(format!("nccl-rs-lifted-{}", std::process::id()));
+        let file = std::fs::File::create(&path).expect("a file");
+        // SAFETY: dup2 onto descriptor 0 again, owned by `at0` below; `file` is closed after.
+        let at0 = unsafe {
+            assert_eq!(libc::dup2(file.as_raw_fd(), 0), 0);
+            std::fs::File::from_raw_fd(0)
+        };
+        drop(file);
+        let mut high = super::lifted(at0);
+        assert!(high.as_raw_fd() > 2);
+        std::io::Write::write_all(&mut high, b"ring").expect("written");
+        assert_eq!(std::fs::read(&path).expect("read back"), b"ring");
+        assert_eq!(std::fs::read_link("/proc/self/fd/0").expect("0 open"), std::path::Path::new("/dev/null"));
+        let _ = std::fs::remove_file(&path);
     }
 }

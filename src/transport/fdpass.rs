@@ -201,7 +201,8 @@ fn recv_fd(conn: &UnixStream) -> std::io::Result<Option<OwnedFd>> {
         let why = "a descriptor was dropped on the way (out of descriptors?)";
         return Err(std::io::Error::other(why));
     }
-    Ok(if status[0] == 1 && got.len() == 1 { got.pop() } else { None })
+    // (Not at 0, 1 or 2, where a log line would write into a peer's file: `abi::stdio::lifted`.)
+    Ok(if status[0] == 1 && got.len() == 1 { got.pop().map(crate::abi::stdio::lifted) } else { None })
 }
 
 /// A connection to the process serving at an [`Address`], to ask for descriptors one by one.

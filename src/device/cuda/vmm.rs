@@ -107,7 +107,7 @@ pub fn export(seg: &Segment) -> Result<OwnedFd> {
             return Err(Error::system("cuMemExportToShareableHandle gave no descriptor"));
         }
         // SAFETY: the driver just opened `fd` for us; nothing else owns it.
-        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+        let owned = crate::abi::stdio::lifted(unsafe { OwnedFd::from_raw_fd(fd) });
         check("cuMemRelease", released)?;
         Ok(owned)
     })?;
