@@ -407,6 +407,7 @@ impl Streamed {
             .name(format!("nccl-rs-stream-{}", comm.rank))
             .spawn(move || {
                 crate::debug::set_rank(c.rank as i32);
+                crate::abi::naps::fine_for_this_thread();
                 worker::run(c, w, stream)
             })
             .map_err(|e| Error::os("spawn the stream worker", e))?;

@@ -27,6 +27,7 @@ pub mod fork;
 pub mod group;
 pub mod mem;
 pub mod misc;
+pub mod naps;
 pub mod params;
 pub mod rma;
 pub mod stdio;

@@ -458,6 +458,7 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
     // WATCH_AGAIN (a second while some peer's answer did not come).
     let mut watch_at = WATCH_AFTER;
     let mut rounds = 0u32;
+    let mut fine = None;
     loop {
         // A run that goes on (a large message, progressing all the time) is published too.
         rounds = rounds.saturating_add(1);
@@ -523,6 +524,8 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
         if idle < YIELD_FOR {
             std::thread::yield_now();
         } else if idle < LONG_NAP_AFTER {
+            // (Naps that end on time, for this run only: `abi::naps`.)
+            fine.get_or_insert_with(crate::abi::naps::FineNaps::start);
             std::thread::sleep(NAP);
         } else {
             std::thread::sleep(LONG_NAP);

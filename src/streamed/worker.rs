@@ -158,7 +158,8 @@ fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
 }
 
 /// One more round of a poll that found nothing: spinning first, then yielding, then napping
-/// 50 us (`spins` counts the rounds).
+/// 50 us (`spins` counts the rounds; the library's threads that poll nap with a fine timer
+/// slack: `abi::naps`).
 pub(crate) fn back_off(spins: &mut u32) {
     *spins += 1;
     if *spins < 256 {
@@ -200,6 +201,7 @@ impl Helper {
         let thread = std::thread::Builder::new().name(format!("nccl-rs-staged-{rank}")).spawn(move || {
             crate::debug::set_rank(comm.rank as i32);
             crate::device::cuda::relax_capture_mode();
+            crate::abi::naps::fine_for_this_thread();
             let current = ctx.make_current();
             let mut staging = Staging::default();
             for ops in todo {

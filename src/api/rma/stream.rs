@@ -222,6 +222,7 @@ impl Gated {
             .spawn(move || {
                 crate::debug::set_rank(c.rank as i32);
                 crate::device::cuda::relax_capture_mode();
+                crate::abi::naps::fine_for_this_thread();
                 s.run(&c)
             })
             .map_err(|e| Error::os("spawn the one-sided sender", e))?;
