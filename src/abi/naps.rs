@@ -1,4 +1,5 @@
-//! Naps that end when they should.
+//! How a waiting thread gives up its CPU: naps that end when they should, and whether its
+//! CPU is shared.
 //!
 //! Linux lets the sleep of a thread that is not real-time end up to the thread's timer slack
 //! late, 50 us by default: a 50 us nap took 104 us on the 2-core CI machine, a 10 us nap 64
@@ -38,6 +39,19 @@ impl Drop for FineNaps {
 /// The same for good, on a thread of the library's own (a stream worker).
 pub fn fine_for_this_thread() {
     let _ = set_fine();
+}
+
+/// How many times the calling thread has been switched out while it could run: preempted, or
+/// a yield that gave its CPU to another task. A thread that yields on a CPU of its own is not
+/// switched out, so a count that grows while it waits says other tasks want its CPU.
+pub fn involuntary_switches() -> u64 {
+    // SAFETY: a zeroed rusage is a valid value of that plain C struct.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes one rusage into `usage`, which outlives the call.
+    match unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) } {
+        0 => usage.ru_nivcsw as u64,
+        _ => 0,
+    }
 }
 
 /// Sets the fine slack; the old one if it was coarser and is now replaced.
@@ -82,5 +96,46 @@ mod tests {
         })
         .join()
         .expect("the thread's checks");
+    }
+
+    /// A yield that hands the CPU to another task counts; one with the CPU to itself does not.
+    #[test]
+    fn a_yield_to_another_task_counts_as_a_switch() {
+        // Both threads on one CPU (this process's first), each yielding to the other.
+        let pin = || {
+            // SAFETY: a zeroed cpu_set_t is empty; CPU_SET and sched_setaffinity use it in place.
+            unsafe {
+                let mut all: libc::cpu_set_t = std::mem::zeroed();
+                assert_eq!(libc::sched_getaffinity(0, std::mem::size_of_val(&all), &mut all), 0);
+                let first = (0..libc::CPU_SETSIZE as usize).find(|&c| libc::CPU_ISSET(c, &all)).expect("a CPU");
+                let mut one: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(first, &mut one);
+                assert_eq!(libc::sched_setaffinity(0, std::mem::size_of_val(&one), &one), 0);
+            }
+        };
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let other = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                pin();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::thread::yield_now();
+                }
+            })
+        };
+        let switched = std::thread::spawn(move || {
+            pin();
+            let before = involuntary_switches();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while involuntary_switches() == before && std::time::Instant::now() < deadline {
+                std::thread::yield_now();
+            }
+            involuntary_switches() - before
+        })
+        .join()
+        .expect("the yielding thread");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        other.join().expect("the other thread");
+        assert!(switched > 0, "10 s of yields to a task on the same CPU never switched");
     }
 }
