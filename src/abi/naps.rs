@@ -66,6 +66,22 @@ fn set_fine() -> Option<libc::c_ulong> {
     (set == 0).then_some(old as libc::c_ulong)
 }
 
+/// (Tests) Pins the calling thread to the first CPU this process may use: two threads so pinned
+/// share one CPU.
+#[cfg(test)]
+pub fn pin_to_first_cpu() {
+    // SAFETY: a zeroed cpu_set_t is empty; sched_get/setaffinity and the CPU_* helpers use the
+    // sets in place, each of its own size.
+    unsafe {
+        let mut all: libc::cpu_set_t = std::mem::zeroed();
+        assert_eq!(libc::sched_getaffinity(0, std::mem::size_of_val(&all), &mut all), 0);
+        let first = (0..libc::CPU_SETSIZE as usize).find(|&c| libc::CPU_ISSET(c, &all)).expect("a CPU");
+        let mut one: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(first, &mut one);
+        assert_eq!(libc::sched_setaffinity(0, std::mem::size_of_val(&one), &one), 0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,17 +118,7 @@ mod tests {
     #[test]
     fn a_yield_to_another_task_counts_as_a_switch() {
         // Both threads on one CPU (this process's first), each yielding to the other.
-        let pin = || {
-            // SAFETY: a zeroed cpu_set_t is empty; CPU_SET and sched_setaffinity use it in place.
-            unsafe {
-                let mut all: libc::cpu_set_t = std::mem::zeroed();
-                assert_eq!(libc::sched_getaffinity(0, std::mem::size_of_val(&all), &mut all), 0);
-                let first = (0..libc::CPU_SETSIZE as usize).find(|&c| libc::CPU_ISSET(c, &all)).expect("a CPU");
-                let mut one: libc::cpu_set_t = std::mem::zeroed();
-                libc::CPU_SET(first, &mut one);
-                assert_eq!(libc::sched_setaffinity(0, std::mem::size_of_val(&one), &one), 0);
-            }
-        };
+        let pin = pin_to_first_cpu;
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let other = {
             let stop = stop.clone();
