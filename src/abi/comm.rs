@@ -173,7 +173,7 @@ export! {
         })
     }
     fn ncclCommGetAsyncError(comm: ncclComm_t, asyncError: *mut ncclResult_t) {
-        let code = handle::get(comm)?.async_code();
+        let code = handle::get(comm)?.polled_code();
         write_out(asyncError, "asyncError", ncclResult_t(code as c_int))
     }
     fn ncclCommCount(comm: ncclComm_t, count: *mut c_int) {
