@@ -2,7 +2,7 @@
 //! CPU is shared.
 //!
 //! Linux lets the sleep of a thread that is not real-time end up to the thread's timer slack
-//! late, 50 us by default: a 50 us nap took 104 us on the 2-core CI machine, a 10 us nap 64
+//! late, 50 us by default: a 50 us nap took 104 us on the 2-core development VM, a 10 us nap 64
 //! us. A rank that naps while it waits for a late peer (the progress engine after 2 ms idle),
 //! or a stream worker that naps while the caller's GPU works through what comes before a call,
 //! so saw the event up to twice the nap late, ~52 us on average where ~27 was meant: in a ring

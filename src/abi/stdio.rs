@@ -59,14 +59,15 @@ pub fn keep_std_fds_quietly() {
     }
 }
 
-/// `x` (a socket or file the library just made or received) at a descriptor above 2. The guard above fills 0, 1
-/// and 2 before the library makes descriptors, but another thread's passing descriptor (a file
-/// read under /proc) may hold one of those numbers while the guard looks, and free it after:
-/// the next socket made or accepted then took number 1, and NCCL_DEBUG's lines went into a
-/// peer's stream (found in the suite: 2 processes of 2 ranks each, stdout closed, sockets; the
-/// root dropped the garbled connection and the rank died of SIGPIPE at its next line). So a
-/// socket at 0, 1 or 2 is moved up, and /dev/null put at its old number. Files too: a ring
-/// file at 1 would take log lines into a ring's data, a log file at 1 the program's output.
+/// `x` (a socket or file the library just made or received) at a descriptor above 2. The
+/// guard above fills 0, 1 and 2 before the library makes descriptors, but another thread's
+/// passing descriptor (a file read under /proc) may hold one of those numbers while the guard
+/// looks, and free it after: the next socket made or accepted then took number 1, and
+/// NCCL_DEBUG's lines went into a peer's stream (found in the suite: 2 processes of 2 ranks
+/// each, stdout closed, sockets; the root dropped the garbled connection and the rank died of
+/// SIGPIPE at its next line). So a socket at 0, 1 or 2 is moved up, and /dev/null put at its
+/// old number. Files too: a ring file at 1 would take log lines into a ring's data, a log file
+/// at 1 the program's output.
 pub fn lifted<T: AsRawFd + IntoRawFd + FromRawFd>(x: T) -> T {
     let low = x.as_raw_fd();
     if low > 2 {
@@ -100,8 +101,8 @@ pub fn lifted<T: AsRawFd + IntoRawFd + FromRawFd>(x: T) -> T {
 mod tests {
     use super::*;
 
-    /// A socket at one of 0, 1 and 2 moves above them, with /dev/null in its place. (Made at
-    /// 0, stdin, which the test harness does not read.)
+    /// A socket or a file at one of 0, 1 and 2 moves above them, with /dev/null in its place.
+    /// (Made at 0, stdin, which the test harness does not read.)
     #[test]
     fn a_socket_or_file_at_a_standard_descriptor_is_lifted() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a listener");
