@@ -84,8 +84,8 @@ fn poll_hellos(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64) -
     let mut busy = false;
     let mut starved = None;
     loop {
-        let s = match crate::transport::fds::with_room(|| listener.accept()) {
-            Ok((s, _)) => crate::abi::stdio::lifted(s),
+        let s = match crate::transport::fds::made(|| listener.accept().map(|(s, _)| s)) {
+            Ok(s) => s,
             Err(e) if crate::transport::fds::out_of_fds(&e) => {
                 starved = Some(e);
                 break;

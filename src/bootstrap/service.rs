@@ -382,12 +382,12 @@ impl Drop for Service {
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let mut warned = false;
     loop {
-        let conn = crate::transport::fds::with_room(|| listener.accept());
+        let conn = crate::transport::fds::made(|| listener.accept().map(|(s, _)| s));
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
         let s = match conn {
-            Ok((s, _)) => crate::abi::stdio::lifted(s),
+            Ok(s) => s,
             Err(e) if crate::transport::fds::out_of_fds(&e) => {
                 // The connection stays queued, and its peer waits, until a descriptor frees up.
                 if !warned {

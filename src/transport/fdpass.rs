@@ -69,9 +69,8 @@ pub fn serve(handler: Handler) -> Result<Address> {
 
 fn serve_forever(s: &Server, listener: &UnixListener) {
     loop {
-        match super::fds::with_room(|| listener.accept()) {
-            Ok((conn, _)) => {
-                let conn = crate::abi::stdio::lifted(conn);
+        match super::fds::made(|| listener.accept().map(|(conn, _)| conn)) {
+            Ok(conn) => {
                 // One peer at a time; a peer that stops talking is dropped after PATIENCE.
                 let _ = catch_unwind(AssertUnwindSafe(|| s.answer(conn)));
             }

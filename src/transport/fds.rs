@@ -6,6 +6,7 @@
 //! say which limit ran out and how to raise it.
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// How many times the soft limit has been raised (read before a call, so a call that ran out
@@ -46,6 +47,12 @@ pub fn with_room<T>(mut f: impl FnMut() -> io::Result<T>) -> io::Result<T> {
         Err(e) if out_of_fds(&e) && make_room(before) => f(),
         r => r,
     }
+}
+
+/// A descriptor the library makes or accepts: [`with_room`], and never at 0, 1 or 2, where a
+/// log line or the program's output would go into it (`abi::stdio::lifted`).
+pub fn made<T: AsRawFd + IntoRawFd + FromRawFd>(f: impl FnMut() -> io::Result<T>) -> io::Result<T> {
+    with_room(f).map(crate::abi::stdio::lifted)
 }
 
 /// What to add to a message about `e`: which limit ran out and how to raise it (empty for

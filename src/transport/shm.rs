@@ -107,8 +107,8 @@ pub fn create(hash: u64, from: usize, to: usize, to_port: u16, slice: usize, pee
         matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
             .then(|| format!("/dev/shm has no room for a ring ({e}{})", room()))
     };
-    let create = || std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path);
-    let file = match super::fds::with_room(|| create().map(crate::abi::stdio::lifted)) {
+    let created = super::fds::made(|| std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path));
+    let file = match created {
         Ok(f) => f,
         Err(e) => return no_room(&e).map(Made::NoRoom).ok_or_else(|| Error::os(format!("shm: create {path}"), e)),
     };
@@ -187,8 +187,7 @@ pub fn open(name: &str, slice: usize, peer_pid: u32) -> Result<RingRecv> {
         return Err(Error::system(format!("shm: refusing segment name '{name}'")));
     }
     let path = format!("/dev/shm/{name}");
-    let open = || std::fs::OpenOptions::new().read(true).write(true).open(&path);
-    let file = super::fds::with_room(|| open().map(crate::abi::stdio::lifted))
+    let file = super::fds::made(|| std::fs::OpenOptions::new().read(true).write(true).open(&path))
         .map_err(|e| match e.kind() {
             // Offered, then removed by its sender before this rank got to it: the sender's
             // communicator failed or ended (the caller asks it why).

@@ -79,7 +79,7 @@ pub fn listen(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 /// as refused, so callers that retry try again.
 pub fn dial(addr: &SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
     crate::abi::stdio::keep_std_fds();
-    not_to_itself(crate::abi::stdio::lifted(super::fds::with_room(|| TcpStream::connect_timeout(addr, timeout))?))
+    not_to_itself(super::fds::made(|| TcpStream::connect_timeout(addr, timeout))?)
 }
 
 fn not_to_itself(s: TcpStream) -> std::io::Result<TcpStream> {
