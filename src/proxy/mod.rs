@@ -179,6 +179,11 @@ impl<'a> Job<'a> {
         self.published = true;
         let Some(r) = self.comm.ready_if_any() else { return };
         r.set_running_plan(self.units, self.stamps);
+        // Sends and receives already done are marked so (a collective has none: nothing to
+        // allocate, where a rank sharing its CPU publishes every call it waits in).
+        if !self.stamps.iter().any(|s| crate::plan::ops::p2p_bytes(s).is_some()) {
+            return;
+        }
         // (One pass over the units: a group may hold 50,000 sends and receives.)
         let mut marked = vec![false; self.b.op_left.len()];
         for u in self.units {
@@ -441,15 +446,23 @@ const LOOK_EVERY: u32 = 8;
 /// reaches a yield pays nothing for this.
 struct Spin {
     limit: Option<u32>,
-    /// The thread's switches when the run first yielded.
-    switched_from: Option<u64>,
-    /// This run yields without looking (see [`LOOK_EVERY`]).
-    unlooked: bool,
+    look: Look,
+}
+
+/// Whether a run looks at its thread's switches, once it yields.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Look {
+    /// It has not yielded yet.
+    NotYet,
+    /// It yields without looking (see [`LOOK_EVERY`]).
+    Skipped,
+    /// The thread's switches when it first yielded.
+    From(u64),
 }
 
 impl Spin {
     fn new() -> Spin {
-        Spin { limit: None, switched_from: None, unlooked: false }
+        Spin { limit: None, look: Look::NotYet }
     }
 
     fn limit(&mut self) -> u32 {
@@ -457,24 +470,24 @@ impl Spin {
     }
 
     fn yielding(&mut self) {
-        if self.switched_from.is_some() || self.unlooked {
+        if self.look != Look::NotYet {
             return;
         }
         if self.limit() == 0 {
             let n = UNLOOKED.with(|u| u.replace(u.get() + 1));
             if n + 1 < LOOK_EVERY {
-                self.unlooked = true;
+                self.look = Look::Skipped;
                 return;
             }
             UNLOOKED.with(|u| u.set(0));
         }
-        self.switched_from = Some(crate::abi::naps::involuntary_switches());
+        self.look = Look::From(crate::abi::naps::involuntary_switches());
     }
 }
 
 impl Drop for Spin {
     fn drop(&mut self) {
-        if let Some(from) = self.switched_from {
+        if let Look::From(from) = self.look {
             let shared = crate::abi::naps::involuntary_switches() > from;
             SPIN_NOW.with(|s| s.set(if shared { 0 } else { SPIN }));
         }
@@ -626,7 +639,7 @@ mod tests {
             let mut run = Spin::new();
             let _ = run.limit();
             run.yielding();
-            let from = run.switched_from.expect("a run that spins looks when it yields");
+            let Look::From(from) = run.look else { panic!("a run that spins looks when it yields") };
             while crate::abi::naps::involuntary_switches() == from && Instant::now() < deadline {
                 std::thread::yield_now();
             }
@@ -637,9 +650,9 @@ mod tests {
                 .map(|_| {
                     let mut run = Spin::new();
                     run.yielding();
-                    let looked = run.switched_from.is_some();
+                    let looked = matches!(run.look, Look::From(_));
                     // (Kept as shared whatever the 8th finds: the count is what is checked.)
-                    run.switched_from = None;
+                    run.look = Look::Skipped;
                     looked
                 })
                 .collect();
