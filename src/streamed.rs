@@ -73,7 +73,7 @@ mod pool;
 mod scratch;
 mod steps;
 mod worker;
-pub(crate) use worker::{back_off, wait_for_stream};
+pub(crate) use worker::wait_for_stream;
 use board::{Board, Ticket};
 use pool::{plan_caller_staging, Pool};
 use scratch::Scratch;

@@ -494,6 +494,49 @@ impl Drop for Spin {
     }
 }
 
+/// Rounds of a [`Backoff`] after which it naps instead of yielding.
+const BACK_OFF_YIELDS: u32 = 4096;
+const BACK_OFF_NAP: Duration = Duration::from_micros(50);
+
+/// The polls of the library's other waiting threads (the CUDA stream worker, one-sided
+/// operations' streams, direct sends and receives waiting for a kernel): each round that
+/// finds nothing spins, as [`run`] does while this thread's CPU is not shared ([`Spin`]), then
+/// yields, then naps 50 µs (with a fine timer slack where the thread asked for it:
+/// `abi::naps`). Before, they spun 256 rounds whatever the CPU, which on ranks that outnumber
+/// the cores kept it from the thread they waited for.
+pub(crate) struct Backoff {
+    rounds: u32,
+    spin: Spin,
+}
+
+impl Backoff {
+    pub(crate) fn new() -> Backoff {
+        Backoff { rounds: 0, spin: Spin::new() }
+    }
+
+    /// One more round that found nothing.
+    pub(crate) fn wait(&mut self) {
+        self.rounds = self.rounds.saturating_add(1);
+        if self.rounds <= self.spin.limit() {
+            std::hint::spin_loop();
+        } else if self.rounds < BACK_OFF_YIELDS {
+            self.spin.yielding();
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(BACK_OFF_NAP);
+        }
+    }
+
+    /// Something came: the next wait starts from the spin again, spinning or not as this
+    /// wait found the CPU (a long-lived loop's waits each count, as [`run`]'s runs do).
+    pub(crate) fn progressed(&mut self) {
+        if self.rounds > 0 {
+            self.rounds = 0;
+            self.spin = Spin::new();
+        }
+    }
+}
+
 /// Rounds of the engine after which a run publishes what it runs even if it never waited
 /// ([`Job::publish`]): a small call is over in a few.
 const PUBLISH_AFTER: u32 = 1024;
@@ -615,6 +658,37 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The other waiting threads' back-off follows the same verdict: it spins while the CPU is
+    /// free, yields at once while shared, and each wait that ends in progress gives its verdict.
+    #[test]
+    fn back_off_spins_only_while_the_cpu_is_free() {
+        std::thread::spawn(|| {
+            let mut b = Backoff::new();
+            b.wait();
+            assert_eq!(b.spin.look, Look::NotYet, "a new thread spins first");
+            SPIN_NOW.with(|s| s.set(0));
+            let mut b = Backoff::new();
+            b.wait();
+            assert_ne!(b.spin.look, Look::NotYet, "a thread whose CPU is shared yields at once");
+            // This wait found the CPU free after all (no switch since it looked): once it
+            // progresses, the next spins again.
+            b.spin.look = Look::From(u64::MAX);
+            b.progressed();
+            assert_eq!(SPIN_NOW.with(std::cell::Cell::get), SPIN);
+            b.wait();
+            assert_eq!(b.spin.look, Look::NotYet, "spinning again");
+            // Up to BACK_OFF_YIELDS rounds it yields, then naps.
+            for _ in 1..BACK_OFF_YIELDS {
+                b.wait();
+            }
+            let t = Instant::now();
+            b.wait();
+            assert!(t.elapsed() >= BACK_OFF_NAP, "the round after the yields naps");
+        })
+        .join()
+        .expect("the checks");
+    }
 
     /// A thread whose yields hand its CPU to another task stops spinning, and then looks again
     /// only at every LOOK_EVERY-th run that yields.

@@ -147,28 +147,14 @@ fn replay_first(comm: &Comm, s: &Streamed, batch: &Batch) -> Option<capture::Rep
 /// Polls `done` until it holds (spinning, then yielding, then napping 50 us), or fails once
 /// the communicator is aborted or revoked.
 fn poll(comm: &Comm, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
-    let mut spins = 0u32;
+    let mut back_off = crate::proxy::Backoff::new();
     while !done() {
         if comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire) {
             return Err(Error::invalid_usage(format!("communicator aborted or revoked while waiting for {what}")));
         }
-        back_off(&mut spins);
+        back_off.wait();
     }
     Ok(())
-}
-
-/// One more round of a poll that found nothing: spinning first, then yielding, then napping
-/// 50 us (`spins` counts the rounds; the library's threads that poll nap with a fine timer
-/// slack: `abi::naps`).
-pub(crate) fn back_off(spins: &mut u32) {
-    *spins += 1;
-    if *spins < 256 {
-        std::hint::spin_loop();
-    } else if *spins < 4096 {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_micros(50));
-    }
 }
 
 /// Host memory operations are staged in, kept across batches. Ordinary memory, not pinned:

@@ -811,7 +811,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
         }
     }
     let since = std::time::Instant::now();
-    let (mut warned, mut lost_before, mut spins) = (false, false, 0u32);
+    let (mut warned, mut lost_before, mut back_off) = (false, false, crate::proxy::Backoff::new());
     let mut last_probe = since;
     // Peers named at WARN as not in their matching calls (once each).
     let mut named: Vec<usize> = Vec::new();
@@ -936,7 +936,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
         }
         if progressed {
             lost_before = false;
-            spins = 0;
+            back_off.progressed();
             continue;
         }
         // Nothing came: why not?
@@ -1014,7 +1014,7 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
         }
         if awaits.contains(&Awaits::Kernel) {
             // A flag in host memory, not a message: polled.
-            crate::streamed::back_off(&mut spins);
+            back_off.wait();
         } else {
             rma.p2p_wait(seen, std::time::Duration::from_millis(50));
         }

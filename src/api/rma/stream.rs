@@ -320,7 +320,7 @@ impl Gated {
         let mut peers: HashMap<usize, PeerState> = HashMap::new();
         let mut unreachable = HashMap::new();
         let mut held = Vec::new();
-        let (mut spins, mut probed, mut late) = (0u32, Instant::now(), None::<(u32, Instant, bool)>);
+        let (mut back_off, mut probed, mut late) = (crate::proxy::Backoff::new(), Instant::now(), None::<(u32, Instant, bool)>);
         loop {
             let stopping = comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire);
             let picked = {
@@ -360,7 +360,7 @@ impl Gated {
                 }
             };
             let Some((unit, reached_mark)) = picked else {
-                crate::streamed::back_off(&mut spins);
+                back_off.wait();
                 if probed.elapsed() >= PROBE_EVERY {
                     // Such a stream may be waiting for a rank that is gone.
                     probe_waits(comm, &mut unreachable);
@@ -368,7 +368,7 @@ impl Gated {
                 }
                 continue;
             };
-            spins = 0;
+            back_off.progressed();
             let st = peers.entry(unit.peer).or_default();
             if unit.first {
                 *st = PeerState::default();
