@@ -192,6 +192,30 @@ fn on_a_thread(task: Task) -> std::io::Result<()> {
     Ok(())
 }
 
+/// How long a thread that ran a task looks for the next before it sleeps: a program that
+/// issues a call, polls it done and issues the next (NCCL's nonblocking pattern) hands it over
+/// within a few µs, and a sleeping thread takes as long again to wake.
+const LOOK_FOR: std::time::Duration = std::time::Duration::from_micros(100);
+
+/// The next task if one comes within [`LOOK_FOR`] (spinning or yielding as the engine does
+/// while it waits: `proxy::Backoff`).
+fn soon(rx: &std::sync::mpsc::Receiver<Task>) -> Option<Task> {
+    let until = std::time::Instant::now() + LOOK_FOR;
+    let mut back_off = crate::proxy::Backoff::new();
+    let mut rounds = 0u32;
+    loop {
+        if let Ok(t) = rx.try_recv() {
+            return Some(t);
+        }
+        rounds += 1;
+        // (The clock is read every 16 rounds: a spin round is far shorter than a read.)
+        if rounds % 16 == 0 && std::time::Instant::now() >= until {
+            return None;
+        }
+        back_off.wait();
+    }
+}
+
 /// A thread's life: run its task, offer itself for the next, and end after `IDLE_FOR`
 /// without one. Once taken off the list by a caller it waits for that caller's task.
 fn serve(me: u64, first: Task) {
@@ -202,6 +226,10 @@ fn serve(me: u64, first: Task) {
     while let Some(task) = next.take() {
         task();
         idle().push((me, tx.clone()));
+        if let Some(t) = soon(&rx) {
+            next = Some(t);
+            continue;
+        }
         next = match rx.recv_timeout(IDLE_FOR) {
             Ok(t) => Some(t),
             Err(_) => {
@@ -220,5 +248,25 @@ fn serve(me: u64, first: Task) {
                 }
             }
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A thread that ran a task takes the next one if it is there while it looks, and stops
+    /// looking (to sleep in `recv_timeout`) when none comes.
+    #[test]
+    fn a_thread_looks_for_its_next_task_then_sleeps() {
+        let (tx, rx) = std::sync::mpsc::channel::<Task>();
+        assert!(soon(&rx).is_none(), "nothing sent: it stops looking");
+        let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let r = ran.clone();
+        tx.send(Box::new(move || r.store(true, std::sync::atomic::Ordering::Relaxed))).expect("send");
+        let task = soon(&rx).expect("the task sent is taken");
+        task();
+        assert!(ran.load(std::sync::atomic::Ordering::Relaxed));
+        assert!(soon(&rx).is_none(), "taken once");
     }
 }
