@@ -49,11 +49,11 @@ pub fn check_pending(r: ncclResult_t, what: &str) -> Result<bool, String> {
 }
 
 /// Wait until none of `comms` is in progress, as NCCL documents for nonblocking communicators:
-/// poll `ncclCommGetAsyncError` (spinning, then yielding: the tool measures the handoff); the
-/// first error any reports fails the wait with its message.
+/// poll `ncclCommGetAsyncError` in a plain loop, as a program would (the library yields inside
+/// the call while the operation is in progress); the first error any reports fails the wait
+/// with its message.
 pub fn settle(comms: impl IntoIterator<Item = ncclComm_t>, what: &str) -> Result<(), String> {
     for comm in comms {
-        let mut polls = 0u32;
         loop {
             let mut state = ncclResult_t(0);
             check(ncclCommGetAsyncError(comm, &mut state), "ncclCommGetAsyncError")?;
@@ -61,12 +61,6 @@ pub fn settle(comms: impl IntoIterator<Item = ncclComm_t>, what: &str) -> Result
                 0 => break,
                 IN_PROGRESS => {}
                 _ => return check(state, what),
-            }
-            polls += 1;
-            if polls < 1024 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
             }
         }
     }
