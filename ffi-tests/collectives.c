@@ -799,6 +799,47 @@ static void nonblocking(void) {
   tlog("Nonblocking: in progress at once, done in the background, finalized, aborted while waiting");
 }
 
+/* Part NonblockingBacklog: calls issued back to back on a nonblocking communicator without a
+ * poll between them (each returns ncclInProgress), then polled once: each runs in its turn and
+ * every result is right. tests/ffi.rs counts the threads the library started for them (a
+ * waiting call holds none). */
+static void nonblocking_backlog(void) {
+  if (!wanted("NonblockingBacklog")) return;
+  test_step("nonblocking-backlog");
+  const int n = g_env.nranks, calls = 1000;
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t nb[MAX_LOCAL];
+  CHECK(make_comms_config("backlog", nb, &cfg));
+  int32_t* buf[MAX_LOCAL];
+  for (int l = 0; l < g_env.local; l++) {
+    buf[l] = TEST_ALLOC((size_t)calls * 4 * sizeof(int32_t));
+    for (int j = 0; j < calls * 4; j++) buf[l][j] = (g_env.first_rank + l + 1) * (j % 5 + 1);
+  }
+  int in_progress = 0;
+  for (int c = 0; c < calls; c++) {
+    CHECK(ncclGroupStart());
+    for (int l = 0; l < g_env.local; l++)
+      CHECK(ncclAllReduce(buf[l] + 4 * c, buf[l] + 4 * c, 4, ncclInt32, ncclSum, nb[l], TEST_STREAM));
+    ncclResult_t r = ncclGroupEnd();
+    EXPECT(r == ncclSuccess || r == ncclInProgress, "call %d of the backlog returned %s", c, result_name(r));
+    in_progress += r == ncclInProgress;
+  }
+  for (int l = 0; l < g_env.local; l++) {
+    const int rank = g_env.first_rank + l;
+    ncclResult_t state = wait_comm(nb[l]);
+    EXPECT(state == ncclSuccess, "rank %d: the backlog ended in %s: %s", rank, result_name(state),
+           ncclGetLastError(nb[l]) ? ncclGetLastError(nb[l]) : "");
+    int bad = 0;
+    for (int j = 0; j < calls * 4; j++)
+      if (buf[l][j] != n * (n + 1) / 2 * (j % 5 + 1)) bad++;
+    EXPECT(bad == 0, "rank %d: %d wrong values after %d back-to-back calls", rank, bad, calls);
+    CHECK(ncclCommDestroy(nb[l]));
+    free(buf[l]);
+  }
+  tlog("NonblockingBacklog: %d calls issued before a poll (%d in progress when issued), all right", calls, in_progress);
+}
+
 int main(int argc, char** argv) {
   test_init(argc, argv);
   double t0 = now_s();
@@ -811,6 +852,7 @@ int main(int argc, char** argv) {
   large();
   soak();
   nonblocking();
+  nonblocking_backlog();
   destroy_comms(g_comms);
   tlog("total %.2f s", now_s() - t0);
   return test_finish();
