@@ -720,6 +720,20 @@ static void soak(void) {
   free(g_soak_model);
 }
 
+/* Each local rank's communicator of a new job, nonblocking (config.blocking = 0). */
+static void make_nonblocking(const char* name, ncclComm_t* nb) {
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  CHECK(make_comms_config(name, nb, &cfg));
+}
+
+/* Poll a nonblocking communicator until it is no longer in progress; it must end in success. */
+static void expect_done(ncclComm_t comm, int rank, const char* what) {
+  ncclResult_t state = wait_comm(comm);
+  EXPECT(state == ncclSuccess, "rank %d: %s ended in %s: %s", rank, what, result_name(state),
+         ncclGetLastError(comm) ? ncclGetLastError(comm) : "");
+}
+
 /* Part Nonblocking: on a communicator with config.blocking = 0, a collective on host buffers
  * returns ncclInProgress at once, even while a peer has yet to make the call, and completes in
  * the background (ncclCommGetAsyncError: ncclInProgress, then ncclSuccess), as NCCL's do. The
@@ -732,10 +746,8 @@ static void nonblocking(void) {
   test_step("nonblocking");
   const int n = g_env.nranks, last = n - 1;
   const size_t count = (size_t)1 << 16;
-  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-  cfg.blocking = 0;
   ncclComm_t nb[MAX_LOCAL];
-  CHECK(make_comms_config("nonblocking", nb, &cfg));
+  make_nonblocking("nonblocking", nb);
   int32_t* buf[MAX_LOCAL];
   for (int l = 0; l < g_env.local; l++) {
     buf[l] = TEST_ALLOC(count * 4);
@@ -765,16 +777,14 @@ static void nonblocking(void) {
   }
   for (int l = 0; l < g_env.local; l++) {
     const int rank = g_env.first_rank + l;
-    ncclResult_t state = wait_comm(nb[l]);
-    EXPECT(state == ncclSuccess, "rank %d: the nonblocking all-reduce ended in %s: %s", rank, result_name(state),
-           ncclGetLastError(nb[l]) ? ncclGetLastError(nb[l]) : "");
+    expect_done(nb[l], rank, "the nonblocking all-reduce");
     size_t bad = 0;
     for (size_t j = 0; j < count; j++)
       if (buf[l][j] != n * (int32_t)(j % 7) + n * (n + 1) / 2) bad++;
     EXPECT(bad == 0, "rank %d: %zu wrong values after the nonblocking all-reduce", rank, bad);
     CHECK(ncclCommDestroy(nb[l]));
   }
-  CHECK(make_comms_config("nonblocking-2", nb, &cfg));
+  make_nonblocking("nonblocking-2", nb);
   /* The last rank never makes this call: the others poll, then abort. */
   CHECK(ncclGroupStart());
   int issued = 0;
@@ -807,10 +817,8 @@ static void nonblocking_backlog(void) {
   if (!wanted("NonblockingBacklog")) return;
   test_step("nonblocking-backlog");
   const int n = g_env.nranks, calls = 1000;
-  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-  cfg.blocking = 0;
   ncclComm_t nb[MAX_LOCAL];
-  CHECK(make_comms_config("backlog", nb, &cfg));
+  make_nonblocking("backlog", nb);
   int32_t* buf[MAX_LOCAL];
   for (int l = 0; l < g_env.local; l++) {
     buf[l] = TEST_ALLOC((size_t)calls * 4 * sizeof(int32_t));
@@ -827,9 +835,7 @@ static void nonblocking_backlog(void) {
   }
   for (int l = 0; l < g_env.local; l++) {
     const int rank = g_env.first_rank + l;
-    ncclResult_t state = wait_comm(nb[l]);
-    EXPECT(state == ncclSuccess, "rank %d: the backlog ended in %s: %s", rank, result_name(state),
-           ncclGetLastError(nb[l]) ? ncclGetLastError(nb[l]) : "");
+    expect_done(nb[l], rank, "the backlog");
     int bad = 0;
     for (int j = 0; j < calls * 4; j++)
       if (buf[l][j] != n * (n + 1) / 2 * (j % 5 + 1)) bad++;
