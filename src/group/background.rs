@@ -10,12 +10,13 @@
 //!
 //! Each communicator's operations run in issue order: a job starts once the earlier jobs of
 //! every communicator it uses are done (tickets taken under one lock, so two jobs on
-//! overlapping sets never wait for each other). Until then it waits in a list, not on a thread:
-//! a program may issue many calls before it polls. Anything else that runs operations on a communicator — a
-//! group mixing blocking and nonblocking communicators, device buffers, destroy, abort —
-//! first waits until its earlier jobs are done (`wait_idle`). A nonblocking communicator's
-//! ncclCommFinalize is a job of its own: it returns `ncclInProgress`, and the state turns to
-//! `ncclSuccess` once everything issued before it is done.
+//! overlapping sets never wait for each other). Until then it waits in a list, not on a
+//! thread: a program may issue many calls before it polls. Anything else that runs
+//! operations on a communicator — a group mixing blocking and nonblocking communicators,
+//! device buffers, destroy, abort — first waits until its earlier jobs are done
+//! (`wait_idle`). A nonblocking communicator's ncclCommFinalize is a job of its own: it
+//! returns `ncclInProgress`, and the state turns to `ncclSuccess` once everything issued
+//! before it is done.
 
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -39,7 +40,8 @@ struct Counts {
 /// job takes its tickets on every communicator it uses. (Before, each job waited for its turn
 /// on a thread of its own: 2000 nonblocking all-reduces issued before one poll held 1942
 /// threads per process.)
-static WAITING: crate::abi::fork::PerForkMutex<std::collections::VecDeque<Job>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
+static WAITING: crate::abi::fork::PerForkMutex<std::collections::VecDeque<Job>> =
+    crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
 /// A group's operations (or a finalize, a split...) on nonblocking communicators, and its
 /// ticket on each.
@@ -164,12 +166,12 @@ pub fn start_anyway(comms: Vec<Arc<Comm>>, run: Box<dyn FnOnce() -> Result<()> +
     }
 }
 
-/// Start `job` on a thread; if none can be started, the job fails (its communicators get the
-/// error), and so do the jobs waiting on it: the error.
+/// Start `job` on a thread. If none can be started, the job fails (its communicators get the
+/// error, which is returned) and the jobs whose turn that makes are started in its place.
 fn on_a_thread_or_fail(job: Job) -> Option<Error> {
-    let mut failing = vec![job];
+    let mut to_start = vec![job];
     let mut first_error = None;
-    while let Some(job) = failing.pop() {
+    while let Some(job) = to_start.pop() {
         let slot = std::sync::Arc::new(Mutex::new(Some(job)));
         let taken = slot.clone();
         let spawned = on_a_thread(Box::new(move || {
@@ -186,7 +188,7 @@ fn on_a_thread_or_fail(job: Job) -> Option<Error> {
             c.set_async_error(&e);
             c.background.finish(c);
         }
-        failing.extend(now_their_turn(&job.comms));
+        to_start.extend(now_their_turn(&job.comms));
         first_error.get_or_insert(e);
     }
     first_error

@@ -320,7 +320,8 @@ impl Gated {
         let mut peers: HashMap<usize, PeerState> = HashMap::new();
         let mut unreachable = HashMap::new();
         let mut held = Vec::new();
-        let (mut back_off, mut probed, mut late) = (crate::proxy::Backoff::new(), Instant::now(), None::<(u32, Instant, bool)>);
+        let mut back_off = crate::proxy::Backoff::new();
+        let (mut probed, mut late) = (Instant::now(), None::<(u32, Instant, bool)>);
         loop {
             let stopping = comm.abort.load(Ordering::Acquire) || comm.revoked.load(Ordering::Acquire);
             let picked = {
