@@ -299,7 +299,7 @@ fn soon(rx: &std::sync::mpsc::Receiver<Task>) -> Option<Task> {
         }
         rounds += 1;
         // (The clock is read every 16 rounds: a spin round is far shorter than a read.)
-        if rounds % 16 == 0 && std::time::Instant::now() >= until {
+        if rounds.is_multiple_of(16) && std::time::Instant::now() >= until {
             return None;
         }
         back_off.wait();
