@@ -1092,11 +1092,15 @@ static void part_no_threads(void) {
   }
   const double took = now_s() - t0;
   const char* text = last_error(polled);
+  /* Said before rank 2 becomes root again (glibc changes every thread's user, signalling each
+   * and waiting for all): once, in the full suite under load, rank 2 hung after its shrink
+   * returned and before this line; the next time shows on which side of it. */
+  tlog("%s -> %s after %.3f s: %s", which, result_name(r), took, text);
   if (g_env.proc == 2 && (setresuid(0, 0, 0) != 0 || setrlimit(RLIMIT_NPROC, &was) != 0)) {
     perror("no-threads: back to root");
     exit(2);
   }
-  tlog("%s -> %s after %.3f s: %s", which, result_name(r), took, text);
+  if (g_env.proc == 2) tlog("%s: back to root", which);
   /* Rank 2's process stays (as a program that handles the error does) until the others are
    * done: they must not learn it from its exit. */
   const char* id_file = getenv("NCCL_TEST_ID_FILE");
