@@ -172,17 +172,7 @@ fn on_a_thread_or_fail(job: Job) -> Option<Error> {
     let mut to_start = vec![job];
     let mut first_error = None;
     while let Some(job) = to_start.pop() {
-        let slot = std::sync::Arc::new(Mutex::new(Some(job)));
-        let taken = slot.clone();
-        let spawned = on_a_thread(Box::new(move || {
-            let job = taken.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some(job) = job {
-                run_jobs(job);
-            }
-        }));
-        let Err(e) = spawned else { continue };
-        // The task was not run (and never will be): the job is still in the slot.
-        let Some(job) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() else { continue };
+        let Err((job, e)) = on_a_thread(job) else { continue };
         let e = Error::os("spawn a thread for a nonblocking communicator's operations", e);
         for c in &job.comms {
             c.set_async_error(&e);
@@ -246,16 +236,14 @@ fn now_their_turn(comms: &[Arc<Comm>]) -> Vec<Job> {
     ready
 }
 
-type Task = Box<dyn FnOnce() + Send>;
-
 /// Threads that ran a job and wait for the next (each with its number): jobs run on them
 /// rather than on a thread started per call. Jobs may wait for each other (ranks of this
 /// process), so each runs on a thread of its own: one is started when none is idle. A forked
-/// child starts with none: it inherits the list, not the threads, and a task sent to one would
+/// child starts with none: it inherits the list, not the threads, and a job sent to one would
 /// never run (found by a probe: a child's nonblocking all-reduce stayed in progress for ever).
 static IDLE: crate::abi::fork::PerForkMutex<Vec<Idle>> = crate::abi::fork::PerFork::new(crate::abi::fork::anew);
 
-type Idle = (u64, std::sync::mpsc::Sender<Task>);
+type Idle = (u64, std::sync::mpsc::Sender<Job>);
 /// How long an idle thread waits for a job before it ends.
 const IDLE_FOR: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -263,33 +251,43 @@ fn idle() -> std::sync::MutexGuard<'static, Vec<Idle>> {
     IDLE.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Run `task` on an idle thread, or on a new one.
-fn on_a_thread(task: Task) -> std::io::Result<()> {
-    let mut task = task;
+/// Run `job` (and the jobs whose turn it makes: `run_jobs`) on an idle thread, or on a new
+/// one; the job back if no thread could be started.
+fn on_a_thread(job: Job) -> std::result::Result<(), (Job, std::io::Error)> {
+    let mut job = job;
     loop {
         let Some((_, tx)) = idle().pop() else { break };
         // A thread takes what is sent to it once it is taken off the list (`serve`); only one
-        // that died (it cannot: tasks catch their panics) would hand the task back.
-        match tx.send(task) {
+        // that died (it cannot: jobs catch their panics) would hand the job back.
+        match tx.send(job) {
             Ok(()) => return Ok(()),
-            Err(std::sync::mpsc::SendError(t)) => task = t,
+            Err(std::sync::mpsc::SendError(j)) => job = j,
         }
     }
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let me = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    std::thread::Builder::new().name("nccl-rs-nonblock".into()).spawn(move || serve(me, task))?;
+    // The job goes by the channel once the thread exists, so a failed start leaves it here.
+    let (tx, rx) = std::sync::mpsc::channel::<Job>();
+    let started = std::thread::Builder::new().name("nccl-rs-nonblock".into()).spawn({
+        let tx = tx.clone();
+        move || serve(me, tx, rx)
+    });
+    if let Err(e) = started {
+        return Err((job, e));
+    }
     crate::info!(INIT, "started thread {me} for nonblocking communicators' operations");
-    Ok(())
+    // (The thread holds the receiver until it ends, which it does only once idle.)
+    tx.send(job).map_err(|std::sync::mpsc::SendError(j)| (j, std::io::Error::other("the new thread ended")))
 }
 
-/// How long a thread that ran a task looks for the next before it sleeps: a program that
+/// How long a thread that ran a job looks for the next before it sleeps: a program that
 /// issues a call, polls it done and issues the next (NCCL's nonblocking pattern) hands it over
 /// within a few µs, and a sleeping thread takes as long again to wake.
 const LOOK_FOR: std::time::Duration = std::time::Duration::from_micros(100);
 
-/// The next task if one comes within [`LOOK_FOR`] (spinning or yielding as the engine does
+/// The next job if one comes within [`LOOK_FOR`] (spinning or yielding as the engine does
 /// while it waits: `proxy::Backoff`).
-fn soon(rx: &std::sync::mpsc::Receiver<Task>) -> Option<Task> {
+fn soon(rx: &std::sync::mpsc::Receiver<Job>) -> Option<Job> {
     let until = std::time::Instant::now() + LOOK_FOR;
     let mut back_off = crate::proxy::Backoff::new();
     let mut rounds = 0u32;
@@ -306,22 +304,21 @@ fn soon(rx: &std::sync::mpsc::Receiver<Task>) -> Option<Task> {
     }
 }
 
-/// A thread's life: run its task, offer itself for the next, and end after `IDLE_FOR`
-/// without one. Once taken off the list by a caller it waits for that caller's task.
-fn serve(me: u64, first: Task) {
+/// A thread's life: run the job sent to it, offer itself for the next, and end after
+/// `IDLE_FOR` without one. Once taken off the list by a caller it waits for that caller's job.
+fn serve(me: u64, tx: std::sync::mpsc::Sender<Job>, rx: std::sync::mpsc::Receiver<Job>) {
     // (Host-wait mode's jobs copy results out and synchronise: no capture may forbid them.)
     crate::device::cuda::relax_capture_mode();
-    let (tx, rx) = std::sync::mpsc::channel::<Task>();
-    let mut next = Some(first);
-    while let Some(task) = next.take() {
-        task();
+    let mut next = rx.recv().ok();
+    while let Some(job) = next.take() {
+        run_jobs(job);
         idle().push((me, tx.clone()));
-        if let Some(t) = soon(&rx) {
-            next = Some(t);
+        if let Some(j) = soon(&rx) {
+            next = Some(j);
             continue;
         }
         next = match rx.recv_timeout(IDLE_FOR) {
-            Ok(t) => Some(t),
+            Ok(j) => Some(j),
             Err(_) => {
                 let mut list = idle();
                 match list.iter().position(|(n, _)| *n == me) {
@@ -330,7 +327,7 @@ fn serve(me: u64, first: Task) {
                         list.remove(k);
                         None
                     }
-                    // A caller took it and sends (or sent) its task.
+                    // A caller took it and sends (or sent) its job.
                     None => {
                         drop(list);
                         rx.recv().ok()
@@ -349,13 +346,17 @@ mod tests {
     /// looking (to sleep in `recv_timeout`) when none comes.
     #[test]
     fn a_thread_looks_for_its_next_task_then_sleeps() {
-        let (tx, rx) = std::sync::mpsc::channel::<Task>();
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
         assert!(soon(&rx).is_none(), "nothing sent: it stops looking");
         let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let r = ran.clone();
-        tx.send(Box::new(move || r.store(true, std::sync::atomic::Ordering::Relaxed))).expect("send");
-        let task = soon(&rx).expect("the task sent is taken");
-        task();
+        let run = Box::new(move || {
+            r.store(true, std::sync::atomic::Ordering::Relaxed);
+            Ok(())
+        });
+        tx.send(Job { comms: Vec::new(), tickets: Vec::new(), run, shown: 0 }).expect("send");
+        let job = soon(&rx).expect("the job sent is taken");
+        (job.run)().expect("the job runs");
         assert!(ran.load(std::sync::atomic::Ordering::Relaxed));
         assert!(soon(&rx).is_none(), "taken once");
     }
