@@ -756,14 +756,16 @@ fn cuda_mode_ranks_on_two_hosts_stage_through_sockets() {
 /// calls (ffi-tests/cuda.c says more). As 2 processes, 2 processes of 2 ranks (ranks of one
 /// process too), 3 processes with buffers of the virtual memory API, 3 processes staging
 /// everything (NCCL_P2P_DISABLE=1), 3 processes in host-wait mode, and 3 processes capturing
-/// steps into CUDA graphs (NCCL_RS_GRAPH_CAPTURE=1) launched once or twice; a different seed
+/// steps into CUDA graphs (NCCL_RS_GRAPH_CAPTURE=1) launched once or twice, and 2 processes
+/// of 2 ranks on a device that lags the host (NCCL_RS_STUB_OP_DELAY_US); a different seed
 /// each. Puts into windows over the buffers are among the calls. (To hunt with more:
 /// `NCCL_TEST_SOAK_SEEDS=1-50`, each job with each seed; `CUDA_TEST_SOAK_EVERY=1` compares
 /// after every call, to name the one that went wrong.)
 #[test]
 fn cuda_mode_random_call_sequences_match_a_host_model() {
     let jobs = [("1 rank", 7), ("2 processes", 1), ("2 processes x 2 ranks", 2), ("3 processes, virtual memory API", 3),
-                ("3 processes, staged", 4), ("3 processes, host-wait", 15), ("3 processes, graphs", 6)];
+                ("3 processes, staged", 4), ("3 processes, host-wait", 15), ("3 processes, graphs", 6),
+                ("2 processes x 2 ranks, lagging device", 8)];
     let hunt = std::env::var("NCCL_TEST_SOAK_SEEDS").ok().and_then(|v| {
         let (a, b) = v.split_once('-')?;
         Some(a.parse::<u32>().ok()?..=b.parse::<u32>().ok()?)
@@ -780,6 +782,10 @@ fn cuda_mode_random_call_sequences_match_a_host_model() {
                 "3 processes, host-wait" => cuda_job().procs(3).env("NCCL_RS_HOST_WAIT", "1").env("CUDA_TEST_SOAK_STEPS", "400"),
                 // Steps on one stream captured into CUDA graphs and launched once or twice.
                 "3 processes, graphs" => cuda_job().procs(3).env("CUDA_TEST_SOAK_GRAPH", "1").env("NCCL_RS_GRAPH_CAPTURE", "1"),
+                // Each stream operation of the stand-in waits 0-500 µs first: the device far behind the
+                // host, as a GPU's is, and each stream at its own pace.
+                "2 processes x 2 ranks, lagging device" => cuda_job().procs(2).local(2).env("NCCL_RS_STUB_OP_DELAY_US", "500")
+                    .env("CUDA_TEST_SOAK_STEPS", "200"),
                 _ => cuda_job().procs(3).env("NCCL_P2P_DISABLE", "1"),
             };
             let o = job.arg("--only").arg("Soak").env("CUDA_TEST_SEED", &seed.to_string()).run_outcome();

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "stub.h"
 
@@ -101,7 +102,29 @@ static int value_ready(uint32_t v, uint32_t value, unsigned cond) {
   }
 }
 
+/* A device that lags the host, for tests (NCCL_RS_STUB_OP_DELAY_US=N): each operation waits a
+ * pseudo-random 0..N µs before it runs, as a GPU's work runs long after the host issued it and
+ * each stream at its own pace. Host code that reads a result, or frees or reuses memory,
+ * before the stream has got there, without waiting for it, then sees it wrong. */
+static void lag(void) {
+  static int read_max = -1; /* (read once; threads racing to read it store the same) */
+  int max_us = __atomic_load_n(&read_max, __ATOMIC_RELAXED);
+  if (max_us < 0) {
+    max_us = env_int("NCCL_RS_STUB_OP_DELAY_US", 0);
+    if (max_us < 0) max_us = 0;
+    __atomic_store_n(&read_max, max_us, __ATOMIC_RELAXED);
+  }
+  if (!max_us) return;
+  static __thread unsigned state;
+  if (!state) state = (unsigned)(uintptr_t)&state ^ (unsigned)getpid() * 2654435761u;
+  state = state * 1103515245u + 12345u;
+  long us = (long)((state >> 8) % ((unsigned)max_us + 1));
+  struct timespec pause = {us / 1000000, (us % 1000000) * 1000};
+  if (us) nanosleep(&pause, NULL);
+}
+
 static void run(struct op *op) {
+  lag();
   switch (op->kind) {
     case OP_COPY: memmove(dev_view((uintptr_t)op->dst), dev_view((uintptr_t)op->src), op->n); break;
     case OP_SET: memset(dev_view((uintptr_t)op->dst), op->byte, op->n); break;
