@@ -10,7 +10,8 @@
  * - Streams are ordered queues, each run by a worker thread (the legacy NULL stream of each
  *   device too). Events complete when their stream reaches them. cuStreamWaitValue32_v2 holds
  *   its stream until the word satisfies the condition; cuStreamWriteValue32_v2 writes in order
- *   (streams.c).
+ *   (streams.c). NCCL_RS_STUB_OP_DELAY_US=N holds each operation 0..N µs before it runs: a
+ *   device that lags the host, as a GPU does.
  * - "Device memory" is a memfd mapping, so an IPC handle (pid, fd, id) opens in another process
  *   as the same bytes (through /proc/<pid>/fd). Addresses are host addresses (UVA), but the
  *   host cannot touch device memory: it faults, as on a GPU, while the stand-in's streams and
