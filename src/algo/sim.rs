@@ -62,7 +62,7 @@ fn run(plans: &[Builder], rendezvous: bool) {
                             }
                         }
                     }
-                    Step::Copy { dst, src } => { host::copy(dst, src); true }
+                    Step::Copy { dst, src, .. } => { host::copy(dst, src); true }
                     Step::Reduce { dst, a, b, dt, op } => { host::reduce_local(dt, op, dst, a, b); true }
                     Step::Premul { dst, src, dt, scalar } => { host::premul(dt, dst, src, scalar); true }
                     Step::Divide { dst, dt, divisor } => { host::divide(dt, dst, divisor); true }

@@ -21,7 +21,9 @@ pub enum Step {
     Recv { peer: u32, dst: Region },
     /// dst = acc op incoming (acc may be dst).
     RecvReduce { peer: u32, dst: Region, acc: Region, dt: DataType, op: ElemOp },
-    Copy { dst: Region, src: Region },
+    /// `to_read`: the copy is read again at once (scratch a send goes from), so it is made with
+    /// ordinary stores, which leave it in the cache (`host::copy_to_read`).
+    Copy { dst: Region, src: Region, to_read: bool },
     /// dst = a op b, all local.
     Reduce { dst: Region, a: Region, b: Region, dt: DataType, op: ElemOp },
     Premul { dst: Region, src: Region, dt: DataType, scalar: Scalar },
@@ -228,10 +230,17 @@ impl Builder {
         })
     }
     pub fn copy(&mut self, dst: Region, src: Region, deps: &[Ref]) -> Ref {
+        self.copy_as(dst, src, deps, false)
+    }
+    /// [`Builder::copy`] into scratch that sends read at once (see `Step::Copy`).
+    pub fn copy_to_send(&mut self, dst: Region, src: Region, deps: &[Ref]) -> Ref {
+        self.copy_as(dst, src, deps, true)
+    }
+    fn copy_as(&mut self, dst: Region, src: Region, deps: &[Ref], to_read: bool) -> Ref {
         if dst.addr() == src.addr() {
             return Ref::NONE;
         }
-        self.push(dst.len(), deps, |o, l| Step::Copy { dst: dst.sub(o, l), src: src.sub(o, l) })
+        self.push(dst.len(), deps, |o, l| Step::Copy { dst: dst.sub(o, l), src: src.sub(o, l), to_read })
     }
     pub fn reduce(&mut self, dst: Region, a: Region, b: Region, red: Reduction, deps: &[Ref]) -> Ref {
         self.push(dst.len(), deps, |o, l| Step::Reduce {

@@ -324,7 +324,8 @@ impl<'a> Job<'a> {
                     break;
                 }
                 match self.units[i as usize].step {
-                    Step::Copy { dst, src } => host::copy(dst, src),
+                    Step::Copy { dst, src, to_read: false } => host::copy(dst, src),
+                    Step::Copy { dst, src, to_read: true } => host::copy_to_read(dst, src),
                     Step::Reduce { dst, a, b, dt, op } => host::reduce_local(dt, op, dst, a, b),
                     Step::Premul { dst, src, dt, scalar } => host::premul(dt, dst, src, scalar),
                     Step::Divide { dst, dt, divisor } => host::divide(dt, dst, divisor),
