@@ -224,6 +224,11 @@ pub fn without_role(mut s: Stamp) -> Stamp {
 }
 
 /// A point-to-point call's size in bytes (its stamp's); None for a collective's stamp.
+/// Whether the stamp's operation reduces (all-reduce, reduce, reduce-scatter).
+pub fn reduces(s: &Stamp) -> bool {
+    s[0] != P2P_KIND && s[2] != NO_REDOP
+}
+
 pub fn p2p_bytes(s: &Stamp) -> Option<u64> {
     (s[0] == P2P_KIND).then(|| u64::from_le_bytes([s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]]))
 }

@@ -35,7 +35,9 @@ pub trait SendConn: Send {
     /// reused. `Posted(token)`: the peer will read `src` itself (single copy); it must stay
     /// untouched until [`SendConn::consumed`] says so, but the next message may be sent.
     /// `Blocked`: no room now; call again with the same message (partial progress is kept).
-    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<Sent>;
+    /// `single_copy_early`: a transport that can let the peer read `src` in place may do so
+    /// from a smaller size (see `proxy::Job::poll` for when it pays).
+    fn try_send(&mut self, src: Region, stamp: &Stamp, single_copy_early: bool) -> Result<Sent>;
     /// Has the peer read the posted message `token`? With `help`, this side has nothing
     /// else to do and may move part of the message itself, if the transport can.
     fn consumed(&mut self, token: u64, help: bool) -> Result<bool> {

@@ -55,6 +55,12 @@ const HELP_BLOCK: usize = 128 << 10;
 const TAG_SHIFT: u32 = 20;
 /// Messages at least this large go by descriptor when CMA is on.
 const CMA_MIN: usize = 64 << 10;
+/// ... and these, where the sender says a single copy pays from smaller sizes (`try_send`).
+/// nccl-rs-perf -np 2 --bind 1, out-of-place, µs, 64 KiB -> 8 KiB: broadcast 8 KiB 3.1 -> 1.9,
+/// 32 KiB 5.6-7.1 -> 3.1-3.8; all-gather (output) 32 KiB 4.1-5.0 -> 2.2-3.5; sendrecv 16 KiB
+/// 4.6-4.7 -> 3.0-3.6. At 4 KiB they were slower again (the system call and the wait for the
+/// reader outweigh a 4 KiB copy).
+const CMA_MIN_EARLY: usize = 8 << 10;
 const KIND_INLINE: u32 = 0;
 const KIND_DESCRIPTOR: u32 = 1;
 /// The payload is in the header itself (at most HEADER_DATA bytes).
@@ -528,7 +534,7 @@ fn check_pid(pid: Option<u32>) -> Result<()> {
 }
 
 impl super::SendConn for RingSend {
-    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<Sent> {
+    fn try_send(&mut self, src: Region, stamp: &Stamp, single_copy_early: bool) -> Result<Sent> {
         if src.len() > self.slice {
             return Err(Error::internal(format!("message of {} bytes exceeds the slot size {}", src.len(), self.slice)));
         }
@@ -546,7 +552,8 @@ impl super::SendConn for RingSend {
                 return Ok(Sent::Blocked);
             }
         }
-        let by_descriptor = src.len() >= CMA_MIN && self.map.atomic_u32(CMA_OK).load(Ordering::Acquire) == 1;
+        let min = if single_copy_early { CMA_MIN_EARLY } else { CMA_MIN };
+        let by_descriptor = src.len() >= min && self.map.atomic_u32(CMA_OK).load(Ordering::Acquire) == 1;
         let kind = if by_descriptor {
             KIND_DESCRIPTOR
         } else if src.len() <= HEADER_DATA {
@@ -762,15 +769,41 @@ mod tests {
         let mut bufs: Vec<Vec<u8>> = (0..SLOTS + 1).map(|i| vec![i as u8; 10]).collect();
         let stamp = [7u8; STAMP_BYTES];
         for b in bufs.iter_mut().take(SLOTS) {
-            assert_eq!(tx.try_send(Region::owned(b), &stamp).unwrap(), Sent::Done);
+            assert_eq!(tx.try_send(Region::owned(b), &stamp, false).unwrap(), Sent::Done);
         }
-        assert_eq!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp).unwrap(), Sent::Blocked, "ring must be full");
+        assert_eq!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp, false).unwrap(), Sent::Blocked, "ring must be full");
         let mut got = Vec::new();
         assert!(rx.try_recv(&mut |s, d| { assert_eq!(s, &stamp); got.extend_from_slice(d); Ok(()) }).unwrap());
         assert_eq!(got, vec![0u8; 10]);
-        assert_eq!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp).unwrap(), Sent::Done);
+        assert_eq!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp, false).unwrap(), Sent::Done);
         let err = rx.try_recv(&mut |_, _| Err(Error::invalid_usage("refused"))).unwrap_err();
         assert_eq!(err.msg, "refused");
+    }
+
+    /// Between CMA_MIN_EARLY and CMA_MIN a message goes by descriptor (read in place) only
+    /// when the sender says a single copy pays early; below, always inline; and the bytes
+    /// arrive either way.
+    #[test]
+    fn mid_sized_messages_go_in_place_only_when_early() {
+        let slice = 1 << 20;
+        let map = Arc::new(Mapping::new(ring_bytes(slice), None).unwrap());
+        let mut tx = RingSend::new(map.clone(), slice, Kind::Local, None);
+        let mut rx = RingRecv::new(map, slice, Kind::Local, None);
+        let stamp = [7u8; STAMP_BYTES];
+        for (len, early, in_place) in [(CMA_MIN_EARLY - 1, true, false), (CMA_MIN_EARLY, false, false),
+                                       (CMA_MIN_EARLY, true, true), (CMA_MIN - 1, false, false),
+                                       (CMA_MIN - 1, true, true), (CMA_MIN, false, true)] {
+            let mut src: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+            let mut dst = vec![0u8; len];
+            let sent = tx.try_send(Region::owned(&mut src), &stamp, early).unwrap();
+            assert_eq!(matches!(sent, Sent::Posted(_)), in_place, "{len} bytes, early {early}: {sent:?}");
+            assert!(rx.try_recv_into(Region::owned(&mut dst), &mut |s, n| { assert_eq!((s, n), (&stamp, len)); Ok(()) })
+                .unwrap());
+            if let Sent::Posted(token) = sent {
+                assert!(tx.consumed(token, false).unwrap(), "read, so consumed");
+            }
+            assert!(dst == src, "{len} bytes, early {early}: bytes differ");
+        }
     }
 
     /// A large descriptor is read by both ends: with the sender helping from another thread
@@ -787,7 +820,7 @@ mod tests {
                 let mut src: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ round).collect();
                 let mut dst = vec![0u8; len];
                 let stamp = [round; STAMP_BYTES];
-                let Sent::Posted(token) = tx.try_send(Region::owned(&mut src), &stamp).unwrap() else { panic!("not posted") };
+                let Sent::Posted(token) = tx.try_send(Region::owned(&mut src), &stamp, false).unwrap() else { panic!("not posted") };
                 let dst_region = Region::owned(&mut dst);
                 let helper = std::thread::spawn(move || {
                     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
@@ -818,7 +851,7 @@ mod tests {
         let lens = [HELP_MIN, HELP_MIN + 3 * HELP_BLOCK + 5, slice];
         let mut srcs: Vec<Vec<u8>> = lens.iter().enumerate().map(|(k, &n)| (0..n).map(|i| (i * 13 + k * 7) as u8).collect()).collect();
         let stamp = [9u8; STAMP_BYTES];
-        let tokens: Vec<u64> = srcs.iter_mut().map(|v| match tx.try_send(Region::owned(v), &stamp).unwrap() {
+        let tokens: Vec<u64> = srcs.iter_mut().map(|v| match tx.try_send(Region::owned(v), &stamp, false).unwrap() {
             Sent::Posted(t) => t,
             other => panic!("not posted: {other:?}"),
         }).collect();

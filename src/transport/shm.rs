@@ -39,8 +39,8 @@ pub struct ShmSend {
 }
 
 impl SendConn for ShmSend {
-    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<Sent> {
-        self.ring.try_send(src, stamp)
+    fn try_send(&mut self, src: Region, stamp: &Stamp, single_copy_early: bool) -> Result<Sent> {
+        self.ring.try_send(src, stamp, single_copy_early)
     }
     fn consumed(&mut self, token: u64, help: bool) -> Result<bool> {
         self.ring.consumed(token, help)

@@ -135,7 +135,7 @@ impl SocketSend {
 }
 
 impl SendConn for SocketSend {
-    fn try_send(&mut self, src: Region, stamp: &Stamp) -> Result<Sent> {
+    fn try_send(&mut self, src: Region, stamp: &Stamp, _single_copy_early: bool) -> Result<Sent> {
         let mut header = [0u8; HEADER];
         header[..4].copy_from_slice(&(src.len() as u32).to_le_bytes());
         header[8..].copy_from_slice(stamp);
