@@ -54,13 +54,18 @@ pub fn parse_algo(v: &str) -> Option<Algo> {
     }
 }
 
-/// Messages up to this size use the latency-optimal all-reduce.
-pub const SMALL_ALLREDUCE: usize = 64 << 10;
+/// Messages up to this size use the latency-optimal all-reduce. Above, the ring is faster
+/// whatever the rank count, a whole-buffer exchange being a single-copy message from 64 KiB
+/// whose send completes only once the peer has read it (nccl-rs-perf allreduce, µs, ring
+/// against recursive doubling, 64 KiB: 2 processes 11 vs 27-29, 3 processes 24-34 vs
+/// 46-56, 2 processes without CMA 11 vs 12-15; 32 KiB: 7.8-8.5 vs 7.0-7.8). Before, up to
+/// 64 KiB, and 256 KiB for 2 ranks (256 KiB: 40 vs 88 µs).
+pub const SMALL_ALLREDUCE: usize = 32 << 10;
 
-pub fn choose_allreduce(bytes: usize, nranks: usize, forced: Option<Algo>) -> Algo {
+pub fn choose_allreduce(bytes: usize, forced: Option<Algo>) -> Algo {
     match forced {
         Some(a) => a,
-        None if bytes <= SMALL_ALLREDUCE || nranks <= 2 && bytes <= 4 * SMALL_ALLREDUCE => Algo::Tree,
+        None if bytes <= SMALL_ALLREDUCE => Algo::Tree,
         None => Algo::Ring,
     }
 }
@@ -68,7 +73,7 @@ pub fn choose_allreduce(bytes: usize, nranks: usize, forced: Option<Algo>) -> Al
 /// Append one rank's units for `op` (with `send` possibly replaced by a scaled copy).
 pub fn build(b: &mut Builder, rank: usize, n: usize, op: &Op, send: Region, red: Reduction, forced: Option<Algo>) {
     match op.kind {
-        OpKind::AllReduce => match choose_allreduce(op.recv.len(), n, forced) {
+        OpKind::AllReduce => match choose_allreduce(op.recv.len(), forced) {
             Algo::Ring => ring::allreduce(b, rank, n, send, op.recv, red),
             Algo::Tree => rd::allreduce(b, rank, n, send, op.recv, red),
         },
@@ -121,10 +126,12 @@ mod tests {
 
     #[test]
     fn allreduce_algorithm_by_size_unless_forced() {
-        assert_eq!(choose_allreduce(4 << 10, 8, None), Algo::Tree);
-        assert_eq!(choose_allreduce(1 << 20, 8, None), Algo::Ring);
-        assert_eq!(choose_allreduce(200 << 10, 2, None), Algo::Tree);
-        assert_eq!(choose_allreduce(4 << 10, 8, Some(Algo::Ring)), Algo::Ring);
-        assert_eq!(choose_allreduce(1 << 20, 8, Some(Algo::Tree)), Algo::Tree);
+        assert_eq!(choose_allreduce(4 << 10, None), Algo::Tree);
+        assert_eq!(choose_allreduce(1 << 20, None), Algo::Ring);
+        assert_eq!(choose_allreduce(32 << 10, None), Algo::Tree);
+        assert_eq!(choose_allreduce(64 << 10, None), Algo::Ring);
+        assert_eq!(choose_allreduce(200 << 10, None), Algo::Ring);
+        assert_eq!(choose_allreduce(4 << 10, Some(Algo::Ring)), Algo::Ring);
+        assert_eq!(choose_allreduce(1 << 20, Some(Algo::Tree)), Algo::Tree);
     }
 }

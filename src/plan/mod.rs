@@ -21,8 +21,9 @@ pub enum Step {
     Recv { peer: u32, dst: Region },
     /// dst = acc op incoming (acc may be dst).
     RecvReduce { peer: u32, dst: Region, acc: Region, dt: DataType, op: ElemOp },
-    /// `to_read`: the copy is read again at once (scratch a send goes from), so it is made with
-    /// ordinary stores, which leave it in the cache (`host::copy_to_read`).
+    /// `to_read`: the copy is read again at once (scratch a send goes from, an all-reduce's
+    /// output sent and reduced into), so it is made with ordinary stores, which leave it in
+    /// the cache (`host::copy_to_read`).
     Copy { dst: Region, src: Region, to_read: bool },
     /// dst = a op b, all local.
     Reduce { dst: Region, a: Region, b: Region, dt: DataType, op: ElemOp },
@@ -232,7 +233,7 @@ impl Builder {
     pub fn copy(&mut self, dst: Region, src: Region, deps: &[Ref]) -> Ref {
         self.copy_as(dst, src, deps, false)
     }
-    /// [`Builder::copy`] into scratch that sends read at once (see `Step::Copy`).
+    /// [`Builder::copy`] of what sends (and reductions) read at once (see `Step::Copy`).
     pub fn copy_to_send(&mut self, dst: Region, src: Region, deps: &[Ref]) -> Ref {
         self.copy_as(dst, src, deps, true)
     }
