@@ -760,12 +760,16 @@ mod tests {
     use super::super::{RecvConn, SendConn};
     use super::*;
 
+    /// Both ends of a ring inside this process, with slots of `slice` bytes.
+    fn local_ring(slice: usize) -> (RingSend, RingRecv) {
+        let map = Arc::new(Mapping::new(ring_bytes(slice), None).unwrap());
+        (RingSend::new(map.clone(), slice, Kind::Local, None), RingRecv::new(map, slice, Kind::Local, None))
+    }
+
     #[test]
     fn messages_flow_in_order_and_fill_up() {
         let slice = 64;
-        let map = Arc::new(Mapping::new(ring_bytes(slice), None).unwrap());
-        let mut tx = RingSend::new(map.clone(), slice, Kind::Local, None);
-        let mut rx = RingRecv::new(map, slice, Kind::Local, None);
+        let (mut tx, mut rx) = local_ring(slice);
         let mut bufs: Vec<Vec<u8>> = (0..SLOTS + 1).map(|i| vec![i as u8; 10]).collect();
         let stamp = [7u8; STAMP_BYTES];
         for b in bufs.iter_mut().take(SLOTS) {
@@ -786,9 +790,7 @@ mod tests {
     #[test]
     fn mid_sized_messages_go_in_place_only_when_early() {
         let slice = 1 << 20;
-        let map = Arc::new(Mapping::new(ring_bytes(slice), None).unwrap());
-        let mut tx = RingSend::new(map.clone(), slice, Kind::Local, None);
-        let mut rx = RingRecv::new(map, slice, Kind::Local, None);
+        let (mut tx, mut rx) = local_ring(slice);
         let stamp = [7u8; STAMP_BYTES];
         for (len, early, in_place) in [(CMA_MIN_EARLY - 1, true, false), (CMA_MIN_EARLY, false, false),
                                        (CMA_MIN_EARLY, true, true), (CMA_MIN - 1, false, false),
@@ -812,9 +814,7 @@ mod tests {
     fn large_messages_are_read_by_both_ends() {
         let slice = 1 << 20;
         for helping in [true, false] {
-            let map = Arc::new(Mapping::new(ring_bytes(slice), None).unwrap());
-            let mut tx = RingSend::new(map.clone(), slice, Kind::Local, None);
-            let mut rx = RingRecv::new(map, slice, Kind::Local, None);
+            let (mut tx, mut rx) = local_ring(slice);
             for round in 0..3u8 {
                 let len = slice - 4096 * round as usize;
                 let mut src: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ round).collect();
@@ -845,9 +845,7 @@ mod tests {
     #[test]
     fn several_posted_messages_are_shared_one_after_another() {
         let slice = 1 << 20;
-        let map = Arc::new(Mapping::new(ring_bytes(slice), None).unwrap());
-        let mut tx = RingSend::new(map.clone(), slice, Kind::Local, None);
-        let mut rx = RingRecv::new(map, slice, Kind::Local, None);
+        let (mut tx, mut rx) = local_ring(slice);
         let lens = [HELP_MIN, HELP_MIN + 3 * HELP_BLOCK + 5, slice];
         let mut srcs: Vec<Vec<u8>> = lens.iter().enumerate().map(|(k, &n)| (0..n).map(|i| (i * 13 + k * 7) as u8).collect()).collect();
         let stamp = [9u8; STAMP_BYTES];
@@ -880,9 +878,7 @@ mod tests {
 
     #[test]
     fn closed_sender_is_reported() {
-        let map = Arc::new(Mapping::new(ring_bytes(64), None).unwrap());
-        let tx = RingSend::new(map.clone(), 64, Kind::Local, None);
-        let mut rx = RingRecv::new(map, 64, Kind::Local, None);
+        let (tx, mut rx) = local_ring(64);
         drop(tx);
         assert!(rx.try_recv(&mut |_, _| Ok(())).is_err());
     }
