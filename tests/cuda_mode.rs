@@ -784,8 +784,10 @@ fn cuda_mode_random_call_sequences_match_a_host_model() {
                 "3 processes, graphs" => cuda_job().procs(3).env("CUDA_TEST_SOAK_GRAPH", "1").env("NCCL_RS_GRAPH_CAPTURE", "1"),
                 // Each stream operation of the stand-in waits 0-500 µs first: the device far behind the
                 // host, as a GPU's is, and each stream at its own pace.
-                "2 processes x 2 ranks, lagging device" => cuda_job().procs(2).local(2).env("NCCL_RS_STUB_OP_DELAY_US", "500")
-                    .env("CUDA_TEST_SOAK_STEPS", "200"),
+                "2 processes x 2 ranks, lagging device" => {
+                    let lagging = cuda_job().procs(2).local(2).env("NCCL_RS_STUB_OP_DELAY_US", "500");
+                    lagging.env("CUDA_TEST_SOAK_STEPS", "200")
+                }
                 _ => cuda_job().procs(3).env("NCCL_P2P_DISABLE", "1"),
             };
             let o = job.arg("--only").arg("Soak").env("CUDA_TEST_SEED", &seed.to_string()).run_outcome();

@@ -223,12 +223,12 @@ pub fn without_role(mut s: Stamp) -> Stamp {
     s
 }
 
-/// A point-to-point call's size in bytes (its stamp's); None for a collective's stamp.
 /// Whether the stamp's operation reduces (all-reduce, reduce, reduce-scatter).
 pub fn reduces(s: &Stamp) -> bool {
     s[0] != P2P_KIND && s[2] != NO_REDOP
 }
 
+/// A point-to-point call's size in bytes (its stamp's); None for a collective's stamp.
 pub fn p2p_bytes(s: &Stamp) -> Option<u64> {
     (s[0] == P2P_KIND).then(|| u64::from_le_bytes([s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]]))
 }
@@ -586,7 +586,8 @@ mod tests {
             op: RedOp::Builtin(BuiltinOp::Sum), count, root: 1, send, recv, seq, scalar_at: None, of: None };
         let copies = |ops: &[Op]| -> Vec<bool> {
             let b = plan_group(0, 2, 1 << 20, ops, None).expect("a plan");
-            b.units.iter().filter_map(|u| match u.step { Step::Copy { to_read, .. } => Some(to_read), _ => None }).collect()
+            let copy = |u: &crate::plan::Unit| match u.step { Step::Copy { to_read, .. } => Some(to_read), _ => None };
+            b.units.iter().filter_map(copy).collect()
         };
         let exchange = [op(OpKind::Send, 4096, r, Region::EMPTY, 1), op(OpKind::Recv, 4096, Region::EMPTY, r, 2)];
         assert_eq!(copies(&exchange), [true], "an in-place exchange's copy");

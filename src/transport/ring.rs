@@ -775,7 +775,8 @@ mod tests {
         for b in bufs.iter_mut().take(SLOTS) {
             assert_eq!(tx.try_send(Region::owned(b), &stamp, false).unwrap(), Sent::Done);
         }
-        assert_eq!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp, false).unwrap(), Sent::Blocked, "ring must be full");
+        let full = tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp, false).unwrap();
+        assert_eq!(full, Sent::Blocked, "ring must be full");
         let mut got = Vec::new();
         assert!(rx.try_recv(&mut |s, d| { assert_eq!(s, &stamp); got.extend_from_slice(d); Ok(()) }).unwrap());
         assert_eq!(got, vec![0u8; 10]);
@@ -820,7 +821,8 @@ mod tests {
                 let mut src: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ round).collect();
                 let mut dst = vec![0u8; len];
                 let stamp = [round; STAMP_BYTES];
-                let Sent::Posted(token) = tx.try_send(Region::owned(&mut src), &stamp, false).unwrap() else { panic!("not posted") };
+                let sent = tx.try_send(Region::owned(&mut src), &stamp, false).unwrap();
+                let Sent::Posted(token) = sent else { panic!("not posted: {sent:?}") };
                 let dst_region = Region::owned(&mut dst);
                 let helper = std::thread::spawn(move || {
                     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
