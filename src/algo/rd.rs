@@ -8,7 +8,7 @@ use crate::plan::{Builder, Reduction};
 
 pub fn allreduce(b: &mut Builder, r: usize, n: usize, send: Region, recv: Region, red: Reduction) {
     // (Sent and reduced into at once: a copy to be read, kept in the cache.)
-    let mut last = b.copy_to_send(recv, send, &[]);
+    let mut last = b.copy_to_read(recv, send, &[]);
     let p = if n.is_power_of_two() { n } else { n.next_power_of_two() / 2 };
     let extra = n - p;
     if r >= p {

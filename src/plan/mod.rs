@@ -234,7 +234,7 @@ impl Builder {
         self.copy_as(dst, src, deps, false)
     }
     /// [`Builder::copy`] of what sends (and reductions) read at once (see `Step::Copy`).
-    pub fn copy_to_send(&mut self, dst: Region, src: Region, deps: &[Ref]) -> Ref {
+    pub fn copy_to_read(&mut self, dst: Region, src: Region, deps: &[Ref]) -> Ref {
         self.copy_as(dst, src, deps, true)
     }
     fn copy_as(&mut self, dst: Region, src: Region, deps: &[Ref], to_read: bool) -> Ref {

@@ -466,7 +466,7 @@ fn plan_afresh(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops: &
             // what arrives could land on it before this rank has sent from it, so it goes
             // from a copy.
             let copy = b.scratch(send.len());
-            let done = b.copy_to_send(copy, send, &[]);
+            let done = b.copy_to_read(copy, send, &[]);
             b.set_fence(done);
             send = copy;
         }
@@ -502,7 +502,7 @@ fn plan_p2p(b: &mut Builder, rank: usize, ops: &[Op]) -> Result<()> {
             // below for the whole of the last (`Ref::last`): their bytes are other bytes, so a
             // matching slice would say nothing (a receive's second slice landed before the
             // copy of what it overwrote: found with small slices, NCCL_BUFFSIZE=65536).
-            copied = b.copy_to_send(copy, op.send, &[copied]).last();
+            copied = b.copy_to_read(copy, op.send, &[copied]).last();
             copy
         });
         copies.push(copy);

@@ -122,18 +122,14 @@ pub fn grow(v: &mut Vec<u8>, len: usize, what: &dyn Fn() -> String) -> crate::er
     Ok(())
 }
 
-/// dst <- src (same length; the two may overlap).
+/// dst <- src (same length; the two may overlap); large copies write around the cache.
 pub fn copy(dst: Region, src: Region) {
     debug_assert_eq!(dst.len, src.len);
     let n = dst.len.min(src.len);
-    if n == 0 || dst.addr == src.addr {
+    if n >= STREAM_MIN && dst.addr != src.addr && !dst.overlaps(src) && stream_copy(dst.addr, src.addr, n) {
         return;
     }
-    if !dst.overlaps(src) && n >= STREAM_MIN && stream_copy(dst.addr, src.addr, n) {
-        return;
-    }
-    // SAFETY: both regions are valid for n bytes (Region contract); `copy` is memmove.
-    unsafe { std::ptr::copy(src.addr as *const u8, dst.addr as *mut u8, n) };
+    copy_to_read(dst, src);
 }
 
 /// dst <- src, for a copy read again at once (scratch a send goes from): ordinary stores at
@@ -141,6 +137,7 @@ pub fn copy(dst: Region, src: Region) {
 /// stores, an in-place exchange of 256 KiB between two processes took 69-79 µs, its send
 /// reading the copy back from memory; with these, 45 µs.)
 pub fn copy_to_read(dst: Region, src: Region) {
+    debug_assert_eq!(dst.len, src.len);
     let n = dst.len.min(src.len);
     if n == 0 || dst.addr == src.addr {
         return;
