@@ -96,7 +96,11 @@ pub struct Builder {
     plan_id: u64,
 }
 
-/// Scratch a reused builder keeps between plans; larger buffers are given back.
+/// Scratch buffers up to this size are kept by a reused builder whatever its next plan needs;
+/// a larger one only while a plan uses it, and not when more than twice the size asked for.
+/// (A loop of large calls whose buffers move, such as a reduce-scatter into a new tensor each
+/// step, replans every call: giving large scratch back at each replan cost an allocation and
+/// its page faults each time.)
 const SCRATCH_KEEP: usize = 4 << 20;
 
 impl Default for Builder {
@@ -119,7 +123,6 @@ impl Builder {
         self.units.clear();
         self.stamps.clear();
         self.fence = Ref::NONE;
-        self.scratch.retain(|v| v.capacity() <= SCRATCH_KEEP);
         self.scratch_used = 0;
         self.short = None;
         self.planned = None;
@@ -161,20 +164,42 @@ impl Builder {
     /// ([`Builder::short`]) and a placeholder returned: allocation failure would abort the
     /// process, where the caller should get `ncclSystemError`.
     pub fn scratch(&mut self, len: usize) -> Region {
-        let what = || "scratch".to_string();
-        if self.scratch_used == self.scratch.len() {
-            match crate::device::host::zeroed(len, &what) {
-                Ok(v) => self.scratch.push(v),
+        let used = self.scratch_used;
+        // Of the buffers no scratch of this plan has taken yet, the smallest that holds `len`,
+        // else the largest (replaced below).
+        let spare = self.scratch[used..].iter().enumerate();
+        let best = spare.clone().filter(|(_, v)| v.capacity() >= len).min_by_key(|(_, v)| v.capacity())
+            .or_else(|| spare.max_by_key(|(_, v)| v.capacity()));
+        match best {
+            Some((i, _)) => self.scratch.swap(used, used + i),
+            None => self.scratch.push(Vec::new()),
+        }
+        let v = &mut self.scratch[used];
+        if v.capacity() < len || (v.capacity() > SCRATCH_KEEP && v.capacity() / 2 > len) {
+            // (Given back before the new one is had; its contents are stale anyway.)
+            *v = Vec::new();
+            match crate::device::host::zeroed(len, &|| "scratch".to_string()) {
+                Ok(fresh) => *v = fresh,
                 Err(e) => return self.unbacked(len, e),
             }
         }
-        let v = &mut self.scratch[self.scratch_used];
-        if let Err(e) = crate::device::host::grow(v, len, &what) {
-            return self.unbacked(len, e);
+        if v.len() < len {
+            v.resize(len, 0); // within its capacity
         }
-        v.truncate(len);
         self.scratch_used += 1;
-        Region::owned(v)
+        // (Not truncated: a buffer used for a smaller plan and then a larger one again is not
+        // zeroed again up to its old length.)
+        Region::owned(&mut v[..len])
+    }
+
+    /// After planning: large buffers the plan did not take are given back (see SCRATCH_KEEP).
+    pub fn trim_scratch(&mut self) {
+        let used = self.scratch_used;
+        let mut i = 0;
+        self.scratch.retain(|v| {
+            i += 1;
+            i <= used || v.capacity() <= SCRATCH_KEEP
+        });
     }
 
     #[cold]
@@ -284,5 +309,34 @@ mod tests {
         let tail = b.send(3, r.sub(0, 100), &[a]);
         assert_eq!(b.units[tail.first as usize].deps[0], a.first + 3, "different slicing waits for the whole");
         assert_eq!(b.recv(1, Region::EMPTY, &[]), Ref::NONE);
+    }
+
+    /// A builder replanned for other calls reuses its scratch: each request takes the spare
+    /// buffer that fits best, large buffers stay while a plan uses them (whatever their size),
+    /// and one far larger than asked for, or left unused by a plan, is given back.
+    #[test]
+    fn scratch_is_reused_best_fit_and_large_buffers_given_back_when_unneeded() {
+        const BIG: usize = 2 * SCRATCH_KEEP;
+        let mut b = Builder::new(256);
+        let plan = |b: &mut Builder, lens: &[usize]| -> Vec<usize> {
+            b.reset(256);
+            let addrs = lens.iter().map(|&l| b.scratch(l).addr()).collect();
+            b.trim_scratch();
+            addrs
+        };
+        let first = plan(&mut b, &[1, BIG]);
+        // The small request comes first this time: it must not take (and regrow) the big one.
+        assert_eq!(plan(&mut b, &[BIG, 1]), vec![first[1], first[0]], "each buffer reused where it fits");
+        assert_eq!(plan(&mut b, &[1, BIG - 4096]), first, "a large buffer kept for a slightly smaller plan");
+        assert!(b.held_bytes() >= BIG);
+        let again = plan(&mut b, &[1, BIG / 4]);
+        assert!(b.scratch.iter().all(|v| v.capacity() < BIG), "one more than twice as large as needed is given back");
+        assert_eq!(again[0], first[0]);
+        plan(&mut b, &[1, BIG]);
+        plan(&mut b, &[1]);
+        assert!(b.held_bytes() <= SCRATCH_KEEP + 64, "a large buffer the plan did not use is given back");
+        let r = b.scratch(BIG);
+        assert_eq!(r.len(), BIG);
+        assert!(b.short().is_ok());
     }
 }

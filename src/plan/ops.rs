@@ -438,7 +438,9 @@ pub fn renumber(b: &mut Builder, ops: &[Op]) {
 /// [`plan_into`] without looking for a plan to reuse.
 pub fn replan(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops: &[Op], algo: Option<Algo>) -> Result<()> {
     let kept = b.planned.take();
-    plan_afresh(b, rank, nranks, slice, ops, algo)?;
+    let planned = plan_afresh(b, rank, nranks, slice, ops, algo);
+    b.trim_scratch();
+    planned?;
     b.planned = Planned::of(b, rank, nranks, slice, ops, algo, kept);
     Ok(())
 }
