@@ -54,8 +54,10 @@ pub fn allgather(b: &mut Builder, r: usize, n: usize, send: Region, recv: Region
     }
 }
 
-/// Chunk c travels c+1, c+2, ..., c, accumulating; partials alternate between two scratch
-/// chunks, so memory stays at two chunks whatever the rank count.
+/// Chunk c travels c+1, c+2, ..., c, accumulating; partials alternate between two chunks, so
+/// memory stays at two chunks whatever the rank count. Out of place, one of the two is the
+/// output itself (its partials end in it at the last step), so the scratch is one chunk; in
+/// place the output is this rank's own input chunk, read at the last step, so two.
 pub fn reduce_scatter(b: &mut Builder, r: usize, n: usize, send: Region, recv: Region, red: Reduction) {
     let len = recv.len();
     let sc = |c: usize| send.sub(c * len, len);
@@ -64,8 +66,22 @@ pub fn reduce_scatter(b: &mut Builder, r: usize, n: usize, send: Region, recv: R
         b.finish(recv, red, &[c]);
         return;
     }
-    let tmp = if n > 2 { b.scratch(2 * len) } else { Region::EMPTY };
-    let t = |i: usize| tmp.sub((i % 2) * len, len);
+    let out_of_place = !recv.overlaps(send);
+    let tmp = match n {
+        2 => Region::EMPTY,
+        _ if out_of_place => b.scratch(len),
+        _ => b.scratch(2 * len),
+    };
+    // The partial sum step i writes (and step i+1 sends): step n-2 writes the output, and
+    // consecutive steps use different chunks.
+    let t = |i: usize| {
+        let k = (n - 2 - i) % 2; // 0: the output's parity
+        match (i == n - 2 || (out_of_place && k == 0), out_of_place) {
+            (true, _) => recv,
+            (false, true) => tmp,
+            (false, false) => tmp.sub(k * len, len),
+        }
+    };
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let mut produced = Ref::NONE;
     let mut sends: Vec<Ref> = Vec::with_capacity(n - 1);
@@ -74,7 +90,7 @@ pub fn reduce_scatter(b: &mut Builder, r: usize, n: usize, send: Region, recv: R
         let src = if s == 0 { sc(cs) } else { t(s - 1) };
         sends.push(b.send(next, src, &[produced]));
         let cr = (r + 2 * n - 2 - s) % n;
-        let dst = if s == n - 2 { recv } else { t(s) };
+        let dst = t(s);
         // t(s) was last read by the send of step s-1 (which sent t(s-2)).
         let war = if s >= 2 { sends[s - 1] } else { Ref::NONE };
         produced = b.recv_reduce(prev, dst, sc(cr), red, &[war]);
