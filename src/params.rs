@@ -111,6 +111,12 @@ pub struct Kept {
     value: AtomicI64,
 }
 
+impl Default for Kept {
+    fn default() -> Kept {
+        Kept::new()
+    }
+}
+
 impl Kept {
     pub const fn new() -> Kept {
         Kept { read: AtomicU64::new(0), value: AtomicI64::new(0) }

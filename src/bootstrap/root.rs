@@ -338,7 +338,9 @@ pub fn parse_cannot_join(frame: &[u8], magic: u64) -> Option<(usize, usize, Stri
     Some((rank, nranks, why.chars().take(2000).collect()))
 }
 
-/// A hello of this job's magic.
+/// A hello of this job's magic. (Its large variant is the one the root keeps, once per rank:
+/// boxing it would buy nothing.)
+#[allow(clippy::large_enum_variant)]
 pub enum Heard {
     /// (rank, nranks, info).
     Hello(usize, usize, PeerInfo),

@@ -34,8 +34,11 @@ pub fn read_frame(s: &mut TcpStream, timeout: Duration) -> Result<Vec<u8>> {
     if len > MAX_FRAME {
         // Printable bytes are another program's words ("HTTP" from a web server or a proxy
         // at that address): said as they are.
-        let text = first.iter().all(|b| b.is_ascii_graphic() || *b == b' ')
-            .then(|| format!(", its first bytes \"{}\"", String::from_utf8_lossy(&first))).unwrap_or_default();
+        let text = if first.iter().all(|b| b.is_ascii_graphic() || *b == b' ') {
+            format!(", its first bytes \"{}\"", String::from_utf8_lossy(&first))
+        } else {
+            String::new()
+        };
         return Err(Error::system(format!("bootstrap: frame of {len} bytes exceeds the limit{text}: {NOT_OURS}")));
     }
     let mut buf = vec![0u8; len];

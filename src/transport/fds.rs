@@ -18,7 +18,8 @@ pub fn out_of_fds(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE))
 }
 
-/// The soft and hard limits on open files.
+/// The soft and hard limits on open files. (`rlim_t` is 32 bits on some targets: the casts.)
+#[allow(clippy::unnecessary_cast)]
 fn limits() -> Option<(u64, u64)> {
     let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes one rlimit into `r`, which lives for the call.
@@ -96,6 +97,7 @@ fn address_space_hint(limit: Option<u64>, used: Option<u64>) -> String {
 }
 
 /// The soft limit on the process's address space, if it has one.
+#[allow(clippy::unnecessary_cast)]
 fn address_space_limit() -> Option<u64> {
     let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes one rlimit into `r`, which lives for the call.

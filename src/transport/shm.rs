@@ -169,7 +169,9 @@ pub fn room() -> String {
     format!("; {} free of {}", size(free), size(total))
 }
 
-/// Free and total bytes of /dev/shm.
+/// Free and total bytes of /dev/shm. (`statvfs`'s counts are 32 bits on some targets: the
+/// casts.)
+#[allow(clippy::unnecessary_cast)]
 fn free_bytes() -> Option<(u64, u64)> {
     let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
     // SAFETY: a NUL-terminated path and a buffer of the right type, read only on success.
