@@ -76,10 +76,12 @@ pub fn reduce_scatter(b: &mut Builder, r: usize, n: usize, send: Region, recv: R
     // consecutive steps use different chunks.
     let t = |i: usize| {
         let k = (n - 2 - i) % 2; // 0: the output's parity
-        match (i == n - 2 || (out_of_place && k == 0), out_of_place) {
-            (true, _) => recv,
-            (false, true) => tmp,
-            (false, false) => tmp.sub(k * len, len),
+        if i == n - 2 || (out_of_place && k == 0) {
+            recv
+        } else if out_of_place {
+            tmp
+        } else {
+            tmp.sub(k * len, len)
         }
     };
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);

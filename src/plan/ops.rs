@@ -462,10 +462,10 @@ fn plan_afresh(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops: &
                 send = scaled;
             }
         }
-        if op.kind == OpKind::AlltoAll && send == op.recv {
+        if op.kind == OpKind::AlltoAll && op.send == op.recv {
             // One buffer for both (nccl-tests' in-place column): only the blocks it sends
             // are copied first, and its own block stays where it is.
-            algo::direct::alltoall_in_place(b, rank, nranks, send);
+            algo::direct::alltoall_in_place(b, rank, nranks, op.recv);
             b.short().map_err(|e| e.context(op.describe()))?;
             continue;
         }
