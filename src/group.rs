@@ -543,6 +543,19 @@ thread_local! {
     static WORKSPACE: RefCell<Workspace> = RefCell::new(Workspace::default());
 }
 
+/// A communicator destroyed or aborted on this thread: the plans this thread kept give their
+/// memory back (scratch kept for calls that may never come again). They may be another
+/// communicator's too, whose next call then plans afresh.
+pub fn release_kept_plans() {
+    WORKSPACE.with(|w| {
+        if let Ok(mut ws) = w.try_borrow_mut() {
+            for work in &mut ws.work {
+                (work.kept, work.cur) = (Vec::new(), 0);
+            }
+        }
+    });
+}
+
 /// One item or several, without allocating for one (the common case: one communicator).
 enum Few<T> {
     One([T; 1]),
@@ -893,5 +906,17 @@ mod tests {
         }
         let after: Vec<u64> = w.kept.iter().map(|k| k.plan.plan_id()).collect();
         assert_eq!(before.iter().zip(&after).filter(|(b, a)| b != a).count(), 1, "only the plan in use was replaced");
+
+        // A communicator destroyed on this thread: the thread's kept plans and their scratch go.
+        WORKSPACE.with(|ws| ws.borrow_mut().work.push(w));
+        let held = || WORKSPACE.with(|ws| {
+            ws.borrow().work.iter().flat_map(|w| &w.kept).map(|k| k.plan.held_bytes()).sum::<usize>()
+        });
+        assert!(held() > SPARE_BYTES);
+        release_kept_plans();
+        assert_eq!(held(), 0);
+        let mut w = WORKSPACE.with(|ws| ws.borrow_mut().work.pop()).expect("the work pushed above");
+        plan(&mut w, &call(1, 2, sum));
+        assert_eq!(w.kept.len(), 1, "the next call planned afresh, in a new plan");
     }
 }

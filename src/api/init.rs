@@ -284,6 +284,7 @@ pub fn destroy(comm: Arc<Comm>) -> Result<()> {
     comm.rma.drain();
     comm.abort.store(true, Ordering::Release);
     comm.shutdown();
+    crate::group::release_kept_plans();
     Ok(())
 }
 
@@ -301,6 +302,7 @@ pub fn abort(comm: Arc<Comm>) -> Result<()> {
                       communicator's after {} s; they will stop when they start", comm.rank, ABORT_WAITS.as_secs());
     }
     comm.shutdown();
+    crate::group::release_kept_plans();
     Ok(())
 }
 
