@@ -126,7 +126,12 @@ pub fn broadcast(b: &mut Builder, r: usize, n: usize, root: usize, send: Region,
     }
 }
 
-/// Pipelined chain root+1, root+2, ..., root: each rank adds its input and passes it on.
+/// Slices of scratch a middle rank of [`reduce`]'s chain passes partial sums through.
+const REDUCE_SLOTS: usize = 4;
+
+/// Pipelined chain root+1, root+2, ..., root: each rank adds its input and passes it on. A
+/// middle rank does so slice by slice through REDUCE_SLOTS slices of scratch, not a copy of
+/// the whole buffer: the receive into a slot waits for the send that last went from it.
 pub fn reduce(b: &mut Builder, r: usize, n: usize, root: usize, send: Region, recv: Region, red: Reduction) {
     let pos = (r + n - root - 1) % n;
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
@@ -136,9 +141,18 @@ pub fn reduce(b: &mut Builder, r: usize, n: usize, root: usize, send: Region, re
     } else if pos == 0 {
         b.send(next, send, &[]);
     } else if pos < n - 1 {
-        let tmp = b.scratch(send.len());
-        let got = b.recv_reduce(prev, tmp, send, red, &[]);
-        b.send(next, tmp, &[got]);
+        let (len, slice) = (send.len(), b.slice());
+        let k = len.div_ceil(slice);
+        let slots = k.min(REDUCE_SLOTS);
+        let tmp = b.scratch(slots * slice.min(len));
+        let mut sent = Vec::with_capacity(k);
+        for i in 0..k {
+            let (off, l) = (i * slice, slice.min(len - i * slice));
+            let slot = tmp.sub((i % slots) * slice, l);
+            let war = if i >= slots { sent[i - slots] } else { Ref::NONE };
+            let got = b.recv_reduce(prev, slot, send.sub(off, l), red, &[war]);
+            sent.push(b.send(next, slot, &[got]));
+        }
     } else {
         let got = b.recv_reduce(prev, recv, send, red, &[]);
         b.finish(recv, red, &[got]);

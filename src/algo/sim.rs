@@ -9,11 +9,14 @@ use crate::plan::{plan_group, Builder, Op, OpKind, Step, NO_DEP};
 use crate::types::{BuiltinOp, DataType, RedOp};
 
 /// Execute all ranks' plans to completion; panics on a deadlock or a mismatched message.
-/// `rendezvous`: a send completes only once its receiver has taken the message, as with
-/// single-copy descriptors (the strictest transport); otherwise as soon as it is queued.
+/// `rendezvous`: a send completes only once its receiver has taken the message, and its bytes
+/// are read then, from the sender's memory, as with single-copy descriptors (the strictest
+/// transport: a sender that writes into a buffer it posted before the send completed sends
+/// the new bytes); otherwise they are copied, and the send completes, as soon as it is queued.
 fn run(plans: &[Builder], rendezvous: bool) {
     let n = plans.len();
-    type Msg = (crate::transport::Stamp, Vec<u8>, (usize, usize));
+    // The bytes (copied at once), or where to read them when the message is taken.
+    type Msg = (crate::transport::Stamp, Result<Vec<u8>, Region>, (usize, usize));
     let mut queues: HashMap<(usize, usize), VecDeque<Msg>> = HashMap::new();
     let mut done: Vec<Vec<bool>> = plans.iter().map(|p| vec![false; p.units.len()]).collect();
     let mut posted: Vec<Vec<bool>> = plans.iter().map(|p| vec![false; p.units.len()]).collect();
@@ -39,7 +42,7 @@ fn run(plans: &[Builder], rendezvous: bool) {
                     Step::Send { peer, src } => {
                         if !posted[r][i] {
                             // SAFETY (test): regions point into buffers owned by the test.
-                            let bytes = unsafe { src.as_slice() }.to_vec();
+                            let bytes = if rendezvous { Err(src) } else { Ok(unsafe { src.as_slice() }.to_vec()) };
                             queues.entry((r, peer as usize)).or_default()
                                 .push_back((plans[r].stamps[u.op as usize], bytes, (r, i)));
                             posted[r][i] = true;
@@ -52,6 +55,8 @@ fn run(plans: &[Builder], rendezvous: bool) {
                             None => false,
                             Some((stamp, bytes, (sr, si))) => {
                                 done[sr][si] = true;
+                                // SAFETY (test): as above; read now, as a single-copy receiver does.
+                                let bytes = bytes.unwrap_or_else(|src| unsafe { src.as_slice() }.to_vec());
                                 assert_eq!((stamp, bytes.len()), (plans[r].stamps[u.op as usize], dst.len()),
                                            "rank {r}: mismatched message from {peer}");
                                 match u.step {
@@ -218,6 +223,22 @@ fn every_collective_every_size_both_algorithms() {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+}
+
+/// A reduce long enough that the chain's middle ranks reuse their scratch slots (each receive
+/// into a slot waits for the send that last went from it), on transports of both kinds.
+#[test]
+fn reduce_middle_ranks_pass_many_slices_through_their_slots() {
+    for n in 3..=5 {
+        for root in 0..n {
+            for in_place in [false, true] {
+                let c = Case { kind: OpKind::Reduce, n, count: 2000, op: BuiltinOp::Sum, root, in_place };
+                for rendezvous in [false, true] {
+                    check(&c, None, rendezvous);
                 }
             }
         }

@@ -149,6 +149,11 @@ impl Builder {
         self.plan_id
     }
 
+    /// The size transfers are cut into (each slice one message, one unit).
+    pub fn slice(&self) -> usize {
+        self.slice
+    }
+
     /// Start a new operation: its stamp, and no fence.
     pub fn begin(&mut self, stamp: Stamp) {
         self.stamps.push(stamp);
