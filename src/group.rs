@@ -474,12 +474,9 @@ impl Work {
         };
         self.cur = at;
         let runs = self.runs;
-        let k = self.current();
-        k.used = runs;
-        for k in self.kept.iter_mut().filter(|k| runs - k.used > SPARE_RUNS) {
-            if k.plan.held_bytes() > SPARE_BYTES {
-                k.plan.release();
-            }
+        self.current().used = runs;
+        for stale in self.kept.iter_mut().filter(|k| runs - k.used > SPARE_RUNS && k.plan.held_bytes() > SPARE_BYTES) {
+            stale.plan.release();
         }
         let k = self.current();
         match found {
