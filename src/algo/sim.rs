@@ -60,7 +60,10 @@ fn run(plans: &[Builder], rendezvous: bool) {
                                 assert_eq!((stamp, bytes.len()), (plans[r].stamps[u.op as usize], dst.len()),
                                            "rank {r}: mismatched message from {peer}");
                                 match u.step {
-                                    Step::RecvReduce { dst, acc, dt, op, .. } => host::reduce_in(dt, op, dst, acc, &bytes),
+                                    Step::RecvReduce { dst, acc, dt, op, scaled: None, .. } =>
+                                        host::reduce_in(dt, op, dst, acc, &bytes),
+                                    Step::RecvReduce { dst, acc, dt, scaled: Some(s), .. } =>
+                                        host::reduce_in_scaled(dt, dst, acc, s, &bytes),
                                     _ => host::copy_in(dst, &bytes),
                                 }
                                 true
@@ -94,7 +97,7 @@ struct Case {
     kind: OpKind,
     n: usize,
     count: usize,
-    op: BuiltinOp,
+    op: RedOp,
     root: usize,
     in_place: bool,
 }
@@ -103,15 +106,31 @@ fn value(rank: usize, i: usize) -> i32 {
     ((rank * 7 + i * 3) % 11) as i32 - 5
 }
 
-fn reduce_ref(op: BuiltinOp, vals: impl Iterator<Item = i32>, n: usize) -> i32 {
-    let v: Vec<i32> = vals.collect();
+/// The reduction of every rank's value (rank, value).
+fn reduce_ref(op: RedOp, vals: impl Iterator<Item = (usize, i32)>, n: usize) -> i32 {
+    let v: Vec<i32> = vals.map(|(rank, x)| match op {
+        RedOp::PreMulSum(_) => x.wrapping_mul(premul_scalar(rank)),
+        RedOp::Builtin(_) => x,
+    }).collect();
     match op {
-        BuiltinOp::Sum => v.iter().fold(0i32, |a, b| a.wrapping_add(*b)),
-        BuiltinOp::Prod => v.iter().fold(1i32, |a, b| a.wrapping_mul(*b)),
-        BuiltinOp::Max => *v.iter().max().unwrap(),
-        BuiltinOp::Min => *v.iter().min().unwrap(),
-        BuiltinOp::Avg => v.iter().sum::<i32>() / n as i32,
+        RedOp::Builtin(BuiltinOp::Sum) | RedOp::PreMulSum(_) => v.iter().fold(0i32, |a, b| a.wrapping_add(*b)),
+        RedOp::Builtin(BuiltinOp::Prod) => v.iter().fold(1i32, |a, b| a.wrapping_mul(*b)),
+        RedOp::Builtin(BuiltinOp::Max) => *v.iter().max().unwrap(),
+        RedOp::Builtin(BuiltinOp::Min) => *v.iter().min().unwrap(),
+        RedOp::Builtin(BuiltinOp::Avg) => v.iter().sum::<i32>() / n as i32,
     }
+}
+
+/// Each rank's PreMulSum factor: its own (NCCL lets them differ), 3 + rank.
+fn premul_scalar(rank: usize) -> i32 {
+    3 + rank as i32
+}
+
+/// Every reduction the sum-based algorithms see: the builtins, and PreMulSum, whose input is
+/// scaled as it is read (the factor here a placeholder: each rank uses `premul_scalar`).
+fn reductions() -> Vec<RedOp> {
+    let premul = RedOp::PreMulSum(crate::types::Scalar { bytes: [0; 8] });
+    BuiltinOp::ALL.iter().map(|&o| RedOp::Builtin(o)).chain([premul]).collect()
 }
 
 /// Run one int32 case on all ranks and check every rank's output exactly.
@@ -168,7 +187,13 @@ fn check(c: &Case, algo: Option<Algo>, rendezvous: bool) {
                 _ => {}
             }
         }
-        let op = Op { kind: c.kind, dt: DataType::Int32, op: RedOp::Builtin(c.op), count, root: c.root,
+        let red = match c.op {
+            RedOp::PreMulSum(_) => {
+                RedOp::PreMulSum(crate::types::Scalar { bytes: (premul_scalar(r) as i64).to_le_bytes() })
+            }
+            builtin => builtin,
+        };
+        let op = Op { kind: c.kind, dt: DataType::Int32, op: red, count, root: c.root,
                       send, recv, seq: 0, scalar_at: None, of: None };
         plans.push(plan_group(r, n, 256, &[op], algo).unwrap());
     }
@@ -180,14 +205,14 @@ fn check(c: &Case, algo: Option<Algo>, rendezvous: bool) {
         assert!(recvs[r].len() >= recv_elems, "rank {r}: {} elements received, {recv_elems} expected", recvs[r].len());
         for (i, &got) in recvs[r].iter().enumerate().take(recv_elems) {
             let want = match c.kind {
-                OpKind::AllReduce => reduce_ref(c.op, (0..n).map(|q| value(q, i)), n),
-                OpKind::Reduce if r == c.root => reduce_ref(c.op, (0..n).map(|q| value(q, i)), n),
+                OpKind::AllReduce => reduce_ref(c.op, (0..n).map(|q| (q, value(q, i))), n),
+                OpKind::Reduce if r == c.root => reduce_ref(c.op, (0..n).map(|q| (q, value(q, i))), n),
                 OpKind::Reduce => continue,
                 OpKind::Broadcast => value(c.root, i),
                 OpKind::AllGather => value(i / count, i % count),
                 OpKind::Gather if r == c.root => value(i / count, i % count),
                 OpKind::Gather => continue,
-                OpKind::ReduceScatter => reduce_ref(c.op, (0..n).map(|q| value(q, r * count + i)), n),
+                OpKind::ReduceScatter => reduce_ref(c.op, (0..n).map(|q| (q, value(q, r * count + i))), n),
                 OpKind::Scatter => value(c.root, r * count + i),
                 OpKind::AlltoAll => value(i / count, r * count + i % count),
                 _ => unreachable!(),
@@ -209,9 +234,9 @@ fn every_collective_every_size_both_algorithms() {
         for count in [0, 1, 7, 13, 200] {
             for kind in [OpKind::AllReduce, OpKind::AllGather, OpKind::ReduceScatter, OpKind::Broadcast,
                          OpKind::Reduce, OpKind::AlltoAll, OpKind::Gather, OpKind::Scatter] {
-                let ops: &[BuiltinOp] = if kind.reduces() { &BuiltinOp::ALL } else { &[BuiltinOp::Sum] };
+                let ops = if kind.reduces() { reductions() } else { vec![RedOp::Builtin(BuiltinOp::Sum)] };
                 let roots: Vec<usize> = if kind.has_root() { (0..n).collect() } else { vec![0] };
-                for &op in ops {
+                for &op in &ops {
                     for &root in &roots {
                         for in_place in [false, true] {
                             let c = Case { kind, n, count, op, root, in_place };
@@ -236,9 +261,11 @@ fn reduce_middle_ranks_pass_many_slices_through_their_slots() {
     for n in 3..=5 {
         for root in 0..n {
             for in_place in [false, true] {
-                let c = Case { kind: OpKind::Reduce, n, count: 2000, op: BuiltinOp::Sum, root, in_place };
-                for rendezvous in [false, true] {
-                    check(&c, None, rendezvous);
+                for op in reductions() {
+                    let c = Case { kind: OpKind::Reduce, n, count: 2000, op, root, in_place };
+                    for rendezvous in [false, true] {
+                        check(&c, None, rendezvous);
+                    }
                 }
             }
         }

@@ -19,8 +19,9 @@ pub use ops::{plan_group, Op, OpKind};
 pub enum Step {
     Send { peer: u32, src: Region },
     Recv { peer: u32, dst: Region },
-    /// dst = acc op incoming (acc may be dst).
-    RecvReduce { peer: u32, dst: Region, acc: Region, dt: DataType, op: ElemOp },
+    /// dst = acc op incoming (acc may be dst). `scaled`: PreMulSum's `acc * scalar + incoming`,
+    /// `acc` the rank's input as the call gave it (see [`Builder::scale_on_read`]).
+    RecvReduce { peer: u32, dst: Region, acc: Region, dt: DataType, op: ElemOp, scaled: Option<Scalar> },
     /// `to_read`: the copy is read again at once (scratch a send goes from, an all-reduce's
     /// output sent and reduced into), so it is made with ordinary stores, which leave it in
     /// the cache (`host::copy_to_read`).
@@ -94,6 +95,11 @@ pub struct Builder {
     planned: Option<ops::Planned>,
     /// Names the plan: a new number each time the builder starts one ([`Builder::reset`]).
     plan_id: u64,
+    /// The current operation's input that reads scale on the way ([`Builder::scale_on_read`]):
+    /// the input, its type and the factor.
+    scaled: Option<(Region, DataType, Scalar)>,
+    /// What the current operation wrote inside that input (in place): read as it is.
+    written: Vec<Region>,
 }
 
 /// Scratch buffers up to this size are kept by a reused builder whatever its next plan needs;
@@ -112,7 +118,8 @@ impl Default for Builder {
 impl Builder {
     pub fn new(slice: usize) -> Builder {
         let mut b = Builder { units: Vec::new(), stamps: Vec::new(), slice: 0, fence: Ref::NONE, scratch: Vec::new(),
-                              scratch_used: 0, short: None, planned: None, plan_id: 0 };
+                              scratch_used: 0, short: None, planned: None, plan_id: 0, scaled: None,
+                              written: Vec::new() };
         b.reset(slice);
         b
     }
@@ -123,6 +130,7 @@ impl Builder {
         self.units.clear();
         self.stamps.clear();
         self.fence = Ref::NONE;
+        self.scaled = None;
         self.scratch_used = 0;
         self.short = None;
         self.planned = None;
@@ -154,10 +162,50 @@ impl Builder {
         self.slice
     }
 
-    /// Start a new operation: its stamp, and no fence.
+    /// Start a new operation: its stamp, and no fence or scaled input.
     pub fn begin(&mut self, stamp: Stamp) {
         self.stamps.push(stamp);
         self.fence = Ref::NONE;
+        self.scaled = None;
+    }
+
+    /// From here to the next operation, what is read of `input` is scaled by `scalar` on the
+    /// way (PreMulSum, fp16 Avg), instead of a pass over all of it into scratch first: a
+    /// reduction of it with what arrives scales as it reduces (`Step::RecvReduce`'s `scaled`),
+    /// a copy of it is a scaled copy, and a send of it (or a local reduction) goes from a
+    /// scaled copy of just what it reads, made slice by slice ahead of it. What the operation
+    /// has already written inside `input` (in place) is read as it is: the algorithms write
+    /// a part only after their last read of the input there, so each read is of either.
+    pub fn scale_on_read(&mut self, input: Region, dt: DataType, scalar: Scalar) {
+        self.scaled = Some((input, dt, scalar));
+        self.written.clear();
+    }
+
+    /// The factor a read of `r` takes: some where it reads the scaled input as the call gave it.
+    fn scaling(&mut self, r: Region) -> Option<(DataType, Scalar)> {
+        let (input, dt, scalar) = self.scaled?;
+        if !r.overlaps(input) {
+            return None;
+        }
+        if !self.written.iter().any(|w| w.overlaps(r)) {
+            if r.offset_in(input).is_none() {
+                self.short.get_or_insert(Error::internal("a read reaches past the input it scales"));
+            }
+            return Some((dt, scalar));
+        }
+        if !self.written.iter().any(|w| r.offset_in(*w).is_some()) {
+            // Half input, half written: no algorithm reads so, and the plan is refused rather
+            // than half scaled.
+            self.short.get_or_insert(Error::internal("a read of an input to scale, partly written over"));
+        }
+        None
+    }
+
+    /// Notes a write of `dst` (inside the scaled input, it is read as it is from then on).
+    fn wrote(&mut self, dst: Region) {
+        if self.scaled.is_some_and(|(input, ..)| dst.overlaps(input)) {
+            self.written.push(dst);
+        }
     }
 
     pub fn set_fence(&mut self, r: Ref) {
@@ -246,18 +294,30 @@ impl Builder {
     }
 
     pub fn send(&mut self, peer: usize, src: Region, deps: &[Ref]) -> Ref {
+        if let Some((dt, scalar)) = self.scaling(src) {
+            // (Each slice of the send waits for its own slice of the scaled copy.)
+            let copy = self.scratch(src.len());
+            let scaled = self.premul(copy, src, dt, scalar, deps);
+            return self.send(peer, copy, &[scaled]);
+        }
         self.push(src.len(), deps, |o, l| Step::Send { peer: peer as u32, src: src.sub(o, l) })
     }
     pub fn recv(&mut self, peer: usize, dst: Region, deps: &[Ref]) -> Ref {
+        self.wrote(dst);
         self.push(dst.len(), deps, |o, l| Step::Recv { peer: peer as u32, dst: dst.sub(o, l) })
     }
     pub fn recv_reduce(&mut self, peer: usize, dst: Region, acc: Region, red: Reduction, deps: &[Ref]) -> Ref {
+        // (What arrives is a partial sum or a peer's input already scaled: each rank scales
+        // its own input by its own factor, which may differ from its peers'.)
+        let scaled = self.scaling(acc).map(|(_, scalar)| scalar);
+        self.wrote(dst);
         self.push(dst.len(), deps, |o, l| Step::RecvReduce {
             peer: peer as u32,
             dst: dst.sub(o, l),
             acc: acc.sub(o, l),
             dt: red.dt,
             op: red.op,
+            scaled,
         })
     }
     pub fn copy(&mut self, dst: Region, src: Region, deps: &[Ref]) -> Ref {
@@ -268,12 +328,26 @@ impl Builder {
         self.copy_as(dst, src, deps, true)
     }
     fn copy_as(&mut self, dst: Region, src: Region, deps: &[Ref], to_read: bool) -> Ref {
+        if let Some((dt, scalar)) = self.scaling(src) {
+            // (In place too: the input scaled where it is.)
+            return self.premul(dst, src, dt, scalar, deps);
+        }
         if dst.addr() == src.addr() {
             return Ref::NONE;
         }
+        self.wrote(dst);
         self.push(dst.len(), deps, |o, l| Step::Copy { dst: dst.sub(o, l), src: src.sub(o, l), to_read })
     }
     pub fn reduce(&mut self, dst: Region, a: Region, b: Region, red: Reduction, deps: &[Ref]) -> Ref {
+        for (input, other) in [(a, b), (b, a)] {
+            if let Some((dt, scalar)) = self.scaling(input) {
+                let copy = self.scratch(input.len());
+                let scaled = self.premul(copy, input, dt, scalar, deps);
+                let (a, b) = if input == a { (copy, other) } else { (other, copy) };
+                return self.reduce(dst, a, b, red, &[scaled]);
+            }
+        }
+        self.wrote(dst);
         self.push(dst.len(), deps, |o, l| Step::Reduce {
             dst: dst.sub(o, l),
             a: a.sub(o, l),
@@ -283,12 +357,16 @@ impl Builder {
         })
     }
     pub fn premul(&mut self, dst: Region, src: Region, dt: DataType, scalar: Scalar, deps: &[Ref]) -> Ref {
+        self.wrote(dst);
         self.push(dst.len(), deps, |o, l| Step::Premul { dst: dst.sub(o, l), src: src.sub(o, l), dt, scalar })
     }
     /// The Avg finish on `dst`, if the reduction asks for it.
     pub fn finish(&mut self, dst: Region, red: Reduction, deps: &[Ref]) -> Ref {
         match red.divide {
-            Some(d) if d > 1 => self.push(dst.len(), deps, |o, l| Step::Divide { dst: dst.sub(o, l), dt: red.dt, divisor: d }),
+            Some(d) if d > 1 => {
+                self.wrote(dst);
+                self.push(dst.len(), deps, |o, l| Step::Divide { dst: dst.sub(o, l), dt: red.dt, divisor: d })
+            }
             _ => deps.iter().rev().copied().find(|r| r.n > 0).unwrap_or(Ref::NONE),
         }
     }

@@ -454,14 +454,6 @@ fn plan_afresh(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops: &
     for op in ops.iter().filter(|o| !o.kind.is_p2p() && o.count > 0) {
         b.begin(op.stamp());
         let mut send = op.send;
-        if let Some(scalar) = scaling(op.op, op.dt, nranks) {
-            if op.kind.reduces() && !send.is_empty() {
-                let scaled = b.scratch(send.len());
-                let done = b.premul(scaled, send, op.dt, scalar, &[]);
-                b.set_fence(done);
-                send = scaled;
-            }
-        }
         if op.kind == OpKind::AlltoAll && op.send == op.recv {
             // One buffer for both (nccl-tests' in-place column): only the blocks it sends
             // are copied first, and its own block stays where it is.
@@ -469,15 +461,22 @@ fn plan_afresh(b: &mut Builder, rank: usize, nranks: usize, slice: usize, ops: &
             b.short().map_err(|e| e.context(op.describe()))?;
             continue;
         }
-        if send == op.send && op.input_overlaps_output(rank) {
+        // PreMulSum (and fp16 Avg): the input scaled as it is read, or in the copy below.
+        let scalar = scaling(op.op, op.dt, nranks).filter(|_| op.kind.reduces());
+        if op.input_overlaps_output(rank) {
             // An input inside the output but not where NCCL's in-place rules put it (an
             // all-to-all given one buffer, an all-gather's input at another rank's block...):
             // what arrives could land on it before this rank has sent from it, so it goes
             // from a copy.
             let copy = b.scratch(send.len());
-            let done = b.copy_to_read(copy, send, &[]);
+            let done = match scalar {
+                Some(scalar) => b.premul(copy, send, op.dt, scalar, &[]),
+                None => b.copy_to_read(copy, send, &[]),
+            };
             b.set_fence(done);
             send = copy;
+        } else if let Some(scalar) = scalar {
+            b.scale_on_read(send, op.dt, scalar);
         }
         let red = reduction(op.op, op.dt, nranks);
         algo::build(b, rank, nranks, op, send, red, algo);

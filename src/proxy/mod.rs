@@ -308,9 +308,12 @@ impl<'a> Job<'a> {
                 let conn = self.conns.recv_mut(peer as usize)?;
                 let got = match unit.step {
                     Step::Recv { dst, .. } => conn.try_recv_into(dst, &mut check),
-                    Step::RecvReduce { dst, acc, dt, op, .. } => conn.try_recv(&mut |theirs, data| {
+                    Step::RecvReduce { dst, acc, dt, op, scaled, .. } => conn.try_recv(&mut |theirs, data| {
                         check(theirs, data.len())?;
-                        host::reduce_in(dt, op, dst, acc, data);
+                        match scaled {
+                            Some(scalar) => host::reduce_in_scaled(dt, dst, acc, scalar, data),
+                            None => host::reduce_in(dt, op, dst, acc, data),
+                        }
                         Ok(())
                     }),
                     _ => break,

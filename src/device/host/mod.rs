@@ -215,6 +215,14 @@ pub fn reduce_in(dt: DataType, op: ElemOp, dst: Region, acc: Region, incoming: &
     unsafe { reduce::reduce(dt, op, dst.addr as *mut u8, acc.addr as *const u8, incoming.as_ptr(), n) };
 }
 
+/// dst[i] <- acc[i] * scalar + incoming[i] (PreMulSum: `acc` is the rank's own input, scaled
+/// as it is read; see `reduce::scaled_sum`); `acc` may be `dst` itself.
+pub fn reduce_in_scaled(dt: DataType, dst: Region, acc: Region, scalar: Scalar, incoming: &[u8]) {
+    let n = dst.len.min(acc.len).min(incoming.len()) / dt.size();
+    // SAFETY: as in reduce_in.
+    unsafe { reduce::scaled_sum(dt, dst.addr as *mut u8, acc.addr as *const u8, scalar, incoming.as_ptr(), n) };
+}
+
 /// dst[i] <- a[i] op b[i] between local regions.
 pub fn reduce_local(dt: DataType, op: ElemOp, dst: Region, a: Region, b: Region) {
     let n = dst.len.min(a.len).min(b.len) / dt.size();

@@ -142,6 +142,34 @@ pub unsafe fn premul(dt: DataType, dst: *mut u8, src: *const u8, scalar: Scalar,
     )
 }
 
+/// dst[i] = a[i] * scalar + b[i]: PreMulSum's sum of a rank's own input, scaled as it is read,
+/// and what arrived. The same bits as `premul` of `a` and then `reduce`'s Sum (the product is
+/// rounded to the type before the sum, as NCCL scales each input on load): both run here, a
+/// block at a time through a buffer that stays in L1, so a scaled copy of the whole input is
+/// never written and read again.
+///
+/// # Safety
+/// As `reduce`: each pointer valid for `n` elements of `dt`, `dst` equal to `a` or `b` or
+/// disjoint from both.
+pub unsafe fn scaled_sum(dt: DataType, dst: *mut u8, a: *const u8, scalar: Scalar, b: *const u8, n: usize) {
+    const BLOCK: usize = 4096;
+    let mut tmp = core::mem::MaybeUninit::<[u8; BLOCK]>::uninit();
+    let t = tmp.as_mut_ptr().cast::<u8>();
+    let (es, per) = (dt.size(), BLOCK / dt.size());
+    let mut i = 0;
+    while i < n {
+        let k = per.min(n - i);
+        // SAFETY: block [i, i+k) of each pointer is inside the caller's n elements; `t` holds k
+        // elements, is written by `premul` before `reduce` reads it, and overlaps nothing else.
+        // dst's block is written after a's same block was read (dst == a in place).
+        unsafe {
+            premul(dt, t, a.add(i * es), scalar, k);
+            reduce(dt, ElemOp::Sum, dst.add(i * es), t, b.add(i * es), k);
+        }
+        i += k;
+    }
+}
+
 /// dst[i] = src[i] / divisor (ncclAvg's finishing step after a sum).
 ///
 /// Integers: truncating division, as C's `/` on that type (NCCL's FuncSumPostDiv); a divisor
