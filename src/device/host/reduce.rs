@@ -25,8 +25,9 @@
 //! and unaligned user buffers and LLVM vectorises it either way (measured: as fast as typed
 //! slices when aligned; 3-4x faster than `read_unaligned` loops, which LLVM leaves scalar when
 //! `dst == a`). bf16 and fp8 convert with branch-free bit arithmetic inside those loops; f16
-//! converts with F16C 8 values at a time (through `half`'s conversions where the CPU has no
-//! F16C). Everything is compiled twice, for the baseline target and for AVX2 (with F16C),
+//! converts with F16C 8 values an instruction and bf16 with shifts and masks, 16 values at a
+//! time in registers (`lanes`; `half`'s conversions and per-value loops where the CPU has no
+//! AVX2). Everything is compiled twice, for the baseline target and for AVX2 (with F16C),
 //! chosen at run time.
 
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -475,22 +476,17 @@ impl Narrow for Bf16 {
         f32_to_bf16(v)
     }
 
-    // With AVX2, 16 values at a time in registers (`lanes`); else, and for the last few
-    // values, a value at a time.
+    // With AVX2, 16 values at a time in registers (`lanes`); the rest a value at a time.
     #[inline(always)]
     unsafe fn map2(dst: *mut u8, a: *const u8, b: *const u8, n: usize, f: impl Fn(f32, f32) -> f32) {
-        // SAFETY: our caller's contract; the rest below.
-        let done = unsafe { by_lanes2::<Self>(dst, a, b, n, &f) };
-        // SAFETY: our caller's contract, for the values from `done` on.
-        unsafe { Self::map2_each(dst.add(2 * done), a.add(2 * done), b.add(2 * done), n - done, f) }
+        // SAFETY: our caller's contract.
+        unsafe { map2_by_lanes::<Self>(dst, a, b, n, f) }
     }
 
     #[inline(always)]
     unsafe fn map1(dst: *mut u8, src: *const u8, n: usize, f: impl Fn(f32) -> f32) {
-        // SAFETY: our caller's contract; the rest below.
-        let done = unsafe { by_lanes1::<Self>(dst, src, n, &f) };
-        // SAFETY: our caller's contract, for the values from `done` on.
-        unsafe { Self::map1_each(dst.add(2 * done), src.add(2 * done), n - done, f) }
+        // SAFETY: our caller's contract.
+        unsafe { map1_by_lanes::<Self>(dst, src, n, f) }
     }
 }
 
@@ -548,24 +544,32 @@ impl Narrow for F16 {
         }
     }
 
-    // With F16C, 16 values at a time in registers (`lanes`); else, and for the last few values,
-    // through `half`'s slice conversions a block at a time (per element, `half` checks for F16C
-    // on every call and converts one value).
+    // With F16C, 16 values at a time in registers (`lanes`); the rest as below.
     #[inline(always)]
     unsafe fn map2(dst: *mut u8, a: *const u8, b: *const u8, n: usize, f: impl Fn(f32, f32) -> f32) {
-        // SAFETY: our caller's contract; the rest below.
-        let done = unsafe { by_lanes2::<Self>(dst, a, b, n, &f) };
-        let op = |x: &mut [f32], y: &[f32]| x.iter_mut().zip(y).for_each(|(p, q)| *p = f(*p, *q));
-        // SAFETY: our caller's contract, for the values from `done` on.
-        unsafe { f16_blocks(dst.add(2 * done), a.add(2 * done), Some(b.add(2 * done)), n - done, op) }
+        // SAFETY: our caller's contract.
+        unsafe { map2_by_lanes::<Self>(dst, a, b, n, f) }
     }
 
     #[inline(always)]
     unsafe fn map1(dst: *mut u8, src: *const u8, n: usize, f: impl Fn(f32) -> f32) {
-        // SAFETY: our caller's contract; the rest below.
-        let done = unsafe { by_lanes1::<Self>(dst, src, n, &f) };
-        // SAFETY: our caller's contract, for the values from `done` on.
-        unsafe { f16_blocks(dst.add(2 * done), src.add(2 * done), None, n - done, |x, _| x.iter_mut().for_each(|p| *p = f(*p))) }
+        // SAFETY: our caller's contract.
+        unsafe { map1_by_lanes::<Self>(dst, src, n, f) }
+    }
+
+    // Through `half`'s slice conversions a block at a time (per value, `half` checks for F16C
+    // on every call and converts one value).
+    #[inline(always)]
+    unsafe fn map2_each(dst: *mut u8, a: *const u8, b: *const u8, n: usize, f: impl Fn(f32, f32) -> f32) {
+        let op = |x: &mut [f32], y: &[f32]| x.iter_mut().zip(y).for_each(|(p, q)| *p = f(*p, *q));
+        // SAFETY: our caller's contract.
+        unsafe { f16_blocks(dst, a, Some(b), n, op) }
+    }
+
+    #[inline(always)]
+    unsafe fn map1_each(dst: *mut u8, src: *const u8, n: usize, f: impl Fn(f32) -> f32) {
+        // SAFETY: our caller's contract.
+        unsafe { f16_blocks(dst, src, None, n, |x, _| x.iter_mut().for_each(|p| *p = f(*p))) }
     }
 }
 
@@ -631,35 +635,35 @@ impl Lanes for F16 {}
 #[cfg(not(target_arch = "x86_64"))]
 impl Lanes for Bf16 {}
 
-/// `Narrow::map2` of the first values by `lanes`, where the CPU can run it: how many it did (a
-/// multiple of 16; 0 elsewhere).
+/// `Narrow::map2` of a 16-bit format `lanes` computes: the first `n / 16 * 16` values by
+/// `lanes` where the CPU can run it, the rest (all of them elsewhere) by `map2_each`.
 ///
 /// # Safety
 /// As `reduce`, with `n` values of the format.
 #[inline(always)]
-unsafe fn by_lanes2<L: Lanes>(dst: *mut u8, a: *const u8, b: *const u8, n: usize, f: &impl Fn(f32, f32) -> f32) -> usize {
+unsafe fn map2_by_lanes<N: Narrow + Lanes>(dst: *mut u8, a: *const u8, b: *const u8, n: usize, f: impl Fn(f32, f32) -> f32) {
     #[cfg(target_arch = "x86_64")]
-    if lanes::available() {
-        // SAFETY: our caller's contract, on a CPU that has what it needs.
-        return unsafe { lanes::map2::<L>(dst, a, b, n, f) };
-    }
-    let _ = (dst, a, b, n, f);
-    0
+    // SAFETY: our caller's contract, on a CPU that has what it needs.
+    let done = if lanes::available() { unsafe { lanes::map2::<N>(dst, a, b, n, &f) } } else { 0 };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    // SAFETY: our caller's contract, for the values from `done` on (2 bytes each).
+    unsafe { N::map2_each(dst.add(2 * done), a.add(2 * done), b.add(2 * done), n - done, f) }
 }
 
-/// `Narrow::map1` of the first values by `lanes`, as `by_lanes2`.
+/// `Narrow::map1` of a 16-bit format `lanes` computes, as `map2_by_lanes`.
 ///
 /// # Safety
 /// As `premul`, with `n` values of the format.
 #[inline(always)]
-unsafe fn by_lanes1<L: Lanes>(dst: *mut u8, src: *const u8, n: usize, f: &impl Fn(f32) -> f32) -> usize {
+unsafe fn map1_by_lanes<N: Narrow + Lanes>(dst: *mut u8, src: *const u8, n: usize, f: impl Fn(f32) -> f32) {
     #[cfg(target_arch = "x86_64")]
-    if lanes::available() {
-        // SAFETY: our caller's contract, on a CPU that has what it needs.
-        return unsafe { lanes::map1::<L>(dst, src, n, f) };
-    }
-    let _ = (dst, src, n, f);
-    0
+    // SAFETY: our caller's contract, on a CPU that has what it needs.
+    let done = if lanes::available() { unsafe { lanes::map1::<N>(dst, src, n, &f) } } else { 0 };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    // SAFETY: our caller's contract, for the values from `done` on (2 bytes each).
+    unsafe { N::map1_each(dst.add(2 * done), src.add(2 * done), n - done, f) }
 }
 
 /// f16 and bf16 arithmetic with AVX2 and F16C, 16 values at a time, widened, operated on as
