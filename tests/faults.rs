@@ -543,6 +543,18 @@ fn mismatch_of(case: &str, procs: usize) {
     judge(&format!("mismatch_{case} on {procs} ranks"), &o, o.ok(), String::new());
 }
 
+/// The same over TCP (NCCL_SHM_DISABLE=1), where a receive of its own size reads the bytes
+/// straight from the socket into its buffer once the message's stamp is accepted: a call of
+/// another collective, count, datatype or root is still named on both ranks.
+#[test]
+fn mismatch_over_sockets() {
+    for case in ["coll", "count", "dtype", "root"] {
+        let o = Job::new("faults").procs(2).arg("--only").arg("mismatch").env("NCCL_SOCKET_IFNAME", "lo")
+            .env("NCCL_SHM_DISABLE", "1").env("FAULTS_CASE", case).timeout_s(30).run_outcome();
+        judge(&format!("mismatch_{case} over sockets"), &o, o.ok(), String::new());
+    }
+}
+
 #[test]
 fn mismatch_collective_3_ranks() {
     mismatch_of("coll", 3);

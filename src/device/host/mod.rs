@@ -91,6 +91,20 @@ impl Region {
         // SAFETY: per the caller's promise and the Region contract (valid for len bytes).
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
     }
+
+    /// Writable view for transports that receive into it.
+    ///
+    /// # Safety
+    /// Nobody else reads or writes the region while the slice lives (the schedule gives a
+    /// receive's region to that receive alone until it completes).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice<'a>(self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: per the caller's promise and the Region contract (valid for len bytes).
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
 }
 
 /// `len` zeroed bytes of host memory the library owns, for a copy of a user's buffer or a

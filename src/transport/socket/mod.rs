@@ -177,21 +177,34 @@ pub struct SocketRecv {
     got: usize,
     body: Vec<u8>,
     slice: usize,
+    /// The region the current message's body is being read into (`try_recv_into`), once
+    /// some of it is there; None while it goes to `body`.
+    into: Option<Region>,
 }
 
 impl SocketRecv {
     pub fn new(streams: Vec<TcpStream>, peer: usize, slice: usize) -> Result<SocketRecv> {
         prepare(&streams)?;
-        Ok(SocketRecv { streams, next: 0, peer, header: [0; HEADER], got: 0, body: Vec::with_capacity(slice), slice })
+        Ok(SocketRecv {
+            streams, next: 0, peer, header: [0; HEADER], got: 0, body: Vec::with_capacity(slice), slice, into: None,
+        })
     }
 
-    fn read_some(&mut self, want_total: usize) -> Result<bool> {
+    /// Read until `want_total` bytes of the message (header included) are in: the header
+    /// into `header`, the body into `body`, or into `dst` where one is given (its length is
+    /// the body's).
+    fn read_some(&mut self, want_total: usize, dst: Option<Region>) -> Result<bool> {
         let stream = &mut self.streams[self.next];
         while self.got < want_total {
+            let start = self.got.saturating_sub(HEADER);
             let r = if self.got < HEADER {
                 stream.read(&mut self.header[self.got..])
+            } else if let Some(dst) = dst {
+                // SAFETY: `dst` is the receive's region (valid for its length, which is the
+                // body's), written by nobody else until this receive completes; `start` is
+                // below its length (want_total is HEADER + its length).
+                stream.read(unsafe { &mut dst.as_mut_slice()[start..] })
             } else {
-                let start = self.got - HEADER;
                 stream.read(&mut self.body[start..])
             };
             match r {
@@ -204,28 +217,69 @@ impl SocketRecv {
         }
         Ok(true)
     }
+
+    /// The next message's header, once it is all in: its stamp and body length.
+    fn header(&mut self) -> Result<Option<(Stamp, usize)>> {
+        if self.got < HEADER && !self.read_some(HEADER, None)? {
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes([self.header[0], self.header[1], self.header[2], self.header[3]]) as usize;
+        if len > self.slice {
+            return Err(lost(self.peer, format!("malformed message of {len} bytes (limit {})", self.slice)));
+        }
+        let mut stamp = [0u8; STAMP_BYTES];
+        stamp.copy_from_slice(&self.header[8..]);
+        Ok(Some((stamp, len)))
+    }
+
+    fn next_message(&mut self) {
+        self.got = 0;
+        self.into = None;
+        self.next = (self.next + 1) % self.streams.len();
+    }
 }
 
 impl RecvConn for SocketRecv {
     fn try_recv(&mut self, deliver: &mut dyn FnMut(&Stamp, &[u8]) -> Result<()>) -> Result<bool> {
-        if self.got < HEADER {
-            if !self.read_some(HEADER)? {
-                return Ok(false);
-            }
-            let len = u32::from_le_bytes([self.header[0], self.header[1], self.header[2], self.header[3]]) as usize;
-            if len > self.slice {
-                return Err(lost(self.peer, format!("malformed message of {len} bytes (limit {})", self.slice)));
-            }
+        if self.into.is_some() {
+            return Err(Error::internal("a socket receive read partly into a buffer is taken over by another step"));
+        }
+        let Some((stamp, len)) = self.header()? else { return Ok(false) };
+        if self.got == HEADER {
             self.body.resize(len, 0);
         }
-        if !self.read_some(HEADER + self.body.len())? {
+        if !self.read_some(HEADER + len, None)? {
             return Ok(false);
         }
-        let mut stamp = [0u8; STAMP_BYTES];
-        stamp.copy_from_slice(&self.header[8..]);
-        self.got = 0;
-        self.next = (self.next + 1) % self.streams.len();
+        self.next_message();
         deliver(&stamp, &self.body)?;
+        Ok(true)
+    }
+    /// A message of `dst`'s length is read from the socket straight into `dst` (the kernel's
+    /// copy only); `accept` runs once its header is in, before any of its body is read, and a
+    /// refusal leaves the message unread, as the shared-memory ring does.
+    fn try_recv_into(&mut self, dst: Region, accept: &mut dyn FnMut(&Stamp, usize) -> Result<()>) -> Result<bool> {
+        if self.into.is_some_and(|r| r != dst) {
+            return Err(Error::internal("a socket receive read partly into one buffer is continued into another"));
+        }
+        let Some((stamp, len)) = self.header()? else { return Ok(false) };
+        if len != dst.len() || (self.got > HEADER && self.into.is_none()) {
+            // Not this receive's size (`accept` refuses it after the generic read), or a
+            // body already going to `body`.
+            return self.try_recv(&mut |stamp, data| {
+                accept(stamp, data.len())?;
+                crate::device::host::copy_in(dst, data);
+                Ok(())
+            });
+        }
+        if self.into.is_none() {
+            accept(&stamp, len)?;
+            self.into = Some(dst);
+        }
+        if !self.read_some(HEADER + len, Some(dst))? {
+            return Ok(false);
+        }
+        self.next_message();
         Ok(true)
     }
     fn check(&mut self) -> Result<()> {
@@ -297,6 +351,71 @@ mod tests {
             }
         }
         assert_eq!(held.len(), n);
+    }
+
+    fn pair(slice: usize) -> (SocketSend, SocketRecv) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (SocketSend::new(vec![a], 1).unwrap(), SocketRecv::new(vec![b], 0, slice).unwrap())
+    }
+
+    /// `try_recv_into` reads a message of the buffer's size straight into it, in as many calls
+    /// as the socket takes; a refused stamp leaves the message whole for the next call (as
+    /// the shared-memory ring does); a message of another size goes the general way.
+    #[test]
+    fn a_receive_reads_into_its_buffer_after_its_stamp_is_accepted() {
+        const BIG: usize = 8 << 20; // more than a socket buffer holds: read in several calls
+        let (mut tx, mut rx) = pair(BIG);
+        let msg: Vec<u8> = (0..BIG).map(|i| (i * 7 + i / 4096) as u8).collect();
+        let stamp: Stamp = [9; STAMP_BYTES];
+        let mut out = msg.clone();
+        let src = Region::owned(&mut out);
+        let mut dst = vec![0u8; BIG];
+        let region = Region::owned(&mut dst);
+        let refuse = |_: &Stamp, _: usize| -> Result<()> { Err(Error::invalid_usage("not this one")) };
+        let mut accepted = 0;
+        let (mut sent, mut got, mut refused) = (false, false, false);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !got {
+            assert!(std::time::Instant::now() < deadline, "the message did not arrive");
+            if !sent {
+                sent = tx.try_send(src, &stamp, false).unwrap() == Sent::Done;
+            }
+            if !refused {
+                match rx.try_recv_into(region, &mut { refuse }) {
+                    Ok(false) => continue,
+                    Ok(true) => panic!("a refused message was received"),
+                    Err(e) => assert!(e.to_string().contains("not this one"), "{e}"),
+                }
+                refused = true;
+                assert!(dst.iter().all(|&b| b == 0), "a refused message wrote into the buffer");
+            }
+            got = rx.try_recv_into(region, &mut |s, n| {
+                assert_eq!((s, n), (&stamp, BIG));
+                accepted += 1;
+                Ok(())
+            }).unwrap();
+        }
+        assert_eq!(accepted, 1, "accepted once, before its body was read");
+        assert!(dst == msg, "the message's bytes");
+        assert!(rx.body.is_empty(), "read into the buffer, not through the connection's own");
+
+        // Another size: through `body`, and refused by the caller's check.
+        let mut short = vec![5u8; 100];
+        while tx.try_send(Region::owned(&mut short), &stamp, false).unwrap() != Sent::Done {}
+        let mut small = vec![0u8; 99];
+        let e = loop {
+            match rx.try_recv_into(Region::owned(&mut small), &mut |_, n| {
+                if n == 99 { Ok(()) } else { Err(Error::invalid_usage(format!("{n} bytes"))) }
+            }) {
+                Ok(false) => assert!(std::time::Instant::now() < deadline, "the short message did not arrive"),
+                Ok(true) => panic!("a message of the wrong size was received"),
+                Err(e) => break e,
+            }
+        };
+        assert!(e.to_string().contains("100 bytes"), "{e}");
+        assert!(small.iter().all(|&b| b == 0));
     }
 
     #[test]
