@@ -191,21 +191,18 @@ impl SocketRecv {
     }
 
     /// Read until `want_total` bytes of the message (header included) are in: the header
-    /// into `header`, the body into `body`, or into `dst` where one is given (its length is
-    /// the body's).
-    fn read_some(&mut self, want_total: usize, dst: Option<Region>) -> Result<bool> {
+    /// into `header`, the body into `body` (the connection's own buffer, or the receive's
+    /// region: HEADER + its length is `want_total`).
+    fn read_some(&mut self, want_total: usize, body: Region) -> Result<bool> {
         let stream = &mut self.streams[self.next];
         while self.got < want_total {
-            let start = self.got.saturating_sub(HEADER);
             let r = if self.got < HEADER {
                 stream.read(&mut self.header[self.got..])
-            } else if let Some(dst) = dst {
-                // SAFETY: `dst` is the receive's region (valid for its length, which is the
-                // body's), written by nobody else until this receive completes; `start` is
-                // below its length (want_total is HEADER + its length).
-                stream.read(unsafe { &mut dst.as_mut_slice()[start..] })
             } else {
-                stream.read(&mut self.body[start..])
+                // SAFETY: `body` is valid for its length (the connection's buffer, or the
+                // receive's region, which nobody else reads or writes until the receive
+                // completes), and got - HEADER is below it (got < want_total).
+                stream.read(unsafe { &mut body.as_mut_slice()[self.got - HEADER..] })
             };
             match r {
                 Ok(0) => return Err(lost(self.peer, "the peer closed the connection")),
@@ -220,7 +217,7 @@ impl SocketRecv {
 
     /// The next message's header, once it is all in: its stamp and body length.
     fn header(&mut self) -> Result<Option<(Stamp, usize)>> {
-        if self.got < HEADER && !self.read_some(HEADER, None)? {
+        if self.got < HEADER && !self.read_some(HEADER, Region::EMPTY)? {
             return Ok(None);
         }
         let len = u32::from_le_bytes([self.header[0], self.header[1], self.header[2], self.header[3]]) as usize;
@@ -248,7 +245,8 @@ impl RecvConn for SocketRecv {
         if self.got == HEADER {
             self.body.resize(len, 0);
         }
-        if !self.read_some(HEADER + len, None)? {
+        let body = Region::owned(&mut self.body);
+        if !self.read_some(HEADER + len, body)? {
             return Ok(false);
         }
         self.next_message();
@@ -276,7 +274,7 @@ impl RecvConn for SocketRecv {
             accept(&stamp, len)?;
             self.into = Some(dst);
         }
-        if !self.read_some(HEADER + len, Some(dst))? {
+        if !self.read_some(HEADER + len, dst)? {
             return Ok(false);
         }
         self.next_message();
