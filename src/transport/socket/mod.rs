@@ -145,7 +145,8 @@ impl SendConn for SocketSend {
         let stream = &mut self.streams[self.next];
         while self.sent < total {
             let r = if self.sent < HEADER {
-                stream.write(&header[self.sent..])
+                // Header and body in one call: one segment for a small message, not two.
+                stream.write_vectored(&[std::io::IoSlice::new(&header[self.sent..]), std::io::IoSlice::new(body)])
             } else {
                 stream.write(&body[self.sent - HEADER..])
             };
