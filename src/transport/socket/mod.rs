@@ -118,6 +118,29 @@ fn check_all(streams: &[TcpStream], peer: usize) -> Result<()> {
     Ok(())
 }
 
+/// Write `a` then `b` in one sendmsg(2); how many bytes went. With MSG_NOSIGNAL, as std's
+/// `write` on a socket: a peer gone is an EPIPE error, never a SIGPIPE that would end the
+/// process (`write_vectored` is writev(2), which raises it).
+fn send_both(stream: &TcpStream, a: &[u8], b: &[u8]) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let mut iov = [
+        libc::iovec { iov_base: a.as_ptr() as *mut libc::c_void, iov_len: a.len() },
+        libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() },
+    ];
+    // SAFETY: a zeroed msghdr is a valid empty one; it then names the two iovecs above, which
+    // describe live slices the kernel only reads, for the duration of the call.
+    let sent = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len() as _;
+        libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+    };
+    if sent < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(sent as usize)
+}
+
 pub struct SocketSend {
     streams: Vec<TcpStream>,
     /// The socket the current message goes on.
@@ -146,7 +169,7 @@ impl SendConn for SocketSend {
         while self.sent < total {
             let r = if self.sent < HEADER {
                 // Header and body in one call: one segment for a small message, not two.
-                stream.write_vectored(&[std::io::IoSlice::new(&header[self.sent..]), std::io::IoSlice::new(body)])
+                send_both(stream, &header[self.sent..], body)
             } else {
                 stream.write(&body[self.sent - HEADER..])
             };
