@@ -51,6 +51,11 @@ pub trait SendConn: Send {
     fn mem_bytes(&self) -> u64 {
         0
     }
+    /// A descriptor that turns writable when a blocked send can go on, for a connection
+    /// whose sends wait on one (sockets); None where progress shows only by looking.
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +84,11 @@ pub trait RecvConn: Send {
     /// Bytes of buffer memory this connection holds (for ncclCommMemStats).
     fn mem_bytes(&self) -> u64 {
         0
+    }
+    /// A descriptor that turns readable when the next message (or more of it) comes, for a
+    /// connection that has one (sockets); None where arrivals show only by looking.
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
     }
 }
 

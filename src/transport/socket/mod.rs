@@ -46,10 +46,16 @@ pub fn wait_any_readable(fds: &[std::os::fd::BorrowedFd<'_>], timeout: Duration)
     use std::os::fd::AsRawFd;
     let mut polled: Vec<libc::pollfd> =
         fds.iter().map(|fd| libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
+    wait_ready(&mut polled, timeout);
+}
+
+/// Wait until one of `fds` is ready for what it asks (its `events`), at most `timeout`; an
+/// interrupted wait returns early, as the timeout does: callers look and wait again.
+pub fn wait_ready(fds: &mut [libc::pollfd], timeout: Duration) {
     let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
-    // SAFETY: `polled` holds polled.len() initialised pollfds of descriptors the borrows keep
-    // open, and lives for the call.
-    unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, ms) };
+    // SAFETY: `fds` holds fds.len() initialised pollfds and outlives the call; the caller
+    // keeps their descriptors open for it.
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
 }
 
 /// Connections a listener holds before they are accepted, as NCCL asks (the kernel caps it at
@@ -191,6 +197,10 @@ impl SendConn for SocketSend {
     fn kind(&self) -> Kind {
         Kind::Socket
     }
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        Some(self.streams[self.next].as_raw_fd())
+    }
 }
 
 pub struct SocketRecv {
@@ -312,6 +322,10 @@ impl RecvConn for SocketRecv {
     }
     fn mem_bytes(&self) -> u64 {
         self.body.capacity() as u64
+    }
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        Some(self.streams[self.next].as_raw_fd())
     }
 }
 
