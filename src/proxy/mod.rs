@@ -553,7 +553,7 @@ thread_local! {
 const SLOW_YIELD: Duration = Duration::from_millis(1);
 /// Two slow yields this close make a thread's yields slow. One is not enough: a rank sharing
 /// a CPU with the ranks it waits for sees one now and then (4 ranks on 2 cores over TCP: a
-/// few a second, of 1.0-1.8 ms), where a thread beside a busy loop sees one at most waits.
+/// few a second, of 1.0-1.8 ms), where a thread beside a busy loop sees one in most waits.
 const SLOW_YIELDS_WITHIN: Duration = Duration::from_millis(50);
 /// While yields are slow, a thread yields again (to see whether they still are) this often.
 const SLOW_YIELDS_AGAIN: Duration = Duration::from_secs(1);
