@@ -811,11 +811,9 @@ mod tests {
         .expect("the checks");
     }
 
-    /// A thread sharing its CPU with a busy loop finds its yields slow (each hands the CPU over
-    /// for a time slice) and stops yielding: `timed_yield` says so, and its waits nap instead.
-    /// (Not checked the other way: any busy test beside this one makes yields slow.)
-    #[test]
-    fn a_thread_beside_a_busy_loop_stops_yielding() {
+    /// Runs `check` on a thread pinned to the first CPU beside another pinned there that
+    /// spins (`busy`) or yields in a loop until `check` is over.
+    fn beside_a_pinned_thread(busy: bool, check: impl FnOnce() + Send + 'static) {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let pin = crate::abi::naps::pin_to_first_cpu;
         let other = {
@@ -823,12 +821,30 @@ mod tests {
             std::thread::spawn(move || {
                 pin();
                 while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
+                    if busy {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::yield_now();
+                    }
                 }
             })
         };
         let checked = std::thread::spawn(move || {
             pin();
+            check();
+        });
+        let result = checked.join();
+        stop.store(true, Ordering::Relaxed);
+        other.join().expect("the other thread");
+        result.expect("the checks");
+    }
+
+    /// A thread sharing its CPU with a busy loop finds its yields slow (each hands the CPU over
+    /// for a time slice) and stops yielding: `timed_yield` says so, and its waits nap instead.
+    /// (Not checked the other way: any busy test beside this one makes yields slow.)
+    #[test]
+    fn a_thread_beside_a_busy_loop_stops_yielding() {
+        beside_a_pinned_thread(true, || {
             assert!(!yields_are_slow(), "a new thread's yields are not slow");
             // Yields until they are found slow, for at most 5 s (a busy loop's time slice is a
             // few ms: two slow yields come within 10 ms).
@@ -840,29 +856,13 @@ mod tests {
             assert!(yields_are_slow(), "{yields} yields beside a busy thread, none found slow");
             assert!(!timed_yield(), "slow yields: the next wait does not yield");
         });
-        let result = checked.join();
-        stop.store(true, Ordering::Relaxed);
-        other.join().expect("the other thread");
-        result.expect("the checks");
     }
 
     /// A thread whose yields hand its CPU to another task stops spinning, and then looks again
     /// only at every LOOK_EVERY-th run that yields.
     #[test]
     fn a_thread_whose_cpu_is_shared_stops_spinning() {
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let pin = crate::abi::naps::pin_to_first_cpu;
-        let other = {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                pin();
-                while !stop.load(Ordering::Relaxed) {
-                    std::thread::yield_now();
-                }
-            })
-        };
-        let checked = std::thread::spawn(move || {
-            pin();
+        beside_a_pinned_thread(false, || {
             assert_eq!(Spin::new().limit(), SPIN, "a new thread spins");
             // A run that yields until its yields have handed the CPU over.
             let deadline = Instant::now() + Duration::from_secs(10);
@@ -889,9 +889,5 @@ mod tests {
             let want: Vec<bool> = (1..=LOOK_EVERY * 2).map(|k| k % LOOK_EVERY == 0).collect();
             assert_eq!(looked, want);
         });
-        let result = checked.join();
-        stop.store(true, Ordering::Relaxed);
-        other.join().expect("the other thread");
-        result.expect("the checks");
     }
 }
