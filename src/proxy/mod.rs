@@ -613,11 +613,11 @@ impl Backoff {
         self.rounds = self.rounds.saturating_add(1);
         if self.rounds <= self.spin.limit() {
             std::hint::spin_loop();
-        } else if self.rounds < BACK_OFF_YIELDS && !yields_are_slow() {
+        } else if self.rounds < BACK_OFF_YIELDS {
             self.spin.yielding();
-            timed_yield();
-        } else if yields_are_slow() {
-            std::thread::sleep(SLOW_YIELD_NAP);
+            if !timed_yield() {
+                std::thread::sleep(SLOW_YIELD_NAP);
+            }
         } else {
             std::thread::sleep(BACK_OFF_NAP);
         }
