@@ -380,8 +380,7 @@ impl RingRecv {
             Some(pid) => {
                 // SAFETY: dst is a region the schedule lets this receive write (Region
                 // contract), and nothing else touches it until this unit completes.
-                let out = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, dst.len()) };
-                cma_read(pid, src, out)
+                cma_read(pid, src, unsafe { dst.as_mut_slice() })
             }
             None => {
                 // SAFETY: one process: the sender's message is valid and unwritten until we

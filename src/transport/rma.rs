@@ -109,13 +109,10 @@ pub fn next(s: &mut TcpStream) -> Result<Option<Frame>> {
 
 /// Read a put's bytes straight into `dst` (part of a registered window).
 pub fn receive_into(s: &mut TcpStream, dst: Region) -> Result<()> {
-    if dst.is_empty() {
-        return Ok(());
-    }
     // SAFETY: `dst` lies inside a window this rank registered (the caller checked the bounds);
     // NCCL's contract keeps a window's memory valid and writable by the library until it is
     // deregistered, and what the target reads there before the put's signal is undefined.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(dst.addr() as *mut u8, dst.len()) };
+    let bytes = unsafe { dst.as_mut_slice() };
     s.read_exact(bytes).map_err(|e| Error::os("one-sided operation: receive", e))
 }
 
