@@ -675,7 +675,6 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
     let mut watch_at = WATCH_AFTER;
     let mut rounds = 0u32;
     let mut fine = None;
-    let mut fds = Vec::new();
     loop {
         // A run that goes on (a large message, progressing all the time) is published too.
         rounds = rounds.saturating_add(1);
@@ -742,7 +741,7 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
         // A yield first: the peers this rank waits for may be what wants its CPU. Where
         // yields are slow, or the wait is long: asleep in poll(2) if it waits only on sockets
         // (woken when data or room comes), else naps that end on time.
-        if (idle < YIELD_FOR && timed_yield()) || wait_on_sockets(jobs, &mut fds)? {
+        if (idle < YIELD_FOR && timed_yield()) || wait_on_sockets(jobs)? {
             continue;
         }
         fine.get_or_insert_with(crate::abi::naps::FineNaps::start);
@@ -760,20 +759,30 @@ pub fn run(jobs: &mut [Job<'_>]) -> std::result::Result<(), (usize, Error)> {
 /// engine's own checks (abort, revocation, peers' liveness, a watch) come.
 const POLL_FOR: Duration = Duration::from_millis(10);
 
+thread_local! {
+    /// [`wait_on_sockets`]'s descriptors, kept from one wait to the next: a repeated call
+    /// waits without allocating.
+    static POLL_FDS: std::cell::Cell<Vec<libc::pollfd>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 /// If every unfinished job waits only on sockets ([`Job::wait_fds`]), wait in poll(2) until
 /// one is ready (at most [`POLL_FOR`]) and say so; otherwise false, having waited for nothing.
-fn wait_on_sockets(jobs: &mut [Job<'_>], fds: &mut Vec<libc::pollfd>) -> std::result::Result<bool, (usize, Error)> {
+fn wait_on_sockets(jobs: &mut [Job<'_>]) -> std::result::Result<bool, (usize, Error)> {
+    let mut fds = POLL_FDS.with(std::cell::Cell::take);
     fds.clear();
+    let mut pollable = Ok(true);
     for (j, job) in jobs.iter_mut().enumerate().filter(|(_, j)| !j.finished()) {
-        if !job.wait_fds(fds).map_err(|e| (j, e))? {
-            return Ok(false);
+        pollable = job.wait_fds(&mut fds).map_err(|e| (j, e));
+        if !matches!(pollable, Ok(true)) {
+            break;
         }
     }
-    if fds.is_empty() {
-        return Ok(false);
+    let waited = pollable.map(|all| all && !fds.is_empty());
+    if let Ok(true) = waited {
+        crate::transport::socket::wait_ready(&mut fds, POLL_FOR);
     }
-    crate::transport::socket::wait_ready(fds, POLL_FOR);
-    Ok(true)
+    POLL_FDS.with(|kept| kept.set(fds));
+    waited
 }
 
 #[cfg(test)]
