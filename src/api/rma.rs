@@ -861,7 +861,7 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
         }
         if started.elapsed() < SPIN {
             drop(st);
-            std::thread::yield_now();
+            crate::proxy::pause();
             st = inner.lock();
             continue;
         }

@@ -736,11 +736,12 @@ impl Comm {
     /// caller that asks in a tight loop, as NCCL's documentation shows it (the yield is
     /// optional there), kept the CPU from them where CPUs are shared: a nonblocking 8-byte
     /// all-reduce on 2 processes of 2 cores took 75-160 us (the perf tool spins 1024 times
-    /// before it yields), 13-24 us with this. So the answer comes after a yield.
+    /// before it yields), 13-24 us with this. So the answer comes after a yield (a short nap
+    /// where this thread's yields hand its CPU to a busy process: `proxy::pause`).
     pub fn polled_code(&self) -> Code {
         let code = self.async_code();
         if code == Code::InProgress {
-            std::thread::yield_now();
+            crate::proxy::pause();
         }
         code
     }

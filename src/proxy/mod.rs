@@ -588,6 +588,14 @@ fn timed_yield() -> bool {
     true
 }
 
+/// Give the CPU up for a moment in a wait that polls: a yield, or, while this thread's yields
+/// are slow ([`timed_yield`]), a nap of [`SLOW_YIELD_NAP`].
+pub(crate) fn pause() {
+    if !timed_yield() {
+        std::thread::sleep(SLOW_YIELD_NAP);
+    }
+}
+
 /// Rounds of a [`Backoff`] after which it naps instead of yielding.
 const BACK_OFF_YIELDS: u32 = 4096;
 const BACK_OFF_NAP: Duration = Duration::from_micros(50);
@@ -615,9 +623,7 @@ impl Backoff {
             std::hint::spin_loop();
         } else if self.rounds < BACK_OFF_YIELDS {
             self.spin.yielding();
-            if !timed_yield() {
-                std::thread::sleep(SLOW_YIELD_NAP);
-            }
+            pause();
         } else {
             std::thread::sleep(BACK_OFF_NAP);
         }
