@@ -57,7 +57,6 @@ fn judge(name: &str, o: &Outcome, ok: bool, summary: String) {
     let text = format!("== {name}: {}\n{summary}{}", if ok { "PASS" } else { "FAIL" }, key_lines(o));
     if ok {
         println!("{text}");
-        o.clean();
     } else {
         panic!("{text}\n{}", o.report);
     }

@@ -88,7 +88,6 @@ fn two_hosts_x_two_ranks_collectives() {
     let o = placed(job, &hosts, &host_of).run_outcome();
     expect_ok(&o);
     check_transports(&o, &host_of, &["Shm", "Socket"]);
-    o.clean();
 }
 
 /// The transports a job of 4 processes on this machine (no namespaces) chooses: `host_of`
@@ -121,7 +120,6 @@ fn transports_on_one_machine(host_of: Option<&[usize]>, env: &[(&str, &str)], wa
     } else {
         check_transports(&o, host_of.unwrap_or(&same), want);
     }
-    o.clean();
 }
 
 /// NCCL_SHM_DISABLE on one process only: both ends of each of its pairs take sockets (a pair
@@ -140,7 +138,6 @@ fn shm_disabled_on_one_process_only() {
         .map(|(a, b, kind)| format!("rank {a} -> rank {b} via {kind}"))
         .collect();
     assert!(wrong.is_empty(), "{wrong:?}\n{}", o.report);
-    o.clean();
 }
 
 /// Without NCCL_HOSTID, processes of one machine are one host: shared memory between all.
@@ -188,7 +185,6 @@ fn containers_of_one_machine_share_memory_only_where_they_can() {
         .map(|(_, l)| l)
         .collect();
     assert!(wrong.is_empty(), "wrong transports: {wrong:?}\n{}", o.report);
-    o.clean();
 }
 
 /// 4 hosts x 1 rank: every connection crosses an interface; collectives and p2p.
@@ -211,7 +207,6 @@ fn four_hosts_collectives_and_p2p() {
         let o = placed(job, &hosts, &host_of).run_outcome();
         expect_ok(&o);
         check_transports(&o, &host_of, &["Socket"]);
-        o.clean();
     }
 }
 
@@ -234,7 +229,6 @@ fn two_hosts_rate_limited_allreduce() {
         .timeout_s(60);
     let o = placed(job, &hosts, &[0, 1]).run_outcome();
     expect_ok(&o);
-    o.clean();
 }
 
 /// 2 hosts x 1 rank over IPv6 (NCCL_SOCKET_FAMILY=AF_INET6): the root listens on an IPv6
@@ -262,7 +256,6 @@ fn two_hosts_ipv6() {
         o.report
     );
     check_transports(&o, &[0, 1], &["Socket"]);
-    o.clean();
 }
 
 /// A host with no network interface up, loopback included (a new network namespace, whose lo

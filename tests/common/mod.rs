@@ -544,7 +544,6 @@ impl Job {
         let outcome = self.run_outcome();
         if outcome.ok() {
             println!("{}", outcome.report);
-            let _ = fs::remove_dir_all(&outcome.dir);
         } else {
             panic!("{}", outcome.report);
         }
@@ -945,9 +944,15 @@ impl Outcome {
             .enumerate()
             .flat_map(move |(i, p)| p.log.lines().filter(move |l| l.contains(needle)).map(move |l| (i, l)))
     }
-    /// Removes the logs (call when the test passed).
-    pub fn clean(&self) {
-        let _ = fs::remove_dir_all(&self.dir);
+}
+
+/// The run's folder goes with the outcome, unless the test is failing: then its logs stay
+/// for whoever reads the failure (the report names the folder).
+impl Drop for Outcome {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
