@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <string.h>
+#include <strings.h>
 #include <pthread.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -281,6 +282,14 @@ void test_init(int argc, char** argv) {
        g_env.nprocs, g_env.local, g_env.nranks, g_env.first_rank,
        g_env.first_rank + g_env.local - 1, g_env.quick ? " (quick)" : "",
        g_env.full ? " (full)" : "");
+}
+
+int test_skipped(const char* var, const char* name) {
+  const char* skip = getenv(var);
+  size_t n = strlen(name);
+  for (const char* p = skip; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL)
+    if (!strncasecmp(p, name, n) && (p[n] == ',' || p[n] == '\0')) return 1;
+  return 0;
 }
 
 double now_s(void) {

@@ -81,6 +81,9 @@ extern test_env_t g_env;
 
 /* Reads the environment contract and the common flags (--quick, --full, --only NAME). */
 void test_init(int argc, char** argv);
+/* Whether the comma-separated list in environment variable `var` names part `name` (any
+ * case): such parts are left out of a run of every part (CUDA_TEST_SKIP, LIFECYCLE_TEST_SKIP). */
+int test_skipped(const char* var, const char* name);
 double now_s(void);
 void sleep_ms(int ms);
 /* Polls (every 10 ms, `seconds` at most) until FILE exists (a harness makes it); whether it does. */

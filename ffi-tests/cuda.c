@@ -207,15 +207,8 @@ static CUcontext g_ctx;
 static int g_device;
 
 /* CUDA_TEST_SKIP=Part[,Part...]: those parts are left out of a run of every part. */
-static int skipped(const char* name) {
-  const char* skip = getenv("CUDA_TEST_SKIP");
-  size_t n = strlen(name);
-  for (const char* p = skip; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL)
-    if (!strncasecmp(p, name, n) && (p[n] == ',' || p[n] == '\0')) return 1;
-  return 0;
-}
 static int wanted(const char* name) {
-  if (!g_env.only) return !skipped(name);
+  if (!g_env.only) return !test_skipped("CUDA_TEST_SKIP", name);
   return !strcasecmp(g_env.only, name);
 }
 
