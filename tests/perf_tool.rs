@@ -164,3 +164,42 @@ fn init_mode() {
     }
     assert!(text.contains("VmRSS growth") && text.contains("ncclCommMemStats"), "no memory report:\n{text}");
 }
+
+/// A process of the job that ends before it joins, saying nothing itself (here: exit status 3
+/// before `main`, from a preloaded constructor): the tool names it, and stops the others, which
+/// would otherwise wait for it at init as long as NCCL waits.
+#[test]
+fn a_process_that_exits_early_is_named_and_the_others_stopped() {
+    let dir = scratch("early-exit");
+    let (src, lib) = (dir.join("leave.c"), dir.join("leave.so"));
+    std::fs::write(&src, concat!(
+        "#include <stdlib.h>\n#include <string.h>\n#include <unistd.h>\n",
+        "__attribute__((constructor)) static void leave(void) {\n",
+        "    const char *p = getenv(\"NCCL_RS_PERF_PROC\");\n",
+        "    if (p && strcmp(p, \"1\") == 0) _exit(3);\n",
+        "}\n")).expect("write the preload's source");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let built = Command::new(&cc).args(["-shared", "-fPIC", "-o"]).arg(&lib).arg(&src).status().expect("run cc");
+    assert!(built.success(), "{cc} could not build the preload");
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nccl-rs-perf"))
+        .args(["allreduce", "-np", "2", "-b", "8", "-e", "8", "-n", "1", "-w", "0"])
+        .env_remove("NCCL_COMM_ID").env_remove("LD_LIBRARY_PATH").env_remove("NCCL_INIT_TIMEOUT_S")
+        .env("LD_PRELOAD", &lib)
+        .stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped())
+        .spawn().expect("run nccl-rs-perf");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while child.try_wait().expect("poll nccl-rs-perf").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("nccl-rs-perf still runs 120 s after one of its processes exited");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("collect nccl-rs-perf's output");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "nccl-rs-perf succeeded without its process 1:\n{text}");
+    assert!(text.contains("nccl-rs-perf: process 1 exited with status 3"), "process 1 not named:\n{text}");
+    assert!(text.contains("nccl-rs-perf: stopping process 0: process 1 failed"), "process 0 not stopped:\n{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

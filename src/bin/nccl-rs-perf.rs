@@ -27,7 +27,8 @@ mod plot;
 #[path = "perf/verify.rs"]
 mod verify;
 
-use std::process::{Command, ExitCode};
+use std::process::{Child, Command, ExitCode};
+use std::time::{Duration, Instant};
 
 use opts::{Mode, Opts};
 
@@ -114,25 +115,90 @@ fn fork_ranks(o: &Opts, args: &[String]) -> ExitCode {
             c.spawn()
         })
         .collect();
+    let mut running = Vec::with_capacity(children.len());
     let mut ok = true;
     for (p, c) in children.into_iter().enumerate() {
-        match c.and_then(|mut c| c.wait()) {
-            Ok(s) if s.success() => {}
-            Ok(s) => {
-                // A rank that died of a signal says nothing itself: say it.
-                use std::os::unix::process::ExitStatusExt;
-                if let Some(sig) = s.signal() {
-                    eprintln!("nccl-rs-perf: process {p} was killed by signal {sig}");
-                }
-                ok = false;
-            }
+        match c {
+            Ok(c) => running.push((p, c)),
             Err(e) => {
-                eprintln!("nccl-rs-perf: process {p}: {e}");
+                eprintln!("nccl-rs-perf: cannot start process {p}: {e}");
                 ok = false;
             }
         }
     }
-    if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+    if !ok {
+        // The others would wait at init for the missing process as long as NCCL waits.
+        end_now(&mut running, "a process could not start");
+        return ExitCode::FAILURE;
+    }
+    if wait_all(running) { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}
+
+/// How long the other processes of a job get, once one has failed, to end with the error the
+/// library gives them (a peer lost mid-operation is seen at once) before they are killed: one
+/// that failed before joining leaves the others waiting at init as long as NCCL would.
+const GRACE_AFTER_FAILURE: Duration = Duration::from_secs(10);
+
+/// Waits for the job's processes, naming each that fails as it does (one killed by a signal,
+/// or one that exits before its library could say anything, says nothing itself). Whether all
+/// succeeded.
+fn wait_all(mut running: Vec<(usize, Child)>) -> bool {
+    let mut failed: Option<(usize, Instant)> = None;
+    while !running.is_empty() {
+        let mut i = 0;
+        while i < running.len() {
+            let (p, child) = &mut running[i];
+            let status = match child.try_wait() {
+                Ok(None) => {
+                    i += 1;
+                    continue;
+                }
+                Ok(Some(s)) => s,
+                Err(e) => {
+                    eprintln!("nccl-rs-perf: process {p}: {e}");
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    failed.get_or_insert((*p, Instant::now()));
+                    running.swap_remove(i);
+                    continue;
+                }
+            };
+            if !status.success() {
+                eprintln!("nccl-rs-perf: process {p} {}", describe(status));
+                failed.get_or_insert((*p, Instant::now()));
+            }
+            running.swap_remove(i);
+        }
+        if let Some((p, at)) = failed {
+            if at.elapsed() >= GRACE_AFTER_FAILURE && !running.is_empty() {
+                end_now(&mut running, &format!("process {p} failed {} s ago", GRACE_AFTER_FAILURE.as_secs()));
+                return false;
+            }
+        }
+        if !running.is_empty() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    failed.is_none()
+}
+
+/// "exited with status 3", "was killed by signal 9".
+fn describe(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(sig)) => format!("was killed by signal {sig}"),
+        (None, None) => format!("ended: {status}"),
+    }
+}
+
+/// Kills the processes still running, saying why.
+fn end_now(running: &mut Vec<(usize, Child)>, why: &str) {
+    for (p, mut child) in running.drain(..) {
+        eprintln!("nccl-rs-perf: stopping process {p}: {why}");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }
 
 fn main() -> ExitCode {
