@@ -18,6 +18,9 @@
  *                             stays; rank 0's first receive from it must fail naming it
  *   faults --only stopped     rank 1's process stops itself (SIGSTOP); rank 0 must say so while
  *                             it waits (tests/faults.rs then sends SIGCONT)
+ *   faults --only culprit     (3 processes) rank 1 exits, rank 0 fails and exits, then the
+ *                             stopped rank 2 fails: it must name rank 1 first, rank 0 as gone
+ *                             after failing itself (tests/faults.rs sends SIGCONT)
  *   faults --only crossed     two ranks call two communicators in different orders; each must
  *                             name the call the other is in (then both abort)
  *   faults --only fd-starved  (3 processes) the process that made a job's id has no file
@@ -501,6 +504,67 @@ static void part_stopped(void) {
   tlog("all-reduce -> %d after %.1f s", v, now_s() - t0);
   EXPECT(v == 30, "the all-reduce across the stop gave %d, expected 30", v);
   CHECK(ncclCommDestroy(comm));
+}
+
+/* ---- culprit: a survivor that failed and exited before another survivor looks ----------
+ * Three processes. After a first all-reduce, process 2 writes its pid and stops itself
+ * (SIGSTOP); process 1 then exits, as if killed; process 0 fails its second all-reduce naming
+ * rank 1, writes its pid and ends. tests/faults.rs waits for process 0 to be gone and sends
+ * process 2 SIGCONT: its second all-reduce fails and finds ranks 0 and 1 both gone. The
+ * culprit is rank 1, named first; rank 0, which told the others of its failure before it
+ * went, is named as gone after failing itself. */
+static void part_culprit(void) {
+  ncclComm_t comm = NULL;
+  char path[4200];
+  test_step("init");
+  make_comms("", &comm);
+  int v = allreduce_sum_int(&comm, g_env.proc + 1);
+  EXPECT(v == 6, "the first all-reduce gave %d, expected 6", v);
+  if (g_env.proc == 1) {
+    EXPECT(flag_wait("pid-2", 30), "process 2 did not say it stops");
+    tlog("EXITING");
+    fflush(stdout);
+    _exit(test_finish());
+  }
+  if (g_env.proc == 2) {
+    flag_path("pid-2", path, sizeof path);
+    FILE* f = fopen(path, "w");
+    if (!f) exit(2);
+    fprintf(f, "%d\n", (int)getpid());
+    fclose(f);
+    tlog("STOPPING");
+    raise(SIGSTOP);
+    tlog("resumed");
+  }
+  test_step("an all-reduce with rank 1 gone");
+  int x = 1, y = 0;
+  ncclResult_t r = ncclAllReduce(&x, &y, 1, ncclInt32, ncclSum, comm, TEST_STREAM);
+  const char* text = last_error(comm);
+  tlog("the all-reduce -> %s: %s", result_name(r), text);
+  EXPECT(r == ncclRemoteError, "the all-reduce -> %s, expected ncclRemoteError", result_name(r));
+  EXPECT(names_rank(text, 1), "the error does not name rank 1: %s", text);
+  if (g_env.proc == 2) {
+    /* The list of lost ranks, before what this rank itself saw. */
+    char lost[4096];
+    const char* from = strstr(text, "lost rank ");
+    snprintf(lost, sizeof lost, "%s", from ? from : "");
+    char* end = strstr(lost, "; this rank saw");
+    if (end) *end = 0;
+    const char* zero = strstr(lost, "rank 0 (");
+    const char* zero_end = zero ? strstr(zero, "), rank") : NULL;
+    const char* after = zero ? strstr(zero, "after failing itself") : NULL;
+    EXPECT(strncmp(lost, "lost rank 1 (", 13) == 0 && zero && after && (!zero_end || after < zero_end),
+           "rank 1 is not named first, or rank 0 not as gone after failing itself: %s", text);
+  }
+  if (g_env.proc == 0) {
+    flag_path("pid-0", path, sizeof path);
+    FILE* f = fopen(path, "w");
+    if (!f) exit(2);
+    fprintf(f, "%d\n", (int)getpid());
+    fclose(f);
+    tlog("ENDING");
+  }
+  CHECK(ncclCommAbort(comm));
 }
 
 /* ---- crossed: two ranks call two communicators in different orders ---------------------- */
@@ -1140,6 +1204,7 @@ static const struct {
     {"loop", part_loop},         {"abort", part_abort},           {"abort-init", part_abort_init},
     {"mismatch", part_mismatch}, {"hello", part_hello},           {"gone-early", part_gone_early},
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
+    {"culprit", part_culprit},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
     {"ring-late", part_ring_late}, {"p2p-done", part_p2p_done},
     {"coll-done", part_coll_done}, {"group-late", part_group_late}, {"fd-starved", part_fd_starved},

@@ -727,6 +727,9 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
     if let Some(r) = c.ready_if_any() {
         r.set_failed(&e);
     }
+    if e.code == crate::Code::RemoteError {
+        c.tell_failure(&e, &lost.iter().map(|(p, _)| *p).collect::<Vec<_>>());
+    }
     jobs[j].conns.close_all();
     c.set_async_error(&e);
     Err(e)

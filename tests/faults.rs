@@ -407,6 +407,33 @@ fn a_stopped_peer_process_is_named() {
     }
 }
 
+/// A survivor that failed and exited is not a culprit: rank 1 exits while rank 2 is stopped;
+/// rank 0 fails naming rank 1, tells the others so, and ends; once its process is gone rank 2
+/// is sent SIGCONT and fails too, finding ranks 0 and 1 gone. It must name rank 1 first and
+/// rank 0 as gone after failing itself (the C program checks its own error). Before, both
+/// were named alike, in rank order, the bystander first.
+#[test]
+fn a_survivor_gone_after_failing_is_not_named_the_culprit() {
+    let mut job = Job::new("faults").procs(3).arg("--only").arg("culprit").timeout_s(60);
+    let (pid0, pid2) = (job.dir().join("unique-id.flag-pid-0"), job.dir().join("unique-id.flag-pid-2"));
+    let o = job
+        .on(When::marker(0, "ENDING"), move || {
+            let read = |f: &std::path::Path| std::fs::read_to_string(f).unwrap_or_default().trim().to_string();
+            let (p0, p2) = (read(&pid0), read(&pid2));
+            // Process 0 is gone once a zombie (this harness reaps it after this returns).
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            let gone = || std::fs::read_to_string(format!("/proc/{p0}/stat"))
+                .map_or(true, |s| s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')));
+            while !gone() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let sent = std::process::Command::new("kill").args(["-CONT", &p2]).status();
+            format!("process 0 (pid {p0}) gone: {}; SIGCONT to pid {p2} ({sent:?})", gone())
+        })
+        .run_outcome();
+    judge("a_survivor_gone_after_failing_is_not_named_the_culprit", &o, o.ok(), String::new());
+}
+
 /// Two ranks that call two communicators in different orders wait for each other for ever:
 /// each must say at WARN that the other has not issued its call and name the call the other's
 /// process is in instead (the other communicator's all-reduce, with its id). Before: only

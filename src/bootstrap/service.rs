@@ -26,6 +26,10 @@ const KIND_RMA: u8 = 5;
 /// "I cannot take part in this exchange": a member of a split or shrink that failed before it
 /// sent its part (no thread, no port) tells the others, whose parts could never come round.
 const KIND_REFUSE: u8 = 6;
+/// "I failed, for this reason": a rank that lost a peer tells the others before it returns its
+/// error (and its process, often, exits): a rank that then finds it gone knows it went after
+/// failing itself, not as the culprit.
+const KIND_FAILED: u8 = 7;
 /// How long a rank may take in all to tell the members of an exchange that it cannot take part.
 const REFUSE_WITHIN: Duration = Duration::from_secs(5);
 /// How long an incoming connection may take to say who it is.
@@ -37,6 +41,8 @@ struct Inbox {
     data: HashMap<(u32, u32), VecDeque<TcpStream>>,
     /// Why a member cannot take part in an exchange, by (its rank, the exchange's tag).
     refused: HashMap<(u32, u32), String>,
+    /// Why a peer failed, as it told this rank (its first failure).
+    failed: HashMap<u32, Vec<u8>>,
 }
 
 /// What a rank is doing now, as opaque bytes its communicator keeps up to date.
@@ -221,6 +227,25 @@ impl Service {
         self.open(peer, KIND_MSG, tag, payload).map(|_| ())
     }
 
+    /// Tell `peers` that this rank failed (`why`: what its status says once failed), each
+    /// connection made within `each`, all of them within `budget`: peers that do not take the
+    /// news by then (gone, or slow to answer) go without it.
+    pub fn tell_failed(&self, peers: impl Iterator<Item = usize>, why: &[u8], each: Duration, budget: Duration) {
+        let until = Instant::now() + budget;
+        for peer in peers {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let _ = self.open_within(peer, KIND_FAILED, 0, why, each.min(left));
+        }
+    }
+
+    /// What `peer` said of its failure ([`Service::tell_failed`]), if it did.
+    pub fn told_failed(&self, peer: usize) -> Option<Vec<u8>> {
+        self.shared.inbox.lock().unwrap_or_else(|p| p.into_inner()).failed.get(&(peer as u32)).cloned()
+    }
+
     /// Open a data connection to `peer` (the socket transport); the peer takes it with `accept_data`.
     pub fn connect_data(&self, peer: usize, tag: u32) -> Result<TcpStream> {
         self.open(peer, KIND_DATA, tag, &[])
@@ -367,6 +392,7 @@ impl Service {
         inbox.msgs.clear();
         inbox.data.clear();
         inbox.refused.clear();
+        inbox.failed.clear();
         drop(inbox);
         self.shared.rma_early.lock().unwrap_or_else(|p| p.into_inner()).clear();
         self.shared.rma_set.notify_all();
@@ -486,6 +512,9 @@ fn file_connection(mut s: TcpStream, shared: &Shared, ticket: Option<u64>, own_t
         KIND_MSG => inbox.msgs.entry((from, tag)).or_default().push_back(payload),
         KIND_REFUSE => {
             inbox.refused.insert((from, tag), String::from_utf8_lossy(&payload).into_owned());
+        }
+        KIND_FAILED => {
+            inbox.failed.entry(from).or_insert(payload);
         }
         KIND_DATA => {
             let _ = s.set_read_timeout(None);
@@ -666,6 +695,27 @@ mod tests {
         assert_eq!(e.code, crate::error::Code::RemoteError);
         assert!(e.msg.contains("rank 2 cannot take part in ncclCommSplit: no thread for it"), "{}", e.msg);
         assert!(started.elapsed() < Duration::from_secs(10), "failed only after {:?}", started.elapsed());
+    }
+
+    /// A failure told reaches every peer that still listens within the budget, kept by who
+    /// told it; one that is gone costs the others nothing.
+    #[test]
+    fn a_failure_told_is_kept_by_its_teller() {
+        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let svcs: Vec<Service> = (0..4).map(|r| Service::start(ip, 0xfeed, r).unwrap()).collect();
+        let addrs: Vec<_> = svcs.iter().map(|s| s.addr).collect();
+        svcs.iter().for_each(|s| s.set_peers(addrs.clone()));
+        svcs[1].stop(); // gone: refuses
+        let each = Duration::from_millis(100);
+        svcs[0].tell_failed([1, 2, 3].into_iter(), b"\x06lost rank 5", each, Duration::from_secs(5));
+        for r in [2, 3] {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while svcs[r].told_failed(0).is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(svcs[r].told_failed(0).as_deref(), Some(&b"\x06lost rank 5"[..]), "rank {r} kept it");
+            assert_eq!(svcs[r].told_failed(1), None, "rank 1 told nothing");
+        }
     }
 
     fn messages_arrive_when(handicap: impl Fn(&Service)) {

@@ -290,6 +290,11 @@ impl PeerRuns {
 /// or code + message (failed).
 const STATUS_RUNNING: u8 = 0;
 const STATUS_FAILED: u8 = 1;
+/// [`Comm::tell_failure`] tells at most this many peers, within this long.
+const TELL_NEAREST: usize = 64;
+const TELL_WITHIN: std::time::Duration = std::time::Duration::from_millis(500);
+/// How long [`Comm::lost_peers`] waits for the news of peers gone after failing.
+const TELL_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 const STATUS_STREAM: u8 = 2;
 const STATUS_SUSPENDED: u8 = 3;
 /// Running nothing on this communicator; then, in words, what the process's others run.
@@ -867,9 +872,30 @@ impl Comm {
             // While the pings wait.
             lost.extend(here.iter().filter_map(|p| probe(p)));
             lost.extend(probes.into_iter().filter_map(|h| h.join().ok()).flatten());
-            lost.sort();
-            lost
+            self.after_failing(ready, lost)
         })
+    }
+
+    /// `lost` in order, those that went after failing themselves last and said so: they told
+    /// this rank before going ([`Comm::tell_failure`]), or another rank of their process did.
+    /// The news of a peer already gone has come, but perhaps not yet been read from the
+    /// service's socket: it is waited for a little (this rank is failing: no hurry).
+    fn after_failing(&self, ready: &Ready, lost: Vec<(usize, String)>) -> Vec<(usize, String)> {
+        let process = |p: usize| ready.peers.get(p).map(|i| (i.host_hash, i.pid_ns, i.pid));
+        let failed_processes = || {
+            lost.iter().filter(|(p, _)| ready.service.told_failed(*p).is_some()).filter_map(|(p, _)| process(*p))
+                .collect::<Vec<_>>()
+        };
+        let until = std::time::Instant::now() + TELL_GRACE;
+        let mut failed = failed_processes();
+        while failed.len() < lost.len() && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            failed = failed_processes();
+        }
+        let mut lost: Vec<(bool, usize, String)> =
+            lost.into_iter().map(|(p, why)| (process(p).is_some_and(|k| failed.contains(&k)), p, why)).collect();
+        lost.sort();
+        lost.into_iter().map(|(after, p, why)| (p, if after { format!("{why} after failing itself") } else { why })).collect()
     }
 
     /// Is `peer` gone, and why: a peer of this host whose process exited (certain), or one of
@@ -1108,7 +1134,44 @@ impl Comm {
     /// Why `peer` stopped, if it says it failed (used when all this rank saw was a closed
     /// connection).
     pub fn peer_failure(&self, peer: usize) -> Option<Error> {
-        self.peer_runs(peer, &[0u8; STAMP_BYTES], &|_| String::new()).err().filter(|e| e.msg.contains(" failed: "))
+        self.told_failure(peer).or_else(|| {
+            self.peer_runs(peer, &[0u8; STAMP_BYTES], &|_| String::new()).err().filter(|e| e.msg.contains(" failed: "))
+        })
+    }
+
+    /// `peer`'s failure as it told this rank before it went ([`Comm::tell_failure`]).
+    fn told_failure(&self, peer: usize) -> Option<Error> {
+        let told = self.ready.get()?.service.told_failed(peer)?;
+        let (&code, msg) = told.split_first()?;
+        let code = Code::from_raw(code as i32).unwrap_or(Code::RemoteError);
+        Some(Error::new(code, format!("{} failed: {}", self.describe_peer(peer), String::from_utf8_lossy(msg))))
+    }
+
+    /// This rank fails with `e`, having lost a peer: tell the peers nearest it in rank order
+    /// (all of them in a communicator of up to [`TELL_NEAREST`]), before its connections close
+    /// and its process perhaps exits, so that one that finds it gone knows it went after
+    /// failing itself and names the rank lost first as the culprit. Same-host peers take the
+    /// news at once; within [`TELL_WITHIN`] in all.
+    pub fn tell_failure(&self, e: &Error, lost: &[usize]) {
+        let Some(ready) = self.ready.get() else { return };
+        let n = self.nranks;
+        let mut told = vec![false; n];
+        told[self.rank] = true;
+        for &p in lost.iter().filter(|&&p| p < n) {
+            told[p] = true;
+        }
+        let mut near = Vec::with_capacity(TELL_NEAREST.min(n));
+        for p in (1..=n / 2).flat_map(|d| [(self.rank + d) % n, (self.rank + n - d) % n]) {
+            if near.len() == TELL_NEAREST {
+                break;
+            }
+            if !std::mem::replace(&mut told[p], true) {
+                near.push(p);
+            }
+        }
+        let mut why = vec![e.code as u8];
+        why.extend_from_slice(e.msg.as_bytes());
+        ready.service.tell_failed(near.into_iter(), &why, std::time::Duration::from_millis(100), TELL_WITHIN);
     }
 
     /// Release connections and stop the bootstrap service (destroy/abort).
