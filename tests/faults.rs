@@ -412,9 +412,21 @@ fn a_stopped_peer_process_is_named() {
 /// is sent SIGCONT and fails too, finding ranks 0 and 1 gone. It must name rank 1 first and
 /// rank 0 as gone after failing itself (the C program checks its own error). Before, both
 /// were named alike, in rank order, the bystander first.
+///
+/// Over sockets rank 0 has no receive from rank 1 before rank 2's part, and its send to it
+/// waits on that: it learns rank 1 is gone from the socket's end, seen while it waits.
 #[test]
 fn a_survivor_gone_after_failing_is_not_named_the_culprit() {
+    for socket in [false, true] {
+        survivor_gone_after_failing(socket);
+    }
+}
+
+fn survivor_gone_after_failing(socket: bool) {
     let mut job = Job::new("faults").procs(3).arg("--only").arg("culprit").timeout_s(60);
+    if socket {
+        job = job.env("NCCL_SHM_DISABLE", "1");
+    }
     let (pid0, pid2) = (job.dir().join("unique-id.flag-pid-0"), job.dir().join("unique-id.flag-pid-2"));
     let o = job
         .on(When::marker(0, "ENDING"), move || {
@@ -431,7 +443,8 @@ fn a_survivor_gone_after_failing_is_not_named_the_culprit() {
             format!("process 0 (pid {p0}) gone: {}; SIGCONT to pid {p2} ({sent:?})", gone())
         })
         .run_outcome();
-    judge("a_survivor_gone_after_failing_is_not_named_the_culprit", &o, o.ok(), String::new());
+    let name = format!("a_survivor_gone_after_failing_is_not_named_the_culprit ({})", if socket { "sockets" } else { "shm" });
+    judge(&name, &o, o.ok(), String::new());
 }
 
 /// Two ranks that call two communicators in different orders wait for each other for ever:

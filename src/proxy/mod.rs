@@ -76,6 +76,10 @@ impl<T: Copy> Queues<T> {
     fn active(&self) -> impl Iterator<Item = &Queue<T>> {
         self.qs[..self.live].iter().filter(|q| q.len() > 0)
     }
+    /// Those whose items are all done.
+    fn done(&self) -> impl Iterator<Item = &Queue<T>> {
+        self.qs[..self.live].iter().filter(|q| q.len() == 0)
+    }
     fn pending(&self) -> bool {
         self.active().next().is_some()
     }
@@ -393,6 +397,13 @@ impl<'a> Job<'a> {
         let senders: Vec<usize> = self.b.sends.active().map(|q| q.peer).chain(self.b.posted.active().map(|q| q.peer)).collect();
         for peer in senders {
             self.conns.send_mut(peer)?.check().map_err(|e| e.context(self.comm.describe_peer(peer)))?;
+        }
+        // A connection whose sends are all made may yet fail them: a socket reset by a peer gone
+        // before it read them. The job, waiting on others (which may never come: one stuck,
+        // the rest waiting on the lost peer), fails naming it rather than wait on.
+        let written: Vec<usize> = self.b.sends.done().map(|q| q.peer).collect();
+        for peer in written {
+            self.conns.send_mut(peer)?.check_written().map_err(|e| e.context(self.comm.describe_peer(peer)))?;
         }
         let receivers: Vec<usize> = self.b.recvs.active().map(|q| q.peer).collect();
         for peer in receivers {

@@ -44,8 +44,15 @@ pub trait SendConn: Send {
         let _ = (token, help);
         Ok(true)
     }
-    /// Is the peer still there? Called while waiting.
+    /// Is the peer still there, to take what this side has yet to send? Called while waiting.
     fn check(&mut self) -> Result<()>;
+    /// Did everything sent reach the peer, as far as can be told now? Called while the
+    /// operation waits on others, this side's sends all made. A peer that read them may have
+    /// gone since, as it may; one gone before it read them fails the operation, where the
+    /// transport can tell (a socket reset).
+    fn check_written(&mut self) -> Result<()> {
+        Ok(())
+    }
     fn kind(&self) -> Kind;
     /// Bytes of buffer memory this connection holds (for ncclCommMemStats).
     fn mem_bytes(&self) -> u64 {

@@ -192,6 +192,22 @@ impl SendConn for SocketSend {
         Ok(Sent::Done)
     }
     fn check(&mut self) -> Result<()> {
+        check_all(&self.streams, self.peer)?;
+        // Nothing comes back on a sending socket but its end: a receiver that closed it (its
+        // process ended, or it destroyed its communicator) will not read what is still to
+        // come. Seen only here while the next message waits on something else (a receive
+        // from a third rank): a write would find it out too, but may never be made.
+        for s in &self.streams {
+            match s.peek(&mut [0u8; 1]) {
+                Ok(0) => return Err(lost(self.peer, "the peer closed the connection")),
+                Ok(_) => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                Err(e) => return Err(lost(self.peer, e)),
+            }
+        }
+        Ok(())
+    }
+    fn check_written(&mut self) -> Result<()> {
         check_all(&self.streams, self.peer)
     }
     fn kind(&self) -> Kind {
