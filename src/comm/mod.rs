@@ -290,11 +290,6 @@ impl PeerRuns {
 /// or code + message (failed).
 const STATUS_RUNNING: u8 = 0;
 const STATUS_FAILED: u8 = 1;
-/// [`Comm::tell_failure`] tells at most this many peers, within this long.
-const TELL_NEAREST: usize = 64;
-const TELL_WITHIN: std::time::Duration = std::time::Duration::from_millis(500);
-/// How long [`Comm::lost_peers`] waits for the news of peers gone after failing.
-const TELL_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 const STATUS_STREAM: u8 = 2;
 const STATUS_SUSPENDED: u8 = 3;
 /// Running nothing on this communicator; then, in words, what the process's others run.
@@ -302,6 +297,12 @@ const STATUS_ELSEWHERE: u8 = 4;
 /// In place of a send or receive that finished while its group runs on ([`Ready::finished`]):
 /// no operation's stamp (its first byte is no kind). Never sent: answers leave it out.
 const DONE: Stamp = [0xFF; STAMP_BYTES];
+
+/// [`Comm::tell_failure`] tells at most this many peers, within this long.
+const TELL_NEAREST: usize = 64;
+const TELL_WITHIN: std::time::Duration = std::time::Duration::from_millis(500);
+/// How long [`Comm::lost_peers`] waits for the news of peers gone after failing.
+const TELL_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// What another rank's status request is answered: the status, or, where this communicator
 /// runs nothing, what this process's other communicators run, if anything.
@@ -886,14 +887,14 @@ impl Comm {
             lost.iter().filter(|(p, _)| ready.service.told_failed(*p).is_some()).filter_map(|(p, _)| process(*p))
                 .collect::<Vec<_>>()
         };
+        let after = |failed: &[_], p: usize| process(p).is_some_and(|k| failed.contains(&k));
         let until = std::time::Instant::now() + TELL_GRACE;
         let mut failed = failed_processes();
-        while failed.len() < lost.len() && std::time::Instant::now() < until {
+        while lost.iter().any(|(p, _)| !after(&failed, *p)) && std::time::Instant::now() < until {
             std::thread::sleep(std::time::Duration::from_millis(5));
             failed = failed_processes();
         }
-        let mut lost: Vec<(bool, usize, String)> =
-            lost.into_iter().map(|(p, why)| (process(p).is_some_and(|k| failed.contains(&k)), p, why)).collect();
+        let mut lost: Vec<(bool, usize, String)> = lost.into_iter().map(|(p, why)| (after(&failed, p), p, why)).collect();
         lost.sort();
         lost.into_iter().map(|(after, p, why)| (p, if after { format!("{why} after failing itself") } else { why })).collect()
     }
