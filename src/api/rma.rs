@@ -134,6 +134,9 @@ pub struct WaitDesc {
     pub ctx: i32,
 }
 
+/// Why a sender's connection ended without an error on it: its communicator closed, or its
+/// process ended (a killed process says nothing first).
+const CLOSED: &str = "it closed its connection (it destroyed or aborted its communicator, or its process ended)";
 /// How long a wait goes before it names, at WARN, the signals it waits for.
 const WARN_AFTER: Duration = Duration::from_secs(10);
 /// How long a wait polls before it sleeps on the condition variable: a signal often follows
@@ -370,13 +373,12 @@ impl Inner {
             return;
         }
         if p2p {
-            let why = ended.map_or_else(|| "it closed its connection (destroyed its communicator)".to_string(), |e| e.msg);
+            let why = ended.map_or_else(|| CLOSED.to_string(), |e| e.msg);
             self.lock().p2p_ended.insert(from, why);
             self.changed.notify_all();
             return;
         }
-        let why = ended.as_ref().map_or_else(|| "it closed its connection (destroyed its communicator)".to_string(),
-                                             |e| e.msg.clone());
+        let why = ended.as_ref().map_or_else(|| CLOSED.to_string(), |e| e.msg.clone());
         self.lock().ended.insert(from, ended);
         self.changed.notify_all();
         self.release_waits(|k| k.2 == from, &Error::remote(format!(
@@ -798,7 +800,7 @@ fn hopeless(comm: &Comm, st: &State, missing: &[Missing]) -> Option<Error> {
     let from = m.0 .2;
     let why = match st.ended.get(&from) {
         Some(Some(e)) => e.msg.clone(),
-        _ => "it closed its connection (destroyed its communicator)".to_string(),
+        _ => CLOSED.to_string(),
     };
     Some(Error::remote(format!("rank {}: waiting for signals that {} will not send: {why}; {} came", comm.rank,
                                comm.describe_peer(from as usize), describe_missing(st, m))))
