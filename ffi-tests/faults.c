@@ -20,7 +20,8 @@
  *                             it waits (tests/faults.rs then sends SIGCONT)
  *   faults --only culprit     (3 processes) rank 1 exits, rank 0 fails and exits, then the
  *                             stopped rank 2 fails: it must name rank 1 first, rank 0 as gone
- *                             after failing itself (tests/faults.rs sends SIGCONT)
+ *                             after failing itself (tests/faults.rs sends SIGCONT); with
+ *                             FAULTS_CASE=p2p a send and a receive in place of the all-reduce
  *   faults --only crossed     two ranks call two communicators in different orders; each must
  *                             name the call the other is in (then both abort)
  *   faults --only fd-starved  (3 processes) the process that made a job's id has no file
@@ -536,12 +537,29 @@ static void part_culprit(void) {
     raise(SIGSTOP);
     tlog("resumed");
   }
-  test_step("an all-reduce with rank 1 gone");
+  /* FAULTS_CASE=p2p: instead of the all-reduce, each rank sends 64 KiB to the next and
+   * receives from the one before, in a group: rank 0's send to rank 1 is all written before
+   * it waits on stopped rank 2, and over sockets only the reset it draws says rank 1 is gone. */
+  const char* c = getenv("FAULTS_CASE");
+  const int p2p = c && !strcmp(c, "p2p");
+  test_step(p2p ? "a send and a receive with rank 1 gone" : "an all-reduce with rank 1 gone");
+  enum { P2P_COUNT = 16384 };
+  static int out[P2P_COUNT], in[P2P_COUNT];
   int x = 1, y = 0;
-  ncclResult_t r = ncclAllReduce(&x, &y, 1, ncclInt32, ncclSum, comm, TEST_STREAM);
+  ncclResult_t r;
+  if (p2p) {
+    const int n = g_env.nranks, me = g_env.first_rank;
+    r = ncclGroupStart();
+    if (r == ncclSuccess) r = ncclSend(out, P2P_COUNT, ncclInt32, (me + 1) % n, comm, TEST_STREAM);
+    if (r == ncclSuccess) r = ncclRecv(in, P2P_COUNT, ncclInt32, (me + n - 1) % n, comm, TEST_STREAM);
+    ncclResult_t end = ncclGroupEnd();
+    if (r == ncclSuccess) r = end;
+  } else {
+    r = ncclAllReduce(&x, &y, 1, ncclInt32, ncclSum, comm, TEST_STREAM);
+  }
   const char* text = last_error(comm);
-  tlog("the all-reduce -> %s: %s", result_name(r), text);
-  EXPECT(r == ncclRemoteError, "the all-reduce -> %s, expected ncclRemoteError", result_name(r));
+  tlog("the operation -> %s: %s", result_name(r), text);
+  EXPECT(r == ncclRemoteError, "the operation -> %s, expected ncclRemoteError", result_name(r));
   EXPECT(names_rank(text, 1), "the error does not name rank 1: %s", text);
   if (g_env.proc == 2) {
     /* The list of lost ranks, before what this rank itself saw. */
@@ -553,7 +571,9 @@ static void part_culprit(void) {
     const char* zero = strstr(lost, "rank 0 (");
     const char* zero_end = zero ? strstr(zero, "), rank") : NULL;
     const char* after = zero ? strstr(zero, "after failing itself") : NULL;
-    EXPECT(strncmp(lost, "lost rank 1 (", 13) == 0 && zero && after && (!zero_end || after < zero_end),
+    /* (In the p2p case rank 2 fails connecting to rank 1, its first connection to it: it
+     * names that rank alone.) */
+    EXPECT(strncmp(lost, "lost rank 1 (", 13) == 0 && (zero || p2p) && (!zero || (after && (!zero_end || after < zero_end))),
            "rank 1 is not named first, or rank 0 not as gone after failing itself: %s", text);
   }
   if (g_env.proc == 0) {
