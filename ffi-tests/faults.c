@@ -116,6 +116,16 @@ static int flag_wait(const char* name, double seconds) {
   return 1;
 }
 
+/* Writes this process's pid into the flag `name`, for tests/faults.rs to signal it. */
+static void flag_pid(const char* name) {
+  char path[4200];
+  flag_path(name, path, sizeof path);
+  FILE* f = fopen(path, "w");
+  if (!f) exit(2);
+  fprintf(f, "%d\n", (int)getpid());
+  fclose(f);
+}
+
 /* ---- loop: allreduce until a call fails ------------------------------------------------ */
 
 /* Nonblocking communicators: poll until the state is not ncclInProgress, or `seconds` pass. */
@@ -489,12 +499,7 @@ static void part_stopped(void) {
     EXPECT(v == 3, "the first all-reduce gave %d, expected 3", v);
   }
   if (g_env.proc == 1) {
-    char path[4200];
-    flag_path("pid", path, sizeof path);
-    FILE* f = fopen(path, "w");
-    if (!f) exit(2);
-    fprintf(f, "%d\n", (int)getpid());
-    fclose(f);
+    flag_pid("pid");
     tlog("STOPPING");
     raise(SIGSTOP);
     tlog("resumed");
@@ -516,7 +521,6 @@ static void part_stopped(void) {
  * went, is named as gone after failing itself. */
 static void part_culprit(void) {
   ncclComm_t comm = NULL;
-  char path[4200];
   test_step("init");
   make_comms("", &comm);
   int v = allreduce_sum_int(&comm, g_env.proc + 1);
@@ -528,11 +532,7 @@ static void part_culprit(void) {
     _exit(test_finish());
   }
   if (g_env.proc == 2) {
-    flag_path("pid-2", path, sizeof path);
-    FILE* f = fopen(path, "w");
-    if (!f) exit(2);
-    fprintf(f, "%d\n", (int)getpid());
-    fclose(f);
+    flag_pid("pid-2");
     tlog("STOPPING");
     raise(SIGSTOP);
     tlog("resumed");
@@ -577,11 +577,7 @@ static void part_culprit(void) {
            "rank 1 is not named first, or rank 0 not as gone after failing itself: %s", text);
   }
   if (g_env.proc == 0) {
-    flag_path("pid-0", path, sizeof path);
-    FILE* f = fopen(path, "w");
-    if (!f) exit(2);
-    fprintf(f, "%d\n", (int)getpid());
-    fclose(f);
+    flag_pid("pid-0");
     tlog("ENDING");
   }
   CHECK(ncclCommAbort(comm));

@@ -671,14 +671,20 @@ mod tests {
         }
     }
 
+    /// `n` services on loopback, each knowing the others' addresses.
+    fn services(n: u32) -> Vec<Service> {
+        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let svcs: Vec<Service> = (0..n).map(|r| Service::start(ip, 0xfeed, r).unwrap()).collect();
+        let addrs: Vec<_> = svcs.iter().map(|s| s.addr).collect();
+        svcs.iter().for_each(|s| s.set_peers(addrs.clone()));
+        svcs
+    }
+
     /// A member's refusal reaches the others, filed by its rank and the exchange's tag, and
     /// an exchange waiting for parts fails with it at its next check.
     #[test]
     fn a_refusal_fails_the_exchange_it_names() {
-        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
-        let svcs: Vec<Service> = (0..3).map(|r| Service::start(ip, 0xfeed, r).unwrap()).collect();
-        let addrs: Vec<_> = svcs.iter().map(|s| s.addr).collect();
-        svcs.iter().for_each(|s| s.set_peers(addrs.clone()));
+        let svcs = services(3);
         svcs[2].refuse(0x77, &[0, 1, 2], "no thread for it");
         assert_eq!(svcs[0].refused(0x78, &[0, 1, 2]), None, "another exchange is not concerned");
         struct Nobody;
@@ -701,10 +707,7 @@ mod tests {
     /// told it; one that is gone costs the others nothing.
     #[test]
     fn a_failure_told_is_kept_by_its_teller() {
-        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
-        let svcs: Vec<Service> = (0..4).map(|r| Service::start(ip, 0xfeed, r).unwrap()).collect();
-        let addrs: Vec<_> = svcs.iter().map(|s| s.addr).collect();
-        svcs.iter().for_each(|s| s.set_peers(addrs.clone()));
+        let svcs = services(4);
         svcs[1].stop(); // gone: refuses
         let each = Duration::from_millis(100);
         svcs[0].tell_failed([1, 2, 3].into_iter(), b"\x06lost rank 5", each, Duration::from_secs(5));
