@@ -229,16 +229,18 @@ impl Service {
 
     /// Tell `peers` that this rank failed (`why`: what its status says once failed), each
     /// connection made within `each`, all of them within `budget`: peers that do not take the
-    /// news by then (gone, or slow to answer) go without it.
-    pub fn tell_failed(&self, peers: impl Iterator<Item = usize>, why: &[u8], each: Duration, budget: Duration) {
+    /// news by then (gone, or slow to answer) go without it. How many took it.
+    pub fn tell_failed(&self, peers: impl Iterator<Item = usize>, why: &[u8], each: Duration, budget: Duration) -> usize {
         let until = Instant::now() + budget;
+        let mut told = 0;
         for peer in peers {
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
-            let _ = self.open_within(peer, KIND_FAILED, 0, why, each.min(left));
+            told += self.open_within(peer, KIND_FAILED, 0, why, each.min(left)).is_ok() as usize;
         }
+        told
     }
 
     /// What `peer` said of its failure ([`Service::tell_failed`]), if it did.
@@ -710,7 +712,8 @@ mod tests {
         let svcs = services(4);
         svcs[1].stop(); // gone: refuses
         let each = Duration::from_millis(100);
-        svcs[0].tell_failed([1, 2, 3].into_iter(), b"\x06lost rank 5", each, Duration::from_secs(5));
+        let told = svcs[0].tell_failed([1, 2, 3].into_iter(), b"\x06lost rank 5", each, Duration::from_secs(5));
+        assert_eq!(told, 2, "ranks 2 and 3 took it");
         for r in [2, 3] {
             let deadline = Instant::now() + Duration::from_secs(10);
             while svcs[r].told_failed(0).is_none() && Instant::now() < deadline {

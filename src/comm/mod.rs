@@ -1172,7 +1172,13 @@ impl Comm {
         }
         let mut why = vec![e.code as u8];
         why.extend_from_slice(e.msg.as_bytes());
-        ready.service.tell_failed(near.into_iter(), &why, std::time::Duration::from_millis(100), TELL_WITHIN);
+        let asked = near.len();
+        if asked == 0 {
+            return;
+        }
+        let told = ready.service.tell_failed(near.into_iter(), &why, std::time::Duration::from_millis(100), TELL_WITHIN);
+        let others = if told < asked { " (the others are gone or did not answer in time)" } else { "" };
+        crate::info!(INIT, "rank {}: told {told} of {asked} peers that this rank failed{others}", self.rank);
     }
 
     /// Release connections and stop the bootstrap service (destroy/abort).
