@@ -701,9 +701,15 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
             if !lost.is_empty() || failed_peer.is_none() || std::time::Instant::now() >= settle {
                 break;
             }
-            // Its bootstrap service refuses (and no peer is gone): it destroyed or aborted its
-            // communicator, as the transport's message says, with no failure of its own to tell.
-            if failed_peer.and_then(|p| c.peer_closed(p)).is_some() {
+            // Its bootstrap service refuses (and no peer is found gone): it destroyed or aborted
+            // its communicator, as the transport's message says, or its process is ending (not
+            // yet found gone). If it failed, it told this rank why before it closed: that news
+            // may be still unread (it reacted to a rank this rank does not yet find gone).
+            if let Some(p) = failed_peer.filter(|&p| c.peer_closed(p).is_some()) {
+                if let Some(theirs) = c.told_failure_within(p) {
+                    e = theirs;
+                    lost = c.lost_peers();
+                }
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));

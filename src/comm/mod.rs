@@ -1140,6 +1140,19 @@ impl Comm {
         })
     }
 
+    /// [`Comm::told_failure`], waiting [`TELL_GRACE`] for it: a peer that failed told this
+    /// rank before it closed its connections, but the news may not have been read yet.
+    pub fn told_failure_within(&self, peer: usize) -> Option<Error> {
+        let until = std::time::Instant::now() + TELL_GRACE;
+        loop {
+            let told = self.told_failure(peer);
+            if told.is_some() || std::time::Instant::now() >= until {
+                return told;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
     /// `peer`'s failure as it told this rank before it went ([`Comm::tell_failure`]).
     fn told_failure(&self, peer: usize) -> Option<Error> {
         let told = self.ready.get()?.service.told_failed(peer)?;
