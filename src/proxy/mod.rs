@@ -396,20 +396,32 @@ impl<'a> Job<'a> {
         }
         let senders: Vec<usize> = self.b.sends.active().map(|q| q.peer).chain(self.b.posted.active().map(|q| q.peer)).collect();
         for peer in senders {
-            self.conns.send_mut(peer)?.check().map_err(|e| e.context(self.comm.describe_peer(peer)))?;
+            let checked = self.conns.send_mut(peer)?.check();
+            self.failed_on(peer, checked)?;
         }
         // A connection whose sends are all made may yet fail them: a socket reset by a peer gone
         // before it read them. The job, waiting on others (which may never come: one stuck,
         // the rest waiting on the lost peer), fails naming it rather than wait on.
         let written: Vec<usize> = self.b.sends.done().map(|q| q.peer).collect();
         for peer in written {
-            self.conns.send_mut(peer)?.check_written().map_err(|e| e.context(self.comm.describe_peer(peer)))?;
+            let checked = self.conns.send_mut(peer)?.check_written();
+            self.failed_on(peer, checked)?;
         }
         let receivers: Vec<usize> = self.b.recvs.active().map(|q| q.peer).collect();
         for peer in receivers {
-            self.conns.recv_mut(peer)?.check().map_err(|e| e.context(self.comm.describe_peer(peer)))?;
+            let checked = self.conns.recv_mut(peer)?.check();
+            self.failed_on(peer, checked)?;
         }
         Ok(())
+    }
+
+    /// A check of the connection with `peer`: failed, it names the peer and is the job's
+    /// failed peer (whose reason the group asks for, as for a failed send or receive).
+    fn failed_on(&mut self, peer: usize, checked: Result<()>) -> Result<()> {
+        checked.map_err(|e| {
+            self.failed_peer = Some(peer);
+            e.context(self.comm.describe_peer(peer))
+        })
     }
 
     fn finished(&self) -> bool {
