@@ -151,7 +151,12 @@ fn operations_stopped_by_the_callers_abort_are_not_warned_of() {
         let o = Job::new("collectives").procs(2).arg("--only").arg("Nonblocking").env("NCCL_DEBUG", "INFO")
             .env("NCCL_DEBUG_SUBSYS", "INIT").env("NCCL_SHM_DISABLE", shm_disable).run_outcome();
         assert!(o.ok(), "{}", o.report);
-        let warned: Vec<&str> = o.lines_with("NCCL WARN").map(|(_, l)| l).filter(|l| l.contains("aborted")).collect();
+        // (Each rank aborts its own communicator after the barrier: a rank whose operation is
+        // still connecting when its peer's abort comes first fails on that peer, which is news,
+        // said at WARN: "it destroyed or aborted its communicator". Seen once under a loaded
+        // suite. Only its own abort must go unwarned.)
+        let warned: Vec<&str> = o.lines_with("NCCL WARN").map(|(_, l)| l)
+            .filter(|l| l.contains("aborted") && !l.contains("aborted its communicator")).collect();
         assert!(warned.is_empty(), "NCCL_SHM_DISABLE={shm_disable}: {warned:?}\n{}", o.report);
     }
 }
