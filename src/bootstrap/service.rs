@@ -231,16 +231,24 @@ impl Service {
     /// connection made within `each`, all of them within `budget`: peers that do not take the
     /// news by then (gone, or slow to answer) go without it. How many took it.
     pub fn tell_failed(&self, peers: impl Iterator<Item = usize>, why: &[u8], each: Duration, budget: Duration) -> usize {
+        self.tell_each(peers, KIND_FAILED, 0, why, each, budget).0
+    }
+
+    /// Send `peers`, one after another, a message of `kind`, each connection made within
+    /// `each`, all within `budget`: how many took it, and the first left untold when the
+    /// budget ran out.
+    fn tell_each(&self, peers: impl Iterator<Item = usize>, kind: u8, tag: u32, payload: &[u8], each: Duration,
+                 budget: Duration) -> (usize, Option<usize>) {
         let until = Instant::now() + budget;
         let mut told = 0;
         for peer in peers {
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                break;
+                return (told, Some(peer));
             }
-            told += self.open_within(peer, KIND_FAILED, 0, why, each.min(left)).is_ok() as usize;
+            told += self.open_within(peer, kind, tag, payload, each.min(left)).is_ok() as usize;
         }
-        told
+        (told, None)
     }
 
     /// What `peer` said of its failure ([`Service::tell_failed`]), if it did.
@@ -354,15 +362,11 @@ impl Service {
     /// so that the failing call returns: a member that cannot be reached meanwhile is most
     /// likely gone).
     pub fn refuse(&self, tag: u32, members: &[usize], why: &str) {
-        let until = Instant::now() + REFUSE_WITHIN;
-        for &m in members.iter().filter(|&&m| m != self.rank() as usize) {
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                crate::warn!("rank {}: telling the members that it cannot take part took over {} s: rank {m} and \
-                              those after it were not told", self.rank(), REFUSE_WITHIN.as_secs());
-                return;
-            }
-            let _ = self.open_within(m, KIND_REFUSE, tag, why.as_bytes(), left.min(Duration::from_secs(1)));
+        let others = members.iter().copied().filter(|&m| m != self.rank() as usize);
+        let (_, untold) = self.tell_each(others, KIND_REFUSE, tag, why.as_bytes(), Duration::from_secs(1), REFUSE_WITHIN);
+        if let Some(m) = untold {
+            crate::warn!("rank {}: telling the members that it cannot take part took over {} s: rank {m} and those \
+                          after it were not told", self.rank(), REFUSE_WITHIN.as_secs());
         }
     }
 

@@ -174,8 +174,8 @@ impl Ready {
 
     /// Publish why this rank stopped, for peers that only saw its connections close.
     pub fn set_failed(&self, e: &Error) {
-        let mut bytes = vec![STATUS_FAILED, e.code as u8];
-        bytes.extend_from_slice(e.msg.as_bytes());
+        let mut bytes = vec![STATUS_FAILED];
+        bytes.extend(failure_bytes(e));
         *self.status() = bytes;
     }
     pub fn conns(&self) -> MutexGuard<'_, Conns> {
@@ -284,6 +284,26 @@ impl PeerRuns {
     pub fn answered(&self) -> bool {
         !matches!(self, PeerRuns::Unknown | PeerRuns::Silent(_))
     }
+}
+
+/// `f()` until it gives something, every 5 ms for at most `grace`.
+fn within<T>(grace: std::time::Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let until = std::time::Instant::now() + grace;
+    loop {
+        let got = f();
+        if got.is_some() || std::time::Instant::now() >= until {
+            return got;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// A failure as peers hear it (in a failed status, or told: [`Comm::tell_failure`]): its code,
+/// then its message.
+fn failure_bytes(e: &Error) -> Vec<u8> {
+    let mut bytes = vec![e.code as u8];
+    bytes.extend_from_slice(e.msg.as_bytes());
+    bytes
 }
 
 /// Status bytes a rank publishes: a tag, then stamps (running, or waiting for their streams)
@@ -888,12 +908,11 @@ impl Comm {
                 .collect::<Vec<_>>()
         };
         let after = |failed: &[_], p: usize| process(p).is_some_and(|k| failed.contains(&k));
-        let until = std::time::Instant::now() + TELL_GRACE;
-        let mut failed = failed_processes();
-        while lost.iter().any(|(p, _)| !after(&failed, *p)) && std::time::Instant::now() < until {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-            failed = failed_processes();
-        }
+        let failed = within(TELL_GRACE, || {
+            let failed = failed_processes();
+            lost.iter().all(|(p, _)| after(&failed, *p)).then_some(failed)
+        })
+        .unwrap_or_else(failed_processes);
         let mut lost: Vec<(bool, usize, String)> = lost.into_iter().map(|(p, why)| (after(&failed, p), p, why)).collect();
         lost.sort();
         lost.into_iter().map(|(after, p, why)| (p, if after { format!("{why} after failing itself") } else { why })).collect()
@@ -964,10 +983,7 @@ impl Comm {
         let answer = Answer::read(&answer);
         let (counts, status) = (answer.about, answer.status);
         match status.split_first() {
-            Some((&STATUS_FAILED, rest)) if !rest.is_empty() => {
-                let code = Code::from_raw(rest[0] as i32).unwrap_or(Code::RemoteError);
-                return Err(Error::new(code, format!("{} failed: {}", self.describe_peer(peer), String::from_utf8_lossy(&rest[1..]))));
-            }
+            Some((&STATUS_FAILED, [code, msg @ ..])) => return Err(self.peer_failed(peer, *code, msg)),
             Some((&STATUS_STREAM, rest)) => {
                 // Ours, if it waits for its stream to reach this very call; else the first.
                 let mut stamps = rest.chunks_exact(STAMP_BYTES);
@@ -1143,22 +1159,20 @@ impl Comm {
     /// [`Comm::told_failure`], waiting [`TELL_GRACE`] for it: a peer that failed told this
     /// rank before it closed its connections, but the news may not have been read yet.
     pub fn told_failure_within(&self, peer: usize) -> Option<Error> {
-        let until = std::time::Instant::now() + TELL_GRACE;
-        loop {
-            let told = self.told_failure(peer);
-            if told.is_some() || std::time::Instant::now() >= until {
-                return told;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        within(TELL_GRACE, || self.told_failure(peer))
     }
 
     /// `peer`'s failure as it told this rank before it went ([`Comm::tell_failure`]).
     fn told_failure(&self, peer: usize) -> Option<Error> {
         let told = self.ready.get()?.service.told_failed(peer)?;
         let (&code, msg) = told.split_first()?;
+        Some(self.peer_failed(peer, code, msg))
+    }
+
+    /// `peer`'s failure from its [`failure_bytes`]: "rank 3 (host, pid) failed: ...".
+    fn peer_failed(&self, peer: usize, code: u8, msg: &[u8]) -> Error {
         let code = Code::from_raw(code as i32).unwrap_or(Code::RemoteError);
-        Some(Error::new(code, format!("{} failed: {}", self.describe_peer(peer), String::from_utf8_lossy(msg))))
+        Error::new(code, format!("{} failed: {}", self.describe_peer(peer), String::from_utf8_lossy(msg)))
     }
 
     /// This rank fails with `e`, having lost a peer: tell the peers nearest it in rank order
@@ -1183,12 +1197,11 @@ impl Comm {
                 near.push(p);
             }
         }
-        let mut why = vec![e.code as u8];
-        why.extend_from_slice(e.msg.as_bytes());
         let asked = near.len();
         if asked == 0 {
             return;
         }
+        let why = failure_bytes(e);
         let told = ready.service.tell_failed(near.into_iter(), &why, std::time::Duration::from_millis(100), TELL_WITHIN);
         let others = if told < asked { " (the others are gone or did not answer in time)" } else { "" };
         crate::info!(INIT, "rank {}: told {told} of {asked} peers that this rank failed{others}", self.rank);
