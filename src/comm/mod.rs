@@ -196,9 +196,10 @@ pub enum PeerRuns {
     Suspended,
     /// It runs nothing on this communicator, and its process is in these calls on others.
     Elsewhere(String),
-    /// No answer, again, after [`SILENT_AFTER`] of none: said once per silence (then `Unknown`
-    /// again), with what its process is doing where that can be seen.
-    Silent(Silence),
+    /// No answer, again, after [`SILENT_AFTER`] of none (at the first unanswered request if its
+    /// process is stopped): said once per silence (then `Unknown` again), with what its process
+    /// is doing where that can be seen, and for how long it has not answered.
+    Silent(Silence, std::time::Duration),
     /// It has not issued the call: it is in sends or receives with other ranks (the first
     /// shown), which it may well make first.
     OtherPeers(Stamp),
@@ -210,6 +211,9 @@ pub enum PeerRuns {
 
 /// How long a peer may leave status requests unanswered before a rank waiting on it says so.
 pub const SILENT_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a status request waits for its answer.
+const STATUS_WITHIN: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// What a peer that does not answer is doing, as far as this host can tell.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -271,8 +275,9 @@ impl PeerRuns {
             PeerRuns::Stream(theirs) => Some(format!(
                 "which issued {} and waits for its CUDA stream to get through it: work queued on that stream has not \
                  finished", describe(theirs))),
-            PeerRuns::Silent(how) => Some(format!(
-                "which has not answered this rank's status requests for {} s or more: {}", SILENT_AFTER.as_secs(), how.describe())),
+            PeerRuns::Silent(how, for_) => Some(format!(
+                "which has not answered this rank's status requests for {:.0} s or more: {}", for_.as_secs_f64().floor(),
+                how.describe())),
             PeerRuns::OtherPeers(theirs) => Some(format!(
                 "which has not issued that call: it is in {} (and waits on that rank)", describe(theirs))),
             PeerRuns::Crossed(how) => Some(how.clone()),
@@ -282,7 +287,7 @@ impl PeerRuns {
 
     /// Did the peer answer (anything but `Unknown` and `Silent`)?
     pub fn answered(&self) -> bool {
-        !matches!(self, PeerRuns::Unknown | PeerRuns::Silent(_))
+        !matches!(self, PeerRuns::Unknown | PeerRuns::Silent(..))
     }
 }
 
@@ -970,7 +975,7 @@ impl Comm {
     fn peer_runs_once(&self, peer: usize, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String, again: bool)
                       -> Result<PeerRuns> {
         let Some(ready) = self.ready.get() else { return Ok(PeerRuns::Unknown) };
-        let answer = match ready.service.status(peer, std::time::Duration::from_secs(1)) {
+        let answer = match ready.service.status(peer, STATUS_WITHIN) {
             Ok(s) => {
                 ready.silent.lock().unwrap_or_else(|p| p.into_inner()).remove(&peer);
                 s
@@ -1133,19 +1138,24 @@ impl Comm {
     }
 
     /// `peer` did not answer: `Silent` once it has not for [`SILENT_AFTER`] (once per silence,
-    /// whoever asks), else `Unknown`.
+    /// whoever asks), else `Unknown`. A process of this host that is stopped (SIGSTOP, Ctrl-Z,
+    /// a debugger) is said at once: it answers nothing until resumed, and a rank stopped for
+    /// less than [`SILENT_AFTER`] was otherwise named only once resumed, as one that had not
+    /// issued the call.
     fn silence(&self, ready: &Ready, peer: usize) -> PeerRuns {
+        let how = match (ready.peers.get(self.rank), ready.peers.get(peer)) {
+            (Some(me), Some(p)) if p.same_pids(me) => Silence::of_process(p.pid),
+            _ => Silence::Remote,
+        };
+        let stopped = matches!(how, Silence::Stopped | Silence::Traced);
         let mut silent = ready.silent.lock().unwrap_or_else(|p| p.into_inner());
         let (since, said) = silent.entry(peer).or_insert((std::time::Instant::now(), false));
-        if *said || since.elapsed() < SILENT_AFTER {
+        if *said || (!stopped && since.elapsed() < SILENT_AFTER) {
             return PeerRuns::Unknown;
         }
         *said = true;
-        drop(silent);
-        match (ready.peers.get(self.rank), ready.peers.get(peer)) {
-            (Some(me), Some(p)) if p.same_pids(me) => PeerRuns::Silent(Silence::of_process(p.pid)),
-            _ => PeerRuns::Silent(Silence::Remote),
-        }
+        // (Its first request went unanswered for the time a request is given before `since`.)
+        PeerRuns::Silent(how, since.elapsed() + STATUS_WITHIN)
     }
 
     /// Why `peer` stopped, if it says it failed (used when all this rank saw was a closed
@@ -1395,7 +1405,7 @@ mod tests {
         assert!(said(&call).starts_with("which has not issued that call: its process is in AllReduce #0"), "{}", said(&call));
         assert!(said(&launch).starts_with("which has not got to that launch of its CUDA graph: its process is in"),
                 "{}", said(&launch));
-        assert!(elsewhere.answered() && !PeerRuns::Silent(Silence::Busy).answered());
+        assert!(elsewhere.answered() && !PeerRuns::Silent(Silence::Busy, SILENT_AFTER).answered());
     }
 
     /// A finished send or receive leaves what peers hear of the status, found at the index
