@@ -22,6 +22,9 @@
  *                             stopped rank 2 fails: it must name rank 1 first, rank 0 as gone
  *                             after failing itself (tests/faults.rs sends SIGCONT); with
  *                             FAULTS_CASE=p2p a send and a receive in place of the all-reduce
+ *   faults --only held-up     (4 processes) rank 3 makes its all-reduce only once every
+ *                             other rank has said at WARN that it has not issued the call
+ *                             (tests/faults.rs sets the flag "go"); then the sum is exact
  *   faults --only crossed     two ranks call two communicators in different orders; each must
  *                             name the call the other is in (then both abort)
  *   faults --only fd-starved  (3 processes) the process that made a job's id has no file
@@ -995,6 +998,33 @@ static void part_group_late(void) {
   CHECK(ncclCommDestroy(comm));
 }
 
+/* ---- held-up: every rank names the late rank that holds a collective up ------------------ */
+
+/* 4 processes all-reduce 1 Mi ints; rank 3 makes its call only once ranks 0 to 2 have each said
+ * at WARN that a rank has not issued that call (the harness sets the flag "go"). The rank(s)
+ * that wait on rank 3 itself find it has not; the others wait on ranks that run the call too
+ * and learn from them who holds them up (before: those said nothing, however long). Then
+ * every rank's sum is exact. */
+static void part_held_up(void) {
+  ncclComm_t comm = one_rank_part("held-up", 4);
+  const size_t n = 1 << 20;
+  const int rank = g_env.proc;
+  int32_t* buf = TEST_ALLOC(n * sizeof(int32_t));
+  for (size_t i = 0; i < n; i++) buf[i] = (int32_t)(rank + (int32_t)(i % 7));
+  if (rank == 3) {
+    test_step("waiting for the go");
+    EXPECT(flag_wait("go", 30), "no go within 30 s (ranks 0 to 2 did not all say that rank 3 holds them up)");
+  }
+  test_step("the all-reduce");
+  ncclResult_t r = ncclAllReduce(buf, buf, n, ncclInt32, ncclSum, comm, TEST_STREAM);
+  EXPECT(r == ncclSuccess, "rank %d's all-reduce -> %s: %s", rank, result_name(r), last_error(comm));
+  size_t wrong = 0;
+  for (size_t i = 0; i < n && r == ncclSuccess; i++) wrong += buf[i] != (int32_t)(6 + 4 * (int32_t)(i % 7));
+  EXPECT(wrong == 0, "rank %d: %zu elements wrong", rank, wrong);
+  CHECK(ncclCommDestroy(comm));
+  free(buf);
+}
+
 /* ---- ring-late: a ring of sends that a late rank unwinds is not a cycle ----------------- */
 
 /* Each rank but 0 sends 16 MiB to the next, then receives from the one before, outside a
@@ -1222,7 +1252,7 @@ static const struct {
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
     {"culprit", part_culprit},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
-    {"ring-late", part_ring_late}, {"p2p-done", part_p2p_done},
+    {"ring-late", part_ring_late}, {"held-up", part_held_up}, {"p2p-done", part_p2p_done},
     {"coll-done", part_coll_done}, {"group-late", part_group_late}, {"fd-starved", part_fd_starved},
     {"no-threads", part_no_threads},
 };

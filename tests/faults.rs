@@ -15,7 +15,7 @@ mod common;
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -370,6 +370,38 @@ fn late_rank_let_go(name: &str, part: &str, procs: usize, proc: usize, marker: &
 fn a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch() {
     late_rank_let_go("a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch", "p2p-order", 3, 0,
                      "it is in a receive of 40 bytes from rank 2");
+}
+
+/// A collective held up by a rank that has not issued it: every rank waiting names that
+/// rank at WARN, those that wait on it directly and those that wait on ranks it holds up (they
+/// ask those ranks, whose status answers carry whom they wait for; before, only the late
+/// rank's direct peers said anything). 4 processes; rank 3 is let go once ranks 0 to 2 have
+/// each said so, then the all-reduce completes, exact.
+#[test]
+fn every_rank_names_the_rank_holding_up_a_collective() {
+    let mut job = Job::new("faults").procs(4).arg("--only").arg("held-up").env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let go = job.dir().join("unique-id.flag-go");
+    let said = Arc::new(AtomicUsize::new(0));
+    for proc in 0..3 {
+        let (go, said) = (go.clone(), said.clone());
+        job = job.on(When::marker(proc, "which has not issued that call"), move || {
+            if said.fetch_add(1, Ordering::AcqRel) + 1 < 3 {
+                return "said".to_string();
+            }
+            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
+        });
+    }
+    let o = job.run_outcome();
+    // Each names rank 3, itself or as the rank holding its peer up.
+    let names_3 = |log: &str| log.lines().any(|l| {
+        l.contains("NCCL WARN") && l.contains("which has not issued that call")
+            && (l.contains("in AllReduce #0 (count 1048576, int32, sum) for rank 3 (")
+                || l.contains("which runs that call too and is held up by rank 3 ("))
+    });
+    let all = (0..3).all(|p| names_3(&o.procs[p].log));
+    let warned: String = o.procs.iter().flat_map(|p| p.log.lines().filter(|l| l.contains("NCCL WARN")))
+        .map(|l| format!("  {l}\n")).collect();
+    judge("every_rank_names_the_rank_holding_up_a_collective", &o, o.ok() && all, warned);
 }
 
 /// The benchmark in a mount namespace of its own whose /dev/shm is a tmpfs mounted with

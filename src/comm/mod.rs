@@ -42,7 +42,26 @@ pub struct Ready {
     /// Per peer waited on: the call waiting, when this rank may next look for a cycle through
     /// that peer, and the gap after that ([`Ready::may_walk`]).
     walks: Mutex<HashMap<usize, (Stamp, std::time::Instant, std::time::Duration)>>,
+    /// What this rank last found it waits for ([`WaitNote`]), shown to peers that ask.
+    waits: std::sync::Arc<Mutex<Option<WaitNote>>>,
 }
+
+/// The rank a waiting rank found holding up its call (`stamp`): the peer it waits on, if that
+/// peer has not issued the call (or is stopped, or in others), or the rank such a peer named in
+/// turn; `text` is that rank described with why ("rank 3 (host, pid 12), which has not issued
+/// that call"). A rank's status answer carries it while it is fresh and the call still runs,
+/// so that ranks waiting on it in the same call, which by themselves see only a peer that runs
+/// it too, name the rank holding them all up: in a ring, otherwise only that rank's
+/// successor could.
+struct WaitNote {
+    stamp: Stamp,
+    rank: usize,
+    text: String,
+    at: std::time::Instant,
+}
+
+/// How long a [`WaitNote`] is shown after it was last found true (waits look every 1-2 s).
+const NOTE_FRESH: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The gap between the first two looks for a cycle through one peer during one wait; it doubles
 /// after each look, up to [`WALK_GAP_MAX`].
@@ -65,7 +84,7 @@ impl Ready {
         };
         let p2p_done = std::sync::Arc::new((0..n).map(|_| Default::default()).collect());
         Ready { peers, service, slice, algo, conns: Mutex::new(Conns::new(n)), silent: Mutex::new(HashMap::new()), running,
-                shows: Default::default(), p2p_done, walks: Mutex::default() }
+                shows: Default::default(), p2p_done, walks: Mutex::default(), waits: Default::default() }
     }
 
     /// Whether to look now for a cycle through `peer`, which this rank waits on in `mine`: at
@@ -89,6 +108,28 @@ impl Ready {
             }
         }
         true
+    }
+
+    /// Keep what a look at `peer`, waited on in `mine`, found (`runs`; `describe_peer` names
+    /// the peer): the rank holding the call up, if it found one ([`WaitNote`]); no news (an
+    /// answer not yet come, a silence already said) keeps the note of the same call fresh.
+    fn note_wait(&self, peer: usize, mine: &Stamp, runs: &PeerRuns, why: Option<String>, describe_peer: impl FnOnce() -> String) {
+        let now = std::time::Instant::now();
+        let mut note = self.waits.lock().unwrap_or_else(|p| p.into_inner());
+        match (runs, why) {
+            (PeerRuns::Waits(rank, text), _) => {
+                *note = Some(WaitNote { stamp: *mine, rank: *rank, text: text.clone(), at: now });
+            }
+            (PeerRuns::Unknown, _) => {
+                if let Some(n) = note.as_mut().filter(|n| n.stamp == *mine) {
+                    n.at = now;
+                }
+            }
+            (_, Some(why)) => {
+                *note = Some(WaitNote { stamp: *mine, rank: peer, text: format!("{}, {why}", describe_peer()), at: now });
+            }
+            (_, None) => {}
+        }
     }
 
     /// The sends to `peer` and the receives from it this rank has finished.
@@ -203,6 +244,9 @@ pub enum PeerRuns {
     /// It has not issued the call: it is in sends or receives with other ranks (the first
     /// shown), which it may well make first.
     OtherPeers(Stamp),
+    /// It runs the call too, held up by this rank (the first) as it says ([`WaitNote`]: that
+    /// rank described, with why).
+    Waits(usize, String),
     /// It sends to this rank and receives nothing from it while this rank does the same (or
     /// both only receive): neither call can finish. The words say which. (`peer_runs` asks
     /// again and makes it an error.)
@@ -276,12 +320,21 @@ impl PeerRuns {
                 "which issued {} and waits for its CUDA stream to get through it: work queued on that stream has not \
                  finished", describe(theirs))),
             PeerRuns::Silent(how, for_) => Some(format!(
-                "which has not answered this rank's status requests for {:.0} s or more: {}", for_.as_secs_f64().floor(),
+                "which has not answered status requests for {:.0} s or more: {}", for_.as_secs_f64().floor(),
                 how.describe())),
             PeerRuns::OtherPeers(theirs) => Some(format!(
                 "which has not issued that call: it is in {} (and waits on that rank)", describe(theirs))),
+            PeerRuns::Waits(_, text) => Some(format!("which runs that call too and is held up by {text}")),
             PeerRuns::Crossed(how) => Some(how.clone()),
             PeerRuns::Same | PeerRuns::Unknown => None,
+        }
+    }
+
+    /// The rank to name for a wait on `peer`: the one holding it up, if it said so.
+    pub fn culprit(&self, peer: usize) -> usize {
+        match self {
+            PeerRuns::Waits(rank, _) => *rank,
+            _ => peer,
         }
     }
 
@@ -496,26 +549,53 @@ fn crossed(own: &[bool], theirs: &[bool], own_done: (u64, u64), theirs_done: (u6
 }
 
 /// A peer's status answer, read: what it finished with the rank asked about, and with each
-/// rank it runs sends or receives with now, then its status bytes. (Each pair: the sends to
-/// that rank and the receives from it the peer has finished.)
+/// rank it runs sends or receives with now (each pair: the sends to that rank and the
+/// receives from it the peer has finished), the rank it found holding up its call, in words
+/// ([`WaitNote`]), if any, then its status bytes.
 #[derive(Debug, PartialEq)]
 struct Answer<'a> {
     about: (u64, u64),
     with: Vec<(usize, (u64, u64))>,
+    waits: Option<(usize, &'a [u8])>,
     status: &'a [u8],
 }
 
 impl Answer<'_> {
+    /// The bytes [`Answer::read`] reads.
+    fn write(&self) -> Vec<u8> {
+        let note = self.waits.map_or(0, |(_, text)| 4 + text.len());
+        let mut bytes = Vec::with_capacity(24 + self.with.len() * 20 + note + self.status.len());
+        bytes.extend_from_slice(&self.about.0.to_le_bytes());
+        bytes.extend_from_slice(&self.about.1.to_le_bytes());
+        bytes.extend_from_slice(&(self.with.len() as u32).to_le_bytes());
+        for &(p, (sent, received)) in &self.with {
+            bytes.extend_from_slice(&(p as u32).to_le_bytes());
+            bytes.extend_from_slice(&sent.to_le_bytes());
+            bytes.extend_from_slice(&received.to_le_bytes());
+        }
+        bytes.extend_from_slice(&(note as u32).to_le_bytes());
+        if let Some((rank, text)) = self.waits {
+            bytes.extend_from_slice(&(rank as u32).to_le_bytes());
+            bytes.extend_from_slice(text);
+        }
+        bytes.extend_from_slice(self.status);
+        bytes
+    }
+
     fn read(answer: &[u8]) -> Answer<'_> {
         let u64_at = |at: usize| answer.get(at..at + 8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
         let u32_at = |at: usize| answer.get(at..at + 4).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes);
         let n = u32_at(16).unwrap_or(0) as usize;
-        let start = 20usize.saturating_add(n.saturating_mul(20));
-        if answer.len() < start {
-            return Answer { about: (0, 0), with: Vec::new(), status: &[] }; // a short answer reads as nothing
+        let note_at = 20usize.saturating_add(n.saturating_mul(20));
+        let note_len = u32_at(note_at).unwrap_or(0) as usize;
+        let start = note_at.saturating_add(4).saturating_add(note_len);
+        if answer.len() < start || (note_len > 0 && note_len < 4) {
+            // A short answer reads as nothing.
+            return Answer { about: (0, 0), with: Vec::new(), waits: None, status: &[] };
         }
         let with = (0..n).map(|i| 20 + i * 20).map(|at| (u32_at(at).unwrap_or(0) as usize, (u64_at(at + 4), u64_at(at + 12))));
-        Answer { about: (u64_at(0), u64_at(8)), with: with.collect(), status: &answer[start..] }
+        let waits = (note_len > 0).then(|| (u32_at(note_at + 4).unwrap_or(0) as usize, &answer[note_at + 8..start]));
+        Answer { about: (u64_at(0), u64_at(8)), with: with.collect(), waits, status: &answer[start..] }
     }
 }
 
@@ -680,10 +760,11 @@ impl Comm {
     /// Init finished: the communicator can run operations.
     pub fn set_ready(&self, ready: Ready) {
         ready.service.set_rma_handler(self.rma.handler());
-        let (running, serial, done) = (ready.running.clone(), self.serial, ready.p2p_done.clone());
+        let (running, serial, done, waits) =
+            (ready.running.clone(), self.serial, ready.p2p_done.clone(), ready.waits.clone());
         ready.service.set_status(Box::new(move |about| {
             // What this rank finished with the rank asked about, and with each it runs sends or
-            // receives with now (see `Answer`), then its status.
+            // receives with now, the rank holding it up (see `Answer`), then its status.
             let status = status_answer(&running, serial);
             let mut with: Vec<usize> = Vec::new();
             if status.first() == Some(&STATUS_RUNNING) {
@@ -693,19 +774,14 @@ impl Comm {
                     }
                 }
             }
-            let mut answer = Vec::with_capacity(64 + with.len() * 20 + status.len());
-            let (sent, received) = finished_with(&done, about as usize);
-            answer.extend_from_slice(&sent.to_le_bytes());
-            answer.extend_from_slice(&received.to_le_bytes());
-            answer.extend_from_slice(&(with.len() as u32).to_le_bytes());
-            for p in with {
-                let (sent, received) = finished_with(&done, p);
-                answer.extend_from_slice(&(p as u32).to_le_bytes());
-                answer.extend_from_slice(&sent.to_le_bytes());
-                answer.extend_from_slice(&received.to_le_bytes());
-            }
-            answer.extend_from_slice(&status);
-            answer
+            let with: Vec<(usize, (u64, u64))> = with.into_iter().map(|p| (p, finished_with(&done, p))).collect();
+            let note = waits.lock().unwrap_or_else(|p| p.into_inner());
+            let plain = |s: &Stamp| crate::plan::ops::without_role(*s);
+            let shown = note.as_ref().filter(|n| {
+                n.at.elapsed() < NOTE_FRESH && status_stamps(&status).any(|s| plain(&s) == plain(&n.stamp))
+            });
+            Answer { about: finished_with(&done, about as usize), with,
+                     waits: shown.map(|n| (n.rank, n.text.as_bytes())), status: &status }.write()
         }));
         elsewhere::enlist(self.serial, self.hash, self.rank, self.nranks, &ready.running);
         let _ = self.ready.set(ready);
@@ -969,7 +1045,11 @@ impl Comm {
     /// Err: it runs other operations, so the two ranks issued different calls. Otherwise
     /// whether it runs `mine` too (a slow peer) or nothing (it has not made the call yet).
     pub fn peer_runs(&self, peer: usize, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String) -> Result<PeerRuns> {
-        self.peer_runs_once(peer, mine, describe, false)
+        let runs = self.peer_runs_once(peer, mine, describe, false)?;
+        if let Some(ready) = self.ready.get() {
+            ready.note_wait(peer, mine, &runs, runs.why_waiting(mine, describe), || self.describe_peer(peer));
+        }
+        Ok(runs)
     }
 
     fn peer_runs_once(&self, peer: usize, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String, again: bool)
@@ -1013,6 +1093,13 @@ impl Comm {
                 self.waits_in_cycle(ready, (peer, theirs, answer.with), counts, describe)
                     .map_or(PeerRuns::OtherPeers(first), PeerRuns::Crossed)
             }
+            // Held up, it may have found by whom.
+            PeerRuns::Same => match answer.waits {
+                Some((rank, text)) if rank != self.rank && rank != peer => {
+                    PeerRuns::Waits(rank, String::from_utf8_lossy(text).into_owned())
+                }
+                _ => PeerRuns::Same,
+            },
             runs => runs,
         };
         match runs {
@@ -1332,21 +1419,22 @@ mod tests {
     /// rank it runs sends or receives with, ahead of the status.
     #[test]
     fn status_answers_lead_with_the_counts() {
-        let mut answer = 7u64.to_le_bytes().to_vec();
-        answer.extend_from_slice(&9u64.to_le_bytes());
-        answer.extend_from_slice(&1u32.to_le_bytes());
-        answer.extend_from_slice(&4u32.to_le_bytes());
-        answer.extend_from_slice(&2u64.to_le_bytes());
-        answer.extend_from_slice(&3u64.to_le_bytes());
-        answer.extend_from_slice(&[STATUS_RUNNING, 1, 2]);
-        let read = Answer::read(&answer);
-        assert_eq!(read, Answer { about: (7, 9), with: vec![(4, (2, 3))], status: &[STATUS_RUNNING, 1, 2][..] });
-        let nothing = Answer { about: (0, 0), with: vec![], status: &[][..] };
+        let sent = Answer { about: (7, 9), with: vec![(4, (2, 3))], waits: None, status: &[STATUS_RUNNING, 1, 2][..] };
+        let answer = sent.write();
+        assert_eq!(&answer[..16], [7u64.to_le_bytes(), 9u64.to_le_bytes()].concat());
+        assert_eq!(Answer::read(&answer), sent);
+        let noted = Answer { waits: Some((5, b"rank 5 (h, pid 1), which has not issued that call")), ..sent };
+        assert_eq!(Answer::read(&noted.write()), noted, "with the rank it waits for");
+        let nothing = Answer { about: (0, 0), with: vec![], waits: None, status: &[][..] };
         assert_eq!(Answer::read(&[1, 2]), nothing, "a short answer reads as nothing");
         assert_eq!(Answer::read(&answer[..30]), nothing, "so does one cut short in its counts");
+        assert_eq!(Answer::read(&noted.write()[..50]), nothing, "or in its note");
         let mut huge = answer.clone();
         huge[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(Answer::read(&huge), nothing, "or one that claims more counts than it has");
+        let mut long_note = answer.clone();
+        long_note[40..44].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(Answer::read(&long_note), nothing, "or a longer note");
     }
 
     /// In a search for a cycle, a rank waits on the next only with a call that still waits:

@@ -119,7 +119,8 @@ pub struct Job<'a> {
     remaining: usize,
     /// The peer whose connection failed, if that is how the job failed.
     pub failed_peer: Option<usize>,
-    /// Peers a watch has said why this rank waits on (said once each).
+    /// Ranks a watch has said this rank waits on: peers, or the rank a peer is held up by
+    /// (`PeerRuns::culprit`; said once each).
     named: Vec<usize>,
     /// Whether the job's operations are published as running ([`Job::publish`]).
     published: bool,
@@ -476,8 +477,10 @@ impl<'a> Job<'a> {
             let mine = crate::plan::ops::with_role(self.stamps[u.op as usize], matches!(u.step, Step::Send { .. }), peer);
             let runs = self.comm.peer_runs(peer, &mine, self.describe)?;
             answered &= runs.answered();
-            if let Some(why) = runs.why_waiting(&mine, self.describe).filter(|_| !self.named.contains(&peer)) {
-                self.named.push(peer);
+            // (Each rank named once: peers held up by the same rank would each name it.)
+            let culprit = runs.culprit(peer);
+            if let Some(why) = runs.why_waiting(&mine, self.describe).filter(|_| !self.named.contains(&culprit)) {
+                self.named.push(culprit);
                 crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}",
                              self.comm.rank, waited.as_secs_f64(), (self.describe)(&mine), self.comm.describe_peer(peer));
             }

@@ -980,8 +980,9 @@ pub fn run_p2p(comm: &Arc<Comm>, stream: &Stream, direct: &mut Direct, bounce: &
                     // It runs other calls: a peer may, between its sends and receives.
                     Err(_) => false,
                     Ok(runs) => {
-                        if let Some(why) = runs.why_waiting(&mine, describe).filter(|_| !named.contains(&p)) {
-                            named.push(p);
+                        let culprit = runs.culprit(p);
+                        if let Some(why) = runs.why_waiting(&mine, describe).filter(|_| !named.contains(&culprit)) {
+                            named.push(culprit);
                             crate::warn!("rank {}: waited {:.1} s in {} for {}, {why}", comm.rank,
                                          since.elapsed().as_secs_f64(), op.describe(), comm.describe_peer(p));
                         }
