@@ -25,6 +25,9 @@
  *   faults --only held-up     (4 processes) rank 3 makes its all-reduce only once every
  *                             other rank has said at WARN that it has not issued the call
  *                             (tests/faults.rs sets the flag "go"); then the sum is exact
+ *   faults --only held-elsewhere  (3 processes) rank 0 receives from rank 1, which is in an
+ *                             all-reduce with rank 2 on another communicator first: rank 0
+ *                             must name rank 2 as what holds rank 1 up there
  *   faults --only crossed     two ranks call two communicators in different orders; each must
  *                             name the call the other is in (then both abort)
  *   faults --only fd-starved  (3 processes) the process that made a job's id has no file
@@ -1025,6 +1028,43 @@ static void part_held_up(void) {
   free(buf);
 }
 
+/* ---- held-elsewhere: a peer held up in a call on another communicator ------------------- */
+
+/* Ranks 1 and 2 split off a communicator of their own; rank 1 all-reduces on it, then sends
+ * to rank 0 on the first. Rank 2 makes its all-reduce only once rank 0 has named it (the
+ * flag "go"); rank 0 makes its receive only once rank 1 has said at WARN that rank 2 has not
+ * issued the all-reduce (the flag "recv"), so rank 1 has found what holds it up. Rank 0, in
+ * the receive, finds rank 1 in a call on the other communicator and must say that rank 2
+ * holds it up there (before: only "ranks that call communicators in different orders wait
+ * for each other", which they do not). Then every call succeeds, exact. */
+static void part_held_elsewhere(void) {
+  ncclComm_t world = one_rank_part("held-elsewhere", 3), pair = NULL;
+  const int rank = g_env.proc;
+  test_step("split");
+  CHECK(ncclCommSplit(world, rank == 0 ? NCCL_SPLIT_NOCOLOR : 1, rank, &pair, NULL));
+  int32_t v = 7, sum = rank;
+  ncclResult_t r = ncclSuccess;
+  if (rank == 0) {
+    test_step("waiting for the flag recv, then the receive from rank 1");
+    EXPECT(flag_wait("recv", 30), "no flag recv within 30 s (rank 1 did not say that rank 2 holds it up)");
+    v = 0;
+    r = ncclRecv(&v, 1, ncclInt32, 1, world, TEST_STREAM);
+    EXPECT(r != ncclSuccess || v == 12, "rank 0 received %d, expected 12", (int)v);
+  } else {
+    if (rank == 2) {
+      test_step("waiting for the go, then the all-reduce");
+      EXPECT(flag_wait("go", 30), "no go within 30 s (rank 0 did not say that rank 2 holds rank 1 up)");
+    }
+    r = ncclAllReduce(&sum, &sum, 1, ncclInt32, ncclSum, pair, TEST_STREAM);
+    EXPECT(r != ncclSuccess || sum == 3, "rank %d: the all-reduce gave %d, expected 3", rank, (int)sum);
+    v = sum + 9;
+    if (rank == 1 && r == ncclSuccess) r = ncclSend(&v, 1, ncclInt32, 0, world, TEST_STREAM);
+  }
+  EXPECT(r == ncclSuccess, "rank %d's calls -> %s: %s", rank, result_name(r), last_error(world));
+  if (pair) CHECK(ncclCommDestroy(pair));
+  CHECK(ncclCommDestroy(world));
+}
+
 /* ---- ring-late: a ring of sends that a late rank unwinds is not a cycle ----------------- */
 
 /* Each rank but 0 sends 16 MiB to the next, then receives from the one before, outside a
@@ -1252,7 +1292,8 @@ static const struct {
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
     {"culprit", part_culprit},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
-    {"ring-late", part_ring_late}, {"held-up", part_held_up}, {"p2p-done", part_p2p_done},
+    {"ring-late", part_ring_late}, {"held-up", part_held_up},
+    {"held-elsewhere", part_held_elsewhere}, {"p2p-done", part_p2p_done},
     {"coll-done", part_coll_done}, {"group-late", part_group_late}, {"fd-starved", part_fd_starved},
     {"no-threads", part_no_threads},
 };

@@ -404,6 +404,28 @@ fn every_rank_names_the_rank_holding_up_a_collective() {
     judge("every_rank_names_the_rank_holding_up_a_collective", &o, o.ok() && all, warned);
 }
 
+/// A peer in a call on another communicator that a third rank holds up: rank 0, receiving
+/// from rank 1, which all-reduces first with a late rank 2 on a communicator of their own,
+/// names rank 2 as what holds rank 1 up there, without the different-orders hint (the
+/// other communicator's note of what holds it up comes with the peer's answer). Rank 2 is
+/// let go on that line; then every call succeeds, exact.
+#[test]
+fn a_peer_held_up_on_another_communicator_is_named_with_what_holds_it() {
+    let mut job = Job::new("faults").procs(3).arg("--only").arg("held-elsewhere").env("NCCL_DEBUG", "WARN")
+        .timeout_s(60);
+    let (recv, go) = (job.dir().join("unique-id.flag-recv"), job.dir().join("unique-id.flag-go"));
+    let flag = |path: PathBuf| move || std::fs::write(&path, b"go").map_or_else(|e| format!("flag: {e}"), |_| "set".into());
+    let o = job
+        .on(When::marker(1, "which has not issued that call"), flag(recv))
+        .on(When::marker(0, "held up there by rank 1 ("), flag(go))
+        .run_outcome();
+    let line = o.procs[0].log.lines().find(|l| l.contains("NCCL WARN") && l.contains("held up there by")).unwrap_or("");
+    let named = line.contains("for rank 1 (") && line.contains("its process is in AllReduce #0")
+        && line.contains("which has not issued that call") && !line.contains("different orders");
+    judge("a_peer_held_up_on_another_communicator_is_named_with_what_holds_it", &o, o.ok() && named,
+          format!("  {line}\n"));
+}
+
 /// The benchmark in a mount namespace of its own whose /dev/shm is a tmpfs mounted with
 /// `options` (`size=4k`; needs root, as the network-namespace tests: `NCCL_TEST_SKIP_NETNS=1`):
 /// its exit status and output.

@@ -7,7 +7,7 @@ use std::sync::{Mutex, Weak};
 
 use crate::abi::fork::{self, PerFork, PerForkMutex};
 
-use super::{STATUS_RUNNING, STATUS_STREAM};
+use super::{WaitNote, HELD_UP_THERE, STATUS_RUNNING, STATUS_STREAM};
 
 struct Entry {
     /// `Comm::serial`: communicators of one job share their hash under NCCL_COMM_ID.
@@ -16,22 +16,27 @@ struct Entry {
     rank: usize,
     nranks: usize,
     running: Weak<Mutex<Vec<u8>>>,
+    /// What holds its call up, as far as it found (`Ready::waits`).
+    waits: Weak<Mutex<Option<WaitNote>>>,
 }
 
 /// A forked child starts with none: it inherits the parent's communicators' statuses, not the
 /// communicators, and their statuses stay as they were at the fork.
 static LIVE: PerForkMutex<Vec<Entry>> = PerFork::new(fork::anew);
 
-/// Enlist a communicator that has become ready (its status bytes, kept up to date by it).
-/// Entries whose communicator is gone are dropped here.
-pub fn enlist(serial: u64, hash: u64, rank: usize, nranks: usize, running: &crate::bootstrap::service::Status) {
+/// Enlist a communicator that has become ready (its status bytes and what holds it up, kept up
+/// to date by it). Entries whose communicator is gone are dropped here.
+pub fn enlist(serial: u64, hash: u64, rank: usize, nranks: usize, running: &crate::bootstrap::service::Status,
+              waits: &super::Waits) {
     let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
     live.retain(|e| e.running.strong_count() > 0);
-    live.push(Entry { serial, hash, rank, nranks, running: std::sync::Arc::downgrade(running) });
+    live.push(Entry { serial, hash, rank, nranks, running: std::sync::Arc::downgrade(running),
+                      waits: std::sync::Arc::downgrade(waits) });
 }
 
 /// The calls this process's communicators other than `serial` are in now, in words (None:
-/// none). Each communicator's first operation; one waiting for its CUDA stream says so.
+/// none). Each communicator's first operation; one waiting for its CUDA stream says so, and
+/// one that found what holds it up names that rank.
 pub fn running_except(serial: u64) -> Option<String> {
     let live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
     let mut said = Vec::new();
@@ -44,8 +49,12 @@ pub fn running_except(serial: u64) -> Option<String> {
         };
         let Some(first) = super::status_stamps(&bytes).next() else { continue };
         let how = if tag == STATUS_STREAM { " (issued, waiting for its CUDA stream)" } else { "" };
-        said.push(format!("{}{how} on communicator {:#x} as rank {} of {}", crate::plan::ops::describe_stamp(&first),
-                          e.hash, e.rank, e.nranks));
+        let held = e.waits.upgrade().and_then(|w| {
+            let note = w.lock().unwrap_or_else(|p| p.into_inner());
+            super::shown_note(&note, &bytes).map(|n| format!("{HELD_UP_THERE}{}", n.text))
+        });
+        said.push(format!("{}{how} on communicator {:#x} as rank {} of {}{}", crate::plan::ops::describe_stamp(&first),
+                          e.hash, e.rank, e.nranks, held.unwrap_or_default()));
     }
     (!said.is_empty()).then(|| said.join("; "))
 }

@@ -43,7 +43,7 @@ pub struct Ready {
     /// that peer, and the gap after that ([`Ready::may_walk`]).
     walks: Mutex<HashMap<usize, (Stamp, std::time::Instant, std::time::Duration)>>,
     /// What this rank last found it waits for ([`WaitNote`]), shown to peers that ask.
-    waits: std::sync::Arc<Mutex<Option<WaitNote>>>,
+    waits: Waits,
 }
 
 /// The rank a waiting rank found holding up its call (`stamp`): the peer it waits on, if that
@@ -62,6 +62,18 @@ struct WaitNote {
 
 /// How long a [`WaitNote`] is shown after it was last found true (waits look every 1-2 s).
 const NOTE_FRESH: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Kept by a communicator, shared with its status handler and [`elsewhere`].
+type Waits = std::sync::Arc<Mutex<Option<WaitNote>>>;
+
+/// The note to show with status bytes `status`: fresh, and of a call that still runs.
+fn shown_note<'a>(waits: &'a Option<WaitNote>, status: &[u8]) -> Option<&'a WaitNote> {
+    let plain = |s: &Stamp| crate::plan::ops::without_role(*s);
+    waits.as_ref().filter(|n| n.at.elapsed() < NOTE_FRESH && status_stamps(status).any(|s| plain(&s) == plain(&n.stamp)))
+}
+
+/// Where a peer in a call on another communicator says what holds that call up.
+const HELD_UP_THERE: &str = ", held up there by ";
 
 /// The gap between the first two looks for a cycle through one peer during one wait; it doubles
 /// after each look, up to [`WALK_GAP_MAX`].
@@ -310,10 +322,12 @@ impl PeerRuns {
                  not reached the launch)".to_string()),
             PeerRuns::Nothing => Some("which has not issued that call".to_string()),
             PeerRuns::Elsewhere(calls) => Some(format!(
-                "which {}: its process is in {calls} (ranks that call communicators in different orders wait for each \
-                 other)",
+                "which {}: its process is in {calls}{}",
                 if crate::plan::ops::launched_by_graph(mine) { "has not got to that launch of its CUDA graph" }
-                else { "has not issued that call" })),
+                else { "has not issued that call" },
+                // (Held up there: the rank named is the cause, not the order of the calls.)
+                if calls.contains(HELD_UP_THERE) { "" }
+                else { " (ranks that call communicators in different orders wait for each other)" })),
             PeerRuns::Suspended => Some("which has not issued that call: its communicator is suspended (ncclCommSuspend \
                                          without ncclCommResume)".to_string()),
             PeerRuns::Stream(theirs) => Some(format!(
@@ -776,14 +790,11 @@ impl Comm {
             }
             let with: Vec<(usize, (u64, u64))> = with.into_iter().map(|p| (p, finished_with(&done, p))).collect();
             let note = waits.lock().unwrap_or_else(|p| p.into_inner());
-            let plain = |s: &Stamp| crate::plan::ops::without_role(*s);
-            let shown = note.as_ref().filter(|n| {
-                n.at.elapsed() < NOTE_FRESH && status_stamps(&status).any(|s| plain(&s) == plain(&n.stamp))
-            });
+            let shown = shown_note(&note, &status);
             Answer { about: finished_with(&done, about as usize), with,
                      waits: shown.map(|n| (n.rank, n.text.as_bytes())), status: &status }.write()
         }));
-        elsewhere::enlist(self.serial, self.hash, self.rank, self.nranks, &ready.running);
+        elsewhere::enlist(self.serial, self.hash, self.rank, self.nranks, &ready.running, &ready.waits);
         let _ = self.ready.set(ready);
         self.async_code.store(Code::Success as i32, Ordering::Release);
     }
@@ -1465,8 +1476,9 @@ mod tests {
     fn a_communicator_running_nothing_says_what_the_others_run() {
         let (idle, busy) = (crate::bootstrap::service::Status::default(), crate::bootstrap::service::Status::default());
         let (idle_serial, busy_serial) = (u64::MAX - 1, u64::MAX - 2);
-        elsewhere::enlist(idle_serial, 0x1111, 0, 2, &idle);
-        elsewhere::enlist(busy_serial, 0x2222, 1, 3, &busy);
+        let (idle_waits, busy_waits) = (Waits::default(), Waits::default());
+        elsewhere::enlist(idle_serial, 0x1111, 0, 2, &idle, &idle_waits);
+        elsewhere::enlist(busy_serial, 0x2222, 1, 3, &busy, &busy_waits);
         let stamp = [0u8; STAMP_BYTES];
         set_status(&mut busy.lock().unwrap(), STATUS_RUNNING, [stamp].into_iter());
         set_status(&mut idle.lock().unwrap(), STATUS_RUNNING, std::iter::empty());
@@ -1475,6 +1487,24 @@ mod tests {
         assert_eq!(answer[0], STATUS_ELSEWHERE, "{text}");
         assert!(text.contains("on communicator 0x2222 as rank 1 of 3"), "{text}");
         assert!(!text.contains("0x1111"), "{text}");
+        assert!(!text.contains("held up"), "{text}");
+        // With what holds that call up, while the note is fresh and of that call.
+        let note = |stamp: Stamp, at: std::time::Instant| {
+            *busy_waits.lock().unwrap() = Some(WaitNote { stamp, rank: 2, text: "rank 2 (h, pid 3), which has not issued \
+                                                                               that call".to_string(), at });
+            String::from_utf8_lossy(&status_answer(&idle, idle_serial)[1..]).into_owned()
+        };
+        let held = note(stamp, std::time::Instant::now());
+        assert!(held.ends_with("as rank 1 of 3, held up there by rank 2 (h, pid 3), which has not issued that call"),
+                "{held}");
+        let said = PeerRuns::Elsewhere(held).why_waiting(&stamp, &|_| String::new()).unwrap_or_default();
+        assert!(!said.contains("different orders"), "{said}");
+        let mut other = stamp;
+        other[0] = 1;
+        assert!(!note(other, std::time::Instant::now()).contains("held up"), "a note of another call");
+        if let Some(stale) = std::time::Instant::now().checked_sub(NOTE_FRESH) {
+            assert!(!note(stamp, stale).contains("held up"), "a stale note");
+        }
         // A communicator that runs something answers with that, whatever the others run.
         assert_eq!(status_answer(&busy, busy_serial)[0], STATUS_RUNNING);
         drop(busy);
@@ -1511,7 +1541,7 @@ mod tests {
         let ops = [with_role(p2p(4), true, 1), with_role(p2p(8), false, 1), with_role(p2p(4), false, 2)];
         let running = crate::bootstrap::service::Status::default();
         let serial = u64::MAX - 3;
-        elsewhere::enlist(serial, 0x3333, 0, 3, &running);
+        elsewhere::enlist(serial, 0x3333, 0, 3, &running, &Waits::default());
         set_status(&mut running.lock().unwrap(), STATUS_RUNNING, ops.iter().copied());
         mark_finished(&mut running.lock().unwrap(), &ops[1], 1);
         let live = |bytes: &[u8]| status_stamps(bytes).collect::<Vec<_>>();
