@@ -547,6 +547,15 @@ fn ahead_of(theirs: &Stamp, mine: &Stamp, settled: bool) -> bool {
     }
 }
 
+/// Is a peer that has issued `issued` collectives past this rank's collective `mine`? Then it
+/// issued it and runs a later call: what it sent for it is on its way, not a call in its place
+/// (found by stopping a process of a CUDA-mode soak: a rank, resumed, finished its part and
+/// went on to a send to the rank that asked, which called that a mismatch). A rank that made
+/// a send in place of the collective has issued only the ones before it.
+fn past(mine: &Stamp, issued: u64) -> bool {
+    crate::plan::ops::coll_seq(mine).is_some_and(|m| issued > m)
+}
+
 /// Are two ranks' sends and receives with each other crossed, so that neither can finish: each
 /// only sends to the other (Some(true)), or each only receives from it (Some(false))? `own`,
 /// `theirs`: the directions (true: a send) of what each runs with the other; `own_done`,
@@ -562,13 +571,14 @@ fn crossed(own: &[bool], theirs: &[bool], own_done: (u64, u64), theirs_done: (u6
     (still_waits(dir, own_done, theirs_done) && still_waits(dir, theirs_done, own_done)).then_some(dir)
 }
 
-/// A peer's status answer, read: what it finished with the rank asked about, and with each
-/// rank it runs sends or receives with now (each pair: the sends to that rank and the
-/// receives from it the peer has finished), the rank it found holding up its call, in words
-/// ([`WaitNote`]), if any, then its status bytes.
+/// A peer's status answer, read: what it finished with the rank asked about, the collectives it
+/// has issued, and what it finished with each rank it runs sends or receives with now (each
+/// pair: the sends to that rank and the receives from it the peer has finished), the rank it
+/// found holding up its call, in words ([`WaitNote`]), if any, then its status bytes.
 #[derive(Debug, PartialEq)]
 struct Answer<'a> {
     about: (u64, u64),
+    issued: u64,
     with: Vec<(usize, (u64, u64))>,
     waits: Option<(usize, &'a [u8])>,
     status: &'a [u8],
@@ -578,9 +588,10 @@ impl Answer<'_> {
     /// The bytes [`Answer::read`] reads.
     fn write(&self) -> Vec<u8> {
         let note = self.waits.map_or(0, |(_, text)| 4 + text.len());
-        let mut bytes = Vec::with_capacity(24 + self.with.len() * 20 + note + self.status.len());
+        let mut bytes = Vec::with_capacity(32 + self.with.len() * 20 + note + self.status.len());
         bytes.extend_from_slice(&self.about.0.to_le_bytes());
         bytes.extend_from_slice(&self.about.1.to_le_bytes());
+        bytes.extend_from_slice(&self.issued.to_le_bytes());
         bytes.extend_from_slice(&(self.with.len() as u32).to_le_bytes());
         for &(p, (sent, received)) in &self.with {
             bytes.extend_from_slice(&(p as u32).to_le_bytes());
@@ -599,17 +610,17 @@ impl Answer<'_> {
     fn read(answer: &[u8]) -> Answer<'_> {
         let u64_at = |at: usize| answer.get(at..at + 8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
         let u32_at = |at: usize| answer.get(at..at + 4).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes);
-        let n = u32_at(16).unwrap_or(0) as usize;
-        let note_at = 20usize.saturating_add(n.saturating_mul(20));
+        let n = u32_at(24).unwrap_or(0) as usize;
+        let note_at = 28usize.saturating_add(n.saturating_mul(20));
         let note_len = u32_at(note_at).unwrap_or(0) as usize;
         let start = note_at.saturating_add(4).saturating_add(note_len);
         if answer.len() < start || (note_len > 0 && note_len < 4) {
             // A short answer reads as nothing.
-            return Answer { about: (0, 0), with: Vec::new(), waits: None, status: &[] };
+            return Answer { about: (0, 0), issued: 0, with: Vec::new(), waits: None, status: &[] };
         }
-        let with = (0..n).map(|i| 20 + i * 20).map(|at| (u32_at(at).unwrap_or(0) as usize, (u64_at(at + 4), u64_at(at + 12))));
+        let with = (0..n).map(|i| 28 + i * 20).map(|at| (u32_at(at).unwrap_or(0) as usize, (u64_at(at + 4), u64_at(at + 12))));
         let waits = (note_len > 0).then(|| (u32_at(note_at + 4).unwrap_or(0) as usize, &answer[note_at + 8..start]));
-        Answer { about: (u64_at(0), u64_at(8)), with: with.collect(), waits, status: &answer[start..] }
+        Answer { about: (u64_at(0), u64_at(8)), issued: u64_at(16), with: with.collect(), waits, status: &answer[start..] }
     }
 }
 
@@ -708,8 +719,9 @@ pub struct Comm {
     caller: AtomicU64,
     user_ops: Mutex<HashMap<i32, UserOp>>,
     next_user_op: AtomicI32,
-    /// Operations issued, for messages and fingerprints.
-    pub seq: AtomicU64,
+    /// Collectives issued, for messages and fingerprints (and told with the status: a peer
+    /// past a rank's collective is not in another call).
+    pub seq: Arc<AtomicU64>,
     /// CUDA mode: the worker that runs operations on device memory in stream order.
     pub streamed: OnceLock<Arc<crate::streamed::Streamed>>,
     /// One-sided operations: connections to targets, signals that came.
@@ -747,7 +759,7 @@ impl Comm {
             caller: AtomicU64::new(0),
             user_ops: Mutex::new(HashMap::new()),
             next_user_op: AtomicI32::new(crate::types::BuiltinOp::ALL.len() as i32),
-            seq: AtomicU64::new(0),
+            seq: Arc::new(AtomicU64::new(0)),
             streamed: OnceLock::new(),
             rma: crate::api::rma::Rma::new(serial, rank, nranks, cuda_dev, rma_shape),
             background: Default::default(),
@@ -774,11 +786,12 @@ impl Comm {
     /// Init finished: the communicator can run operations.
     pub fn set_ready(&self, ready: Ready) {
         ready.service.set_rma_handler(self.rma.handler());
-        let (running, serial, done, waits) =
-            (ready.running.clone(), self.serial, ready.p2p_done.clone(), ready.waits.clone());
+        let (running, serial, done, waits, issued) =
+            (ready.running.clone(), self.serial, ready.p2p_done.clone(), ready.waits.clone(), self.seq.clone());
         ready.service.set_status(Box::new(move |about| {
-            // What this rank finished with the rank asked about, and with each it runs sends or
-            // receives with now, the rank holding it up (see `Answer`), then its status.
+            // What this rank finished with the rank asked about, the collectives it issued, what
+            // it finished with each it runs sends or receives with now, the rank holding it up
+            // (see `Answer`), then its status.
             let status = status_answer(&running, serial);
             let mut with: Vec<usize> = Vec::new();
             if status.first() == Some(&STATUS_RUNNING) {
@@ -791,7 +804,7 @@ impl Comm {
             let with: Vec<(usize, (u64, u64))> = with.into_iter().map(|p| (p, finished_with(&done, p))).collect();
             let note = waits.lock().unwrap_or_else(|p| p.into_inner());
             let shown = shown_note(&note, &status);
-            Answer { about: finished_with(&done, about as usize), with,
+            Answer { about: finished_with(&done, about as usize), issued: issued.load(Ordering::Relaxed), with,
                      waits: shown.map(|n| (n.rank, n.text.as_bytes())), status: &status }.write()
         }));
         elsewhere::enlist(self.serial, self.hash, self.rank, self.nranks, &ready.running, &ready.waits);
@@ -1097,7 +1110,7 @@ impl Comm {
         if theirs.is_empty() {
             return Ok(PeerRuns::Nothing);
         }
-        let runs = match self.judge_running(ready, peer, mine, &theirs, counts, describe)? {
+        let runs = match self.judge_running(ready, peer, mine, (&theirs, answer.issued), counts, describe)? {
             // In sends or receives with other ranks: fine, unless those wait round to this one.
             // (The second look of a confirmation walks again, whatever the pace.)
             PeerRuns::OtherPeers(first) if again || ready.may_walk(peer, mine) => {
@@ -1130,7 +1143,7 @@ impl Comm {
     /// other ranks only has not got to this rank's call yet; one whose sends or receives with
     /// this rank cross this rank's (both only send, or both only receive) waits for ever.
     /// Collectives are: a peer in another is an error naming both calls.
-    fn judge_running(&self, ready: &Ready, peer: usize, mine: &Stamp, theirs: &[Stamp], counts: (u64, u64),
+    fn judge_running(&self, ready: &Ready, peer: usize, mine: &Stamp, (theirs, issued): (&[Stamp], u64), counts: (u64, u64),
                      describe: &dyn Fn(&Stamp) -> String) -> Result<PeerRuns> {
         use crate::plan::ops::{coll_seq, p2p_bytes, p2p_role, without_role};
         let plain = without_role(*mine);
@@ -1174,6 +1187,9 @@ impl Comm {
             return Ok(PeerRuns::OtherPeers(*first));
         };
         if p2p_bytes(mine).is_none() {
+            if past(mine, issued) {
+                return Ok(PeerRuns::Same);
+            }
             return Err(mismatch(&first_with_me));
         }
         // Sends and receives between the two: crossed if each only sends to the other, or
@@ -1430,21 +1446,22 @@ mod tests {
     /// rank it runs sends or receives with, ahead of the status.
     #[test]
     fn status_answers_lead_with_the_counts() {
-        let sent = Answer { about: (7, 9), with: vec![(4, (2, 3))], waits: None, status: &[STATUS_RUNNING, 1, 2][..] };
+        let sent = Answer { about: (7, 9), issued: 11, with: vec![(4, (2, 3))], waits: None,
+                            status: &[STATUS_RUNNING, 1, 2][..] };
         let answer = sent.write();
         assert_eq!(&answer[..16], [7u64.to_le_bytes(), 9u64.to_le_bytes()].concat());
         assert_eq!(Answer::read(&answer), sent);
         let noted = Answer { waits: Some((5, b"rank 5 (h, pid 1), which has not issued that call")), ..sent };
         assert_eq!(Answer::read(&noted.write()), noted, "with the rank it waits for");
-        let nothing = Answer { about: (0, 0), with: vec![], waits: None, status: &[][..] };
+        let nothing = Answer { about: (0, 0), issued: 0, with: vec![], waits: None, status: &[][..] };
         assert_eq!(Answer::read(&[1, 2]), nothing, "a short answer reads as nothing");
         assert_eq!(Answer::read(&answer[..30]), nothing, "so does one cut short in its counts");
-        assert_eq!(Answer::read(&noted.write()[..50]), nothing, "or in its note");
+        assert_eq!(Answer::read(&noted.write()[..60]), nothing, "or in its note");
         let mut huge = answer.clone();
-        huge[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        huge[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(Answer::read(&huge), nothing, "or one that claims more counts than it has");
         let mut long_note = answer.clone();
-        long_note[40..44].copy_from_slice(&u32::MAX.to_le_bytes());
+        long_note[48..52].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(Answer::read(&long_note), nothing, "or a longer note");
     }
 
@@ -1510,6 +1527,24 @@ mod tests {
         drop(busy);
         let after = status_answer(&idle, idle_serial);
         assert!(!String::from_utf8_lossy(&after).contains("0x2222"), "a gone communicator is not named");
+    }
+
+    /// A peer that issued this rank's collective is past it; one that issued only those before
+    /// is not (its send in that place is a mismatch), nor is anything for a send or receive or
+    /// a graph's launch, which carry no collective number.
+    #[test]
+    fn a_peer_that_issued_the_collective_is_past_it() {
+        let mut coll = [0u8; STAMP_BYTES];
+        coll[0] = crate::plan::ops::OpKind::AllReduce as u8;
+        coll[16..24].copy_from_slice(&5u64.to_le_bytes());
+        assert_eq!(crate::plan::ops::coll_seq(&coll), Some(5));
+        assert!(past(&coll, 6) && !past(&coll, 5) && !past(&coll, 0));
+        let mut p2p = [0u8; STAMP_BYTES];
+        p2p[0] = 200; // (ops::P2P_KIND)
+        assert!(!past(&p2p, 100));
+        let mut launch = coll;
+        launch[16..24].copy_from_slice(&(crate::plan::ops::REPLAY_BIT | 5).to_le_bytes());
+        assert!(!past(&launch, 100));
     }
 
     #[test]
