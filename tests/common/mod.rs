@@ -391,6 +391,8 @@ impl When {
 pub enum Action {
     /// SIGKILL this process.
     Kill(usize),
+    /// Send this process the signal named (`kill -STOP`: "STOP").
+    Signal(usize, &'static str),
     /// Run this (on the harness's thread: keep it short); it returns what it did, for the report.
     Call(Box<dyn FnMut() -> String + Send>),
 }
@@ -517,6 +519,15 @@ impl Job {
         self.triggers.push(Trigger {
             when,
             action: Action::Kill(victim),
+            armed_at: None,
+        });
+        self
+    }
+    /// Send process `proc` the signal named `sig` ("STOP", "CONT") when `when` is met.
+    pub fn signal(mut self, proc: usize, sig: &'static str, when: When) -> Job {
+        self.triggers.push(Trigger {
+            when,
+            action: Action::Signal(proc, sig),
             armed_at: None,
         });
         self
@@ -731,6 +742,11 @@ impl Job {
                         }
                     }
                 }
+                Action::Signal(proc, sig) => {
+                    let pid = procs.get(*proc).and_then(|p| p.status.is_none().then_some(p.child.as_ref()?.id()));
+                    let sent = pid.map(|pid| Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status());
+                    slot.0 = format!("{}: SIG{sig} to process {proc} ({sent:?})", slot.0);
+                }
                 Action::Call(f) => {
                     let what = f();
                     slot.0 = format!("{}: {what}", slot.0);
@@ -800,6 +816,7 @@ fn describe_trigger(t: &Trigger) -> String {
     };
     match &t.action {
         Action::Kill(v) => format!("SIGKILL process {v} {when}"),
+        Action::Signal(p, sig) => format!("SIG{sig} process {p} {when}"),
         Action::Call(_) => format!("action {when}"),
     }
 }
