@@ -28,6 +28,9 @@
  *   faults --only held-elsewhere  (3 processes) rank 0 receives from rank 1, which is in an
  *                             all-reduce with rank 2 on another communicator first: rank 0
  *                             must name rank 2 as what holds rank 1 up there
+ *   faults --only signal-wait (3 processes) rank 1 waits for a signal from rank 2, which has
+ *                             stopped itself, while rank 0 sends to rank 1: rank 0 must say
+ *                             rank 1 is in ncclWaitSignal, rank 1 that rank 2 is stopped
  *   faults --only crossed     two ranks call two communicators in different orders; each must
  *                             name the call the other is in (then both abort)
  *   faults --only fd-starved  (3 processes) the process that made a job's id has no file
@@ -1065,6 +1068,45 @@ static void part_held_elsewhere(void) {
   CHECK(ncclCommDestroy(world));
 }
 
+/* ---- signal-wait: a rank waiting for signals, and its stopped sender, are named ---------- */
+
+/* Rank 2 writes its pid and stops itself (SIGSTOP) before it signals rank 1; rank 1 waits
+ * for that signal (ncclWaitSignal), then receives from rank 0, whose send waits meanwhile.
+ * Rank 0 must say at WARN that rank 1 is in ncclWaitSignal waiting for rank 2's signal
+ * (before: that rank 1 had not issued the call), and rank 1 that rank 2's process is stopped
+ * (before: only after 10 s, and without why); tests/faults.rs then resumes rank 2, and every
+ * call completes, exact. */
+static void part_signal_wait(void) {
+  ncclComm_t comm = one_rank_part("signal-wait", 3);
+  const size_t big = 1 << 22; /* (16 MiB: a send that waits for its receive) */
+  const int rank = g_env.proc;
+  int32_t* data = TEST_ALLOC(big * sizeof(int32_t));
+  ncclResult_t r = ncclSuccess;
+  if (rank == 0) {
+    test_step("the send to rank 1");
+    for (size_t i = 0; i < big; i++) data[i] = (int32_t)(i * 5 + 3);
+    r = ncclSend(data, big, ncclInt32, 1, comm, TEST_STREAM);
+  } else if (rank == 1) {
+    test_step("the wait for rank 2's signal, then the receive from rank 0");
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = 2, .sigIdx = 0, .ctx = 0};
+    r = ncclWaitSignal(1, &d, comm, TEST_STREAM);
+    if (r == ncclSuccess) r = ncclRecv(data, big, ncclInt32, 0, comm, TEST_STREAM);
+    size_t wrong = 0;
+    for (size_t i = 0; i < big && r == ncclSuccess; i++) wrong += data[i] != (int32_t)(i * 5 + 3);
+    EXPECT(wrong == 0, "rank 1: %zu elements wrong", wrong);
+  } else {
+    flag_pid("pid");
+    tlog("STOPPING");
+    raise(SIGSTOP);
+    tlog("resumed");
+    test_step("the signal to rank 1");
+    r = ncclSignal(1, 0, 0, 0, comm, TEST_STREAM);
+  }
+  EXPECT(r == ncclSuccess, "rank %d's calls -> %s: %s", rank, result_name(r), last_error(comm));
+  CHECK(ncclCommDestroy(comm));
+  free(data);
+}
+
 /* ---- ring-late: a ring of sends that a late rank unwinds is not a cycle ----------------- */
 
 /* Each rank but 0 sends 16 MiB to the next, then receives from the one before, outside a
@@ -1293,7 +1335,7 @@ static const struct {
     {"culprit", part_culprit},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
     {"ring-late", part_ring_late}, {"held-up", part_held_up},
-    {"held-elsewhere", part_held_elsewhere}, {"p2p-done", part_p2p_done},
+    {"held-elsewhere", part_held_elsewhere}, {"signal-wait", part_signal_wait}, {"p2p-done", part_p2p_done},
     {"coll-done", part_coll_done}, {"group-late", part_group_late}, {"fd-starved", part_fd_starved},
     {"no-threads", part_no_threads},
 };

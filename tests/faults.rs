@@ -477,6 +477,36 @@ fn a_peer_held_up_on_another_communicator_is_named_with_what_holds_it() {
           format!("  {line}\n"));
 }
 
+/// A rank in ncclWaitSignal, waiting for a sender whose process is stopped: a peer waiting
+/// on it says it is in ncclWaitSignal waiting for that sender's signal (before: that it had not
+/// issued the call), and it says, about 2 s in, that the sender's process is stopped (before:
+/// only after 10 s, without why). Rank 2 is resumed once both are said; every call completes.
+#[test]
+fn a_rank_waiting_for_signals_and_its_stopped_sender_are_named() {
+    let mut job = Job::new("faults").procs(3).arg("--only").arg("signal-wait").env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let pid_file = job.dir().join("unique-id.flag-pid");
+    let said = Arc::new(AtomicUsize::new(0));
+    for (proc, marker) in [(0, "it is in ncclWaitSignal, waiting for 0 of 1 signal(s) from rank 2"),
+                           (1, "for signals from rank 2 (")] {
+        let (pid_file, said) = (pid_file.clone(), said.clone());
+        job = job.on(When::marker(proc, marker), move || {
+            if said.fetch_add(1, Ordering::AcqRel) + 1 < 2 {
+                return "said".to_string();
+            }
+            let pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
+            let sent = std::process::Command::new("kill").args(["-CONT", pid.trim()]).status();
+            format!("SIGCONT to pid {} ({sent:?})", pid.trim())
+        });
+    }
+    let o = job.run_outcome();
+    let line = |p: usize, what: &str| o.procs[p].log.lines().find(|l| l.contains("NCCL WARN") && l.contains(what))
+        .unwrap_or("").to_string();
+    let (waiting, stopped) = (line(0, "ncclWaitSignal"), line(1, "its process is stopped"));
+    let ok = o.ok() && waiting.contains("for rank 1 (") && stopped.contains("for signals from rank 2 (")
+        && waited_secs(&stopped).is_some_and(|s| s < SILENT_AFTER_S);
+    judge("a_rank_waiting_for_signals_and_its_stopped_sender_are_named", &o, ok, format!("  {waiting}\n  {stopped}\n"));
+}
+
 /// The benchmark in a mount namespace of its own whose /dev/shm is a tmpfs mounted with
 /// `options` (`size=4k`; needs root, as the network-namespace tests: `NCCL_TEST_SKIP_NETNS=1`):
 /// its exit status and output.

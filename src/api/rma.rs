@@ -841,6 +841,54 @@ fn gone_sender(comm: &Comm, peers: Vec<(u32, String)>, unreachable: &mut HashMap
     None
 }
 
+/// While a wait blocks: what it publishes as this rank's status (`Ready::set_signal_wait`),
+/// taken back when it ends, however it ends.
+struct Published<'a>(&'a Comm);
+
+impl Published<'_> {
+    fn set(&self, what: &str) {
+        if let Some(ready) = self.0.ready_if_any() {
+            ready.set_signal_wait(Some(what));
+        }
+    }
+}
+
+impl Drop for Published<'_> {
+    fn drop(&mut self) {
+        if let Some(ready) = self.0.ready_if_any() {
+            ready.set_signal_wait(None);
+        }
+    }
+}
+
+/// The senders of `peers` (rank, what came from it) whose process, of this host, is stopped
+/// (SIGSTOP, Ctrl-Z, a debugger) on two probes in a row, as "; rank N (...): its process is
+/// stopped ..." for the published status; each said at WARN once (`seen`: probes in a row, and
+/// whether said), instead of only after [`WARN_AFTER`].
+fn stopped_senders(comm: &Comm, peers: &[(u32, String)], seen: &mut HashMap<u32, (u32, bool)>, waited: Duration)
+                   -> Vec<String> {
+    let mut held = Vec::new();
+    for (p, came) in peers {
+        let Some(how) = comm.peer_stopped(*p as usize) else {
+            seen.remove(p);
+            continue;
+        };
+        let (probes, said) = seen.entry(*p).or_insert((0, false));
+        *probes += 1;
+        if *probes < 2 {
+            continue;
+        }
+        let who = comm.describe_peer(*p as usize);
+        if !*said {
+            *said = true;
+            crate::warn!("rank {}: ncclWaitSignal has waited {:.1} s for signals from {who}: {how}; {came} came",
+                         comm.rank, waited.as_secs_f64());
+        }
+        held.push(format!("; {who}: {how}"));
+    }
+    held
+}
+
 /// Block until every descriptor's signals have come, then consume them.
 fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
     let inner = &comm.rma.inner;
@@ -850,6 +898,9 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
     let mut warned = false;
     let mut probed = started;
     let mut unreachable: HashMap<u32, Instant> = HashMap::new();
+    let mut published: Option<Published<'_>> = None;
+    // Senders of this host found stopped: on how many probes in a row, and whether said.
+    let mut stopped: HashMap<u32, (u32, bool)> = HashMap::new();
     loop {
         if let Some(e) = st.failed.clone() {
             return Err(e);
@@ -872,13 +923,19 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
             return Err(e);
         }
         let now = Instant::now();
-        if now.duration_since(probed) >= PROBE_EVERY {
-            probed = now;
-            let peers = missing.iter().filter(|m| m.0 .2 as usize != comm.rank)
+        if published.is_none() || now.duration_since(probed) >= PROBE_EVERY {
+            let list: Vec<String> = missing.iter().map(|m| describe_missing(&st, m)).collect();
+            let peers: Vec<(u32, String)> = missing.iter().filter(|m| m.0 .2 as usize != comm.rank)
                 .map(|m| (m.0 .2, describe_missing(&st, m))).collect();
             drop(st);
-            if let Some(e) = gone_sender(comm, peers, &mut unreachable) {
-                return Err(e);
+            let first = published.is_none();
+            let held = if first { Vec::new() } else { stopped_senders(comm, &peers, &mut stopped, now - started) };
+            published.get_or_insert(Published(comm)).set(&format!("{}{}", list.join(", "), held.concat()));
+            if !first {
+                probed = now;
+                if let Some(e) = gone_sender(comm, peers, &mut unreachable) {
+                    return Err(e);
+                }
             }
             st = inner.lock();
             continue;

@@ -7,7 +7,7 @@ use std::sync::{Mutex, Weak};
 
 use crate::abi::fork::{self, PerFork, PerForkMutex};
 
-use super::{WaitNote, HELD_UP_THERE, STATUS_RUNNING, STATUS_STREAM};
+use super::{WaitNote, HELD_UP_THERE, STATUS_RUNNING, STATUS_SIGNALS, STATUS_STREAM};
 
 struct Entry {
     /// `Comm::serial`: communicators of one job share their hash under NCCL_COMM_ID.
@@ -45,6 +45,11 @@ pub fn running_except(serial: u64) -> Option<String> {
         let bytes = running.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let tag = match bytes.first() {
             Some(&tag) if tag == STATUS_RUNNING || tag == STATUS_STREAM => tag,
+            Some(&STATUS_SIGNALS) => {
+                said.push(format!("ncclWaitSignal (waiting for {}) on communicator {:#x} as rank {} of {}",
+                                  String::from_utf8_lossy(&bytes[1..]), e.hash, e.rank, e.nranks));
+                continue;
+            }
             _ => continue,
         };
         let Some(first) = super::status_stamps(&bytes).next() else { continue };

@@ -220,6 +220,22 @@ impl Ready {
         set_status(&mut self.status(), STATUS_STREAM, stamps);
     }
 
+    /// Publish that this rank waits in ncclWaitSignal for `what` (in words), or, with None, that
+    /// it no longer does: a peer waiting on it is told where it is, not that it issued nothing.
+    pub fn set_signal_wait(&self, what: Option<&str>) {
+        let mut bytes = self.status();
+        match what {
+            Some(what) => {
+                set_status(&mut bytes, STATUS_SIGNALS, std::iter::empty());
+                if bytes.first() == Some(&STATUS_SIGNALS) {
+                    bytes.extend_from_slice(what.as_bytes());
+                }
+            }
+            None if bytes.first() == Some(&STATUS_SIGNALS) => set_status(&mut bytes, STATUS_RUNNING, std::iter::empty()),
+            None => {}
+        }
+    }
+
     /// Publish that this rank is suspended (ncclCommSuspend): peers waiting on it are told so.
     pub fn set_suspended(&self) {
         set_status(&mut self.status(), STATUS_SUSPENDED, std::iter::empty());
@@ -249,6 +265,8 @@ pub enum PeerRuns {
     Suspended,
     /// It runs nothing on this communicator, and its process is in these calls on others.
     Elsewhere(String),
+    /// It waits in ncclWaitSignal for these signals.
+    Signals(String),
     /// No answer, again, after [`SILENT_AFTER`] of none (at the first unanswered request if its
     /// process is stopped): said once per silence (then `Unknown` again), with what its process
     /// is doing where that can be seen, and for how long it has not answered.
@@ -328,6 +346,8 @@ impl PeerRuns {
                 // (Held up there: the rank named is the cause, not the order of the calls.)
                 if calls.contains(HELD_UP_THERE) { "" }
                 else { " (ranks that call communicators in different orders wait for each other)" })),
+            PeerRuns::Signals(what) => Some(format!("which has not issued that call: it is in ncclWaitSignal, waiting \
+                                                     for {what}")),
             PeerRuns::Suspended => Some("which has not issued that call: its communicator is suspended (ncclCommSuspend \
                                          without ncclCommResume)".to_string()),
             PeerRuns::Stream(theirs) => Some(format!(
@@ -386,6 +406,8 @@ const STATUS_STREAM: u8 = 2;
 const STATUS_SUSPENDED: u8 = 3;
 /// Running nothing on this communicator; then, in words, what the process's others run.
 const STATUS_ELSEWHERE: u8 = 4;
+/// In ncclWaitSignal; then, in words, the signals it waits for.
+const STATUS_SIGNALS: u8 = 5;
 /// In place of a send or receive that finished while its group runs on ([`Ready::finished`]):
 /// no operation's stamp (its first byte is no kind). Never sent: answers leave it out.
 const DONE: Stamp = [0xFF; STAMP_BYTES];
@@ -1055,6 +1077,15 @@ impl Comm {
                                               members: self }
     }
 
+    /// What to say of `peer`'s process if it is of this host and stopped (SIGSTOP, Ctrl-Z, a
+    /// debugger), for waits that cannot ask it what it runs.
+    pub fn peer_stopped(&self, peer: usize) -> Option<&'static str> {
+        let ready = self.ready.get()?;
+        let (me, p) = (ready.peers.get(self.rank)?, ready.peers.get(peer)?);
+        let how = p.same_pids(me).then(|| Silence::of_process(p.pid))?;
+        matches!(how, Silence::Stopped | Silence::Traced).then(|| how.describe())
+    }
+
     /// Has `peer` closed this communicator (destroyed or aborted it) while its process goes on?
     /// Then it will never connect or send again. For waits on a peer that has no connection to
     /// carry that news (one it had is closed by it and says so itself, after what came on it).
@@ -1103,6 +1134,7 @@ impl Comm {
             }
             Some((&STATUS_SUSPENDED, _)) => return Ok(PeerRuns::Suspended),
             Some((&STATUS_ELSEWHERE, rest)) => return Ok(PeerRuns::Elsewhere(String::from_utf8_lossy(rest).into_owned())),
+            Some((&STATUS_SIGNALS, rest)) => return Ok(PeerRuns::Signals(String::from_utf8_lossy(rest).into_owned())),
             Some((&STATUS_RUNNING, _)) | None => {}
             Some(_) => return Ok(PeerRuns::Unknown),
         }
