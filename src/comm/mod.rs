@@ -72,6 +72,24 @@ fn shown_note<'a>(waits: &'a Option<WaitNote>, status: &[u8]) -> Option<&'a Wait
     waits.as_ref().filter(|n| n.at.elapsed() < NOTE_FRESH && status_stamps(status).any(|s| plain(&s) == plain(&n.stamp)))
 }
 
+/// The longest [`WaitNote`] text kept: ranks calling two communicators in different orders hold
+/// each other up, and each one's note quotes the other's (through the process's other
+/// communicators), which would grow a layer at every look for as long as they wait.
+const NOTE_MAX: usize = 1024;
+
+/// `text`, cut to [`NOTE_MAX`] bytes (at a character), "..." marking the cut.
+fn capped(mut text: String) -> String {
+    if text.len() > NOTE_MAX {
+        let mut at = NOTE_MAX;
+        while !text.is_char_boundary(at) {
+            at -= 1;
+        }
+        text.truncate(at);
+        text.push_str("...");
+    }
+    text
+}
+
 /// Where a peer in a call on another communicator says what holds that call up.
 const HELD_UP_THERE: &str = ", held up there by ";
 
@@ -130,7 +148,7 @@ impl Ready {
         let mut note = self.waits.lock().unwrap_or_else(|p| p.into_inner());
         match (runs, why) {
             (PeerRuns::Waits(rank, text), _) => {
-                *note = Some(WaitNote { stamp: *mine, rank: *rank, text: text.clone(), at: now });
+                *note = Some(WaitNote { stamp: *mine, rank: *rank, text: capped(text.clone()), at: now });
             }
             (PeerRuns::Unknown, _) => {
                 if let Some(n) = note.as_mut().filter(|n| n.stamp == *mine) {
@@ -138,7 +156,8 @@ impl Ready {
                 }
             }
             (_, Some(why)) => {
-                *note = Some(WaitNote { stamp: *mine, rank: peer, text: format!("{}, {why}", describe_peer()), at: now });
+                *note = Some(WaitNote { stamp: *mine, rank: peer, text: capped(format!("{}, {why}", describe_peer())),
+                                        at: now });
             }
             (_, None) => {}
         }
@@ -1567,6 +1586,13 @@ mod tests {
         drop(busy);
         let after = status_answer(&idle, idle_serial);
         assert!(!String::from_utf8_lossy(&after).contains("0x2222"), "a gone communicator is not named");
+    }
+
+    #[test]
+    fn wait_notes_are_capped() {
+        assert_eq!(capped("short".to_string()), "short");
+        let long = capped("é".repeat(NOTE_MAX));
+        assert!(long.len() <= NOTE_MAX + 3 && long.ends_with("...") && long.starts_with("éé"), "{}", long.len());
     }
 
     /// A peer that issued this rank's collective is past it; one that issued only those before
