@@ -241,9 +241,17 @@ impl Ready {
 
     /// Publish that this rank waits in ncclWaitSignal for `what` (in words), or, with None, that
     /// it no longer does: a peer waiting on it is told where it is, not that it issued nothing.
+    /// Only over a status that shows nothing else (operations running on another thread of the
+    /// communicator's say more).
     pub fn set_signal_wait(&self, what: Option<&str>) {
         let mut bytes = self.status();
+        let idle = match bytes.first() {
+            None | Some(&STATUS_SIGNALS) => true,
+            Some(&STATUS_RUNNING) => status_stamps(&bytes).next().is_none(),
+            Some(_) => false,
+        };
         match what {
+            Some(_) if !idle => {}
             Some(what) => {
                 set_status(&mut bytes, STATUS_SIGNALS, std::iter::empty());
                 if bytes.first() == Some(&STATUS_SIGNALS) {
