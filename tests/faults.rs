@@ -173,28 +173,37 @@ fn kill_rank_of_4_during_allreduce_every_survivor_names_it_socket() {
 /// `NCCL_TEST_KILL_SEEDS=1-100` (each seed its own layout, victim and time, as below).
 #[test]
 fn a_rank_killed_amid_random_calls_is_named_by_every_survivor() {
-    let hunt = std::env::var("NCCL_TEST_KILL_SEEDS").ok().and_then(|v| {
-        let (a, b) = v.split_once('-')?;
-        Some(a.parse::<u64>().ok()?..=b.parse::<u64>().ok()?)
-    });
-    match hunt {
+    match hunt_seeds("NCCL_TEST_KILL_SEEDS") {
         None => {
             kill_amid_random_calls(4, 3, 1, &[], 1, 400);
             kill_amid_random_calls(4, 3, 1, &[("NCCL_SHM_DISABLE", "1")], 1, 400);
         }
         Some(seeds) => {
             for seed in seeds {
-                let (procs, local, env): (usize, usize, &[(&str, &str)]) = match seed % 4 {
-                    0 => (3, 1, &[]),
-                    1 => (2, 2, &[]),
-                    2 => (4, 1, &[("NCCL_SHM_DISABLE", "1")]),
-                    _ => (3, 2, &[("NCCL_BUFFSIZE", "65536")]),
-                };
-                let victim = (seed as usize * 7) % procs;
-                kill_amid_random_calls(seed, procs, local, env, victim, 100 + seed * 7919 % 2900);
+                let (procs, local, env, victim, ms) = hunt_layout(seed);
+                kill_amid_random_calls(seed, procs, local, env, victim, ms);
             }
         }
     }
+}
+
+/// The seeds `var` asks a hunt for ("1-100"), if it is set.
+fn hunt_seeds(var: &str) -> Option<std::ops::RangeInclusive<u64>> {
+    let v = std::env::var(var).ok()?;
+    let (a, b) = v.split_once('-')?;
+    Some(a.parse::<u64>().ok()?..=b.parse::<u64>().ok()?)
+}
+
+/// A hunt's layout for `seed`: processes, ranks each, environment, the process to kill or stop,
+/// and when (ms after its communicators are ready).
+fn hunt_layout(seed: u64) -> (usize, usize, &'static [(&'static str, &'static str)], usize, u64) {
+    let (procs, local, env): (usize, usize, &[(&str, &str)]) = match seed % 4 {
+        0 => (3, 1, &[]),
+        1 => (2, 2, &[]),
+        2 => (4, 1, &[("NCCL_SHM_DISABLE", "1")]),
+        _ => (3, 2, &[("NCCL_BUFFSIZE", "65536")]),
+    };
+    (procs, local, env, (seed as usize * 7) % procs, 100 + seed * 7919 % 2900)
 }
 
 /// The soak with `seed` as `procs` x `local` ranks, process `victim` SIGKILLed `ms` after its
@@ -228,21 +237,12 @@ fn kill_amid_random_calls(seed: u64, procs: usize, local: usize, env: &[(&str, &
 /// To hunt with more: `NCCL_TEST_STOP_SEEDS=1-100`.
 #[test]
 fn a_rank_stopped_amid_random_calls_is_named_and_the_job_completes() {
-    let hunt = std::env::var("NCCL_TEST_STOP_SEEDS").ok().and_then(|v| {
-        let (a, b) = v.split_once('-')?;
-        Some(a.parse::<u64>().ok()?..=b.parse::<u64>().ok()?)
-    });
-    match hunt {
+    match hunt_seeds("NCCL_TEST_STOP_SEEDS") {
         None => stop_amid_random_calls(4, 3, 1, &[], 1, 300),
         Some(seeds) => {
             for seed in seeds {
-                let (procs, local, env): (usize, usize, &[(&str, &str)]) = match seed % 4 {
-                    0 => (3, 1, &[]),
-                    1 => (2, 2, &[]),
-                    2 => (4, 1, &[("NCCL_SHM_DISABLE", "1")]),
-                    _ => (3, 2, &[("NCCL_BUFFSIZE", "65536")]),
-                };
-                stop_amid_random_calls(seed, procs, local, env, (seed as usize * 7) % procs, 100 + seed * 7919 % 2900);
+                let (procs, local, env, victim, ms) = hunt_layout(seed);
+                stop_amid_random_calls(seed, procs, local, env, victim, ms);
             }
         }
     }
