@@ -144,6 +144,9 @@ const WARN_AFTER: Duration = Duration::from_secs(10);
 const SPIN: Duration = Duration::from_micros(100);
 /// How often a waiting rank checks that the ranks it waits on are still there.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// How long a wait goes before it publishes what it waits for (`Published`): a wait that ends
+/// sooner, as most do, formats and locks nothing for it; a peer asks only after 1 s of its own.
+const PUBLISH_AFTER: Duration = Duration::from_millis(50);
 
 impl Rma {
     /// `shape`: the config's contexts and signals per context.
@@ -923,14 +926,15 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
             return Err(e);
         }
         let now = Instant::now();
-        if published.is_none() || now.duration_since(probed) >= PROBE_EVERY {
-            let list: Vec<String> = missing.iter().map(|m| describe_missing(&st, m)).collect();
-            let peers: Vec<(u32, String)> = missing.iter().filter(|m| m.0 .2 as usize != comm.rank)
-                .map(|m| (m.0 .2, describe_missing(&st, m))).collect();
+        let first = published.is_none() && now.duration_since(started) >= PUBLISH_AFTER;
+        if first || now.duration_since(probed) >= PROBE_EVERY {
+            let described: Vec<(u32, String)> = missing.iter().map(|m| (m.0 .2, describe_missing(&st, m))).collect();
+            let list: Vec<&str> = described.iter().map(|(_, d)| d.as_str()).collect();
+            let text = list.join(", ");
+            let peers: Vec<(u32, String)> = described.into_iter().filter(|(p, _)| *p as usize != comm.rank).collect();
             drop(st);
-            let first = published.is_none();
             let held = if first { Vec::new() } else { stopped_senders(comm, &peers, &mut stopped, now - started) };
-            published.get_or_insert(Published(comm)).set(&format!("{}{}", list.join(", "), held.concat()));
+            published.get_or_insert(Published(comm)).set(&format!("{text}{}", held.concat()));
             if !first {
                 probed = now;
                 if let Some(e) = gone_sender(comm, peers, &mut unreachable) {

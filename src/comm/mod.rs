@@ -254,9 +254,7 @@ impl Ready {
             Some(_) if !idle => {}
             Some(what) => {
                 set_status(&mut bytes, STATUS_SIGNALS, std::iter::empty());
-                if bytes.first() == Some(&STATUS_SIGNALS) {
-                    bytes.extend_from_slice(what.as_bytes());
-                }
+                bytes.extend_from_slice(what.as_bytes());
             }
             None if bytes.first() == Some(&STATUS_SIGNALS) => set_status(&mut bytes, STATUS_RUNNING, std::iter::empty()),
             None => {}
@@ -1343,7 +1341,9 @@ impl Comm {
     /// connection).
     pub fn peer_failure(&self, peer: usize) -> Option<Error> {
         self.told_failure(peer).or_else(|| {
-            self.peer_runs(peer, &[0u8; STAMP_BYTES], &|_| String::new()).err().filter(|e| e.msg.contains(" failed: "))
+            // (Not `peer_runs`: no wait of this rank's to note.)
+            self.peer_runs_once(peer, &[0u8; STAMP_BYTES], &|_| String::new(), false).err()
+                .filter(|e| e.msg.contains(" failed: "))
         })
     }
 
