@@ -22,9 +22,10 @@
  *                             stopped rank 2 fails: it must name rank 1 first, rank 0 as gone
  *                             after failing itself (tests/faults.rs sends SIGCONT); with
  *                             FAULTS_CASE=p2p a send and a receive in place of the all-reduce
- *   faults --only held-up     (4 processes) rank 3 makes its all-reduce only once every
- *                             other rank has said at WARN that it has not issued the call
- *                             (tests/faults.rs sets the flag "go"); then the sum is exact
+ *   faults --only held-up     (2 or more processes) the last rank makes its all-reduce only
+ *                             once every other rank has said at WARN that it has not issued
+ *                             the call (tests/faults.rs sets the flag "go"); then the sum is
+ *                             exact
  *   faults --only held-elsewhere  (3 processes) rank 0 receives from rank 1, which is in an
  *                             all-reduce with rank 2 on another communicator first: rank 0
  *                             must name rank 2 as what holds rank 1 up there
@@ -1006,26 +1007,35 @@ static void part_group_late(void) {
 
 /* ---- held-up: every rank names the late rank that holds a collective up ------------------ */
 
-/* 4 processes all-reduce 1 Mi ints; rank 3 makes its call only once ranks 0 to 2 have each said
- * at WARN that a rank has not issued that call (the harness sets the flag "go"). The rank(s)
- * that wait on rank 3 itself find it has not; the others wait on ranks that run the call too
- * and learn from them who holds them up (before: those said nothing, however long). Then
- * every rank's sum is exact. */
+/* n processes all-reduce 1 Mi ints; the last rank makes its call only once every other has said
+ * at WARN that it has not issued that call (the harness sets the flag "go"). The ranks that
+ * wait on it directly find it has not; the others wait on ranks that run the call too and
+ * learn from them, or from the ranks those reached, who holds them up (before: those said
+ * nothing, however long; then, only one rank further per look). Then every rank's sum is
+ * exact. */
 static void part_held_up(void) {
-  ncclComm_t comm = one_rank_part("held-up", 4);
+  test_deadline(50);
+  if (g_env.nprocs < 2 || g_env.local != 1) {
+    fprintf(stderr, "held-up: run as 2 or more processes of 1 rank\n");
+    exit(2);
+  }
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
   const size_t n = 1 << 20;
-  const int rank = g_env.proc;
+  const int rank = g_env.proc, ranks = g_env.nprocs, late = ranks - 1;
   int32_t* buf = TEST_ALLOC(n * sizeof(int32_t));
   for (size_t i = 0; i < n; i++) buf[i] = (int32_t)(rank + (int32_t)(i % 7));
-  if (rank == 3) {
+  if (rank == late) {
     test_step("waiting for the go");
-    EXPECT(flag_wait("go", 30), "no go within 30 s (ranks 0 to 2 did not all say that rank 3 holds them up)");
+    EXPECT(flag_wait("go", 40), "no go within 40 s (the other ranks did not all say that rank %d holds them up)", late);
   }
   test_step("the all-reduce");
   ncclResult_t r = ncclAllReduce(buf, buf, n, ncclInt32, ncclSum, comm, TEST_STREAM);
   EXPECT(r == ncclSuccess, "rank %d's all-reduce -> %s: %s", rank, result_name(r), last_error(comm));
   size_t wrong = 0;
-  for (size_t i = 0; i < n && r == ncclSuccess; i++) wrong += buf[i] != (int32_t)(6 + 4 * (int32_t)(i % 7));
+  const int32_t base = (int32_t)(ranks * (ranks - 1) / 2);
+  for (size_t i = 0; i < n && r == ncclSuccess; i++) wrong += buf[i] != base + ranks * (int32_t)(i % 7);
   EXPECT(wrong == 0, "rank %d: %zu elements wrong", rank, wrong);
   CHECK(ncclCommDestroy(comm));
   free(buf);

@@ -430,29 +430,56 @@ fn a_rank_receiving_from_a_late_third_rank_is_not_a_mismatch() {
 /// each said so, then the all-reduce completes, exact.
 #[test]
 fn every_rank_names_the_rank_holding_up_a_collective() {
-    let mut job = Job::new("faults").procs(4).arg("--only").arg("held-up").env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let o = held_up(4);
+    judge("every_rank_names_the_rank_holding_up_a_collective", &o.0, o.1, o.2);
+}
+
+/// The same along long chains of ranks that each wait on the next: 24 processes, rank 23 late.
+/// Each rank names it within 8 s of waiting: a rank asks along what the ranks it reaches say
+/// they reached, not only its peer. Before, the news went back one rank per look (2 s): the
+/// ranks furthest along the chains named it 13 s in.
+#[test]
+fn a_long_chain_of_ranks_names_the_rank_holding_it_up_within_seconds() {
+    let (o, all, warned) = held_up(24);
+    // "... waited 3.1 s in AllReduce #0 ...": the first line of each rank naming rank 23.
+    let waited = |log: &str| log.lines().find(|l| l.contains("NCCL WARN") && l.contains("rank 23 ("))
+        .and_then(|l| l.split("waited ").nth(1)?.split(' ').next()?.parse::<f64>().ok());
+    let slow: Vec<String> = (0..23).filter_map(|p| match waited(&o.procs[p].log) {
+        Some(s) if s < 8.0 => None,
+        s => Some(format!("rank {p}: {s:?} s")),
+    }).collect();
+    judge("a_long_chain_of_ranks_names_the_rank_holding_it_up_within_seconds", &o, all && slow.is_empty(),
+          format!("  named late or not at all: {slow:?}\n{warned}"));
+}
+
+/// `faults --only held-up` on `procs` processes: the last is let go once every other has named
+/// it, then all complete. The outcome, whether it went so (and every rank named the last), and
+/// the WARN lines.
+fn held_up(procs: usize) -> (Outcome, bool, String) {
+    let late = procs - 1;
+    let mut job = Job::new("faults").procs(procs).arg("--only").arg("held-up").env("NCCL_DEBUG", "WARN").timeout_s(60);
     let go = job.dir().join("unique-id.flag-go");
     let said = Arc::new(AtomicUsize::new(0));
-    for proc in 0..3 {
+    for proc in 0..late {
         let (go, said) = (go.clone(), said.clone());
-        job = job.on(When::marker(proc, "which has not issued that call"), move || {
-            if said.fetch_add(1, Ordering::AcqRel) + 1 < 3 {
+        job = job.on(When::marker(proc, &format!("rank {late} (")), move || {
+            if said.fetch_add(1, Ordering::AcqRel) + 1 < late {
                 return "said".to_string();
             }
             std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
         });
     }
     let o = job.run_outcome();
-    // Each names rank 3, itself or as the rank holding its peer up.
-    let names_3 = |log: &str| log.lines().any(|l| {
+    // Each names the late rank, itself or as the rank holding its peer up.
+    let names_late = |log: &str| log.lines().any(|l| {
         l.contains("NCCL WARN") && l.contains("which has not issued that call")
-            && (l.contains("in AllReduce #0 (count 1048576, int32, sum) for rank 3 (")
-                || l.contains("which runs that call too and is held up by rank 3 ("))
+            && (l.contains(&format!("in AllReduce #0 (count 1048576, int32, sum) for rank {late} ("))
+                || l.contains(&format!("which runs that call too and is held up by rank {late} (")))
     });
-    let all = (0..3).all(|p| names_3(&o.procs[p].log));
+    let all = o.ok() && (0..late).all(|p| names_late(&o.procs[p].log));
     let warned: String = o.procs.iter().flat_map(|p| p.log.lines().filter(|l| l.contains("NCCL WARN")))
         .map(|l| format!("  {l}\n")).collect();
-    judge("every_rank_names_the_rank_holding_up_a_collective", &o, o.ok() && all, warned);
+    (o, all, warned)
 }
 
 /// A peer in a call on another communicator that a third rank holds up: rank 0, receiving

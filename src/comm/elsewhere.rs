@@ -56,7 +56,8 @@ pub fn running_except(serial: u64) -> Option<String> {
         let how = if tag == STATUS_STREAM { " (issued, waiting for its CUDA stream)" } else { "" };
         let held = e.waits.upgrade().and_then(|w| {
             let note = w.lock().unwrap_or_else(|p| p.into_inner());
-            super::shown_note(&note, &bytes).map(|n| format!("{HELD_UP_THERE}{}", n.text))
+            // (Not a note of how far it got: no rank found yet.)
+            super::shown_note(&note, &bytes).filter(|n| !n.text.is_empty()).map(|n| format!("{HELD_UP_THERE}{}", n.text))
         });
         said.push(format!("{}{how} on communicator {:#x} as rank {} of {}{}", crate::plan::ops::describe_stamp(&first),
                           e.hash, e.rank, e.nranks, held.unwrap_or_default()));

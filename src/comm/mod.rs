@@ -53,6 +53,11 @@ pub struct Ready {
 /// so that ranks waiting on it in the same call, which by themselves see only a peer that runs
 /// it too, name the rank holding them all up: in a ring, otherwise only that rank's
 /// successor could.
+///
+/// With an empty `text`, a collective's rank found nothing yet but `rank`: a rank that runs
+/// the call too, the furthest it reached along the ranks each waits on. A rank that asks it
+/// goes on from there ([`Comm::follow`]), and keeps the furthest it reached in turn, so that
+/// the ranks of a long chain find the rank holding it up in a few looks, not one rank per look.
 struct WaitNote {
     stamp: Stamp,
     rank: usize,
@@ -141,14 +146,21 @@ impl Ready {
     }
 
     /// Keep what a look at `peer`, waited on in `mine`, found (`runs`; `describe_peer` names
-    /// the peer): the rank holding the call up, if it found one ([`WaitNote`]); no news (an
-    /// answer not yet come, a silence already said) keeps the note of the same call fresh.
+    /// the peer): the rank holding the call up, if it found one ([`WaitNote`]), else the
+    /// furthest rank it reached that runs the call too; no news (an answer not yet come, a
+    /// silence already said) keeps the note of the same call fresh.
     fn note_wait(&self, peer: usize, mine: &Stamp, runs: &PeerRuns, why: Option<String>, describe_peer: impl FnOnce() -> String) {
         let now = std::time::Instant::now();
         let mut note = self.waits.lock().unwrap_or_else(|p| p.into_inner());
         match (runs, why) {
             (PeerRuns::Waits(rank, text), _) => {
                 *note = Some(WaitNote { stamp: *mine, rank: *rank, text: capped(text.clone()), at: now });
+            }
+            // (A rank found holding the call up is shown until stale, rather than the way to it.)
+            (PeerRuns::Via(rank), _) => {
+                if !note.as_ref().is_some_and(|n| n.stamp == *mine && !n.text.is_empty() && n.at.elapsed() < NOTE_FRESH) {
+                    *note = Some(WaitNote { stamp: *mine, rank: *rank, text: String::new(), at: now });
+                }
             }
             (PeerRuns::Unknown, _) => {
                 if let Some(n) = note.as_mut().filter(|n| n.stamp == *mine) {
@@ -302,6 +314,9 @@ pub enum PeerRuns {
     /// It runs the call too, held up by this rank (the first) as it says ([`WaitNote`]: that
     /// rank described, with why).
     Waits(usize, String),
+    /// It runs the collective too, as does this rank, the furthest reached along the ranks each
+    /// waits on ([`Comm::follow`]), none of which has found yet what holds it up.
+    Via(usize),
     /// It sends to this rank and receives nothing from it while this rank does the same (or
     /// both only receive): neither call can finish. The words say which. (`peer_runs` asks
     /// again and makes it an error.)
@@ -385,7 +400,7 @@ impl PeerRuns {
                 "which has not issued that call: it is in {} (and waits on that rank)", describe(theirs))),
             PeerRuns::Waits(_, text) => Some(format!("which runs that call too and is held up by {text}")),
             PeerRuns::Crossed(how) => Some(how.clone()),
-            PeerRuns::Same | PeerRuns::Unknown => None,
+            PeerRuns::Same | PeerRuns::Via(_) | PeerRuns::Unknown => None,
         }
     }
 
@@ -442,6 +457,43 @@ const TELL_NEAREST: usize = 64;
 const TELL_WITHIN: std::time::Duration = std::time::Duration::from_millis(500);
 /// How long [`Comm::lost_peers`] waits for the news of peers gone after failing.
 const TELL_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Ranks a look follows past a peer that runs the same collective ([`Comm::follow`]): with
+/// each rank keeping the furthest it reached, a chain of n ranks is followed to its end in
+/// about log9(n) looks (a ring of 4096 ranks: 4).
+const FOLLOW_HOPS: usize = 8;
+
+/// What a rank asked along the ranks a collective waits on does ([`Comm::hop`]).
+enum Hop {
+    /// It runs the call too; its note, if any: the rank holding it up, or, with no words, the
+    /// furthest it reached ([`WaitNote`]).
+    Runs(Option<(usize, String)>),
+    /// It holds the call up: why (as `PeerRuns::why_waiting` says it).
+    Holds(String),
+    /// Nothing to tell.
+    Unknown,
+}
+
+/// What status bytes say a rank does, for a rank waiting on it in `mine`, where their tag says
+/// it (it waits for its CUDA stream, is suspended, runs nothing here but other communicators,
+/// waits for signals; an unknown tag: `Unknown`). None: running (or failed: see the caller).
+fn tagged_runs(status: &[u8], mine: &Stamp) -> Option<PeerRuns> {
+    match status.split_first() {
+        Some((&STATUS_STREAM, rest)) => {
+            // Ours, if it waits for its stream to reach this very call; else the first.
+            let mut stamps = rest.chunks_exact(STAMP_BYTES);
+            // (Stamps as their messages carry them: without a send's or receive's direction.)
+            let plain = crate::plan::ops::without_role(*mine);
+            let theirs = stamps.clone().find(|s| *s == plain.as_slice()).or_else(|| stamps.next());
+            Some(theirs.and_then(|t| t.try_into().ok()).map_or(PeerRuns::Unknown, PeerRuns::Stream))
+        }
+        Some((&STATUS_SUSPENDED, _)) => Some(PeerRuns::Suspended),
+        Some((&STATUS_ELSEWHERE, rest)) => Some(PeerRuns::Elsewhere(String::from_utf8_lossy(rest).into_owned())),
+        Some((&STATUS_SIGNALS, rest)) => Some(PeerRuns::Signals(String::from_utf8_lossy(rest).into_owned())),
+        Some((&STATUS_RUNNING, _)) | Some((&STATUS_FAILED, _)) | None => None,
+        Some(_) => Some(PeerRuns::Unknown),
+    }
+}
 
 /// What another rank's status request is answered: the status, or, where this communicator
 /// runs nothing, what this process's other communicators run, if anything.
@@ -1147,21 +1199,11 @@ impl Comm {
         };
         let answer = Answer::read(&answer);
         let (counts, status) = (answer.about, answer.status);
-        match status.split_first() {
-            Some((&STATUS_FAILED, [code, msg @ ..])) => return Err(self.peer_failed(peer, *code, msg)),
-            Some((&STATUS_STREAM, rest)) => {
-                // Ours, if it waits for its stream to reach this very call; else the first.
-                let mut stamps = rest.chunks_exact(STAMP_BYTES);
-                // (Stamps as their messages carry them: without a send's or receive's direction.)
-                let plain = crate::plan::ops::without_role(*mine);
-                let theirs = stamps.clone().find(|s| *s == plain.as_slice()).or_else(|| stamps.next());
-                return Ok(theirs.and_then(|t| t.try_into().ok()).map_or(PeerRuns::Unknown, PeerRuns::Stream));
-            }
-            Some((&STATUS_SUSPENDED, _)) => return Ok(PeerRuns::Suspended),
-            Some((&STATUS_ELSEWHERE, rest)) => return Ok(PeerRuns::Elsewhere(String::from_utf8_lossy(rest).into_owned())),
-            Some((&STATUS_SIGNALS, rest)) => return Ok(PeerRuns::Signals(String::from_utf8_lossy(rest).into_owned())),
-            Some((&STATUS_RUNNING, _)) | None => {}
-            Some(_) => return Ok(PeerRuns::Unknown),
+        if let Some((&STATUS_FAILED, [code, msg @ ..])) = status.split_first() {
+            return Err(self.peer_failed(peer, *code, msg));
+        }
+        if let Some(runs) = tagged_runs(status, mine) {
+            return Ok(runs);
         }
         let theirs: Vec<Stamp> = status_stamps(status).collect();
         if theirs.is_empty() {
@@ -1174,10 +1216,19 @@ impl Comm {
                 self.waits_in_cycle(ready, (peer, theirs, answer.with), counts, describe)
                     .map_or(PeerRuns::OtherPeers(first), PeerRuns::Crossed)
             }
-            // Held up, it may have found by whom.
+            // Held up, it may have found by whom, or how far along the ranks it waits on
+            // (a collective's; looked further every 2, 4, 8, 16 s, as cycles are).
             PeerRuns::Same => match answer.waits {
-                Some((rank, text)) if rank != self.rank && rank != peer => {
+                Some((rank, text)) if rank != self.rank && rank != peer && !text.is_empty() => {
                     PeerRuns::Waits(rank, String::from_utf8_lossy(text).into_owned())
+                }
+                via if crate::plan::ops::coll_seq(mine).is_some() => {
+                    let via = via.map(|(rank, _)| rank).filter(|&r| r != self.rank);
+                    match via {
+                        Some(_) if again || ready.may_walk(peer, mine) => self.follow(ready, peer, via, mine, describe),
+                        // (Between looks further: as far as the peer got.)
+                        via => PeerRuns::Via(via.unwrap_or(peer)),
+                    }
                 }
                 _ => PeerRuns::Same,
             },
@@ -1270,6 +1321,76 @@ impl Comm {
                 self.describe_peer(peer), describe(&first_with_me), self.rank, describe(mine))));
         }
         Ok(PeerRuns::Same)
+    }
+
+    /// What holds up the collective `mine`, in which this rank waits on `peer`, which runs it
+    /// too and has reached rank `via` (its [`WaitNote`]) that runs it too: asked, and on along
+    /// what each says it reached, for at most [`FOLLOW_HOPS`] ranks, until one that has found
+    /// what holds the call up (`Waits`: that), or one that has not issued the call (`Waits`:
+    /// it, with why). Else `Via`: the furthest rank reached, kept as this rank's note for the
+    /// ranks that wait on it. Without it, the news of what holds a call up went back one rank
+    /// per look (2 s), round a ring: in one of 16 ranks, up to 9 s; of 64, over 30 s.
+    fn follow(&self, ready: &Ready, peer: usize, via: Option<usize>, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String)
+              -> PeerRuns {
+        let (mut reached, mut next) = (peer, via);
+        let mut asked = vec![self.rank, peer];
+        while let Some(at) = next.filter(|r| !asked.contains(r) && *r < ready.peers.len()) {
+            if asked.len() >= FOLLOW_HOPS + 2 {
+                break;
+            }
+            asked.push(at);
+            match self.hop(ready, at, mine, describe) {
+                Hop::Runs(Some((rank, text))) if !text.is_empty() => {
+                    if rank == self.rank {
+                        break;
+                    }
+                    return PeerRuns::Waits(rank, text);
+                }
+                Hop::Runs(via) => {
+                    reached = at;
+                    next = via.map(|(rank, _)| rank);
+                }
+                Hop::Holds(why) => return PeerRuns::Waits(at, format!("{}, {why}", self.describe_peer(at))),
+                Hop::Unknown => break,
+            }
+        }
+        PeerRuns::Via(reached)
+    }
+
+    /// What rank `at`, not a peer this rank waits on directly, does about the collective `mine`
+    /// ([`Comm::follow`]). Only what holds the call up counts against it: a rank that issued
+    /// the call (and is past it, or in it on another thread) or failed (its failure is told
+    /// otherwise) or does not answer, tells nothing.
+    fn hop(&self, ready: &Ready, at: usize, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String) -> Hop {
+        use crate::plan::ops::{p2p_bytes, same_operation};
+        let Ok(bytes) = ready.service.status(at, STATUS_WITHIN) else { return Hop::Unknown };
+        let answer = Answer::read(&bytes);
+        let issued = past(mine, answer.issued);
+        let runs = match answer.status.first() {
+            Some(&STATUS_FAILED) => return Hop::Unknown,
+            Some(&STATUS_RUNNING) | None => {
+                let theirs: Vec<Stamp> = status_stamps(answer.status).collect();
+                if theirs.iter().any(|t| same_operation(t, mine)) {
+                    return Hop::Runs(answer.waits.map(|(rank, text)| (rank, String::from_utf8_lossy(text).into_owned())));
+                }
+                match (theirs.iter().find(|t| p2p_bytes(t).is_some()), theirs.first()) {
+                    _ if issued => return Hop::Unknown,
+                    (Some(first), _) => PeerRuns::OtherPeers(*first),
+                    // (An earlier collective: it has yet to finish it.)
+                    (None, Some(first)) => return Hop::Holds(format!("which has not issued that call: it is in {}",
+                                                                     describe(first))),
+                    (None, None) => PeerRuns::Nothing,
+                }
+            }
+            _ => match tagged_runs(answer.status, mine) {
+                Some(PeerRuns::Stream(theirs)) if issued && !same_operation(&theirs, mine) => return Hop::Unknown,
+                Some(PeerRuns::Unknown) | None => return Hop::Unknown,
+                Some(PeerRuns::Stream(theirs)) => PeerRuns::Stream(theirs),
+                Some(_) if issued => return Hop::Unknown,
+                Some(runs) => runs,
+            },
+        };
+        runs.why_waiting(mine, describe).map_or(Hop::Unknown, Hop::Holds)
     }
 
     /// Whether this rank, waiting on `peer` (its rank, what it runs, none of it with this rank,
@@ -1518,8 +1639,11 @@ mod tests {
         let answer = sent.write();
         assert_eq!(&answer[..16], [7u64.to_le_bytes(), 9u64.to_le_bytes()].concat());
         assert_eq!(Answer::read(&answer), sent);
-        let noted = Answer { waits: Some((5, b"rank 5 (h, pid 1), which has not issued that call")), ..sent };
+        let noted = Answer { waits: Some((5, b"rank 5 (h, pid 1), which has not issued that call")),
+                             with: sent.with.clone(), ..sent };
         assert_eq!(Answer::read(&noted.write()), noted, "with the rank it waits for");
+        let reached = Answer { waits: Some((6, b"")), ..sent };
+        assert_eq!(Answer::read(&reached.write()), reached, "or the furthest rank it reached");
         let nothing = Answer { about: (0, 0), issued: 0, with: vec![], waits: None, status: &[][..] };
         assert_eq!(Answer::read(&[1, 2]), nothing, "a short answer reads as nothing");
         assert_eq!(Answer::read(&answer[..30]), nothing, "so does one cut short in its counts");
@@ -1586,6 +1710,10 @@ mod tests {
         let mut other = stamp;
         other[0] = 1;
         assert!(!note(other, std::time::Instant::now()).contains("held up"), "a note of another call");
+        // Nor a note of how far it got (no rank found yet).
+        *busy_waits.lock().unwrap() = Some(WaitNote { stamp, rank: 2, text: String::new(), at: std::time::Instant::now() });
+        let reached = String::from_utf8_lossy(&status_answer(&idle, idle_serial)[1..]).into_owned();
+        assert!(reached.ends_with("as rank 1 of 3"), "{reached}");
         if let Some(stale) = std::time::Instant::now().checked_sub(NOTE_FRESH) {
             assert!(!note(stamp, stale).contains("held up"), "a stale note");
         }
