@@ -454,7 +454,7 @@ pub fn run(comm: &Arc<Comm>, stream: &Stream, kernels: Option<&cuda::Kernels>, d
     let Some((ins, outs)) = agree(comm, offer, direct, op, started)? else { return Ok(false) };
     let Some(k) = kernels else { return Ok(false) };
     let c = computed(op, offered.scaled);
-    compute(comm, &c, &ins, &outs, &mut Immediate { comm, op: &c, stream, k })?;
+    compute(comm, &c, &ins, &outs, &mut Immediate { comm, user: op, stream, k })?;
     direct.maps.close_unkept();
     log_first(comm, direct, op, false);
     Ok(true)
@@ -493,7 +493,7 @@ pub fn run_on_stream(comm: &Arc<Comm>, direct: &mut Direct, op: &Op, offered: &O
     let Some((ins, outs)) = agree(comm, Offer::Buffers(offered), direct, op, started)? else { return Ok(false) };
     let Queued { board, ticket: t, shape } = *queued;
     let c = computed(op, offered.scaled);
-    let mut fill = Filler { comm, op: &c, board, t, shape, phase: 0, next: 0 };
+    let mut fill = Filler { comm, user: op, board, t, shape, phase: 0, next: 0 };
     compute(comm, &c, &ins, &outs, &mut fill)?;
     if fill.phase != shape.len() {
         return Err(Error::internal(format!("direct {}: {} phases filled, {} queued", op.describe(), fill.phase,
@@ -518,7 +518,8 @@ trait Exec {
 /// Device work on the worker's stream, host barriers between phases.
 struct Immediate<'a> {
     comm: &'a Arc<Comm>,
-    op: &'a Op,
+    /// The caller's operation (not as [`computed`]: see `Filler::user`).
+    user: &'a Op,
     stream: &'a Stream,
     k: &'a cuda::Kernels,
 }
@@ -535,7 +536,7 @@ impl Exec for Immediate<'_> {
     }
     fn phase_end(&mut self, step: u8) -> Result<()> {
         self.stream.synchronize()?;
-        barrier(self.comm, self.op, step)
+        barrier(self.comm, self.user, step)
     }
 }
 
@@ -579,7 +580,12 @@ impl Exec for Planner {
 /// for the caller's stream to finish the phase, then for the peers (worker).
 struct Filler<'a> {
     comm: &'a Arc<Comm>,
-    op: &'a Op,
+    /// The caller's operation, whose stamp the phases' barriers carry, as the steps before
+    /// them do: not the operation [`computed`] (a PreMulSum's is a sum), whose stamps a peer
+    /// still in an earlier step took for another call ("rank 2 issued step 2 of the
+    /// device-buffer exchange for ReduceScatter #64 (..., premulsum) where rank 0 issued step 4
+    /// of the device-buffer exchange for ReduceScatter #64 (..., sum)", a stop hunt).
+    user: &'a Op,
     board: &'a Board,
     t: &'a Ticket,
     shape: &'a [Phase],
@@ -599,7 +605,7 @@ impl Filler<'_> {
                 Ok(())
             }
             queued => Err(Error::internal(format!(
-                "direct {}: kernel {} of phase {} covers {n}, the one queued {queued:?}", self.op.describe(), self.next,
+                "direct {}: kernel {} of phase {} covers {n}, the one queued {queued:?}", self.user.describe(), self.next,
                 self.phase))),
         }
     }
@@ -624,17 +630,17 @@ impl Exec for Filler<'_> {
         let queued = self.shape.get(self.phase).map_or(0, Vec::len);
         if filled != queued {
             return Err(Error::internal(format!("direct {}: phase {} filled {filled} kernels of {queued}",
-                                               self.op.describe(), self.phase)));
+                                               self.user.describe(), self.phase)));
         }
         self.phase += 1;
         self.next = 0;
         let value = self.t.step_value(self.phase);
         self.board.open(self.t, value);
         // The caller's stream runs the phase when it gets there; the host waits for its flag.
-        crate::streamed::wait_for_stream(self.comm, std::slice::from_ref(self.op),
+        crate::streamed::wait_for_stream(self.comm, std::slice::from_ref(self.user),
                                          "its CUDA stream has not finished a phase of the call's device work",
                                          || Ok(self.board.flag_reached(self.t, value)))?;
-        barrier(self.comm, self.op, step)
+        barrier(self.comm, self.user, step)
     }
 }
 
