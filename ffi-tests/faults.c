@@ -18,6 +18,9 @@
  *                             stays; rank 0's first receive from it must fail naming it
  *   faults --only stopped     rank 1's process stops itself (SIGSTOP); rank 0 must say so while
  *                             it waits (tests/faults.rs then sends SIGCONT)
+ *   faults --only stopped-remote  (3 processes, 0 on one host and 1, 2 on another by
+ *                             NCCL_HOSTID) rank 2 stops itself; rank 0, receiving from it,
+ *                             must say so as rank 1 sees it (tests/faults.rs sends SIGCONT)
  *   faults --only culprit     (3 processes) rank 1 exits, rank 0 fails and exits, then the
  *                             stopped rank 2 fails: it must name rank 1 first, rank 0 as gone
  *                             after failing itself (tests/faults.rs sends SIGCONT); with
@@ -1041,6 +1044,42 @@ static void part_held_up(void) {
   free(buf);
 }
 
+/* ---- stopped-remote: a stopped process of another host, seen by a rank of that host ------
+ * 3 processes; NCCL_HOSTID (set by tests/faults.rs) makes process 0 one host and processes 1
+ * and 2 another. Process 2 stops itself (SIGSTOP) before its send to rank 0. Rank 0, in the
+ * receive, cannot see that process from its host; it must ask rank 1, of that host, and say at
+ * WARN, about 2 s in, that rank 2's process is stopped, as rank 1 sees it (before: after
+ * 10 s, only that its host did not answer). Rank 1 waits outside NCCL meanwhile (its bootstrap
+ * service answers on a thread of its own), until rank 0 has its data (the flag "done"). The
+ * harness sends SIGCONT on that line; the data must be exact. */
+static void part_stopped_remote(void) {
+  ncclComm_t comm = one_rank_part("stopped-remote", 3);
+  const int rank = g_env.proc;
+  int32_t buf[64];
+  ncclResult_t r = ncclSuccess;
+  if (rank == 2) {
+    flag_pid("pid");
+    tlog("STOPPING");
+    raise(SIGSTOP);
+    tlog("resumed");
+    for (int i = 0; i < 64; i++) buf[i] = 700 + i;
+    test_step("the send to rank 0");
+    r = ncclSend(buf, 64, ncclInt32, 0, comm, TEST_STREAM);
+  } else if (rank == 0) {
+    test_step("the receive from the stopped rank 2");
+    r = ncclRecv(buf, 64, ncclInt32, 2, comm, TEST_STREAM);
+    int wrong = 0;
+    for (int i = 0; i < 64 && r == ncclSuccess; i++) wrong += buf[i] != 700 + i;
+    EXPECT(wrong == 0, "from rank 2: %d elements wrong", wrong);
+    flag_set("done");
+  } else {
+    test_step("waiting outside NCCL for rank 0's receive");
+    EXPECT(flag_wait("done", 35), "rank 0 did not receive from rank 2 within 35 s");
+  }
+  EXPECT(r == ncclSuccess, "rank %d's call -> %s: %s", rank, result_name(r), last_error(comm));
+  CHECK(ncclCommDestroy(comm));
+}
+
 /* ---- held-elsewhere: a peer held up in a call on another communicator ------------------- */
 
 /* Ranks 1 and 2 split off a communicator of their own; rank 1 all-reduces on it, then sends
@@ -1344,7 +1383,7 @@ static const struct {
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
     {"culprit", part_culprit},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
-    {"ring-late", part_ring_late}, {"held-up", part_held_up},
+    {"ring-late", part_ring_late}, {"held-up", part_held_up}, {"stopped-remote", part_stopped_remote},
     {"held-elsewhere", part_held_elsewhere}, {"signal-wait", part_signal_wait}, {"p2p-done", part_p2p_done},
     {"coll-done", part_coll_done}, {"group-late", part_group_late}, {"fd-starved", part_fd_starved},
     {"no-threads", part_no_threads},

@@ -627,6 +627,32 @@ fn a_stopped_peer_process_is_named() {
     }
 }
 
+/// The same with the stopped process on another host (NCCL_HOSTID: process 0 on one, 1 and 2
+/// on the other): rank 0, receiving from the stopped rank 2, cannot see its process, and asks
+/// rank 1, of rank 2's host, how it is. It must say that rank 2's process is stopped, as rank 1
+/// sees it, before the 10 s after which a peer that merely does not answer is named (before:
+/// only then, and only that its host did not answer). SIGCONT then; the data is exact.
+#[test]
+fn a_stopped_process_of_another_host_is_named_as_a_rank_there_sees_it() {
+    let mut job = Job::new("faults").procs(3).arg("--only").arg("stopped-remote").env("NCCL_DEBUG", "WARN")
+        .proc_env(0, "NCCL_HOSTID", "faults-host-a").proc_env(1, "NCCL_HOSTID", "faults-host-b")
+        .proc_env(2, "NCCL_HOSTID", "faults-host-b").timeout_s(60);
+    let pid_file = job.dir().join("unique-id.flag-pid");
+    let o = job
+        .on(When::marker(0, "its process is stopped"), move || {
+            let pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
+            let sent = std::process::Command::new("kill").args(["-CONT", pid.trim()]).status();
+            format!("SIGCONT to pid {} ({sent:?})", pid.trim())
+        })
+        .run_outcome();
+    let line = o.procs[0].log.lines().find(|l| l.contains("NCCL WARN") && l.contains("its process is stopped"))
+        .unwrap_or("");
+    let named = line.contains("for rank 2 (") && line.contains("as rank 1, of its host, sees it")
+        && waited_secs(line).is_some_and(|s| s < SILENT_AFTER_S);
+    judge("a_stopped_process_of_another_host_is_named_as_a_rank_there_sees_it", &o, o.ok() && named,
+          format!("  {line}\n"));
+}
+
 /// The seconds a WARN line says its rank "waited".
 fn waited_secs(line: &str) -> Option<f64> {
     line.split_once(" waited ")?.1.split_once(" s ")?.0.parse().ok()

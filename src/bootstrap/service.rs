@@ -30,6 +30,9 @@ const KIND_REFUSE: u8 = 6;
 /// error (and its process, often, exits): a rank that then finds it gone knows it went after
 /// failing itself, not as the culprit.
 const KIND_FAILED: u8 = 7;
+/// "How is the process of this rank of yours, as your host sees it?": asked of a rank on the
+/// host of a peer that does not answer, which this rank cannot see from its own.
+const KIND_PROCESS: u8 = 8;
 /// How long a rank may take in all to tell the members of an exchange that it cannot take part.
 const REFUSE_WITHIN: Duration = Duration::from_secs(5);
 /// How long an incoming connection may take to say who it is.
@@ -66,6 +69,8 @@ pub type RmaHandler = Box<dyn Fn(u32, TcpStream, bool) + Send + Sync>;
 struct Shared {
     magic: u64,
     status: std::sync::OnceLock<StatusAnswer>,
+    /// Answers [`KIND_PROCESS`] requests, about the rank given.
+    process: std::sync::OnceLock<StatusAnswer>,
     rma: std::sync::OnceLock<RmaHandler>,
     /// One-sided connections that came before the handler was set (a peer may finish init
     /// and put before this rank has finished its own).
@@ -101,7 +106,7 @@ impl Service {
         let listener = crate::transport::fds::with_room(|| crate::transport::socket::listen(SocketAddr::new(ip, 0)))
             .map_err(|e| Error::os(format!("bootstrap: listen on {ip}"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::os("bootstrap: local address", e))?;
-        let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), rma: std::sync::OnceLock::new(), rma_early: Mutex::default(), rma_set: Condvar::new(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new(),
+        let shared = Arc::new(Shared { magic, status: std::sync::OnceLock::new(), process: std::sync::OnceLock::new(), rma: std::sync::OnceLock::new(), rma_early: Mutex::default(), rma_set: Condvar::new(), stop: AtomicBool::new(false), pending: Default::default(), inbox: Mutex::default(), arrived: Condvar::new(),
                                          #[cfg(test)]
                                          no_threads: AtomicBool::new(false),
                                          #[cfg(test)]
@@ -191,6 +196,11 @@ impl Service {
         let _ = self.shared.status.set(answer);
     }
 
+    /// What answers requests about a rank's process (set once, with the status).
+    pub fn set_process_answer(&self, answer: StatusAnswer) {
+        let _ = self.shared.process.set(answer);
+    }
+
     /// Who takes incoming one-sided-operations connections (set once, when the communicator is
     /// ready; those that came before are handed over then).
     pub fn set_rma_handler(&self, handler: RmaHandler) {
@@ -220,6 +230,13 @@ impl Service {
     pub fn status_about(&self, peer: usize, about: u32, timeout: Duration) -> Result<Vec<u8>> {
         let mut s = self.open(peer, KIND_STATUS, 0, &about.to_le_bytes())?;
         read_frame(&mut s, timeout).map_err(|e| e.context(format!("status of rank {peer}")))
+    }
+
+    /// Ask `witness` how the process of rank `about` is, as its host sees it (the answer of
+    /// [`Service::set_process_answer`]; empty if it has none), waiting at most `timeout`.
+    pub fn process_of(&self, witness: usize, about: u32, timeout: Duration) -> Result<Vec<u8>> {
+        let mut s = self.open_within(witness, KIND_PROCESS, 0, &about.to_le_bytes(), timeout)?;
+        read_frame(&mut s, timeout).map_err(|e| e.context(format!("rank {witness}'s look at rank {about}'s process")))
     }
 
     /// Deliver a small message to `peer` under `tag`.
@@ -483,9 +500,10 @@ fn file_connection(mut s: TcpStream, shared: &Shared, ticket: Option<u64>, own_t
     if shared.stop.load(Ordering::Acquire) {
         return;
     }
-    if kind == KIND_STATUS {
+    if kind == KIND_STATUS || kind == KIND_PROCESS {
         let about = payload.get(..4).and_then(|b| b.try_into().ok()).map_or(from, u32::from_le_bytes);
-        let now = shared.status.get().map(|answer| answer(about)).unwrap_or_default();
+        let answers = if kind == KIND_STATUS { &shared.status } else { &shared.process };
+        let now = answers.get().map(|answer| answer(about)).unwrap_or_default();
         let _ = write_frame(&mut s, &now);
         return;
     }

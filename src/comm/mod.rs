@@ -306,8 +306,9 @@ pub enum PeerRuns {
     Signals(String),
     /// No answer, again, after [`SILENT_AFTER`] of none (at the first unanswered request if its
     /// process is stopped): said once per silence (then `Unknown` again), with what its process
-    /// is doing where that can be seen, and for how long it has not answered.
-    Silent(Silence, std::time::Duration),
+    /// is doing where that can be seen, and for how long it has not answered; and, where its
+    /// process is of another host, the rank of that host that saw it ([`Comm::process_state`]).
+    Silent(Silence, std::time::Duration, Option<usize>),
     /// It has not issued the call: it is in sends or receives with other ranks (the first
     /// shown), which it may well make first.
     OtherPeers(Stamp),
@@ -344,17 +345,37 @@ pub enum Silence {
     Remote,
 }
 
+/// The state letter of process `pid` of this host, from /proc (Linux: `stat`'s third field:
+/// R, S, D, T, t, Z...), if it can be read.
+fn process_state(pid: u32) -> Option<u8> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (second field) may hold spaces and parentheses: the state follows the last ')'.
+    let close = stat.iter().rposition(|&b| b == b')')?;
+    stat[close + 1..].iter().copied().find(|b| !b.is_ascii_whitespace())
+}
+
+/// How long a rank of another host is given to say how a peer's process there is.
+const WITNESS_WITHIN: std::time::Duration = std::time::Duration::from_millis(500);
+
 impl Silence {
-    /// Same host: from the process state in /proc (Linux: `stat`'s third field).
+    /// Same host: from the process state in /proc.
     fn of_process(pid: u32) -> Silence {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        // The command name (second field) may hold spaces and parentheses: the state follows the last ')'.
-        match stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()) {
-            Some('T') => Silence::Stopped,
-            Some('t') => Silence::Traced,
-            Some('D') => Silence::DiskSleep,
+        Silence::of_state(process_state(pid))
+    }
+
+    /// From a process state letter (`process_state`'s).
+    fn of_state(state: Option<u8>) -> Silence {
+        match state {
+            Some(b'T') => Silence::Stopped,
+            Some(b't') => Silence::Traced,
+            Some(b'D') => Silence::DiskSleep,
             _ => Silence::Busy,
         }
+    }
+
+    /// Is its process stopped (a signal, or a debugger)?
+    fn stopped(self) -> bool {
+        matches!(self, Silence::Stopped | Silence::Traced)
     }
 
     fn describe(self) -> &'static str {
@@ -393,9 +414,9 @@ impl PeerRuns {
             PeerRuns::Stream(theirs) => Some(format!(
                 "which issued {} and waits for its CUDA stream to get through it: work queued on that stream has not \
                  finished", describe(theirs))),
-            PeerRuns::Silent(how, for_) => Some(format!(
-                "which has not answered status requests for {:.0} s or more: {}", for_.as_secs_f64().floor(),
-                how.describe())),
+            PeerRuns::Silent(how, for_, seen_by) => Some(format!(
+                "which has not answered status requests for {:.0} s or more: {}{}", for_.as_secs_f64().floor(),
+                how.describe(), seen_by.map_or(String::new(), |w| format!(" (as rank {w}, of its host, sees it)")))),
             PeerRuns::OtherPeers(theirs) => Some(format!(
                 "which has not issued that call: it is in {} (and waits on that rank)", describe(theirs))),
             PeerRuns::Waits(_, text) => Some(format!("which runs that call too and is held up by {text}")),
@@ -906,6 +927,15 @@ impl Comm {
             Answer { about: finished_with(&done, about as usize), issued: issued.load(Ordering::Relaxed), with,
                      waits: shown.map(|n| (n.rank, n.text.as_bytes())), status: &status }.write()
         }));
+        // A rank of another host asks how a peer's process of this host is (`process_state`):
+        // its state letter, for the members of this host only.
+        let here: Vec<Option<u32>> = match ready.peers.get(self.rank) {
+            Some(me) => ready.peers.iter().map(|p| p.same_pids(me).then_some(p.pid)).collect(),
+            None => Vec::new(),
+        };
+        ready.service.set_process_answer(Box::new(move |about| {
+            here.get(about as usize).copied().flatten().and_then(process_state).map_or(Vec::new(), |s| vec![s])
+        }));
         elsewhere::enlist(self.serial, self.hash, self.rank, self.nranks, &ready.running, &ready.waits);
         let _ = self.ready.set(ready);
         self.async_code.store(Code::Success as i32, Ordering::Release);
@@ -1156,11 +1186,31 @@ impl Comm {
 
     /// What to say of `peer`'s process if it is of this host and stopped (SIGSTOP, Ctrl-Z, a
     /// debugger), for waits that cannot ask it what it runs.
+    /// (Not asked of another host, as a silent peer's process is: `ncclWaitSignal` probes every
+    /// sender it misses signals from each second.)
     pub fn peer_stopped(&self, peer: usize) -> Option<&'static str> {
         let ready = self.ready.get()?;
         let (me, p) = (ready.peers.get(self.rank)?, ready.peers.get(peer)?);
         let how = p.same_pids(me).then(|| Silence::of_process(p.pid))?;
-        matches!(how, Silence::Stopped | Silence::Traced).then(|| how.describe())
+        how.stopped().then(|| how.describe())
+    }
+
+    /// How `peer`'s process is: seen in /proc if it is of this host, else as a rank of its host
+    /// (another process) says it sees it, asked within [`WITNESS_WITHIN`] (at most two asked),
+    /// with that rank. None: nothing can be seen (no rank of its host answered). Before, a
+    /// stopped process of another host was named only after [`SILENT_AFTER`], as one whose host
+    /// did not answer.
+    fn process_state(&self, ready: &Ready, peer: usize) -> Option<(Silence, Option<usize>)> {
+        let (me, p) = (ready.peers.get(self.rank)?, ready.peers.get(peer)?);
+        if p.same_pids(me) {
+            return Some((Silence::of_process(p.pid), None));
+        }
+        let witnesses = ready.peers.iter().filter(|w| w.rank != self.rank && w.same_pids(p) && !w.same_process(p));
+        witnesses.take(2).find_map(|w| {
+            let said = ready.service.process_of(w.rank, peer as u32, WITNESS_WITHIN).ok()?;
+            let &state = said.first()?;
+            Some((Silence::of_state(Some(state)), Some(w.rank)))
+        })
     }
 
     /// Has `peer` closed this communicator (destroyed or aborted it) while its process goes on?
@@ -1443,19 +1493,22 @@ impl Comm {
     /// less than [`SILENT_AFTER`] was otherwise named only once resumed, as one that had not
     /// issued the call.
     fn silence(&self, ready: &Ready, peer: usize) -> PeerRuns {
-        let how = match (ready.peers.get(self.rank), ready.peers.get(peer)) {
-            (Some(me), Some(p)) if p.same_pids(me) => Silence::of_process(p.pid),
-            _ => Silence::Remote,
-        };
-        let stopped = matches!(how, Silence::Stopped | Silence::Traced);
+        {
+            let silent = ready.silent.lock().unwrap_or_else(|p| p.into_inner());
+            if silent.get(&peer).is_some_and(|&(_, said)| said) {
+                return PeerRuns::Unknown;
+            }
+        }
+        // (Not under the lock: another host's rank may take a while to say.)
+        let (how, seen_by) = self.process_state(ready, peer).unwrap_or((Silence::Remote, None));
         let mut silent = ready.silent.lock().unwrap_or_else(|p| p.into_inner());
         let (since, said) = silent.entry(peer).or_insert((std::time::Instant::now(), false));
-        if *said || (!stopped && since.elapsed() < SILENT_AFTER) {
+        if *said || (!how.stopped() && since.elapsed() < SILENT_AFTER) {
             return PeerRuns::Unknown;
         }
         *said = true;
         // (Its first request went unanswered for the time a request is given before `since`.)
-        PeerRuns::Silent(how, since.elapsed() + STATUS_WITHIN)
+        PeerRuns::Silent(how, since.elapsed() + STATUS_WITHIN, seen_by)
     }
 
     /// Why `peer` stopped, if it says it failed (used when all this rank saw was a closed
@@ -1724,6 +1777,20 @@ mod tests {
         assert!(!String::from_utf8_lossy(&after).contains("0x2222"), "a gone communicator is not named");
     }
 
+    /// A process's state as /proc shows it: this one runs or sleeps (its main thread waits for
+    /// the test threads); a pid that is no process has none. The letters a rank of another host
+    /// answers with map as this host's own look does.
+    #[test]
+    fn process_states_are_read_and_mapped() {
+        assert!(matches!(process_state(std::process::id()), Some(b'R' | b'S')));
+        assert_eq!(process_state(u32::MAX), None);
+        assert_eq!(Silence::of_state(Some(b'T')), Silence::Stopped);
+        assert_eq!(Silence::of_state(Some(b't')), Silence::Traced);
+        assert_eq!(Silence::of_state(Some(b'D')), Silence::DiskSleep);
+        assert_eq!(Silence::of_state(Some(b'S')), Silence::Busy);
+        assert!(Silence::Stopped.stopped() && Silence::Traced.stopped() && !Silence::DiskSleep.stopped());
+    }
+
     #[test]
     fn wait_notes_are_capped() {
         assert_eq!(capped("short".to_string()), "short");
@@ -1760,7 +1827,7 @@ mod tests {
         assert!(said(&call).starts_with("which has not issued that call: its process is in AllReduce #0"), "{}", said(&call));
         assert!(said(&launch).starts_with("which has not got to that launch of its CUDA graph: its process is in"),
                 "{}", said(&launch));
-        assert!(elsewhere.answered() && !PeerRuns::Silent(Silence::Busy, SILENT_AFTER).answered());
+        assert!(elsewhere.answered() && !PeerRuns::Silent(Silence::Busy, SILENT_AFTER, None).answered());
     }
 
     /// A finished send or receive leaves what peers hear of the status, found at the index
