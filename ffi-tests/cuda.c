@@ -30,6 +30,8 @@
  *   CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes: rank 1 signals once FILE exists)
  *   CUDA_TEST_RMA_RELEASE=FILE cuda --only RmaStreams (3 processes: a held stream holds up no other peer)
  *   cuda --only RmaGone         (2+ processes: a stream waits for signals of a rank that leaves)
+ *   CUDA_TEST_RMA_PID=FILE cuda --only RmaStopped (2 processes: rank 1 writes its pid to FILE and
+ *                                stops itself; rank 0's put into its window names it)
  *   cuda --only RmaFailed       (2 processes: rank 0's communicator fails in a one-sided operation
  *                                on a stream; both ranks' streams waiting for signals are let go)
  *   [CUDA_TEST_TRACE_CALLS=1] cuda --only Calls (stand-in: driver calls per warm call, each named
@@ -61,6 +63,7 @@
 #include <linux/capability.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/prctl.h>
@@ -2088,6 +2091,52 @@ static void rma_late(void) {
     CHECK(ncclSignal(0, 0, 0, 0, g_comms[0], g_streams[0]));
     CU(cu.StreamSynchronize(g_streams[0]));
   }
+}
+
+/* CUDA_TEST_RMA_PID=FILE cuda --only RmaStopped (2 processes, one rank each, one host): once
+ * both have registered a window, rank 1 writes its pid to FILE and stops itself (SIGSTOP).
+ * Rank 0's first put into its window asks rank 1 where the window is, and must say at WARN,
+ * about a second in, that rank 1's process is stopped (the harness then sends SIGCONT; before,
+ * the wait said nothing for up to NCCL_PEER_TIMEOUT_S). The put then lands: rank 1's wait for
+ * its signal reads the values rank 0 put, exact. */
+static void rma_stopped(void) {
+  test_step("rma stopped");
+  const char* file = getenv("CUDA_TEST_RMA_PID");
+  if (!file || g_env.local != 1 || g_env.nranks != 2) return;
+  const size_t count = 1000, bytes = count * sizeof(float);
+  void* win_buf[MAX_LOCAL];
+  ncclWindow_t win[MAX_LOCAL];
+  float* h = host_alloc(bytes);
+  CHECK(ncclMemAlloc(&win_buf[0], bytes));
+  CHECK(ncclCommWindowRegister(g_comms[0], win_buf[0], bytes, &win[0], NCCL_WIN_COLL_SYMMETRIC));
+  if (g_env.first_rank == 1) {
+    FILE* f = fopen(file, "w");
+    EXPECT(f != NULL, "cannot write %s", file);
+    if (f) {
+      fprintf(f, "%d\n", (int)getpid());
+      fclose(f);
+    }
+    tlog("STOPPING");
+    raise(SIGSTOP);
+    tlog("resumed");
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = 0, .sigIdx = 0, .ctx = 0};
+    CHECK(ncclWaitSignal(1, &d, g_comms[0], g_streams[0]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h, (CUdeviceptr)(uintptr_t)win_buf[0], bytes, g_streams[0]));
+    CU(cu.StreamSynchronize(g_streams[0]));
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[j] != in_value(0, j, 5);
+    EXPECT(bad == 0, "rank 1: %zu of the values rank 0 put are wrong", bad);
+  } else {
+    CUdeviceptr src = dev_alloc(bytes);
+    for (size_t j = 0; j < count; j++) h[j] = in_value(0, j, 5);
+    CU(cu.MemcpyAsync(src, (CUdeviceptr)(uintptr_t)h, bytes, g_streams[0]));
+    CHECK(ncclPutSignal((void*)(uintptr_t)src, count, ncclFloat32, 1, win[0], 0, 0, 0, 0, g_comms[0], g_streams[0]));
+    CU(cu.StreamSynchronize(g_streams[0]));
+    dev_free(src);
+  }
+  expect_no_async_error("rma stopped");
+  drop_windows(win, win_buf);
+  CU(cu.MemFreeHost(h));
 }
 
 /* --only RmaGone (2+ processes, one rank each): rank 0's stream waits for a signal from rank 1,
@@ -4335,6 +4384,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "DeclineOne")) decline_one();
   if (g_env.only && !strcasecmp(g_env.only, "RmaGone")) rma_gone();
   if (g_env.only && !strcasecmp(g_env.only, "RmaLate")) rma_late();
+  if (g_env.only && !strcasecmp(g_env.only, "RmaStopped")) rma_stopped();
   if (g_env.only && !strcasecmp(g_env.only, "RmaFailed")) rma_failed();
   if (g_env.only && !strcasecmp(g_env.only, "RmaNoSender")) rma_no_sender();
   if (g_env.only && !strcasecmp(g_env.only, "RmaStreams")) rma_streams();

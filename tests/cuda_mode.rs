@@ -1418,6 +1418,30 @@ fn cuda_mode_rma_a_held_stream_holds_up_no_other_peer() {
     assert!(o.procs[1].log.contains("ARRIVED"), "rank 1 never got its signal:\n{}", o.procs[1].log);
 }
 
+/// A put into the window of a rank whose process is stopped (SIGSTOP) waits for that rank to
+/// say where the window is: rank 0 names it at WARN, its process stopped, about a second in
+/// (before: nothing, for up to NCCL_PEER_TIMEOUT_S, 30 s, while its stream waited). Sent
+/// SIGCONT on that line, rank 1 answers and the put lands, exact (part RmaStopped).
+#[test]
+fn cuda_mode_rma_a_put_to_a_stopped_process_names_it() {
+    let mut job = cuda_job().procs(2).arg("--only").arg("RmaStopped").env("NCCL_DEBUG", "WARN");
+    let pid_file = job.dir().join("pid");
+    let path = pid_file.to_str().expect("a path").to_string();
+    let o = job.env("CUDA_TEST_RMA_PID", &path)
+        .on(When::marker(0, "its process is stopped"), move || {
+            let pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
+            let sent = std::process::Command::new("kill").args(["-CONT", pid.trim()]).status();
+            format!("SIGCONT to pid {} ({sent:?})", pid.trim())
+        })
+        .run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let named = o.procs[0].log.lines().any(|l| {
+        l.contains("NCCL WARN") && l.contains("a put waited") && l.contains("rank 1 (") && l.contains("its window #")
+            && l.contains("its process is stopped")
+    });
+    assert!(named, "rank 0 did not name rank 1's stopped process:\n{}", o.report);
+}
+
 /// Run `job` with `var` naming a file of its directory, which the harness writes once process
 /// `proc` has said `marker`.
 fn released_on_marker(mut job: Job, var: &str, proc: usize, marker: &'static str) -> Outcome {

@@ -682,9 +682,10 @@ fn open_peer_window(comm: &Comm, peer: usize, ordinal: u64, same_process: bool) 
     let asked = (|| -> Result<PeerWindow> {
         let ready = comm.ready()?;
         let mut s = ready.service.connect_rma(peer)?;
-        let _ = s.set_read_timeout(Some(crate::params::peer_timeout()));
         let ask = Frame { op: OP_WINDOW, ctx: 0, sig: 0, window: ordinal, offset: 0, len: 0 };
         wire::send(&mut s, &ask, Region::EMPTY)?;
+        await_answer(comm, &s, peer, ordinal)?;
+        let _ = s.set_read_timeout(Some(crate::params::peer_timeout()));
         let info = wire::read_info(&mut s)?;
         if !info.ok {
             return Err(Error::invalid_usage("not device memory that CUDA IPC shares"));
@@ -701,6 +702,40 @@ fn open_peer_window(comm: &Comm, peer: usize, ordinal: u64, same_process: bool) 
             crate::info!(P2P, "rank {} -> rank {peer}: puts into window #{ordinal} are staged through host memory ({})",
                          comm.rank, e.msg);
             None
+        }
+    }
+}
+
+/// Waits for `peer`'s answer about its window #`ordinal` on `s`, at most the peer timeout, a
+/// second at a time: a peer whose process is stopped (SIGSTOP, a debugger) is named at WARN
+/// once, about a second in, and an abort of this communicator ends the wait. Before, the
+/// caller's stream waited in silence for as long (a stop hunt's survivors named no one).
+fn await_answer(comm: &Comm, s: &std::net::TcpStream, peer: usize, ordinal: u64) -> Result<()> {
+    let (since, limit) = (Instant::now(), crate::params::peer_timeout());
+    let mut said = false;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+    loop {
+        match s.peek(&mut [0u8; 1]) {
+            // (Its answer, or the end of the connection: the read says which.)
+            Ok(_) => return Ok(()),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                         | std::io::ErrorKind::Interrupted) => {}
+            Err(e) => return Err(Error::os("one-sided operations: window answer", e)),
+        }
+        if comm.abort.load(Ordering::Acquire) {
+            return Err(Error::invalid_usage("communicator aborted while asking a peer for its window"));
+        }
+        let waited = since.elapsed();
+        if waited >= limit {
+            return Err(Error::remote(format!("{} did not say where its window #{ordinal} is within {} s",
+                                             comm.describe_peer(peer), limit.as_secs())));
+        }
+        if !said {
+            if let Some(how) = comm.peer_stopped(peer) {
+                said = true;
+                crate::warn!("rank {}: a put waited {:.1} s for {} to say where its window #{ordinal} is: {how}",
+                             comm.rank, waited.as_secs_f64(), comm.describe_peer(peer));
+            }
         }
     }
 }
