@@ -30,8 +30,8 @@
  *   CUDA_TEST_RMA_LATE=FILE cuda --only RmaLate (2 processes: rank 1 signals once FILE exists)
  *   CUDA_TEST_RMA_RELEASE=FILE cuda --only RmaStreams (3 processes: a held stream holds up no other peer)
  *   cuda --only RmaGone         (2+ processes: a stream waits for signals of a rank that leaves)
- *   CUDA_TEST_RMA_PID=FILE cuda --only RmaStopped (2 processes: rank 1 writes its pid to FILE and
- *                                stops itself; rank 0's put into its window names it)
+ *   cuda --only RmaStopped      (2 processes: rank 1 stops itself, for the harness to resume;
+ *                                rank 0's put into its window names it)
  *   cuda --only RmaFailed       (2 processes: rank 0's communicator fails in a one-sided operation
  *                                on a stream; both ranks' streams waiting for signals are let go)
  *   [CUDA_TEST_TRACE_CALLS=1] cuda --only Calls (stand-in: driver calls per warm call, each named
@@ -2093,16 +2093,15 @@ static void rma_late(void) {
   }
 }
 
-/* CUDA_TEST_RMA_PID=FILE cuda --only RmaStopped (2 processes, one rank each, one host): once
- * both have registered a window, rank 1 writes its pid to FILE and stops itself (SIGSTOP).
+/* cuda --only RmaStopped (2 processes, one rank each, one host): once both have registered a
+ * window, rank 1 stops itself (SIGSTOP).
  * Rank 0's first put into its window asks rank 1 where the window is, and must say at WARN,
  * about a second in, that rank 1's process is stopped (the harness then sends SIGCONT; before,
  * the wait said nothing for up to NCCL_PEER_TIMEOUT_S). The put then lands: rank 1's wait for
  * its signal reads the values rank 0 put, exact. */
 static void rma_stopped(void) {
   test_step("rma stopped");
-  const char* file = getenv("CUDA_TEST_RMA_PID");
-  if (!file || g_env.local != 1 || g_env.nranks != 2) return;
+  if (g_env.local != 1 || g_env.nranks != 2) return;
   const size_t count = 1000, bytes = count * sizeof(float);
   void* win_buf[MAX_LOCAL];
   ncclWindow_t win[MAX_LOCAL];
@@ -2110,12 +2109,6 @@ static void rma_stopped(void) {
   CHECK(ncclMemAlloc(&win_buf[0], bytes));
   CHECK(ncclCommWindowRegister(g_comms[0], win_buf[0], bytes, &win[0], NCCL_WIN_COLL_SYMMETRIC));
   if (g_env.first_rank == 1) {
-    FILE* f = fopen(file, "w");
-    EXPECT(f != NULL, "cannot write %s", file);
-    if (f) {
-      fprintf(f, "%d\n", (int)getpid());
-      fclose(f);
-    }
     tlog("STOPPING");
     raise(SIGSTOP);
     tlog("resumed");

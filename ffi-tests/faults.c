@@ -1058,7 +1058,6 @@ static void part_stopped_remote(void) {
   int32_t buf[64];
   ncclResult_t r = ncclSuccess;
   if (rank == 2) {
-    flag_pid("pid");
     tlog("STOPPING");
     raise(SIGSTOP);
     tlog("resumed");

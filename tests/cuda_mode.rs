@@ -1424,15 +1424,8 @@ fn cuda_mode_rma_a_held_stream_holds_up_no_other_peer() {
 /// SIGCONT on that line, rank 1 answers and the put lands, exact (part RmaStopped).
 #[test]
 fn cuda_mode_rma_a_put_to_a_stopped_process_names_it() {
-    let mut job = cuda_job().procs(2).arg("--only").arg("RmaStopped").env("NCCL_DEBUG", "WARN");
-    let pid_file = job.dir().join("pid");
-    let path = pid_file.to_str().expect("a path").to_string();
-    let o = job.env("CUDA_TEST_RMA_PID", &path)
-        .on(When::marker(0, "its process is stopped"), move || {
-            let pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
-            let sent = std::process::Command::new("kill").args(["-CONT", pid.trim()]).status();
-            format!("SIGCONT to pid {} ({sent:?})", pid.trim())
-        })
+    let o = cuda_job().procs(2).arg("--only").arg("RmaStopped").env("NCCL_DEBUG", "WARN")
+        .signal(1, "CONT", When::marker(0, "its process is stopped"))
         .run_outcome();
     assert!(o.ok(), "{}", o.report);
     let named = o.procs[0].log.lines().any(|l| {

@@ -634,16 +634,10 @@ fn a_stopped_peer_process_is_named() {
 /// only then, and only that its host did not answer). SIGCONT then; the data is exact.
 #[test]
 fn a_stopped_process_of_another_host_is_named_as_a_rank_there_sees_it() {
-    let mut job = Job::new("faults").procs(3).arg("--only").arg("stopped-remote").env("NCCL_DEBUG", "WARN")
+    let o = Job::new("faults").procs(3).arg("--only").arg("stopped-remote").env("NCCL_DEBUG", "WARN")
         .proc_env(0, "NCCL_HOSTID", "faults-host-a").proc_env(1, "NCCL_HOSTID", "faults-host-b")
-        .proc_env(2, "NCCL_HOSTID", "faults-host-b").timeout_s(60);
-    let pid_file = job.dir().join("unique-id.flag-pid");
-    let o = job
-        .on(When::marker(0, "its process is stopped"), move || {
-            let pid = std::fs::read_to_string(&pid_file).unwrap_or_default();
-            let sent = std::process::Command::new("kill").args(["-CONT", pid.trim()]).status();
-            format!("SIGCONT to pid {} ({sent:?})", pid.trim())
-        })
+        .proc_env(2, "NCCL_HOSTID", "faults-host-b").timeout_s(60)
+        .signal(2, "CONT", When::marker(0, "its process is stopped"))
         .run_outcome();
     let line = o.procs[0].log.lines().find(|l| l.contains("NCCL WARN") && l.contains("its process is stopped"))
         .unwrap_or("");
