@@ -708,8 +708,9 @@ fn open_peer_window(comm: &Comm, peer: usize, ordinal: u64, same_process: bool) 
 
 /// Waits for `peer`'s answer about its window #`ordinal` on `s`, at most the peer timeout, a
 /// second at a time: a peer whose process is stopped (SIGSTOP, a debugger) is named at WARN
-/// once, about a second in, and an abort of this communicator ends the wait. Before, the
-/// caller's stream waited in silence for as long (a stop hunt's survivors named no one).
+/// once, about a second in, and an abort of this communicator ends the wait. Before, the put
+/// waited in silence for as long (a stop hunt's survivors named no one). (The first put into a
+/// window asks on the calling thread, in the call: `run` needs the route before it queues.)
 fn await_answer(comm: &Comm, s: &std::net::TcpStream, peer: usize, ordinal: u64) -> Result<()> {
     let (since, limit) = (Instant::now(), crate::params::peer_timeout());
     let mut said = false;
