@@ -442,8 +442,7 @@ fn every_rank_names_the_rank_holding_up_a_collective() {
 fn a_long_chain_of_ranks_names_the_rank_holding_it_up_within_seconds() {
     let (o, all, warned) = held_up(24);
     // "... waited 3.1 s in AllReduce #0 ...": the first line of each rank naming rank 23.
-    let waited = |log: &str| log.lines().find(|l| l.contains("NCCL WARN") && l.contains("rank 23 ("))
-        .and_then(|l| l.split("waited ").nth(1)?.split(' ').next()?.parse::<f64>().ok());
+    let waited = |log: &str| log.lines().find(|l| l.contains("NCCL WARN") && l.contains("rank 23 (")).and_then(waited_secs);
     let slow: Vec<String> = (0..23).filter_map(|p| match waited(&o.procs[p].log) {
         Some(s) if s < 8.0 => None,
         s => Some(format!("rank {p}: {s:?} s")),

@@ -1189,10 +1189,14 @@ impl Comm {
     /// (Not asked of another host, as a silent peer's process is: `ncclWaitSignal` probes every
     /// sender it misses signals from each second.)
     pub fn peer_stopped(&self, peer: usize) -> Option<&'static str> {
-        let ready = self.ready.get()?;
-        let (me, p) = (ready.peers.get(self.rank)?, ready.peers.get(peer)?);
-        let how = p.same_pids(me).then(|| Silence::of_process(p.pid))?;
+        let how = self.local_state(self.ready.get()?, peer)?;
         how.stopped().then(|| how.describe())
+    }
+
+    /// How `peer`'s process is, if it is of this host (/proc).
+    fn local_state(&self, ready: &Ready, peer: usize) -> Option<Silence> {
+        let (me, p) = (ready.peers.get(self.rank)?, ready.peers.get(peer)?);
+        p.same_pids(me).then(|| Silence::of_process(p.pid))
     }
 
     /// How `peer`'s process is: seen in /proc if it is of this host, else as a rank of its host
@@ -1201,10 +1205,10 @@ impl Comm {
     /// stopped process of another host was named only after [`SILENT_AFTER`], as one whose host
     /// did not answer.
     fn process_state(&self, ready: &Ready, peer: usize) -> Option<(Silence, Option<usize>)> {
-        let (me, p) = (ready.peers.get(self.rank)?, ready.peers.get(peer)?);
-        if p.same_pids(me) {
-            return Some((Silence::of_process(p.pid), None));
+        if let Some(how) = self.local_state(ready, peer) {
+            return Some((how, None));
         }
+        let p = ready.peers.get(peer)?;
         let witnesses = ready.peers.iter().filter(|w| w.rank != self.rank && w.same_pids(p) && !w.same_process(p));
         witnesses.take(2).find_map(|w| {
             let said = ready.service.process_of(w.rank, peer as u32, WITNESS_WITHIN).ok()?;
