@@ -32,6 +32,8 @@
  *   cuda --only RmaGone         (2+ processes: a stream waits for signals of a rank that leaves)
  *   cuda --only RmaStopped      (2 processes: rank 1 stops itself, for the harness to resume;
  *                                rank 0's put into its window names it)
+ *   cuda --only HeldBySignal    (3 processes: rank 2 stops itself before it signals rank 1, whose
+ *                                stream waits for that before a send to rank 0: rank 0 names rank 2)
  *   cuda --only RmaFailed       (2 processes: rank 0's communicator fails in a one-sided operation
  *                                on a stream; both ranks' streams waiting for signals are let go)
  *   [CUDA_TEST_TRACE_CALLS=1] cuda --only Calls (stand-in: driver calls per warm call, each named
@@ -2129,6 +2131,44 @@ static void rma_stopped(void) {
   }
   expect_no_async_error("rma stopped");
   drop_windows(win, win_buf);
+  CU(cu.MemFreeHost(h));
+}
+
+/* cuda --only HeldBySignal (3 processes, one rank each, one host): rank 2 stops itself
+ * (SIGSTOP) before it signals rank 1. Rank 1's stream waits for that signal (ncclWaitSignal),
+ * then sends to rank 0, which receives. Rank 0 waits on rank 1, whose call waits for its stream;
+ * it must name rank 2, whose stopped process holds that stream (before, it said only that rank 1
+ * waits for its stream), and rank 1 must say that its stream waits for a stopped process. The
+ * harness then sends SIGCONT: the signal comes, and rank 0 receives rank 1's values, exact. */
+static void held_by_signal(void) {
+  test_step("held by signal");
+  if (g_env.local != 1 || g_env.nranks != 3) return;
+  const size_t count = 1000, bytes = count * sizeof(float);
+  float* h = host_alloc(bytes);
+  CUdeviceptr buf = dev_alloc(bytes);
+  if (g_env.first_rank == 2) {
+    tlog("STOPPING");
+    raise(SIGSTOP);
+    tlog("resumed");
+    CHECK(ncclSignal(1, 0, 0, 0, g_comms[0], g_streams[0]));
+  } else if (g_env.first_rank == 1) {
+    for (size_t j = 0; j < count; j++) h[j] = in_value(1, j, 9);
+    CU(cu.MemcpyAsync(buf, (CUdeviceptr)(uintptr_t)h, bytes, g_streams[0]));
+    ncclWaitSignalDesc_t d = {.opCnt = 1, .peer = 2, .sigIdx = 0, .ctx = 0};
+    CHECK(ncclWaitSignal(1, &d, g_comms[0], g_streams[0]));
+    CHECK(ncclSend((void*)(uintptr_t)buf, count, ncclFloat32, 0, g_comms[0], g_streams[0]));
+  } else {
+    CHECK(ncclRecv((void*)(uintptr_t)buf, count, ncclFloat32, 1, g_comms[0], g_streams[0]));
+    CU(cu.MemcpyAsync((CUdeviceptr)(uintptr_t)h, buf, bytes, g_streams[0]));
+  }
+  CU(cu.StreamSynchronize(g_streams[0]));
+  if (g_env.first_rank == 0) {
+    size_t bad = 0;
+    for (size_t j = 0; j < count; j++) bad += h[j] != in_value(1, j, 9);
+    EXPECT(bad == 0, "rank 0: %zu of the values rank 1 sent are wrong", bad);
+  }
+  expect_no_async_error("held by signal");
+  dev_free(buf);
   CU(cu.MemFreeHost(h));
 }
 
@@ -4378,6 +4418,7 @@ int main(int argc, char** argv) {
   if (g_env.only && !strcasecmp(g_env.only, "RmaGone")) rma_gone();
   if (g_env.only && !strcasecmp(g_env.only, "RmaLate")) rma_late();
   if (g_env.only && !strcasecmp(g_env.only, "RmaStopped")) rma_stopped();
+  if (g_env.only && !strcasecmp(g_env.only, "HeldBySignal")) held_by_signal();
   if (g_env.only && !strcasecmp(g_env.only, "RmaFailed")) rma_failed();
   if (g_env.only && !strcasecmp(g_env.only, "RmaNoSender")) rma_no_sender();
   if (g_env.only && !strcasecmp(g_env.only, "RmaStreams")) rma_streams();

@@ -751,7 +751,8 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
         _ => None,
     });
     let started = Instant::now();
-    let mut warned = false;
+    // The ranks named (once each: a later look may find what holds the peer up).
+    let mut named: Vec<usize> = Vec::new();
     let mut unreachable_since: Option<Instant> = None;
     // Set once the peer is found gone or closed: what it offered just before it went may still
     // be on its way to this rank's bootstrap service, so one more slice is waited for it.
@@ -793,9 +794,9 @@ fn accept_watching(c: &Comm, plan: &crate::plan::Builder, ctx: &Ctx<'_>, conns: 
                     } else {
                         unreachable_since = None;
                     }
-                    let why = runs.why_waiting(&mine, describe);
-                    if let Some(why) = why.filter(|_| !warned) {
-                        warned = true;
+                    let culprit = runs.culprit(peer);
+                    if let Some(why) = runs.why_waiting(&mine, describe).filter(|_| !named.contains(&culprit)) {
+                        named.push(culprit);
                         crate::warn!("rank {}: waited {} s in {} for {}, {why}",
                                      c.rank, started.elapsed().as_secs(), describe(&mine), c.describe_peer(peer));
                     }

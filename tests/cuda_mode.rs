@@ -1435,6 +1435,30 @@ fn cuda_mode_rma_a_put_to_a_stopped_process_names_it() {
     assert!(named, "rank 0 did not name rank 1's stopped process:\n{}", o.report);
 }
 
+/// A rank waits on a rank of its host whose call waits for its CUDA stream, held by a
+/// stream-ordered ncclWaitSignal for a signal of a third rank, whose process is stopped. The
+/// waiting rank names the stopped one as what holds that stream (before: only that rank 1
+/// waits for its stream), and rank 1 says that its stream waits for a stopped process (before:
+/// nothing for 10 s). Sent SIGCONT on rank 0's line, the signal comes and the values arrive,
+/// exact (part HeldBySignal).
+#[test]
+fn cuda_mode_a_stream_held_by_signals_of_a_stopped_process_names_it() {
+    let o = cuda_job().procs(3).arg("--only").arg("HeldBySignal").env("NCCL_DEBUG", "WARN")
+        .signal(2, "CONT", When::marker(0, "waits in ncclWaitSignal for signals from rank 2"))
+        .run_outcome();
+    assert!(o.ok(), "{}", o.report);
+    let named = o.procs[0].log.lines().any(|l| {
+        l.contains("NCCL WARN") && l.contains("for rank 1 (") && l.contains("waits for its CUDA stream")
+            && l.contains("ncclWaitSignal for signals from rank 2 (") && l.contains("its process is stopped")
+    });
+    assert!(named, "rank 0 did not name rank 2 as what holds rank 1's stream:\n{}", o.report);
+    let said = o.procs[1].log.lines().any(|l| {
+        l.contains("NCCL WARN") && l.contains("a stream has waited") && l.contains("from rank 2 (")
+            && l.contains("its process is stopped")
+    });
+    assert!(said, "rank 1 did not say its stream waits for a stopped process:\n{}", o.report);
+}
+
 /// Run `job` with `var` naming a file of its directory, which the harness writes once process
 /// `proc` has said `marker`.
 fn released_on_marker(mut job: Job, var: &str, proc: usize, marker: &'static str) -> Outcome {

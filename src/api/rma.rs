@@ -102,12 +102,14 @@ struct State {
 
 /// A signal streams wait for: the highest count they were told to wait for (what is written
 /// there to release them when the signals will never come), since when the count has been
-/// short of what some wait needs, and whether a warning said so.
+/// short of what some wait needs, and whether a warning said so (after [`WARN_AFTER`]; or, at
+/// once, that the sender's process is stopped).
 #[derive(Clone, Copy, Debug)]
 struct Pending {
     want: u64,
     since: Instant,
     warned: bool,
+    said_stopped: bool,
 }
 
 /// A one-sided call, validated, as a group records it.
@@ -215,6 +217,23 @@ impl Rma {
             let _ = ctx.make_current();
         }
         f();
+    }
+
+    /// Signals streams of this rank wait for in ncclWaitSignal that have been short of the
+    /// count for `at_least` or more, from ranks other than this one: (the sender, the signal in
+    /// words), the one short longest first. What may hold up a call that waits for its stream.
+    pub fn short_stream_waits(&self, at_least: Duration) -> Vec<(usize, String)> {
+        let st = self.inner.lock();
+        let mut short: Vec<(Instant, SignalKey, String)> = Vec::new();
+        for (k, p) in &st.pending {
+            let got = st.arrived.get(k).copied().unwrap_or(0);
+            if k.2 as usize != self.inner.comm.1 && got < p.want && p.since.elapsed() >= at_least {
+                short.push((p.since, *k, format!("signal {} of context {}: {got} of {} have come since the \
+                                                  communicator's start", k.1, k.0, p.want)));
+            }
+        }
+        short.sort_by_key(|(since, k, _)| (*since, *k));
+        short.into_iter().map(|(_, k, what)| (k.2 as usize, what)).collect()
     }
 
     /// ncclCommWindowDeregister: this rank's mappings of the peers' parts of the window are

@@ -168,10 +168,25 @@ impl Ready {
                 }
             }
             (_, Some(why)) => {
-                *note = Some(WaitNote { stamp: *mine, rank: peer, text: capped(format!("{}, {why}", describe_peer())),
+                *note = Some(WaitNote { stamp: *mine, rank: runs.culprit(peer), text: capped(format!("{}, {why}", describe_peer())),
                                         at: now });
             }
             (_, None) => {}
+        }
+    }
+
+    /// Show, with this rank's status, that a stream of it waits in ncclWaitSignal for signals
+    /// from `rank` (`text`: that rank described, and how it is) while this rank waits for its
+    /// stream to reach `stamp` (a peer waiting on it says both: [`PeerRuns::StreamHeld`]). Shown
+    /// while fresh, as any [`WaitNote`]: the waiting thread says it again every second. None:
+    /// no longer (the signals came; what still holds the stream is not known), said at once.
+    pub fn note_held_stream(&self, stamp: &Stamp, held: Option<(usize, String)>) {
+        let at = std::time::Instant::now();
+        let mut note = self.waits.lock().unwrap_or_else(|p| p.into_inner());
+        match held {
+            Some((rank, text)) => *note = Some(WaitNote { stamp: *stamp, rank, text: capped(text), at }),
+            None if note.as_ref().is_some_and(|n| n.stamp == *stamp) => *note = None,
+            None => {}
         }
     }
 
@@ -298,6 +313,10 @@ pub enum PeerRuns {
     /// It issued this operation (its stamp), or the one named, and waits for its CUDA stream
     /// to reach it: work queued on that stream before the call has not finished.
     Stream(Stamp),
+    /// As `Stream`, while a stream of that rank waits in ncclWaitSignal for signals that have
+    /// not come from the rank named, as the words say ([`Ready::note_held_stream`]): what holds
+    /// its stream up, most likely.
+    StreamHeld(Stamp, usize, String),
     /// Its communicator is suspended (ncclCommSuspend): it cannot issue the call until resumed.
     Suspended,
     /// It runs nothing on this communicator, and its process is in these calls on others.
@@ -414,9 +433,12 @@ impl PeerRuns {
             PeerRuns::Stream(theirs) => Some(format!(
                 "which issued {} and waits for its CUDA stream to get through it: work queued on that stream has not \
                  finished", describe(theirs))),
+            PeerRuns::StreamHeld(theirs, _, text) => Some(format!(
+                "which issued {} and waits for its CUDA stream to get through it, while a stream of that rank waits in \
+                 ncclWaitSignal for signals from {text}", describe(theirs))),
             PeerRuns::Silent(how, for_, seen_by) => Some(format!(
                 "which has not answered status requests for {:.0} s or more: {}{}", for_.as_secs_f64().floor(),
-                how.describe(), seen_by.map_or(String::new(), |w| format!(" (as rank {w}, of its host, sees it)")))),
+                how.describe(), seen_by_words(*seen_by))),
             PeerRuns::OtherPeers(theirs) => Some(format!(
                 "which has not issued that call: it is in {} (and waits on that rank)", describe(theirs))),
             PeerRuns::Waits(_, text) => Some(format!("which runs that call too and is held up by {text}")),
@@ -428,7 +450,7 @@ impl PeerRuns {
     /// The rank to name for a wait on `peer`: the one holding it up, if it said so.
     pub fn culprit(&self, peer: usize) -> usize {
         match self {
-            PeerRuns::Waits(rank, _) => *rank,
+            PeerRuns::Waits(rank, _) | PeerRuns::StreamHeld(_, rank, _) => *rank,
             _ => peer,
         }
     }
@@ -437,6 +459,11 @@ impl PeerRuns {
     pub fn answered(&self) -> bool {
         !matches!(self, PeerRuns::Unknown | PeerRuns::Silent(..))
     }
+}
+
+/// Who saw a process of another host as described, in words (nothing for this host's).
+fn seen_by_words(seen_by: Option<usize>) -> String {
+    seen_by.map_or(String::new(), |w| format!(" (as rank {w}, of its host, sees it)"))
 }
 
 /// `f()` until it gives something, every 5 ms for at most `grace`.
@@ -513,6 +540,17 @@ fn tagged_runs(status: &[u8], mine: &Stamp) -> Option<PeerRuns> {
         Some((&STATUS_SIGNALS, rest)) => Some(PeerRuns::Signals(String::from_utf8_lossy(rest).into_owned())),
         Some((&STATUS_RUNNING, _)) | Some((&STATUS_FAILED, _)) | None => None,
         Some(_) => Some(PeerRuns::Unknown),
+    }
+}
+
+/// `runs`, a peer's tagged status, with what its note says holds its stream up, where it waits
+/// for its stream and says that ([`Ready::note_held_stream`]).
+fn held_stream(runs: PeerRuns, waits: Option<(usize, &[u8])>) -> PeerRuns {
+    match (runs, waits) {
+        (PeerRuns::Stream(theirs), Some((rank, text))) if !text.is_empty() => {
+            PeerRuns::StreamHeld(theirs, rank, String::from_utf8_lossy(text).into_owned())
+        }
+        (runs, _) => runs,
     }
 }
 
@@ -1193,6 +1231,14 @@ impl Comm {
         how.stopped().then(|| how.describe())
     }
 
+    /// As [`Comm::peer_stopped`], for a peer of any host: one of another host is seen by a rank
+    /// of its host ([`Comm::process_state`], up to two requests of [`WITNESS_WITHIN`]), which
+    /// the words name. For waits that may take that long to look (not a sender's thread).
+    pub fn peer_stopped_anywhere(&self, peer: usize) -> Option<String> {
+        let (how, seen_by) = self.process_state(self.ready.get()?, peer)?;
+        how.stopped().then(|| format!("{}{}", how.describe(), seen_by_words(seen_by)))
+    }
+
     /// How `peer`'s process is, if it is of this host (/proc).
     fn local_state(&self, ready: &Ready, peer: usize) -> Option<Silence> {
         let (me, p) = (ready.peers.get(self.rank)?, ready.peers.get(peer)?);
@@ -1257,7 +1303,7 @@ impl Comm {
             return Err(self.peer_failed(peer, *code, msg));
         }
         if let Some(runs) = tagged_runs(status, mine) {
-            return Ok(runs);
+            return Ok(held_stream(runs, answer.waits));
         }
         let theirs: Vec<Stamp> = status_stamps(status).collect();
         if theirs.is_empty() {
@@ -1439,7 +1485,7 @@ impl Comm {
             _ => match tagged_runs(answer.status, mine) {
                 Some(PeerRuns::Stream(theirs)) if issued && !same_operation(&theirs, mine) => return Hop::Unknown,
                 Some(PeerRuns::Unknown) | None => return Hop::Unknown,
-                Some(PeerRuns::Stream(theirs)) => PeerRuns::Stream(theirs),
+                Some(PeerRuns::Stream(theirs)) => held_stream(PeerRuns::Stream(theirs), answer.waits),
                 Some(_) if issued => return Hop::Unknown,
                 Some(runs) => runs,
             },
@@ -1711,6 +1757,23 @@ mod tests {
         let mut long_note = answer.clone();
         long_note[48..52].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(Answer::read(&long_note), nothing, "or a longer note");
+    }
+
+    /// A peer that waits for its stream and notes what holds the stream (signals of a third
+    /// rank) is said with that rank as the one to name; without such a note, as before.
+    #[test]
+    fn a_stream_held_by_signals_names_their_sender() {
+        let (theirs, mine) = ([3u8; STAMP_BYTES], [4u8; STAMP_BYTES]);
+        let described = |_: &Stamp| "Send #0".to_string();
+        let held = held_stream(PeerRuns::Stream(theirs), Some((2, b"rank 2 (h, pid 9), which has not sent them")));
+        assert_eq!(held, PeerRuns::StreamHeld(theirs, 2, "rank 2 (h, pid 9), which has not sent them".into()));
+        assert_eq!(held.culprit(1), 2);
+        let why = held.why_waiting(&mine, &described).unwrap_or_default();
+        assert!(why.contains("issued Send #0 and waits for its CUDA stream") && why.ends_with("signals from rank 2 (h, \
+                              pid 9), which has not sent them"), "{why}");
+        assert_eq!(held_stream(PeerRuns::Stream(theirs), Some((2, b""))), PeerRuns::Stream(theirs), "a note of no words");
+        assert_eq!(held_stream(PeerRuns::Stream(theirs), None), PeerRuns::Stream(theirs));
+        assert_eq!(held_stream(PeerRuns::Suspended, Some((2, b"x"))), PeerRuns::Suspended, "only a wait for a stream");
     }
 
     /// In a search for a cycle, a rank waits on the next only with a call that still waits:

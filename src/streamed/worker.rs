@@ -293,15 +293,29 @@ pub(crate) fn wait_for_stream(comm: &Comm, ops: &[Op], late: &str, mut done: imp
     ready.set_waiting_for_stream(ops.iter().map(Op::stamp));
     let since = std::time::Instant::now();
     let (mut warned, mut failed) = (false, None);
+    let (mut looked, mut held) = (since, None::<(usize, String)>);
     let waited = poll(comm, "the caller's stream", || match done() {
         Ok(done) => {
+            // Each second, from the first: what may hold the stream up, shown to the peers.
+            if !done && looked.elapsed() >= HELD_LOOK_EVERY {
+                looked = std::time::Instant::now();
+                let was = held.is_some();
+                held = held_by_signals(comm);
+                if let Some(first) = ops.first().filter(|_| was || held.is_some()) {
+                    ready.note_held_stream(&first.stamp(), held.clone());
+                }
+            }
             if !done && !warned && since.elapsed() >= STREAM_LATE {
                 warned = true;
                 let first = ops.first().map_or_else(String::new, Op::describe);
                 let more = ops.len().saturating_sub(1);
                 let more = if more > 0 { format!(" (and {more} more of its group)") } else { String::new() };
+                let signals = held.as_ref().map_or(String::new(), |(_, text)| {
+                    format!("; a stream of this rank waits in ncclWaitSignal for signals from {text}")
+                });
                 crate::warn!("rank {}: {first}{more}: {late} in {:.1} s: work queued on that stream has not \
-                              finished, and the other ranks wait for this one", comm.rank, since.elapsed().as_secs_f64());
+                              finished, and the other ranks wait for this one{signals}", comm.rank,
+                             since.elapsed().as_secs_f64());
             }
             done
         }
@@ -313,6 +327,21 @@ pub(crate) fn wait_for_stream(comm: &Comm, ops: &[Op], late: &str, mut done: imp
     ready.set_running(&[]);
     waited?;
     failed.map_or(Ok(()), Err)
+}
+
+/// How often a rank waiting for its stream looks at what may hold it up ([`held_by_signals`]);
+/// the first look is after as long.
+const HELD_LOOK_EVERY: Duration = Duration::from_secs(1);
+
+/// What may hold up this rank's stream: a stream of this rank that has waited a second or more
+/// in ncclWaitSignal for signals that have not come (this communicator's), as (the sender,
+/// it described with the signal, and its process where that is stopped). Seen in a stop hunt:
+/// a rank waiting on a rank of its own process was told only that that rank waits for its
+/// stream, while the stream waited for signals of the process that was stopped.
+fn held_by_signals(comm: &Comm) -> Option<(usize, String)> {
+    let (rank, what) = comm.rma.short_stream_waits(HELD_LOOK_EVERY).into_iter().next()?;
+    let how = comm.peer_stopped_anywhere(rank).map_or(String::new(), |how| format!(": {how}"));
+    Some((rank, format!("{}, which has not sent them ({what}){how}", comm.describe_peer(rank))))
 }
 
 /// How long a caller's stream may take to get through a call before this rank says so: long

@@ -744,15 +744,20 @@ fn await_answer(comm: &Comm, s: &std::net::TcpStream, peer: usize, ordinal: u64)
 /// Streams that wait for signals from ranks that are gone (see `gone_sender`) are let go, with
 /// the communicator's asynchronous error naming the rank: no thread waits on the host for them.
 /// A signal short of what a stream waits for after 10 s is named at WARN (once per wait), as
-/// a wait on the host says (`wait_for`).
+/// a wait on the host says (`wait_for`); one from a sender whose process, of this host, is
+/// stopped, at once (a second in).
 fn probe_waits(comm: &Comm, unreachable: &mut HashMap<u32, Instant>) {
     let inner = &comm.rma.inner;
+    let mut short = Vec::new();
     let mut senders: Vec<u32> = {
         let mut st = inner.lock();
         let st = &mut *st;
         let mut late = Vec::new();
         for (k, p) in st.pending.iter_mut() {
             let got = st.arrived.get(k).copied().unwrap_or(0);
+            if got < p.want && !p.said_stopped && k.2 as usize != comm.rank && p.since.elapsed() >= PROBE_EVERY {
+                short.push((*k, p.since.elapsed(), format!("{got} of {} have come", p.want)));
+            }
             if got < p.want && !p.warned && p.since.elapsed() >= super::WARN_AFTER {
                 p.warned = true;
                 late.push(format!("from rank {} (signal {}, context {}), {got} of {} have come (counted from the \
@@ -768,12 +773,46 @@ fn probe_waits(comm: &Comm, unreachable: &mut HashMap<u32, Instant>) {
             .filter(|(k, p)| k.2 as usize != comm.rank && st.arrived.get(k).copied().unwrap_or(0) < p.want)
             .map(|(k, _)| k.2).collect()
     };
+    said_stopped(comm, short);
     senders.sort_unstable();
     senders.dedup();
     for p in senders {
         let what = "not all of the signals a stream waits for".to_string();
         if let Some(e) = gone_sender(comm, vec![(p, what)], unreachable) {
             inner.release_waits(|k| k.2 == p, &e);
+        }
+    }
+}
+
+/// Of signals that streams have waited for a second or more (`short`: the signal, how long,
+/// how many came), those whose sender's process, of this host, is stopped (SIGSTOP, Ctrl-Z, a
+/// debugger) are named at WARN, each once per wait. A rank whose stream is held so said nothing
+/// for 10 s ([`super::WARN_AFTER`]).
+fn said_stopped(comm: &Comm, mut short: Vec<(super::SignalKey, Duration, String)>) {
+    short.sort_by_key(|(k, ..)| *k);
+    let mut said = Vec::new();
+    let mut looked: Vec<(u32, Option<&str>)> = Vec::new();
+    for (k, waited, came) in short {
+        let how = match looked.iter().find(|(p, _)| *p == k.2) {
+            Some(&(_, how)) => how,
+            None => {
+                let how = comm.peer_stopped(k.2 as usize);
+                looked.push((k.2, how));
+                how
+            }
+        };
+        let Some(how) = how else { continue };
+        crate::warn!("rank {}: a stream has waited {:.1} s in ncclWaitSignal for signal {} (context {}) from {}, {came}: \
+                      {how}", comm.rank, waited.as_secs_f64(), k.1, k.0, comm.describe_peer(k.2 as usize));
+        said.push(k);
+    }
+    if said.is_empty() {
+        return;
+    }
+    let mut st = comm.rma.inner.lock();
+    for k in said {
+        if let Some(p) = st.pending.get_mut(&k) {
+            p.said_stopped = true;
         }
     }
 }
@@ -943,7 +982,7 @@ fn wait_on_stream(comm: &Comm, st: &Stream, descs: &[WaitDesc]) -> Result<bool> 
     for &(k, n) in &want {
         state.consumed.insert(k, n);
         let got = state.arrived.get(&k).copied().unwrap_or(0);
-        let fresh = super::Pending { want: n, since: now, warned: false };
+        let fresh = super::Pending { want: n, since: now, warned: false, said_stopped: false };
         let p = state.pending.entry(k).or_insert(fresh);
         // Counted from when the signal fell short of a wait (an earlier one may be satisfied).
         if p.want <= got {
