@@ -29,6 +29,9 @@
  *                             once every other rank has said at WARN that it has not issued
  *                             the call (tests/faults.rs sets the flag "go"); then the sum is
  *                             exact
+ *   faults --only pipeline-late  (2 or more processes) a pipeline's forward pass: rank k
+ *                             receives from rank k-1 and sends to rank k+1; rank 0 sends only
+ *                             once every other rank has named it at WARN (the flag "go")
  *   faults --only held-elsewhere  (3 processes) rank 0 receives from rank 1, which is in an
  *                             all-reduce with rank 2 on another communicator first: rank 0
  *                             must name rank 2 as what holds rank 1 up there
@@ -1044,6 +1047,49 @@ static void part_held_up(void) {
   free(buf);
 }
 
+/* ---- pipeline-late: every stage names the late first stage of a pipeline -----------------
+ * n processes, a pipeline's forward pass: rank k receives 1 Mi ints from rank k-1, adds its
+ * rank, and sends them to rank k+1. Rank 0 sends only once every other rank has said at WARN
+ * that rank 0 holds it up (the harness sets the flag "go"): rank 1 waits on it directly; the
+ * others wait on a rank that is in its own receive, and learn from it who holds it up (before:
+ * each named only the rank before it, which "waits on that rank"). Then every rank's data is
+ * exact. */
+static void part_pipeline_late(void) {
+  test_deadline(50);
+  if (g_env.nprocs < 2 || g_env.local != 1) {
+    fprintf(stderr, "pipeline-late: run as 2 or more processes of 1 rank\n");
+    exit(2);
+  }
+  ncclComm_t comm = NULL;
+  test_step("init");
+  make_comms("", &comm);
+  const size_t n = 1 << 20;
+  const int rank = g_env.proc, ranks = g_env.nprocs;
+  int32_t* buf = TEST_ALLOC(n * sizeof(int32_t));
+  ncclResult_t r = ncclSuccess;
+  if (rank == 0) {
+    for (size_t i = 0; i < n; i++) buf[i] = (int32_t)(i % 7);
+    test_step("waiting for the go");
+    EXPECT(flag_wait("go", 40), "no go within 40 s (the other ranks did not all say that rank 0 holds them up)");
+  } else {
+    test_step("the receive");
+    r = ncclRecv(buf, n, ncclInt32, rank - 1, comm, TEST_STREAM);
+    EXPECT(r == ncclSuccess, "rank %d's receive -> %s: %s", rank, result_name(r), last_error(comm));
+    size_t wrong = 0;
+    const int32_t added = (int32_t)(rank * (rank - 1) / 2);
+    for (size_t i = 0; i < n && r == ncclSuccess; i++) wrong += buf[i] != added + (int32_t)(i % 7);
+    EXPECT(wrong == 0, "rank %d: %zu elements wrong", rank, wrong);
+    for (size_t i = 0; i < n; i++) buf[i] += rank;
+  }
+  if (rank + 1 < ranks && r == ncclSuccess) {
+    test_step("the send");
+    r = ncclSend(buf, n, ncclInt32, rank + 1, comm, TEST_STREAM);
+    EXPECT(r == ncclSuccess, "rank %d's send -> %s: %s", rank, result_name(r), last_error(comm));
+  }
+  CHECK(ncclCommDestroy(comm));
+  free(buf);
+}
+
 /* ---- stopped-remote: a stopped process of another host, seen by a rank of that host ------
  * 3 processes; NCCL_HOSTID (set by tests/faults.rs) makes process 0 one host and processes 1
  * and 2 another. Process 2 stops itself (SIGSTOP) before its send to rank 0. Rank 0, in the
@@ -1382,7 +1428,7 @@ static const struct {
     {"closed-early", part_closed_early}, {"stopped", part_stopped}, {"crossed", part_crossed},
     {"culprit", part_culprit},
     {"sent-early", part_sent_early}, {"p2p-order", part_p2p_order},
-    {"ring-late", part_ring_late}, {"held-up", part_held_up}, {"stopped-remote", part_stopped_remote},
+    {"ring-late", part_ring_late}, {"held-up", part_held_up}, {"pipeline-late", part_pipeline_late}, {"stopped-remote", part_stopped_remote},
     {"held-elsewhere", part_held_elsewhere}, {"signal-wait", part_signal_wait}, {"p2p-done", part_p2p_done},
     {"coll-done", part_coll_done}, {"group-late", part_group_late}, {"fd-starved", part_fd_starved},
     {"no-threads", part_no_threads},

@@ -481,6 +481,39 @@ fn held_up(procs: usize) -> (Outcome, bool, String) {
     (o, all, warned)
 }
 
+/// A pipeline's forward pass of 6 stages (processes) whose first is late: each stage receives
+/// from the one before, which is in its own receive. Every stage names rank 0 as what holds it
+/// up (rank 1 directly; the others through the note of the rank before them), then rank 0 is
+/// let go and every stage's data is exact. Before, each named only the rank before it, which
+/// "waits on that rank", and the job timed out.
+#[test]
+fn every_stage_of_a_pipeline_names_the_late_first_stage() {
+    let procs = 6;
+    let mut job = Job::new("faults").procs(procs).arg("--only").arg("pipeline-late").env("NCCL_DEBUG", "WARN")
+        .timeout_s(60);
+    let go = job.dir().join("unique-id.flag-go");
+    let said = Arc::new(AtomicUsize::new(0));
+    for proc in 1..procs {
+        let (go, said) = (go.clone(), said.clone());
+        let marker = if proc == 1 { "for rank 0 (" } else { "held up by rank 0 (" };
+        job = job.on(When::marker(proc, marker), move || {
+            if said.fetch_add(1, Ordering::AcqRel) + 2 < procs {
+                return "said".to_string();
+            }
+            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
+        });
+    }
+    let o = job.run_outcome();
+    let names_first = |log: &str| log.lines().any(|l| {
+        l.contains("NCCL WARN") && (l.contains("for rank 0 (") || l.contains("held up by rank 0 ("))
+            && l.contains("which has not issued that call")
+    });
+    let all = o.ok() && (1..procs).all(|p| names_first(&o.procs[p].log));
+    let warned: String = o.procs.iter().flat_map(|p| p.log.lines().filter(|l| l.contains("NCCL WARN")))
+        .map(|l| format!("  {l}\n")).collect();
+    judge("every_stage_of_a_pipeline_names_the_late_first_stage", &o, all, warned);
+}
+
 /// A peer in a call on another communicator that a third rank holds up: rank 0, receiving
 /// from rank 1, which all-reduces first with a late rank 2 on a communicator of their own,
 /// names rank 2 as what holds rank 1 up there, without the different-orders hint (the

@@ -153,13 +153,18 @@ impl Ready {
         let now = std::time::Instant::now();
         let mut note = self.waits.lock().unwrap_or_else(|p| p.into_inner());
         match (runs, why) {
-            (PeerRuns::Waits(rank, text), _) => {
+            // (The words of the rank found, not the way to it: a chain's notes stay one rank long.)
+            (PeerRuns::Waits(rank, text) | PeerRuns::OtherHeld(_, rank, text), _) => {
                 *note = Some(WaitNote { stamp: *mine, rank: *rank, text: capped(text.clone()), at: now });
             }
             // (A rank found holding the call up is shown until stale, rather than the way to it.)
-            (PeerRuns::Via(rank), _) => {
+            // A peer in calls with other ranks is a way too, not what holds the call up: the
+            // stages of a pipeline behind a late one each named the stage before it, then the one
+            // before that, and so on, a line each, until the late one.
+            (PeerRuns::Via(_) | PeerRuns::OtherPeers(_), _) => {
+                let rank = if let PeerRuns::Via(rank) = runs { *rank } else { peer };
                 if !note.as_ref().is_some_and(|n| n.stamp == *mine && !n.text.is_empty() && n.at.elapsed() < NOTE_FRESH) {
-                    *note = Some(WaitNote { stamp: *mine, rank: *rank, text: String::new(), at: now });
+                    *note = Some(WaitNote { stamp: *mine, rank, text: String::new(), at: now });
                 }
             }
             (PeerRuns::Unknown, _) => {
@@ -331,6 +336,9 @@ pub enum PeerRuns {
     /// It has not issued the call: it is in sends or receives with other ranks (the first
     /// shown), which it may well make first.
     OtherPeers(Stamp),
+    /// As `OtherPeers`, where that rank found what holds its own call up: the rank named (the
+    /// first), as it says ([`WaitNote`]). A pipeline's stages name its late stage this way.
+    OtherHeld(Stamp, usize, String),
     /// It runs the call too, held up by this rank (the first) as it says ([`WaitNote`]: that
     /// rank described, with why).
     Waits(usize, String),
@@ -441,6 +449,8 @@ impl PeerRuns {
                 how.describe(), seen_by_words(*seen_by))),
             PeerRuns::OtherPeers(theirs) => Some(format!(
                 "which has not issued that call: it is in {} (and waits on that rank)", describe(theirs))),
+            PeerRuns::OtherHeld(theirs, _, text) => Some(format!(
+                "which has not issued that call: it is in {}, held up by {text}", describe(theirs))),
             PeerRuns::Waits(_, text) => Some(format!("which runs that call too and is held up by {text}")),
             PeerRuns::Crossed(how) => Some(how.clone()),
             PeerRuns::Same | PeerRuns::Via(_) | PeerRuns::Unknown => None,
@@ -450,7 +460,7 @@ impl PeerRuns {
     /// The rank to name for a wait on `peer`: the one holding it up, if it said so.
     pub fn culprit(&self, peer: usize) -> usize {
         match self {
-            PeerRuns::Waits(rank, _) | PeerRuns::StreamHeld(_, rank, _) => *rank,
+            PeerRuns::Waits(rank, _) | PeerRuns::StreamHeld(_, rank, _) | PeerRuns::OtherHeld(_, rank, _) => *rank,
             _ => peer,
         }
     }
@@ -551,6 +561,17 @@ fn held_stream(runs: PeerRuns, waits: Option<(usize, &[u8])>) -> PeerRuns {
             PeerRuns::StreamHeld(theirs, rank, String::from_utf8_lossy(text).into_owned())
         }
         (runs, _) => runs,
+    }
+}
+
+/// A peer in sends or receives with other ranks (the first: `first`), with what its note says
+/// holds it up there, if it found that (not this rank `me`: a cycle's ranks say so otherwise).
+fn other_held(first: Stamp, waits: Option<(usize, &[u8])>, me: usize) -> PeerRuns {
+    match waits {
+        Some((rank, text)) if rank != me && !text.is_empty() => {
+            PeerRuns::OtherHeld(first, rank, String::from_utf8_lossy(text).into_owned())
+        }
+        _ => PeerRuns::OtherPeers(first),
     }
 }
 
@@ -1312,9 +1333,11 @@ impl Comm {
         let runs = match self.judge_running(ready, peer, mine, (&theirs, answer.issued), counts, describe)? {
             // In sends or receives with other ranks: fine, unless those wait round to this one.
             // (The second look of a confirmation walks again, whatever the pace.)
+            // Else it may have found what holds it up there.
             PeerRuns::OtherPeers(first) if again || ready.may_walk(peer, mine) => {
+                let waits = answer.waits;
                 self.waits_in_cycle(ready, (peer, theirs, answer.with), counts, describe)
-                    .map_or(PeerRuns::OtherPeers(first), PeerRuns::Crossed)
+                    .map_or_else(|| other_held(first, waits, self.rank), PeerRuns::Crossed)
             }
             // Held up, it may have found by whom, or how far along the ranks it waits on
             // (a collective's; looked further every 2, 4, 8, 16 s, as cycles are).
@@ -1332,6 +1355,7 @@ impl Comm {
                 }
                 _ => PeerRuns::Same,
             },
+            PeerRuns::OtherPeers(first) => other_held(first, answer.waits, self.rank),
             runs => runs,
         };
         match runs {
@@ -1475,7 +1499,7 @@ impl Comm {
                 }
                 match (theirs.iter().find(|t| p2p_bytes(t).is_some()), theirs.first()) {
                     _ if issued => return Hop::Unknown,
-                    (Some(first), _) => PeerRuns::OtherPeers(*first),
+                    (Some(first), _) => other_held(*first, answer.waits, self.rank),
                     // (An earlier collective: it has yet to finish it.)
                     (None, Some(first)) => return Hop::Holds(format!("which has not issued that call: it is in {}",
                                                                      describe(first))),
@@ -1774,6 +1798,24 @@ mod tests {
         assert_eq!(held_stream(PeerRuns::Stream(theirs), Some((2, b""))), PeerRuns::Stream(theirs), "a note of no words");
         assert_eq!(held_stream(PeerRuns::Stream(theirs), None), PeerRuns::Stream(theirs));
         assert_eq!(held_stream(PeerRuns::Suspended, Some((2, b"x"))), PeerRuns::Suspended, "only a wait for a stream");
+    }
+
+    /// A peer in sends or receives with other ranks that found what holds it up there (a
+    /// pipeline's stage behind a late one) is said with that rank as the one to name; a note of
+    /// no words (the way to it), or one naming the asking rank, leaves it as it was.
+    #[test]
+    fn a_peer_held_up_in_calls_with_others_names_what_holds_it() {
+        let first = [5u8; STAMP_BYTES];
+        let text = "rank 0 (h, pid 3), which has not issued that call";
+        let held = other_held(first, Some((0, text.as_bytes())), 3);
+        assert_eq!(held, PeerRuns::OtherHeld(first, 0, text.into()));
+        assert_eq!(held.culprit(2), 0);
+        let why = held.why_waiting(&[6u8; STAMP_BYTES], &|_| "a receive of 8 bytes from rank 1".to_string());
+        assert_eq!(why.as_deref(), Some("which has not issued that call: it is in a receive of 8 bytes from rank 1, held up \
+                                         by rank 0 (h, pid 3), which has not issued that call"));
+        assert_eq!(other_held(first, Some((1, b"")), 3), PeerRuns::OtherPeers(first), "the way, not a culprit");
+        assert_eq!(other_held(first, Some((3, text.as_bytes())), 3), PeerRuns::OtherPeers(first), "this rank itself");
+        assert_eq!(other_held(first, None, 3), PeerRuns::OtherPeers(first));
     }
 
     /// In a search for a cycle, a rank waits on the next only with a call that still waits:
