@@ -161,8 +161,11 @@ impl Ready {
             // A peer in calls with other ranks is a way too, not what holds the call up: the
             // stages of a pipeline behind a late one each named the stage before it, then the one
             // before that, and so on, a line each, until the late one.
-            (PeerRuns::Via(_) | PeerRuns::OtherPeers(_), _) => {
-                let rank = if let PeerRuns::Via(rank) = runs { *rank } else { peer };
+            (PeerRuns::Via(_) | PeerRuns::OtherPeers(_) | PeerRuns::OtherVia(..), _) => {
+                let rank = match runs {
+                    PeerRuns::Via(rank) | PeerRuns::OtherVia(_, rank) => *rank,
+                    _ => peer,
+                };
                 if !note.as_ref().is_some_and(|n| n.stamp == *mine && !n.text.is_empty() && n.at.elapsed() < NOTE_FRESH) {
                     *note = Some(WaitNote { stamp: *mine, rank, text: String::new(), at: now });
                 }
@@ -339,6 +342,9 @@ pub enum PeerRuns {
     /// As `OtherPeers`, where that rank found what holds its own call up: the rank named (the
     /// first), as it says ([`WaitNote`]). A pipeline's stages name its late stage this way.
     OtherHeld(Stamp, usize, String),
+    /// As `OtherPeers`, having followed the notes of the ranks each waits on to the furthest
+    /// (the rank), none of which has found yet what holds it up ([`Comm::follow_notes`]).
+    OtherVia(Stamp, usize),
     /// It runs the call too, held up by this rank (the first) as it says ([`WaitNote`]: that
     /// rank described, with why).
     Waits(usize, String),
@@ -447,7 +453,7 @@ impl PeerRuns {
             PeerRuns::Silent(how, for_, seen_by) => Some(format!(
                 "which has not answered status requests for {:.0} s or more: {}{}", for_.as_secs_f64().floor(),
                 how.describe(), seen_by_words(*seen_by))),
-            PeerRuns::OtherPeers(theirs) => Some(format!(
+            PeerRuns::OtherPeers(theirs) | PeerRuns::OtherVia(theirs, _) => Some(format!(
                 "which has not issued that call: it is in {} (and waits on that rank)", describe(theirs))),
             PeerRuns::OtherHeld(theirs, _, text) => Some(format!(
                 "which has not issued that call: it is in {}, held up by {text}", describe(theirs))),
@@ -1336,8 +1342,13 @@ impl Comm {
             // Else it may have found what holds it up there.
             PeerRuns::OtherPeers(first) if again || ready.may_walk(peer, mine) => {
                 let waits = answer.waits;
-                self.waits_in_cycle(ready, (peer, theirs, answer.with), counts, describe)
-                    .map_or_else(|| other_held(first, waits, self.rank), PeerRuns::Crossed)
+                match self.waits_in_cycle(ready, (peer, theirs, answer.with), counts, describe) {
+                    Some(how) => PeerRuns::Crossed(how),
+                    None => match other_held(first, waits, self.rank) {
+                        PeerRuns::OtherPeers(first) => self.follow_notes(ready, peer, first, waits.map(|(rank, _)| rank)),
+                        held => held,
+                    },
+                }
             }
             // Held up, it may have found by whom, or how far along the ranks it waits on
             // (a collective's; looked further every 2, 4, 8, 16 s, as cycles are).
@@ -1479,6 +1490,41 @@ impl Comm {
             }
         }
         PeerRuns::Via(reached)
+    }
+
+    /// What holds up `peer`, which is in sends or receives with other ranks (the first: `first`)
+    /// and has got as far as rank `via` (its note) along the ranks each waits on: that rank
+    /// asked for its note, and on along the notes, for at most [`FOLLOW_HOPS`] ranks, until one
+    /// names the rank holding it up (`OtherHeld`: that). Else `OtherVia`: the furthest rank
+    /// reached, kept as this rank's note. As [`Comm::follow`] does for a collective: without it,
+    /// the news went back one stage per look along a pipeline (64 stages: a minute).
+    fn follow_notes(&self, ready: &Ready, peer: usize, first: Stamp, via: Option<usize>) -> PeerRuns {
+        let (mut reached, mut next) = (peer, via);
+        let mut asked = vec![self.rank, peer];
+        while let Some(at) = next.filter(|r| !asked.contains(r) && *r < ready.peers.len()) {
+            if asked.len() >= FOLLOW_HOPS + 2 {
+                break;
+            }
+            asked.push(at);
+            let Ok(bytes) = ready.service.status(at, STATUS_WITHIN) else { break };
+            match Answer::read(&bytes).waits {
+                Some((rank, text)) if !text.is_empty() => {
+                    if rank == self.rank {
+                        break;
+                    }
+                    return PeerRuns::OtherHeld(first, rank, String::from_utf8_lossy(text).into_owned());
+                }
+                Some((rank, _)) => {
+                    reached = at;
+                    next = Some(rank);
+                }
+                None => {
+                    reached = at;
+                    break;
+                }
+            }
+        }
+        PeerRuns::OtherVia(first, reached)
     }
 
     /// What rank `at`, not a peer this rank waits on directly, does about the collective `mine`
