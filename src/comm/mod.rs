@@ -1497,7 +1497,7 @@ impl Comm {
     /// asked for its note, and on along the notes, for at most [`FOLLOW_HOPS`] ranks, until one
     /// names the rank holding it up (`OtherHeld`: that). Else `OtherVia`: the furthest rank
     /// reached, kept as this rank's note. As [`Comm::follow`] does for a collective: without it,
-    /// the news went back one stage per look along a pipeline (64 stages: a minute).
+    /// the news went back a few stages per look along a pipeline (32 stages: 13 s, now 3 s).
     fn follow_notes(&self, ready: &Ready, peer: usize, first: Stamp, via: Option<usize>) -> PeerRuns {
         let (mut reached, mut next) = (peer, via);
         let mut asked = vec![self.rank, peer];
