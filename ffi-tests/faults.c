@@ -842,12 +842,13 @@ static void part_sent_early(void) {
 
 /* ---- helpers of the parts below that run one rank per process ------------------------- */
 
-/* Start part `name`, which must run as `procs` processes of one rank each, with a deadline of
- * 40 s: its communicator, made. */
-static ncclComm_t one_rank_part(const char* name, int procs) {
-  test_deadline(40);
-  if (g_env.nprocs != procs || g_env.local != 1) {
-    fprintf(stderr, "%s: run as %d processes of 1 rank\n", name, procs);
+/* Start part `name`, which must run as `procs` processes of one rank each (0: 2 or more),
+ * with a deadline of `deadline` s: its communicator, made. */
+static ncclComm_t one_rank_part_within(const char* name, int procs, int deadline) {
+  test_deadline(deadline);
+  if ((procs ? g_env.nprocs != procs : g_env.nprocs < 2) || g_env.local != 1) {
+    if (procs) fprintf(stderr, "%s: run as %d processes of 1 rank\n", name, procs);
+    else fprintf(stderr, "%s: run as 2 or more processes of 1 rank\n", name);
     exit(2);
   }
   ncclComm_t comm = NULL;
@@ -855,6 +856,9 @@ static ncclComm_t one_rank_part(const char* name, int procs) {
   make_comms("", &comm);
   return comm;
 }
+
+/* The same with a deadline of 40 s. */
+static ncclComm_t one_rank_part(const char* name, int procs) { return one_rank_part_within(name, procs, 40); }
 
 /* ---- p2p-order: a rank in a receive from a late third rank is not a mismatch ------------- */
 
@@ -1020,14 +1024,7 @@ static void part_group_late(void) {
  * nothing, however long; then, only one rank further per look). Then every rank's sum is
  * exact. */
 static void part_held_up(void) {
-  test_deadline(50);
-  if (g_env.nprocs < 2 || g_env.local != 1) {
-    fprintf(stderr, "held-up: run as 2 or more processes of 1 rank\n");
-    exit(2);
-  }
-  ncclComm_t comm = NULL;
-  test_step("init");
-  make_comms("", &comm);
+  ncclComm_t comm = one_rank_part_within("held-up", 0, 50);
   const size_t n = 1 << 20;
   const int rank = g_env.proc, ranks = g_env.nprocs, late = ranks - 1;
   int32_t* buf = TEST_ALLOC(n * sizeof(int32_t));
@@ -1055,14 +1052,7 @@ static void part_held_up(void) {
  * each named only the rank before it, which "waits on that rank"). Then every rank's data is
  * exact. */
 static void part_pipeline_late(void) {
-  test_deadline(50);
-  if (g_env.nprocs < 2 || g_env.local != 1) {
-    fprintf(stderr, "pipeline-late: run as 2 or more processes of 1 rank\n");
-    exit(2);
-  }
-  ncclComm_t comm = NULL;
-  test_step("init");
-  make_comms("", &comm);
+  ncclComm_t comm = one_rank_part_within("pipeline-late", 0, 50);
   const size_t n = 1 << 20;
   const int rank = g_env.proc, ranks = g_env.nprocs;
   int32_t* buf = TEST_ALLOC(n * sizeof(int32_t));

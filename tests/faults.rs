@@ -442,11 +442,7 @@ fn every_rank_names_the_rank_holding_up_a_collective() {
 fn a_long_chain_of_ranks_names_the_rank_holding_it_up_within_seconds() {
     let (o, all, warned) = held_up(24);
     // "... waited 3.1 s in AllReduce #0 ...": the first line of each rank naming rank 23.
-    let waited = |log: &str| log.lines().find(|l| l.contains("NCCL WARN") && l.contains("rank 23 (")).and_then(waited_secs);
-    let slow: Vec<String> = (0..23).filter_map(|p| match waited(&o.procs[p].log) {
-        Some(s) if s < 8.0 => None,
-        s => Some(format!("rank {p}: {s:?} s")),
-    }).collect();
+    let slow = named_late(&o, 0..23, 8.0, |l| l.contains("rank 23 ("));
     judge("a_long_chain_of_ranks_names_the_rank_holding_it_up_within_seconds", &o, all && slow.is_empty(),
           format!("  named late or not at all: {slow:?}\n{warned}"));
 }
@@ -456,19 +452,8 @@ fn a_long_chain_of_ranks_names_the_rank_holding_it_up_within_seconds() {
 /// the WARN lines.
 fn held_up(procs: usize) -> (Outcome, bool, String) {
     let late = procs - 1;
-    let mut job = Job::new("faults").procs(procs).arg("--only").arg("held-up").env("NCCL_DEBUG", "WARN").timeout_s(60);
-    let go = job.dir().join("unique-id.flag-go");
-    let said = Arc::new(AtomicUsize::new(0));
-    for proc in 0..late {
-        let (go, said) = (go.clone(), said.clone());
-        job = job.on(When::marker(proc, &format!("rank {late} (")), move || {
-            if said.fetch_add(1, Ordering::AcqRel) + 1 < late {
-                return "said".to_string();
-            }
-            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
-        });
-    }
-    let o = job.run_outcome();
+    let job = Job::new("faults").procs(procs).arg("--only").arg("held-up").env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let o = go_once_all_said(job, (0..late).map(|p| (p, format!("rank {late} ("))).collect());
     // Each names the late rank, itself or as the rank holding its peer up.
     let names_late = |log: &str| log.lines().any(|l| {
         l.contains("NCCL WARN") && l.contains("which has not issued that call")
@@ -476,9 +461,40 @@ fn held_up(procs: usize) -> (Outcome, bool, String) {
                 || l.contains(&format!("which runs that call too and is held up by rank {late} (")))
     });
     let all = o.ok() && (0..late).all(|p| names_late(&o.procs[p].log));
-    let warned: String = o.procs.iter().flat_map(|p| p.log.lines().filter(|l| l.contains("NCCL WARN")))
-        .map(|l| format!("  {l}\n")).collect();
+    let warned = warn_lines(&o);
     (o, all, warned)
+}
+
+/// Of processes `procs`, those whose first WARN line that `names` the culprit says it waited
+/// `limit` s or more ("... waited 3.1 s in ..."), or that have none: "rank P: its wait".
+fn named_late(o: &Outcome, procs: std::ops::Range<usize>, limit: f64, names: impl Fn(&str) -> bool) -> Vec<String> {
+    let waited = |log: &str| log.lines().find(|l| l.contains("NCCL WARN") && names(l)).and_then(waited_secs);
+    procs.filter_map(|p| match waited(&o.procs[p].log) {
+        Some(s) if s < limit => None,
+        s => Some(format!("rank {p}: {s:?} s")),
+    }).collect()
+}
+
+/// Run `job`, setting its flag "go" once each of `said` (a process, a marker) has printed its
+/// marker.
+fn go_once_all_said(mut job: Job, said: Vec<(usize, String)>) -> Outcome {
+    let go = job.dir().join("unique-id.flag-go");
+    let (count, all) = (Arc::new(AtomicUsize::new(0)), said.len());
+    for (proc, marker) in said {
+        let (go, count) = (go.clone(), count.clone());
+        job = job.on(When::marker(proc, &marker), move || {
+            if count.fetch_add(1, Ordering::AcqRel) + 1 < all {
+                return "said".to_string();
+            }
+            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
+        });
+    }
+    job.run_outcome()
+}
+
+/// Every process's WARN lines, indented, for a report.
+fn warn_lines(o: &Outcome) -> String {
+    o.procs.iter().flat_map(|p| p.log.lines().filter(|l| l.contains("NCCL WARN"))).map(|l| format!("  {l}\n")).collect()
 }
 
 /// A pipeline's forward pass of 6 stages (processes) whose first is late: each stage receives
@@ -496,28 +512,15 @@ fn every_stage_of_a_pipeline_names_the_late_first_stage() {
 /// has named it, then all complete. The outcome, whether it went so (and every stage named
 /// rank 0), and the WARN lines.
 fn pipeline_late(procs: usize) -> (Outcome, bool, String) {
-    let mut job = Job::new("faults").procs(procs).arg("--only").arg("pipeline-late").env("NCCL_DEBUG", "WARN")
-        .timeout_s(60);
-    let go = job.dir().join("unique-id.flag-go");
-    let said = Arc::new(AtomicUsize::new(0));
-    for proc in 1..procs {
-        let (go, said) = (go.clone(), said.clone());
-        let marker = if proc == 1 { "for rank 0 (" } else { "held up by rank 0 (" };
-        job = job.on(When::marker(proc, marker), move || {
-            if said.fetch_add(1, Ordering::AcqRel) + 2 < procs {
-                return "said".to_string();
-            }
-            std::fs::write(&go, b"go").map_or_else(|e| format!("go: {e}"), |_| "go".to_string())
-        });
-    }
-    let o = job.run_outcome();
+    let job = Job::new("faults").procs(procs).arg("--only").arg("pipeline-late").env("NCCL_DEBUG", "WARN").timeout_s(60);
+    let marker = |p: usize| if p == 1 { "for rank 0 (" } else { "held up by rank 0 (" }.to_string();
+    let o = go_once_all_said(job, (1..procs).map(|p| (p, marker(p))).collect());
     let names_first = |log: &str| log.lines().any(|l| {
         l.contains("NCCL WARN") && (l.contains("for rank 0 (") || l.contains("held up by rank 0 ("))
             && l.contains("which has not issued that call")
     });
     let all = o.ok() && (1..procs).all(|p| names_first(&o.procs[p].log));
-    let warned: String = o.procs.iter().flat_map(|p| p.log.lines().filter(|l| l.contains("NCCL WARN")))
-        .map(|l| format!("  {l}\n")).collect();
+    let warned = warn_lines(&o);
     (o, all, warned)
 }
 
@@ -528,14 +531,7 @@ fn pipeline_late(procs: usize) -> (Outcome, bool, String) {
 #[test]
 fn a_long_pipeline_names_its_late_first_stage_within_seconds() {
     let (o, all, warned) = pipeline_late(24);
-    // The first line of each stage naming rank 0 as what holds it up.
-    let waited = |log: &str| log.lines().find(|l| {
-        l.contains("NCCL WARN") && (l.contains("for rank 0 (") || l.contains("held up by rank 0 ("))
-    }).and_then(waited_secs);
-    let slow: Vec<String> = (1..24).filter_map(|p| match waited(&o.procs[p].log) {
-        Some(s) if s < 6.0 => None,
-        s => Some(format!("rank {p}: {s:?} s")),
-    }).collect();
+    let slow = named_late(&o, 1..24, 6.0, |l| l.contains("for rank 0 (") || l.contains("held up by rank 0 ("));
     judge("a_long_pipeline_names_its_late_first_stage_within_seconds", &o, all && slow.is_empty(),
           format!("  named late or not at all: {slow:?}\n{warned}"));
 }

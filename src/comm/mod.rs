@@ -527,6 +527,16 @@ const TELL_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 /// about log9(n) looks (a ring of 4096 ranks: 4).
 const FOLLOW_HOPS: usize = 8;
 
+/// What a walk along the ranks each waits on does after asking one ([`Comm::walk`]).
+enum Step {
+    /// It found what holds the call up.
+    Found(PeerRuns),
+    /// The rank asked is reached; on to the rank its note names, if any.
+    On(Option<usize>),
+    /// Stop before it: it tells nothing.
+    Stop,
+}
+
 /// What a rank asked along the ranks a collective waits on does ([`Comm::hop`]).
 enum Hop {
     /// It runs the call too; its note, if any: the rank holding it up, or, with no words, the
@@ -1467,29 +1477,16 @@ impl Comm {
     /// per look (2 s), round a ring: in one of 16 ranks, up to 9 s; of 64, over 30 s.
     fn follow(&self, ready: &Ready, peer: usize, via: Option<usize>, mine: &Stamp, describe: &dyn Fn(&Stamp) -> String)
               -> PeerRuns {
-        let (mut reached, mut next) = (peer, via);
-        let mut asked = vec![self.rank, peer];
-        while let Some(at) = next.filter(|r| !asked.contains(r) && *r < ready.peers.len()) {
-            if asked.len() >= FOLLOW_HOPS + 2 {
-                break;
-            }
-            asked.push(at);
-            match self.hop(ready, at, mine, describe) {
-                Hop::Runs(Some((rank, text))) if !text.is_empty() => {
-                    if rank == self.rank {
-                        break;
-                    }
-                    return PeerRuns::Waits(rank, text);
-                }
-                Hop::Runs(via) => {
-                    reached = at;
-                    next = via.map(|(rank, _)| rank);
-                }
-                Hop::Holds(why) => return PeerRuns::Waits(at, format!("{}, {why}", self.describe_peer(at))),
-                Hop::Unknown => break,
-            }
-        }
-        PeerRuns::Via(reached)
+        let walked = self.walk(ready, peer, via, |at| match self.hop(ready, at, mine, describe) {
+            Hop::Runs(Some((rank, text))) if !text.is_empty() => match rank == self.rank {
+                true => Step::Stop,
+                false => Step::Found(PeerRuns::Waits(rank, text)),
+            },
+            Hop::Runs(via) => Step::On(via.map(|(rank, _)| rank)),
+            Hop::Holds(why) => Step::Found(PeerRuns::Waits(at, format!("{}, {why}", self.describe_peer(at)))),
+            Hop::Unknown => Step::Stop,
+        });
+        walked.unwrap_or_else(PeerRuns::Via)
     }
 
     /// What holds up `peer`, which is in sends or receives with other ranks (the first: `first`)
@@ -1499,6 +1496,25 @@ impl Comm {
     /// reached, kept as this rank's note. As [`Comm::follow`] does for a collective: without it,
     /// the news went back a few stages per look along a pipeline (32 stages: 13 s, now 3 s).
     fn follow_notes(&self, ready: &Ready, peer: usize, first: Stamp, via: Option<usize>) -> PeerRuns {
+        let walked = self.walk(ready, peer, via, |at| {
+            let Ok(bytes) = ready.service.status(at, STATUS_WITHIN) else { return Step::Stop };
+            match Answer::read(&bytes).waits {
+                Some((rank, text)) if !text.is_empty() => match rank == self.rank {
+                    true => Step::Stop,
+                    false => Step::Found(PeerRuns::OtherHeld(first, rank, String::from_utf8_lossy(text).into_owned())),
+                },
+                // (The way on; or none: it has found nothing yet.)
+                note => Step::On(note.map(|(rank, _)| rank)),
+            }
+        });
+        walked.unwrap_or_else(|reached| PeerRuns::OtherVia(first, reached))
+    }
+
+    /// A walk from `peer` (which this rank waits on) along the ranks each waits on, from `via`
+    /// on, each asked once (`look`), for at most [`FOLLOW_HOPS`] ranks: what one found holds
+    /// the call up, else the furthest rank reached (`peer` if none).
+    fn walk(&self, ready: &Ready, peer: usize, via: Option<usize>, mut look: impl FnMut(usize) -> Step)
+            -> std::result::Result<PeerRuns, usize> {
         let (mut reached, mut next) = (peer, via);
         let mut asked = vec![self.rank, peer];
         while let Some(at) = next.filter(|r| !asked.contains(r) && *r < ready.peers.len()) {
@@ -1506,25 +1522,16 @@ impl Comm {
                 break;
             }
             asked.push(at);
-            let Ok(bytes) = ready.service.status(at, STATUS_WITHIN) else { break };
-            match Answer::read(&bytes).waits {
-                Some((rank, text)) if !text.is_empty() => {
-                    if rank == self.rank {
-                        break;
-                    }
-                    return PeerRuns::OtherHeld(first, rank, String::from_utf8_lossy(text).into_owned());
-                }
-                Some((rank, _)) => {
+            match look(at) {
+                Step::Found(runs) => return Ok(runs),
+                Step::On(way) => {
                     reached = at;
-                    next = Some(rank);
+                    next = way;
                 }
-                None => {
-                    reached = at;
-                    break;
-                }
+                Step::Stop => break,
             }
         }
-        PeerRuns::OtherVia(first, reached)
+        Err(reached)
     }
 
     /// What rank `at`, not a peer this rank waits on directly, does about the collective `mine`
