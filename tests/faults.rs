@@ -588,6 +588,25 @@ fn a_rank_waiting_for_signals_and_its_stopped_sender_are_named() {
     judge("a_rank_waiting_for_signals_and_its_stopped_sender_are_named", &o, ok, format!("  {waiting}\n  {stopped}\n"));
 }
 
+/// The same with rank 2's process on another host than rank 1's (`NCCL_HOSTID`: process 1 on
+/// one, processes 0 and 2 on the other): rank 1, in ncclWaitSignal, asks rank 0 how rank 2's
+/// process is and names it stopped, as rank 0 sees it, within seconds (before: after 10 s, as
+/// a sender that does not answer). SIGCONT on that line; then every call completes, exact.
+#[test]
+fn a_stopped_sender_of_another_host_is_named_by_the_rank_waiting_for_its_signals() {
+    let o = Job::new("faults").procs(3).arg("--only").arg("signal-wait").env("NCCL_DEBUG", "WARN")
+        .proc_env(0, "NCCL_HOSTID", "faults-host-b").proc_env(1, "NCCL_HOSTID", "faults-host-a")
+        .proc_env(2, "NCCL_HOSTID", "faults-host-b").timeout_s(60)
+        .signal(2, "CONT", When::marker(1, "its process is stopped"))
+        .run_outcome();
+    let line = o.procs[1].log.lines().find(|l| l.contains("NCCL WARN") && l.contains("its process is stopped"))
+        .unwrap_or("");
+    let named = line.contains("for signals from rank 2 (") && line.contains("as rank 0, of its host, sees it")
+        && waited_secs(line).is_some_and(|s| s < SILENT_AFTER_S);
+    judge("a_stopped_sender_of_another_host_is_named_by_the_rank_waiting_for_its_signals", &o, o.ok() && named,
+          format!("  {line}\n"));
+}
+
 /// The benchmark in a mount namespace of its own whose /dev/shm is a tmpfs mounted with
 /// `options` (`size=4k`; needs root, as the network-namespace tests: `NCCL_TEST_SKIP_NETNS=1`):
 /// its exit status and output.

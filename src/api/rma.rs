@@ -883,32 +883,50 @@ impl Drop for Published<'_> {
     }
 }
 
-/// The senders of `peers` (rank, what came from it) whose process, of this host, is stopped
-/// (SIGSTOP, Ctrl-Z, a debugger) on two probes in a row, as "; rank N (...): its process is
-/// stopped ..." for the published status; each said at WARN once (`seen`: probes in a row, and
-/// whether said), instead of only after [`WARN_AFTER`].
-fn stopped_senders(comm: &Comm, peers: &[(u32, String)], seen: &mut HashMap<u32, (u32, bool)>, waited: Duration)
+/// The senders of `peers` (rank, what came from it) whose process is stopped (SIGSTOP, Ctrl-Z, a
+/// debugger) on two looks in a row, as "; rank N (...): its process is stopped ..." for the
+/// published status; each said at WARN once, instead of only after [`WARN_AFTER`]. A sender of
+/// this host is looked at in /proc at every probe; one of another host is asked of a rank of
+/// its host (`Comm::peer_stopped_anywhere`) at the first two probes, then every fourth: before,
+/// it was named only after 10 s, as a peer gone silent.
+fn stopped_senders(comm: &Comm, peers: &[(u32, String)], seen: &mut HashMap<u32, Looks>, waited: Duration)
                    -> Vec<String> {
     let mut held = Vec::new();
     for (p, came) in peers {
-        let Some(how) = comm.peer_stopped(*p as usize) else {
-            seen.remove(p);
-            continue;
-        };
-        let (probes, said) = seen.entry(*p).or_insert((0, false));
-        *probes += 1;
-        if *probes < 2 {
+        let looks = seen.entry(*p).or_default();
+        looks.probes += 1;
+        let look = comm.of_this_host(*p as usize) || looks.probes <= 2 || looks.probes.is_multiple_of(4);
+        if look {
+            match comm.peer_stopped_anywhere(*p as usize) {
+                Some(how) => {
+                    looks.stopped += 1;
+                    looks.how = how;
+                }
+                None => looks.stopped = 0,
+            }
+        }
+        if looks.stopped < 2 {
             continue;
         }
         let who = comm.describe_peer(*p as usize);
-        if !*said {
-            *said = true;
-            crate::warn!("rank {}: ncclWaitSignal has waited {:.1} s for signals from {who}: {how}; {came} came",
-                         comm.rank, waited.as_secs_f64());
+        if !looks.said {
+            looks.said = true;
+            crate::warn!("rank {}: ncclWaitSignal has waited {:.1} s for signals from {who}: {}; {came} came",
+                         comm.rank, waited.as_secs_f64(), looks.how);
         }
-        held.push(format!("; {who}: {how}"));
+        held.push(format!("; {who}: {}", looks.how));
     }
     held
+}
+
+/// What a wait's probes saw of a sender's process ([`stopped_senders`]): how many probes, how
+/// many looks in a row found it stopped, how, and whether that was said.
+#[derive(Default)]
+struct Looks {
+    probes: u32,
+    stopped: u32,
+    how: String,
+    said: bool,
 }
 
 /// Block until every descriptor's signals have come, then consume them.
@@ -922,7 +940,7 @@ fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
     let mut unreachable: HashMap<u32, Instant> = HashMap::new();
     let mut published: Option<Published<'_>> = None;
     // Senders of this host found stopped: on how many probes in a row, and whether said.
-    let mut stopped: HashMap<u32, (u32, bool)> = HashMap::new();
+    let mut stopped: HashMap<u32, Looks> = HashMap::new();
     loop {
         if let Some(e) = st.failed.clone() {
             return Err(e);

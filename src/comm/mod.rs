@@ -1261,8 +1261,8 @@ impl Comm {
 
     /// What to say of `peer`'s process if it is of this host and stopped (SIGSTOP, Ctrl-Z, a
     /// debugger), for waits that cannot ask it what it runs.
-    /// (Not asked of another host, as a silent peer's process is: `ncclWaitSignal` probes every
-    /// sender it misses signals from each second.)
+    /// Another host's is not asked here: for threads that must not wait on a request (a
+    /// sender's), or that look every second (see [`Comm::peer_stopped_anywhere`]).
     pub fn peer_stopped(&self, peer: usize) -> Option<&'static str> {
         let how = self.local_state(self.ready.get()?, peer)?;
         how.stopped().then(|| how.describe())
@@ -1274,6 +1274,12 @@ impl Comm {
     pub fn peer_stopped_anywhere(&self, peer: usize) -> Option<String> {
         let (how, seen_by) = self.process_state(self.ready.get()?, peer)?;
         how.stopped().then(|| format!("{}{}", how.describe(), seen_by_words(seen_by)))
+    }
+
+    /// Is `peer`'s process of this host (its state can be read here)?
+    pub fn of_this_host(&self, peer: usize) -> bool {
+        let Some(ready) = self.ready.get() else { return false };
+        matches!((ready.peers.get(self.rank), ready.peers.get(peer)), (Some(me), Some(p)) if p.same_pids(me))
     }
 
     /// How `peer`'s process is, if it is of this host (/proc).
