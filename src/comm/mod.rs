@@ -542,8 +542,9 @@ enum Hop {
     /// It runs the call too; its note, if any: the rank holding it up, or, with no words, the
     /// furthest it reached ([`WaitNote`]).
     Runs(Option<(usize, String)>),
-    /// It holds the call up: why (as `PeerRuns::why_waiting` says it).
-    Holds(String),
+    /// It holds the call up: the rank to name (it, or the rank it found holding it up) and why
+    /// (as `PeerRuns::why_waiting` says it).
+    Holds(usize, String),
     /// Nothing to tell.
     Unknown,
 }
@@ -1489,7 +1490,9 @@ impl Comm {
                 false => Step::Found(PeerRuns::Waits(rank, text)),
             },
             Hop::Runs(via) => Step::On(via.map(|(rank, _)| rank)),
-            Hop::Holds(why) => Step::Found(PeerRuns::Waits(at, format!("{}, {why}", self.describe_peer(at)))),
+            Hop::Holds(culprit, why) => {
+                Step::Found(PeerRuns::Waits(culprit, format!("{}, {why}", self.describe_peer(at))))
+            }
             Hop::Unknown => Step::Stop,
         });
         walked.unwrap_or_else(PeerRuns::Via)
@@ -1560,7 +1563,7 @@ impl Comm {
                     _ if issued => return Hop::Unknown,
                     (Some(first), _) => other_held(*first, answer.waits, self.rank),
                     // (An earlier collective: it has yet to finish it.)
-                    (None, Some(first)) => return Hop::Holds(format!("which has not issued that call: it is in {}",
+                    (None, Some(first)) => return Hop::Holds(at, format!("which has not issued that call: it is in {}",
                                                                      describe(first))),
                     (None, None) => PeerRuns::Nothing,
                 }
@@ -1573,7 +1576,8 @@ impl Comm {
                 Some(runs) => runs,
             },
         };
-        runs.why_waiting(mine, describe).map_or(Hop::Unknown, Hop::Holds)
+        // (The rank to name: it, or the one it says holds it up, as a stage of a pipeline may.)
+        runs.why_waiting(mine, describe).map_or(Hop::Unknown, |why| Hop::Holds(runs.culprit(at), why))
     }
 
     /// Whether this rank, waiting on `peer` (its rank, what it runs, none of it with this rank,
