@@ -1439,12 +1439,12 @@ fn cuda_mode_rma_a_put_to_a_stopped_process_names_it() {
 /// stream-ordered ncclWaitSignal for a signal of a third rank, whose process is stopped. The
 /// waiting rank names the stopped one as what holds that stream (before: only that rank 1
 /// waits for its stream), and rank 1 says that its stream waits for a stopped process (before:
-/// nothing for 10 s). Sent SIGCONT on rank 0's line, the signal comes and the values arrive,
-/// exact (part HeldBySignal).
+/// nothing for 10 s). Sent SIGCONT once both have said so, rank 2 signals and the values
+/// arrive, exact (part HeldBySignal).
 #[test]
 fn cuda_mode_a_stream_held_by_signals_of_a_stopped_process_names_it() {
     let o = cuda_job().procs(3).arg("--only").arg("HeldBySignal").env("NCCL_DEBUG", "WARN")
-        .signal(2, "CONT", When::marker(0, "waits in ncclWaitSignal for signals from rank 2"))
+        .signal(2, "CONT", When::marker(0, "waits in ncclWaitSignal for signals from rank 2").and(1, "a stream has waited"))
         .run_outcome();
     assert!(o.ok(), "{}", o.report);
     let named = o.procs[0].log.lines().any(|l| {

@@ -357,11 +357,13 @@ impl Drop for SlotGuard {
     }
 }
 
-/// When a [`Job`] acts: once `marker` (if any) has appeared in a process's output, and then
-/// `delay` later (measured from the start of the job when there is no marker).
+/// When a [`Job`] acts: once `marker` (if any) has appeared in a process's output, and each of
+/// `also` in theirs, and then `delay` later (measured from the start of the job when there is
+/// no marker).
 #[derive(Clone, Debug)]
 pub struct When {
     marker: Option<(usize, String)>,
+    also: Vec<(usize, String)>,
     delay: Duration,
 }
 
@@ -370,13 +372,20 @@ impl When {
     pub fn marker(proc: usize, text: &str) -> When {
         When {
             marker: Some((proc, text.to_string())),
+            also: Vec::new(),
             delay: Duration::ZERO,
         }
+    }
+    /// And once process `proc` has printed a line containing `text` too (in either order).
+    pub fn and(mut self, proc: usize, text: &str) -> When {
+        self.also.push((proc, text.to_string()));
+        self
     }
     /// `ms` after the job started.
     pub fn after_ms(ms: u64) -> When {
         When {
             marker: None,
+            also: Vec::new(),
             delay: Duration::from_millis(ms),
         }
     }
@@ -719,8 +728,11 @@ impl Job {
             if t.armed_at.is_none() {
                 match &t.when.marker {
                     None => t.armed_at = Some(start),
-                    Some((proc, text)) => {
-                        if procs.get_mut(*proc).is_some_and(|p| p.output_contains(text)) {
+                    Some(first) => {
+                        let mut seen = |(proc, text): &(usize, String)| {
+                            procs.get_mut(*proc).is_some_and(|p| p.output_contains(text))
+                        };
+                        if seen(first) && t.when.also.iter().all(seen) {
                             t.armed_at = Some(Instant::now());
                         }
                     }
@@ -807,8 +819,9 @@ impl Job {
 }
 
 fn describe_trigger(t: &Trigger) -> String {
+    let also: String = t.when.also.iter().map(|(p, text)| format!(" and process {p} printed {text:?}")).collect();
     let when = match (&t.when.marker, t.when.delay.is_zero()) {
-        (Some((p, text)), true) => format!("when process {p} printed {text:?}"),
+        (Some((p, text)), true) => format!("when process {p} printed {text:?}{also}"),
         (Some((p, text)), false) => {
             format!("{:?} after process {p} printed {text:?}", t.when.delay)
         }
