@@ -594,17 +594,25 @@ fn a_rank_waiting_for_signals_and_its_stopped_sender_are_named() {
 /// a sender that does not answer). SIGCONT on that line; then every call completes, exact.
 #[test]
 fn a_stopped_sender_of_another_host_is_named_by_the_rank_waiting_for_its_signals() {
-    let o = Job::new("faults").procs(3).arg("--only").arg("signal-wait").env("NCCL_DEBUG", "WARN")
-        .proc_env(0, "NCCL_HOSTID", "faults-host-b").proc_env(1, "NCCL_HOSTID", "faults-host-a")
-        .proc_env(2, "NCCL_HOSTID", "faults-host-b").timeout_s(60)
-        .signal(2, "CONT", When::marker(1, "its process is stopped"))
-        .run_outcome();
-    let line = o.procs[1].log.lines().find(|l| l.contains("NCCL WARN") && l.contains("its process is stopped"))
-        .unwrap_or("");
+    let (o, line) = stopped_on_another_host("signal-wait", ["faults-host-b", "faults-host-a", "faults-host-b"], 1);
     let named = line.contains("for signals from rank 2 (") && line.contains("as rank 0, of its host, sees it")
-        && waited_secs(line).is_some_and(|s| s < SILENT_AFTER_S);
+        && waited_secs(&line).is_some_and(|s| s < SILENT_AFTER_S);
     judge("a_stopped_sender_of_another_host_is_named_by_the_rank_waiting_for_its_signals", &o, o.ok() && named,
           format!("  {line}\n"));
+}
+
+/// `faults --only part` on 3 processes with `NCCL_HOSTID`s `hosts`, process 2 stopping itself
+/// and resumed once process `waiter` says its process is stopped: the outcome, and that line
+/// of `waiter`'s (empty if none).
+fn stopped_on_another_host(part: &str, hosts: [&str; 3], waiter: usize) -> (Outcome, String) {
+    let mut job = Job::new("faults").procs(3).arg("--only").arg(part).env("NCCL_DEBUG", "WARN").timeout_s(60);
+    for (proc, host) in hosts.into_iter().enumerate() {
+        job = job.proc_env(proc, "NCCL_HOSTID", host);
+    }
+    let o = job.signal(2, "CONT", When::marker(waiter, "its process is stopped")).run_outcome();
+    let line = o.procs[waiter].log.lines().find(|l| l.contains("NCCL WARN") && l.contains("its process is stopped"))
+        .unwrap_or("").to_string();
+    (o, line)
 }
 
 /// The benchmark in a mount namespace of its own whose /dev/shm is a tmpfs mounted with
@@ -707,15 +715,9 @@ fn a_stopped_peer_process_is_named() {
 /// only then, and only that its host did not answer). SIGCONT then; the data is exact.
 #[test]
 fn a_stopped_process_of_another_host_is_named_as_a_rank_there_sees_it() {
-    let o = Job::new("faults").procs(3).arg("--only").arg("stopped-remote").env("NCCL_DEBUG", "WARN")
-        .proc_env(0, "NCCL_HOSTID", "faults-host-a").proc_env(1, "NCCL_HOSTID", "faults-host-b")
-        .proc_env(2, "NCCL_HOSTID", "faults-host-b").timeout_s(60)
-        .signal(2, "CONT", When::marker(0, "its process is stopped"))
-        .run_outcome();
-    let line = o.procs[0].log.lines().find(|l| l.contains("NCCL WARN") && l.contains("its process is stopped"))
-        .unwrap_or("");
+    let (o, line) = stopped_on_another_host("stopped-remote", ["faults-host-a", "faults-host-b", "faults-host-b"], 0);
     let named = line.contains("for rank 2 (") && line.contains("as rank 1, of its host, sees it")
-        && waited_secs(line).is_some_and(|s| s < SILENT_AFTER_S);
+        && waited_secs(&line).is_some_and(|s| s < SILENT_AFTER_S);
     judge("a_stopped_process_of_another_host_is_named_as_a_rank_there_sees_it", &o, o.ok() && named,
           format!("  {line}\n"));
 }

@@ -219,21 +219,17 @@ impl Rma {
         f();
     }
 
-    /// Signals streams of this rank wait for in ncclWaitSignal that have been short of the
-    /// count for `at_least` or more, from ranks other than this one: (the sender, the signal in
-    /// words), the one short longest first. What may hold up a call that waits for its stream.
-    pub fn short_stream_waits(&self, at_least: Duration) -> Vec<(usize, String)> {
+    /// The signal streams of this rank have waited for in ncclWaitSignal for longest, short of
+    /// the count for `at_least` or more, from a rank other than this one: (the sender, the
+    /// signal in words). What may hold up a call that waits for its stream.
+    pub fn oldest_short_stream_wait(&self, at_least: Duration) -> Option<(usize, String)> {
         let st = self.inner.lock();
-        let mut short: Vec<(Instant, SignalKey, String)> = Vec::new();
-        for (k, p) in &st.pending {
-            let got = st.arrived.get(k).copied().unwrap_or(0);
-            if k.2 as usize != self.inner.comm.1 && got < p.want && p.since.elapsed() >= at_least {
-                short.push((p.since, *k, format!("signal {} of context {}: {got} of {} have come since the \
-                                                  communicator's start", k.1, k.0, p.want)));
-            }
-        }
-        short.sort_by_key(|(since, k, _)| (*since, *k));
-        short.into_iter().map(|(_, k, what)| (k.2 as usize, what)).collect()
+        let got = |k: &SignalKey| st.arrived.get(k).copied().unwrap_or(0);
+        let (k, p) = st.pending.iter()
+            .filter(|(k, p)| k.2 as usize != self.inner.comm.1 && got(k) < p.want && p.since.elapsed() >= at_least)
+            .min_by_key(|(k, p)| (p.since, **k))?;
+        Some((k.2 as usize, format!("signal {} of context {}: {} of {} have come since the communicator's start", k.1,
+                                    k.0, got(k), p.want)))
     }
 
     /// ncclCommWindowDeregister: this rank's mappings of the peers' parts of the window are

@@ -176,8 +176,8 @@ impl Ready {
                 }
             }
             (_, Some(why)) => {
-                *note = Some(WaitNote { stamp: *mine, rank: runs.culprit(peer), text: capped(format!("{}, {why}", describe_peer())),
-                                        at: now });
+                let text = capped(format!("{}, {why}", describe_peer()));
+                *note = Some(WaitNote { stamp: *mine, rank: runs.culprit(peer), text, at: now });
             }
             (_, None) => {}
         }

@@ -295,17 +295,20 @@ pub(crate) fn wait_for_stream(comm: &Comm, ops: &[Op], late: &str, mut done: imp
     let (mut warned, mut failed) = (false, None);
     let (mut looked, mut held) = (since, None::<(usize, String)>);
     let waited = poll(comm, "the caller's stream", || match done() {
-        Ok(done) => {
+        Ok(true) => true,
+        Ok(false) => {
+            // (One clock read a poll for both looks below.)
+            let now = std::time::Instant::now();
             // Each second, from the first: what may hold the stream up, shown to the peers.
-            if !done && looked.elapsed() >= HELD_LOOK_EVERY {
-                looked = std::time::Instant::now();
+            if now.duration_since(looked) >= HELD_LOOK_EVERY {
+                looked = now;
                 let was = held.is_some();
                 held = held_by_signals(comm);
                 if let Some(first) = ops.first().filter(|_| was || held.is_some()) {
                     ready.note_held_stream(&first.stamp(), held.clone());
                 }
             }
-            if !done && !warned && since.elapsed() >= STREAM_LATE {
+            if !warned && now.duration_since(since) >= STREAM_LATE {
                 warned = true;
                 let first = ops.first().map_or_else(String::new, Op::describe);
                 let more = ops.len().saturating_sub(1);
@@ -315,9 +318,9 @@ pub(crate) fn wait_for_stream(comm: &Comm, ops: &[Op], late: &str, mut done: imp
                 });
                 crate::warn!("rank {}: {first}{more}: {late} in {:.1} s: work queued on that stream has not \
                               finished, and the other ranks wait for this one{signals}", comm.rank,
-                             since.elapsed().as_secs_f64());
+                             now.duration_since(since).as_secs_f64());
             }
-            done
+            false
         }
         Err(e) => {
             failed = Some(e);
@@ -339,7 +342,7 @@ const HELD_LOOK_EVERY: Duration = Duration::from_secs(1);
 /// a rank waiting on a rank of its own process was told only that that rank waits for its
 /// stream, while the stream waited for signals of the process that was stopped.
 fn held_by_signals(comm: &Comm) -> Option<(usize, String)> {
-    let (rank, what) = comm.rma.short_stream_waits(HELD_LOOK_EVERY).into_iter().next()?;
+    let (rank, what) = comm.rma.oldest_short_stream_wait(HELD_LOOK_EVERY)?;
     let how = comm.peer_stopped_anywhere(rank).map_or(String::new(), |how| format!(": {how}"));
     Some((rank, format!("{}, which has not sent them ({what}){how}", comm.describe_peer(rank))))
 }
