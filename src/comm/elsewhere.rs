@@ -7,7 +7,9 @@ use std::sync::{Mutex, Weak};
 
 use crate::abi::fork::{self, PerFork, PerForkMutex};
 
-use super::{WaitNote, HELD_UP_THERE, STATUS_RUNNING, STATUS_SIGNALS, STATUS_STREAM};
+use super::diagnose::HELD_UP_THERE;
+use super::ready::{shown_note, WaitNote, Waits};
+use super::status::{status_stamps, STATUS_RUNNING, STATUS_SIGNALS, STATUS_STREAM};
 
 struct Entry {
     /// `Comm::serial`: communicators of one job share their hash under NCCL_COMM_ID.
@@ -27,7 +29,7 @@ static LIVE: PerForkMutex<Vec<Entry>> = PerFork::new(fork::anew);
 /// Enlist a communicator that has become ready (its status bytes and what holds it up, kept up
 /// to date by it). Entries whose communicator is gone are dropped here.
 pub fn enlist(serial: u64, hash: u64, rank: usize, nranks: usize, running: &crate::bootstrap::service::Status,
-              waits: &super::Waits) {
+              waits: &Waits) {
     let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
     live.retain(|e| e.running.strong_count() > 0);
     live.push(Entry { serial, hash, rank, nranks, running: std::sync::Arc::downgrade(running),
@@ -52,12 +54,12 @@ pub fn running_except(serial: u64) -> Option<String> {
             }
             _ => continue,
         };
-        let Some(first) = super::status_stamps(&bytes).next() else { continue };
+        let Some(first) = status_stamps(&bytes).next() else { continue };
         let how = if tag == STATUS_STREAM { " (issued, waiting for its CUDA stream)" } else { "" };
         let held = e.waits.upgrade().and_then(|w| {
             let note = w.lock().unwrap_or_else(|p| p.into_inner());
             // (Not a note of how far it got: no rank found yet.)
-            super::shown_note(&note, &bytes).filter(|n| !n.text.is_empty()).map(|n| format!("{HELD_UP_THERE}{}", n.text))
+            shown_note(&note, &bytes).filter(|n| !n.text.is_empty()).map(|n| format!("{HELD_UP_THERE}{}", n.text))
         });
         said.push(format!("{}{how} on communicator {:#x} as rank {} of {}{}", crate::plan::ops::describe_stamp(&first),
                           e.hash, e.rank, e.nranks, held.unwrap_or_default()));
