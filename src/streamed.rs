@@ -619,13 +619,7 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
     let _keep = KeepCurrent::new();
     let s = streamed(comm)?;
     s.ctx.make_current()?;
-    let mut streams: Vec<UserStream> = Vec::new();
-    for o in &ops {
-        if !streams.contains(&o.stream) {
-            streams.push(o.stream);
-        }
-    }
-    let callers: Vec<Stream> = streams.iter().map(|u| Stream::caller(s.ctx, *u)).collect();
+    let (streams, callers) = caller_streams(s, &ops);
     let capturing = callers.iter().try_fold(false, |any, st| Ok::<_, Error>(st.is_capturing()? || any))?;
     match (&callers[..], capturing) {
         (_, false) => {}
@@ -669,53 +663,11 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         }
         _ => None,
     };
-    let mut prestaged = vec![(false, None); ops.len()];
-    let mut outs: Vec<(usize, Region, Region)> = Vec::new();
-    let mut carve_id = None;
-    if let Some((start, picked)) = carve {
-        if !s.caller_staged.swap(true, Ordering::Relaxed) {
-            crate::info!(P2P, "rank {}: callers' streams stage operations through a pinned pool ({} bytes)", comm.rank,
-                         pool.as_ref().map_or(0, Pool::capacity));
-        }
-        // Taken from here on; given back after the events that end its use (see Prepared).
-        carve_id = pool.as_mut().map(|p| p.push(start));
-        let staged_in = picked.iter().try_for_each(|st| {
-            let (caller, op) = (&callers[on(&ops[st.i])], &ops[st.i].op);
-            if let (Some(at), Some(to)) = (op.scalar_at, st.scalar) {
-                caller.copy(to, Region::user(at, 0, to.len()))?;
-            }
-            match st.send.addr() == op.send.addr() {
-                true => Ok(()), // in host memory: the worker reads it there
-                false => caller.copy(st.send, op.send),
-            }
-        });
-        // Failed: copies into the carve may be in flight, and nothing says when they end: it
-        // stays taken (with the rest of the ring behind it; later batches stage on the worker).
-        staged_in?;
-        for st in &picked {
-            let op = ops[st.i].op;
-            if st.recv.addr() != op.recv.addr() {
-                outs.push((on(&ops[st.i]), op.recv, st.recv));
-            }
-            // (Buffers it did not stage, in host memory, are the worker's to use as they are; so
-            // is a scalar there.)
-            ops[st.i].op = Op { send: st.send, recv: st.recv, scalar_at: op.scalar_at.filter(|_| st.scalar.is_none()), ..op };
-            prestaged[st.i] = (true, st.scalar);
-        }
-    }
+    let CallerStaged { prestaged, outs, carve_id } =
+        stage_on_callers(comm, s, pool.as_mut(), carve, &callers, &on, &mut ops)?;
     drop(pool);
     let caller_of: Vec<usize> = ops.iter().map(on).collect();
-    // Direct operations whose kernels this call queues on their streams (slots are taken at
-    // commit): collectives that go direct, with kernels the board can hold.
-    let shapes: Vec<Option<ipc::Shape>> = ops.iter().zip(&prestaged).zip(&paths)
-        .map(|((o, &(pre, _)), path)| match path {
-            Path::Direct(Some(off)) if s.direct_on_stream && !pre => {
-                on_stream_shape(comm, &ipc::computed(&o.op, off.scaled()))
-            }
-            Path::Direct(None) if s.p2p_on_stream && !pre => steps::receive_shape(&o.op),
-            _ => None,
-        })
-        .collect();
+    let shapes = queued_shapes(comm, s, &ops, &prestaged, &paths);
     let ops = ops.into_iter().map(|o| o.op).collect();
     let mut prepared = Prepared { comm: comm.clone(), lock, callers, ops, prestaged, paths, outs, carve_id,
                                   starts: Vec::new(), seq, committed: false, caller_of, shapes, direct: Vec::new(),
@@ -725,6 +677,85 @@ pub fn prepare(comm: &Arc<Comm>, ops: Vec<StreamOp>) -> Result<Option<Prepared>>
         prepared.starts.push(start);
     }
     Ok(Some(prepared))
+}
+
+/// The streams of `ops`, each once, in the order of their first operation, and the callers'
+/// streams for them.
+fn caller_streams(s: &Streamed, ops: &[StreamOp]) -> (Vec<UserStream>, Vec<Stream>) {
+    let mut streams: Vec<UserStream> = Vec::new();
+    for o in ops {
+        if !streams.contains(&o.stream) {
+            streams.push(o.stream);
+        }
+    }
+    let callers = streams.iter().map(|u| Stream::caller(s.ctx, *u)).collect();
+    (streams, callers)
+}
+
+/// Per operation, the kernels per phase its stream will run if this call queues them there
+/// (slots are taken at commit): collectives that go direct, with kernels the board can hold,
+/// and receives from peers whose buffers they read.
+fn queued_shapes(comm: &Comm, s: &Streamed, ops: &[StreamOp], prestaged: &[(bool, Option<Region>)], paths: &[Path])
+                 -> Vec<Option<ipc::Shape>> {
+    ops.iter().zip(prestaged).zip(paths)
+        .map(|((o, &(pre, _)), path)| match path {
+            Path::Direct(Some(off)) if s.direct_on_stream && !pre => {
+                on_stream_shape(comm, &ipc::computed(&o.op, off.scaled()))
+            }
+            Path::Direct(None) if s.p2p_on_stream && !pre => steps::receive_shape(&o.op),
+            _ => None,
+        })
+        .collect()
+}
+
+/// What the callers' streams staged into the pool at call time ([`stage_on_callers`]).
+struct CallerStaged {
+    /// Per operation: whether it was staged, and where its device PreMulSum scalar went.
+    prestaged: Vec<(bool, Option<Region>)>,
+    /// Per staged operation: its caller's index, the user's output, the pool's copy.
+    outs: Vec<(usize, Region, Region)>,
+    /// The carve of the pool taken, given back after the events that end its use ([`Prepared`]).
+    carve_id: Option<u64>,
+}
+
+/// The operations of `carve` (`pool::plan_caller_staging`) staged by their callers' streams
+/// (`on`: each one's index in `callers`): their inputs and device scalars copied into the carve
+/// of `pool` now, and `ops` changed to read and write there.
+fn stage_on_callers(comm: &Comm, s: &Streamed, pool: Option<&mut Pool>, carve: Option<(usize, Vec<pool::Staged>)>,
+                    callers: &[Stream], on: &dyn Fn(&StreamOp) -> usize, ops: &mut [StreamOp]) -> Result<CallerStaged> {
+    let mut prestaged = vec![(false, None); ops.len()];
+    let mut outs: Vec<(usize, Region, Region)> = Vec::new();
+    let Some((start, picked)) = carve else { return Ok(CallerStaged { prestaged, outs, carve_id: None }) };
+    if !s.caller_staged.swap(true, Ordering::Relaxed) {
+        crate::info!(P2P, "rank {}: callers' streams stage operations through a pinned pool ({} bytes)", comm.rank,
+                     pool.as_deref().map_or(0, Pool::capacity));
+    }
+    // Taken from here on; given back after the events that end its use (see Prepared).
+    let carve_id = pool.map(|p| p.push(start));
+    let staged_in = picked.iter().try_for_each(|st| {
+        let (caller, op) = (&callers[on(&ops[st.i])], &ops[st.i].op);
+        if let (Some(at), Some(to)) = (op.scalar_at, st.scalar) {
+            caller.copy(to, Region::user(at, 0, to.len()))?;
+        }
+        match st.send.addr() == op.send.addr() {
+            true => Ok(()), // in host memory: the worker reads it there
+            false => caller.copy(st.send, op.send),
+        }
+    });
+    // Failed: copies into the carve may be in flight, and nothing says when they end: it stays
+    // taken (with the rest of the ring behind it; later batches stage on the worker).
+    staged_in?;
+    for st in &picked {
+        let op = ops[st.i].op;
+        if st.recv.addr() != op.recv.addr() {
+            outs.push((on(&ops[st.i]), op.recv, st.recv));
+        }
+        // (Buffers it did not stage, in host memory, are the worker's to use as they are; so is
+        // a scalar there.)
+        ops[st.i].op = Op { send: st.send, recv: st.recv, scalar_at: op.scalar_at.filter(|_| st.scalar.is_none()), ..op };
+        prestaged[st.i] = (true, st.scalar);
+    }
+    Ok(CallerStaged { prestaged, outs, carve_id })
 }
 
 /// Each operation's path (see [`Path`]). No collective goes direct once the ranks agreed they

@@ -352,6 +352,16 @@ fn held_by_signals(comm: &Comm) -> Option<(usize, String)> {
 /// (Peers waiting on this rank hear why after a second, from their own watch.)
 const STREAM_LATE: Duration = Duration::from_secs(10);
 
+/// What the parts of a batch run with: the communicator, the worker's stream and staging, and
+/// its peer mappings.
+struct Runner<'a> {
+    comm: &'a Arc<Comm>,
+    stream: &'a Arc<Stream>,
+    s: &'a Streamed,
+    staging: &'a mut Staging,
+    direct: &'a mut Direct,
+}
+
 fn run_batch(comm: &Arc<Comm>, stream: &Arc<Stream>, s: &Streamed, staging: &mut Staging, direct: &mut Direct,
              batch: &Batch) -> Result<()> {
     comm.ready()?;
@@ -379,8 +389,19 @@ fn run_batch(comm: &Arc<Comm>, stream: &Arc<Stream>, s: &Streamed, staging: &mut
     // collectives before its sends and receives); then the sends and receives, which pair up
     // within their group and so are staged together. An operation the caller's stream staged
     // (`prestaged`) is host work only: its regions are the pool's.
-    // Once the ranks agreed that collectives never go direct again (`Direct::off`, set in the
-    // same operation on every rank), they are staged without asking.
+    let mut w = Runner { comm, stream, s, staging, direct };
+    run_collectives(&mut w, batch, &ops, &mut started)?;
+    // Calls from now on see it (the ranks agreed in this batch, or earlier).
+    s.direct_off.store(w.direct.off, Ordering::Relaxed);
+    started()?;
+    run_sends_and_receives(&mut w, batch, &ops)
+}
+
+/// The collectives of `batch` (`ops`: its operations, scalars read), in issue order. Once the
+/// ranks agreed that collectives never go direct again (`Direct::off`, set in the same
+/// operation on every rank), they are staged without asking.
+fn run_collectives(w: &mut Runner, batch: &Batch, ops: &[Op], started: ipc::Started) -> Result<()> {
+    let (comm, stream, s) = (w.comm, w.stream, w.s);
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| !o.kind.is_p2p()) {
         let pre = batch.prestaged.get(i).is_some_and(|&(pre, _)| pre);
         let path = batch.paths.get(i).unwrap_or(&Path::Staged);
@@ -394,36 +415,39 @@ fn run_batch(comm: &Arc<Comm>, stream: &Arc<Stream>, s: &Streamed, staging: &mut
         };
         if let (Some(Some(d)), Some(board), Path::Direct(Some(offered))) = (batch.direct.get(i), &s.board, path) {
             let queued = ipc::Queued { board, ticket: &d.ticket, shape: &d.shape };
-            if !direct.off && ipc::run_on_stream(comm, direct, op, offered, &queued, &mut started)? {
+            if !w.direct.off && ipc::run_on_stream(comm, w.direct, op, offered, &queued, started)? {
                 continue;
             }
             // Every rank stages it; the caller's stream waits at the first gate meanwhile, and
             // then runs kernels that do nothing.
             started()?;
-            run_staged(comm, stream, staging, &[(staged()?, false)])?;
+            run_staged(comm, stream, w.staging, &[(staged()?, false)])?;
             board.close(&d.ticket);
             continue;
         }
         match path {
-            _ if direct.off => {}
+            _ if w.direct.off => {}
             // Its regions may be the pool's now: the agreement must not publish those either.
-            Path::Declined => ipc::decline(comm, direct, op, s.kernels.is_none(), &mut started)?,
+            Path::Declined => ipc::decline(comm, w.direct, op, s.kernels.is_none(), started)?,
             // Run on the worker's stream (no board slot); false: every rank stages it.
-            Path::Direct(Some(offered)) if !pre && ipc::run(comm, stream, s.kernels, direct, op, offered, &mut started)? => {
+            Path::Direct(Some(offered)) if !pre && ipc::run(comm, stream, s.kernels, w.direct, op, offered, started)? => {
                 continue
             }
             _ => {}
         }
         started()?;
-        run_staged(comm, stream, staging, &[(staged()?, pre)])?;
+        run_staged(comm, stream, w.staging, &[(staged()?, pre)])?;
     }
-    // Calls from now on see it (the ranks agreed in this batch, or earlier).
-    s.direct_off.store(direct.off, Ordering::Relaxed);
-    started()?;
-    // Sends and receives between ranks of this host (`Routes::eligible`, alike on both ends)
-    // pair up over their own connections (`ipc::run_p2p`); the others go through the host
-    // transports meanwhile: either may wait for what a peer does in the other.
-    let mut snapshots = take_overwritten_sends(stream, &ops)?;
+    Ok(())
+}
+
+/// The sends and receives of `batch` (`ops`), the callers' streams there. Those between ranks
+/// of this host (`Routes::eligible`, alike on both ends) pair up over their own connections
+/// (`ipc::run_p2p`); the others go through the host transports meanwhile: either may wait for
+/// what a peer does in the other.
+fn run_sends_and_receives(w: &mut Runner, batch: &Batch, ops: &[Op]) -> Result<()> {
+    let (comm, stream, s) = (w.comm, w.stream, w.s);
+    let mut snapshots = take_overwritten_sends(stream, ops)?;
     let mut direct_ops = Vec::new();
     let mut host: Vec<Flagged> = Vec::new();
     for (i, op) in ops.iter().enumerate().filter(|(_, o)| o.kind.is_p2p()) {
@@ -450,7 +474,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Arc<Stream>, s: &Streamed, staging: &mut
     }
     match (direct_ops.is_empty(), host.is_empty()) {
         (true, true) => Ok(()),
-        (true, false) => run_staged(comm, stream, staging, &host),
+        (true, false) => run_staged(comm, stream, w.staging, &host),
         (false, true) => {
             // What this rank runs, for peers that wait on it (each send and receive with its
             // direction and peer: two ranks that only send to each other are told so). Not
@@ -460,7 +484,7 @@ fn run_batch(comm: &Arc<Comm>, stream: &Arc<Stream>, s: &Streamed, staging: &mut
                 .collect();
             let ready = comm.ready()?;
             ready.set_running(&shown);
-            let result = ipc::run_p2p(comm, stream, direct, s, &direct_ops);
+            let result = ipc::run_p2p(comm, stream, w.direct, s, &direct_ops);
             // (A failure is published in its place, for peers that ask: not cleared first.)
             if result.is_ok() {
                 ready.set_running(&[]);
@@ -471,19 +495,19 @@ fn run_batch(comm: &Arc<Comm>, stream: &Arc<Stream>, s: &Streamed, staging: &mut
         // issues it, by sends and receives): they wait for no peer, so they run first, on this
         // thread, rather than on one spawned for them.
         (false, false) if host.iter().all(|(op, _)| op.root == comm.rank) => {
-            run_staged(comm, stream, staging, &host)?;
-            ipc::run_p2p(comm, stream, direct, s, &direct_ops)
+            run_staged(comm, stream, w.staging, &host)?;
+            ipc::run_p2p(comm, stream, w.direct, s, &direct_ops)
         }
         (false, false) => {
-            let helper = match &mut staging.helper {
+            let helper = match &mut w.staging.helper {
                 Some(h) => h,
-                None => staging.helper.insert(Helper::start(comm, stream, s.ctx)?),
+                None => w.staging.helper.insert(Helper::start(comm, stream, s.ctx)?),
             };
             helper.jobs.send(host).map_err(|_| Error::internal("the staging thread is gone"))?;
             // Its result is taken even if the direct ones panic (the worker catches that), so
             // that the next batch's is not this one's.
             let pending = Pending(helper);
-            let result = ipc::run_p2p(comm, stream, direct, s, &direct_ops);
+            let result = ipc::run_p2p(comm, stream, w.direct, s, &direct_ops);
             if let Err(e) = &result {
                 // The staged ones may wait for peers that now never come.
                 comm.publish_failure(e);
