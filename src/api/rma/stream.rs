@@ -51,7 +51,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{deliver, gone_sender, put_to_self, wanted_counts, wait_for, RmaOp, WaitDesc, PROBE_EVERY};
+use super::wait::{gone_sender, wanted_counts, wait_for};
+use super::{deliver, put_to_self, RmaOp, WaitDesc, PROBE_EVERY};
 use crate::comm::Comm;
 use crate::device::cuda::{Context, KeepCurrent, MappedHost, MemOp, Stream, WaitCond};
 use crate::device::host::Region;
@@ -957,7 +958,7 @@ fn wait_on_stream(comm: &Comm, st: &Stream, descs: &[WaitDesc]) -> Result<bool> 
         if got < n && state.ended.contains_key(&k.2) {
             return Err(Error::remote(format!(
                 "rank {}: waiting for signals that {} will not send: it closed its connection; {} came", comm.rank,
-                comm.describe_peer(k.2 as usize), super::describe_missing(&state, &(k, got, n)))));
+                comm.describe_peer(k.2 as usize), super::wait::describe_missing(&state, &(k, got, n)))));
         }
     }
     let mut at = Vec::with_capacity(want.len());
