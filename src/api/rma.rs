@@ -35,9 +35,10 @@ mod p2p;
 mod stream;
 mod target;
 mod wait;
+mod windows;
 use wait::wait_for;
 pub use p2p::{Message, ANSWER, DATA, RECORD};
-pub use stream::{lsa_device_pointer, lsa_teams, peer_device_pointer};
+pub use windows::{lsa_device_pointer, lsa_teams, peer_device_pointer};
 
 /// One communicator's one-sided state.
 pub struct Rma {
@@ -48,7 +49,7 @@ pub struct Rma {
     /// Held while the first call starts `gated`.
     starting: Mutex<()>,
     /// CUDA mode: windows of ranks of this host as this rank writes or reads them directly,
-    /// by (rank, window ordinal); None: not reachable that way (`stream::peer_window`).
+    /// by (rank, window ordinal); None: not reachable that way (`windows::peer_window`).
     peer_windows: Mutex<HashMap<(usize, u64), stream::Direct>>,
     /// Mappings of deregistered windows that streams may still copy into (the deregistration
     /// was cut short by an abort): closed with the communicator, or at the next deregistration

@@ -7,7 +7,7 @@
 //! a wait in a hardware queue:
 //!
 //! - **Puts written directly**: a put into a window of a rank of this host (its own, one of
-//!   its process, or device memory of another process that CUDA IPC maps: `direct_target`),
+//!   its process, or device memory of another process that CUDA IPC maps: `windows::direct_target`),
 //!   where the source or the window is device or managed memory and neither is pageable, is
 //!   copied there by the caller's stream, which then raises the mark of a unit that carries
 //!   only the signal.
@@ -41,9 +41,8 @@
 //! memory (host-wait mode), the calls run on the calling thread once their stream has got
 //! there, and a wait returns when its signals came.
 //!
-//! The windows a rank reaches directly also answer `ncclGetPeerDevicePointer` and
-//! `ncclGetLsaDevicePointer`: a rank's load/store team is itself and the ranks of its host
-//! (CUDA mode, peer access not disabled).
+//! The windows a rank reaches directly (`windows`) also answer `ncclGetPeerDevicePointer` and
+//! `ncclGetLsaDevicePointer`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -51,13 +50,14 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::wait::{gone_sender, wanted_counts, wait_for};
+use super::wait::{probe_waits, wanted_counts, wait_for};
+use super::windows::direct_target;
 use super::{deliver, put_to_self, RmaOp, WaitDesc, PROBE_EVERY};
 use crate::comm::Comm;
 use crate::device::cuda::{Context, KeepCurrent, MappedHost, MemOp, Stream, WaitCond};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
-use crate::transport::rma::{self as wire, Frame, PeerWindow, OP_PUT, OP_WINDOW};
+use crate::transport::rma::{self as wire, Frame, PeerWindow, OP_PUT};
 
 /// Slots of pinned staging per communicator, and the bytes of each: 4 MiB in all.
 const SLOTS: usize = 16;
@@ -567,254 +567,6 @@ impl Gated {
             enqueued(st.wait_value32(self.marks, mark_done_word(u.n), u.n, WaitCond::Geq)?)?;
         }
         Ok(Some(src))
-    }
-}
-
-/// Where a put of `frame` to `peer` goes directly, if it does: this rank's own window, or a
-/// window of a rank of this host that CUDA IPC maps here (asked of the target once, at the
-/// first put into it; `NCCL_P2P_DISABLE`, `NCCL_P2P_LEVEL=LOC` stage every put). A put past
-/// the end of such a window is refused here.
-fn direct_target(comm: &Comm, peer: usize, frame: &Frame) -> Result<Option<Region>> {
-    let (offset, len) = (frame.offset as usize, frame.len as usize);
-    if peer == comm.rank {
-        let w = super::own_window(&comm.rma.inner, frame)?;
-        let whole = Region::user(w.buff, 0, w.size);
-        if !needs_device_copy(&[whole])? {
-            return Ok(None);
-        }
-        super::fits(frame, w.size)?;
-        return Ok(Some(whole.sub(offset, len)));
-    }
-    match peer_window(comm, peer, frame.window)? {
-        None => Ok(None),
-        Some(pw) => {
-            super::fits(frame, pw.size()).map_err(|e| e.context(format!("rank {peer}'s window #{}", frame.window)))?;
-            pw.region(offset, len).map(Some).ok_or_else(|| Error::internal("a put that fits is outside its window"))
-        }
-    }
-}
-
-/// Can this rank reach `peer`'s windows directly (CUDA mode, a rank of this host, peer access
-/// not disabled)? Its load/store team is the ranks it can.
-fn reaches(comm: &Comm, peer: usize) -> Result<bool> {
-    if !crate::device::mode::is_cuda() {
-        return Ok(false);
-    }
-    let ready = comm.ready()?;
-    // What both ranks' settings allow (`bootstrap::Links`).
-    Ok(match (ready.peers.get(comm.rank), ready.peers.get(peer)) {
-        (Some(a), Some(b)) => a.direct_with(b),
-        _ => false,
-    })
-}
-
-/// `peer`'s window #`ordinal` as this rank reaches it directly (another rank: see `reaches`),
-/// asked of the peer and mapped once, then kept for the communicator's life.
-pub(super) fn peer_window(comm: &Comm, peer: usize, ordinal: u64) -> Result<Direct> {
-    if !reaches(comm, peer)? {
-        return Ok(None);
-    }
-    let key = (peer, ordinal);
-    if let Some(known) = comm.rma.peer_windows.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
-        return Ok(known.clone());
-    }
-    let ready = comm.ready()?;
-    let same_process = match (ready.peers.get(comm.rank), ready.peers.get(peer)) {
-        (Some(a), Some(b)) => a.same_process(b),
-        _ => false,
-    };
-    let ctx = Context::primary(comm.cuda_dev)?;
-    let _keep = KeepCurrent::new();
-    ctx.make_current()?;
-    let pw = open_peer_window(comm, peer, ordinal, same_process);
-    Ok(comm.rma.peer_windows.lock().unwrap_or_else(|p| p.into_inner()).entry(key).or_insert(pw).clone())
-}
-
-/// `ncclGetPeerDevicePointer`: where this rank's device reaches `offset` of `peer`'s part of
-/// the window — its own buffer for itself, a mapping of a peer's for a rank of this host whose
-/// window CUDA IPC shares (or that is in this process), else 0 (NULL: not reachable by load
-/// and store, as NCCL answers for peers outside the team).
-pub fn peer_device_pointer(token: usize, offset: usize, peer: i32) -> Result<usize> {
-    let (comm, w) = crate::api::mem::window_and_comm(token)?;
-    let peer = super::check_peer(&comm, peer, "peer")?;
-    if offset > w.size {
-        return Err(Error::invalid_arg(format!("offset {offset} is past the window's {} bytes", w.size)));
-    }
-    if peer == comm.rank {
-        return Ok(w.buff.addr() + offset);
-    }
-    Ok(peer_window(&comm, peer, w.ordinal)?.map_or(0, |pw| pw.addr() + offset.min(pw.size())))
-}
-
-/// `ncclGetLsaDevicePointer`: as [`peer_device_pointer`] for the `lsa_rank`-th rank of this
-/// rank's load/store team (itself and the ranks `reaches` says, in rank order).
-pub fn lsa_device_pointer(token: usize, offset: usize, lsa_rank: i32) -> Result<usize> {
-    let (comm, _) = crate::api::mem::window_and_comm(token)?;
-    let mut team = Vec::new();
-    for p in 0..comm.nranks {
-        if p == comm.rank || reaches(&comm, p)? {
-            team.push(p);
-        }
-    }
-    let peer = usize::try_from(lsa_rank).ok().and_then(|i| team.get(i).copied()).ok_or_else(|| Error::invalid_arg(
-        format!("lsaRank {lsa_rank} is out of range: this rank's load/store team has {} rank(s)", team.len())))?;
-    peer_device_pointer(token, offset, peer as i32)
-}
-
-/// The number of load/store teams (`ncclCommProperties_t.nLsaTeams`): the hosts, where ranks
-/// of a host reach each other's windows (CUDA mode), else one per rank.
-pub fn lsa_teams(comm: &Comm) -> usize {
-    let Some(ready) = comm.ready_if_any() else { return comm.nranks };
-    if !matches!(reaches(comm, comm.rank), Ok(true)) {
-        return comm.nranks;
-    }
-    let mut hosts: Vec<&crate::bootstrap::PeerInfo> = Vec::new();
-    for p in &ready.peers {
-        if !hosts.iter().any(|h| h.same_host(p)) {
-            hosts.push(p);
-        }
-    }
-    hosts.len()
-}
-
-/// Ask `peer` (a rank of this host) for its window #`ordinal` and map it: None where it is not
-/// device memory CUDA IPC shares, or cannot be mapped here (puts into it are staged).
-fn open_peer_window(comm: &Comm, peer: usize, ordinal: u64, same_process: bool) -> Direct {
-    let asked = (|| -> Result<PeerWindow> {
-        let ready = comm.ready()?;
-        let mut s = ready.service.connect_rma(peer)?;
-        let ask = Frame { op: OP_WINDOW, ctx: 0, sig: 0, window: ordinal, offset: 0, len: 0 };
-        wire::send(&mut s, &ask, Region::EMPTY)?;
-        await_answer(comm, &s, peer, ordinal)?;
-        let _ = s.set_read_timeout(Some(crate::params::peer_timeout()));
-        let info = wire::read_info(&mut s)?;
-        if !info.ok {
-            return Err(Error::invalid_usage("not device memory that CUDA IPC shares"));
-        }
-        PeerWindow::open(&info, same_process)
-    })();
-    match asked {
-        Ok(pw) => {
-            crate::info!(P2P, "rank {} -> rank {peer}: puts into window #{ordinal} are written directly by the caller's \
-                               stream ({})", comm.rank, if same_process { "same process" } else { "CUDA IPC" });
-            Some(Arc::new(pw))
-        }
-        Err(e) => {
-            crate::info!(P2P, "rank {} -> rank {peer}: puts into window #{ordinal} are staged through host memory ({})",
-                         comm.rank, e.msg);
-            None
-        }
-    }
-}
-
-/// Waits for `peer`'s answer about its window #`ordinal` on `s`, at most the peer timeout, a
-/// second at a time: a peer whose process is stopped (SIGSTOP, a debugger) is named at WARN
-/// once, about a second in, and an abort of this communicator ends the wait. Before, the put
-/// waited in silence for as long (a stop hunt's survivors named no one). (The first put into a
-/// window asks on the calling thread, in the call: `run` needs the route before it queues.)
-fn await_answer(comm: &Comm, s: &std::net::TcpStream, peer: usize, ordinal: u64) -> Result<()> {
-    let (since, limit) = (Instant::now(), crate::params::peer_timeout());
-    let mut said = false;
-    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    loop {
-        match s.peek(&mut [0u8; 1]) {
-            // (Its answer, or the end of the connection: the read says which.)
-            Ok(_) => return Ok(()),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                                         | std::io::ErrorKind::Interrupted) => {}
-            Err(e) => return Err(Error::os("one-sided operations: window answer", e)),
-        }
-        if comm.abort.load(Ordering::Acquire) {
-            return Err(Error::invalid_usage("communicator aborted while asking a peer for its window"));
-        }
-        let waited = since.elapsed();
-        if waited >= limit {
-            return Err(Error::remote(format!("{} did not say where its window #{ordinal} is within {} s",
-                                             comm.describe_peer(peer), limit.as_secs())));
-        }
-        if !said {
-            if let Some(how) = comm.peer_stopped(peer) {
-                said = true;
-                crate::warn!("rank {}: a put waited {:.1} s for {} to say where its window #{ordinal} is: {how}",
-                             comm.rank, waited.as_secs_f64(), comm.describe_peer(peer));
-            }
-        }
-    }
-}
-
-/// Streams that wait for signals from ranks that are gone (see `gone_sender`) are let go, with
-/// the communicator's asynchronous error naming the rank: no thread waits on the host for them.
-/// A signal short of what a stream waits for after 10 s is named at WARN (once per wait), as
-/// a wait on the host says (`wait_for`); one from a sender whose process, of this host, is
-/// stopped, at once (a second in).
-fn probe_waits(comm: &Comm, unreachable: &mut HashMap<u32, Instant>) {
-    let inner = &comm.rma.inner;
-    let mut short = Vec::new();
-    let mut senders: Vec<u32> = {
-        let mut st = inner.lock();
-        let st = &mut *st;
-        let mut late = Vec::new();
-        for (k, p) in st.pending.iter_mut() {
-            let got = st.arrived.get(k).copied().unwrap_or(0);
-            if got < p.want && !p.said_stopped && k.2 as usize != comm.rank && p.since.elapsed() >= PROBE_EVERY {
-                short.push((*k, p.since.elapsed(), format!("{got} of {} have come", p.want)));
-            }
-            if got < p.want && !p.warned && p.since.elapsed() >= super::WARN_AFTER {
-                p.warned = true;
-                late.push(format!("from rank {} (signal {}, context {}), {got} of {} have come (counted from the \
-                                   communicator's start)", k.2, k.1, k.0, p.want));
-            }
-        }
-        if !late.is_empty() {
-            late.sort();
-            crate::warn!("rank {}: a stream has waited {} s or more in ncclWaitSignal for signals {}", comm.rank,
-                         super::WARN_AFTER.as_secs(), late.join("; "));
-        }
-        st.pending.iter()
-            .filter(|(k, p)| k.2 as usize != comm.rank && st.arrived.get(k).copied().unwrap_or(0) < p.want)
-            .map(|(k, _)| k.2).collect()
-    };
-    said_stopped(comm, short);
-    senders.sort_unstable();
-    senders.dedup();
-    for p in senders {
-        let what = "not all of the signals a stream waits for".to_string();
-        if let Some(e) = gone_sender(comm, vec![(p, what)], unreachable) {
-            inner.release_waits(|k| k.2 == p, &e);
-        }
-    }
-}
-
-/// Of signals that streams have waited for a second or more (`short`: the signal, how long,
-/// how many came), those whose sender's process, of this host, is stopped (SIGSTOP, Ctrl-Z, a
-/// debugger) are named at WARN, each once per wait. A rank whose stream is held so said nothing
-/// for 10 s ([`super::WARN_AFTER`]).
-fn said_stopped(comm: &Comm, mut short: Vec<(super::SignalKey, Duration, String)>) {
-    short.sort_by_key(|(k, ..)| *k);
-    let mut said = Vec::new();
-    let mut looked: Vec<(u32, Option<&str>)> = Vec::new();
-    for (k, waited, came) in short {
-        let how = match looked.iter().find(|(p, _)| *p == k.2) {
-            Some(&(_, how)) => how,
-            None => {
-                let how = comm.peer_stopped(k.2 as usize);
-                looked.push((k.2, how));
-                how
-            }
-        };
-        let Some(how) = how else { continue };
-        crate::warn!("rank {}: a stream has waited {:.1} s in ncclWaitSignal for signal {} (context {}) from {}, {came}: \
-                      {how}", comm.rank, waited.as_secs_f64(), k.1, k.0, comm.describe_peer(k.2 as usize));
-        said.push(k);
-    }
-    if said.is_empty() {
-        return;
-    }
-    let mut st = comm.rma.inner.lock();
-    for k in said {
-        if let Some(p) = st.pending.get_mut(&k) {
-            p.said_stopped = true;
-        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! `ncclWaitSignal` waited for on the calling thread (host memory, or host-wait mode): until
 //! the signals have come, naming at WARN the senders that are late, stopped, gone, or closed
-//! their communicator, and failing once one never can send them ([`wait_for`]).
+//! their communicator, and failing once one never can send them ([`wait_for`]). The same
+//! looks for the waits of callers' streams, made by the sender thread ([`probe_waits`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -221,6 +222,82 @@ pub(super) fn wait_for(comm: &Comm, descs: &[WaitDesc]) -> Result<()> {
             Ok((g, _)) => g,
             Err(p) => p.into_inner().0,
         };
+    }
+}
+
+/// Streams that wait for signals from ranks that are gone (see `gone_sender`) are let go, with
+/// the communicator's asynchronous error naming the rank: no thread waits on the host for them.
+/// A signal short of what a stream waits for after 10 s is named at WARN (once per wait), as
+/// a wait on the host says (`wait_for`); one from a sender whose process, of this host, is
+/// stopped, at once (a second in).
+pub(super) fn probe_waits(comm: &Comm, unreachable: &mut HashMap<u32, Instant>) {
+    let inner = &comm.rma.inner;
+    let mut short = Vec::new();
+    let mut senders: Vec<u32> = {
+        let mut st = inner.lock();
+        let st = &mut *st;
+        let mut late = Vec::new();
+        for (k, p) in st.pending.iter_mut() {
+            let got = st.arrived.get(k).copied().unwrap_or(0);
+            if got < p.want && !p.said_stopped && k.2 as usize != comm.rank && p.since.elapsed() >= PROBE_EVERY {
+                short.push((*k, p.since.elapsed(), format!("{got} of {} have come", p.want)));
+            }
+            if got < p.want && !p.warned && p.since.elapsed() >= super::WARN_AFTER {
+                p.warned = true;
+                late.push(format!("from rank {} (signal {}, context {}), {got} of {} have come (counted from the \
+                                   communicator's start)", k.2, k.1, k.0, p.want));
+            }
+        }
+        if !late.is_empty() {
+            late.sort();
+            crate::warn!("rank {}: a stream has waited {} s or more in ncclWaitSignal for signals {}", comm.rank,
+                         super::WARN_AFTER.as_secs(), late.join("; "));
+        }
+        st.pending.iter()
+            .filter(|(k, p)| k.2 as usize != comm.rank && st.arrived.get(k).copied().unwrap_or(0) < p.want)
+            .map(|(k, _)| k.2).collect()
+    };
+    said_stopped(comm, short);
+    senders.sort_unstable();
+    senders.dedup();
+    for p in senders {
+        let what = "not all of the signals a stream waits for".to_string();
+        if let Some(e) = gone_sender(comm, vec![(p, what)], unreachable) {
+            inner.release_waits(|k| k.2 == p, &e);
+        }
+    }
+}
+
+/// Of signals that streams have waited for a second or more (`short`: the signal, how long,
+/// how many came), those whose sender's process, of this host, is stopped (SIGSTOP, Ctrl-Z, a
+/// debugger) are named at WARN, each once per wait. A rank whose stream is held so said nothing
+/// for 10 s ([`super::WARN_AFTER`]).
+fn said_stopped(comm: &Comm, mut short: Vec<(SignalKey, Duration, String)>) {
+    short.sort_by_key(|(k, ..)| *k);
+    let mut said = Vec::new();
+    let mut looked: Vec<(u32, Option<&str>)> = Vec::new();
+    for (k, waited, came) in short {
+        let how = match looked.iter().find(|(p, _)| *p == k.2) {
+            Some(&(_, how)) => how,
+            None => {
+                let how = comm.peer_stopped(k.2 as usize);
+                looked.push((k.2, how));
+                how
+            }
+        };
+        let Some(how) = how else { continue };
+        crate::warn!("rank {}: a stream has waited {:.1} s in ncclWaitSignal for signal {} (context {}) from {}, {came}: \
+                      {how}", comm.rank, waited.as_secs_f64(), k.1, k.0, comm.describe_peer(k.2 as usize));
+        said.push(k);
+    }
+    if said.is_empty() {
+        return;
+    }
+    let mut st = comm.rma.inner.lock();
+    for k in said {
+        if let Some(p) = st.pending.get_mut(&k) {
+            p.said_stopped = true;
+        }
     }
 }
 
