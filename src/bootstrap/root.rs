@@ -225,14 +225,7 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
         if let (Some(at), Some(n)) = (warn_at, expected) {
             if Instant::now() >= at {
                 warn_at = None;
-                let msg = format!("bootstrap: {} of {n} ranks have joined after {} s; waiting for {} ({limit})",
-                                  joined.len(), started.elapsed().as_secs(), missing_ranks(&joined, n));
-                // Every rank that waits says it (at WARN), not only the process of the root.
-                let mut w = Writer::default();
-                w.u8(WAITING).str(&msg);
-                for j in &mut joined {
-                    let _ = write_frame(&mut j.stream, &w.buf);
-                }
+                say_waiting(&mut joined, n, started.elapsed(), &limit);
             }
         }
         if joined.is_empty() && unheard.is_empty() && started.elapsed() >= unused_after {
@@ -263,17 +256,7 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
         if let Some((stream, rank, n, why)) = cannot_join {
             // It will never come: the others are told at once, not left waiting for it, those
             // still on their way too for a while (after that they find no root).
-            let until = Instant::now() + LINGER;
-            let mut cannot = 1; // ranks that said they cannot join (each has its own error)
-            while joined.len() + cannot < n && Instant::now() < until {
-                let polled = poll_hellos(&listener, &mut unheard, magic);
-                match (polled.hello, polled.cannot_join) {
-                    (Some((stream, r, _, info)), _) if r != rank => joined.push(Joined { stream, info }),
-                    (_, Some(_)) => cannot += 1,
-                    (Some(_), None) => {}
-                    (None, None) => std::thread::sleep(Duration::from_millis(5)),
-                }
-            }
+            take_the_others(&listener, &mut unheard, magic, &mut joined, rank, n);
             let msg = format!("bootstrap: rank {rank} could not join the job: {why}");
             return Gathered::Failed { joined, extra: Some(stream), kind: FAILED_REMOTE, msg };
         }
@@ -304,17 +287,7 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
             continue;
         };
         let n = *expected.get_or_insert(nranks);
-        let problem = if nranks != n {
-            Some(format!("bootstrap: rank {rank} says the job has {nranks} ranks but an earlier rank said {n}"))
-        } else if rank >= n {
-            Some(format!("bootstrap: rank {rank} is out of range for {n} ranks"))
-        } else if joined.iter().any(|j| j.info.rank == rank) {
-            Some(format!("bootstrap: two processes claim rank {rank} (pids {} and {}): each rank must be used once",
-                         joined.iter().find(|j| j.info.rank == rank).map_or(0, |j| j.info.pid), info.pid))
-        } else {
-            None
-        };
-        if let Some(msg) = problem {
+        if let Some(msg) = hello_problem(&joined, rank, nranks, n, info.pid) {
             return Gathered::Failed { joined, extra: Some(stream), kind: FAILED, msg };
         }
         joined.push(Joined { stream, info });
@@ -322,6 +295,50 @@ fn gather(listener: TcpListener, magic: u64, timeout: Option<Duration>) -> Gathe
             return Gathered::All(joined);
         }
     }
+}
+
+/// Tell every rank that joined (`joined`, of `n`) that the job still waits, after `waited`, for
+/// the ranks missing: each says it at WARN, not only the process of the root.
+fn say_waiting(joined: &mut [Joined], n: usize, waited: Duration, limit: &str) {
+    let msg = format!("bootstrap: {} of {n} ranks have joined after {} s; waiting for {} ({limit})",
+                      joined.len(), waited.as_secs(), missing_ranks(joined, n));
+    let mut w = Writer::default();
+    w.u8(WAITING).str(&msg);
+    for j in joined {
+        let _ = write_frame(&mut j.stream, &w.buf);
+    }
+}
+
+/// Rank `rank` of `n` cannot join: take the others still on their way for a while
+/// ([`LINGER`]), so that they are told at once rather than left to find no root.
+fn take_the_others(listener: &TcpListener, unheard: &mut Vec<Unheard>, magic: u64, joined: &mut Vec<Joined>,
+                   rank: usize, n: usize) {
+    let until = Instant::now() + LINGER;
+    let mut cannot = 1; // ranks that said they cannot join (each has its own error)
+    while joined.len() + cannot < n && Instant::now() < until {
+        let polled = poll_hellos(listener, unheard, magic);
+        match (polled.hello, polled.cannot_join) {
+            (Some((stream, r, _, info)), _) if r != rank => joined.push(Joined { stream, info }),
+            (_, Some(_)) => cannot += 1,
+            (Some(_), None) => {}
+            (None, None) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+/// What is wrong with a hello from rank `rank` (process `pid`) saying the job has `nranks`,
+/// where the ranks before it said `n` and `joined` have joined, if anything.
+fn hello_problem(joined: &[Joined], rank: usize, nranks: usize, n: usize, pid: u32) -> Option<String> {
+    if nranks != n {
+        return Some(format!("bootstrap: rank {rank} says the job has {nranks} ranks but an earlier rank said {n}"));
+    }
+    if rank >= n {
+        return Some(format!("bootstrap: rank {rank} is out of range for {n} ranks"));
+    }
+    joined.iter().find(|j| j.info.rank == rank).map(|first| {
+        format!("bootstrap: two processes claim rank {rank} (pids {} and {pid}): each rank must be used once",
+                first.info.pid)
+    })
 }
 
 type Hello = (TcpStream, usize, usize, PeerInfo);
@@ -423,6 +440,22 @@ mod tests {
         PeerInfo { rank, pid: 1, cuda_dev: 0, host_hash: 1, pid_ns: 1, shm_fs: 1, hostname: "h".into(),
                    addr: "127.0.0.1:1".parse().expect("an address"), slice: 4096, nsocks: 1,
                    links: crate::bootstrap::Links::local(), gpu: Default::default() }
+    }
+
+    /// A hello that disagrees on the job's size, names a rank past its end, or claims a rank
+    /// already taken fails the job, saying which.
+    #[test]
+    fn a_hello_that_cannot_be_taken_says_why() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a listener");
+        let stream = TcpStream::connect(listener.local_addr().expect("its address")).expect("a connection");
+        let joined = [Joined { stream, info: PeerInfo { pid: 41, ..info(1) } }];
+        assert_eq!(hello_problem(&joined, 2, 4, 4, 42), None);
+        let size = hello_problem(&joined, 2, 8, 4, 42).unwrap_or_default();
+        assert!(size.contains("rank 2 says the job has 8 ranks but an earlier rank said 4"), "{size}");
+        let past = hello_problem(&joined, 4, 4, 4, 42).unwrap_or_default();
+        assert!(past.contains("rank 4 is out of range for 4 ranks"), "{past}");
+        let twice = hello_problem(&joined, 1, 4, 4, 42).unwrap_or_default();
+        assert!(twice.contains("two processes claim rank 1 (pids 41 and 42)"), "{twice}");
     }
 
     /// A rank of another build (another source) fails the job with ncclInvalidUsage, naming

@@ -230,15 +230,7 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
     ws.slots[..ws.live].sort_by_key(|s| s.comm.as_ref().map_or(0, |c| Arc::as_ptr(c) as usize));
     let slots = &ws.slots[..ws.live];
     let work = &mut ws.work[..ws.live];
-    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    // (The flag first: reading the variable on every group cost an 8-byte all-reduce 3%.)
-    if let Some(v) = crate::debug::first_time(&SAID).then(|| params::raw("NCCL_ALGO")).flatten() {
-        match algo::parse_algo(&v) {
-            Some(algo::Algo::Ring) => crate::info!(TUNING, "NCCL_ALGO={v}: every all-reduce by ring"),
-            Some(algo::Algo::Tree) => crate::info!(TUNING, "NCCL_ALGO={v}: every all-reduce by recursive doubling (Tree)"),
-            None => crate::info!(TUNING, "NCCL_ALGO={v}: all-reduce algorithm chosen by size (ring and tree allowed)"),
-        }
-    }
+    say_algo_once();
 
     let mut comms: Few<&Comm> = Few::collect(slots.iter().filter_map(|s| s.comm.as_deref()));
     let comms = comms.as_mut_slice();
@@ -284,7 +276,37 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
     }
     let Err((j, e)) = result else { return Ok(()) };
     let c = comms[j];
-    let mut e = e;
+    let (e, lost) = name_the_culprit(c, e, failed_peer);
+    let e = e.context(format!("rank {}: {}", c.rank, describe(&slots[j].ops)));
+    // The connections are in an unknown state: close them so peers stop waiting, and keep
+    // the error for ncclCommGetAsyncError.
+    if let Some(r) = c.ready_if_any() {
+        r.set_failed(&e);
+    }
+    if e.code == crate::Code::RemoteError {
+        c.tell_failure(&e, &lost.iter().map(|(p, _)| *p).collect::<Vec<_>>());
+    }
+    jobs[j].conns.close_all();
+    c.set_async_error(&e);
+    Err(e)
+}
+
+/// Says once, at INFO, what NCCL_ALGO asks of all-reduces. (The flag first: reading the
+/// variable on every group cost an 8-byte all-reduce 3%.)
+fn say_algo_once() {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if let Some(v) = crate::debug::first_time(&SAID).then(|| params::raw("NCCL_ALGO")).flatten() {
+        match algo::parse_algo(&v) {
+            Some(algo::Algo::Ring) => crate::info!(TUNING, "NCCL_ALGO={v}: every all-reduce by ring"),
+            Some(algo::Algo::Tree) => crate::info!(TUNING, "NCCL_ALGO={v}: every all-reduce by recursive doubling (Tree)"),
+            None => crate::info!(TUNING, "NCCL_ALGO={v}: all-reduce algorithm chosen by size (ring and tree allowed)"),
+        }
+    }
+}
+
+/// The error `e` of a run of `c` that failed (`failed_peer`: the peer whose connection failed,
+/// if one did), with the rank to blame named, and the peers found gone (told of this failure).
+fn name_the_culprit(c: &Comm, mut e: Error, failed_peer: Option<usize>) -> (Error, Vec<(usize, String)>) {
     // A peer that stopped on an error of its own closed its connections: its reason is
     // the real one (a mismatch it detected, a peer it lost).
     let mut lost = Vec::new();
@@ -332,18 +354,7 @@ fn run_workspace(ws: &mut Workspace) -> Result<()> {
             e = crate::Error::remote(format!("{}: {}", c.describe_peer(p), e.msg));
         }
     }
-    let e = e.context(format!("rank {}: {}", c.rank, describe(&slots[j].ops)));
-    // The connections are in an unknown state: close them so peers stop waiting, and keep
-    // the error for ncclCommGetAsyncError.
-    if let Some(r) = c.ready_if_any() {
-        r.set_failed(&e);
-    }
-    if e.code == crate::Code::RemoteError {
-        c.tell_failure(&e, &lost.iter().map(|(p, _)| *p).collect::<Vec<_>>());
-    }
-    jobs[j].conns.close_all();
-    c.set_async_error(&e);
-    Err(e)
+    (e, lost)
 }
 
 /// Accept `peer`'s connection; while it does not come, ask the peer what it runs, so two
