@@ -362,6 +362,17 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     w.u8(root::HELLO).u64(id.magic).u64(crate::SOURCE).u32(rank as u32).u32(nranks as u32);
     me.encode(&mut w);
     write_frame(&mut s, &w.buf).map_err(|e| e.context("bootstrap: hello to root"))?;
+    let reply = await_verdict(&mut s, id, rank, timeout, deadline, abort)?;
+    let peers = read_table(&reply, nranks)?;
+    service.set_peers(peers.iter().map(|p| p.addr).collect());
+    Ok((peers, service))
+}
+
+/// The root's answer to this rank's hello on `s` (the peer table, or why the job failed): what
+/// it says of the ranks it waits for meanwhile is said at WARN, and so is its silence, where it
+/// lasts so long that another program may be listening at its address.
+fn await_verdict(s: &mut TcpStream, id: &UniqueId, rank: usize, timeout: Option<Duration>, deadline: Instant,
+                 abort: &AtomicBool) -> Result<Vec<u8>> {
     // The root gives up NCCL_INIT_TIMEOUT_S after it started and then says which ranks are
     // missing; its verdict is waited for a little longer than that, so a rank whose own clock
     // started at the same moment (the root's host, above) gets it rather than a bare timeout.
@@ -387,7 +398,7 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     let mut quiet_until = Some(Instant::now() + speaks_within * 3 / 2);
     let reply = loop {
         let until = quiet_until.map_or(reply_deadline, |q| q.min(reply_deadline));
-        match wait_readable(&mut s, until, abort) {
+        match wait_readable(s, until, abort) {
             // (Silence only: the connection's end is an answer, below.)
             Err(e) if e.code != crate::error::Code::InvalidUsage && Instant::now() < reply_deadline
                 && quiet_until.is_some_and(|q| Instant::now() >= q) => {
@@ -400,7 +411,7 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
             r => r.map_err(|e| if e.code == crate::error::Code::InvalidUsage { e } else { no_answer(e) })?,
         }
         quiet_until = None;
-        let frame = read_frame(&mut s, reply_deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)))
+        let frame = read_frame(s, reply_deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)))
             .map_err(no_answer)?;
         let mut r = Reader::new(&frame);
         if r.u8()? != root::WAITING {
@@ -408,7 +419,13 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
         }
         crate::warn!("rank {rank}: {}", r.str()?);
     };
-    let mut r = Reader::new(&reply);
+    Ok(reply)
+}
+
+/// The peer table of the root's answer `reply`, for a job of `nranks`; or the job's failure as
+/// the root says it.
+fn read_table(reply: &[u8], nranks: usize) -> Result<Vec<PeerInfo>> {
+    let mut r = Reader::new(reply);
     match r.u8()? {
         root::TABLE => {}
         root::FAILED => return Err(Error::invalid_arg(r.str()?)),
@@ -426,8 +443,7 @@ pub fn join(id: &UniqueId, rank: usize, nranks: usize, mut me: PeerInfo, abort: 
     ensure!(n == nranks, Error::invalid_arg(format!("bootstrap: the root formed a job of {n} ranks, we expected {nranks}")));
     let peers = (0..n).map(|_| PeerInfo::decode(&mut r)).collect::<Result<Vec<_>>>()?;
     ensure!(peers.iter().enumerate().all(|(i, p)| p.rank == i), Error::system("bootstrap: malformed peer table"));
-    service.set_peers(peers.iter().map(|p| p.addr).collect());
-    Ok((peers, service))
+    Ok(peers)
 }
 
 fn bind_reusable(addr: SocketAddr) -> Result<TcpListener> {

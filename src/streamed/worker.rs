@@ -28,25 +28,7 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
     // (Shared with the thread that stages beside direct operations: `Staging::helper`.)
     let stream = s.ctx.make_current().map(|()| Arc::new(stream));
     loop {
-        let next = {
-            let mut st = s.state();
-            loop {
-                if let Some(r) = st.replays.pop_front() {
-                    break Next::Replay(r);
-                }
-                if let Some(b) = st.queue.pop_front() {
-                    break Next::Batch(b);
-                }
-                if st.release {
-                    break Next::Release;
-                }
-                if st.closing {
-                    break Next::Stop;
-                }
-                st = s.queue.changed.wait(st).unwrap_or_else(|p| p.into_inner());
-            }
-        };
-        let mut batch = match next {
+        let batch = match next(&s) {
             Next::Batch(b) => b,
             Next::Replay(r) => {
                 capture::run(&comm, r);
@@ -83,40 +65,67 @@ pub(super) fn run(comm: Arc<Comm>, s: Arc<Streamed>, stream: Stream) {
             }
             Err(e) => Err(e.clone()),
         };
-        if result.is_ok() {
-            // Peers have read the copies of its inputs (a failed batch keeps them: a peer may
-            // still be reading).
-            if !batch.scratch.is_empty() {
-                let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());
-                batch.scratch.iter().for_each(|&id| scratch.give_back(id));
-            }
-            let events = std::mem::take(&mut batch.starts).into_iter().filter_map(|st| match st {
-                Start::Event(e) => Some(e),
-                Start::Word(_) => None,
-            });
-            s.recycle(events.collect());
-        }
-        if let Err(e) = result {
-            crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
-            comm.publish_failure(&e);
-            // Copies the failed batch queued may still be writing the caller's buffers: they
-            // finish before the caller's stream moves on.
-            if let Ok(stream) = &stream {
-                let _ = stream.synchronize();
-            }
-        }
-        // Released even on failure: the caller's stream must never wait forever.
-        if let Some(b) = &s.board {
-            batch.direct.iter().flatten().for_each(|d| b.close(&d.ticket));
-        }
-        s.peer_bytes.store(direct.mapped_bytes(), Ordering::Relaxed);
-        s.done.word(s.word).store(batch.seq, Ordering::Release);
-        s.state().finished = batch.seq;
-        s.queue.changed.notify_all();
+        finish(&comm, &s, stream.as_ref().ok(), &direct, batch, result);
     }
     // Closing: no launch is queued after this (`capture::hand_over`).
     let left = std::mem::take(&mut s.state().replays);
     capture::abandon_all(left);
+}
+
+/// What the worker does next: a launch of a CUDA graph its stream reached, else the next
+/// batch, else what ncclCommSuspend or the communicator's end asks; waited for.
+fn next(s: &Streamed) -> Next {
+    let mut st = s.state();
+    loop {
+        if let Some(r) = st.replays.pop_front() {
+            return Next::Replay(r);
+        }
+        if let Some(b) = st.queue.pop_front() {
+            return Next::Batch(b);
+        }
+        if st.release {
+            return Next::Release;
+        }
+        if st.closing {
+            return Next::Stop;
+        }
+        st = s.queue.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+    }
+}
+
+/// `batch` ran (`result`): what it held goes back, a failure is published, and the callers'
+/// streams are released, even on failure: a caller's stream must never wait forever.
+fn finish(comm: &Comm, s: &Streamed, stream: Option<&Arc<Stream>>, direct: &Direct, mut batch: Batch,
+          result: Result<()>) {
+    if result.is_ok() {
+        // Peers have read the copies of its inputs (a failed batch keeps them: a peer may
+        // still be reading).
+        if !batch.scratch.is_empty() {
+            let mut scratch = s.scratch.lock().unwrap_or_else(|p| p.into_inner());
+            batch.scratch.iter().for_each(|&id| scratch.give_back(id));
+        }
+        let events = std::mem::take(&mut batch.starts).into_iter().filter_map(|st| match st {
+            Start::Event(e) => Some(e),
+            Start::Word(_) => None,
+        });
+        s.recycle(events.collect());
+    }
+    if let Err(e) = result {
+        crate::warn!("rank {}: operation on the stream failed: {}", comm.rank, e.msg);
+        comm.publish_failure(&e);
+        // Copies the failed batch queued may still be writing the caller's buffers: they
+        // finish before the caller's stream moves on.
+        if let Some(stream) = stream {
+            let _ = stream.synchronize();
+        }
+    }
+    if let Some(b) = &s.board {
+        batch.direct.iter().flatten().for_each(|d| b.close(&d.ticket));
+    }
+    s.peer_bytes.store(direct.mapped_bytes(), Ordering::Relaxed);
+    s.done.word(s.word).store(batch.seq, Ordering::Release);
+    s.state().finished = batch.seq;
+    s.queue.changed.notify_all();
 }
 
 /// What the worker takes next.

@@ -319,7 +319,6 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
     let ready = comm.ready()?;
     let (n, me) = (comm.nranks, comm.rank);
     direct.maps.next_operation();
-    let input = op.send;
     let mine = match offer {
         Offer::Buffers(o) => Record { ok: true, input: o.input, output: o.output, table: o.table.len() as u32,
                                       server: o.server, stamp: op.stamp() },
@@ -331,7 +330,7 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
             Region::owned(&mut all), op, STEP_RECORDS)?;
     let records: Vec<Record> = all.chunks(RECORD_BYTES).map(Record::decode).collect();
     // Every rank must have issued this very call (else: stage, where the mismatch is reported).
-    let mut verdict = match offer {
+    let verdict = match offer {
         Offer::Never => NEVER,
         _ if records.iter().all(|r| r.ok && r.stamp == mine.stamp && r.table as usize <= MAX_TABLE) => GO,
         _ => STAGE,
@@ -356,49 +355,13 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
         Vec::new()
     };
     // Map every peer's buffers; then agree that everyone could.
-    let mut ins = Vec::with_capacity(n);
-    let mut outs = Vec::with_capacity(n);
-    for (p, rec) in records.iter().enumerate() {
-        if verdict != GO {
-            break;
-        }
-        if p == me {
-            ins.push(input);
-            outs.push(op.recv);
-            continue;
-        }
-        let (theirs, ours) = (&ready.peers[p], &ready.peers[me]);
-        if !direct.reaches_device(comm, p, ours, theirs) {
-            // Another device of this process, whose memory this one's kernels cannot read.
-            crate::info!(P2P, "rank {me}: rank {p} is on device {} of this process, without peer access from device {}; \
-                               staging through host memory", theirs.cuda_dev, comm.cuda_dev);
-            verdict = NEVER;
-            break;
-        }
-        // Only the entries its record announced (the exchange pads every table alike).
-        let table = tables.get(p).and_then(|t| t.get(..rec.table as usize)).unwrap_or_default();
-        let shared = Shared { table, server: rec.server };
-        let mapped = direct.maps.map(ours, theirs, &rec.input, shared, comm.cuda_dev)
-            .and_then(|i| Ok((i, direct.maps.map(ours, theirs, &rec.output, shared, comm.cuda_dev)?)));
-        match mapped {
-            Ok((i, o)) => {
-                ins.push(i);
-                outs.push(o);
-            }
-            Err(e) => {
-                if e.code == crate::Code::SystemError && !direct.refused {
-                    direct.refused = true;
-                    crate::warn!("rank {me}: cannot map rank {p}'s device memory ({}): collectives on it are staged \
-                                  through host memory, which is slower", e.msg);
-                }
-                crate::info!(P2P, "rank {me}: cannot map rank {p}'s buffers ({}); staging through host memory", e.msg);
-                // The driver refused (no peer access between the devices, no IPC): it will
-                // again. A buffer outside what its owner published, or descriptors the system
-                // would not hand over, are this call's problem.
-                verdict = if e.code == crate::Code::UnhandledCudaError { NEVER } else { STAGE };
-            }
-        }
-    }
+    let (verdict, ins, outs) = match verdict {
+        GO => match map_peers(comm, ready, direct, op, &records, &tables) {
+            Ok((ins, outs)) => (GO, ins, outs),
+            Err(v) => (v, Vec::new(), Vec::new()),
+        },
+        v => (v, Vec::new(), Vec::new()),
+    };
     // Every rank enters the last exchange only once its own stream has arrived.
     started()?;
     let mut flag = [verdict.to_le_bytes()];
@@ -421,6 +384,55 @@ fn agree(comm: &Arc<Comm>, offer: Offer, direct: &mut Direct, op: &Op, started: 
         }
         _ => Ok(None),
     }
+}
+
+/// Every rank's input and output (`records`, with their segment `tables`) mapped into this
+/// process, this rank's own as they are. Err: the verdict where one cannot be (stage this
+/// operation, or, where the driver refused or the peer is a device of this process without
+/// peer access, every later one).
+fn map_peers(comm: &Comm, ready: &crate::comm::Ready, direct: &mut Direct, op: &Op, records: &[Record],
+             tables: &[Vec<Segment>]) -> std::result::Result<(Vec<Region>, Vec<Region>), i32> {
+    let (n, me) = (comm.nranks, comm.rank);
+    let mut ins = Vec::with_capacity(n);
+    let mut outs = Vec::with_capacity(n);
+    for (p, rec) in records.iter().enumerate() {
+        if p == me {
+            ins.push(op.send);
+            outs.push(op.recv);
+            continue;
+        }
+        let (theirs, ours) = (&ready.peers[p], &ready.peers[me]);
+        if !direct.reaches_device(comm, p, ours, theirs) {
+            // Another device of this process, whose memory this one's kernels cannot read.
+            crate::info!(P2P, "rank {me}: rank {p} is on device {} of this process, without peer access from device {}; \
+                               staging through host memory", theirs.cuda_dev, comm.cuda_dev);
+            return Err(NEVER);
+        }
+        // Only the entries its record announced (the exchange pads every table alike).
+        let table = tables.get(p).and_then(|t| t.get(..rec.table as usize)).unwrap_or_default();
+        let shared = Shared { table, server: rec.server };
+        let mapped = direct.maps.map(ours, theirs, &rec.input, shared, comm.cuda_dev)
+            .and_then(|i| Ok((i, direct.maps.map(ours, theirs, &rec.output, shared, comm.cuda_dev)?)));
+        match mapped {
+            Ok((i, o)) => {
+                ins.push(i);
+                outs.push(o);
+            }
+            Err(e) => {
+                if e.code == crate::Code::SystemError && !direct.refused {
+                    direct.refused = true;
+                    crate::warn!("rank {me}: cannot map rank {p}'s device memory ({}): collectives on it are staged \
+                                  through host memory, which is slower", e.msg);
+                }
+                crate::info!(P2P, "rank {me}: cannot map rank {p}'s buffers ({}); staging through host memory", e.msg);
+                // The driver refused (no peer access between the devices, no IPC): it will
+                // again. A buffer outside what its owner published, or descriptors the system
+                // would not hand over, are this call's problem.
+                return Err(if e.code == crate::Code::UnhandledCudaError { NEVER } else { STAGE });
+            }
+        }
+    }
+    Ok((ins, outs))
 }
 
 /// Every rank's segment table (`mine` is this rank's), each entry padded to `longest` (the

@@ -343,20 +343,7 @@ impl Gated {
                     }
                     None => {
                         // Streams have not got to their calls yet: say so after a while.
-                        if let Some(u) = q.units.iter().find(|u| u.filled && !u.void) {
-                            match late {
-                                Some((n, _, _)) if n == u.n => {}
-                                _ => late = Some((u.n, Instant::now(), false)),
-                            }
-                            if let Some((_, since, warned)) = late.as_mut() {
-                                if !*warned && since.elapsed() >= STREAM_LATE {
-                                    *warned = true;
-                                    crate::warn!("rank {}: a one-sided operation to rank {}: its CUDA stream has not \
-                                                  reached the call in {} s (work queued on that stream has not \
-                                                  finished)", comm.rank, u.peer, STREAM_LATE.as_secs());
-                                }
-                            }
-                        }
+                        say_late(comm, &q, &mut late);
                         None
                     }
                 }
@@ -371,46 +358,53 @@ impl Gated {
                 continue;
             };
             back_off.progressed();
-            let st = peers.entry(unit.peer).or_default();
-            if unit.first {
-                *st = PeerState::default();
-            }
-            let outcome = if st.skip {
-                Ok(())
-            } else if unit.void {
-                // Its call failed (or was refused) before it queued this unit's stream work.
-                st.skip = true;
-                match st.in_put {
-                    true => Err(Error::internal("a put could not be queued whole on its stream")),
-                    false => Ok(()),
-                }
-            } else if !reached_mark {
-                self.lock().abandoned = true;
-                Err(Error::invalid_usage("communicator aborted or revoked before the stream reached the call"))
-            } else {
-                self.send(comm, &unit)
-            };
-            match outcome {
-                Ok(()) => st.in_put |= !st.skip && unit.first && !unit.last,
-                Err(e) => {
-                    // Part of a put is out: the target must not read what follows as its bytes.
-                    if st.in_put {
-                        self.drop_link(comm, unit.peer);
-                    }
-                    st.skip = true;
-                    comm.publish_failure(&e.context(format!("rank {}: a one-sided operation on a stream", comm.rank)));
-                }
-            }
-            if unit.last {
-                st.in_put = false;
-            }
-            self.marks.word(mark_done_word(unit.n)).store(unit.n, Ordering::Release);
-            if matches!(unit.src, Source::Slot(_)) {
-                self.marks.word(slot_done_word(unit.slot)).store(unit.slot, Ordering::Release);
-            }
-            self.lock().sending = false;
-            self.changed.notify_all();
+            self.finish_unit(comm, &mut peers, unit, reached_mark);
         }
+    }
+
+    /// Unit `unit`, its stream there (`reached_mark`; else the communicator stops): sent, or
+    /// skipped after a failure of its call or of an earlier unit of its put (said as the
+    /// communicator's error); then done, its mark and slot free for the units after it.
+    fn finish_unit(&self, comm: &Comm, peers: &mut HashMap<usize, PeerState>, unit: Unit, reached_mark: bool) {
+        let st = peers.entry(unit.peer).or_default();
+        if unit.first {
+            *st = PeerState::default();
+        }
+        let outcome = if st.skip {
+            Ok(())
+        } else if unit.void {
+            // Its call failed (or was refused) before it queued this unit's stream work.
+            st.skip = true;
+            match st.in_put {
+                true => Err(Error::internal("a put could not be queued whole on its stream")),
+                false => Ok(()),
+            }
+        } else if !reached_mark {
+            self.lock().abandoned = true;
+            Err(Error::invalid_usage("communicator aborted or revoked before the stream reached the call"))
+        } else {
+            self.send(comm, &unit)
+        };
+        match outcome {
+            Ok(()) => st.in_put |= !st.skip && unit.first && !unit.last,
+            Err(e) => {
+                // Part of a put is out: the target must not read what follows as its bytes.
+                if st.in_put {
+                    self.drop_link(comm, unit.peer);
+                }
+                st.skip = true;
+                comm.publish_failure(&e.context(format!("rank {}: a one-sided operation on a stream", comm.rank)));
+            }
+        }
+        if unit.last {
+            st.in_put = false;
+        }
+        self.marks.word(mark_done_word(unit.n)).store(unit.n, Ordering::Release);
+        if matches!(unit.src, Source::Slot(_)) {
+            self.marks.word(slot_done_word(unit.slot)).store(unit.slot, Ordering::Release);
+        }
+        self.lock().sending = false;
+        self.changed.notify_all();
     }
 
     /// Close the one-sided connection to `peer` (its reader sees a put cut short).
@@ -567,6 +561,23 @@ impl Gated {
             enqueued(st.wait_value32(self.marks, mark_done_word(u.n), u.n, WaitCond::Geq)?)?;
         }
         Ok(Some(src))
+    }
+}
+
+/// Says at WARN, once per unit, that the first unit of `q` whose stream has not got to its call
+/// has waited [`STREAM_LATE`] (`late`: the unit found waiting, since when, and whether it was said).
+fn say_late(comm: &Comm, q: &Queue, late: &mut Option<(u32, Instant, bool)>) {
+    let Some(u) = q.units.iter().find(|u| u.filled && !u.void) else { return };
+    match late {
+        Some((n, _, _)) if *n == u.n => {}
+        _ => *late = Some((u.n, Instant::now(), false)),
+    }
+    if let Some((_, since, warned)) = late.as_mut() {
+        if !*warned && since.elapsed() >= STREAM_LATE {
+            *warned = true;
+            crate::warn!("rank {}: a one-sided operation to rank {}: its CUDA stream has not reached the call in {} s \
+                          (work queued on that stream has not finished)", comm.rank, u.peer, STREAM_LATE.as_secs());
+        }
     }
 }
 
