@@ -23,6 +23,9 @@ use super::{Kind, Sent, Stamp, STAMP_BYTES};
 use crate::device::host::Region;
 use crate::error::{Error, Result};
 
+mod cma;
+use cma::{cma_read, cma_write};
+
 pub const SLOTS: usize = 8;
 const HEAD: usize = 0;
 const SENDER_CLOSED: usize = 128;
@@ -450,56 +453,6 @@ impl RingRecv {
     }
 }
 
-/// Which way a cross-memory-attach copy goes.
-#[derive(Clone, Copy)]
-enum Cma {
-    Read,
-    Write,
-}
-
-/// Copy `len` bytes between our `local` memory and `addr` in process `pid` (Linux
-/// cross-memory attach), in as many calls as the kernel needs.
-///
-/// # Safety
-/// `local` is valid for `len` bytes: readable for `Cma::Write`, writable and ours alone for
-/// `Cma::Read`.
-unsafe fn cma(dir: Cma, pid: u32, addr: u64, local: *mut u8, len: usize) -> Result<()> {
-    let mut done = 0;
-    while done < len {
-        // SAFETY: within the caller's `len` bytes.
-        let here = libc::iovec { iov_base: unsafe { local.add(done) }.cast(), iov_len: len - done };
-        let there = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: len - done };
-        // SAFETY: `here` is memory the caller vouches for; the kernel validates `there` against
-        // the other process and fails cleanly (EFAULT/EPERM/ESRCH) if it is not valid.
-        let n = unsafe {
-            match dir {
-                Cma::Read => libc::process_vm_readv(pid as libc::pid_t, &here, 1, &there, 1, 0),
-                Cma::Write => libc::process_vm_writev(pid as libc::pid_t, &here, 1, &there, 1, 0),
-            }
-        };
-        if n <= 0 {
-            let e = std::io::Error::last_os_error();
-            // A process that is exiting (or a zombie) may answer EFAULT before ESRCH.
-            if e.raw_os_error() == Some(libc::ESRCH) || !pid_alive(pid) {
-                return Err(Error::remote(format!("peer process {pid} exited")));
-            }
-            let what = match dir {
-                Cma::Read => format!("reading {len} bytes from process {pid}"),
-                Cma::Write => format!("writing {len} bytes into process {pid}"),
-            };
-            return Err(Error::os(what, e));
-        }
-        done += n as usize;
-    }
-    Ok(())
-}
-
-/// Read `buf.len()` bytes at `addr` in process `pid`.
-fn cma_read(pid: u32, addr: u64, buf: &mut [u8]) -> Result<()> {
-    // SAFETY: `buf` is ours and writable for its length.
-    unsafe { cma(Cma::Read, pid, addr, buf.as_mut_ptr(), buf.len()) }
-}
-
 /// Can this process read the sending process `pid`'s memory (process_vm_readv)? It reads the
 /// probe word the sender published. The error says why not: disabled, or the kernel refused
 /// (e.g. Yama's ptrace_scope, or a container without the permission).
@@ -517,12 +470,6 @@ fn probe_single_copy(map: &Mapping, pid: u32) -> std::result::Result<(), String>
         return Err("the probe read back other bytes".into());
     }
     Ok(())
-}
-
-/// Write `buf` at `addr` in process `pid`.
-fn cma_write(pid: u32, addr: u64, buf: &[u8]) -> Result<()> {
-    // SAFETY: `buf` is readable for its length, and the kernel only reads it for a write.
-    unsafe { cma(Cma::Write, pid, addr, buf.as_ptr() as *mut u8, buf.len()) }
 }
 
 fn check_pid(pid: Option<u32>) -> Result<()> {
@@ -755,132 +702,4 @@ impl Drop for RingRecv {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::{RecvConn, SendConn};
-    use super::*;
-
-    /// Both ends of a ring inside this process, with slots of `slice` bytes.
-    fn local_ring(slice: usize) -> (RingSend, RingRecv) {
-        let map = Arc::new(Mapping::new(ring_bytes(slice), None).unwrap());
-        (RingSend::new(map.clone(), slice, Kind::Local, None), RingRecv::new(map, slice, Kind::Local, None))
-    }
-
-    #[test]
-    fn messages_flow_in_order_and_fill_up() {
-        let slice = 64;
-        let (mut tx, mut rx) = local_ring(slice);
-        let mut bufs: Vec<Vec<u8>> = (0..SLOTS + 1).map(|i| vec![i as u8; 10]).collect();
-        let stamp = [7u8; STAMP_BYTES];
-        for b in bufs.iter_mut().take(SLOTS) {
-            assert_eq!(tx.try_send(Region::owned(b), &stamp, false).unwrap(), Sent::Done);
-        }
-        let full = tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp, false).unwrap();
-        assert_eq!(full, Sent::Blocked, "ring must be full");
-        let mut got = Vec::new();
-        assert!(rx.try_recv(&mut |s, d| { assert_eq!(s, &stamp); got.extend_from_slice(d); Ok(()) }).unwrap());
-        assert_eq!(got, vec![0u8; 10]);
-        assert_eq!(tx.try_send(Region::owned(&mut bufs[SLOTS]), &stamp, false).unwrap(), Sent::Done);
-        let err = rx.try_recv(&mut |_, _| Err(Error::invalid_usage("refused"))).unwrap_err();
-        assert_eq!(err.msg, "refused");
-    }
-
-    /// Between CMA_MIN_EARLY and CMA_MIN a message goes by descriptor (read in place) only
-    /// when the sender says a single copy pays early; below, always inline; and the bytes
-    /// arrive either way.
-    #[test]
-    fn mid_sized_messages_go_in_place_only_when_early() {
-        let slice = 1 << 20;
-        let (mut tx, mut rx) = local_ring(slice);
-        let stamp = [7u8; STAMP_BYTES];
-        for (len, early, in_place) in [(CMA_MIN_EARLY - 1, true, false), (CMA_MIN_EARLY, false, false),
-                                       (CMA_MIN_EARLY, true, true), (CMA_MIN - 1, false, false),
-                                       (CMA_MIN - 1, true, true), (CMA_MIN, false, true)] {
-            let mut src: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
-            let mut dst = vec![0u8; len];
-            let sent = tx.try_send(Region::owned(&mut src), &stamp, early).unwrap();
-            assert_eq!(matches!(sent, Sent::Posted(_)), in_place, "{len} bytes, early {early}: {sent:?}");
-            assert!(rx.try_recv_into(Region::owned(&mut dst), &mut |s, n| { assert_eq!((s, n), (&stamp, len)); Ok(()) })
-                .unwrap());
-            if let Sent::Posted(token) = sent {
-                assert!(tx.consumed(token, false).unwrap(), "read, so consumed");
-            }
-            assert!(dst == src, "{len} bytes, early {early}: bytes differ");
-        }
-    }
-
-    /// A large descriptor is read by both ends: with the sender helping from another thread
-    /// and with a sender that never helps, every byte lands once and the send completes.
-    #[test]
-    fn large_messages_are_read_by_both_ends() {
-        let slice = 1 << 20;
-        for helping in [true, false] {
-            let (mut tx, mut rx) = local_ring(slice);
-            for round in 0..3u8 {
-                let len = slice - 4096 * round as usize;
-                let mut src: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ round).collect();
-                let mut dst = vec![0u8; len];
-                let stamp = [round; STAMP_BYTES];
-                let sent = tx.try_send(Region::owned(&mut src), &stamp, false).unwrap();
-                let Sent::Posted(token) = sent else { panic!("not posted: {sent:?}") };
-                let dst_region = Region::owned(&mut dst);
-                let helper = std::thread::spawn(move || {
-                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-                    while !tx.consumed(token, helping).unwrap() {
-                        assert!(std::time::Instant::now() < deadline, "send never completed");
-                        std::hint::spin_loop();
-                    }
-                    tx
-                });
-                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-                while !rx.try_recv_into(dst_region, &mut |s, n| { assert_eq!((s, n), (&stamp, len)); Ok(()) }).unwrap() {
-                    assert!(std::time::Instant::now() < deadline, "receive never completed");
-                }
-                tx = helper.join().unwrap();
-                assert!(dst == src, "round {round}, helping {helping}: bytes differ");
-            }
-        }
-    }
-
-    /// Several large messages posted at once, growing in size, while the sender helps with
-    /// whichever is oldest: each lands whole in its own buffer.
-    #[test]
-    fn several_posted_messages_are_shared_one_after_another() {
-        let slice = 1 << 20;
-        let (mut tx, mut rx) = local_ring(slice);
-        let lens = [HELP_MIN, HELP_MIN + 3 * HELP_BLOCK + 5, slice];
-        let mut srcs: Vec<Vec<u8>> = lens.iter().enumerate().map(|(k, &n)| (0..n).map(|i| (i * 13 + k * 7) as u8).collect()).collect();
-        let stamp = [9u8; STAMP_BYTES];
-        let tokens: Vec<u64> = srcs.iter_mut().map(|v| match tx.try_send(Region::owned(v), &stamp, false).unwrap() {
-            Sent::Posted(t) => t,
-            other => panic!("not posted: {other:?}"),
-        }).collect();
-        let helper = std::thread::spawn(move || {
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-            for t in tokens {
-                while !tx.consumed(t, true).unwrap() {
-                    assert!(std::time::Instant::now() < deadline, "send {t} never completed");
-                    std::hint::spin_loop();
-                }
-            }
-        });
-        let mut dsts: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
-        for (k, d) in dsts.iter_mut().enumerate() {
-            let r = Region::owned(d);
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-            while !rx.try_recv_into(r, &mut |_, n| { assert_eq!(n, lens[k]); Ok(()) }).unwrap() {
-                assert!(std::time::Instant::now() < deadline, "receive {k} never completed");
-            }
-        }
-        helper.join().unwrap();
-        for (k, (d, s)) in dsts.iter().zip(&srcs).enumerate() {
-            assert!(d == s, "message {k}: bytes differ");
-        }
-    }
-
-    #[test]
-    fn closed_sender_is_reported() {
-        let (tx, mut rx) = local_ring(64);
-        drop(tx);
-        assert!(rx.try_recv(&mut |_, _| Ok(())).is_err());
-    }
-}
+mod tests;
