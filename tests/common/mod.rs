@@ -172,8 +172,9 @@ fn build_setup() -> Result<Setup, String> {
 }
 
 impl Setup {
-    /// The executable of `ffi-tests/<name>.c` built against `header`, compiled now if this
-    /// test binary has not compiled it yet (concurrent callers wait for one compilation).
+    /// The executable of `ffi-tests/<name>.c` (and `ffi-tests/<name>/*.c`) built against
+    /// `header`, compiled now if this test binary has not compiled it yet (concurrent callers
+    /// wait for one compilation).
     pub fn program(&self, name: &str, header: Header) -> Built {
         let cell = self
             .programs
@@ -213,7 +214,17 @@ impl Setup {
     }
 }
 
-/// The `ffi-tests/*.c` test programs: a `main` and `common.h`; `common.c` is linked into each.
+/// The `.c` files of folder `dir` (none if there is no such folder), in name order.
+fn program_parts(dir: &Path) -> Vec<PathBuf> {
+    let mut parts: Vec<PathBuf> = fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "c")).collect())
+        .unwrap_or_default();
+    parts.sort();
+    parts
+}
+
+/// The `ffi-tests/*.c` test programs: a `main` and `common.h`; `common.c` is linked into each,
+/// and so are the `.c` files of a folder of the program's name (`ffi-tests/cuda/`), if any.
 pub fn c_programs() -> Result<Vec<String>, String> {
     let mut names = Vec::new();
     let dir = repo().join("ffi-tests");
@@ -287,6 +298,8 @@ fn compile(
         .arg(&tmp)
         .arg(dir.join(format!("{name}.c")))
         .arg(dir.join("common.c"));
+    // A program too long for one file keeps its other parts in a folder of its name.
+    cmd.args(program_parts(&dir.join(name)));
     cmd.arg(format!("-L{}", lib_dir.display()));
     cmd.args(["-lnccl", "-lpthread", "-lm"]);
     cmd.arg(format!("-Wl,-rpath,{}", lib_dir.display()));
