@@ -307,14 +307,18 @@ impl Comm {
 
     /// Is `peer`'s process of this host (its state can be read here)?
     pub fn of_this_host(&self, peer: usize) -> bool {
-        let Some(ready) = self.ready.get() else { return false };
-        matches!((ready.peers.get(self.rank), ready.peers.get(peer)), (Some(me), Some(p)) if p.same_pids(me))
+        self.ready.get().and_then(|ready| self.host_peer(ready, peer)).is_some()
+    }
+
+    /// `peer`'s entry, if its process is of this host (its pid means something here).
+    fn host_peer<'r>(&self, ready: &'r Ready, peer: usize) -> Option<&'r crate::bootstrap::PeerInfo> {
+        let (me, p) = (ready.peers.get(self.rank)?, ready.peers.get(peer)?);
+        p.same_pids(me).then_some(p)
     }
 
     /// How `peer`'s process is, if it is of this host (/proc).
     fn local_state(&self, ready: &Ready, peer: usize) -> Option<Silence> {
-        let (me, p) = (ready.peers.get(self.rank)?, ready.peers.get(peer)?);
-        p.same_pids(me).then(|| Silence::of_process(p.pid))
+        self.host_peer(ready, peer).map(|p| Silence::of_process(p.pid))
     }
 
     /// How `peer`'s process is: seen in /proc if it is of this host, else as a rank of its host
